@@ -1,0 +1,284 @@
+"""Typed run configuration and its validation.
+
+A config file (`configs/*.py`) returns a `Config`; command-line flags override single fields
+(`--config.train.steps=10`). `validate()` turns every bad value into one `ConfigError` that names
+the field and the fix, before anything is compiled.
+"""
+
+
+import dataclasses
+
+MODULE_KINDS = ("vision", "language")  # encoders first, the language model last
+
+
+class ConfigError(ValueError):
+  """A bad configuration value; the message names the field and the fix."""
+
+
+@dataclasses.dataclass
+class VisionConfig:
+  image_size: int = 8
+  channels: int = 1
+  patch_size: int = 4
+  dim: int = 64
+  layers: int = 2
+  heads: int = 4
+  mlp_dim: int = 128
+  projector_hidden: int = 128
+
+  @property
+  def tokens_per_image(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+
+@dataclasses.dataclass
+class LanguageConfig:
+  dim: int = 128
+  layers: int = 2
+  heads: int = 4
+  kv_heads: int = 2
+  mlp_dim: int = 256
+  rope_theta: float = 10_000.0
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  dtype: str = "float32"
+  vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+  language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
+
+
+@dataclasses.dataclass
+class ModuleTopology:
+  offset: int = 0
+  dp: int = 1
+  tp: int = 1
+  pp: int = 1
+
+  @property
+  def size(self) -> int:
+    return self.dp * self.tp * self.pp
+
+
+@dataclasses.dataclass
+class TopologyConfig:
+  vision: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
+  language: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
+
+  def modules(self) -> dict[str, ModuleTopology]:
+    return {name: getattr(self, name) for name in MODULE_KINDS}
+
+
+@dataclasses.dataclass
+class DataConfig:
+  seed: int = 0
+  global_batch: int = 32
+  microbatches: int = 2
+  seq_len: int = 24
+  max_images: int = 3
+  # Image slots per microbatch, split evenly over the language dp ranks; 0 = global_batch /
+  # microbatches * max_images (never overflows). Fewer slots waste less encoder compute, but a
+  # microbatch whose images do not fit its rank's slots is an error.
+  image_slots: int = 0
+  # Probability of a sample having 0, 1, ..., max_images images (comma-separated).
+  image_probs: str = "0.1,0.3,0.3,0.3"
+  train_samples: int = 20_000
+  eval_samples: int = 1_000  # samples built from held-out images
+  dir: str = ""  # where the digits ArrayRecord shards are built; "" = ~/.cache/mimo_jax/digits
+  workers: int = 0  # grain read threads for the loader (0 = read in the main thread)
+
+  @property
+  def micro_batch(self) -> int:
+    return self.global_batch // self.microbatches
+
+  def slots(self) -> int:
+    return self.image_slots or self.micro_batch * self.max_images
+
+  def probs(self) -> list[float]:
+    return [float(p) for p in self.image_probs.split(",")]
+
+
+@dataclasses.dataclass
+class OptimConfig:
+  lr: float = 3e-3
+  warmup_steps: int = 50
+  min_lr_ratio: float = 0.05
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.98
+  clip_norm: float = 1.0
+  # Comma-separated parameter groups to freeze: vision, vision_projector, language.
+  freeze: str = ""
+  # Comma-separated group=multiplier pairs scaling the learning rate, e.g. "vision=0.1".
+  lr_mult: str = ""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  steps: int = 600
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class EvalConfig:
+  every: int = 0
+  batch: int = 128
+  samples: int = 512  # held-out samples evaluated (loss and greedy per-digit accuracy)
+
+
+@dataclasses.dataclass
+class RunConfig:
+  workdir: str = "runs/digits"
+  log_every: int = 10
+  cpu_devices: int = 8
+  progress: str = "auto"  # auto (bar on a terminal), bar, lines
+
+
+@dataclasses.dataclass
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+PARAM_GROUPS = ("vision", "vision_projector", "language")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{field}: {message}")
+
+
+def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
+  for name in names:
+    value = getattr(cfg, name)
+    _require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
+
+
+def parse_freeze(spec: str) -> tuple[str, ...]:
+  groups = tuple(g.strip() for g in spec.split(",") if g.strip())
+  for g in groups:
+    _require(g in PARAM_GROUPS, "optim.freeze",
+             f"unknown parameter group {g!r}; choose from {', '.join(PARAM_GROUPS)}.")
+  return groups
+
+
+def parse_lr_mult(spec: str) -> dict[str, float]:
+  out = {}
+  for item in (s.strip() for s in spec.split(",") if s.strip()):
+    group, sep, value = item.partition("=")
+    _require(bool(sep), "optim.lr_mult", f"{item!r} is not group=multiplier, e.g. vision=0.1.")
+    _require(group in PARAM_GROUPS, "optim.lr_mult",
+             f"unknown parameter group {group!r}; choose from {', '.join(PARAM_GROUPS)}.")
+    try:
+      out[group] = float(value)
+    except ValueError:
+      raise ConfigError(f"config.optim.lr_mult: {value!r} for {group} is not a number.") from None
+    _require(out[group] >= 0, "optim.lr_mult", f"multiplier for {group} must be >= 0.")
+  return out
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+  """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
+  _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",
+           f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
+  v, lm = cfg.model.vision, cfg.model.language
+  _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
+                                "mlp_dim", "projector_hidden"))
+  _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
+  _require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
+           f"{v.patch_size} must divide image_size {v.image_size}.")
+  _require(v.dim % v.heads == 0, "model.vision.heads", f"{v.heads} must divide dim {v.dim}.")
+  _require(lm.dim % lm.heads == 0, "model.language.heads", f"{lm.heads} must divide dim {lm.dim}.")
+  _require((lm.dim // lm.heads) % 2 == 0, "model.language.dim",
+           "dim / heads must be even for rotary embeddings.")
+  _require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
+           f"{lm.kv_heads} must divide heads {lm.heads}.")
+
+  d = cfg.data
+  _positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",
+                        "eval_samples"))
+  _require(d.max_images >= 1, "data.max_images", "must be >= 1 (samples may still have 0 images).")
+  _require(d.global_batch % d.microbatches == 0, "data.microbatches",
+           f"{d.microbatches} must divide global_batch {d.global_batch}.")
+  _require(d.image_slots >= 0, "data.image_slots", "must be >= 0 (0 = worst case).")
+  _require(d.workers >= 0, "data.workers", "must be >= 0.")
+  try:
+    probs = d.probs()
+  except ValueError:
+    raise ConfigError(f"config.data.image_probs: {d.image_probs!r} is not a comma-separated "
+                      "list of numbers.") from None
+  _require(len(probs) == d.max_images + 1, "data.image_probs",
+           f"needs max_images + 1 = {d.max_images + 1} probabilities, got {len(probs)}.")
+  _require(all(p >= 0 for p in probs) and abs(sum(probs) - 1) < 1e-6, "data.image_probs",
+           "probabilities must be >= 0 and sum to 1.")
+  # bos, the image placeholders, ':', one answer word per image and eos; the last is never input.
+  min_len = max(d.max_images * (v.tokens_per_image + 1) + 2, 5)
+  _require(d.seq_len >= min_len, "data.seq_len",
+           f"{d.seq_len} cannot hold {d.max_images} images of {v.tokens_per_image} tokens plus "
+           f"their answer; use >= {min_len}.")
+
+  o = cfg.optim
+  _require(o.lr > 0, "optim.lr", "must be > 0.")
+  _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")
+  _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1].")
+  _require(o.clip_norm > 0, "optim.clip_norm", "must be > 0.")
+  parse_freeze(o.freeze)
+  parse_lr_mult(o.lr_mult)
+
+  _require(cfg.train.steps > 0, "train.steps", "must be > 0.")
+  _require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
+  _require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
+  _require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
+  _require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
+  _require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
+  _require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
+           f"must be auto, bar or lines, got {cfg.run.progress!r}.")
+  _require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
+  validate_topology(cfg, num_devices)
+
+
+def validate_topology(cfg: Config, num_devices: int | None) -> None:
+  """Device ranges and divisibility of every module; see DESIGN §2.2."""
+  d, lm = cfg.data, cfg.model.language
+  ranges = {}
+  for name, t in cfg.topology.modules().items():
+    f = f"topology.{name}"
+    _require(t.offset >= 0, f"{f}.offset", "must be >= 0.")
+    _positive(t, f, ("dp", "tp", "pp"))
+    _require(t.pp == 1, f"{f}.pp", "pipeline parallelism is not supported yet; set pp=1.")
+    _require(d.micro_batch % t.dp == 0, f"{f}.dp",
+             f"{t.dp} must divide the microbatch of {d.micro_batch} samples "
+             f"(data.global_batch / data.microbatches).")
+    if num_devices is not None:
+      _require(t.offset + t.size <= num_devices, f"{f}.offset",
+               f"devices [{t.offset}, {t.offset + t.size}) run past the {num_devices} devices "
+               f"available; lower offset or dp*tp*pp.")
+    ranges[name] = (t.offset, t.offset + t.size)
+  names = list(ranges)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      (a0, a1), (b0, b1) = ranges[a], ranges[b]
+      overlap = a0 < b1 and b0 < a1
+      _require(not overlap or (a0, a1) == (b0, b1), f"topology.{b}.offset",
+               f"devices [{b0}, {b1}) partially overlap {a}'s [{a0}, {a1}); use identical "
+               "ranges (colocated) or disjoint ones.")
+  vt, lt = cfg.topology.vision, cfg.topology.language
+  v = cfg.model.vision
+  _require(v.heads % vt.tp == 0, "topology.vision.tp",
+           f"{vt.tp} must divide model.vision.heads {v.heads}.")
+  _require(v.mlp_dim % vt.tp == 0, "topology.vision.tp",
+           f"{vt.tp} must divide model.vision.mlp_dim {v.mlp_dim}.")
+  _require(lm.kv_heads % lt.tp == 0, "topology.language.tp",
+           f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
+  _require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
+           f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
+  slots = d.slots()
+  _require(slots % lt.dp == 0, "data.image_slots",
+           f"{slots} slots must split evenly over language dp {lt.dp}.")
+  _require(slots % vt.dp == 0, "data.image_slots",
+           f"{slots} slots must split evenly over vision dp {vt.dp}.")

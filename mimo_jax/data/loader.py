@@ -1,0 +1,93 @@
+"""grain pipelines: the global sample order and the per-step batches in slot layout.
+
+Sample j of step s is element s * global_batch + j of one shuffled, endlessly repeated stream that
+depends only on `data.seed`, never on the topology (DESIGN §2.3). The layout (slots per language dp
+rank) is the only topology-dependent part, and it moves samples between slots, never between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import grain
+import numpy as np
+
+from mimo_jax.config import Config
+from mimo_jax.data import digits
+from mimo_jax.data.layout import Layout, layout_microbatch, stack
+from mimo_jax.data.tokenizer import Tokenizer
+
+
+def build_paths(cfg: Config) -> dict[str, str]:
+  d = cfg.data
+  return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
+
+
+def make_layout(cfg: Config, groups: int, slots: int) -> Layout:
+  v = cfg.model.vision
+  return Layout(seq_len=cfg.data.seq_len, tokens_per_image=v.tokens_per_image, groups=groups,
+                slots=slots, image_shape=(v.image_size, v.image_size, v.channels))
+
+
+class _Decode(grain.transforms.Map):
+
+  def __init__(self, path: str):
+    self._path = path
+
+  def map(self, element):
+    index, record = element
+    return index, digits.decode(record, self._path, index)
+
+
+def _source(path: str) -> grain.MapDataset:
+  src = grain.sources.ArrayRecordDataSource([path])
+  ds = grain.MapDataset.source(src)
+  return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path))
+
+
+def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of) -> dict[str, np.ndarray]:
+  ids = [id_of(i) for i, _ in elements]
+  return layout_microbatch([s for _, s in elements], ids, layout, tok)
+
+
+def train_dataset(cfg: Config, path: str, lang_dp: int) -> grain.MapDataset:
+  """Element s = step s's batch: arrays with a leading [microbatches] axis."""
+  d = cfg.data
+  layout = make_layout(cfg, lang_dp, d.slots())
+  tok = Tokenizer()
+  ds = _source(path).shuffle(seed=d.seed).repeat()
+  # Stream position = sample id: unique within a step, identical on every topology.
+  ds = ds.map_with_index(lambda pos, el: (pos, el[1]))
+  batch_fn = functools.partial(_layout_batch, layout=layout, tok=tok,
+                               id_of=lambda pos: pos % (2**31 - 1))
+  ds = ds.batch(d.micro_batch, batch_fn=batch_fn)
+  return ds.batch(d.microbatches, batch_fn=stack)
+
+
+def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0) -> Iterator[dict]:
+  ds = train_dataset(cfg, path, lang_dp)[start_step:]
+  opts = grain.ReadOptions(num_threads=cfg.data.workers, prefetch_buffer_size=2 * cfg.data.workers)
+  return iter(ds.to_iter_dataset(opts) if cfg.data.workers else ds)
+
+
+def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[dict[str, np.ndarray]]:
+  """The first `eval.samples` eval samples in file order, in batches of `eval.batch`.
+
+  The last batch is padded with empty rows (sample id -1, no loss, no accuracy), never truncated.
+  """
+  n, bsz = cfg.eval.samples, cfg.eval.batch
+  layout = make_layout(cfg, lang_dp, bsz * cfg.data.max_images)
+  tok = Tokenizer()
+  ds = _source(path)
+  if n > len(ds):
+    raise ValueError(f"eval.samples={n} but {path} holds only {len(ds)} samples; lower "
+                     "eval.samples or raise data.eval_samples.")
+  out = []
+  for start in range(0, n, bsz):
+    stop = min(start + bsz, n)
+    elements = [ds[i] for i in range(start, stop)]
+    samples = [s for _, s in elements] + [None] * (bsz - (stop - start))
+    ids = list(range(start, stop)) + [-1] * (bsz - (stop - start))
+    out.append(layout_microbatch(samples, ids, layout, tok))
+  return out

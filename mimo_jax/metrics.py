@@ -1,0 +1,71 @@
+"""Run outputs: metrics.jsonl, TensorBoard scalars, and a progress bar or plain log lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+
+class NonFiniteError(FloatingPointError):
+  """A logged metric is NaN or Inf."""
+
+
+class MetricsWriter:
+  """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
+
+  def __init__(self, workdir: str, total_steps: int, progress: str = "auto",
+               first_step: int = 1):
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8")
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+    self._bar = tqdm(total=total_steps, initial=first_step - 1, unit="step",
+                     dynamic_ncols=True) if use_bar else None
+    self._t0 = time.time()
+
+  def write(self, record: dict) -> None:
+    """Logs a record with a `step`; raises NonFiniteError on NaN/Inf (after writing it)."""
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    step = record["step"]
+    for k, v in record.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(k, v, step)
+    self.say(format_record(record))
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+      raise NonFiniteError(f"step {step}: {', '.join(bad)} is not finite; lower optim.lr or "
+                           "check the data.")
+
+  def advance(self, steps: int = 1, **postfix) -> None:
+    if self._bar is not None:
+      self._bar.update(steps)
+      if postfix:
+        self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+
+  def say(self, line: str) -> None:
+    if self._bar is not None:
+      self._bar.write(line)
+    else:
+      print(f"[{time.time() - self._t0:7.1f}s] {line}", flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    self._tb.close()
+    self._jsonl.close()
+
+
+def format_record(record: dict) -> str:
+  parts = [f"step {record['step']}"]
+  for k, v in record.items():
+    if k == "step":
+      continue
+    parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+  return " | ".join(parts)

@@ -1,0 +1,44 @@
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mimo_jax.config import LanguageConfig
+from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear
+
+
+class DecoderBlock(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, dtype: jnp.dtype):
+    out_std = (2 * cfg.layers * cfg.dim) ** -0.5  # GPT-2 style scaled residual init
+    self.norm1 = RMSNorm(cfg.dim)
+    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype,
+                          rope_theta=cfg.rope_theta, out_std=out_std)
+    self.norm2 = RMSNorm(cfg.dim)
+    self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
+
+  def __call__(self, x_bld: jax.Array, positions_bl: jax.Array) -> jax.Array:
+    x_bld = x_bld + self.attn(self.norm1(x_bld), positions_bl, causal=True)
+    return x_bld + self.mlp(self.norm2(x_bld))
+
+
+class LanguageModel(nnx.Module):
+  """`embed` maps tokens to vectors (images are merged in between); `decode` returns logits."""
+
+  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype):
+    self.dtype = dtype
+    self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, cfg.dim)))
+    self.blocks = nnx.List([DecoderBlock(rngs, cfg, dtype) for _ in range(cfg.layers)])
+    self.norm = RMSNorm(cfg.dim)
+    self.head = linear(rngs, cfg.dim, vocab_size, dtype)
+
+  def embed(self, tokens_bl: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
+
+  def decode(self, x_bld: jax.Array, positions_bl: jax.Array) -> jax.Array:
+    for block in self.blocks:
+      x_bld = block(x_bld, positions_bl)
+    return self.head(self.norm(x_bld)).astype(jnp.float32)

@@ -1,0 +1,119 @@
+"""The multimodal model as separate modules (encoders by name + `language`) and the merge step.
+
+Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
+shardings of `topology.py` all see the same simple pytree. `Module.bind` rebuilds the flax NNX
+object from such a dict inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax.config import Config
+from mimo_jax.data.tokenizer import Tokenizer
+from mimo_jax.models.layers import TP_RULES
+from mimo_jax.models.llm import LanguageModel
+from mimo_jax.models.vit import VisionEncoder
+
+Params = dict
+
+
+def path_str(path: tuple) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+@dataclasses.dataclass
+class Module:
+  """One module: how to build it, its parameter groups and its tensor-parallel specs."""
+  name: str
+  ctor: Callable[[nnx.Rngs], nnx.Module]
+  seed_salt: int
+
+  def init(self, seed: int) -> Params:
+    """Parameters from the model seed alone: identical on every mesh (DESIGN §2.3)."""
+    key = jax.random.fold_in(jax.random.key(seed), self.seed_salt)
+    return nnx.to_pure_dict(nnx.split(self.ctor(nnx.Rngs(params=key)))[1])
+
+  def bind(self, params: Params) -> nnx.Module:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: self.ctor(nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+  def abstract_params(self, seed: int = 0) -> Params:
+    return jax.eval_shape(lambda: self.init(seed))
+
+  def group(self, path: str) -> str:
+    """Parameter group of a path, for freezing and learning-rate multipliers."""
+    if self.name != "language" and path.startswith("projector/"):
+      return f"{self.name}_projector"
+    return self.name
+
+  def specs(self, params: Params) -> Params:
+    """PartitionSpec per parameter from `TP_RULES`; unmatched parameters are replicated."""
+    def spec(path, _):
+      p = path_str(path)
+      for pattern, s in TP_RULES:
+        if re.fullmatch(pattern, p):
+          return s
+      return P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+  def groups(self, params: Params) -> Params:
+    return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)
+
+
+def build_modules(cfg: Config) -> dict[str, Module]:
+  """Encoders first, `language` last; the order is the dispatch order of the step."""
+  dtype = jnp.dtype(cfg.model.dtype)
+  vocab = Tokenizer().vocab_size
+  v, lm = cfg.model.vision, cfg.model.language
+  return {
+      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype), seed_salt=1),
+      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype),
+                         seed_salt=2),
+  }
+
+
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+  return x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
+
+
+def merge_images(x_bld: jax.Array, emb_ntd: jax.Array, img_pos_bl: jax.Array,
+                 groups: int) -> jax.Array:
+  """Writes image tokens over their placeholders (see data/layout.py for the slot layout).
+
+  `img_pos_bl` indexes the image tokens of the row's own language dp group, so the gather is
+  batched over groups and never crosses a dp rank.
+  """
+  b, l, d = x_bld.shape
+  emb_gkd = _grouped(emb_ntd, groups).reshape(groups, -1, d)
+  pos_gk = _grouped(img_pos_bl, groups).reshape(groups, -1)
+  got = jnp.take_along_axis(emb_gkd, jnp.maximum(pos_gk, 0)[..., None], axis=1)
+  return jnp.where(img_pos_bl[..., None] >= 0, got.reshape(b, l, d).astype(x_bld.dtype), x_bld)
+
+
+def slot_mismatches(slot_ids_n: jax.Array, img_pos_bl: jax.Array, sample_ids_b: jax.Array,
+                    tokens_per_image: int, groups: int) -> jax.Array:
+  """Placeholders whose image slot belongs to another sample (must be 0)."""
+  slots_gs = _grouped(slot_ids_n, groups)
+  pos_gk = _grouped(img_pos_bl, groups).reshape(groups, -1)
+  owner = jnp.take_along_axis(slots_gs, jnp.maximum(pos_gk, 0) // tokens_per_image, axis=1)
+  bad = (owner.reshape(img_pos_bl.shape) != sample_ids_b[:, None]) & (img_pos_bl >= 0)
+  return jnp.sum(bad.astype(jnp.int32))
+
+
+def language_logits(model: LanguageModel, tokens_bl: jax.Array, embs: dict[str, jax.Array],
+                    img_pos: dict[str, jax.Array], groups: int) -> jax.Array:
+  """Embeds tokens, merges every encoder's image tokens, returns float32 logits [b, l, vocab]."""
+  x_bld = model.embed(tokens_bl)
+  for name, emb_ntd in embs.items():
+    x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
+  positions_bl = jnp.broadcast_to(jnp.arange(tokens_bl.shape[1]), tokens_bl.shape)
+  return model.decode(x_bld, positions_bl)

@@ -1,0 +1,48 @@
+"""Vision encoder: ViT (patch embedding, pre-norm blocks) followed by an MLP projector."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mimo_jax.config import LanguageConfig, VisionConfig
+from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear
+
+
+class ViTBlock(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype):
+    self.norm1 = LayerNorm(cfg.dim)
+    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True)
+    self.norm2 = LayerNorm(cfg.dim)
+    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype)
+
+  def __call__(self, x_npd: jax.Array) -> jax.Array:
+    x_npd = x_npd + self.attn(self.norm1(x_npd))
+    return x_npd + self.mlp(self.norm2(x_npd))
+
+
+class VisionEncoder(nnx.Module):
+  """Images [n, h, w, c] -> projected image tokens [n, patches, language dim]."""
+
+  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype):
+    self.patch = cfg.patch_size
+    self.dtype = dtype
+    patch_dim = cfg.patch_size**2 * cfg.channels
+    self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=True)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.tokens_per_image, cfg.dim)))
+    self.blocks = nnx.List([ViTBlock(rngs, cfg, dtype) for _ in range(cfg.layers)])
+    self.norm = LayerNorm(cfg.dim)
+    # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
+    self.projector = GeluMLP(rngs, cfg.dim, cfg.projector_hidden, dtype, d_out=lm.dim)
+
+  def __call__(self, images_nhwc: jax.Array) -> jax.Array:
+    n, h, w, c = images_nhwc.shape
+    p = self.patch
+    x = images_nhwc.reshape(n, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    x_npd = self.embed(x.reshape(n, (h // p) * (w // p), p * p * c).astype(self.dtype))
+    x_npd = x_npd + self.pos[...].astype(self.dtype)
+    for block in self.blocks:
+      x_npd = block(x_npd)
+    return self.projector(self.norm(x_npd))

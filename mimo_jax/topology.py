@@ -1,0 +1,54 @@
+"""Devices -> one Mesh per module (DESIGN §2.2).
+
+A module uses the dp*tp*pp consecutive devices of `jax.devices()` starting at its offset, laid out
+as a (dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps tensor-parallel
+collectives on the fastest links. Identical device ranges are colocated modules; disjoint ranges run
+concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax.config import Config, validate_topology
+
+AXES = ("dp", "tp")
+BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
+REPLICATED = P()
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  meshes: dict[str, Mesh]  # module name -> mesh; encoders first, `language` last
+
+  def sharding(self, module: str, spec: P = BATCH) -> NamedSharding:
+    return NamedSharding(self.meshes[module], spec)
+
+  def dp(self, module: str) -> int:
+    return self.meshes[module].shape["dp"]
+
+  def colocated(self, a: str, b: str) -> bool:
+    return set(self.meshes[a].devices.flat) == set(self.meshes[b].devices.flat)
+
+  def describe(self) -> str:
+    parts = []
+    for name, mesh in self.meshes.items():
+      ids = [d.id for d in mesh.devices.flat]
+      parts.append(f"{name}: dp={mesh.shape['dp']} tp={mesh.shape['tp']} devices "
+                   f"{ids[0]}..{ids[-1]}")
+    return "; ".join(parts)
+
+
+def build(cfg: Config, devices: list | None = None) -> Topology:
+  devices = list(jax.devices() if devices is None else devices)
+  validate_topology(cfg, len(devices))
+  meshes = {}
+  for name, t in cfg.topology.modules().items():
+    grid = np.asarray(devices[t.offset:t.offset + t.size], dtype=object).reshape(t.dp, t.tp)
+    meshes[name] = Mesh(grid, AXES)
+  return Topology(meshes)
