@@ -13,60 +13,51 @@ so copies spread over links instead of all leaving one device.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mimo_jax.topology import BATCH, REPLICATED
 
-
-def _grid(sharding: NamedSharding):
-  return sharding.mesh.devices.reshape(sharding.mesh.shape["dp"], -1)
-
-
-def _check(x: jax.Array, dst: NamedSharding) -> None:
-  src = x.sharding
-  if not isinstance(src, NamedSharding) or src.spec != BATCH or dst.spec != BATCH:
-    raise ValueError(f"bridge moves dp-split arrays (spec {BATCH}); got {src} -> {dst}")
-  n = x.shape[0]
-  for s in (src, dst):
-    if n % s.mesh.shape["dp"]:
-      raise ValueError(f"{n} rows do not split over dp={s.mesh.shape['dp']}")
+def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
+  """Device -> (first row, last row + 1) it holds; only splits of axis 0 are supported."""
+  out = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    if not shape:  # a scalar: every device holds all of it
+      out[device] = (0, 1)
+      continue
+    for axis, sl in enumerate(index[1:], start=1):
+      if (sl.start or 0, shape[axis] if sl.stop is None else sl.stop) != (0, shape[axis]):
+        raise ValueError(f"bridge moves arrays split on their first axis only; {sharding} "
+                         f"splits axis {axis}")
+    row = index[0]
+    out[device] = (row.start or 0, shape[0] if row.stop is None else row.stop)
+  return out
 
 
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-  """Moves a dp-split array to `dst` (also dp-split) shard by shard; see the module docstring."""
-  _check(x, dst)
+  """Moves an array split on axis 0 (or replicated) to `dst` shard by shard; see the docstring."""
   if x.sharding == dst:
     return x
-  n = x.shape[0]
-  src_grid, dst_grid = _grid(x.sharding), _grid(dst)
-  src_rows, dst_rows = n // src_grid.shape[0], n // dst_grid.shape[0]
   shards = {s.device: s.data for s in x.addressable_shards}
-  out = {}
-  for j in range(dst_grid.shape[0]):
-    lo, hi = j * dst_rows, (j + 1) * dst_rows
-    for t, device in enumerate(dst_grid[j]):
-      pieces = []
-      for i in range(lo // src_rows, (hi - 1) // src_rows + 1):
-        shard = shards[src_grid[i, t % src_grid.shape[1]]]
-        a, b = max(lo, i * src_rows) - i * src_rows, min(hi, (i + 1) * src_rows) - i * src_rows
-        if (a, b) != (0, src_rows):
-          shard = jax.lax.slice_in_dim(shard, a, b, axis=0)
-        pieces.append(jax.device_put(shard, device))
-      out[device] = pieces[0] if len(pieces) == 1 else jax.numpy.concatenate(pieces, axis=0)
-  arrays = [out[d] for d in dst.addressable_devices_indices_map(x.shape)]
+  replicas: dict[tuple[int, int], list] = {}
+  for device, rows in sorted(_rows(x.sharding, x.shape).items(), key=lambda kv: kv[0].id):
+    replicas.setdefault(rows, []).append(device)
+  sources = sorted(replicas)
+  arrays = []
+  for k, (device, (lo, hi)) in enumerate(_rows(dst, x.shape).items()):
+    pieces = []
+    for a, b in sources:
+      if b <= lo or a >= hi:
+        continue
+      src = replicas[(a, b)][k % len(replicas[(a, b)])]  # spread copies over replicas
+      piece = shards[src]
+      if (max(lo, a), min(hi, b)) != (a, b):
+        piece = jax.lax.slice_in_dim(piece, max(lo, a) - a, min(hi, b) - a, axis=0)
+      pieces.append(jax.device_put(piece, device))
+    if sum(p.shape[0] if p.ndim else 1 for p in pieces) != hi - lo:
+      raise ValueError(f"source shards of {x.sharding} do not cover rows [{lo}, {hi})")
+    arrays.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0))
   return jax.make_array_from_single_device_arrays(x.shape, dst, arrays)
 
 
 def transfer_tree(tree, dst: NamedSharding):
   return jax.tree.map(lambda x: transfer(x, dst), tree)
-
-
-def replicate_to(x: jax.Array, dst: NamedSharding) -> jax.Array:
-  """Copies a replicated array (a scalar, say) onto every device of another mesh."""
-  if dst.spec != REPLICATED:
-    raise ValueError(f"replicate_to needs a replicated destination, got {dst.spec}")
-  if x.sharding == dst:
-    return x
-  src = x.addressable_shards[0].data
-  arrays = [jax.device_put(src, d) for d in dst.addressable_devices_indices_map(x.shape)]
-  return jax.make_array_from_single_device_arrays(x.shape, dst, arrays)

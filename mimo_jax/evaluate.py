@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mimo_jax import bridge
 from mimo_jax.data.tokenizer import PAD
 from mimo_jax.models.mimo import language_logits
 from mimo_jax.step import Stepper
@@ -57,8 +56,7 @@ class Evaluator:
     outs = []
     for batch in batches:
       x = self.s.place(batch)
-      embs = {n: self.s._enc_apply[n](state[n].params, x.images[n]) for n in self.s.encoders}
-      embs = bridge.transfer_tree(embs, self.s.topo.sharding("language"))
+      embs = self.s.encode(state, x)
       outs.append(self._lang_eval(state["language"].params, embs, x.img_pos, x.text))
     for out in jax.device_get(outs):
       for k in totals:

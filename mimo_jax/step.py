@@ -94,6 +94,7 @@ class Stepper:
                                     donate_argnums=(2,))
     lang = self.modules["language"]
     groups, tpi = self.groups, self.tokens_per_image
+    lang_batch = t.sharding("language")
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
       def loss_fn(p, embs):
@@ -101,6 +102,7 @@ class Stepper:
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, text["targets_bl"])
         return jnp.sum(ce * text["loss_mask_bl"]) * inv_tokens
       loss, (g_params, g_embs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, embs)
+      g_embs = jax.lax.with_sharding_constraint(g_embs, lang_batch)  # what the bridge moves
       bad = sum(slot_mismatches(slot_ids[n], img_pos[n], text["sample_ids_b"], tpi, groups)
                 for n in embs)
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
@@ -121,7 +123,7 @@ class Stepper:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, norm, scale
 
-      self._update[name] = jax.jit(update, donate_argnums=(0, 1, 2))
+      self._update[name] = jax.jit(update, donate_argnums=(0, 1))
     scalar = t.sharding("language", REPLICATED)
     self._lang_acc0 = jax.jit(
         lambda p: {"grads": jax.tree.map(jnp.zeros_like, p), "loss": jnp.zeros((), jnp.float32),
@@ -157,12 +159,20 @@ class Stepper:
   def _to_language(self, tree):
     return bridge.transfer_tree(tree, self.topo.sharding("language"))
 
+  def encode(self, state: dict[str, ModuleState], x: Inputs) -> dict[str, jax.Array]:
+    """Forward of every encoder (no backward), delivered to the language mesh."""
+    return self._to_language({n: self._enc_apply[n](state[n].params, x.images[n])
+                              for n in self.encoders})
+
   def train_step(self, state: dict[str, ModuleState], batch: dict[str, np.ndarray]):
     """Dispatches one optimizer step; returns the new state and device-side metrics."""
-    num_micro = batch["tokens_bl"].shape[0]
-    n_tokens = float(batch["loss_mask_bl"].sum())
+    inputs = [self.place(batch, m) for m in range(batch["tokens_bl"].shape[0])]
+    return self.dispatch(state, inputs, float(batch["loss_mask_bl"].sum()))
+
+  def dispatch(self, state: dict[str, ModuleState], inputs: list[Inputs], n_tokens: float):
+    """The step on already-placed inputs: device work only, no host transfer."""
+    num_micro = len(inputs)
     inv_tokens = np.float32(1.0 / max(n_tokens, 1.0))
-    inputs = [self.place(batch, m) for m in range(num_micro)]
     acc = {n: self._zeros[n](state[n].params) for n in self.encoders}
     lang_acc = self._lang_acc0(state["language"].params)
 
@@ -194,7 +204,7 @@ class Stepper:
     sq = {n: self._sq_norm[n](grads[n]) for n in self.modules}
     new_state, metrics = {}, {}
     for n in self.modules:
-      sq_here = [bridge.replicate_to(sq[k], self.topo.sharding(n, REPLICATED))
+      sq_here = [bridge.transfer(sq[k], self.topo.sharding(n, REPLICATED))
                  for k in self.modules]
       params, opt_state, norm, scale = self._update[n](state[n].params, state[n].opt_state,
                                                         grads[n], sq_here)

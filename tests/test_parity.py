@@ -1,0 +1,79 @@
+"""The core property (DESIGN §2.3): every topology gives the single-device loss trajectory."""
+
+import numpy as np
+import pytest
+
+from mimo_jax.data import digits
+from mimo_jax.data.layout import layout_microbatch, stack
+from mimo_jax.data.loader import make_layout
+from mimo_jax.data.tokenizer import Tokenizer
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+STEPS = 4
+SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir):
+  return run_steps(tiny_config(data_dir, **SINGLE), STEPS)[0]
+
+
+def test_reference_learns(reference):
+  # Guards the parity tests against comparing two runs that do nothing.
+  assert reference[-1]["loss"] < reference[0]["loss"]
+  assert all(np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in reference)
+
+
+def test_one_mesh_of_eight_matches_single_device(data_dir, reference):
+  got = run_steps(tiny_config(data_dir, vision=(0, 8, 1), language=(0, 8, 1)), 3)[0]
+  assert_close_trajectory(reference[:3], got, rtol=1e-5)
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in-4to1"),
+    pytest.param({"vision": (0, 1, 1), "language": (1, 4, 1)}, id="fan-out-1to4"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 2)}, id="vision-dp2-to-dp2tp2"),
+    pytest.param({"vision": (0, 4, 1), "language": (0, 2, 2)}, id="colocated-dp4-dp2tp2"),
+    pytest.param({"vision": (0, 2, 2), "language": (4, 4, 1)}, id="vision-dp2tp2-to-dp4"),
+])
+def test_topology_matches_single_device(data_dir, reference, topo):
+  got = run_steps(tiny_config(data_dir, **topo), STEPS)[0]
+  assert_close_trajectory(reference, got, rtol=1e-4)
+
+
+def _mixed_batches(cfg):
+  """Step 0: text-only and 1..3-image samples mixed; step 1: a text-only microbatch."""
+  tr_x, tr_y, _, _ = digits._images()  # pylint: disable=protected-access
+  micro = cfg.data.micro_batch
+  mixed = digits.make_samples(tr_x, tr_y, micro, [0.4, 0.2, 0.2, 0.2], seed=7)
+  images = digits.make_samples(tr_x, tr_y, micro, [0.0, 0.0, 0.0, 1.0], seed=8)
+  text = digits.make_samples(tr_x, tr_y, micro, [1.0, 0.0, 0.0, 0.0], seed=9)
+  assert any(not s["images"] for s in mixed) and any(s["images"] for s in mixed)
+  steps = [[mixed, text], [text, images], [images, mixed], [mixed, mixed]]
+  tok = Tokenizer()
+
+  def make(lang_dp):
+    layout = make_layout(cfg, lang_dp, cfg.data.slots())
+    out = []
+    for s, step in enumerate(steps):
+      mbs = []
+      for m, samples in enumerate(step):
+        decoded = [{"images": np.asarray(x["images"], np.uint8).reshape(-1, 8, 8),
+                    "text": x["text"]} for x in samples]
+        ids = [1000 * s + 100 * m + i for i in range(micro)]
+        mbs.append(layout_microbatch(decoded, ids, layout, tok))
+      out.append(stack(mbs))
+    return out
+  return make
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in"),
+    pytest.param({"vision": (0, 1, 1), "language": (1, 2, 2)}, id="fan-out-tp"),
+])
+def test_text_only_samples_and_microbatch(data_dir, topo):
+  ref_cfg = tiny_config(data_dir, **SINGLE)
+  ref = run_steps(ref_cfg, STEPS, batches=_mixed_batches(ref_cfg))[0]
+  cfg = tiny_config(data_dir, **topo)
+  got = run_steps(cfg, STEPS, batches=_mixed_batches(cfg))[0]
+  assert_close_trajectory(ref, got, rtol=1e-4)
