@@ -164,15 +164,19 @@ class Stepper:
     return self._to_language({n: self._enc_apply[n](state[n].params, x.images[n])
                               for n in self.encoders})
 
+  def place_step(self, batch: dict[str, np.ndarray]) -> tuple[list[Inputs], jax.Array]:
+    """All microbatches of a step on device, and 1 / the step's target tokens (DESIGN §2.3)."""
+    inputs = [self.place(batch, m) for m in range(batch["tokens_bl"].shape[0])]
+    inv_tokens = np.float32(1.0 / max(float(batch["loss_mask_bl"].sum()), 1.0))
+    return inputs, jax.device_put(inv_tokens, self.topo.sharding("language", REPLICATED))
+
   def train_step(self, state: dict[str, ModuleState], batch: dict[str, np.ndarray]):
     """Dispatches one optimizer step; returns the new state and device-side metrics."""
-    inputs = [self.place(batch, m) for m in range(batch["tokens_bl"].shape[0])]
-    return self.dispatch(state, inputs, float(batch["loss_mask_bl"].sum()))
+    return self.dispatch(state, *self.place_step(batch))
 
-  def dispatch(self, state: dict[str, ModuleState], inputs: list[Inputs], n_tokens: float):
+  def dispatch(self, state: dict[str, ModuleState], inputs: list[Inputs], inv_tokens: jax.Array):
     """The step on already-placed inputs: device work only, no host transfer."""
     num_micro = len(inputs)
-    inv_tokens = np.float32(1.0 / max(n_tokens, 1.0))
     acc = {n: self._zeros[n](state[n].params) for n in self.encoders}
     lang_acc = self._lang_acc0(state["language"].params)
 
@@ -198,9 +202,9 @@ class Stepper:
           d_emb = bridge.transfer(d_embs[n], self.topo.sharding(n))
           acc[n] = self._enc_bwd[n](current[n][2], d_emb, acc[n])
     acc["language"] = lang_acc["grads"]
-    return self._apply(state, acc, lang_acc, n_tokens)
+    return self._apply(state, acc, lang_acc)
 
-  def _apply(self, state, grads, lang_acc, n_tokens: float):
+  def _apply(self, state, grads, lang_acc):
     sq = {n: self._sq_norm[n](grads[n]) for n in self.modules}
     new_state, metrics = {}, {}
     for n in self.modules:
@@ -210,6 +214,5 @@ class Stepper:
                                                         grads[n], sq_here)
       new_state[n] = ModuleState(params, opt_state)
       metrics[f"clip_scale/{n}"] = scale
-    metrics.update(loss=lang_acc["loss"], grad_norm=norm, mismatches=lang_acc["mismatches"],
-                   target_tokens=n_tokens)
+    metrics.update(loss=lang_acc["loss"], grad_norm=norm, mismatches=lang_acc["mismatches"])
     return new_state, metrics

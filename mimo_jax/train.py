@@ -34,7 +34,7 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
         "sample; the bridge or the slot layout is broken.")
   return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
-          "target_tokens": int(m["target_tokens"]), "images": info["images"]}
+          "target_tokens": info["target_tokens"], "images": info["images"]}
 
 
 def run(cfg: Config) -> list[dict]:
@@ -73,6 +73,7 @@ def run(cfg: Config) -> list[dict]:
     for step in range(1, cfg.train.steps + 1):
       batch = next(batches)
       info = {"tokens": int(np.sum(batch["tokens_bl"] != PAD)),
+              "target_tokens": int(batch["loss_mask_bl"].sum()),
               "images": int(batch["num_images_b"].sum())}
       state, metrics = stepper.train_step(state, batch)
       if pending is not None:

@@ -29,12 +29,16 @@ def tiny_config(data_dir: str, **topo) -> Config:
   return cfg
 
 
-def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Stepper, dict]:
-  """Runs `steps` optimizer steps; returns host metrics per step, the stepper and final state."""
+def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Stepper, dict, dict]:
+  """Runs `steps` optimizer steps.
+
+  Returns host metrics per step, the stepper, the final state and the initial parameters (host).
+  """
   validate(cfg, len(jax.devices()))
   topo = topology.build(cfg)
   stepper = Stepper(cfg, topo, build_modules(cfg))
   state = stepper.init_state(cfg.train.seed)
+  init = {n: jax.device_get(s.params) for n, s in state.items()}
   if batches is None:
     path = loader.build_paths(cfg)["train"]
     ds = loader.train_dataset(cfg, path, topo.dp("language"))
@@ -45,7 +49,7 @@ def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Steppe
   for batch in batches[:steps]:
     state, metrics = stepper.train_step(state, batch)
     out.append(jax.device_get(metrics))
-  return out, stepper, state
+  return out, stepper, state, init
 
 
 def assert_close_trajectory(ref: list[dict], got: list[dict], rtol: float) -> None:

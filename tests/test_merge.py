@@ -1,0 +1,74 @@
+"""Image tokens land at their own sample's placeholders, for every slot grouping."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mimo_jax.data.layout import Layout, layout_microbatch
+from mimo_jax.data.tokenizer import DIGIT_WORDS, IMG, Tokenizer
+from mimo_jax.models.mimo import merge_images, slot_mismatches
+
+T, D, L = 4, 8, 24
+
+
+def _sample(sid: int, k: int) -> dict:
+  """k images whose pixels all equal a code unique to (sample, image)."""
+  if k == 0:
+    return {"images": np.zeros((0, 8, 8), np.uint8), "text": "after one : two"}
+  images = np.stack([np.full((8, 8), 1 + (3 * sid + i) % 16, np.uint8) for i in range(k)])
+  return {"images": images, "text": " ".join(["<img>"] * k) + " : " +
+          " ".join(DIGIT_WORDS[:k])}
+
+
+def _fake_encoder(images_nhwc: np.ndarray) -> np.ndarray:
+  """Token t of an image = its pixel code * 100 + t, in every feature."""
+  code = images_nhwc[:, 0, 0, 0] * 16
+  return np.broadcast_to((code[:, None] * 100 + np.arange(T))[..., None],
+                         (len(code), T, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("counts", [[0, 1, 3, 1, 0, 3, 2, 1], [0] * 8, [3] * 8])
+def test_merge_places_own_images(groups, counts):
+  samples = [_sample(i, k) for i, k in enumerate(counts)]
+  ids = list(range(100, 100 + len(samples)))
+  layout = Layout(seq_len=L, tokens_per_image=T, groups=groups, slots=8 * 3)
+  mb = layout_microbatch(samples, ids, layout, Tokenizer())
+  x = jnp.full((len(samples), L, D), -1.0)
+  merged = np.asarray(merge_images(x, jnp.asarray(_fake_encoder(mb["images_nhwc"])),
+                                   jnp.asarray(mb["img_pos_bl"]), groups))
+  for b, s in enumerate(samples):
+    pos = np.flatnonzero(mb["tokens_bl"][b] == IMG)
+    assert len(pos) == len(s["images"]) * T
+    want = np.concatenate([(1 + (3 * b + i) % 16) * 100 + np.arange(T)
+                           for i in range(len(s["images"]))] or [np.zeros(0)])
+    np.testing.assert_array_equal(merged[b, pos, 0], want)
+    rest = np.setdiff1d(np.arange(L), pos)
+    assert np.all(merged[b, rest] == -1.0)  # text positions untouched
+  assert mb["num_images_b"].tolist() == counts
+  bad = slot_mismatches(jnp.asarray(mb["slot_ids_n"]), jnp.asarray(mb["img_pos_bl"]),
+                        jnp.asarray(mb["sample_ids_b"]), T, groups)
+  assert int(bad) == 0
+
+
+def test_mismatch_detected_when_slots_are_swapped():
+  samples = [_sample(i, 2) for i in range(4)]
+  layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=12)
+  mb = layout_microbatch(samples, [10, 11, 12, 13], layout, Tokenizer())
+  swapped = np.concatenate([mb["slot_ids_n"][6:], mb["slot_ids_n"][:6]])  # ranks exchanged
+  bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb["img_pos_bl"]),
+                        jnp.asarray(mb["sample_ids_b"]), T, 2)
+  assert int(bad) == 4 * 2 * T
+
+
+def test_capacity_overflow_names_the_sample():
+  samples = [_sample(i, 3) for i in range(4)]
+  layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=8)  # 4 slots a rank
+  with pytest.raises(ValueError, match=r"sample 21 needs 3 image slots.*data.image_slots"):
+    layout_microbatch(samples, [20, 21, 22, 23], layout, Tokenizer())
+
+
+def test_too_long_sample_is_an_error():
+  layout = Layout(seq_len=10, tokens_per_image=T, groups=1, slots=8)
+  with pytest.raises(ValueError, match=r"sample 5 needs \d+ tokens.*data.seq_len"):
+    layout_microbatch([_sample(0, 3)], [5], layout, Tokenizer())
