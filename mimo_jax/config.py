@@ -190,6 +190,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
                                 "mlp_dim", "projector_hidden"))
   _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
+  _require((v.image_size, v.channels) == (8, 1), "model.vision.image_size",
+           "the digits task has 8x8 single-channel images; keep image_size=8, channels=1.")
   _require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
            f"{v.patch_size} must divide image_size {v.image_size}.")
   _require(v.dim % v.heads == 0, "model.vision.heads", f"{v.heads} must divide dim {v.dim}.")
@@ -234,6 +236,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
   _require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
   _require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
+  _require(cfg.eval.samples <= d.eval_samples, "eval.samples",
+           f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
+           "(data.eval_samples).")
   _require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   _require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
   _require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
@@ -254,6 +259,8 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
     _require(d.micro_batch % t.dp == 0, f"{f}.dp",
              f"{t.dp} must divide the microbatch of {d.micro_batch} samples "
              f"(data.global_batch / data.microbatches).")
+    _require(cfg.eval.batch % t.dp == 0, "eval.batch",
+             f"{cfg.eval.batch} must be divisible by {name} dp {t.dp}.")
     if num_devices is not None:
       _require(t.offset + t.size <= num_devices, f"{f}.offset",
                f"devices [{t.offset}, {t.offset + t.size}) run past the {num_devices} devices "

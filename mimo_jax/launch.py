@@ -5,16 +5,16 @@ Flags -> config -> validation -> `train.run`. Every config field is documented i
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mimo_jax.config import ConfigError, validate
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/digits.py", "Config file (configs/NAME.py[:ARG]); override any field with "
-    "--config.a.b=value.", lock_config=True)
+DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "digits.py")
+_CONFIG = None
 
 
 def _fail(message: str) -> None:
@@ -22,14 +22,31 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def _parse(argv: list[str]) -> list[str]:
+def _last_line(error: BaseException) -> str:
+  """ml_collections wraps config-file errors with a traceback; its last line is the cause."""
+  lines = [ln.strip() for ln in str(error.args[0] if error.args else error).splitlines()]
+  lines = [ln for ln in lines if ln]
+  first = lines[0] if lines else type(error).__name__
+  return first if len(lines) == 1 else f"{first.split(':')[0]}: {lines[-1]}"
+
+
+def _guarded(fn, *args):
+  """Runs flag definition or parsing, turning its errors into one line and exit code 2."""
   try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(str(e))
-  except (KeyError, AttributeError, ValueError, TypeError) as e:  # unknown --config.a.b path
-    _fail(f"bad config override: {e.args[0] if e.args else e}")
-  return []
+    return fn(*args)
+  except (KeyError, AttributeError) as e:  # an unknown --config.a.b path
+    _fail(f"unknown config field: {_last_line(e)}")
+  except Exception as e:  # pylint: disable=broad-except  # a bad value or config file
+    _fail(_last_line(e))
+  return None
+
+
+def _check_config_file(argv: list[str]) -> None:
+  for i, arg in enumerate(argv):
+    value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+        argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+    if value is not None and not pathlib.Path(value.split(":")[0]).is_file():
+      _fail(f"--config: file {value.split(':')[0]!r} does not exist; try configs/digits.py.")
 
 
 def main(argv: list[str]) -> None:
@@ -40,6 +57,7 @@ def main(argv: list[str]) -> None:
     validate(cfg)  # device-independent checks, before JAX starts
   except ConfigError as e:
     _fail(str(e))
+  logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)  # before the backend starts
   from mimo_jax import train  # pylint: disable=import-outside-toplevel
@@ -49,5 +67,15 @@ def main(argv: list[str]) -> None:
     _fail(str(e))
 
 
+def cli() -> None:
+  global _CONFIG
+  _check_config_file(sys.argv)
+  # ml_collections reads the --config.* overrides from sys.argv while defining the flag.
+  _CONFIG = _guarded(config_flags.DEFINE_config_file, "config", DEFAULT_CONFIG,
+                     "Config file (configs/NAME.py[:ARG]); override any field with "
+                     "--config.a.b=value.")
+  app.run(main, flags_parser=lambda argv: _guarded(flags.FLAGS, argv))
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse)
+  cli()

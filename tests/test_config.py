@@ -1,0 +1,84 @@
+"""Every bad config value is one clear error naming its field, before anything compiles."""
+
+import pytest
+
+from mimo_jax.config import Config, ConfigError, validate
+from configs import digits
+from mimo_jax import topology
+
+CASES = [
+    ("model.dtype", "float16", "model.dtype"),
+    ("model.vision.patch_size", 3, "model.vision.patch_size"),
+    ("model.vision.heads", 5, "model.vision.heads"),
+    ("model.language.kv_heads", 3, "model.language.kv_heads"),
+    ("model.language.heads", 0, "model.language.heads"),
+    ("data.global_batch", 0, "data.global_batch"),
+    ("data.microbatches", 3, "data.microbatches"),
+    ("data.max_images", 0, "data.max_images"),
+    ("data.image_probs", "0.5,0.5", "data.image_probs"),
+    ("data.image_probs", "0.5,0.5,0.5,0.5", "data.image_probs"),
+    ("data.image_probs", "a,b,c,d", "data.image_probs"),
+    ("data.seq_len", 10, "data.seq_len"),
+    ("data.image_slots", 7, "data.image_slots"),
+    ("optim.lr", 0.0, "optim.lr"),
+    ("optim.freeze", "vit", "optim.freeze"),
+    ("optim.lr_mult", "vision:2", "optim.lr_mult"),
+    ("optim.lr_mult", "vision=x", "optim.lr_mult"),
+    ("train.steps", 0, "train.steps"),
+    ("eval.every", -1, "eval.every"),
+    ("run.progress", "fancy", "run.progress"),
+    ("run.log_every", 0, "run.log_every"),
+    ("topology.language.dp", 3, "topology.language.dp"),
+    ("topology.vision.pp", 2, "topology.vision.pp"),
+    ("model.language.kv_heads", 1, "topology.language.tp"),  # tp=2 cannot split 1 kv head
+    ("topology.vision.offset", 7, "topology.vision.offset"),  # past 8 devices
+]
+
+
+def _set(cfg: Config, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  obj = cfg
+  for p in parents:
+    obj = getattr(obj, p)
+  setattr(obj, leaf, value)
+
+
+@pytest.mark.parametrize("path,value,field", CASES, ids=[f"{p}={v}" for p, v, _ in CASES])
+def test_bad_value_names_its_field(path, value, field):
+  cfg = digits.get_config()  # vision dp4 on devices 0-3, language dp2 tp2 on 4-7
+  _set(cfg, path, value)
+  with pytest.raises(ConfigError, match=rf"^config\.{field.replace('.', r'[.]')}: ") as e:
+    validate(cfg, num_devices=8)
+  assert "\n" not in str(e.value)
+
+
+def test_default_config_is_valid():
+  validate(digits.get_config(), num_devices=8)
+  validate(digits.get_config("single"), num_devices=1)
+
+
+@pytest.mark.parametrize("vision,language,ok", [
+    ((0, 4, 1), (4, 2, 2), True),  # disjoint
+    ((0, 4, 1), (0, 2, 2), True),  # colocated, different dp/tp
+    ((0, 4, 1), (2, 2, 2), False),  # partial overlap
+    ((4, 4, 1), (0, 2, 1), True),  # language first in device order
+    ((0, 4, 1), (6, 2, 2), False),  # past the device count
+])
+def test_device_ranges(vision, language, ok):
+  cfg = Config()
+  for t, (offset, dp, tp) in ((cfg.topology.vision, vision), (cfg.topology.language, language)):
+    t.offset, t.dp, t.tp = offset, dp, tp
+  if ok:
+    topo = topology.build(cfg)
+    assert [d.id for d in topo.meshes["vision"].devices.flat] == list(
+        range(vision[0], vision[0] + vision[1] * vision[2]))
+  else:
+    with pytest.raises(ConfigError, match=r"^config\.topology\.(vision|language)\.offset: "):
+      topology.build(cfg)
+
+
+def test_eval_batch_must_split_over_dp():
+  cfg = digits.get_config()
+  cfg.eval.batch = 6  # vision dp 4
+  with pytest.raises(ConfigError, match=r"^config\.eval\.batch: "):
+    validate(cfg, num_devices=8)
