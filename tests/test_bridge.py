@@ -63,7 +63,7 @@ def test_transfer_roundtrip_without_host(src, dst):
 def test_training_step_without_host_transfers(data_dir, topo, batch):
   """A whole step (encoder fwd, bridge, LLM fwd+bwd, bridge back, encoder bwd, update)."""
   cfg = tiny_config(data_dir, **topo)
-  cfg.data.global_batch = 2 * batch
+  cfg.data.global_batch, cfg.eval.batch = 2 * batch, batch
   validate(cfg, len(jax.devices()))
   topo_ = topology.build(cfg)
   stepper = Stepper(cfg, topo_, build_modules(cfg))

@@ -68,3 +68,15 @@ def test_same_seed_same_init_on_1_and_8_devices(data_dir):
 def test_tokenizer_rejects_unknown_words():
   with pytest.raises(ValueError, match="eleven"):
     Tokenizer().encode("<img> : eleven")
+
+
+def test_loader_threads_give_the_same_batches(data_dir):
+  cfg = tiny_config(data_dir, **EIGHT)
+  path = loader.build_paths(cfg)["train"]
+  plain = loader.train_iterator(cfg, path, 2)
+  cfg.data.workers = 2
+  threaded = loader.train_iterator(cfg, path, 2)
+  for _ in range(3):
+    a, b = next(plain), next(threaded)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
