@@ -127,6 +127,12 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+  every: int = 0  # save interval in steps; 0 = only at the end
+  keep: int = 3  # checkpoints kept (the newest)
+
+
+@dataclasses.dataclass
 class RunConfig:
   workdir: str = "runs/digits"
   log_every: int = 10
@@ -142,6 +148,7 @@ class Config:
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
 
@@ -239,6 +246,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _require(cfg.eval.samples <= d.eval_samples, "eval.samples",
            f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
            "(data.eval_samples).")
+  _require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
+  _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
   _require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   _require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
   _require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",

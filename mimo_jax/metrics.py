@@ -19,13 +19,20 @@ class MetricsWriter:
   """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
 
   def __init__(self, workdir: str, total_steps: int, progress: str = "auto",
-               first_step: int = 1):
+               resume_after: int = 0):
+    """`resume_after` > 0 keeps the records of steps up to it (those a checkpoint covers)."""
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8")
+    path = os.path.join(workdir, "metrics.jsonl")
+    kept = []
+    if resume_after and os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_after]
+    self._jsonl = open(path, "w", encoding="utf-8")
+    self._jsonl.writelines(kept)
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     self._tb = SummaryWriter(os.path.join(workdir, "tb"))
     use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
-    self._bar = tqdm(total=total_steps, initial=first_step - 1, unit="step",
+    self._bar = tqdm(total=total_steps, initial=min(resume_after, total_steps), unit="step",
                      dynamic_ncols=True) if use_bar else None
     self._t0 = time.time()
 

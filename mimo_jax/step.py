@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 from mimo_jax import bridge, optim
 from mimo_jax.config import Config, parse_freeze
@@ -71,7 +72,25 @@ class Stepper:
     self.tx = {n: optim.module_transform(cfg, g) for n, g in group_trees.items()}
     self.trainable = {n: any(l != optim.FROZEN for l in jax.tree.leaves(self.labels[n]))
                       for n in modules}
+    self.abstract_params = {
+        n: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract[n], self.param_sh[n]) for n in modules}
+    # Optimizer-state shardings as XLA propagates them from the parameters; fixed once so that
+    # init, update and checkpoint restore all agree.
+    self.opt_sh = {n: self._opt_shardings(n) for n in modules}
     self._build_jits()
+
+  def _opt_shardings(self, name: str):
+    mesh, replicated = self.topo.meshes[name], self.topo.sharding(name, REPLICATED)
+    compiled = jax.jit(self.tx[name].init).lower(self.abstract_params[name]).compile()
+
+    def on_mesh(s):  # constants such as step counts come back on a single device
+      if isinstance(s, NamedSharding) and s.mesh == mesh:
+        return s
+      if s.is_fully_replicated:
+        return replicated
+      raise ValueError(f"{name}: optimizer state sharded as {s}, not on the module mesh")
+    return jax.tree.map(on_mesh, compiled.output_shardings)
 
   # ---- jitted functions -------------------------------------------------------------------
 
@@ -123,7 +142,9 @@ class Stepper:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, norm, scale
 
-      self._update[name] = jax.jit(update, donate_argnums=(0, 1))
+      scalar = t.sharding(name, REPLICATED)
+      self._update[name] = jax.jit(update, donate_argnums=(0, 1),
+                                   out_shardings=(sh, self.opt_sh[name], scalar, scalar))
     scalar = t.sharding("language", REPLICATED)
     self._lang_acc0 = jax.jit(
         lambda p: {"grads": jax.tree.map(jnp.zeros_like, p), "loss": jnp.zeros((), jnp.float32),
@@ -137,9 +158,20 @@ class Stepper:
     state = {}
     for name, module in self.modules.items():
       params = jax.jit(module.init, static_argnums=0, out_shardings=self.param_sh[name])(seed)
-      opt_state = jax.jit(self.tx[name].init)(params)
+      opt_state = jax.jit(self.tx[name].init, out_shardings=self.opt_sh[name])(params)
       state[name] = ModuleState(params, opt_state)
     return state
+
+  def abstract_state(self) -> dict[str, dict]:
+    """Shapes, dtypes and this topology's shardings of every module's state (restore targets)."""
+    out = {}
+    for name in self.modules:
+      params = self.abstract_params[name]
+      opt = jax.eval_shape(self.tx[name].init, params)
+      opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt,
+                         self.opt_sh[name])
+      out[name] = {"params": params, "opt_state": opt}
+    return out
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:
     """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs."""

@@ -1,17 +1,19 @@
 """The training loop: plain Python around `Stepper.train_step`.
 
 Metrics of step N are fetched after step N+1 has been dispatched, so the host never makes the
-devices wait (a fetch inside the step would serialise the module meshes).
+devices wait (a fetch inside the step would serialise the module meshes). A workdir that holds
+checkpoints resumes from the latest; SIGTERM or SIGINT saves the last finished step and stops.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import jax
 import numpy as np
 
-from mimo_jax import topology
+from mimo_jax import checkpoint, topology
 from mimo_jax.config import Config, validate
 from mimo_jax.data import loader
 from mimo_jax.data.tokenizer import PAD
@@ -26,6 +28,28 @@ class BridgeMismatchError(RuntimeError):
   """Image tokens reached the text of a different sample."""
 
 
+class _StopFlag:
+  """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop; a second SIGINT aborts."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.signal is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._old.items():
+      signal.signal(sig, handler)
+
+
 def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -> dict:
   m = jax.device_get(metrics)
   if int(m["mismatches"]):
@@ -38,16 +62,23 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
 
 
 def run(cfg: Config) -> list[dict]:
-  """Trains `cfg`; returns every record written to metrics.jsonl."""
+  """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
   validate(cfg, len(jax.devices()))
   topo = topology.build(cfg)
   paths = loader.build_paths(cfg)
-  modules = build_modules(cfg)
-  stepper = Stepper(cfg, topo, modules)
+  stepper = Stepper(cfg, topo, build_modules(cfg))
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(stepper.modules),
+                                 keep=cfg.checkpoint.keep)
+  start = ckpt.latest_step() or 0
+  if start:
+    state, _ = ckpt.restore(start, stepper.abstract_state(), cfg)
+  else:
+    state = stepper.init_state(cfg.train.seed)
   evaluator = Evaluator(stepper, cfg.data.max_images)
   eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
   lr_at = schedule(cfg)
-  writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress)
+  writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
+                         resume_after=start)
   records = []
 
   def log(record: dict) -> None:
@@ -56,35 +87,58 @@ def run(cfg: Config) -> list[dict]:
 
   try:
     writer.say(f"topology: {topo.describe()}")
-    state = stepper.init_state(cfg.train.seed)
-    batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"))
-    pending, last = None, time.time()
+    if start:
+      writer.say(f"resumed from {ckpt.path} step {start}")
+    batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start)
+    pending, last_done = None, time.time()
 
     def flush() -> None:
-      nonlocal pending, last
-      step, metrics, info = pending
+      nonlocal pending, last_done
+      step, metrics, info, dispatched = pending
       jax.block_until_ready(metrics)
       now = time.time()
+      # In steady state the period between completions is the step time; the last step has no
+      # successor whose dispatch hides its start, so it counts from its own dispatch.
+      took = now - (dispatched if step == cfg.train.steps else last_done)
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-        log(_record(step, metrics, info, now - last, float(lr_at(step - 1))))
+        log(_record(step, metrics, info, took, float(lr_at(step - 1))))
       writer.advance(1, loss=float(metrics["loss"]))
-      pending, last = None, now
+      pending, last_done = None, now
 
-    for step in range(1, cfg.train.steps + 1):
-      batch = next(batches)
-      info = {"tokens": int(np.sum(batch["tokens_bl"] != PAD)),
-              "target_tokens": int(batch["loss_mask_bl"].sum()),
-              "images": int(batch["num_images_b"].sum())}
-      state, metrics = stepper.train_step(state, batch)
-      if pending is not None:
-        flush()  # the previous step's metrics, now that this step is dispatched
-      pending = (step, metrics, info)
-      if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-        flush()
-        log({"step": step, **evaluator(state, eval_batches)})
-        last = time.time()
-    flush()
+    saved = start
+    with _StopFlag() as stop:
+      for step in range(start + 1, cfg.train.steps + 1):
+        batch = next(batches)
+        info = {"tokens": int(np.sum(batch["tokens_bl"] != PAD)),
+                "target_tokens": int(batch["loss_mask_bl"].sum()),
+                "images": int(batch["num_images_b"].sum())}
+        dispatched = time.time()
+        state, metrics = stepper.train_step(state, batch)
+        if pending is not None:
+          flush()  # the previous step's metrics, now that this step is dispatched
+        pending = (step, metrics, info, dispatched)
+        if stop.signal:
+          flush()
+          ckpt.save(step, state, cfg, force=True)
+          ckpt.wait()
+          writer.say(f"{stop.signal}: saved step {step} to {ckpt.path}; run the same command "
+                     "to resume.")
+          return records
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+          ckpt.save(step, state, cfg)
+          saved = step
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+          flush()
+          log({"step": step, **evaluator(state, eval_batches)})
+          last_done = time.time()
+    if pending is not None:
+      flush()
+    if start < cfg.train.steps and saved != cfg.train.steps:
+      ckpt.save(cfg.train.steps, state, cfg, force=True)
+    elif start >= cfg.train.steps:
+      writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")
     log({"step": cfg.train.steps, **evaluator(state, eval_batches)})
   finally:
+    ckpt.close()
     writer.close()
   return records

@@ -1,0 +1,126 @@
+"""orbax checkpoints: one item per module (params + optimizer state) and one `meta` item.
+
+`meta` holds the step, the data position, the seeds and the config that wrote the checkpoint. A
+restore reads each module into abstract arrays carrying the *current* topology's shardings, so a
+checkpoint written on one layout restores onto any other. orbax writes a step into a temporary
+folder and renames it when complete, so an interrupted save is never taken as the latest step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import orbax.checkpoint as ocp
+
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.step import ModuleState
+
+META = "meta"
+# Fields that must match for a resumed run to continue the same trajectory.
+DATA_FIELDS = ("seed", "global_batch")
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that cannot be restored into this run; the message says what differs."""
+
+
+def directory(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def complete_steps(path: str) -> list[int]:
+  """Steps whose save finished: orbax writes `commit_success.txt` last. A step folder without it
+  (a save cut short on a file system without atomic renames) is never restored."""
+  if not os.path.isdir(path):
+    return []
+  return sorted(int(d) for d in os.listdir(path)
+                if d.isdigit() and os.path.exists(os.path.join(path, d, "commit_success.txt")))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+class Checkpointer:
+  """Saves and restores training state under `<workdir>/checkpoints`."""
+
+  def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    self.path, self.modules = path, list(modules)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
+        read_only=read_only)
+    handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
+    handlers[META] = ocp.JsonCheckpointHandler()
+    self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+
+  def latest_step(self) -> int | None:
+    steps = complete_steps(self.path)
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state: dict[str, ModuleState], cfg: Config, force: bool = False):
+    meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
+            "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
+                     **{k: getattr(cfg.data, k) for k in DATA_FIELDS}},
+            "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
+    items = {n: ocp.args.StandardSave({"params": s.params, "opt_state": s.opt_state})
+             for n, s in state.items()}
+    items[META] = ocp.args.JsonSave(meta)
+    self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def read_meta(self, step: int) -> dict:
+    try:
+      return self._mngr.restore(step, args=ocp.args.Composite(
+          **{META: ocp.args.JsonRestore()}))[META]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"{self.path}: step {step} has no readable metadata ({e}).") from None
+
+  def restore(self, step: int, abstract: dict[str, dict],
+              cfg: Config) -> tuple[dict[str, ModuleState], dict]:
+    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first."""
+    meta = self.read_meta(step)
+    check_compatible(meta, cfg, self.path, step)
+    args = {n: ocp.args.StandardRestore(abstract[n]) for n in abstract}
+    try:
+      restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"{self.path}: step {step} could not be restored: "
+                            f"{str(e).splitlines()[0]}") from None
+    state = {n: ModuleState(restored[n]["params"], restored[n]["opt_state"]) for n in abstract}
+    return state, meta
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.wait_until_finished()
+    self._mngr.close()
+
+
+def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:
+  """One error naming every model field, module or data field that differs."""
+  where = f"checkpoint {path} step {step}"
+  missing = sorted(set(cfg.topology.modules()) - set(meta.get("modules", [])))
+  if missing:
+    raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
+                          f"{', '.join(meta.get('modules', []))}.")
+  saved = _flatten(meta["config"]["model"], "model.")
+  current = _flatten(dataclasses.asdict(cfg.model), "model.")
+  diffs = [f"{k}={saved.get(k)!r} (this run: {current[k]!r})" for k in sorted(current)
+           if k != "model.dtype" and saved.get(k) != current[k]]
+  if diffs:
+    raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
+                          "Use the same model config or a new run.workdir.")
+  for k in DATA_FIELDS:
+    if meta["data"][k] != getattr(cfg.data, k):
+      raise CheckpointError(
+          f"{where} was written with data.{k}={meta['data'][k]}; resuming with "
+          f"{getattr(cfg.data, k)} would change the sample order. Keep it or use a new "
+          "run.workdir.")

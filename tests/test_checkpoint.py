@@ -1,0 +1,186 @@
+"""Checkpoints: exact resume, restore onto other topologies, preemption, bad checkpoints, tools."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mimo_jax import checkpoint, topology, train
+from mimo_jax.config import ConfigError
+from mimo_jax.models.mimo import build_modules
+from mimo_jax.step import Stepper
+from tests.helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WRITTEN = {"vision": (0, 2, 1), "language": (2, 2, 2)}
+STEPS = 6
+
+
+def _cfg(data_dir, workdir, **topo):
+  cfg = tiny_config(data_dir, **(topo or WRITTEN))
+  cfg.train.steps = STEPS
+  cfg.checkpoint.every, cfg.checkpoint.keep = 2, 10
+  cfg.run.workdir, cfg.run.log_every, cfg.run.progress = str(workdir), 1, "lines"
+  cfg.eval.samples = 16
+  return cfg
+
+
+def _losses(records, first=1):
+  return {r["step"]: (r["loss"], r["grad_norm"]) for r in records
+          if "loss" in r and r["step"] >= first}
+
+
+@pytest.fixture(scope="module")
+def full_run(data_dir, tmp_path_factory):
+  """An uninterrupted run with checkpoints at steps 2, 4 and 6."""
+  workdir = tmp_path_factory.mktemp("full")
+  return workdir, train.run(_cfg(data_dir, workdir))
+
+
+def _resume_from(full_dir, workdir, step: int) -> None:
+  """A workdir whose latest checkpoint is `step` of the full run (as if it stopped there)."""
+  shutil.copytree(full_dir / "checkpoints", workdir / "checkpoints")
+  for d in (workdir / "checkpoints").iterdir():
+    if d.name.isdigit() and int(d.name) > step:
+      shutil.rmtree(d)
+
+
+def test_resume_is_bitwise(data_dir, full_run, tmp_path):
+  full_dir, records = full_run
+  _resume_from(full_dir, tmp_path, 2)
+  resumed = train.run(_cfg(data_dir, tmp_path))
+  got, want = _losses(resumed), _losses(records, first=3)
+  assert sorted(got) == [3, 4, 5, 6]
+  assert got == want  # bitwise: same floats
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 1, 1), "language": (0, 1, 1)}, id="single-device"),
+    pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in-4to1"),
+])
+def test_restore_onto_other_topology(data_dir, full_run, tmp_path, topo):
+  full_dir, records = full_run
+  _resume_from(full_dir, tmp_path, 2)
+  resumed = _losses(train.run(_cfg(data_dir, tmp_path, **topo)))
+  want = _losses(records, first=3)
+  assert sorted(resumed) == sorted(want)
+  for step, (loss, gnorm) in want.items():
+    np.testing.assert_allclose(resumed[step], (loss, gnorm), rtol=1e-4, err_msg=f"step {step}")
+
+
+def test_interrupted_save_is_ignored(data_dir, full_run, tmp_path):
+  full_dir, records = full_run
+  _resume_from(full_dir, tmp_path, 4)
+  partial = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1700000000"
+  (partial / "language").mkdir(parents=True)
+  (partial / "language" / "junk").write_bytes(b"\0" * 100)
+  unfinished = tmp_path / "checkpoints" / "8" / "language"  # no commit marker
+  unfinished.mkdir(parents=True)
+  (unfinished / "junk").write_bytes(b"\0" * 100)
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path)), ["vision", "language"])
+  assert ckpt.latest_step() == 4
+  ckpt.close()
+  resumed = _losses(train.run(_cfg(data_dir, tmp_path)))
+  assert resumed == _losses(records, first=5)
+
+
+def test_mismatched_model_is_a_clear_error(data_dir, full_run, tmp_path):
+  full_dir, _ = full_run
+  _resume_from(full_dir, tmp_path, 2)
+  cfg = _cfg(data_dir, tmp_path)
+  cfg.model.language.mlp_dim = 64
+  with pytest.raises(ConfigError, match=r"model\.language\.mlp_dim=128 \(this run: 64\)"):
+    train.run(cfg)
+  cfg = _cfg(data_dir, tmp_path)
+  cfg.data.global_batch = 16
+  with pytest.raises(ConfigError, match=r"data\.global_batch=32"):
+    train.run(cfg)
+  assert not (tmp_path / "metrics.jsonl").exists()  # nothing written
+
+
+def test_missing_module_and_corrupt_checkpoint(data_dir, full_run, tmp_path):
+  full_dir, _ = full_run
+  _resume_from(full_dir, tmp_path, 2)
+  cfg = _cfg(data_dir, tmp_path)
+  meta = {"modules": ["language"], "config": {}, "data": {}}
+  with pytest.raises(checkpoint.CheckpointError, match="has no module vision"):
+    checkpoint.check_compatible(meta, cfg, "ckpt", 2)
+  chunks = [f for f in (tmp_path / "checkpoints" / "2" / "language").rglob("*")
+            if f.is_file() and f.parent.name == "d"]  # the array data files
+  assert chunks
+  for f in chunks:
+    f.write_bytes(b"garbage")
+  with pytest.raises(checkpoint.CheckpointError, match=r"step 2 could not be restored"):
+    train.run(cfg)
+
+
+def test_sigterm_saves_and_rerun_resumes(data_dir, tmp_path):
+  args = [sys.executable, "-m", "mimo_jax.launch", f"--config.run.workdir={tmp_path}",
+          f"--config.data.dir={data_dir}", "--config.data.train_samples=2000",
+          "--config.data.eval_samples=200", "--config.eval.samples=16", "--config.eval.batch=16",
+          "--config.model.language.layers=1", "--config.model.vision.layers=1",
+          "--config.run.log_every=1", "--config.run.progress=lines"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(args + ["--config.train.steps=100000"], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and (not metrics.exists() or
+                                    len(metrics.read_text().splitlines()) < 5):
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-2000:]
+  assert "SIGTERM: saved step" in out
+  last = int(out.split("SIGTERM: saved step ")[1].split()[0])
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path)), ["vision", "language"])
+  assert ckpt.latest_step() == last
+  ckpt.close()
+  logged = [int(ln.split(",")[0].split(":")[1]) for ln in metrics.read_text().splitlines()]
+  assert logged[-1] == last  # every finished step is logged before the save
+  again = subprocess.run(args + [f"--config.train.steps={last + 2}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"resumed from {tmp_path / 'checkpoints'} step {last}" in again.stdout
+  assert f"step {last + 2} | loss" in again.stdout
+
+
+def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
+  full_dir, _ = full_run
+  run = lambda *a: subprocess.run([sys.executable, "-m", "tools.ckpt", *a], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=300)
+  cfg = _cfg(data_dir, full_dir)
+  stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  counts = {n: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(a))
+            for n, a in stepper.abstract_params.items()}
+  out = run("inspect", str(full_dir), "--params")
+  assert out.returncode == 0, out.stderr
+  assert "steps: 2, 4, 6 (showing 6)" in out.stdout
+  assert f"module vision: {counts['vision']:,} parameters" in out.stdout
+  assert f"module language: {counts['language']:,} parameters" in out.stdout
+  assert "6 steps done, 192 samples consumed" in out.stdout
+  assert "language/embedding" in out.stdout
+  target = tmp_path / "model.safetensors"
+  out = run("export", str(full_dir), "--step", "4", "--out", str(target))
+  assert out.returncode == 0, out.stderr
+  tensors = load_file(str(target))
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(full_dir)), list(stepper.modules))
+  state, _ = ckpt.restore(4, stepper.abstract_state(), cfg)
+  ckpt.close()
+  np.testing.assert_array_equal(tensors["language/embedding"],
+                                np.asarray(state["language"].params["embedding"]))
+  assert len(tensors) == sum(len(jax.tree.leaves(a)) for a in stepper.abstract_params.values())
+  out = run("check", str(full_dir))
+  arrays = sum(len(jax.tree.leaves(a)) for a in stepper.abstract_params.values())
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert out.stdout.count(f": {arrays} arrays restored, ok") == 3, out.stdout
+  out = run("export", str(full_dir), "--step", "5", "--out", str(target))
+  assert out.returncode == 2 and "no step 5" in out.stderr
