@@ -7,20 +7,28 @@ them), each piece is copied device-to-device, pieces of one destination are conc
 the result is assembled into one global array on the destination mesh. That covers fan-in
 (source dp > destination dp), fan-out and any dp pair that divides n; the same function carries the
 gradients back. Tensor-parallel replicas on the destination pull from different source replicas,
-so copies spread over links instead of all leaving one device.
+so copies spread over links instead of all leaving one device. Pieces that cross processes go in
+batched `jax.device_put` calls between stacked shardings (NCCL on GPU, sockets on CPU); every
+process computes the same plan and makes the same calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
-def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
+def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], local: bool) -> dict:
   """Device -> (first row, last row + 1) it holds; only splits of axis 0 are supported."""
+  index_map = (sharding.addressable_devices_indices_map(shape) if local
+               else sharding.devices_indices_map(shape))
   out = {}
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
+  for device, index in index_map.items():
     if not shape:  # a scalar: every device holds all of it
       out[device] = (0, 1)
       continue
@@ -33,30 +41,94 @@ def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
   return out
 
 
-def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-  """Moves an array split on axis 0 (or replicated) to `dst` shard by shard; see the docstring."""
-  if x.sharding == dst:
-    return x
-  shards = {s.device: s.data for s in x.addressable_shards}
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  src: jax.Device
+  lo: int  # rows [lo, hi) of the source shard
+  hi: int
+  dst: jax.Device
+
+  @property
+  def crosses(self) -> bool:
+    return self.src.process_index != self.dst.process_index
+
+
+def _plan(x: jax.Array, dst: NamedSharding) -> dict:
+  """For every destination device (of every process), the source pieces it is built from.
+
+  The plan is computed identically on every process, so all of them make the same calls.
+  A replica on the destination's own process is preferred; otherwise replicas take turns.
+  """
   replicas: dict[tuple[int, int], list] = {}
-  for device, rows in sorted(_rows(x.sharding, x.shape).items(), key=lambda kv: kv[0].id):
+  for device, rows in sorted(_rows(x.sharding, x.shape, local=False).items(),
+                             key=lambda kv: kv[0].id):
     replicas.setdefault(rows, []).append(device)
-  sources = sorted(replicas)
-  arrays = []
-  for k, (device, (lo, hi)) in enumerate(_rows(dst, x.shape).items()):
+  plan = {}
+  for k, (device, (lo, hi)) in enumerate(_rows(dst, x.shape, local=False).items()):
     pieces = []
-    for a, b in sources:
+    for a, b in sorted(replicas):
       if b <= lo or a >= hi:
         continue
-      src = replicas[(a, b)][k % len(replicas[(a, b)])]  # spread copies over replicas
-      piece = shards[src]
-      if (max(lo, a), min(hi, b)) != (a, b):
-        piece = jax.lax.slice_in_dim(piece, max(lo, a) - a, min(hi, b) - a, axis=0)
-      pieces.append(jax.device_put(piece, device))
-    if sum(p.shape[0] if p.ndim else 1 for p in pieces) != hi - lo:
+      near = [d for d in replicas[(a, b)] if d.process_index == device.process_index]
+      options = near or replicas[(a, b)]
+      pieces.append(_Piece(options[k % len(options)], max(lo, a) - a, min(hi, b) - a, device))
+    if sum(p.hi - p.lo for p in pieces) != hi - lo:
       raise ValueError(f"source shards of {x.sharding} do not cover rows [{lo}, {hi})")
+    plan[device] = pieces
+  return plan
+
+
+def _cut(shards: dict, piece: _Piece, full: int) -> jax.Array:
+  data = shards[piece.src]
+  if (piece.lo, piece.hi) == (0, full) or not data.ndim:
+    return data
+  return jax.lax.slice_in_dim(data, piece.lo, piece.hi, axis=0)
+
+
+def _send_across(pieces: list[_Piece], shards: dict, x: jax.Array) -> dict:
+  """Copies pieces between processes with `jax.device_put`, which pairs shard i of a source
+  sharding with shard i of a destination sharding and needs every pair to cross processes. Pieces
+  are sent in rounds of distinct devices and equal shapes, stacked on a new leading axis."""
+  out, todo = {}, list(pieces)
+  while todo:
+    shape = (todo[0].hi - todo[0].lo,) + x.shape[1:] if x.ndim else ()
+    batch, used, rest = [], set(), []
+    for p in todo:
+      p_shape = (p.hi - p.lo,) + x.shape[1:] if x.ndim else ()
+      if p_shape == shape and p.src not in used and p.dst not in used:
+        batch.append(p)
+        used.update((p.src, p.dst))
+      else:
+        rest.append(p)
+    todo = rest
+    full = x.shape[0] if x.ndim else 1
+    stack = lambda devices: NamedSharding(Mesh(np.asarray(devices, dtype=object), ("x",)),
+                                          P("x"))
+    local = [_cut(shards, p, full)[None] for p in batch if p.src in shards]
+    src = jax.make_array_from_single_device_arrays(
+        (len(batch),) + shape, stack([p.src for p in batch]), local, dtype=x.dtype)
+    moved = jax.device_put(src, stack([p.dst for p in batch]))
+    by_device = {s.device: s.data[0] for s in moved.addressable_shards}
+    for p in batch:
+      if p.dst in by_device:
+        out[p] = by_device[p.dst]
+  return out
+
+
+def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
+  """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
+  if x.sharding == dst:
+    return x
+  plan = _plan(x, dst)
+  shards = {s.device: s.data for s in x.addressable_shards}
+  full = x.shape[0] if x.ndim else 1
+  across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)
+  arrays = []
+  for device in dst.addressable_devices_indices_map(x.shape):
+    pieces = [across[p] if p.crosses else jax.device_put(_cut(shards, p, full), device)
+              for p in plan[device]]
     arrays.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0))
-  return jax.make_array_from_single_device_arrays(x.shape, dst, arrays)
+  return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
 
 
 def transfer_tree(tree, dst: NamedSharding):

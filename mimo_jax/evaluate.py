@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mimo_jax import distributed
 from mimo_jax.data.tokenizer import PAD
 from mimo_jax.models.mimo import language_logits
 from mimo_jax.step import Stepper
@@ -58,7 +59,7 @@ class Evaluator:
       x = self.s.place(batch)
       embs = self.s.encode(state, x)
       outs.append(self._lang_eval(state["language"].params, embs, x.img_pos, x.text))
-    for out in jax.device_get(outs):
+    for out in distributed.fetch(outs):
       for k in totals:
         totals[k] += float(out[k])
     return {"eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0),

@@ -5,13 +5,24 @@ Flags -> config -> validation -> `train.run`. Every config field is documented i
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mimo_jax.config import ConfigError, validate
+
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "Multi-host: HOST:PORT of process 0's coordinator (with --num_processes "
+    "and --process_id). Omit under SLURM or Open MPI: the cluster is detected.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout", 60, "Multi-host: seconds without a heartbeat after which the other "
+    "processes declare a process dead and stop with an error.")
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "digits.py")
 _CONFIG = None
@@ -60,11 +71,24 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)  # before the backend starts
-  from mimo_jax import train  # pylint: disable=import-outside-toplevel
+  from mimo_jax import distributed, train  # pylint: disable=import-outside-toplevel
+  try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           _HEARTBEAT.value)
+  except ValueError as e:
+    _fail(str(e))
   try:
     train.run(cfg)
   except ConfigError as e:
     _fail(str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    if jax.process_count() == 1:
+      raise
+    # Every process reports its own failure, tagged, so a multi-host log says who failed.
+    traceback.print_exc()
+    print(f"mimo_jax: process {jax.process_index()}: error: {type(e).__name__}: {e}",
+          file=sys.stderr, flush=True)
+    os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the others
 
 
 def cli() -> None:

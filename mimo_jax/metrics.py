@@ -19,8 +19,15 @@ class MetricsWriter:
   """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
 
   def __init__(self, workdir: str, total_steps: int, progress: str = "auto",
-               resume_after: int = 0):
-    """`resume_after` > 0 keeps the records of steps up to it (those a checkpoint covers)."""
+               resume_after: int = 0, enabled: bool = True):
+    """`resume_after` > 0 keeps the records of steps up to it (those a checkpoint covers).
+
+    A disabled writer (processes other than 0) writes and prints nothing but still checks values.
+    """
+    self.enabled = enabled
+    self._t0 = time.time()
+    if not enabled:
+      return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     kept = []
@@ -34,35 +41,37 @@ class MetricsWriter:
     use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
     self._bar = tqdm(total=total_steps, initial=min(resume_after, total_steps), unit="step",
                      dynamic_ncols=True) if use_bar else None
-    self._t0 = time.time()
 
   def write(self, record: dict) -> None:
     """Logs a record with a `step`; raises NonFiniteError on NaN/Inf (after writing it)."""
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
     step = record["step"]
-    for k, v in record.items():
-      if k != "step" and isinstance(v, (int, float)):
-        self._tb.add_scalar(k, v, step)
-    self.say(format_record(record))
+    if self.enabled:
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+      self.say(format_record(record))
     bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
       raise NonFiniteError(f"step {step}: {', '.join(bad)} is not finite; lower optim.lr or "
                            "check the data.")
 
-  def advance(self, steps: int = 1, **postfix) -> None:
-    if self._bar is not None:
+  def advance(self, steps: int = 1) -> None:
+    if self.enabled and self._bar is not None:
       self._bar.update(steps)
-      if postfix:
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
 
   def say(self, line: str) -> None:
+    if not self.enabled:
+      return
     if self._bar is not None:
       self._bar.write(line)
     else:
       print(f"[{time.time() - self._t0:7.1f}s] {line}", flush=True)
 
   def close(self) -> None:
+    if not self.enabled:
+      return
     if self._bar is not None:
       self._bar.close()
     self._tb.close()

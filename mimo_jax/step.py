@@ -50,6 +50,12 @@ class Inputs:
   img_pos: dict[str, jax.Array]
 
 
+def put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """Host array -> global array; each process fills only the shards of its own devices."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index], dtype=x.dtype)
+
+
 def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
@@ -177,13 +183,13 @@ class Stepper:
     """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs."""
     pick = (lambda k: batch[k][m]) if m is not None else (lambda k: batch[k])
     lang_sh = self.topo.sharding("language")
-    text = {k: jax.device_put(pick(k), lang_sh) for k in TEXT_FIELDS}
+    text = {k: put(pick(k), lang_sh) for k in TEXT_FIELDS}
     images, slot_ids, img_pos = {}, {}, {}
     for name in self.encoders:
       f_img, f_slots, f_pos = ENCODER_FIELDS[name]
-      images[name] = jax.device_put(pick(f_img), self.topo.sharding(name))
-      slot_ids[name] = jax.device_put(pick(f_slots), self.topo.sharding(name))
-      img_pos[name] = jax.device_put(pick(f_pos), lang_sh)
+      images[name] = put(pick(f_img), self.topo.sharding(name))
+      slot_ids[name] = put(pick(f_slots), self.topo.sharding(name))
+      img_pos[name] = put(pick(f_pos), lang_sh)
     return Inputs(text, images, slot_ids, img_pos)
 
   # ---- training step ------------------------------------------------------------------------
@@ -200,7 +206,7 @@ class Stepper:
     """All microbatches of a step on device, and 1 / the step's target tokens (DESIGN §2.3)."""
     inputs = [self.place(batch, m) for m in range(batch["tokens_bl"].shape[0])]
     inv_tokens = np.float32(1.0 / max(float(batch["loss_mask_bl"].sum()), 1.0))
-    return inputs, jax.device_put(inv_tokens, self.topo.sharding("language", REPLICATED))
+    return inputs, put(inv_tokens, self.topo.sharding("language", REPLICATED))
 
   def train_step(self, state: dict[str, ModuleState], batch: dict[str, np.ndarray]):
     """Dispatches one optimizer step; returns the new state and device-side metrics."""

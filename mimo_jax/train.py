@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import checkpoint, topology
+from mimo_jax import checkpoint, distributed, topology
 from mimo_jax.config import Config, validate
 from mimo_jax.data import loader
 from mimo_jax.data.tokenizer import PAD
@@ -51,7 +51,7 @@ class _StopFlag:
 
 
 def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -> dict:
-  m = jax.device_get(metrics)
+  m = distributed.fetch(metrics)
   if int(m["mismatches"]):
     raise BridgeMismatchError(
         f"step {step}: {int(m['mismatches'])} image placeholders received tokens of another "
@@ -78,7 +78,7 @@ def run(cfg: Config) -> list[dict]:
   eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
   lr_at = schedule(cfg)
   writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
-                         resume_after=start)
+                         resume_after=start, enabled=distributed.is_main())
   records = []
 
   def log(record: dict) -> None:
@@ -102,7 +102,7 @@ def run(cfg: Config) -> list[dict]:
       took = now - (dispatched if step == cfg.train.steps else last_done)
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
         log(_record(step, metrics, info, took, float(lr_at(step - 1))))
-      writer.advance(1, loss=float(metrics["loss"]))
+      writer.advance(1)
       pending, last_done = None, now
 
     saved = start

@@ -1,0 +1,70 @@
+"""Several processes (hosts): start-up, and bringing device values to every process.
+
+Every process runs the same program and makes the same jit and transfer calls in the same order
+(DESIGN §3.6); a process may call a jit on a mesh where it has no devices. Only process 0 writes
+metrics, progress and the run's logs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax import bridge
+
+CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def cluster_detected() -> bool:
+  return any(int(os.environ.get(k, "1")) > 1 for k in CLUSTER_ENV)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               heartbeat_timeout_s: int = 60) -> None:
+  """Starts jax.distributed when flags are given or SLURM / Open MPI launched several tasks."""
+  explicit = coordinator is not None or num_processes is not None or process_id is not None
+  if not explicit and not cluster_detected():
+    return
+  if explicit and None in (coordinator, num_processes, process_id):
+    raise ValueError("--coordinator, --num_processes and --process_id go together.")
+  # CPU processes exchange arrays over sockets (GPUs use NCCL; there this setting is unused).
+  host = os.environ.get("MIMO_JAX_TRANSFER_HOST", "127.0.0.1")
+  jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port()}")
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def _report_sharding() -> NamedSharding:
+  """One device of every process, replicated: where values go to be read by every process."""
+  first = {}
+  for d in jax.devices():
+    first.setdefault(d.process_index, d)
+  devices = np.asarray([first[p] for p in sorted(first)], dtype=object)
+  return NamedSharding(Mesh(devices, ("process",)), P())
+
+
+def fetch(tree):
+  """Host copies of replicated device values, on every process (a no-op move in one process)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  report = _report_sharding()
+  moved = jax.tree.map(lambda a: bridge.transfer(a, report) if isinstance(a, jax.Array) else a,
+                       tree)
+  return jax.tree.map(
+      lambda a: np.asarray(a.addressable_shards[0].data) if isinstance(a, jax.Array) else a,
+      moved)

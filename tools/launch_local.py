@@ -1,0 +1,105 @@
+"""Start N local processes of `python -m mimo_jax.launch`, as on N hosts.
+
+  python -m tools.launch_local -n 2 [--devices_per_process 4] [--gpus] -- [launch flags ...]
+
+Each process gets `--coordinator=127.0.0.1:PORT --num_processes=N --process_id=I`; on CPU each
+creates `--devices_per_process` devices (`run.cpu_devices`), with `--gpus` each sees one GPU
+(CUDA_VISIBLE_DEVICES=I). Output lines are prefixed with `[I]`. If one process fails or is killed,
+the others are ended and the launcher exits with that process's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(index: int, stream, out) -> None:
+  for line in iter(stream.readline, ""):
+    out.write(f"[{index}] {line}")
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if "--" in argv:
+    split = argv.index("--")
+    own, launch_args = argv[:split], argv[split + 1:]
+  else:
+    own, launch_args = argv, []
+  parser = argparse.ArgumentParser(prog="python -m tools.launch_local", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("-n", "--num_processes", type=int, required=True)
+  parser.add_argument("--devices_per_process", type=int, default=4,
+                      help="CPU devices each process creates (run.cpu_devices)")
+  parser.add_argument("--gpus", action="store_true", help="one GPU per process")
+  args = parser.parse_args(own)
+  if args.num_processes < 1:
+    parser.error("-n must be >= 1")
+  port = _free_port()
+  procs, pumps = [], []
+  for i in range(args.num_processes):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.gpus:
+      env["CUDA_VISIBLE_DEVICES"] = str(i)
+    else:
+      env.setdefault("JAX_PLATFORMS", "cpu")
+    cmd = [sys.executable, "-m", "mimo_jax.launch", f"--coordinator=127.0.0.1:{port}",
+           f"--num_processes={args.num_processes}", f"--process_id={i}"]
+    if not args.gpus:
+      cmd.append(f"--config.run.cpu_devices={args.devices_per_process}")
+    proc = subprocess.Popen(cmd + launch_args, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs.append(proc)
+    pump = threading.Thread(target=_pump, args=(i, proc.stdout, sys.stdout), daemon=True)
+    pump.start()
+    pumps.append(pump)
+
+  def stop_all(sig=signal.SIGTERM) -> None:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, sig)
+
+  signal.signal(signal.SIGTERM, lambda *_: stop_all())
+  status = 0
+  try:
+    while any(p.poll() is None for p in procs):
+      failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+      if failed:
+        i, rc = failed[0]
+        print(f"[launch_local] process {i} exited with status {rc}; ending the others",
+              file=sys.stderr, flush=True)
+        status = rc if rc > 0 else 128 - rc
+        stop_all()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+          time.sleep(0.1)
+        stop_all(signal.SIGKILL)
+        break
+      time.sleep(0.1)
+  except KeyboardInterrupt:
+    stop_all(signal.SIGINT)  # each process checkpoints its last finished step
+  for p in procs:
+    p.wait()
+  for t in pumps:
+    t.join(timeout=5)
+  if status == 0:
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    status = (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main())
