@@ -4,6 +4,11 @@
 restore reads each module into abstract arrays carrying the *current* topology's shardings, so a
 checkpoint written on one layout restores onto any other. orbax writes a step into a temporary
 folder and renames it when complete, so an interrupted save is never taken as the latest step.
+
+With several processes, orbax refuses arrays that live on the devices of one process only (a module
+whose mesh sits on one host). There every array is first gathered and copied, through the bridge,
+to one device of each process ("global" layout), which orbax saves like any replicated array;
+restore reverses the path onto the current topology.
 """
 
 from __future__ import annotations
@@ -11,8 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from mimo_jax import bridge, distributed
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.step import ModuleState
 
@@ -48,6 +57,29 @@ def _flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
+def _replicated(tree):
+  """The tree replicated over its own module mesh (one jit)."""
+  shardings = jax.tree.map(lambda a: NamedSharding(a.sharding.mesh, P()), tree)
+  return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+
+
+def _to_global(tree):
+  report = distributed.report_sharding()
+  return jax.tree.map(lambda a: bridge.transfer(a, report), _replicated(tree))
+
+
+def _from_global(tree, abstract):
+  """Arrays in the global layout -> the shardings of `abstract` (this run's topology)."""
+  moved = jax.tree.map(lambda a, t: bridge.transfer(a, NamedSharding(t.sharding.mesh, P())),
+                       tree, abstract)
+  return jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda t: t.sharding, abstract))(moved)
+
+
+def _global_abstract(abstract):
+  report = distributed.report_sharding()
+  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=report), abstract)
+
+
 class Checkpointer:
   """Saves and restores training state under `<workdir>/checkpoints`."""
 
@@ -70,8 +102,10 @@ class Checkpointer:
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
                      **{k: getattr(cfg.data, k) for k in DATA_FIELDS}},
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
-    items = {n: ocp.args.StandardSave({"params": s.params, "opt_state": s.opt_state})
-             for n, s in state.items()}
+    trees = {n: {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
+    if jax.process_count() > 1:
+      trees = {n: _to_global(t) for n, t in trees.items()}
+    items = {n: ocp.args.StandardSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
 
@@ -87,12 +121,16 @@ class Checkpointer:
     """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first."""
     meta = self.read_meta(step)
     check_compatible(meta, cfg, self.path, step)
-    args = {n: ocp.args.StandardRestore(abstract[n]) for n in abstract}
+    multi = jax.process_count() > 1
+    targets = {n: _global_abstract(a) if multi else a for n, a in abstract.items()}
+    args = {n: ocp.args.StandardRestore(targets[n]) for n in abstract}
     try:
       restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f"{self.path}: step {step} could not be restored: "
                             f"{str(e).splitlines()[0]}") from None
+    if multi:
+      restored = {n: _from_global(restored[n], abstract[n]) for n in abstract}
     state = {n: ModuleState(restored[n]["params"], restored[n]["opt_state"]) for n in abstract}
     return state, meta
 

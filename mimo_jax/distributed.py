@@ -49,7 +49,7 @@ def is_main() -> bool:
   return jax.process_index() == 0
 
 
-def _report_sharding() -> NamedSharding:
+def report_sharding() -> NamedSharding:
   """One device of every process, replicated: where values go to be read by every process."""
   first = {}
   for d in jax.devices():
@@ -62,7 +62,7 @@ def fetch(tree):
   """Host copies of replicated device values, on every process (a no-op move in one process)."""
   if jax.process_count() == 1:
     return jax.device_get(tree)
-  report = _report_sharding()
+  report = report_sharding()
   moved = jax.tree.map(lambda a: bridge.transfer(a, report) if isinstance(a, jax.Array) else a,
                        tree)
   return jax.tree.map(

@@ -10,23 +10,19 @@ from mimo_jax.config import Config, validate
 from mimo_jax.data import loader
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
+from tests.configs import tiny
 
 
 def tiny_config(data_dir: str, **topo) -> Config:
-  """A config small enough to compile in seconds; `topo` maps module -> (offset, dp, tp)."""
-  cfg = Config()
+  """tests/configs/tiny.py; `topo` maps module -> (offset, dp, tp)."""
+  cfg = tiny.get_config(topology_arg(**topo))
   cfg.data.dir = data_dir
-  cfg.data.train_samples, cfg.data.eval_samples = 2_000, 200
-  cfg.data.global_batch, cfg.data.microbatches = 32, 2
-  cfg.model.vision.dim, cfg.model.vision.mlp_dim, cfg.model.vision.projector_hidden = 32, 64, 64
-  cfg.model.language.dim, cfg.model.language.mlp_dim = 64, 128
-  cfg.optim.warmup_steps = 2
-  cfg.train.steps = 4
-  cfg.eval.samples, cfg.eval.batch = 48, 16
-  for name, (offset, dp, tp) in topo.items():
-    t = getattr(cfg.topology, name)
-    t.offset, t.dp, t.tp = offset, dp, tp
   return cfg
+
+
+def topology_arg(**topo) -> str:
+  """The tiny config's argument for a topology, e.g. vision=0/4/1,language=4/2/2."""
+  return ",".join(f"{name}={o}/{dp}/{tp}" for name, (o, dp, tp) in topo.items())
 
 
 def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Stepper, dict, dict]:

@@ -58,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
       env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "mimo_jax.launch", f"--coordinator=127.0.0.1:{port}",
            f"--num_processes={args.num_processes}", f"--process_id={i}"]
-    if not args.gpus:
-      cmd.append(f"--config.run.cpu_devices={args.devices_per_process}")
-    proc = subprocess.Popen(cmd + launch_args, env=env, stdout=subprocess.PIPE,
+    extra = [] if args.gpus else [f"--config.run.cpu_devices={args.devices_per_process}"]
+    # After the user's flags: ml_collections needs --config before any --config.* override.
+    proc = subprocess.Popen(cmd + launch_args + extra, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     procs.append(proc)
+    print(f"[launch_local] process {i}: pid {proc.pid}", flush=True)
     pump = threading.Thread(target=_pump, args=(i, proc.stdout, sys.stdout), daemon=True)
     pump.start()
     pumps.append(pump)

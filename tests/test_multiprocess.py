@@ -1,0 +1,110 @@
+"""Two local processes x 4 CPU devices, as two hosts: vision on one, language on the other."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mimo_jax import train
+from tests.helpers import run_steps, tiny_config, topology_arg
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
+FAN_IN = {"vision": (0, 4, 1), "language": (4, 2, 2)}  # process 0 -> process 1, 4 -> 2
+FAN_OUT = {"vision": (0, 1, 1), "language": (4, 4, 1)}  # 1 -> 4
+
+
+def _args(data_dir, workdir, topo, *extra) -> list[str]:
+  return [sys.executable, "-m", "tools.launch_local", "-n", "2", "--devices_per_process", "4",
+          "--", f"--config=tests/configs/tiny.py:{topology_arg(**topo)}",
+          f"--config.data.dir={data_dir}", f"--config.run.workdir={workdir}",
+          "--config.run.log_every=1", *extra]
+
+
+def _launch(*args) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(list(args), cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
+
+
+def _train_records(workdir) -> dict[int, tuple[float, float]]:
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir):
+  metrics = run_steps(tiny_config(data_dir, **SINGLE), 4)[0]
+  return {i + 1: (float(m["loss"]), float(m["grad_norm"])) for i, m in enumerate(metrics)}
+
+
+@pytest.mark.parametrize("topo", [pytest.param(FAN_IN, id="fan-in"),
+                                  pytest.param(FAN_OUT, id="fan-out")])
+def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo):
+  proc = _launch(*_args(data_dir, tmp_path, topo))
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  got = _train_records(tmp_path)
+  assert sorted(got) == [1, 2, 3, 4]
+  for step, want in reference.items():
+    np.testing.assert_allclose(got[step], want, rtol=1e-4, err_msg=f"step {step}")
+  assert "[1] " not in "".join(ln for ln in proc.stdout.splitlines(True) if "step " in ln)
+
+
+def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
+  first = tmp_path / "first"
+  proc = _launch(*_args(data_dir, first, FAN_IN, "--config.checkpoint.every=2"))
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  full = _train_records(first)
+  # Resume from step 2 with the same two processes: bitwise the same steps 3 and 4.
+  again = tmp_path / "again"
+  shutil.copytree(first / "checkpoints", again / "checkpoints")
+  shutil.rmtree(again / "checkpoints" / "4")
+  proc = _launch(*_args(data_dir, again, FAN_IN, "--config.checkpoint.every=2"))
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert "resumed from" in proc.stdout and "step 2" in proc.stdout
+  resumed = _train_records(again)
+  assert {s: resumed[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
+  # The same two-process checkpoint restored in one process on one device.
+  single = tmp_path / "single"
+  shutil.copytree(first / "checkpoints", single / "checkpoints")
+  shutil.rmtree(single / "checkpoints" / "4")
+  cfg = tiny_config(data_dir, **SINGLE)
+  cfg.run.workdir, cfg.run.log_every, cfg.checkpoint.every = str(single), 1, 2
+  records = {r["step"]: (r["loss"], r["grad_norm"]) for r in train.run(cfg) if "loss" in r}
+  for step in (3, 4):
+    np.testing.assert_allclose(records[step], full[step], rtol=1e-4, err_msg=f"step {step}")
+
+
+def test_killed_process_ends_the_launcher(data_dir, tmp_path):
+  args = _args(data_dir, tmp_path, FAN_IN, "--config.train.steps=100000")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  launcher = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
+                            daemon=True)
+  reader.start()
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and (not metrics.exists() or
+                                    len(metrics.read_text().splitlines()) < 3):
+    time.sleep(0.2)
+  assert metrics.exists(), "".join(lines)[-3000:]
+  pids = dict(re.findall(r"\[launch_local\] process (\d+): pid (\d+)", "".join(lines)))
+  os.kill(int(pids["1"]), signal.SIGKILL)
+  killed = time.time()
+  rc = launcher.wait(timeout=120)
+  elapsed = time.time() - killed
+  assert rc != 0
+  assert elapsed < 60, elapsed
+  with pytest.raises(ProcessLookupError):  # the surviving process was ended too
+    os.kill(int(pids["0"]), 0)
