@@ -68,6 +68,13 @@ def _to_global(tree):
   return jax.tree.map(lambda a: bridge.transfer(a, report), _replicated(tree))
 
 
+def _settle(tree) -> None:
+  """Every process holds its copies before orbax's device-collective barriers start: a process
+  blocked in such a collective would otherwise stall the copies another process waits for."""
+  jax.block_until_ready(tree)
+  distributed.barrier("checkpoint")
+
+
 def _from_global(tree, abstract):
   """Arrays in the global layout -> the shardings of `abstract` (this run's topology)."""
   moved = jax.tree.map(lambda a, t: bridge.transfer(a, NamedSharding(t.sharding.mesh, P())),
@@ -105,6 +112,7 @@ class Checkpointer:
     trees = {n: {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
     if jax.process_count() > 1:
       trees = {n: _to_global(t) for n, t in trees.items()}
+      _settle(trees)
     items = {n: ocp.args.StandardSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
@@ -131,6 +139,7 @@ class Checkpointer:
                             f"{str(e).splitlines()[0]}") from None
     if multi:
       restored = {n: _from_global(restored[n], abstract[n]) for n in abstract}
+      _settle(restored)
     state = {n: ModuleState(restored[n]["params"], restored[n]["opt_state"]) for n in abstract}
     return state, meta
 

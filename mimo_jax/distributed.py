@@ -45,6 +45,23 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
                              heartbeat_timeout_seconds=heartbeat_timeout_s)
 
 
+_barriers = [0]
+
+
+def barrier(tag: str, timeout_s: int = 300) -> None:
+  """Waits until every process reaches this point, through the coordination service.
+
+  Unlike a device collective it does not occupy the devices, so pending cross-process copies
+  (which on CPU are served by the devices' threads) still complete while a process waits here.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  _barriers[0] += 1
+  jax_distributed.global_state.client.wait_at_barrier(f"mimo_jax_{tag}_{_barriers[0]}",
+                                                      timeout_s * 1000)
+
+
 def is_main() -> bool:
   return jax.process_index() == 0
 

@@ -70,8 +70,9 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
   shutil.rmtree(again / "checkpoints" / "4")
   proc = _launch(*_args(data_dir, again, FAN_IN, "--config.checkpoint.every=2"))
   assert proc.returncode == 0, proc.stdout[-3000:]
-  assert "resumed from" in proc.stdout and "step 2" in proc.stdout
+  assert f"resumed from {again / 'checkpoints'} step 2" in proc.stdout
   resumed = _train_records(again)
+  assert sorted(resumed) == [3, 4]  # trained only what the checkpoint did not cover
   assert {s: resumed[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
   # The same two-process checkpoint restored in one process on one device.
   single = tmp_path / "single"
@@ -80,6 +81,7 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
   cfg = tiny_config(data_dir, **SINGLE)
   cfg.run.workdir, cfg.run.log_every, cfg.checkpoint.every = str(single), 1, 2
   records = {r["step"]: (r["loss"], r["grad_norm"]) for r in train.run(cfg) if "loss" in r}
+  assert sorted(records) == [3, 4]
   for step in (3, 4):
     np.testing.assert_allclose(records[step], full[step], rtol=1e-4, err_msg=f"step {step}")
 
