@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from mimo_jax import checkpoint, distributed, topology
 from mimo_jax.config import Config, validate
@@ -29,16 +30,27 @@ class BridgeMismatchError(RuntimeError):
 
 
 class _StopFlag:
-  """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop; a second SIGINT aborts."""
+  """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop; a second SIGINT aborts.
+
+  With several processes, SIGTERM goes to jax.distributed's preemption sync instead, which picks
+  one step at which every process stops (processes see a signal at different steps).
+  """
 
   def __init__(self):
     self.signal = None
     self._old = {}
+    self._multi = jax.process_count() > 1
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in () if self._multi else (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
     return self
+
+  def should_stop(self, step: int) -> bool:
+    if self._multi:
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signal = "SIGTERM"
+    return self.signal is not None
 
   def _handle(self, signum, frame):
     if self.signal is not None and signum == signal.SIGINT:
@@ -117,7 +129,7 @@ def run(cfg: Config) -> list[dict]:
         if pending is not None:
           flush()  # the previous step's metrics, now that this step is dispatched
         pending = (step, metrics, info, dispatched)
-        if stop.signal:
+        if stop.should_stop(step):
           flush()
           ckpt.save(step, state, cfg, force=True)
           ckpt.wait()

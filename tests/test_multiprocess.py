@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import train
+from mimo_jax.checkpoint import complete_steps
 from tests.helpers import run_steps, tiny_config, topology_arg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -86,27 +87,42 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
     np.testing.assert_allclose(records[step], full[step], rtol=1e-4, err_msg=f"step {step}")
 
 
-def test_killed_process_ends_the_launcher(data_dir, tmp_path):
-  args = _args(data_dir, tmp_path, FAN_IN, "--config.train.steps=100000")
+def _start(data_dir, workdir):
+  """A long two-process run; returns the launcher, its output lines and the two pids."""
+  args = _args(data_dir, workdir, FAN_IN, "--config.train.steps=100000")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   launcher = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
   lines = []
-  reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
-                            daemon=True)
-  reader.start()
-  metrics = tmp_path / "metrics.jsonl"
+  threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
+                   daemon=True).start()
+  metrics = pathlib.Path(workdir) / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and (not metrics.exists() or
                                     len(metrics.read_text().splitlines()) < 3):
     time.sleep(0.2)
   assert metrics.exists(), "".join(lines)[-3000:]
   pids = dict(re.findall(r"\[launch_local\] process (\d+): pid (\d+)", "".join(lines)))
-  os.kill(int(pids["1"]), signal.SIGKILL)
+  return launcher, lines, {int(k): int(v) for k, v in pids.items()}
+
+
+def test_killed_process_ends_the_launcher(data_dir, tmp_path):
+  launcher, _, pids = _start(data_dir, tmp_path)
+  os.kill(pids[1], signal.SIGKILL)
   killed = time.time()
   rc = launcher.wait(timeout=120)
   elapsed = time.time() - killed
   assert rc != 0
   assert elapsed < 60, elapsed
   with pytest.raises(ProcessLookupError):  # the surviving process was ended too
-    os.kill(int(pids["0"]), 0)
+    os.kill(pids[0], 0)
+
+
+def test_sigterm_to_one_process_stops_all_at_one_step(data_dir, tmp_path):
+  launcher, lines, pids = _start(data_dir, tmp_path)
+  os.kill(pids[1], signal.SIGTERM)  # a preemption notice reaching one host
+  assert launcher.wait(timeout=120) == 0, "".join(lines)[-3000:]
+  out = "".join(lines)
+  saved = int(re.search(r"SIGTERM: saved step (\d+)", out).group(1))
+  assert complete_steps(str(tmp_path / "checkpoints")) == [saved]
+  assert max(_train_records(tmp_path)) == saved
