@@ -86,6 +86,14 @@ class DataConfig:
   eval_samples: int = 1_000  # samples built from held-out images
   dir: str = ""  # where the digits ArrayRecord shards are built; "" = ~/.cache/mimo_jax/digits
   workers: int = 0  # grain read threads for the loader (0 = read in the main thread)
+  # Intra-microbatch reorder: "none" (stream order) or "balance" (samples assigned to language dp
+  # ranks by cost = image tokens * image_token_cost + text tokens * text_token_cost).
+  reorder: str = "none"
+  # Sequence packing: rows per microbatch (split over language dp ranks) into which each rank packs
+  # its samples as segments; 0 = one sample a row (no packing).
+  pack_rows: int = 0
+  image_token_cost: float = 1.0
+  text_token_cost: float = 1.0
 
   @property
   def micro_batch(self) -> int:
@@ -216,6 +224,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
            f"{d.microbatches} must divide global_batch {d.global_batch}.")
   _require(d.image_slots >= 0, "data.image_slots", "must be >= 0 (0 = worst case).")
   _require(d.workers >= 0, "data.workers", "must be >= 0.")
+  _require(d.reorder in ("none", "balance"), "data.reorder",
+           f"must be none or balance, got {d.reorder!r}.")
+  _require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",
+           "costs must be >= 0.")
   try:
     probs = d.probs()
   except ValueError:
@@ -293,6 +305,9 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
            f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
   _require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
            f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
+  _require(d.pack_rows >= 0, "data.pack_rows", "must be >= 0 (0 = no packing).")
+  _require(d.pack_rows % lt.dp == 0, "data.pack_rows",
+           f"{d.pack_rows} rows must split evenly over language dp {lt.dp}.")
   slots = d.slots()
   _require(slots % lt.dp == 0, "data.image_slots",
            f"{slots} slots must split evenly over language dp {lt.dp}.")

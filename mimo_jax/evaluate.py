@@ -38,7 +38,8 @@ class Evaluator:
 
     def lang_eval(params, embs, img_pos, text):
       model = lang.bind(params)
-      logits_fn = lambda tokens: language_logits(model, tokens, embs, img_pos, groups)
+      logits_fn = lambda tokens: language_logits(model, tokens, embs, img_pos, groups,
+                                                 text["positions_bl"])
       ce = optax.softmax_cross_entropy_with_integer_labels(logits_fn(text["tokens_bl"]),
                                                            text["targets_bl"])
       loss_sum = jnp.sum(ce * text["loss_mask_bl"])

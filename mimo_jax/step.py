@@ -31,8 +31,8 @@ from mimo_jax.topology import BATCH, REPLICATED, Topology
 
 # Per encoder: its images, the owner of each slot, and where its tokens go in the text.
 ENCODER_FIELDS = {"vision": ("images_nhwc", "slot_ids_n", "img_pos_bl")}
-TEXT_FIELDS = ("tokens_bl", "targets_bl", "loss_mask_bl", "sample_ids_b", "colon_b",
-               "num_images_b")
+TEXT_FIELDS = ("tokens_bl", "targets_bl", "loss_mask_bl", "positions_bl", "segment_ids_bl",
+               "token_sample_bl", "sample_ids_b", "colon_b", "num_images_b")
 
 
 @dataclasses.dataclass
@@ -120,15 +120,17 @@ class Stepper:
     lang = self.modules["language"]
     groups, tpi = self.groups, self.tokens_per_image
     lang_batch = t.sharding("language")
+    packed = self.cfg.data.pack_rows > 0
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
       def loss_fn(p, embs):
-        logits = language_logits(lang.bind(p), text["tokens_bl"], embs, img_pos, groups)
+        logits = language_logits(lang.bind(p), text["tokens_bl"], embs, img_pos, groups,
+                                 text["positions_bl"], text["segment_ids_bl"] if packed else None)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, text["targets_bl"])
         return jnp.sum(ce * text["loss_mask_bl"]) * inv_tokens
       loss, (g_params, g_embs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, embs)
       g_embs = jax.lax.with_sharding_constraint(g_embs, lang_batch)  # what the bridge moves
-      bad = sum(slot_mismatches(slot_ids[n], img_pos[n], text["sample_ids_b"], tpi, groups)
+      bad = sum(slot_mismatches(slot_ids[n], img_pos[n], text["token_sample_bl"], tpi, groups)
                 for n in embs)
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
              "mismatches": acc["mismatches"] + bad}

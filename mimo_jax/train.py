@@ -70,7 +70,8 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
         "sample; the bridge or the slot layout is broken.")
   return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
-          "target_tokens": info["target_tokens"], "images": info["images"]}
+          "target_tokens": info["target_tokens"], "images": info["images"],
+          "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"]}
 
 
 def run(cfg: Config) -> list[dict]:
@@ -123,7 +124,9 @@ def run(cfg: Config) -> list[dict]:
         batch = next(batches)
         info = {"tokens": int(np.sum(batch["tokens_bl"] != PAD)),
                 "target_tokens": int(batch["loss_mask_bl"].sum()),
-                "images": int(batch["num_images_b"].sum())}
+                "images": int(batch["num_images_b"].sum()),
+                "cost_spread": float(batch["cost_spread"].mean()),
+                "cost_spread_in_order": float(batch["cost_spread_in_order"].mean())}
         dispatched = time.time()
         state, metrics = stepper.train_step(state, batch)
         if pending is not None:

@@ -47,7 +47,7 @@ def test_merge_places_own_images(groups, counts):
     assert np.all(merged[b, rest] == -1.0)  # text positions untouched
   assert mb["num_images_b"].tolist() == counts
   bad = slot_mismatches(jnp.asarray(mb["slot_ids_n"]), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["sample_ids_b"]), T, groups)
+                        jnp.asarray(mb["token_sample_bl"]), T, groups)
   assert int(bad) == 0
 
 
@@ -57,7 +57,7 @@ def test_mismatch_detected_when_slots_are_swapped():
   mb = layout_microbatch(samples, [10, 11, 12, 13], layout, Tokenizer())
   swapped = np.concatenate([mb["slot_ids_n"][6:], mb["slot_ids_n"][:6]])  # ranks exchanged
   bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["sample_ids_b"]), T, 2)
+                        jnp.asarray(mb["token_sample_bl"]), T, 2)
   assert int(bad) == 4 * 2 * T
 
 

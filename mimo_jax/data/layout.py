@@ -30,6 +30,7 @@ class Layout:
   groups: int  # G, language dp ranks
   slots: int  # G*S, image slots in the whole microbatch
   image_shape: tuple[int, ...] = (8, 8, 1)
+  pack_rows: int = 0  # rows per microbatch when packing several samples a row; 0 = one per row
 
   @property
   def slots_per_group(self) -> int:
@@ -45,18 +46,54 @@ def encode_text(tok: Tokenizer, text: str, tokens_per_image: int) -> tuple[list[
   return words, words.index(tok.colon)
 
 
+class _Rows:
+  """Where each sample's tokens go: its own row, or first fit among its rank's packed rows."""
+
+  def __init__(self, layout: Layout, bsz: int):
+    self.layout, self.packed = layout, layout.pack_rows > 0
+    self.count = layout.pack_rows if self.packed else bsz
+    self.per_group = self.count // layout.groups
+    self.free = [layout.seq_len] * self.count
+    self.segments = [0] * self.count
+
+  def place(self, b: int, g: int, n: int, sid: int) -> tuple[int, int, int]:
+    """Row, offset and segment number (1-based) for sample b of rank g with n tokens."""
+    L = self.layout.seq_len
+    if not self.packed:
+      self.free[b] -= n
+      return b, 0, 1
+    for r in range(g * self.per_group, (g + 1) * self.per_group):
+      if self.free[r] >= n:
+        offset, self.free[r] = L - self.free[r], self.free[r] - n
+        self.segments[r] += 1
+        return r, offset, self.segments[r]
+    raise ValueError(
+        f"sample {sid} ({n} tokens) does not fit in the {self.per_group} packed rows of language "
+        f"dp rank {g}; raise data.pack_rows (now {self.count} per microbatch) or data.seq_len.")
+
+
 def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
                       tok: Tokenizer) -> dict[str, np.ndarray]:
-  """Lays out one microbatch (see the module docstring). Padding rows have sample id -1."""
+  """Lays out one microbatch (see the module docstring). Empty samples (None) have id -1.
+
+  Row arrays (`_bl`) have one row per sample, or `pack_rows` rows holding several samples as
+  segments (ids 1, 2, ...; 0 = padding) whose positions restart at 0. Per-sample arrays (`_b`)
+  keep one entry per sample in both cases.
+  """
   bsz, L, T, G = len(samples), layout.seq_len, layout.tokens_per_image, layout.groups
   if bsz % G:
     raise ValueError(f"microbatch of {bsz} samples does not split over {G} language dp ranks")
   per_group, S = bsz // G, layout.slots_per_group
+  rows = _Rows(layout, bsz)
+  R = rows.count
   out = {
-      "tokens_bl": np.full((bsz, L), PAD, np.int32),
-      "targets_bl": np.full((bsz, L), PAD, np.int32),
-      "loss_mask_bl": np.zeros((bsz, L), np.float32),
-      "img_pos_bl": np.full((bsz, L), -1, np.int32),
+      "tokens_bl": np.full((R, L), PAD, np.int32),
+      "targets_bl": np.full((R, L), PAD, np.int32),
+      "loss_mask_bl": np.zeros((R, L), np.float32),
+      "img_pos_bl": np.full((R, L), -1, np.int32),
+      "positions_bl": np.broadcast_to(np.arange(L, dtype=np.int32), (R, L)).copy(),
+      "segment_ids_bl": np.zeros((R, L), np.int32),
+      "token_sample_bl": np.full((R, L), -1, np.int32),
       "colon_b": np.zeros((bsz,), np.int32),
       "num_images_b": np.zeros((bsz,), np.int32),
       "sample_ids_b": np.full((bsz,), -1, np.int32),
@@ -83,11 +120,16 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
           f"{S - used[g]} of its {S} left in this microbatch; raise data.image_slots "
           f"(now {layout.slots} per microbatch).")
     n = len(seq) - 1
-    out["tokens_bl"][b, :n] = seq[:-1]
-    out["targets_bl"][b, :n] = seq[1:]
-    out["loss_mask_bl"][b, colon:n] = 1.0  # predict the answer words and eos
-    placeholder = np.flatnonzero(np.asarray(seq[:-1]) == IMG)
-    out["img_pos_bl"][b, placeholder] = used[g] * T + np.arange(n_img * T)
+    r, o, segment = rows.place(b, g, n, sid)
+    span = slice(o, o + n)
+    out["tokens_bl"][r, span] = seq[:-1]
+    out["targets_bl"][r, span] = seq[1:]
+    out["loss_mask_bl"][r, o + colon:o + n] = 1.0  # predict the answer words and eos
+    out["positions_bl"][r, span] = np.arange(n)
+    out["segment_ids_bl"][r, span] = segment
+    out["token_sample_bl"][r, span] = sid
+    placeholder = o + np.flatnonzero(np.asarray(seq[:-1]) == IMG)
+    out["img_pos_bl"][r, placeholder] = used[g] * T + np.arange(n_img * T)
     for img in images:
       slot = g * S + used[g]
       out["images_nhwc"][slot] = img.reshape(layout.image_shape).astype(np.float32) / 16.0

@@ -13,9 +13,9 @@ from typing import Iterator
 import grain
 import numpy as np
 
-from mimo_jax.config import Config
-from mimo_jax.data import digits
-from mimo_jax.data.layout import Layout, layout_microbatch, stack
+from mimo_jax.config import Config, DataConfig
+from mimo_jax.data import digits, reorder
+from mimo_jax.data.layout import Layout, encode_text, layout_microbatch, stack
 from mimo_jax.data.tokenizer import Tokenizer
 
 
@@ -24,10 +24,11 @@ def build_paths(cfg: Config) -> dict[str, str]:
   return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
 
 
-def make_layout(cfg: Config, groups: int, slots: int) -> Layout:
+def make_layout(cfg: Config, groups: int, slots: int, pack_rows: int = 0) -> Layout:
   v = cfg.model.vision
   return Layout(seq_len=cfg.data.seq_len, tokens_per_image=v.tokens_per_image, groups=groups,
-                slots=slots, image_shape=(v.image_size, v.image_size, v.channels))
+                slots=slots, image_shape=(v.image_size, v.image_size, v.channels),
+                pack_rows=pack_rows)
 
 
 class _Decode(grain.transforms.Map):
@@ -46,21 +47,33 @@ def _source(path: str) -> grain.MapDataset:
   return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path))
 
 
-def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of) -> dict[str, np.ndarray]:
-  ids = [id_of(i) for i, _ in elements]
-  return layout_microbatch([s for _, s in elements], ids, layout, tok)
+def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of,
+                  data: DataConfig) -> dict[str, np.ndarray]:
+  """Lays out one microbatch, reordering its samples over language dp ranks if configured."""
+  costs = [reorder.sample_cost(len(s["images"]), len(encode_text(tok, s["text"], 0)[0]),
+                               layout.tokens_per_image, data.image_token_cost,
+                               data.text_token_cost) for _, s in elements]
+  order = list(range(len(elements)))
+  if data.reorder == "balance":
+    order = reorder.balance(costs, layout.groups)
+  elements = [elements[i] for i in order]
+  out = layout_microbatch([s for _, s in elements], [id_of(i) for i, _ in elements], layout, tok)
+  out["cost_spread"] = np.float32(reorder.spread(costs, order, layout.groups))
+  out["cost_spread_in_order"] = np.float32(
+      reorder.spread(costs, list(range(len(costs))), layout.groups))
+  return out
 
 
 def train_dataset(cfg: Config, path: str, lang_dp: int) -> grain.MapDataset:
   """Element s = step s's batch: arrays with a leading [microbatches] axis."""
   d = cfg.data
-  layout = make_layout(cfg, lang_dp, d.slots())
+  layout = make_layout(cfg, lang_dp, d.slots(), d.pack_rows)
   tok = Tokenizer()
   ds = _source(path).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, el: (pos, el[1]))
   batch_fn = functools.partial(_layout_batch, layout=layout, tok=tok,
-                               id_of=lambda pos: pos % (2**31 - 1))
+                               id_of=lambda pos: pos % (2**31 - 1), data=d)
   ds = ds.batch(d.micro_batch, batch_fn=batch_fn)
   return ds.batch(d.microbatches, batch_fn=stack)
 

@@ -88,7 +88,7 @@ class Attention(nnx.Module):
     self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias, std=out_std)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
-               causal: bool = False) -> jax.Array:
+               causal: bool = False, segment_ids_bl: jax.Array | None = None) -> jax.Array:
     b, l, _ = x_bld.shape
     q = self.q(x_bld).reshape(b, l, self.heads, self.head_dim)
     k = self.k(x_bld).reshape(b, l, self.kv_heads, self.head_dim)
@@ -96,7 +96,10 @@ class Attention(nnx.Module):
     if self.rope_theta is not None:
       q = rope(q, positions_bl, self.rope_theta)
       k = rope(k, positions_bl, self.rope_theta)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    mask = None
+    if segment_ids_bl is not None:  # packed rows: no attention across samples
+      mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
     return self.o(out.reshape(b, l, self.heads * self.head_dim))
 
 

@@ -20,8 +20,10 @@ class DecoderBlock(nnx.Module):
     self.norm2 = RMSNorm(cfg.dim)
     self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
 
-  def __call__(self, x_bld: jax.Array, positions_bl: jax.Array) -> jax.Array:
-    x_bld = x_bld + self.attn(self.norm1(x_bld), positions_bl, causal=True)
+  def __call__(self, x_bld: jax.Array, positions_bl: jax.Array,
+               segment_ids_bl: jax.Array | None = None) -> jax.Array:
+    x_bld = x_bld + self.attn(self.norm1(x_bld), positions_bl, causal=True,
+                              segment_ids_bl=segment_ids_bl)
     return x_bld + self.mlp(self.norm2(x_bld))
 
 
@@ -38,7 +40,8 @@ class LanguageModel(nnx.Module):
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
 
-  def decode(self, x_bld: jax.Array, positions_bl: jax.Array) -> jax.Array:
+  def decode(self, x_bld: jax.Array, positions_bl: jax.Array,
+             segment_ids_bl: jax.Array | None = None) -> jax.Array:
     for block in self.blocks:
-      x_bld = block(x_bld, positions_bl)
+      x_bld = block(x_bld, positions_bl, segment_ids_bl)
     return self.head(self.norm(x_bld)).astype(jnp.float32)

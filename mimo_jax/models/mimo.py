@@ -99,21 +99,24 @@ def merge_images(x_bld: jax.Array, emb_ntd: jax.Array, img_pos_bl: jax.Array,
   return jnp.where(img_pos_bl[..., None] >= 0, got.reshape(b, l, d).astype(x_bld.dtype), x_bld)
 
 
-def slot_mismatches(slot_ids_n: jax.Array, img_pos_bl: jax.Array, sample_ids_b: jax.Array,
+def slot_mismatches(slot_ids_n: jax.Array, img_pos_bl: jax.Array, token_sample_bl: jax.Array,
                     tokens_per_image: int, groups: int) -> jax.Array:
-  """Placeholders whose image slot belongs to another sample (must be 0)."""
+  """Placeholders whose image slot belongs to another sample than their own token (must be 0)."""
   slots_gs = _grouped(slot_ids_n, groups)
   pos_gk = _grouped(img_pos_bl, groups).reshape(groups, -1)
   owner = jnp.take_along_axis(slots_gs, jnp.maximum(pos_gk, 0) // tokens_per_image, axis=1)
-  bad = (owner.reshape(img_pos_bl.shape) != sample_ids_b[:, None]) & (img_pos_bl >= 0)
+  bad = (owner.reshape(img_pos_bl.shape) != token_sample_bl) & (img_pos_bl >= 0)
   return jnp.sum(bad.astype(jnp.int32))
 
 
 def language_logits(model: LanguageModel, tokens_bl: jax.Array, embs: dict[str, jax.Array],
-                    img_pos: dict[str, jax.Array], groups: int) -> jax.Array:
-  """Embeds tokens, merges every encoder's image tokens, returns float32 logits [b, l, vocab]."""
+                    img_pos: dict[str, jax.Array], groups: int, positions_bl: jax.Array,
+                    segment_ids_bl: jax.Array | None = None) -> jax.Array:
+  """Embeds tokens, merges every encoder's image tokens, returns float32 logits [b, l, vocab].
+
+  With `segment_ids_bl` (packed rows) a token attends only to earlier tokens of its own segment.
+  """
   x_bld = model.embed(tokens_bl)
   for name, emb_ntd in embs.items():
     x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
-  positions_bl = jnp.broadcast_to(jnp.arange(tokens_bl.shape[1]), tokens_bl.shape)
-  return model.decode(x_bld, positions_bl)
+  return model.decode(x_bld, positions_bl, segment_ids_bl)

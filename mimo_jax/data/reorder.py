@@ -1,0 +1,40 @@
+"""Intra-microbatch reordering: samples assigned to language dp ranks by cost.
+
+A microbatch's samples are split over the G language dp ranks, b = B / G each. Taking them in
+stream order can give one rank most of the images: its image slots overflow (or `data.image_slots`
+must be sized for the worst rank, so the encoder computes mostly padding) and its rows hold the most
+work. `balance` assigns samples to ranks to minimise the largest per-rank cost under a linear cost
+model (image tokens and text tokens), greedily, largest cost first (LPT), each rank taking exactly b
+samples. The assignment is a pure function of the microbatch's samples, so every module and every
+process derives the same one with no communication; the loss, a sum over samples, is unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample_cost(num_images: int, text_tokens: int, tokens_per_image: int,
+                image_token_cost: float, text_token_cost: float) -> float:
+  return num_images * tokens_per_image * image_token_cost + text_tokens * text_token_cost
+
+
+def balance(costs: list[float], groups: int) -> list[int]:
+  """A permutation of range(len(costs)): group 0's samples, then group 1's, ... (b each)."""
+  n = len(costs)
+  per_group = n // groups
+  load = np.zeros(groups)
+  members: list[list[int]] = [[] for _ in range(groups)]
+  for i in sorted(range(n), key=lambda i: (-costs[i], i)):  # stable: ties keep stream order
+    open_groups = [g for g in range(groups) if len(members[g]) < per_group]
+    g = min(open_groups, key=lambda g: (load[g], g))
+    members[g].append(i)
+    load[g] += costs[i]
+  return [i for g in members for i in sorted(g)]
+
+
+def spread(costs: list[float], order: list[int], groups: int) -> float:
+  """Largest over mean per-rank cost for samples laid out in `order` (1.0 = perfectly even)."""
+  per_rank = np.asarray([costs[i] for i in order]).reshape(groups, -1).sum(axis=1)
+  mean = per_rank.mean()
+  return float(per_rank.max() / mean) if mean > 0 else 1.0
