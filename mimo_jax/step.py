@@ -81,22 +81,26 @@ class Stepper:
     self.abstract_params = {
         n: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract[n], self.param_sh[n]) for n in modules}
-    # Optimizer-state shardings as XLA propagates them from the parameters; fixed once so that
-    # init, update and checkpoint restore all agree.
+    # Fixed once so that init, update and checkpoint restore all agree.
     self.opt_sh = {n: self._opt_shardings(n) for n in modules}
     self._build_jits()
 
   def _opt_shardings(self, name: str):
-    mesh, replicated = self.topo.meshes[name], self.topo.sharding(name, REPLICATED)
-    compiled = jax.jit(self.tx[name].init).lower(self.abstract_params[name]).compile()
+    """Optimizer-state leaves that mirror a parameter (Adam's moments) take its sharding; the
+    rest (step counts) are replicated. Matched by the parameter's path at the end of the leaf's."""
+    params = self.abstract_params[name]
+    by_path = {jax.tree_util.keystr(p): a for p, a in
+               jax.tree_util.tree_flatten_with_path(params)[0]}
+    replicated = self.topo.sharding(name, REPLICATED)
 
-    def on_mesh(s):  # constants such as step counts come back on a single device
-      if isinstance(s, NamedSharding) and s.mesh == mesh:
-        return s
-      if s.is_fully_replicated:
-        return replicated
-      raise ValueError(f"{name}: optimizer state sharded as {s}, not on the module mesh")
-    return jax.tree.map(on_mesh, compiled.output_shardings)
+    def sharding(path, leaf):
+      key = jax.tree_util.keystr(path)
+      for suffix, param in by_path.items():
+        if key.endswith(suffix) and param.shape == leaf.shape:
+          return param.sharding
+      return replicated
+    return jax.tree_util.tree_map_with_path(sharding,
+                                            jax.eval_shape(self.tx[name].init, params))
 
   # ---- jitted functions -------------------------------------------------------------------
 
