@@ -219,6 +219,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   d = cfg.data
   _positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",
                         "eval_samples"))
+  _require(d.train_samples >= d.global_batch, "data.train_samples",
+           f"{d.train_samples} samples cannot fill one global batch of {d.global_batch}; build "
+           "more samples or lower data.global_batch.")
   _require(d.max_images >= 1, "data.max_images", "must be >= 1 (samples may still have 0 images).")
   _require(d.global_batch % d.microbatches == 0, "data.microbatches",
            f"{d.microbatches} must divide global_batch {d.global_batch}.")

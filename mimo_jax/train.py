@@ -71,7 +71,8 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
   return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
           "target_tokens": info["target_tokens"], "images": info["images"],
-          "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"]}
+          "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"],
+          "loader_wait_s": info["loader_wait_s"]}
 
 
 def run(cfg: Config) -> list[dict]:
@@ -121,8 +122,10 @@ def run(cfg: Config) -> list[dict]:
     saved = start
     with _StopFlag() as stop:
       for step in range(start + 1, cfg.train.steps + 1):
+        waited = time.time()
         batch = next(batches)
-        info = {"tokens": int(np.sum(batch["tokens_bl"] != PAD)),
+        info = {"loader_wait_s": time.time() - waited,
+                "tokens": int(np.sum(batch["tokens_bl"] != PAD)),
                 "target_tokens": int(batch["loss_mask_bl"].sum()),
                 "images": int(batch["num_images_b"].sum()),
                 "cost_spread": float(batch["cost_spread"].mean()),

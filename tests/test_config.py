@@ -82,3 +82,10 @@ def test_eval_batch_must_split_over_dp():
   cfg.eval.batch = 6  # vision dp 4
   with pytest.raises(ConfigError, match=r"^config\.eval\.batch: "):
     validate(cfg, num_devices=8)
+
+
+def test_too_few_samples_for_one_batch():
+  cfg = digits.get_config()
+  cfg.data.train_samples = 16  # global_batch 32
+  with pytest.raises(ConfigError, match=r"^config\.data\.train_samples: 16 samples cannot fill"):
+    validate(cfg, num_devices=8)

@@ -43,6 +43,8 @@ class _Decode(grain.transforms.Map):
 
 def _source(path: str) -> grain.MapDataset:
   src = grain.sources.ArrayRecordDataSource([path])
+  if len(src) == 0:
+    raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
   ds = grain.MapDataset.source(src)
   return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path))
 
