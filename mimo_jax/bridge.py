@@ -15,6 +15,7 @@ process computes the same plan and makes the same calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +54,20 @@ class _Piece:
     return self.src.process_index != self.dst.process_index
 
 
-def _plan(x: jax.Array, dst: NamedSharding) -> dict:
+@functools.lru_cache(maxsize=256)
+def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> dict:
   """For every destination device (of every process), the source pieces it is built from.
 
   The plan is computed identically on every process, so all of them make the same calls.
   A replica on the destination's own process is preferred; otherwise replicas take turns.
+  Cached: the step moves the same shapes between the same shardings every microbatch.
   """
   replicas: dict[tuple[int, int], list] = {}
-  for device, rows in sorted(_rows(x.sharding, x.shape, local=False).items(),
+  for device, rows in sorted(_rows(src, shape, local=False).items(),
                              key=lambda kv: kv[0].id):
     replicas.setdefault(rows, []).append(device)
   plan = {}
-  for k, (device, (lo, hi)) in enumerate(_rows(dst, x.shape, local=False).items()):
+  for k, (device, (lo, hi)) in enumerate(_rows(dst, shape, local=False).items()):
     pieces = []
     for a, b in sorted(replicas):
       if b <= lo or a >= hi:
@@ -73,7 +76,7 @@ def _plan(x: jax.Array, dst: NamedSharding) -> dict:
       options = near or replicas[(a, b)]
       pieces.append(_Piece(options[k % len(options)], max(lo, a) - a, min(hi, b) - a, device))
     if sum(p.hi - p.lo for p in pieces) != hi - lo:
-      raise ValueError(f"source shards of {x.sharding} do not cover rows [{lo}, {hi})")
+      raise ValueError(f"source shards of {src} do not cover rows [{lo}, {hi})")
     plan[device] = pieces
   return plan
 
@@ -119,7 +122,7 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
   if x.sharding == dst:
     return x
-  plan = _plan(x, dst)
+  plan = _plan(x.sharding, tuple(x.shape), dst)
   shards = {s.device: s.data for s in x.addressable_shards}
   full = x.shape[0] if x.ndim else 1
   across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)

@@ -90,7 +90,10 @@ def run(cfg: Config) -> list[dict]:
     state = stepper.init_state(cfg.train.seed)
   evaluator = Evaluator(stepper, cfg.data.max_images)
   eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
-  lr_at = schedule(cfg)
+  # The whole LR table once: evaluating the schedule per step would queue behind the step's work
+  # on device 0 and make the host wait there.
+  lr_at = np.asarray(jax.device_get(jax.jit(jax.vmap(schedule(cfg)))(
+      np.arange(cfg.train.steps))))
   writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                          resume_after=start, enabled=distributed.is_main())
   records = []
@@ -115,7 +118,7 @@ def run(cfg: Config) -> list[dict]:
       # successor whose dispatch hides its start, so it counts from its own dispatch.
       took = now - (dispatched if step == cfg.train.steps else last_done)
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-        log(_record(step, metrics, info, took, float(lr_at(step - 1))))
+        log(_record(step, metrics, info, took, float(lr_at[step - 1])))
       writer.advance(1)
       pending, last_done = None, now
 
