@@ -184,3 +184,11 @@ def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   assert out.stdout.count(f": {arrays} arrays restored, ok") == 3, out.stdout
   out = run("export", str(full_dir), "--step", "5", "--out", str(target))
   assert out.returncode == 2 and "no step 5" in out.stderr
+
+
+def test_keep_holds_the_newest_checkpoints(data_dir, tmp_path):
+  cfg = _cfg(data_dir, tmp_path)
+  cfg.checkpoint.every, cfg.checkpoint.keep = 1, 2
+  cfg.train.steps = 4
+  train.run(cfg)
+  assert checkpoint.complete_steps(checkpoint.directory(str(tmp_path))) == [3, 4]
