@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
 FAN_IN = {"vision": (0, 4, 1), "language": (4, 2, 2)}  # process 0 -> process 1, 4 -> 2
 FAN_OUT = {"vision": (0, 1, 1), "language": (4, 4, 1)}  # 1 -> 4
+SPANNING = {"vision": (0, 2, 1), "language": (2, 2, 2)}  # language on devices of both processes
 
 
 def _args(data_dir, workdir, topo, *extra) -> list[str]:
@@ -48,10 +49,13 @@ def reference(data_dir):
   return {i + 1: (float(m["loss"]), float(m["grad_norm"])) for i, m in enumerate(metrics)}
 
 
-@pytest.mark.parametrize("topo", [pytest.param(FAN_IN, id="fan-in"),
-                                  pytest.param(FAN_OUT, id="fan-out")])
-def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo):
-  proc = _launch(*_args(data_dir, tmp_path, topo))
+@pytest.mark.parametrize("topo,extra", [
+    pytest.param(FAN_IN, (), id="fan-in"),
+    pytest.param(FAN_OUT, (), id="fan-out"),
+    pytest.param(SPANNING, ("--config.checkpoint.every=2",), id="language-spans-processes"),
+])
+def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo, extra):
+  proc = _launch(*_args(data_dir, tmp_path, topo, *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
   got = _train_records(tmp_path)
   assert sorted(got) == [1, 2, 3, 4]
