@@ -107,20 +107,28 @@ def run(cfg: Config) -> list[dict]:
     if start:
       writer.say(f"resumed from {ckpt.path} step {start}")
     batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start)
-    pending, last_done = None, time.time()
+    pending = None
+    window = {"start": time.time(), "steps": 0, "tokens": 0}  # steps since the last record
 
     def flush() -> None:
-      nonlocal pending, last_done
+      nonlocal pending
       step, metrics, info, dispatched = pending
       jax.block_until_ready(metrics)
       now = time.time()
-      # In steady state the period between completions is the step time; the last step has no
-      # successor whose dispatch hides its start, so it counts from its own dispatch.
-      took = now - (dispatched if step == cfg.train.steps else last_done)
+      window["steps"] += 1
+      window["tokens"] += info["tokens"]
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+        # Averaged over the steps since the last record: a single interval between completions is
+        # noisy when metrics are fetched one step late. The last step has no successor whose
+        # dispatch hides its start, so it is also timed from its own dispatch.
+        took = (now - window["start"]) / window["steps"]
+        if step == cfg.train.steps:
+          took = max(took, now - dispatched)
+        info = dict(info, tokens=window["tokens"] / window["steps"])
         log(_record(step, metrics, info, took, float(lr_at[step - 1])))
+        window.update(start=now, steps=0, tokens=0)
       writer.advance(1)
-      pending, last_done = None, now
+      pending = None
 
     saved = start
     with _StopFlag() as stop:
@@ -151,7 +159,7 @@ def run(cfg: Config) -> list[dict]:
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
           flush()
           log({"step": step, **evaluator(state, eval_batches)})
-          last_done = time.time()
+          window.update(start=time.time(), steps=0, tokens=0)  # eval time is not step time
     if pending is not None:
       flush()
     if start < cfg.train.steps and saved != cfg.train.steps:
