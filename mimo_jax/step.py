@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from mimo_jax import bridge, optim
 from mimo_jax.config import Config, parse_freeze
 from mimo_jax.models.mimo import Module, language_logits, slot_mismatches
-from mimo_jax.topology import BATCH, REPLICATED, Topology
+from mimo_jax.topology import REPLICATED, Topology
 
 # Per encoder: its images, the owner of each slot, and where its tokens go in the text.
 ENCODER_FIELDS = {"vision": ("images_nhwc", "slot_ids_n", "img_pos_bl")}
@@ -81,6 +81,8 @@ class Stepper:
     self.abstract_params = {
         n: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract[n], self.param_sh[n]) for n in modules}
+    self._opt_shapes = {n: jax.eval_shape(self.tx[n].init, self.abstract_params[n])
+                        for n in modules}
     # Fixed once so that init, update and checkpoint restore all agree.
     self.opt_sh = {n: self._opt_shardings(n) for n in modules}
     self._build_jits()
@@ -99,8 +101,7 @@ class Stepper:
         if key.endswith(suffix) and param.shape == leaf.shape:
           return param.sharding
       return replicated
-    return jax.tree_util.tree_map_with_path(sharding,
-                                            jax.eval_shape(self.tx[name].init, params))
+    return jax.tree_util.tree_map_with_path(sharding, self._opt_shapes[name])
 
   # ---- jitted functions -------------------------------------------------------------------
 
@@ -178,11 +179,9 @@ class Stepper:
     """Shapes, dtypes and this topology's shardings of every module's state (restore targets)."""
     out = {}
     for name in self.modules:
-      params = self.abstract_params[name]
-      opt = jax.eval_shape(self.tx[name].init, params)
-      opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt,
-                         self.opt_sh[name])
-      out[name] = {"params": params, "opt_state": opt}
+      opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         self._opt_shapes[name], self.opt_sh[name])
+      out[name] = {"params": self.abstract_params[name], "opt_state": opt}
     return out
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:

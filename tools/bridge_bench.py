@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     gb = x.nbytes / 1e9
     rows.append((mib, gb / t_bridge, gb / t_raw, t_raw / t_bridge))
   device = jax.devices()[0].device_kind
-  header = (f"| MiB | bridge GB/s | raw device_put GB/s | bridge / raw |\n"
-            f"|---:|---:|---:|---:|")
+  header = ("| MiB | bridge GB/s | raw device_put GB/s | bridge / raw |\n"
+            "|---:|---:|---:|---:|")
   table = "\n".join([header] + [f"| {m} | {b:.1f} | {r:.1f} | {q:.2f} |" for m, b, r, q in rows])
   print(f"bridge {args.src} -> {args.dst} on {len(jax.devices())} x {device}")
   print(table)
