@@ -93,6 +93,9 @@ class Checkpointer:
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
                read_only: bool = False):
     self.path, self.modules = path, list(modules)
+    # With several processes orbax's background thread runs device collectives across processes;
+    # alongside the training step's cross-process copies that can deadlock, so saves block there.
+    async_save = async_save and jax.process_count() == 1
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only)
