@@ -9,6 +9,7 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 MODULE_KINDS = ("vision", "language")  # encoders first, the language model last
+REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
 
 
 class ConfigError(ValueError):
@@ -50,10 +51,16 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class ModuleTopology:
-  offset: int = 0
-  dp: int = 1
-  tp: int = 1
-  pp: int = 1
+  offset: int = 0  # first device of jax.devices() this module uses
+  dp: int = 1  # data-parallel ranks
+  tp: int = 1  # tensor-parallel ranks (Megatron column/row split)
+  pp: int = 1  # pipeline stages: the module's layers split over pp consecutive groups of dp*tp
+  # Chunks of layers per pipeline stage: 1 = GPipe, > 1 = circular schedule (a bubble v times
+  # smaller, v times more stage-to-stage sends).
+  virtual: int = 1
+  # What each layer's backward keeps: none (everything), full (its input only, recompute the
+  # rest), dots (matmul outputs).
+  remat: str = "none"
 
   @property
   def size(self) -> int:
@@ -278,8 +285,18 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
   for name, t in cfg.topology.modules().items():
     f = f"topology.{name}"
     _require(t.offset >= 0, f"{f}.offset", "must be >= 0.")
-    _positive(t, f, ("dp", "tp", "pp"))
-    _require(t.pp == 1, f"{f}.pp", "pipeline parallelism is not supported yet; set pp=1.")
+    _positive(t, f, ("dp", "tp", "pp", "virtual"))
+    _require(t.remat in REMAT, f"{f}.remat",
+             f"unknown policy {t.remat!r}; choose from {', '.join(REMAT)}.")
+    _require(t.virtual == 1 or t.pp > 1, f"{f}.virtual",
+             f"{t.virtual} virtual stages need pipeline stages; set pp > 1 or virtual=1.")
+    layers = getattr(cfg.model, name).layers
+    _require(layers % (t.pp * t.virtual) == 0, f"{f}.pp",
+             f"model.{name}.layers={layers} must split evenly into pp*virtual = "
+             f"{t.pp}*{t.virtual} = {t.pp * t.virtual} chunks.")
+    _require(t.pp == 1 or d.microbatches >= t.pp, "data.microbatches",
+             f"{d.microbatches} microbatches cannot fill {name}'s {t.pp} pipeline stages; use "
+             f"at least {t.pp} (more shrink the bubble (pp-1)/(microbatches*virtual+pp-1)).")
     _require(d.micro_batch % t.dp == 0, f"{f}.dp",
              f"{t.dp} must divide the microbatch of {d.micro_batch} samples "
              f"(data.global_batch / data.microbatches).")

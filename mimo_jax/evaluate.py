@@ -9,7 +9,6 @@ import optax
 
 from mimo_jax import distributed
 from mimo_jax.data.tokenizer import PAD
-from mimo_jax.models.mimo import language_logits
 from mimo_jax.step import Stepper
 
 
@@ -34,12 +33,11 @@ class Evaluator:
 
   def __init__(self, stepper: Stepper, max_images: int):
     self.s = stepper
-    lang, groups = stepper.modules["language"], stepper.groups
 
     def lang_eval(params, embs, img_pos, text):
-      model = lang.bind(params)
-      logits_fn = lambda tokens: language_logits(model, tokens, embs, img_pos, groups,
-                                                 text["positions_bl"])
+      one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # a chunk of one microbatch
+      logits_fn = lambda tokens: stepper.logits(params, tokens[None], one(embs), one(img_pos),
+                                                text["positions_bl"][None])[0]
       ce = optax.softmax_cross_entropy_with_integer_labels(logits_fn(text["tokens_bl"]),
                                                            text["targets_bl"])
       loss_sum = jnp.sum(ce * text["loss_mask_bl"])

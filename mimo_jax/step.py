@@ -1,7 +1,10 @@
 """One optimizer step across module meshes.
 
 XLA compiles one SPMD program per mesh, so a step is a few jitted functions per module, chained by
-the host without waiting on the device (DESIGN §3.1). Per microbatch m:
+the host without waiting on the device (DESIGN §3.1). Each module works through the step's
+microbatches in chunks: one microbatch at a time, or all of them in one call when the module is
+pipelined (`topology.<module>.pp > 1`: the pipeline schedule runs over the step's microbatches,
+see pipeline.py). With one microbatch a chunk on both sides, per microbatch m:
 
   encoder forward (m+1) | bridge (m) -> language forward+backward (m) -> bridge back -> encoder
   backward (m)
@@ -11,6 +14,10 @@ meshes the two overlap. The encoder forward returns its `jax.vjp` closure (a pyt
 which its backward consumes: no recomputation. After the last microbatch each module computes the
 squared norm of its gradients, the scalars are exchanged, and each module applies one clip factor
 and its own optax update (see optim.py).
+
+Parameters of stacked blocks are kept in their pipeline schedule's layout (`Schedule.to_layout`);
+`canonical` / `from_canonical` convert whole states to and from the topology-independent layout
+that checkpoints hold.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from jax.sharding import NamedSharding
 
 from mimo_jax import bridge, optim
 from mimo_jax.config import Config, parse_freeze
-from mimo_jax.models.mimo import Module, language_logits, slot_mismatches
+from mimo_jax.models.mimo import (BLOCKS, Module, encode_images, language_logits,
+                                  slot_mismatches)
+from mimo_jax.pipeline import Schedule, Stack
 from mimo_jax.topology import REPLICATED, Topology
 
 # Per encoder: its images, the owner of each slot, and where its tokens go in the text.
@@ -60,6 +69,27 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+def _on_blocks(tree, fn):
+  """`fn` applied to the leaves of stacked blocks (parameters and the optimizer moments that
+  mirror them), identity elsewhere."""
+  key = f"[{BLOCKS!r}]"
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, tree)
+
+
+def _stacked(xs: list) -> jax.Array:
+  return jnp.stack(xs) if len(xs) > 1 else xs[0][None]
+
+
+def _with_shardings(shapes, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                      shardings)
+
+
+def _chunks(microbatches: int, whole: bool) -> list[list[int]]:
+  return [list(range(microbatches))] if whole else [[m] for m in range(microbatches)]
+
+
 class Stepper:
   """Builds the jitted per-module functions once and runs training and eval steps with them."""
 
@@ -69,9 +99,19 @@ class Stepper:
     self.groups = topo.dp("language")
     self.tokens_per_image = cfg.model.vision.tokens_per_image
     frozen = parse_freeze(cfg.optim.freeze)
-    abstract = {n: m.abstract_params() for n, m in modules.items()}
+    tops = cfg.topology.modules()
+    self.schedule = {n: Schedule(tops[n].pp, tops[n].virtual) for n in modules}
+    self.stacks = {n: Stack(m.layer, topo.meshes[n], self.schedule[n], tops[n].remat)
+                   for n, m in modules.items()}
+    canonical = {n: m.abstract_params() for n, m in modules.items()}
+    abstract = {n: jax.eval_shape(lambda p, n=n: self._layout(n, p), canonical[n])
+                for n in modules}
     self.param_sh = {
-        n: jax.tree.map(lambda s, n=n: topo.sharding(n, s), m.specs(abstract[n]))
+        n: jax.tree.map(lambda s, n=n: topo.sharding(n, s),
+                        m.specs(abstract[n], self.schedule[n].stage_spec()))
+        for n, m in modules.items()}
+    self.canonical_sh = {
+        n: jax.tree.map(lambda s, n=n: topo.sharding(n, s), m.specs(canonical[n]))
         for n, m in modules.items()}
     group_trees = {n: m.groups(abstract[n]) for n, m in modules.items()}
     self.labels = {n: optim.labels(g, frozen) for n, g in group_trees.items()}
@@ -84,13 +124,36 @@ class Stepper:
     self._opt_shapes = {n: jax.eval_shape(self.tx[n].init, self.abstract_params[n])
                         for n in modules}
     # Fixed once so that init, update and checkpoint restore all agree.
-    self.opt_sh = {n: self._opt_shardings(n) for n in modules}
+    self.opt_sh = {n: self._mirror_shardings(n, self.abstract_params[n], self._opt_shapes[n])
+                   for n in modules}
     self._build_jits()
 
-  def _opt_shardings(self, name: str):
+  def _layout(self, name: str, tree):
+    return _on_blocks(tree, self.schedule[name].to_layout)
+
+  def _unlayout(self, name: str, tree):
+    return _on_blocks(tree, self.schedule[name].from_layout)
+
+  def whole_step(self, name: str) -> bool:
+    """Whether `name` takes all microbatches of a step in one call (a pipelined module)."""
+    return self.schedule[name].pipelined
+
+  def run_blocks(self, name: str, params):
+    """The module's block stack on `params` as a `RunBlocks` callable."""
+    return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
+
+  def bind(self, name: str, params):
+    """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
+    return self.modules[name].bind(self._unlayout(name, params))
+
+  def logits(self, params, tokens_m, embs_m, img_pos_m, positions_m, segment_ids_m=None):
+    """The language model on M stacked microbatches (inside a jit on the language mesh)."""
+    return language_logits(self.bind("language", params), self.run_blocks("language", params),
+                           tokens_m, embs_m, img_pos_m, self.groups, positions_m, segment_ids_m)
+
+  def _mirror_shardings(self, name: str, params, opt_shapes):
     """Optimizer-state leaves that mirror a parameter (Adam's moments) take its sharding; the
     rest (step counts) are replicated. Matched by the parameter's path at the end of the leaf's."""
-    params = self.abstract_params[name]
     by_path = {jax.tree_util.keystr(p): a for p, a in
                jax.tree_util.tree_flatten_with_path(params)[0]}
     replicated = self.topo.sharding(name, REPLICATED)
@@ -101,7 +164,7 @@ class Stepper:
         if key.endswith(suffix) and param.shape == leaf.shape:
           return param.sharding
       return replicated
-    return jax.tree_util.tree_map_with_path(sharding, self._opt_shapes[name])
+    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
   # ---- jitted functions -------------------------------------------------------------------
 
@@ -109,34 +172,44 @@ class Stepper:
     t = self.topo
     self._enc_fwd, self._enc_apply, self._enc_bwd = {}, {}, {}
     for name in self.encoders:
-      module, out_sh = self.modules[name], t.sharding(name)
+      out_sh = t.sharding(name)
 
-      def apply(params, images, module=module, out_sh=out_sh):
-        return jax.lax.with_sharding_constraint(module.bind(params)(images), out_sh)
+      def apply(params, images, name=name, out_sh=out_sh):
+        """A chunk of microbatches: list of images [n, h, w, c] -> list of image tokens."""
+        out = encode_images(self.bind(name, params), self.run_blocks(name, params),
+                            _stacked(images))
+        return [jax.lax.with_sharding_constraint(out[i], out_sh) for i in range(len(images))]
 
       def fwd(params, images, slot_ids, apply=apply):
-        emb, vjp = jax.vjp(lambda p: apply(p, images), params)
-        return emb, slot_ids, vjp
+        embs, vjp = jax.vjp(lambda p: apply(p, images), params)
+        return embs, slot_ids, vjp
 
       self._enc_fwd[name] = jax.jit(fwd)
       self._enc_apply[name] = jax.jit(apply)
-      self._enc_bwd[name] = jax.jit(lambda vjp, d_emb, acc: _tree_add(acc, vjp(d_emb)[0]),
+      self._enc_bwd[name] = jax.jit(lambda vjp, d_embs, acc: _tree_add(acc, vjp(d_embs)[0]),
                                     donate_argnums=(2,))
-    lang = self.modules["language"]
     groups, tpi = self.groups, self.tokens_per_image
     lang_batch = t.sharding("language")
     packed = self.cfg.data.pack_rows > 0
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
+      """A chunk of microbatches; every argument but params, acc and inv_tokens is a list (of
+      dicts by encoder name) with one entry per microbatch."""
+      x = {k: _stacked([tx[k] for tx in text]) for k in text[0]}
+      pos = {n: _stacked(v) for n, v in img_pos.items()}
+      slots = {n: _stacked(v) for n, v in slot_ids.items()}
+
       def loss_fn(p, embs):
-        logits = language_logits(lang.bind(p), text["tokens_bl"], embs, img_pos, groups,
-                                 text["positions_bl"], text["segment_ids_bl"] if packed else None)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, text["targets_bl"])
-        return jnp.sum(ce * text["loss_mask_bl"]) * inv_tokens
+        logits = self.logits(p, x["tokens_bl"], {n: _stacked(v) for n, v in embs.items()}, pos,
+                             x["positions_bl"], x["segment_ids_bl"] if packed else None)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["targets_bl"])
+        return jnp.sum(ce * x["loss_mask_bl"]) * inv_tokens
       loss, (g_params, g_embs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, embs)
-      g_embs = jax.lax.with_sharding_constraint(g_embs, lang_batch)  # what the bridge moves
-      bad = sum(slot_mismatches(slot_ids[n], img_pos[n], text["token_sample_bl"], tpi, groups)
-                for n in embs)
+      # What the bridge moves back.
+      g_embs = {n: [jax.lax.with_sharding_constraint(g, lang_batch) for g in v]
+                for n, v in g_embs.items()}
+      bad = sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None, None))(
+          slots[n], pos[n], x["token_sample_bl"], tpi, groups)) for n in embs)
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
              "mismatches": acc["mismatches"] + bad}
       return acc, g_embs
@@ -170,18 +243,48 @@ class Stepper:
     """Parameters born sharded on their module's mesh; values depend only on the seed."""
     state = {}
     for name, module in self.modules.items():
-      params = jax.jit(module.init, static_argnums=0, out_shardings=self.param_sh[name])(seed)
+      init = lambda seed, name=name, module=module: self._layout(name, module.init(seed))
+      params = jax.jit(init, static_argnums=0, out_shardings=self.param_sh[name])(seed)
       opt_state = jax.jit(self.tx[name].init, out_shardings=self.opt_sh[name])(params)
       state[name] = ModuleState(params, opt_state)
     return state
 
-  def abstract_state(self) -> dict[str, dict]:
-    """Shapes, dtypes and this topology's shardings of every module's state (restore targets)."""
+  def abstract_state(self, canonical: bool = False) -> dict[str, dict]:
+    """Shapes, dtypes and this topology's shardings of every module's state; with `canonical`,
+    in the layout checkpoints hold (restore targets)."""
     out = {}
     for name in self.modules:
       opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          self._opt_shapes[name], self.opt_sh[name])
       out[name] = {"params": self.abstract_params[name], "opt_state": opt}
+      if canonical and self.schedule[name].virtual > 1:
+        params = _with_shardings(jax.eval_shape(lambda p, name=name: self._unlayout(name, p),
+                                                self.abstract_params[name]),
+                                 self.canonical_sh[name])
+        shapes = jax.eval_shape(lambda o, name=name: self._unlayout(name, o),
+                                self._opt_shapes[name])
+        out[name] = {"params": params, "opt_state": _with_shardings(
+            shapes, self._mirror_shardings(name, params, shapes))}
+    return out
+
+  def canonical(self, state: dict[str, ModuleState]) -> dict[str, ModuleState]:
+    """State in the topology-independent layout (stacked layers [L, ...]) for checkpoints."""
+    return self._convert(state, canonical=True)
+
+  def from_canonical(self, state: dict[str, ModuleState]) -> dict[str, ModuleState]:
+    return self._convert(state, canonical=False)
+
+  def _convert(self, state, canonical: bool):
+    out = {}
+    for name, s in state.items():
+      if self.schedule[name].virtual == 1:
+        out[name] = s
+        continue
+      tree = {"params": s.params, "opt_state": s.opt_state}
+      fn = self._unlayout if canonical else self._layout
+      shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state(canonical)[name])
+      moved = jax.jit(lambda t, name=name, fn=fn: fn(name, t), out_shardings=shardings)(tree)
+      out[name] = ModuleState(moved["params"], moved["opt_state"])
     return out
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:
@@ -204,7 +307,7 @@ class Stepper:
 
   def encode(self, state: dict[str, ModuleState], x: Inputs) -> dict[str, jax.Array]:
     """Forward of every encoder (no backward), delivered to the language mesh."""
-    return self._to_language({n: self._enc_apply[n](state[n].params, x.images[n])
+    return self._to_language({n: self._enc_apply[n](state[n].params, [x.images[n]])[0]
                               for n in self.encoders})
 
   def place_step(self, batch: dict[str, np.ndarray]) -> tuple[list[Inputs], jax.Array]:
@@ -222,28 +325,47 @@ class Stepper:
     num_micro = len(inputs)
     acc = {n: self._zeros[n](state[n].params) for n in self.encoders}
     lang_acc = self._lang_acc0(state["language"].params)
+    enc_chunks = {n: _chunks(num_micro, self.whole_step(n)) for n in self.encoders}
+    fwd = {n: [] for n in self.encoders}  # per encoder chunk: (embs, slot ids, vjp or None)
+    d_embs = {n: {} for n in self.encoders}  # microbatch -> gradient on the encoder mesh
 
-    def encode(m):
-      out = {}
-      for n in self.encoders:
-        p, x = state[n].params, inputs[m]
-        if self.trainable[n]:
-          out[n] = self._enc_fwd[n](p, x.images[n], x.slot_ids[n])
-        else:
-          out[n] = (self._enc_apply[n](p, x.images[n]), x.slot_ids[n], None)
-      return out
+    def encode_next(n):
+      c = len(fwd[n])
+      if c == len(enc_chunks[n]):
+        return
+      p, ms = state[n].params, enc_chunks[n][c]
+      images, slots = [inputs[m].images[n] for m in ms], [inputs[m].slot_ids[n] for m in ms]
+      if self.trainable[n]:
+        fwd[n].append(self._enc_fwd[n](p, images, slots))
+      else:
+        fwd[n].append((self._enc_apply[n](p, images), slots, None))
 
-    pending = encode(0)
-    for m in range(num_micro):
-      current, pending = pending, (encode(m + 1) if m + 1 < num_micro else None)
-      embs = self._to_language({n: current[n][0] for n in self.encoders})
-      slots = self._to_language({n: current[n][1] for n in self.encoders})
-      lang_acc, d_embs = self._lang_step(state["language"].params, lang_acc, embs, slots,
-                                         inputs[m].img_pos, inputs[m].text, inv_tokens)
+    def encoded(n, m):
+      """Microbatch m's image tokens and slot owners (on the encoder mesh), dispatching the
+      encoder's chunks up to the one that holds m, and one more to overlap with the language."""
+      c = next(i for i, ms in enumerate(enc_chunks[n]) if m in ms)
+      while len(fwd[n]) <= c + 1 and len(fwd[n]) < len(enc_chunks[n]):
+        encode_next(n)
+      i = enc_chunks[n][c].index(m)
+      return fwd[n][c][0][i], fwd[n][c][1][i]
+
+    for ms in _chunks(num_micro, self.whole_step("language")):
+      got = [{n: encoded(n, m) for n in self.encoders} for m in ms]
+      embs = self._to_language({n: [g[n][0] for g in got] for n in self.encoders})
+      slots = self._to_language({n: [g[n][1] for g in got] for n in self.encoders})
+      lang_acc, grads_back = self._lang_step(
+          state["language"].params, lang_acc, embs, slots,
+          {n: [inputs[m].img_pos[n] for m in ms] for n in self.encoders},
+          [inputs[m].text for m in ms], inv_tokens)
       for n in self.encoders:
-        if self.trainable[n]:
-          d_emb = bridge.transfer(d_embs[n], self.topo.sharding(n))
-          acc[n] = self._enc_bwd[n](current[n][2], d_emb, acc[n])
+        if not self.trainable[n]:
+          continue
+        for m, g in zip(ms, grads_back[n]):
+          d_embs[n][m] = bridge.transfer(g, self.topo.sharding(n))
+        for c, chunk in enumerate(enc_chunks[n]):  # backward of every chunk now complete
+          if c < len(fwd[n]) and fwd[n][c] is not None and all(m in d_embs[n] for m in chunk):
+            acc[n] = self._enc_bwd[n](fwd[n][c][2], [d_embs[n][m] for m in chunk], acc[n])
+            fwd[n][c] = None
     acc["language"] = lang_acc["grads"]
     return self._apply(state, acc, lang_acc)
 

@@ -1,8 +1,8 @@
 """Devices -> one Mesh per module (DESIGN §2.2).
 
 A module uses the dp*tp*pp consecutive devices of `jax.devices()` starting at its offset, laid out
-as a (dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps tensor-parallel
-collectives on the fastest links. Identical device ranges are colocated modules; disjoint ranges run
+as a (pp, dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps tensor-parallel
+collectives on the fastest links; each pipeline stage is one contiguous block of dp*tp devices. Identical device ranges are colocated modules; disjoint ranges run
 concurrently.
 """
 
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax.config import Config, validate_topology
 
-AXES = ("dp", "tp")
+AXES = ("pp", "dp", "tp")
 BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
 REPLICATED = P()
 
@@ -32,6 +32,9 @@ class Topology:
   def dp(self, module: str) -> int:
     return self.meshes[module].shape["dp"]
 
+  def pp(self, module: str) -> int:
+    return self.meshes[module].shape["pp"]
+
   def colocated(self, a: str, b: str) -> bool:
     return set(self.meshes[a].devices.flat) == set(self.meshes[b].devices.flat)
 
@@ -39,7 +42,8 @@ class Topology:
     parts = []
     for name, mesh in self.meshes.items():
       ids = [d.id for d in mesh.devices.flat]
-      parts.append(f"{name}: dp={mesh.shape['dp']} tp={mesh.shape['tp']} devices "
+      pp = f" pp={mesh.shape['pp']}" if mesh.shape["pp"] > 1 else ""
+      parts.append(f"{name}: dp={mesh.shape['dp']} tp={mesh.shape['tp']}{pp} devices "
                    f"{ids[0]}..{ids[-1]}")
     return "; ".join(parts)
 
@@ -49,6 +53,6 @@ def build(cfg: Config, devices: list | None = None) -> Topology:
   validate_topology(cfg, len(devices))
   meshes = {}
   for name, t in cfg.topology.modules().items():
-    grid = np.asarray(devices[t.offset:t.offset + t.size], dtype=object).reshape(t.dp, t.tp)
-    meshes[name] = Mesh(grid, AXES)
+    grid = np.asarray(devices[t.offset:t.offset + t.size], dtype=object)
+    meshes[name] = Mesh(grid.reshape(t.pp, t.dp, t.tp), AXES)
   return Topology(meshes)

@@ -85,7 +85,8 @@ def run(cfg: Config) -> list[dict]:
                                  keep=cfg.checkpoint.keep)
   start = ckpt.latest_step() or 0
   if start:
-    state, _ = ckpt.restore(start, stepper.abstract_state(), cfg)
+    state, _ = ckpt.restore(start, stepper.abstract_state(canonical=True), cfg)
+    state = stepper.from_canonical(state)
   else:
     state = stepper.init_state(cfg.train.seed)
   evaluator = Evaluator(stepper, cfg.data.max_images)
@@ -148,13 +149,13 @@ def run(cfg: Config) -> list[dict]:
         pending = (step, metrics, info, dispatched)
         if stop.should_stop(step):
           flush()
-          ckpt.save(step, state, cfg, force=True)
+          ckpt.save(step, stepper.canonical(state), cfg, force=True)
           ckpt.wait()
           writer.say(f"{stop.signal}: saved step {step} to {ckpt.path}; run the same command "
                      "to resume.")
           return records
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-          ckpt.save(step, state, cfg)
+          ckpt.save(step, stepper.canonical(state), cfg)
           saved = step
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
           flush()
@@ -163,7 +164,7 @@ def run(cfg: Config) -> list[dict]:
     if pending is not None:
       flush()
     if start < cfg.train.steps and saved != cfg.train.steps:
-      ckpt.save(cfg.train.steps, state, cfg, force=True)
+      ckpt.save(cfg.train.steps, stepper.canonical(state), cfg, force=True)
     elif start >= cfg.train.steps:
       writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")
     log({"step": cfg.train.steps, **evaluator(state, eval_batches)})

@@ -14,7 +14,7 @@ from tests.configs import tiny
 
 
 def tiny_config(data_dir: str, **topo) -> Config:
-  """tests/configs/tiny.py; `topo` maps module -> (offset, dp, tp)."""
+  """tests/configs/tiny.py; `topo` maps module -> (offset, dp, tp[, pp[, virtual]])."""
   cfg = tiny.get_config(topology_arg(**topo))
   cfg.data.dir = data_dir
   return cfg
@@ -22,7 +22,7 @@ def tiny_config(data_dir: str, **topo) -> Config:
 
 def topology_arg(**topo) -> str:
   """The tiny config's argument for a topology, e.g. vision=0/4/1,language=4/2/2."""
-  return ",".join(f"{name}={o}/{dp}/{tp}" for name, (o, dp, tp) in topo.items())
+  return ",".join(f"{name}={'/'.join(str(v) for v in spec)}" for name, spec in topo.items())
 
 
 def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Stepper, dict, dict]:

@@ -28,6 +28,13 @@ TP_RULES = (
 )
 
 
+def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
+  """`n` layers built by `make(rngs)`, parameters stacked on a new leading axis (one key each), so
+  that `pipeline.Stack` can scan over them or split them into pipeline stages."""
+  keys = jax.random.split(rngs.params(), n)
+  return nnx.vmap(lambda key: make(nnx.Rngs(params=key)))(keys)
+
+
 def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool = False,
            std: float | None = None) -> nnx.Linear:
   init = nnx.initializers.normal(std if std is not None else d_in**-0.5)

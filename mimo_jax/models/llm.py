@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig
-from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear
+from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear, stacked
 
 
 class DecoderBlock(nnx.Module):
@@ -28,20 +28,18 @@ class DecoderBlock(nnx.Module):
 
 
 class LanguageModel(nnx.Module):
-  """`embed` maps tokens to vectors (images are merged in between); `decode` returns logits."""
+  """`embed` maps tokens to vectors (images are merged in between), the stacked `blocks` run as a
+  `pipeline.Stack`, `logits` maps the result to float32 logits."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype):
     self.dtype = dtype
     self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, cfg.dim)))
-    self.blocks = nnx.List([DecoderBlock(rngs, cfg, dtype) for _ in range(cfg.layers)])
+    self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype), cfg.layers, rngs)
     self.norm = RMSNorm(cfg.dim)
     self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
 
-  def decode(self, x_bld: jax.Array, positions_bl: jax.Array,
-             segment_ids_bl: jax.Array | None = None) -> jax.Array:
-    for block in self.blocks:
-      x_bld = block(x_bld, positions_bl, segment_ids_bl)
+  def logits(self, x_bld: jax.Array) -> jax.Array:
     return self.head(self.norm(x_bld)).astype(jnp.float32)

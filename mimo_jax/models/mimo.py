@@ -2,7 +2,9 @@
 
 Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
 shardings of `topology.py` all see the same simple pytree. `Module.bind` rebuilds the flax NNX
-object from such a dict inside a jitted function.
+object from such a dict inside a jitted function. A module's repeated blocks live under `blocks`,
+stacked on a leading layer axis; the step runs them through a `pipeline.Stack` (`RunBlocks`), which
+is what lets the same model code run in one piece or in pipeline stages.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from jax.sharding import PartitionSpec as P
 from mimo_jax.config import Config
 from mimo_jax.data.tokenizer import Tokenizer
 from mimo_jax.models.layers import TP_RULES
-from mimo_jax.models.llm import LanguageModel
-from mimo_jax.models.vit import VisionEncoder
+from mimo_jax.models.llm import DecoderBlock, LanguageModel
+from mimo_jax.models.vit import ViTBlock, VisionEncoder
 
 Params = dict
+# (x [M, ...], per-microbatch side inputs, each [M, ...]) -> x after every block.
+RunBlocks = Callable[[jax.Array, tuple], jax.Array]
+BLOCKS = "blocks"
 
 
 def path_str(path: tuple) -> str:
@@ -34,6 +39,7 @@ class Module:
   """One module: how to build it, its parameter groups and its tensor-parallel specs."""
   name: str
   ctor: Callable[[nnx.Rngs], nnx.Module]
+  layer_ctor: Callable[[nnx.Rngs], nnx.Module]  # one of the stacked `blocks`
   seed_salt: int
 
   def init(self, seed: int) -> Params:
@@ -41,10 +47,17 @@ class Module:
     key = jax.random.fold_in(jax.random.key(seed), self.seed_salt)
     return nnx.to_pure_dict(nnx.split(self.ctor(nnx.Rngs(params=key)))[1])
 
-  def bind(self, params: Params) -> nnx.Module:
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: self.ctor(nnx.Rngs(0))))
+  def _bind(self, ctor: Callable, params: Params) -> nnx.Module:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: ctor(nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+  def bind(self, params: Params) -> nnx.Module:
+    return self._bind(self.ctor, params)
+
+  def layer(self, params: Params, x: jax.Array, *side: jax.Array) -> jax.Array:
+    """One block of the stack, from its slice of `params[BLOCKS]`."""
+    return self._bind(self.layer_ctor, params)(x, *side)
 
   def abstract_params(self, seed: int = 0) -> Params:
     return jax.eval_shape(lambda: self.init(seed))
@@ -55,14 +68,16 @@ class Module:
       return f"{self.name}_projector"
     return self.name
 
-  def specs(self, params: Params) -> Params:
-    """PartitionSpec per parameter from `TP_RULES`; unmatched parameters are replicated."""
+  def specs(self, params: Params, stage_spec: tuple = ("pp",)) -> Params:
+    """PartitionSpec per parameter from `TP_RULES` (unmatched parameters are replicated); the
+    stacked layer axes of `blocks` are split as `stage_spec` says (pipeline stages)."""
     def spec(path, _):
       p = path_str(path)
+      lead = stage_spec if p.startswith(BLOCKS + "/") else ()
       for pattern, s in TP_RULES:
         if re.fullmatch(pattern, p):
-          return s
-      return P()
+          return P(*lead, *s)
+      return P(*lead)
     return jax.tree_util.tree_map_with_path(spec, params)
 
   def groups(self, params: Params) -> Params:
@@ -75,9 +90,10 @@ def build_modules(cfg: Config) -> dict[str, Module]:
   vocab = Tokenizer().vocab_size
   v, lm = cfg.model.vision, cfg.model.language
   return {
-      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype), seed_salt=1),
+      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype),
+                       lambda rngs: ViTBlock(rngs, v, dtype), seed_salt=1),
       "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype),
-                         seed_salt=2),
+                         lambda rngs: DecoderBlock(rngs, lm, dtype), seed_salt=2),
   }
 
 
@@ -109,14 +125,24 @@ def slot_mismatches(slot_ids_n: jax.Array, img_pos_bl: jax.Array, token_sample_b
   return jnp.sum(bad.astype(jnp.int32))
 
 
-def language_logits(model: LanguageModel, tokens_bl: jax.Array, embs: dict[str, jax.Array],
-                    img_pos: dict[str, jax.Array], groups: int, positions_bl: jax.Array,
-                    segment_ids_bl: jax.Array | None = None) -> jax.Array:
-  """Embeds tokens, merges every encoder's image tokens, returns float32 logits [b, l, vocab].
+def encode_images(model: VisionEncoder, run_blocks: RunBlocks, images_m: jax.Array) -> jax.Array:
+  """Images of M microbatches [M, n, h, w, c] -> image tokens [M, n, patches, language dim]."""
+  x = jax.vmap(model.patches)(images_m)
+  return jax.vmap(model.finish)(run_blocks(x, ()))
 
-  With `segment_ids_bl` (packed rows) a token attends only to earlier tokens of its own segment.
-  """
-  x_bld = model.embed(tokens_bl)
-  for name, emb_ntd in embs.items():
-    x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
-  return model.decode(x_bld, positions_bl, segment_ids_bl)
+
+def language_logits(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,
+                    embs_m: dict[str, jax.Array], img_pos_m: dict[str, jax.Array], groups: int,
+                    positions_m: jax.Array, segment_ids_m: jax.Array | None = None) -> jax.Array:
+  """M microbatches of text [M, b, l] with every encoder's image tokens merged -> float32 logits
+  [M, b, l, vocab]. With `segment_ids_m` (packed rows) a token attends only to earlier tokens of
+  its own segment."""
+  def merged(tokens_bl, embs, img_pos):
+    x_bld = model.embed(tokens_bl)
+    for name, emb_ntd in embs.items():
+      x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
+    return x_bld
+
+  x_m = jax.vmap(merged)(tokens_m, embs_m, img_pos_m)
+  side = (positions_m,) if segment_ids_m is None else (positions_m, segment_ids_m)
+  return jax.vmap(model.logits)(run_blocks(x_m, side))

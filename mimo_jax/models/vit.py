@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig, VisionConfig
-from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear
+from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
 
 
 class ViTBlock(nnx.Module):
@@ -24,7 +24,9 @@ class ViTBlock(nnx.Module):
 
 
 class VisionEncoder(nnx.Module):
-  """Images [n, h, w, c] -> projected image tokens [n, patches, language dim]."""
+  """Images [n, h, w, c] -> projected image tokens [n, patches, language dim]: `patches`
+  (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then `finish`
+  (norm, projector)."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype):
     self.patch = cfg.patch_size
@@ -32,17 +34,17 @@ class VisionEncoder(nnx.Module):
     patch_dim = cfg.patch_size**2 * cfg.channels
     self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=True)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.tokens_per_image, cfg.dim)))
-    self.blocks = nnx.List([ViTBlock(rngs, cfg, dtype) for _ in range(cfg.layers)])
+    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype), cfg.layers, rngs)
     self.norm = LayerNorm(cfg.dim)
     # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
     self.projector = GeluMLP(rngs, cfg.dim, cfg.projector_hidden, dtype, d_out=lm.dim)
 
-  def __call__(self, images_nhwc: jax.Array) -> jax.Array:
+  def patches(self, images_nhwc: jax.Array) -> jax.Array:
     n, h, w, c = images_nhwc.shape
     p = self.patch
     x = images_nhwc.reshape(n, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
     x_npd = self.embed(x.reshape(n, (h // p) * (w // p), p * p * c).astype(self.dtype))
-    x_npd = x_npd + self.pos[...].astype(self.dtype)
-    for block in self.blocks:
-      x_npd = block(x_npd)
+    return x_npd + self.pos[...].astype(self.dtype)
+
+  def finish(self, x_npd: jax.Array) -> jax.Array:
     return self.projector(self.norm(x_npd))

@@ -2,7 +2,8 @@
 
   python -m mimo_jax.launch --config=tests/configs/tiny.py:vision=0/4/1,language=4/2/2
 
-The argument sets each module's offset/dp/tp; without it both modules share device 0.
+The argument sets each module's offset/dp/tp[/pp[/virtual]]; without it both modules share
+device 0.
 """
 
 from mimo_jax.config import Config
@@ -22,5 +23,7 @@ def get_config(arg: str | None = None) -> Config:
     if item:
       name, _, spec = item.partition("=")
       t = getattr(cfg.topology, name)
-      t.offset, t.dp, t.tp = (int(v) for v in spec.split("/"))
+      values = [int(v) for v in spec.split("/")]
+      t.offset, t.dp, t.tp = values[:3]
+      t.pp, t.virtual = (values[3:] + [1, 1])[:2]
   return cfg

@@ -1,0 +1,146 @@
+"""Pipeline parallelism (pipeline.py): the schedules against a plain loop, and the training step
+with pipelined modules against the single-device run (DESIGN §2.3)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax import topology
+from mimo_jax.config import ConfigError, validate
+from mimo_jax.models.mimo import build_modules
+from mimo_jax.pipeline import Schedule, Stack
+from mimo_jax.step import Stepper
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+LAYERS, DIM, HIDDEN, BATCH = 8, 16, 32, 8
+
+
+def _layer(p, x, shift):
+  return x + jnp.tanh(x @ p["up"] + shift[..., None]) @ p["down"]
+
+
+def _sequential(params, x_m, shift_m):
+  def one(x, shift):
+    for i in range(LAYERS):
+      x = _layer(jax.tree.map(lambda a, i=i: a[i], params), x, shift)
+    return x
+  return jax.vmap(one)(x_m, shift_m)
+
+
+@pytest.mark.parametrize("pp,dp,tp,virtual,micro,remat", [
+    (1, 2, 2, 1, 4, "none"),
+    (2, 2, 2, 1, 4, "none"),
+    (4, 2, 1, 1, 5, "full"),
+    (2, 2, 2, 2, 4, "dots"),
+    (4, 1, 2, 2, 6, "none"),
+    (2, 2, 2, 4, 2, "full"),
+    (4, 2, 1, 1, 2, "none"),  # fewer microbatches than stages: padded (evaluation)
+])
+def test_schedule_matches_sequential_layers(pp, dp, tp, virtual, micro, remat):
+  mesh = Mesh(np.array(jax.devices()[:pp * dp * tp]).reshape(pp, dp, tp), topology.AXES)
+  schedule = Schedule(pp, virtual)
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"up": 0.3 * jax.random.normal(keys[0], (LAYERS, DIM, HIDDEN)),
+            "down": 0.3 * jax.random.normal(keys[1], (LAYERS, HIDDEN, DIM))}
+  x_m = jax.random.normal(keys[2], (micro, BATCH, DIM))
+  shift_m = jax.random.normal(keys[3], (micro, BATCH))
+  stack = Stack(_layer, mesh, schedule, remat)
+  lead = schedule.stage_spec()
+  placed = jax.device_put(jax.tree.map(schedule.to_layout, params), {
+      "up": NamedSharding(mesh, P(*lead, None, "tp")),
+      "down": NamedSharding(mesh, P(*lead, "tp", None))})
+  x_on = jax.device_put(x_m, NamedSharding(mesh, P(None, "dp")))
+
+  loss = lambda out: jnp.sum(jnp.sin(out))
+  want, (want_gp, want_gx) = jax.value_and_grad(
+      lambda p, x: loss(_sequential(p, x, shift_m)), argnums=(0, 1))(params, x_m)
+  got, (gp, gx) = jax.jit(jax.value_and_grad(
+      lambda p, x: loss(stack(p, x, (shift_m,))), argnums=(0, 1)))(placed, x_on)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  gp = jax.tree.map(schedule.from_layout, gp)
+  for a, b in zip(jax.tree.leaves((want_gp, want_gx)), jax.tree.leaves((gp, gx))):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+def test_bubble_formula():
+  assert Schedule(4, 1).bubble(4) == pytest.approx(3 / 7)
+  assert Schedule(4, 2).bubble(4) == pytest.approx(3 / 11)
+  assert Schedule(1, 1).bubble(8) == 0
+
+
+# ---- the training step -----------------------------------------------------------------------
+
+STEPS = 4
+
+
+def _deep(data_dir, microbatches=4, **topo):
+  """The tiny config with 4 layers per module, so that 2 and 4 stages (and 2x2 chunks) fit."""
+  cfg = tiny_config(data_dir, **topo)
+  cfg.model.vision.layers = cfg.model.language.layers = 4
+  cfg.data.microbatches = microbatches
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir):
+  return run_steps(_deep(data_dir, vision=(0, 1, 1), language=(0, 1, 1)), STEPS)[0]
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2)}, id="language-pp2"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 1, 1, 4)}, id="language-pp4"),
+    pytest.param({"vision": (0, 1, 1, 2), "language": (2, 1, 2, 2)},
+                 id="vision-pp2-to-language-pp2tp2"),
+    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2, 2)}, id="language-circular-v2"),
+    pytest.param({"vision": (0, 2, 1, 2), "language": (0, 2, 1, 2, 2)},
+                 id="colocated-dp2pp2-and-circular"),
+])
+def test_pipelined_step_matches_single_device(data_dir, reference, topo):
+  got = run_steps(_deep(data_dir, **topo), STEPS)[0]
+  assert_close_trajectory(reference, got, rtol=1e-4)
+
+
+def test_remat_policies_keep_the_trajectory(data_dir, reference):
+  cfg = _deep(data_dir, vision=(0, 2, 1, 2), language=(4, 1, 2, 2))
+  cfg.topology.vision.remat, cfg.topology.language.remat = "full", "dots"
+  assert_close_trajectory(reference, run_steps(cfg, STEPS)[0], rtol=1e-4)
+
+
+def test_circular_layout_is_canonical_in_checkpoints(data_dir):
+  """A circular-schedule state converts to the same [layers, ...] arrays a pp=1 run holds, and
+  back; checkpoints hold that form, so they restore onto any pipeline layout."""
+  def stepper(**topo):
+    cfg = _deep(data_dir, **topo)
+    return Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  circular = stepper(vision=(0, 1, 1, 2, 2), language=(4, 1, 1, 2, 2))
+  plain = stepper(vision=(0, 1, 1), language=(0, 1, 1))
+  state = circular.init_state(0)
+  blocks = state["language"].params["blocks"]["attn"]["q"]["kernel"]
+  assert blocks.shape[:2] == (2, 2)  # [virtual, layers / virtual, ...]
+  canonical = circular.canonical(state)
+  want = plain.init_state(0)
+  for name in want:
+    for a, b in zip(jax.tree.leaves(want[name].params), jax.tree.leaves(canonical[name].params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  back = circular.from_canonical(canonical)
+  for a, b in zip(jax.tree.leaves(state["language"].opt_state),
+                  jax.tree.leaves(back["language"].opt_state)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda c: setattr(c.topology.language, "pp", 3), "config.topology.language.pp"),
+    (lambda c: setattr(c.data, "microbatches", 2), "config.data.microbatches"),
+    (lambda c: setattr(c.topology.vision, "virtual", 2), "config.topology.vision.virtual"),
+    (lambda c: setattr(c.topology.language, "remat", "some"), "config.topology.language.remat"),
+    (lambda c: setattr(c.topology.language, "virtual", 0), "config.topology.language.virtual"),
+])
+def test_invalid_pipeline_configs(data_dir, change, field):
+  cfg = _deep(data_dir, vision=(0, 1, 1), language=(1, 1, 1, 4))
+  change(cfg)
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    validate(cfg, 8)
