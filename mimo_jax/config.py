@@ -278,6 +278,15 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   validate_topology(cfg, num_devices)
 
 
+def validate_backend(cfg: Config, backend: str) -> None:
+  """What the platform cannot run: XLA's CPU backend aborts on a bfloat16 all-reduce, which the
+  pipeline's stage-to-stage gradients need."""
+  pipelined = [n for n, t in cfg.topology.modules().items() if t.pp > 1]
+  _require(not (backend == "cpu" and cfg.model.dtype == "bfloat16" and pipelined), "model.dtype",
+           f"bfloat16 with pipeline stages ({', '.join(pipelined)} pp > 1) does not run on CPU "
+           "(XLA's CPU backend cannot all-reduce bfloat16); use float32 on CPU, or a GPU.")
+
+
 def validate_topology(cfg: Config, num_devices: int | None) -> None:
   """Device ranges and divisibility of every module; see DESIGN §2.2."""
   d, lm = cfg.data, cfg.model.language

@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mimo_jax import checkpoint, distributed, topology
-from mimo_jax.config import Config, validate
+from mimo_jax.config import Config, validate, validate_backend
 from mimo_jax.data import loader
 from mimo_jax.data.tokenizer import PAD
 from mimo_jax.evaluate import Evaluator
@@ -78,6 +78,7 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
 def run(cfg: Config) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
   validate(cfg, len(jax.devices()))
+  validate_backend(cfg, jax.default_backend())
   topo = topology.build(cfg)
   paths = loader.build_paths(cfg)
   stepper = Stepper(cfg, topo, build_modules(cfg))

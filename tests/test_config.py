@@ -29,7 +29,7 @@ CASES = [
     ("run.progress", "fancy", "run.progress"),
     ("run.log_every", 0, "run.log_every"),
     ("topology.language.dp", 3, "topology.language.dp"),
-    ("topology.vision.pp", 2, "topology.vision.pp"),
+    ("topology.vision.pp", 3, "topology.vision.pp"),  # 2 layers do not split into 3 stages
     ("model.language.kv_heads", 1, "topology.language.tp"),  # tp=2 cannot split 1 kv head
     ("topology.vision.offset", 7, "topology.vision.offset"),  # past 8 devices
 ]

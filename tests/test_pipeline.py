@@ -144,3 +144,42 @@ def test_invalid_pipeline_configs(data_dir, change, field):
   change(cfg)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     validate(cfg, 8)
+
+
+def test_checkpoint_moves_between_pipeline_layouts(data_dir, tmp_path):
+  """Saved from a circular two-stage run, restored onto one device, and back: same arrays."""
+  from mimo_jax import checkpoint
+
+  def stepper(**topo):
+    cfg = _deep(data_dir, **topo)
+    return cfg, Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  cfg_c, circular = stepper(vision=(0, 2, 1, 2, 2), language=(4, 1, 2, 2, 2))
+  cfg_p, plain = stepper(vision=(0, 1, 1), language=(0, 1, 1))
+  state = run_steps(cfg_c, 2)[2]  # trained a little: optimizer moments are not zero
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "a"), list(circular.modules))
+  ckpt.save(2, circular.canonical(state), cfg_c, force=True)
+  ckpt.wait()
+  restored, _ = ckpt.restore(2, plain.abstract_state(canonical=True), cfg_p)
+  on_one = plain.from_canonical(restored)
+  ckpt.save(3, plain.canonical(on_one), cfg_p, force=True)
+  ckpt.close()
+  again = circular.from_canonical(checkpoint.Checkpointer(str(tmp_path / "a"), list(
+      circular.modules)).restore(3, circular.abstract_state(canonical=True), cfg_c)[0])
+  for name in state:
+    for a, b in zip(jax.tree.leaves((state[name].params, state[name].opt_state)),
+                    jax.tree.leaves((again[name].params, again[name].opt_state))):
+      assert a.shape == b.shape and a.sharding == b.sharding
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  q = on_one["language"].params["blocks"]["attn"]["q"]["kernel"]
+  assert q.shape[0] == 4 and len(q.sharding.device_set) == 1
+
+
+def test_bfloat16_pipeline_on_cpu_is_a_clear_error(data_dir):
+  from mimo_jax.config import validate_backend
+  cfg = _deep(data_dir, vision=(0, 1, 1), language=(1, 1, 1, 2))
+  cfg.model.dtype = "bfloat16"
+  with pytest.raises(ConfigError, match=r"config\.model\.dtype: .*language pp > 1"):
+    validate_backend(cfg, "cpu")
+  validate_backend(cfg, "gpu")
+  cfg.topology.language.pp = 1
+  validate_backend(cfg, "cpu")
