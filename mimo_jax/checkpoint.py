@@ -28,6 +28,8 @@ from mimo_jax.step import ModuleState
 META = "meta"
 # Fields that must match for a resumed run to continue the same trajectory.
 DATA_FIELDS = ("seed", "global_batch")
+# Model fields that change how the step computes, not the parameters: free to differ on resume.
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
 
 
 class CheckpointError(ConfigError):
@@ -164,7 +166,7 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:
   saved = _flatten(meta["config"]["model"], "model.")
   current = _flatten(dataclasses.asdict(cfg.model), "model.")
   diffs = [f"{k}={saved.get(k)!r} (this run: {current[k]!r})" for k in sorted(current)
-           if k != "model.dtype" and saved.get(k) != current[k]]
+           if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != current[k]]
   if diffs:
     raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
                           "Use the same model config or a new run.workdir.")

@@ -9,7 +9,9 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 MODULE_KINDS = ("vision", "language")  # encoders first, the language model last
-REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
+REMAT = ("none", "full", "dots")
+TASKS = ("digits", "synthetic")
+DIGITS_VOCAB = 17  # data/tokenizer.py  # activation rematerialisation policies (pipeline.py)
 
 
 class ConfigError(ValueError):
@@ -26,10 +28,18 @@ class VisionConfig:
   heads: int = 4
   mlp_dim: int = 128
   projector_hidden: int = 128
+  # Pixel shuffle before the projector: each s x s block of patches becomes one image token of
+  # s*s*dim features (InternVL's token compression); 1 = one token a patch.
+  downsample: int = 1
+
+  @property
+  def patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
 
   @property
   def tokens_per_image(self) -> int:
-    return (self.image_size // self.patch_size) ** 2
+    """Image tokens the language model receives per image (after `downsample`)."""
+    return self.patches // self.downsample**2
 
 
 @dataclasses.dataclass
@@ -40,11 +50,15 @@ class LanguageConfig:
   kv_heads: int = 2
   mlp_dim: int = 256
   rope_theta: float = 10_000.0
+  vocab_size: int = 0  # 0 = the task's tokenizer (17 for digits); synthetic data needs it set
 
 
 @dataclasses.dataclass
 class ModelConfig:
   dtype: str = "float32"
+  # Attention kernel: xla, cudnn (fused flash attention, GPUs, bfloat16), or auto (cudnn where it
+  # runs, else xla). Packed rows (data.pack_rows) always use xla's masked attention.
+  attention: str = "auto"
   vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
 
@@ -78,6 +92,9 @@ class TopologyConfig:
 
 @dataclasses.dataclass
 class DataConfig:
+  # digits: the digits-captioning task (DESIGN §4); synthetic: random VLM-shaped samples for
+  # benchmarks (data/synthetic.py), images of model.vision.image_size, text ids < vocab_size.
+  task: str = "digits"
   seed: int = 0
   global_batch: int = 32
   microbatches: int = 2
@@ -101,6 +118,14 @@ class DataConfig:
   pack_rows: int = 0
   image_token_cost: float = 1.0
   text_token_cost: float = 1.0
+  # Synthetic task: median text tokens a sample and the log-normal spread of the text length.
+  text_len: int = 128
+  text_len_sigma: float = 0.5
+
+  @property
+  def pixel_max(self) -> float:
+    """The largest pixel value (images travel as uint8 and are scaled to [0, 1] on device)."""
+    return 16.0 if self.task == "digits" else 255.0
 
   @property
   def micro_batch(self) -> int:
@@ -208,14 +233,30 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
   _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",
            f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
+  _require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
+           f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
   v, lm = cfg.model.vision, cfg.model.language
   _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
                                 "mlp_dim", "projector_hidden"))
   _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
-  _require((v.image_size, v.channels) == (8, 1), "model.vision.image_size",
-           "the digits task has 8x8 single-channel images; keep image_size=8, channels=1.")
+  _require(cfg.data.task in TASKS, "data.task",
+           f"unknown task {cfg.data.task!r}; choose from {', '.join(TASKS)}.")
+  if cfg.data.task == "digits":
+    _require((v.image_size, v.channels) == (8, 1), "model.vision.image_size",
+             "the digits task has 8x8 single-channel images; keep image_size=8, channels=1 "
+             "(or data.task=synthetic).")
+    _require(lm.vocab_size in (0, DIGITS_VOCAB), "model.language.vocab_size",
+             f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
+  else:
+    _require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
+             f"synthetic data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
+    _positive(cfg.data, "data", ("text_len",))
+    _require(cfg.data.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
   _require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
            f"{v.patch_size} must divide image_size {v.image_size}.")
+  _require(v.downsample > 0 and (v.image_size // v.patch_size) % v.downsample == 0,
+           "model.vision.downsample",
+           f"{v.downsample} must divide the {v.image_size // v.patch_size} patches a side.")
   _require(v.dim % v.heads == 0, "model.vision.heads", f"{v.heads} must divide dim {v.dim}.")
   _require(lm.dim % lm.heads == 0, "model.language.heads", f"{lm.heads} must divide dim {lm.dim}.")
   _require((lm.dim // lm.heads) % 2 == 0, "model.language.dim",

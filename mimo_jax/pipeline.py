@@ -101,6 +101,8 @@ class Stack:
 
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:
     if not self.schedule.pipelined:
+      if x_m.shape[0] == 1:  # one microbatch (the usual chunk): no vmap around the kernels
+        return _scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m))[None]
       return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side))(x_m, *side_m)
     num = x_m.shape[0]
     pad = max(self.schedule.stages - num, 0)  # fewer microbatches than stages (evaluation)

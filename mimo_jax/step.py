@@ -126,6 +126,10 @@ class Stepper:
     # Fixed once so that init, update and checkpoint restore all agree.
     self.opt_sh = {n: self._mirror_shardings(n, self.abstract_params[n], self._opt_shapes[n])
                    for n in modules}
+    # Instrumentation for tools/bench.py: how arrays cross between meshes, and a callback after
+    # each phase of a step (phase name, its outputs). Training leaves both alone.
+    self.transfer = bridge.transfer
+    self.on_phase = None
     self._build_jits()
 
   def _layout(self, name: str, tree):
@@ -175,9 +179,9 @@ class Stepper:
       out_sh = t.sharding(name)
 
       def apply(params, images, name=name, out_sh=out_sh):
-        """A chunk of microbatches: list of images [n, h, w, c] -> list of image tokens."""
-        out = encode_images(self.bind(name, params), self.run_blocks(name, params),
-                            _stacked(images))
+        """A chunk of microbatches: list of uint8 images [n, h, w, c] -> list of image tokens."""
+        pixels = _stacked(images).astype(jnp.float32) / self.cfg.data.pixel_max
+        out = encode_images(self.bind(name, params), self.run_blocks(name, params), pixels)
         return [jax.lax.with_sharding_constraint(out[i], out_sh) for i in range(len(images))]
 
       def fwd(params, images, slot_ids, apply=apply):
@@ -303,7 +307,12 @@ class Stepper:
   # ---- training step ------------------------------------------------------------------------
 
   def _to_language(self, tree):
-    return bridge.transfer_tree(tree, self.topo.sharding("language"))
+    dst = self.topo.sharding("language")
+    return jax.tree.map(lambda x: self.transfer(x, dst), tree)
+
+  def _phase(self, name: str, tree) -> None:
+    if self.on_phase is not None:
+      self.on_phase(name, tree)
 
   def encode(self, state: dict[str, ModuleState], x: Inputs) -> dict[str, jax.Array]:
     """Forward of every encoder (no backward), delivered to the language mesh."""
@@ -339,6 +348,7 @@ class Stepper:
         fwd[n].append(self._enc_fwd[n](p, images, slots))
       else:
         fwd[n].append((self._enc_apply[n](p, images), slots, None))
+      self._phase(n, fwd[n][-1][0])
 
     def encoded(n, m):
       """Microbatch m's image tokens and slot owners (on the encoder mesh), dispatching the
@@ -353,19 +363,23 @@ class Stepper:
       got = [{n: encoded(n, m) for n in self.encoders} for m in ms]
       embs = self._to_language({n: [g[n][0] for g in got] for n in self.encoders})
       slots = self._to_language({n: [g[n][1] for g in got] for n in self.encoders})
+      self._phase("bridge", (embs, slots))
       lang_acc, grads_back = self._lang_step(
           state["language"].params, lang_acc, embs, slots,
           {n: [inputs[m].img_pos[n] for m in ms] for n in self.encoders},
           [inputs[m].text for m in ms], inv_tokens)
+      self._phase("language", lang_acc)
       for n in self.encoders:
         if not self.trainable[n]:
           continue
         for m, g in zip(ms, grads_back[n]):
-          d_embs[n][m] = bridge.transfer(g, self.topo.sharding(n))
+          d_embs[n][m] = self.transfer(g, self.topo.sharding(n))
+        self._phase("bridge", d_embs[n])
         for c, chunk in enumerate(enc_chunks[n]):  # backward of every chunk now complete
           if c < len(fwd[n]) and fwd[n][c] is not None and all(m in d_embs[n] for m in chunk):
             acc[n] = self._enc_bwd[n](fwd[n][c][2], [d_embs[n][m] for m in chunk], acc[n])
             fwd[n][c] = None
+            self._phase(n, acc[n])
     acc["language"] = lang_acc["grads"]
     return self._apply(state, acc, lang_acc)
 
@@ -378,6 +392,7 @@ class Stepper:
       params, opt_state, norm, scale = self._update[n](state[n].params, state[n].opt_state,
                                                         grads[n], sq_here)
       new_state[n] = ModuleState(params, opt_state)
+      self._phase(n, params)
       metrics[f"clip_scale/{n}"] = scale
     metrics.update(loss=lang_acc["loss"], grad_norm=norm, mismatches=lang_acc["mismatches"])
     return new_state, metrics

@@ -80,7 +80,7 @@ def run(cfg: Config) -> list[dict]:
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
   topo = topology.build(cfg)
-  paths = loader.build_paths(cfg)
+  paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
   stepper = Stepper(cfg, topo, build_modules(cfg))
   ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(stepper.modules),
                                  keep=cfg.checkpoint.keep)
@@ -90,7 +90,7 @@ def run(cfg: Config) -> list[dict]:
     state = stepper.from_canonical(state)
   else:
     state = stepper.init_state(cfg.train.seed)
-  evaluator = Evaluator(stepper, cfg.data.max_images)
+  evaluator = Evaluator(stepper, cfg.data.max_images, accuracy=cfg.data.task == "digits")
   eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
   # The whole LR table once: evaluating the schedule per step would queue behind the step's work
   # on device 0 and make the host wait there.

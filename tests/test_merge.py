@@ -22,7 +22,7 @@ def _sample(sid: int, k: int) -> dict:
 
 def _fake_encoder(images_nhwc: np.ndarray) -> np.ndarray:
   """Token t of an image = its pixel code * 100 + t, in every feature."""
-  code = images_nhwc[:, 0, 0, 0] * 16
+  code = images_nhwc[:, 0, 0, 0].astype(np.int64)  # raw pixels travel as uint8
   return np.broadcast_to((code[:, None] * 100 + np.arange(T))[..., None],
                          (len(code), T, D)).astype(np.float32)
 

@@ -7,7 +7,9 @@ So the image array `images_nhwc` [G*S, ...] is already in the order the language
 encoder runs on it with any dp that divides G*S, and moving its output to the language mesh is a
 reshard of one array split on its first axis (fan-in and fan-out fall out of the shapes).
 
-For every text position that holds an image placeholder, `img_pos_bl` gives the index of the image
+Images travel as their raw uint8 pixels (a quarter of float32's bytes from host to device); the
+encoder scales them on device (`Config.data.pixel_max`). For every text position that holds an image
+placeholder, `img_pos_bl` gives the index of the image
 token inside the rank's own slots (slot_local * T + t), or -1: the merge on the language mesh is a
 gather that never leaves the rank. `slot_ids_n` records which sample owns each slot (-1 = empty);
 it travels through the bridge beside the embeddings so the language side can verify that every
@@ -37,13 +39,24 @@ class Layout:
     return self.slots // self.groups
 
 
-def encode_text(tok: Tokenizer, text: str, tokens_per_image: int) -> tuple[list[int], int]:
-  """Returns bos + words (each <img> expanded to T placeholders) + eos, and the index of ':'."""
+def sample_tokens(tok: Tokenizer, sample: dict, tokens_per_image: int) -> tuple[list[int], int]:
+  """bos + the sample's tokens (each <img> expanded to T placeholders) + eos, and the position
+  whose target starts the loss: ':' for a digits sample (`text`), the last image placeholder (or
+  bos) for a sample given as token ids (`tokens`, images first, as data/synthetic.py writes)."""
+  ids = tok.encode(sample["text"]) if "text" in sample else list(sample["tokens"])
   words = [BOS]
-  for w in tok.encode(text):
+  for w in ids:
     words.extend([IMG] * tokens_per_image if w == IMG else [w])
   words.append(EOS)
-  return words, words.index(tok.colon)
+  if "text" in sample:
+    return words, words.index(tok.colon)
+  return words, tokens_per_image * int(np.sum(np.asarray(ids) == IMG))
+
+
+def text_length(sample: dict, tok: Tokenizer) -> int:
+  """Tokens of a sample other than its images (bos and eos included)."""
+  ids = tok.encode(sample["text"]) if "text" in sample else sample["tokens"]
+  return 2 + sum(1 for w in ids if w != IMG)
 
 
 class _Rows:
@@ -97,7 +110,7 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
       "colon_b": np.zeros((bsz,), np.int32),
       "num_images_b": np.zeros((bsz,), np.int32),
       "sample_ids_b": np.full((bsz,), -1, np.int32),
-      "images_nhwc": np.zeros((layout.slots,) + layout.image_shape, np.float32),
+      "images_nhwc": np.zeros((layout.slots,) + layout.image_shape, np.uint8),
       "slot_ids_n": np.full((layout.slots,), -1, np.int32),
   }
   used = [0] * G
@@ -105,7 +118,7 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
     if sample is None:
       continue
     g = b // per_group
-    seq, colon = encode_text(tok, sample["text"], T)
+    seq, colon = sample_tokens(tok, sample, T)
     if len(seq) - 1 > L:
       raise ValueError(f"sample {sid} needs {len(seq) - 1} tokens but data.seq_len is {L}; "
                        "raise data.seq_len.")
@@ -132,7 +145,7 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
     out["img_pos_bl"][r, placeholder] = used[g] * T + np.arange(n_img * T)
     for img in images:
       slot = g * S + used[g]
-      out["images_nhwc"][slot] = img.reshape(layout.image_shape).astype(np.float32) / 16.0
+      out["images_nhwc"][slot] = img.reshape(layout.image_shape)
       out["slot_ids_n"][slot] = sid
       used[g] += 1
     out["colon_b"][b] = colon

@@ -14,13 +14,21 @@ import grain
 import numpy as np
 
 from mimo_jax.config import Config, DataConfig
-from mimo_jax.data import digits, reorder
-from mimo_jax.data.layout import Layout, encode_text, layout_microbatch, stack
+from mimo_jax.data import digits, reorder, synthetic
+from mimo_jax.data.layout import Layout, layout_microbatch, stack, text_length
 from mimo_jax.data.tokenizer import Tokenizer
 
 
-def build_paths(cfg: Config) -> dict[str, str]:
-  d = cfg.data
+DECODERS = {"digits": digits.decode, "synthetic": synthetic.decode}
+
+
+def build_paths(cfg: Config, progress=None) -> dict[str, str]:
+  """The task's train and eval shards, built on first use."""
+  d, v = cfg.data, cfg.model.vision
+  if d.task == "synthetic":
+    return synthetic.build(d.dir, d.train_samples, d.eval_samples, d.probs(),
+                           (v.image_size, v.image_size, v.channels), v.tokens_per_image, d.seq_len,
+                           d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress)
   return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
 
 
@@ -33,26 +41,26 @@ def make_layout(cfg: Config, groups: int, slots: int, pack_rows: int = 0) -> Lay
 
 class _Decode(grain.transforms.Map):
 
-  def __init__(self, path: str):
-    self._path = path
+  def __init__(self, path: str, task: str):
+    self._path, self._decode = path, DECODERS[task]
 
   def map(self, element):
     index, record = element
-    return index, digits.decode(record, self._path, index)
+    return index, self._decode(record, self._path, index)
 
 
-def _source(path: str) -> grain.MapDataset:
+def _source(path: str, task: str = "digits") -> grain.MapDataset:
   src = grain.sources.ArrayRecordDataSource([path])
   if len(src) == 0:
     raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
   ds = grain.MapDataset.source(src)
-  return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path))
+  return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path, task))
 
 
 def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of,
                   data: DataConfig) -> dict[str, np.ndarray]:
   """Lays out one microbatch, reordering its samples over language dp ranks if configured."""
-  costs = [reorder.sample_cost(len(s["images"]), len(encode_text(tok, s["text"], 0)[0]),
+  costs = [reorder.sample_cost(len(s["images"]), text_length(s, tok),
                                layout.tokens_per_image, data.image_token_cost,
                                data.text_token_cost) for _, s in elements]
   order = list(range(len(elements)))
@@ -71,7 +79,7 @@ def train_dataset(cfg: Config, path: str, lang_dp: int) -> grain.MapDataset:
   d = cfg.data
   layout = make_layout(cfg, lang_dp, d.slots(), d.pack_rows)
   tok = Tokenizer()
-  ds = _source(path).shuffle(seed=d.seed).repeat()
+  ds = _source(path, d.task).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, el: (pos, el[1]))
   batch_fn = functools.partial(_layout_batch, layout=layout, tok=tok,
@@ -94,7 +102,7 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[dict[str, np.ndar
   n, bsz = cfg.eval.samples, cfg.eval.batch
   layout = make_layout(cfg, lang_dp, bsz * cfg.data.max_images)
   tok = Tokenizer()
-  ds = _source(path)
+  ds = _source(path, cfg.data.task)
   if n > len(ds):
     raise ValueError(f"eval.samples={n} but {path} holds only {len(ds)} samples; lower "
                      "eval.samples or raise data.eval_samples.")

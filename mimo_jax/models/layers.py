@@ -86,9 +86,11 @@ class Attention(nnx.Module):
   """Multi-head attention with grouped-query heads; optional RoPE and causal mask."""
 
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
-               bias: bool = False, rope_theta: float | None = None, out_std: float | None = None):
+               bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
+               implementation: str = "xla"):
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
+    self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
     self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias)
     self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
     self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
@@ -103,10 +105,12 @@ class Attention(nnx.Module):
     if self.rope_theta is not None:
       q = rope(q, positions_bl, self.rope_theta)
       k = rope(k, positions_bl, self.rope_theta)
-    mask = None
+    mask, implementation = None, self.implementation
     if segment_ids_bl is not None:  # packed rows: no attention across samples
       mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+      implementation = "xla"
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                       implementation=implementation)
     return self.o(out.reshape(b, l, self.heads * self.head_dim))
 
 

@@ -12,11 +12,12 @@ from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear, stacked
 
 class DecoderBlock(nnx.Module):
 
-  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, dtype: jnp.dtype):
+  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, dtype: jnp.dtype,
+               attention: str = "xla"):
     out_std = (2 * cfg.layers * cfg.dim) ** -0.5  # GPT-2 style scaled residual init
     self.norm1 = RMSNorm(cfg.dim)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype,
-                          rope_theta=cfg.rope_theta, out_std=out_std)
+                          rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention)
     self.norm2 = RMSNorm(cfg.dim)
     self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
 
@@ -31,10 +32,11 @@ class LanguageModel(nnx.Module):
   """`embed` maps tokens to vectors (images are merged in between), the stacked `blocks` run as a
   `pipeline.Stack`, `logits` maps the result to float32 logits."""
 
-  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype):
+  def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype,
+               attention: str = "xla"):
     self.dtype = dtype
     self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, cfg.dim)))
-    self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype), cfg.layers, rngs)
+    self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype, attention), cfg.layers, rngs)
     self.norm = RMSNorm(cfg.dim)
     self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 

@@ -87,14 +87,22 @@ class Module:
 def build_modules(cfg: Config) -> dict[str, Module]:
   """Encoders first, `language` last; the order is the dispatch order of the step."""
   dtype = jnp.dtype(cfg.model.dtype)
-  vocab = Tokenizer().vocab_size
-  v, lm = cfg.model.vision, cfg.model.language
+  vocab = cfg.model.language.vocab_size or Tokenizer().vocab_size
+  v, lm, att = cfg.model.vision, cfg.model.language, attention_implementation(cfg)
   return {
-      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype),
-                       lambda rngs: ViTBlock(rngs, v, dtype), seed_salt=1),
-      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype),
-                         lambda rngs: DecoderBlock(rngs, lm, dtype), seed_salt=2),
+      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype, att),
+                       lambda rngs: ViTBlock(rngs, v, dtype, att), seed_salt=1),
+      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att),
+                         lambda rngs: DecoderBlock(rngs, lm, dtype, att), seed_salt=2),
   }
+
+
+def attention_implementation(cfg: Config) -> str:
+  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16, else XLA's."""
+  if cfg.model.attention != "auto":
+    return cfg.model.attention
+  gpu = jax.default_backend() == "gpu"
+  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" else "xla"
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:

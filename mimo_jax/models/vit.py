@@ -12,9 +12,10 @@ from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacke
 
 class ViTBlock(nnx.Module):
 
-  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype):
+  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype, attention: str = "xla"):
     self.norm1 = LayerNorm(cfg.dim)
-    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True)
+    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
+                          implementation=attention)
     self.norm2 = LayerNorm(cfg.dim)
     self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype)
 
@@ -28,16 +29,18 @@ class VisionEncoder(nnx.Module):
   (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then `finish`
   (norm, projector)."""
 
-  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype):
-    self.patch = cfg.patch_size
+  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
+               attention: str = "xla"):
+    self.patch, self.downsample = cfg.patch_size, cfg.downsample
     self.dtype = dtype
     patch_dim = cfg.patch_size**2 * cfg.channels
     self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=True)
-    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.tokens_per_image, cfg.dim)))
-    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype), cfg.layers, rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.patches, cfg.dim)))
+    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention), cfg.layers, rngs)
     self.norm = LayerNorm(cfg.dim)
     # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
-    self.projector = GeluMLP(rngs, cfg.dim, cfg.projector_hidden, dtype, d_out=lm.dim)
+    self.projector = GeluMLP(rngs, cfg.dim * cfg.downsample**2, cfg.projector_hidden, dtype,
+                             d_out=lm.dim)
 
   def patches(self, images_nhwc: jax.Array) -> jax.Array:
     n, h, w, c = images_nhwc.shape
@@ -47,4 +50,11 @@ class VisionEncoder(nnx.Module):
     return x_npd + self.pos[...].astype(self.dtype)
 
   def finish(self, x_npd: jax.Array) -> jax.Array:
-    return self.projector(self.norm(x_npd))
+    x_npd = self.norm(x_npd)
+    s = self.downsample
+    if s > 1:  # pixel shuffle: s x s neighbouring patches -> one token
+      n, p, d = x_npd.shape
+      side = int(round(p**0.5))
+      x = x_npd.reshape(n, side // s, s, side // s, s, d).transpose(0, 1, 3, 2, 4, 5)
+      x_npd = x.reshape(n, (side // s) ** 2, s * s * d)
+    return self.projector(x_npd)

@@ -1,0 +1,54 @@
+"""A realistic VLM for GPU benchmarks, on synthetic data (data/synthetic.py).
+
+Encoder: ViT-L/14 at 336 px (576 tokens an image, 24 layers of width 1024: 0.30 B parameters) and
+LLaVA's two-layer MLP projector. Language model: a 1.1 B-parameter Llama-style decoder (16 layers of
+width 2048, 32 heads of 64, 8 key-value heads, SwiGLU 8192, vocabulary 32000). Sequences of 2048
+tokens, bfloat16 compute, float32 master weights.
+
+Variants (the argument after the colon):
+  default        1-3 images a sample (probabilities 0.4, 0.3, 0.3)
+  encoder_heavy  4-11 images a sample, each compressed to 144 tokens by a 2x2 pixel shuffle before
+                 the projector (InternVL-style): the encoder does about half of the model FLOPs,
+                 against about a sixth in the default; its layers keep only their inputs for the
+                 backward pass (remat full), as 88 image slots a microbatch would not fit otherwise
+
+  python -m mimo_jax.launch --config=configs/vlm.py
+  python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts=...
+
+Topology fields are left at one device; benchmarks and runs set them with flags.
+"""
+
+from mimo_jax.config import Config
+
+
+def get_config(arg: str | None = None) -> Config:
+  cfg = Config()
+  v, lm, d = cfg.model.vision, cfg.model.language, cfg.data
+  cfg.model.dtype = "bfloat16"
+  v.image_size, v.channels, v.patch_size = 336, 3, 14
+  v.dim, v.layers, v.heads, v.mlp_dim, v.projector_hidden = 1024, 24, 16, 4096, 2048
+  lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = 2048, 16, 32, 8, 8192
+  lm.vocab_size, lm.rope_theta = 32_000, 500_000.0
+  d.task = "synthetic"
+  d.train_samples, d.eval_samples = 2_000, 64
+  d.workers = 8
+  d.seq_len = 2048
+  d.max_images, d.image_probs = 3, "0,0.4,0.3,0.3"
+  d.global_batch, d.microbatches = 32, 4  # 8 samples a microbatch
+  d.text_len, d.text_len_sigma = 256, 0.6
+  # The language model's cost per sample grows with its tokens, the encoder's with its images.
+  d.image_token_cost, d.text_token_cost = 1.0, 1.0
+  cfg.optim.lr, cfg.optim.warmup_steps = 3e-4, 20
+  cfg.train.steps = 100
+  cfg.eval.samples, cfg.eval.batch = 64, 8
+  cfg.run.workdir, cfg.run.log_every = "runs/vlm", 10
+  if arg in (None, "", "default"):
+    pass
+  elif arg == "encoder_heavy":
+    v.downsample = 2
+    cfg.topology.vision.remat = "full"
+    d.max_images = 11
+    d.image_probs = ",".join(["0"] * 4 + ["0.125"] * 8)
+  else:
+    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use 'default' or 'encoder_heavy'.")
+  return cfg

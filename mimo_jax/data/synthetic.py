@@ -1,0 +1,103 @@
+"""Synthetic VLM-shaped samples in ArrayRecord shards, for benchmarks (`data.task=synthetic`).
+
+A sample is k images (k drawn from `data.image_probs`, so 0..max_images with any skew) of
+`model.vision.image_size`² × `channels` random uint8 pixels, followed by a text of n random token ids
+(n log-normal around `data.text_len` with spread `data.text_len_sigma`, clipped so that the sample
+fits `data.seq_len` with its image tokens). The loss covers the text. Real files, real decoding and
+real grain workers, shaped like LLaVA training data; the content is noise, so only speed means
+anything.
+
+Record format: a 4-byte little-endian header length, a JSON header {"k", "shape", "tokens"}, then
+the k images' raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import tempfile
+
+import numpy as np
+from array_record.python import array_record_module
+
+from mimo_jax.data.tokenizer import IMG, SPECIALS
+
+FORMAT_VERSION = 1
+FIRST_TEXT_ID = len(SPECIALS)  # text ids are drawn from [FIRST_TEXT_ID, vocab_size)
+
+
+def text_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float,
+                 limit: np.ndarray) -> np.ndarray:
+  """n text lengths, log-normal with median `mean`, each in [1, limit]."""
+  lengths = np.round(mean * np.exp(sigma * rng.standard_normal(n))).astype(np.int64)
+  return np.clip(lengths, 1, np.maximum(limit, 1))
+
+
+def make_samples(n: int, seed: int, probs: list[float], image_shape: tuple[int, int, int],
+                 tokens_per_image: int, seq_len: int, text_len: int, text_sigma: float,
+                 vocab_size: int):
+  """Yields n samples: {"images": uint8 [k, h, w, c], "tokens": int32 [k + n_text]}."""
+  rng = np.random.default_rng(seed)
+  ks = rng.choice(len(probs), size=n, p=probs)
+  # bos + k * T image tokens + text + eos must fit seq_len + 1 (inputs and shifted targets).
+  room = seq_len - 1 - ks * tokens_per_image
+  if np.any(room < 1):
+    worst = int(ks.max())
+    raise ValueError(f"{worst} images of {tokens_per_image} tokens leave no room for text in "
+                     f"data.seq_len={seq_len}; raise data.seq_len or lower data.max_images.")
+  lengths = text_lengths(rng, n, text_len, text_sigma, room)
+  for k, length in zip(ks, lengths):
+    images = rng.integers(0, 256, size=(int(k),) + image_shape, dtype=np.uint8)
+    text = rng.integers(FIRST_TEXT_ID, vocab_size, size=int(length), dtype=np.int32)
+    yield {"images": images, "tokens": np.concatenate([np.full(k, IMG, np.int32), text])}
+
+
+def encode(sample: dict) -> bytes:
+  images = sample["images"]
+  header = json.dumps({"k": len(images), "shape": list(images.shape[1:]),
+                       "tokens": sample["tokens"].tolist()}, separators=(",", ":")).encode()
+  return struct.pack("<I", len(header)) + header + images.tobytes()
+
+
+def decode(record: bytes, source: str, index: int) -> dict:
+  """Record -> {"images": uint8 [k, h, w, c], "tokens": int32 [...]}; a bad record names the file
+  and index."""
+  try:
+    (size,) = struct.unpack_from("<I", record)
+    header = json.loads(record[4:4 + size])
+    shape = (header["k"],) + tuple(header["shape"])
+    images = np.frombuffer(record, np.uint8, offset=4 + size).reshape(shape)
+    return {"images": images, "tokens": np.asarray(header["tokens"], np.int32)}
+  except (ValueError, KeyError, TypeError, struct.error) as e:
+    raise ValueError(f"{source}: record {index} is not a valid synthetic sample ({e}).") from None
+
+
+def build(root: str, samples: int, eval_samples: int, probs: list[float],
+          image_shape: tuple[int, int, int], tokens_per_image: int, seq_len: int, text_len: int,
+          text_sigma: float, vocab_size: int, progress=None) -> dict[str, str]:
+  """Builds (once) train and eval shards under `root`; returns split -> path. The file name
+  encodes every parameter; files are written under a temporary name and renamed when complete."""
+  h, w, c = image_shape
+  key = (f"v{FORMAT_VERSION}-n{samples}-e{eval_samples}-p{'_'.join(f'{p:g}' for p in probs)}"
+         f"-i{h}x{w}x{c}-t{tokens_per_image}-l{seq_len}-x{text_len}_{text_sigma:g}-v{vocab_size}")
+  out_dir = pathlib.Path(root or os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax",
+                                              "synthetic"))
+  paths = {s: out_dir / f"synthetic-{key}-{s}.array_record" for s in ("train", "eval")}
+  if all(p.exists() for p in paths.values()):
+    return {k: str(v) for k, v in paths.items()}
+  out_dir.mkdir(parents=True, exist_ok=True)
+  for seed, (split, path) in enumerate(paths.items(), start=1):
+    n = samples if split == "train" else eval_samples
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+    os.close(fd)
+    writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+    for i, sample in enumerate(make_samples(n, seed, probs, image_shape, tokens_per_image,
+                                            seq_len, text_len, text_sigma, vocab_size)):
+      writer.write(encode(sample))
+      if progress and (i + 1) % 1000 == 0:
+        progress(f"{path.name}: {i + 1}/{n} samples")
+    writer.close()
+    os.replace(tmp, path)
+  return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,284 @@
+"""Training-step benchmark: one table of speed figures per layout, on synthetic data.
+
+  python -m tools.bench --config=configs/vlm.py:encoder_heavy \\
+      --layouts="vision=0/4/1,language=0/4/1;vision=0/2/1,language=2/2/1" [--steps=8] [--record]
+
+Each layout (`;`-separated; `module=offset/dp/tp[/pp[/virtual]]` as in tests/configs/tiny.py)
+trains `--warmup` steps (compilation), then:
+
+* **step time, tokens/s, MFU** over `--steps` steps dispatched as in training (the loader, host
+  placement and both meshes overlapping). Tokens are the real text and image-placeholder positions;
+  MFU = model FLOPs (mimo_jax/flops.py: 6·N per token plus attention, useful tokens only) / step
+  time / (GPUs used · 989 TFLOP/s).
+* **busy time per module and bridge time**, from `--profile_steps` steps run phase by phase with
+  the host waiting after each phase: how long each module's own work takes, unoverlapped.
+* **exposed bridge time**: step time minus the step time of the same loop with every bridge transfer
+  replaced by an array already in place (the time the bridge adds to a step).
+* **bridge GB/s** (bytes that change device / serialized bridge time) against **raw device_put
+  GB/s** of the same pieces, pre-cut, copied device to device in the same run.
+* **loader wait**: time the loop waited for the next batch.
+
+`--json` writes every figure for tools/plan.py; `--record` appends the table to docs/benchmarks.md.
+`--set field=value` overrides config fields (repeatable), e.g. `--set data.global_batch=48`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+
+from mimo_jax import bridge, topology
+from mimo_jax.config import Config, ConfigError, validate, validate_backend
+from mimo_jax.data import loader
+from mimo_jax.data.tokenizer import PAD
+from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
+from mimo_jax.models.mimo import build_modules
+from mimo_jax.step import Stepper
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(spec: str) -> Config:
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("bench_config", ROOT / path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def set_field(cfg: Config, assignment: str) -> None:
+  """`a.b.c=value`, converted to the field's current type."""
+  name, sep, value = assignment.partition("=")
+  if not sep:
+    raise SystemExit(f"--set {assignment!r}: expected field=value")
+  *parents, last = name.split(".")
+  obj = cfg
+  for p in parents:
+    obj = getattr(obj, p)
+  if not hasattr(obj, last):
+    raise SystemExit(f"--set {assignment!r}: config has no field {name}")
+  kind = type(getattr(obj, last))
+  setattr(obj, last, kind(value) if kind is not bool else value.lower() in ("1", "true"))
+
+
+def apply_layout(cfg: Config, layout: str) -> None:
+  for item in layout.split(","):
+    name, _, spec = item.partition("=")
+    t = getattr(cfg.topology, name.strip())
+    values = [int(v) for v in spec.split("/")]
+    t.offset, t.dp, t.tp = values[:3]
+    t.pp, t.virtual = (values[3:] + [1, 1])[:2]
+
+
+def moved_bytes(x: jax.Array, dst) -> int:
+  """Bytes the bridge copies between devices for `x` (pieces already in place excluded)."""
+  if x.sharding == dst:
+    return 0
+  plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
+  row = x.nbytes // x.shape[0] if x.ndim else x.nbytes
+  return sum((p.hi - p.lo) * row for pieces in plan.values() for p in pieces if p.src != p.dst)
+
+
+def raw_pieces(x: jax.Array, dst) -> list[tuple[jax.Array, jax.Device]]:
+  """The pieces the bridge copies for `x`, pre-cut on their source devices."""
+  if x.sharding == dst:
+    return []
+  plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
+  shards = {s.device: s.data for s in x.addressable_shards}
+  out = []
+  for pieces in plan.values():
+    for p in pieces:
+      if p.src != p.dst:
+        out.append((jax.block_until_ready(shards[p.src][p.lo:p.hi]), p.dst))
+  return out
+
+
+class Run:
+  """One layout: its stepper, state and loader."""
+
+  def __init__(self, cfg: Config):
+    validate(cfg, len(jax.devices()))
+    validate_backend(cfg, jax.default_backend())
+    self.cfg = cfg
+    self.topo = topology.build(cfg)
+    self.stepper = Stepper(cfg, self.topo, build_modules(cfg))
+    self.state = self.stepper.init_state(cfg.train.seed)
+    paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
+    self.batches = loader.train_iterator(cfg, paths["train"], self.topo.dp("language"))
+    self.flops = FlopModel.build(cfg, {n: m.abstract_params()
+                                       for n, m in self.stepper.modules.items()})
+    self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
+
+  def steps(self, n: int) -> dict:
+    """n steps as training runs them; per-step means."""
+    totals = collections.Counter()
+    metrics = None
+    start = time.perf_counter()
+    for _ in range(n):
+      t = time.perf_counter()
+      batch = next(self.batches)
+      totals["loader_wait_s"] += time.perf_counter() - t
+      totals["tokens"] += int(np.sum(batch["tokens_bl"] != PAD))
+      for k, v in self.flops.step(batch).items():
+        totals[f"flops_{k}"] += v
+      totals["real_images"] += int(np.sum(batch["num_images_b"]))
+      totals["image_slots"] += int(batch["slot_ids_n"].size)
+      self.state, metrics = self.stepper.train_step(self.state, batch)
+    jax.block_until_ready((self.state, metrics))
+    out = {k: v / n for k, v in totals.items()}
+    out["step_s"] = (time.perf_counter() - start) / n
+    out["loss"] = float(jax.device_get(metrics["loss"]))
+    return out
+
+  def profile(self, n: int) -> dict:
+    """n steps phase by phase: busy seconds per module and for the bridge, bytes moved."""
+    phases = collections.Counter()
+    moved, sent = collections.Counter(), []
+    real = self.stepper.transfer
+
+    def counted(x, dst):
+      moved["bytes"] += moved_bytes(x, dst)
+      sent.append((x, dst))
+      return real(x, dst)
+
+    last = [0.0]
+
+    def on_phase(name, tree):
+      jax.block_until_ready(tree)
+      now = time.perf_counter()
+      phases[name] += now - last[0]
+      last[0] = now
+
+    self.stepper.on_phase, self.stepper.transfer = on_phase, counted
+    try:
+      for i in range(n):
+        inputs, inv = self.stepper.place_step(next(self.batches))
+        jax.block_until_ready((inputs, inv))
+        last[0] = time.perf_counter()
+        sent.clear()  # the last step's transfers are kept for the raw comparison
+        self.state, _ = self.stepper.dispatch(self.state, inputs, inv)
+        jax.block_until_ready(self.state)
+    finally:
+      self.stepper.on_phase, self.stepper.transfer = None, real
+    out = {f"busy_{k}_s": v / n for k, v in phases.items()}
+    out["bridge_bytes"] = moved["bytes"] / n
+    pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
+    out["raw_s"] = _time_raw(pieces) if pieces else 0.0
+    return out
+
+  def without_bridge(self, n: int) -> float:
+    """Step time when every bridge transfer returns an array already in place."""
+    real, cache = self.stepper.transfer, {}
+
+    def in_place(x, dst):
+      key = (tuple(x.shape), x.dtype, dst)
+      if key not in cache:
+        cache[key] = jax.block_until_ready(real(x, dst))
+      return cache[key]
+
+    self.stepper.transfer = in_place
+    try:
+      self.steps(1)  # fills the cache
+      return self.steps(n)["step_s"]
+    finally:
+      self.stepper.transfer = real
+
+
+def _time_raw(pieces, reps: int = 3) -> float:
+  def once():
+    return jax.block_until_ready([jax.device_put(a, d) for a, d in pieces])
+  once()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    once()
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def measure(cfg: Config, layout: str, args) -> dict:
+  apply_layout(cfg, layout)
+  run = Run(cfg)
+  print(f"[{layout}] {run.topo.describe()}; compiling and warming up", flush=True)
+  run.steps(args.warmup)
+  timed = run.steps(args.steps)
+  print(f"[{layout}] {timed['step_s']:.3f} s/step", flush=True)
+  prof = run.profile(args.profile_steps)
+  no_bridge = run.without_bridge(args.steps) if prof["bridge_bytes"] else timed["step_s"]
+  gpus = len(run.devices)
+  row = {"layout": layout, "gpus": gpus, **timed, **prof, "step_no_bridge_s": no_bridge}
+  row["tokens_per_s"] = timed["tokens"] / timed["step_s"]
+  row["mfu"] = timed["flops_total"] / timed["step_s"] / (gpus * args.peak)
+  row["exposed_bridge_s"] = max(0.0, timed["step_s"] - no_bridge)
+  bridge_s = prof.get("busy_bridge_s", 0.0)
+  row["bridge_gbps"] = prof["bridge_bytes"] / bridge_s / 1e9 if prof["bridge_bytes"] else None
+  row["raw_gbps"] = prof["bridge_bytes"] / prof["raw_s"] / 1e9 if prof["raw_s"] else None
+  row["padding_efficiency"] = timed["real_images"] / max(timed["image_slots"], 1)
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  head = ("| layout | GPUs | s/step | tokens/s | MFU | vision busy s | language busy s | "
+          "bridge s | exposed bridge s (% step) | bridge GB/s | raw GB/s | loader wait s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  fmt = lambda v, f: "–" if v is None else format(v, f)
+  lines = [head]
+  for r in rows:
+    lines.append(
+        f"| {r['layout']} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+        f"{r['mfu']:.1%} | {r.get('busy_vision_s', 0):.3f} | {r.get('busy_language_s', 0):.3f} | "
+        f"{r.get('busy_bridge_s', 0):.3f} | {r['exposed_bridge_s']:.3f} "
+        f"({r['exposed_bridge_s'] / r['step_s']:.1%}) | {fmt(r['bridge_gbps'], '.0f')} | "
+        f"{fmt(r['raw_gbps'], '.0f')} | {r['loader_wait_s']:.4f} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
+  parser.add_argument("--layouts", required=True, help="';'-separated module=o/dp/tp[/pp[/v]]")
+  parser.add_argument("--set", action="append", default=[], help="field=value override")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
+  parser.add_argument("--steps", type=int, default=6, help="timed steps")
+  parser.add_argument("--profile_steps", type=int, default=2, help="phase-by-phase steps")
+  parser.add_argument("--peak", type=float, default=H100_H200_BF16_PEAK,
+                      help="peak FLOP/s of one device for MFU")
+  parser.add_argument("--json", default="", help="write every figure to this file")
+  parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+  args = parser.parse_args(argv)
+  rows = []
+  for layout in [s.strip() for s in args.layouts.split(";") if s.strip()]:
+    cfg = load_config(args.config)
+    for assignment in args.set:
+      set_field(cfg, assignment)
+    try:
+      rows.append(measure(cfg, layout, args))
+    except ConfigError as e:
+      raise SystemExit(f"bench: error: [{layout}] {e}") from None
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(
+          {"config": args.config, "set": args.set, "rows": rows}, indent=1))
+  text = table(rows)
+  print(text)
+  if args.record:
+    device = jax.devices()[0].device_kind
+    cmd = "python -m tools.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    entry = (f"\n### Training step, {args.config}\n\n"
+             f"- device: {len(jax.devices())} x {device}; jax {jax.__version__}\n"
+             f"- date: {datetime.date.today().isoformat()}\n- command: `{cmd}`\n\n{text}\n")
+    with open(ROOT / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
+      f.write(entry)
+
+
+if __name__ == "__main__":
+  main()
