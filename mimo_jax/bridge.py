@@ -118,6 +118,27 @@ def _send_across(pieces: list[_Piece], shards: dict, x: jax.Array) -> dict:
   return out
 
 
+@functools.lru_cache(maxsize=256)
+def _splitter(cuts: tuple[tuple[int, int], ...]):
+  """One jitted call cutting every piece a source shard sends (one dispatch, not one a piece)."""
+  return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in cuts])
+
+
+def _cut_local(shards: dict, pieces: list[_Piece], full: int) -> dict:
+  """Piece -> its rows, on its source device."""
+  out, todo = {}, {}
+  for p in pieces:
+    data = shards[p.src]
+    if (p.lo, p.hi) == (0, full) or not data.ndim:
+      out[p] = data
+    else:
+      todo.setdefault(p.src, []).append(p)
+  for src, ps in todo.items():
+    for p, rows in zip(ps, _splitter(tuple((p.lo, p.hi) for p in ps))(shards[src])):
+      out[p] = rows
+  return out
+
+
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
   if x.sharding == dst:
@@ -126,10 +147,14 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   shards = {s.device: s.data for s in x.addressable_shards}
   full = x.shape[0] if x.ndim else 1
   across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)
+  mine = [d for d in plan if d.process_index == jax.process_index()]
+  local = [p for d in mine for p in plan[d] if not p.crosses]
+  cut = _cut_local(shards, local, full)
+  # One batched device_put for every piece that stays in this process.
+  moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
   arrays = []
-  for device in dst.addressable_devices_indices_map(x.shape):
-    pieces = [across[p] if p.crosses else jax.device_put(_cut(shards, p, full), device)
-              for p in plan[device]]
+  for device in mine:
+    pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
     arrays.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0))
   return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
 

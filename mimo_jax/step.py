@@ -6,11 +6,13 @@ microbatches in chunks: one microbatch at a time, or all of them in one call whe
 pipelined (`topology.<module>.pp > 1`: the pipeline schedule runs over the step's microbatches,
 see pipeline.py). With one microbatch a chunk on both sides, per microbatch m:
 
-  encoder forward (m+1) | bridge (m) -> language forward+backward (m) -> bridge back -> encoder
+  encoder forward (m) -> bridge (m) -> language forward+backward (m) -> bridge back -> encoder
   backward (m)
 
-The encoder forward for m+1 is dispatched before the language model's work for m, so on disjoint
-meshes the two overlap. The encoder forward returns its `jax.vjp` closure (a pytree of residuals),
+The encoder runs ahead: its forwards for m+1 (and m+2 on a disjoint mesh) are dispatched before
+the language model's work for m, and each forward's output is sent to the language mesh at once,
+so that the copy is not queued behind the encoder's next backward. On disjoint meshes the modules
+then overlap. The encoder forward returns its `jax.vjp` closure (a pytree of residuals),
 which its backward consumes: no recomputation. After the last microbatch each module computes the
 squared norm of its gradients, the scalars are exchanged, and each module applies one clip factor
 and its own optax update (see optim.py).
@@ -338,6 +340,11 @@ class Stepper:
     fwd = {n: [] for n in self.encoders}  # per encoder chunk: (embs, slot ids, vjp or None)
     d_embs = {n: {} for n in self.encoders}  # microbatch -> gradient on the encoder mesh
 
+    # Encoder chunks dispatched ahead of the language model's: one on a shared mesh (memory), two
+    # on a disjoint one, so that the encoder's next forward is queued before its backward waits.
+    ahead = {n: 1 if self.topo.colocated(n, "language") else 2 for n in self.encoders}
+    delivered = {n: {} for n in self.encoders}  # microbatch -> (image tokens, slots) on language
+
     def encode_next(n):
       c = len(fwd[n])
       if c == len(enc_chunks[n]):
@@ -349,21 +356,25 @@ class Stepper:
       else:
         fwd[n].append((self._enc_apply[n](p, images), slots, None))
       self._phase(n, fwd[n][-1][0])
+      # Sent at once: a copy queued on the encoder's devices after its next backward would make
+      # the language model wait for that backward too.
+      sent = self._to_language(fwd[n][-1][:2])
+      for i, m in enumerate(ms):
+        delivered[n][m] = (sent[0][i], sent[1][i])
+      self._phase("bridge", sent)
 
     def encoded(n, m):
-      """Microbatch m's image tokens and slot owners (on the encoder mesh), dispatching the
-      encoder's chunks up to the one that holds m, and one more to overlap with the language."""
+      """Microbatch m's image tokens and slot owners on the language mesh, dispatching the
+      encoder's chunks up to the one that holds m and `ahead` more."""
       c = next(i for i, ms in enumerate(enc_chunks[n]) if m in ms)
-      while len(fwd[n]) <= c + 1 and len(fwd[n]) < len(enc_chunks[n]):
+      while len(fwd[n]) <= c + ahead[n] and len(fwd[n]) < len(enc_chunks[n]):
         encode_next(n)
-      i = enc_chunks[n][c].index(m)
-      return fwd[n][c][0][i], fwd[n][c][1][i]
+      return delivered[n].pop(m)
 
     for ms in _chunks(num_micro, self.whole_step("language")):
       got = [{n: encoded(n, m) for n in self.encoders} for m in ms]
-      embs = self._to_language({n: [g[n][0] for g in got] for n in self.encoders})
-      slots = self._to_language({n: [g[n][1] for g in got] for n in self.encoders})
-      self._phase("bridge", (embs, slots))
+      embs = {n: [g[n][0] for g in got] for n in self.encoders}
+      slots = {n: [g[n][1] for g in got] for n in self.encoders}
       lang_acc, grads_back = self._lang_step(
           state["language"].params, lang_acc, embs, slots,
           {n: [inputs[m].img_pos[n] for m in ms] for n in self.encoders},
