@@ -139,10 +139,21 @@ def _cut_local(shards: dict, pieces: list[_Piece], full: int) -> dict:
   return out
 
 
+@functools.lru_cache(maxsize=256)
+def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> bool:
+  """Whether shard i of `src` is exactly shard i of `dst`: then one `jax.device_put` copies the
+  shards device to device (no host), with less overhead than piece by piece."""
+  a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+  return (jax.process_count() == 1 and len(a) == len(b) and
+          [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
+
+
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
   if x.sharding == dst:
     return x
+  if _aligned(x.sharding, tuple(x.shape), dst):
+    return jax.device_put(x, dst)
   plan = _plan(x.sharding, tuple(x.shape), dst)
   shards = {s.device: s.data for s in x.addressable_shards}
   full = x.shape[0] if x.ndim else 1
@@ -150,8 +161,7 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   mine = [d for d in plan if d.process_index == jax.process_index()]
   local = [p for d in mine for p in plan[d] if not p.crosses]
   cut = _cut_local(shards, local, full)
-  # One batched device_put for every piece that stays in this process.
-  moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
+  moved = {p: jax.device_put(cut[p], p.dst) for p in local}
   arrays = []
   for device in mine:
     pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
