@@ -9,7 +9,7 @@ Variants (the argument after the colon):
   default        1-3 images a sample (probabilities 0.4, 0.3, 0.3)
   encoder_heavy  4-11 images a sample, each compressed to 144 tokens by a 2x2 pixel shuffle before
                  the projector (InternVL-style): the encoder does about half of the model FLOPs,
-                 against about a sixth in the default; its layers keep only their inputs for the
+                 against a fifth in the default; its layers keep only their inputs for the
                  backward pass (remat full), as 88 image slots a microbatch would not fit otherwise
 
   python -m mimo_jax.launch --config=configs/vlm.py
