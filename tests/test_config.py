@@ -8,6 +8,13 @@ from mimo_jax import topology
 
 CASES = [
     ("model.dtype", "float16", "model.dtype"),
+    ("model.attention", "flash", "model.attention"),
+    ("model.language.vocab_size", 100, "model.language.vocab_size"),  # digits has 17 words
+    ("model.vision.downsample", 3, "model.vision.downsample"),  # 2 patches a side
+    ("data.task", "captions", "data.task"),
+    ("model.vision.image_size", 16, "model.vision.image_size"),  # digits images are 8x8
+    ("topology.language.remat", "some", "topology.language.remat"),
+    ("topology.language.virtual", 2, "topology.language.virtual"),  # needs pp > 1
     ("model.vision.patch_size", 3, "model.vision.patch_size"),
     ("model.vision.heads", 5, "model.vision.heads"),
     ("model.language.kv_heads", 3, "model.language.kv_heads"),

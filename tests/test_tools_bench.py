@@ -1,0 +1,75 @@
+"""The MFU formula, the split planner and a smoke run of tools/bench.py (speed is measured on GPUs,
+never asserted here)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mimo_jax.flops import FlopModel
+from mimo_jax.models.mimo import build_modules
+from tests.configs import tiny_vlm
+from tools import bench, plan
+
+
+def _abstract(cfg):
+  return {n: m.abstract_params() for n, m in build_modules(cfg).items()}
+
+
+def test_matmul_parameters_from_the_config_alone():
+  cfg = tiny_vlm.get_config("encoder_heavy")
+  v, lm = cfg.model.vision, cfg.model.language
+  fm = FlopModel.build(cfg, _abstract(cfg))
+  patch = v.patch_size**2 * v.channels * v.dim + v.layers * (4 * v.dim**2 + 2 * v.dim * v.mlp_dim)
+  projector = v.dim * v.downsample**2 * v.projector_hidden + v.projector_hidden * lm.dim
+  hd = lm.dim // lm.heads
+  layer = 2 * lm.dim * lm.heads * hd + 2 * lm.dim * lm.kv_heads * hd + 3 * lm.dim * lm.mlp_dim
+  assert (fm.vision_patch_params, fm.projector_params) == (patch, projector)
+  assert fm.language_params == lm.layers * layer + lm.dim * lm.vocab_size
+
+
+def test_step_flops_count_real_samples_only():
+  cfg = tiny_vlm.get_config("encoder_heavy")
+  v, lm = cfg.model.vision, cfg.model.language
+  fm = FlopModel.build(cfg, _abstract(cfg))
+  owner = np.full((1, 2, 10), -1)
+  owner[0, 0, :7] = 3  # sample 3: 7 positions
+  owner[0, 1, :4] = 8  # sample 8: 4 positions, the rest padding
+  batch = {"num_images_b": np.array([[2, 0]]), "token_sample_bl": owner}
+  got = fm.step(batch)
+  lang = lambda n: 6 * fm.language_params * n + 12 * lm.layers * lm.dim * n * (n + 1) / 2
+  image = (6 * (fm.vision_patch_params * v.patches + fm.projector_params * v.tokens_per_image)
+           + 12 * v.layers * v.patches * v.dim * v.patches)
+  assert got["language"] == pytest.approx(lang(7) + lang(4))
+  assert got["vision"] == pytest.approx(2 * image)
+
+
+def test_planner_candidates_are_valid_layouts_and_predictions_follow_the_model(tmp_path):
+  sets = ["data.dir=" + str(tmp_path)]
+  cands = plan.candidates("tests/configs/tiny_vlm.py:encoder_heavy", sets, 4, max_tp=1)
+  layouts = {c["layout"] for c in cands}
+  assert "vision=0/4/1,language=0/4/1" in layouts and "vision=0/2/1,language=2/2/1" in layouts
+  assert all(c["vision_gpus"] + c["language_gpus"] == 4 for c in cands
+             if c["kind"] == "non-colocated")
+  coloc = {"kind": "colocated", "vision_gpus": 4, "language_gpus": 4}
+  split = {"kind": "non-colocated", "vision_gpus": 1, "language_gpus": 3}
+  assert plan.predict(coloc, 2.0, 6.0, 4, 0.01) == pytest.approx(2.0)
+  assert plan.predict(split, 2.0, 6.0, 4, 0.01) == pytest.approx(2.0 + 2.0 / 4 + 0.01)
+
+
+def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
+  """One non-colocated layout through tools/bench.py on CPU devices, then tools/plan.py on it."""
+  out = tmp_path / "bench.json"
+  layout = "vision=0/2/1,language=2/2/1"
+  bench.main(["--config=tests/configs/tiny_vlm.py", f"--set=data.dir={tmp_path}",
+              f"--layouts={layout}", "--warmup=1", "--steps=1", "--profile_steps=1",
+              f"--json={out}"])
+  row = json.loads(out.read_text())["rows"][0]
+  assert row["layout"] == layout and row["gpus"] == 4
+  assert row["bridge_bytes"] > 0 and row["bridge_gbps"] > 0 and row["raw_gbps"] > 0
+  assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0
+  assert 0 < row["flops_vision"] < row["flops_total"] and np.isfinite(row["loss"])
+  assert layout in capsys.readouterr().out
+  plan.main([f"--profile={out}", "--gpus=4", "--max_tp=1", f"--measured={out}"])
+  printed = capsys.readouterr().out
+  assert "recommended:" in printed and "| vision=0/2/1,language=2/2/1 | non-colocated |" in printed
