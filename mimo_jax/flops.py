@@ -62,8 +62,8 @@ class FlopModel:
   def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """Model FLOPs of one step's batch (arrays with a leading microbatch axis)."""
     images = int(np.sum(batch["num_images_b"]))
-    owner = batch["token_sample_bl"]  # sample ids are unique within a step; packed rows hold several
-    _, lengths = np.unique(owner[owner >= 0], return_counts=True)
-    language = sum(self.language_per_row(int(n)) for n in lengths)
+    # Per sample (its own segment when packed), counted for every sample of the step, including
+    # those whose records other processes read.
+    language = sum(self.language_per_row(int(n)) for n in np.ravel(batch["tokens_b"]) if n)
     vision = images * self.vision_per_image()
     return {"vision": vision, "language": language, "total": vision + language}

@@ -324,7 +324,8 @@ class Stepper:
   def place_step(self, batch: dict[str, np.ndarray]) -> tuple[list[Inputs], jax.Array]:
     """All microbatches of a step on device, and 1 / the step's target tokens (DESIGN §2.3)."""
     inputs = [self.place(batch, m) for m in range(batch["tokens_bl"].shape[0])]
-    inv_tokens = np.float32(1.0 / max(float(batch["loss_mask_bl"].sum()), 1.0))
+    # From the layout's counts, which cover the samples other processes read (scalable reads).
+    inv_tokens = np.float32(1.0 / max(float(batch["target_tokens"].sum()), 1.0))
     return inputs, put(inv_tokens, self.topo.sharding("language", REPLICATED))
 
   def train_step(self, state: dict[str, ModuleState], batch: dict[str, np.ndarray]):

@@ -17,7 +17,6 @@ from jax.experimental import multihost_utils
 from mimo_jax import checkpoint, distributed, topology
 from mimo_jax.config import Config, validate, validate_backend
 from mimo_jax.data import loader
-from mimo_jax.data.tokenizer import PAD
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter
 from mimo_jax.models.mimo import build_modules
@@ -72,7 +71,7 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
           "target_tokens": info["target_tokens"], "images": info["images"],
           "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"],
-          "loader_wait_s": info["loader_wait_s"]}
+          "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"]}
 
 
 def run(cfg: Config) -> list[dict]:
@@ -108,7 +107,11 @@ def run(cfg: Config) -> list[dict]:
     writer.say(f"topology: {topo.describe()}")
     if start:
       writer.say(f"resumed from {ckpt.path} step {start}")
-    batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start)
+    where = loader.locality(topo, cfg.data.slots())
+    if not where.everything:
+      writer.say("scalable data parallelism: this process reads only the records of its devices")
+    batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start,
+                                    where=where)
     pending = None
     window = {"start": time.time(), "steps": 0, "tokens": 0}  # steps since the last record
 
@@ -138,9 +141,10 @@ def run(cfg: Config) -> list[dict]:
         waited = time.time()
         batch = next(batches)
         info = {"loader_wait_s": time.time() - waited,
-                "tokens": int(np.sum(batch["tokens_bl"] != PAD)),
-                "target_tokens": int(batch["loss_mask_bl"].sum()),
-                "images": int(batch["num_images_b"].sum()),
+                "tokens": int(batch["tokens"].sum()),
+                "target_tokens": int(batch["target_tokens"].sum()),
+                "images": int(batch["images"].sum()),
+                "records_read": int(batch["records_read"].sum()),
                 "cost_spread": float(batch["cost_spread"].mean()),
                 "cost_spread_in_order": float(batch["cost_spread_in_order"].mean())}
         dispatched = time.time()

@@ -43,7 +43,6 @@ import numpy as np
 from mimo_jax import bridge, topology
 from mimo_jax.config import Config, ConfigError, validate, validate_backend
 from mimo_jax.data import loader
-from mimo_jax.data.tokenizer import PAD
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
@@ -117,7 +116,8 @@ class Run:
     self.stepper = Stepper(cfg, self.topo, build_modules(cfg))
     self.state = self.stepper.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
-    self.batches = loader.train_iterator(cfg, paths["train"], self.topo.dp("language"))
+    self.batches = loader.train_iterator(cfg, paths["train"], self.topo.dp("language"),
+                                         where=loader.locality(self.topo, cfg.data.slots()))
     self.flops = FlopModel.build(cfg, {n: m.abstract_params()
                                        for n, m in self.stepper.modules.items()})
     self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
@@ -131,7 +131,8 @@ class Run:
       t = time.perf_counter()
       batch = next(self.batches)
       totals["loader_wait_s"] += time.perf_counter() - t
-      totals["tokens"] += int(np.sum(batch["tokens_bl"] != PAD))
+      totals["tokens"] += int(batch["tokens"].sum())
+      totals["records_read"] += int(batch["records_read"].sum())
       for k, v in self.flops.step(batch).items():
         totals[f"flops_{k}"] += v
       totals["real_images"] += int(np.sum(batch["num_images_b"]))

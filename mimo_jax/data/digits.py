@@ -16,6 +16,7 @@ import tempfile
 import numpy as np
 from array_record.python import array_record_module
 
+from mimo_jax.data import meta
 from mimo_jax.data.tokenizer import DIGIT_WORDS
 
 FORMAT_VERSION = 1
@@ -85,6 +86,7 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     _write(pathlib.Path(tmp), sets[split])
+    meta.write(str(path), sets[split])  # before the shard appears under its name
     os.replace(tmp, path)
   return {k: str(v) for k, v in paths.items()}
 

@@ -92,6 +92,11 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
   Row arrays (`_bl`) have one row per sample, or `pack_rows` rows holding several samples as
   segments (ids 1, 2, ...; 0 = padding) whose positions restart at 0. Per-sample arrays (`_b`)
   keep one entry per sample in both cases.
+
+  A sample given only as `{"meta": (images, text tokens, loss tokens)}` (data/meta.py) takes its
+  row and slots like the full sample would, but they stay empty: scalable data parallelism passes
+  such stubs for samples whose rows and slots live on other processes' devices. `tokens`,
+  `target_tokens` and `images` count the whole microbatch, stubs included.
   """
   bsz, L, T, G = len(samples), layout.seq_len, layout.tokens_per_image, layout.groups
   if bsz % G:
@@ -109,31 +114,46 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
       "token_sample_bl": np.full((R, L), -1, np.int32),
       "colon_b": np.zeros((bsz,), np.int32),
       "num_images_b": np.zeros((bsz,), np.int32),
+      "tokens_b": np.zeros((bsz,), np.int32),  # positions the sample takes in its row
       "sample_ids_b": np.full((bsz,), -1, np.int32),
       "images_nhwc": np.zeros((layout.slots,) + layout.image_shape, np.uint8),
       "slot_ids_n": np.full((layout.slots,), -1, np.int32),
   }
   used = [0] * G
+  totals = {"tokens": 0, "target_tokens": 0, "images": 0}
   for b, (sample, sid) in enumerate(zip(samples, ids)):
     if sample is None:
       continue
     g = b // per_group
-    seq, colon = sample_tokens(tok, sample, T)
-    if len(seq) - 1 > L:
-      raise ValueError(f"sample {sid} needs {len(seq) - 1} tokens but data.seq_len is {L}; "
+    if "meta" in sample:
+      n_img, text_tokens, loss_tokens = (int(v) for v in sample["meta"])
+      seq, n = None, text_tokens + n_img * T - 1
+      colon = n - loss_tokens
+    else:
+      seq, colon = sample_tokens(tok, sample, T)
+      n_img, n = len(sample["images"]), len(seq) - 1
+      if seq.count(IMG) != n_img * T:
+        raise ValueError(f"sample {sid}: text has {seq.count(IMG) // T} <img> placeholders but "
+                         f"{n_img} images.")
+    if n > L:
+      raise ValueError(f"sample {sid} needs {n} tokens but data.seq_len is {L}; "
                        "raise data.seq_len.")
-    images = sample["images"]
-    n_img = len(images)
-    if seq.count(IMG) != n_img * T:
-      raise ValueError(f"sample {sid}: text has {seq.count(IMG) // T} <img> placeholders but "
-                       f"{n_img} images.")
     if used[g] + n_img > S:
       raise ValueError(
           f"sample {sid} needs {n_img} image slots but language dp rank {g} has only "
           f"{S - used[g]} of its {S} left in this microbatch; raise data.image_slots "
           f"(now {layout.slots} per microbatch).")
-    n = len(seq) - 1
     r, o, segment = rows.place(b, g, n, sid)
+    totals["tokens"] += n
+    totals["target_tokens"] += n - colon
+    totals["images"] += n_img
+    out["colon_b"][b] = colon
+    out["num_images_b"][b] = n_img
+    out["tokens_b"][b] = n
+    out["sample_ids_b"][b] = sid
+    if seq is None:  # a stub: its row and slots belong to another process
+      used[g] += n_img
+      continue
     span = slice(o, o + n)
     out["tokens_bl"][r, span] = seq[:-1]
     out["targets_bl"][r, span] = seq[1:]
@@ -143,14 +163,23 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
     out["token_sample_bl"][r, span] = sid
     placeholder = o + np.flatnonzero(np.asarray(seq[:-1]) == IMG)
     out["img_pos_bl"][r, placeholder] = used[g] * T + np.arange(n_img * T)
-    for img in images:
+    for img in sample["images"]:
       slot = g * S + used[g]
       out["images_nhwc"][slot] = img.reshape(layout.image_shape)
       out["slot_ids_n"][slot] = sid
       used[g] += 1
-    out["colon_b"][b] = colon
-    out["num_images_b"][b] = n_img
-    out["sample_ids_b"][b] = sid
+  out.update({k: np.int32(v) for k, v in totals.items()})
+  return out
+
+
+def slot_starts(images: list[int], groups: int, slots_per_group: int) -> list[int]:
+  """The first image slot of each sample of a microbatch (as `layout_microbatch` assigns them)."""
+  per_group = len(images) // groups
+  used, out = [0] * groups, []
+  for b, k in enumerate(images):
+    g = b // per_group
+    out.append(g * slots_per_group + used[g])
+    used[g] += k
   return out
 
 

@@ -1,12 +1,20 @@
 """grain pipelines: the global sample order and the per-step batches in slot layout.
 
-Sample j of step s is element s * global_batch + j of one shuffled, endlessly repeated stream that
-depends only on `data.seed`, never on the topology (DESIGN §2.3). The layout (slots per language dp
-rank) is the only topology-dependent part, and it moves samples between slots, never between steps.
+Sample j of step s is element s * global_batch + j of one shuffled, endlessly repeated stream of
+record indices that depends only on `data.seed`, never on the topology (DESIGN §2.3). The layout
+(slots per language dp rank) is the only topology-dependent part, and it moves samples between
+slots, never between steps.
+
+Scalable data parallelism: the layout of a microbatch is computed from every sample's metadata
+(data/meta.py: image count, text and loss tokens), but a process reads and decodes only the records
+whose rows or image slots live on its own devices (`Locality`); the other samples become stubs that
+take their rows and slots without content. Every process computes the same layout, so every module
+sees the same samples in the same places; `records_read` counts this process's reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Iterator
 
@@ -14,8 +22,8 @@ import grain
 import numpy as np
 
 from mimo_jax.config import Config, DataConfig
-from mimo_jax.data import digits, reorder, synthetic
-from mimo_jax.data.layout import Layout, layout_microbatch, stack, text_length
+from mimo_jax.data import digits, meta, reorder, synthetic
+from mimo_jax.data.layout import Layout, layout_microbatch, slot_starts, stack
 from mimo_jax.data.tokenizer import Tokenizer
 
 
@@ -57,39 +65,113 @@ def _source(path: str, task: str = "digits") -> grain.MapDataset:
   return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path, task))
 
 
-def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of,
-                  data: DataConfig) -> dict[str, np.ndarray]:
-  """Lays out one microbatch, reordering its samples over language dp ranks if configured."""
-  costs = [reorder.sample_cost(len(s["images"]), text_length(s, tok),
+@dataclasses.dataclass(frozen=True)
+class Locality:
+  """Which language dp groups and which image slots of a microbatch this process holds.
+  `None` for either means all of them."""
+  groups: frozenset | None = None
+  slots: tuple[tuple[int, int], ...] | None = None  # [lo, hi) slot ranges
+
+  @property
+  def everything(self) -> bool:
+    return self.groups is None and self.slots is None
+
+  def needs(self, group: int, first_slot: int, images: int) -> bool:
+    """Whether a sample of language group `group` whose images take slots [first_slot,
+    first_slot + images) has a row or a slot here."""
+    if self.groups is None or group in self.groups:
+      return True
+    if self.slots is None:
+      return images > 0
+    return images > 0 and any(first_slot < hi and lo < first_slot + images
+                              for lo, hi in self.slots)
+
+
+def locality(topo, slots: int) -> Locality:
+  """The `Locality` of this process under `topo` (a topology.Topology) for `slots` image slots a
+  microbatch: the dp indices of its language devices and the slot ranges of its vision devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def local_dp(name):
+    mesh = topo.meshes[name]
+    dp_axis = mesh.axis_names.index("dp")
+    return {i[dp_axis] for i in np.ndindex(mesh.devices.shape)
+            if mesh.devices[i].process_index == jax.process_index()}, mesh.shape["dp"]
+
+  groups, lang_dp = local_dp("language")
+  ranks, vision_dp = local_dp("vision")
+  per = slots // vision_dp
+  return Locality(None if len(groups) == lang_dp else frozenset(groups),
+                  None if len(ranks) == vision_dp else
+                  tuple((r * per, (r + 1) * per) for r in sorted(ranks)))
+
+
+class _Records:
+  """Random access to a shard's records and their metadata; decodes on demand."""
+
+  def __init__(self, path: str, task: str):
+    self.path, self._decode = path, DECODERS[task]
+    self.source = grain.sources.ArrayRecordDataSource([path])
+    if len(self.source) == 0:
+      raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
+    self.meta = meta.load(path, len(self.source), self.read)
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def read(self, index: int) -> dict:
+    return self._decode(self.source[index], self.path, index)
+
+
+def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
+                  records: _Records, where: Locality) -> dict[str, np.ndarray]:
+  """Lays out one microbatch of (stream position, record index) pairs: reorders its samples over
+  language dp ranks if configured, and reads only the records `where` needs."""
+  table = records.meta[[index for _, index in elements]]
+  costs = [reorder.sample_cost(int(m[meta.IMAGES]), int(m[meta.TEXT_TOKENS]),
                                layout.tokens_per_image, data.image_token_cost,
-                               data.text_token_cost) for _, s in elements]
+                               data.text_token_cost) for m in table]
   order = list(range(len(elements)))
   if data.reorder == "balance":
     order = reorder.balance(costs, layout.groups)
-  elements = [elements[i] for i in order]
-  out = layout_microbatch([s for _, s in elements], [id_of(i) for i, _ in elements], layout, tok)
+  elements, table = [elements[i] for i in order], table[order]
+  per_group = len(elements) // layout.groups
+  starts = slot_starts([int(m[meta.IMAGES]) for m in table], layout.groups,
+                       layout.slots_per_group)
+  samples = []
+  for b, ((_, index), m) in enumerate(zip(elements, table)):
+    if where.needs(b // per_group, starts[b], int(m[meta.IMAGES])):
+      samples.append(records.read(index))
+    else:
+      samples.append({"meta": tuple(int(v) for v in m)})
+  out = layout_microbatch(samples, [id_of(pos) for pos, _ in elements], layout, tok)
+  out["records_read"] = np.int32(sum("meta" not in s for s in samples))
   out["cost_spread"] = np.float32(reorder.spread(costs, order, layout.groups))
   out["cost_spread_in_order"] = np.float32(
       reorder.spread(costs, list(range(len(costs))), layout.groups))
   return out
 
 
-def train_dataset(cfg: Config, path: str, lang_dp: int) -> grain.MapDataset:
-  """Element s = step s's batch: arrays with a leading [microbatches] axis."""
+def train_dataset(cfg: Config, path: str, lang_dp: int,
+                  where: Locality | None = None) -> grain.MapDataset:
+  """Element s = step s's batch: arrays with a leading [microbatches] axis. `where` limits the
+  records read to this process's share (default: read everything)."""
   d = cfg.data
   layout = make_layout(cfg, lang_dp, d.slots(), d.pack_rows)
-  tok = Tokenizer()
-  ds = _source(path, d.task).shuffle(seed=d.seed).repeat()
+  records = _Records(path, d.task)
+  ds = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
-  ds = ds.map_with_index(lambda pos, el: (pos, el[1]))
-  batch_fn = functools.partial(_layout_batch, layout=layout, tok=tok,
-                               id_of=lambda pos: pos % (2**31 - 1), data=d)
+  ds = ds.map_with_index(lambda pos, index: (pos, index))
+  batch_fn = functools.partial(_layout_batch, layout=layout, tok=Tokenizer(),
+                               id_of=lambda pos: pos % (2**31 - 1), data=d, records=records,
+                               where=where or Locality())
   ds = ds.batch(d.micro_batch, batch_fn=batch_fn)
   return ds.batch(d.microbatches, batch_fn=stack)
 
 
-def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0) -> Iterator[dict]:
-  ds = train_dataset(cfg, path, lang_dp)[start_step:]
+def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0,
+                   where: Locality | None = None) -> Iterator[dict]:
+  ds = train_dataset(cfg, path, lang_dp, where)[start_step:]
   opts = grain.ReadOptions(num_threads=cfg.data.workers, prefetch_buffer_size=2 * cfg.data.workers)
   return iter(ds.to_iter_dataset(opts) if cfg.data.workers else ds)
 

@@ -22,7 +22,8 @@ import tempfile
 import numpy as np
 from array_record.python import array_record_module
 
-from mimo_jax.data.tokenizer import IMG, SPECIALS
+from mimo_jax.data import meta
+from mimo_jax.data.tokenizer import IMG, SPECIALS, Tokenizer
 
 FORMAT_VERSION = 1
 FIRST_TEXT_ID = len(SPECIALS)  # text ids are drawn from [FIRST_TEXT_ID, vocab_size)
@@ -93,11 +94,14 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+    rows, tok = [], Tokenizer()
     for i, sample in enumerate(make_samples(n, seed, probs, image_shape, tokens_per_image,
                                             seq_len, text_len, text_sigma, vocab_size)):
       writer.write(encode(sample))
+      rows.append(meta.row(sample, tok))
       if progress and (i + 1) % 1000 == 0:
         progress(f"{path.name}: {i + 1}/{n} samples")
     writer.close()
+    meta.save(str(path), rows)  # before the shard appears under its name
     os.replace(tmp, path)
   return {k: str(v) for k, v in paths.items()}

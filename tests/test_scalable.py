@@ -1,0 +1,80 @@
+"""Scalable data parallelism (data/loader.py): a process reads only the records of its devices,
+and every module still sees the same samples in the same places."""
+
+import numpy as np
+import pytest
+
+from mimo_jax import topology
+from mimo_jax.data import loader, meta
+from tests.helpers import tiny_config
+
+TOPO = {"vision": (0, 4, 1), "language": (4, 2, 2)}  # 16 samples a microbatch, 48 image slots
+
+
+@pytest.fixture(scope="module")
+def setup(data_dir):
+  cfg = tiny_config(data_dir, **TOPO)
+  path = loader.build_paths(cfg)["train"]
+  full = loader.train_dataset(cfg, path, 2)
+  return cfg, path, [full[s] for s in range(3)]
+
+
+def _scalable(cfg, path, where):
+  ds = loader.train_dataset(cfg, path, 2, where)
+  return [ds[s] for s in range(3)]
+
+
+def _same(a, b, keys, rows=slice(None)):
+  for k in keys:
+    pick = (lambda x: x[:, rows]) if a[k].ndim > 1 else (lambda x: x)  # [M, ...] or [M]
+    np.testing.assert_array_equal(pick(a[k]), pick(b[k]), err_msg=k)
+
+
+GLOBAL = ("sample_ids_b", "num_images_b", "colon_b", "tokens_b", "tokens", "target_tokens",
+          "images", "cost_spread")
+ROWS = ("tokens_bl", "targets_bl", "loss_mask_bl", "positions_bl", "img_pos_bl", "token_sample_bl")
+
+
+def test_a_language_rank_reads_its_samples_only(setup):
+  cfg, path, full = setup
+  where = loader.Locality(groups=frozenset({1}), slots=())  # language dp rank 1 alone
+  for want, got in zip(full, _scalable(cfg, path, where)):
+    per_rank = cfg.data.micro_batch // 2
+    np.testing.assert_array_equal(got["records_read"], per_rank)  # its share, not the batch
+    _same(want, got, GLOBAL)
+    _same(want, got, ROWS, rows=slice(per_rank, None))  # the rows of rank 1 are complete
+
+
+def test_a_vision_rank_reads_the_samples_of_its_slots(setup):
+  cfg, path, full = setup
+  where = loader.Locality(groups=frozenset(), slots=((24, 36),))  # vision dp rank 2 of 4
+  for want, got in zip(full, _scalable(cfg, path, where)):
+    owners = [len({int(i) for i in ids if i >= 0}) for ids in want["slot_ids_n"][:, 24:36]]
+    np.testing.assert_array_equal(got["records_read"], owners)
+    assert all(0 < n < cfg.data.micro_batch for n in owners)
+    _same(want, got, GLOBAL)
+    _same(want, got, ("images_nhwc", "slot_ids_n"), rows=slice(24, 36))
+
+
+def test_a_process_holding_every_vision_slot_skips_text_only_samples(setup):
+  cfg, path, full = setup
+  where = loader.Locality(groups=frozenset(), slots=None)
+  for want, got in zip(full, _scalable(cfg, path, where)):
+    np.testing.assert_array_equal(got["records_read"], np.sum(want["num_images_b"] > 0, axis=1))
+    _same(want, got, ("images_nhwc", "slot_ids_n") + GLOBAL)
+
+
+def test_locality_follows_the_topology(data_dir):
+  cfg = tiny_config(data_dir, **TOPO)
+  where = loader.locality(topology.build(cfg), cfg.data.slots())
+  assert where.everything  # one process holds every device: it reads everything
+  assert loader.Locality().needs(0, 0, 0)
+
+
+def test_metadata_sidecar_matches_the_records(setup):
+  cfg, path, _ = setup
+  records = loader._Records(path, "digits")  # pylint: disable=protected-access
+  from mimo_jax.data.tokenizer import Tokenizer
+  tok = Tokenizer()
+  for i in range(0, len(records), 97):
+    assert tuple(records.meta[i]) == meta.row(records.read(i), tok)
