@@ -172,8 +172,9 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
 def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0,
                    where: Locality | None = None) -> Iterator[dict]:
   ds = train_dataset(cfg, path, lang_dp, where)[start_step:]
-  opts = grain.ReadOptions(num_threads=cfg.data.workers, prefetch_buffer_size=2 * cfg.data.workers)
-  return iter(ds.to_iter_dataset(opts) if cfg.data.workers else ds)
+  # Explicit options: grain's defaults (16 threads, 500 elements ahead) would apply otherwise.
+  w = cfg.data.workers
+  return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=w, prefetch_buffer_size=2 * w)))
 
 
 def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[dict[str, np.ndarray]]:

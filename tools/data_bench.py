@@ -1,0 +1,130 @@
+"""Data pipeline benchmark on the synthetic VLM set: throughput, scalable reads, reorder, padding.
+
+  python -m tools.data_bench [--config=configs/vlm.py] [--workers=0,2,4,8] [--dps=2,4,8] [--record]
+
+Prints four tables:
+
+1. **samples/s vs grain read threads** (`data.workers`): the training loader (read, decode,
+   layout, stack) for `--steps` steps after one warm-up step, all records read.
+2. **records read per rank**: per microbatch, by one language dp rank when every rank reads the
+   whole microbatch (before scalable data parallelism) and when it reads only its share.
+3. **per-rank cost spread** (max / mean of the ranks' summed sample costs, `data.image_token_cost`
+   and `data.text_token_cost`) in stream order and after `data.reorder=balance`, for each dp.
+4. **padding efficiency**: real images / image slots, where the slots per rank are the fewest that
+   hold every measured microbatch, in stream order and after the reorder.
+
+Tables 3 and 4 need only the per-record metadata (data/meta.py), so they read no record at all.
+`--set field=value` overrides config fields; `--record` appends the tables to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from mimo_jax.config import validate
+from mimo_jax.data import loader
+from tools.bench import ROOT, load_config, set_field
+
+
+def _ints(s: str) -> list[int]:
+  return [int(v) for v in s.split(",") if v]
+
+
+def throughput(cfg, path: str, workers: int, steps: int) -> float:
+  cfg.data.workers = workers
+  it = loader.train_iterator(cfg, path, 1)
+  next(it)  # warm-up: opens the file, starts the threads
+  start = time.perf_counter()
+  for _ in range(steps):
+    next(it)
+  return steps * cfg.data.global_batch / (time.perf_counter() - start)
+
+
+def reads(cfg, path: str, dp: int, steps: int) -> tuple[float, float]:
+  """Records a language dp rank reads per microbatch: the whole microbatch, and its share."""
+  ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset({0}), slots=()))
+  share = np.mean([ds[s]["records_read"].mean() for s in range(steps)])
+  return float(cfg.data.micro_batch), float(share)
+
+
+def balance_stats(cfg, path: str, dp: int, steps: int) -> dict:
+  """Cost spread and the slots a rank needs, in stream order and balanced (metadata only)."""
+  out = {}
+  for mode in ("none", "balance"):
+    cfg.data.reorder = mode
+    ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset(), slots=()))
+    batches = [ds[s] for s in range(steps)]
+    spread = np.mean([b["cost_spread"].mean() for b in batches])
+    per_rank = [b["num_images_b"].reshape(b["num_images_b"].shape[0], dp, -1).sum(-1)
+                for b in batches]  # [microbatches, dp] images each rank holds
+    slots = max(int(r.max()) for r in per_rank)  # fewest slots a rank needs for all of them
+    real = sum(int(r.sum()) for r in per_rank)
+    microbatches = sum(r.shape[0] for r in per_rank)
+    out[mode] = {"spread": float(spread), "slots": slots,
+                 "efficiency": real / (microbatches * dp * slots)}
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
+  parser.add_argument("--set", action="append", default=[], help="field=value override")
+  parser.add_argument("--workers", default="0,2,4,8", help="grain read threads to try")
+  parser.add_argument("--dps", default="2,4,8", help="language dp sizes for tables 2-4")
+  parser.add_argument("--steps", type=int, default=4, help="steps per measurement")
+  parser.add_argument("--balance_batch", type=int, default=64,
+                      help="microbatch size for tables 3-4 (several samples a rank)")
+  parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+  args = parser.parse_args(argv)
+
+  def config():
+    cfg = load_config(args.config)
+    for s in args.set:
+      set_field(cfg, s)
+    return cfg
+
+  cfg = config()
+  validate(cfg)
+  path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
+  tables = []
+  rows = [f"| {w} | {throughput(config(), path, w, args.steps):.1f} |"
+          for w in _ints(args.workers)]
+  tables.append("| read threads | samples/s |\n|---:|---:|\n" + "\n".join(rows))
+  rows, spread, padding = [], [], []
+  for dp in _ints(args.dps):
+    c = config()
+    c.data.global_batch = c.data.microbatches * max(c.data.micro_batch, dp)
+    whole, share = reads(c, path, dp, args.steps)
+    rows.append(f"| {dp} | {whole:.0f} | {share:.1f} | {whole / dp:.1f} |")
+    c = config()
+    c.data.global_batch = c.data.microbatches * args.balance_batch
+    st = balance_stats(c, path, dp, args.steps)
+    spread.append(f"| {dp} | {args.balance_batch // dp} | {st['none']['spread']:.3f} | "
+                  f"{st['balance']['spread']:.3f} |")
+    padding.append(f"| {dp} | {st['none']['slots']} | {st['none']['efficiency']:.1%} | "
+                   f"{st['balance']['slots']} | {st['balance']['efficiency']:.1%} |")
+  tables.append("| language dp | records read a microbatch, whole | scalable | expected share |"
+                "\n|---:|---:|---:|---:|\n" + "\n".join(rows))
+  tables.append("| dp | samples a rank | cost spread in order | after balance |\n"
+                "|---:|---:|---:|---:|\n" + "\n".join(spread))
+  tables.append("| dp | slots a rank, in order | padding efficiency | slots a rank, balanced | "
+                "padding efficiency |\n|---:|---:|---:|---:|---:|\n" + "\n".join(padding))
+  text = "\n\n".join(tables)
+  print(text)
+  if args.record:
+    cmd = "python -m tools.data_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    entry = (f"\n### Data pipeline, {args.config}\n\n- date: {datetime.date.today().isoformat()}\n"
+             f"- command: `{cmd}`\n\n{text}\n")
+    with open(pathlib.Path(ROOT) / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
+      f.write(entry)
+
+
+if __name__ == "__main__":
+  main()
