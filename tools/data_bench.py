@@ -5,7 +5,8 @@
 Prints four tables:
 
 1. **samples/s vs grain read threads** (`data.workers`): the training loader (read, decode,
-   layout, stack) for `--steps` steps after one warm-up step, all records read.
+   layout, stack), all records read, timed from its start over `--steps` steps or 20 per thread,
+   whichever is more (each thread prefetches 2 steps).
 2. **records read per rank**: per microbatch, by one language dp rank when every rank reads the
    whole microbatch (before scalable data parallelism) and when it reads only its share.
 3. **per-rank cost spread** (max / mean of the ranks' summed sample costs, `data.image_token_cost`
@@ -37,10 +38,12 @@ def _ints(s: str) -> list[int]:
 
 
 def throughput(cfg, path: str, workers: int, steps: int) -> float:
+  """Timed from the iterator's creation, over enough steps that the prefetch buffer (2 steps a
+  thread) is a small part of them."""
   cfg.data.workers = workers
-  it = loader.train_iterator(cfg, path, 1)
-  next(it)  # warm-up: opens the file, starts the threads
+  steps = max(steps, 20 * workers)
   start = time.perf_counter()
+  it = loader.train_iterator(cfg, path, 1)
   for _ in range(steps):
     next(it)
   return steps * cfg.data.global_batch / (time.perf_counter() - start)
