@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import train
+from mimo_jax.data import loader
 from mimo_jax.checkpoint import complete_steps
 from tests.helpers import run_steps, tiny_config, topology_arg
 
@@ -62,6 +63,15 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
   for step, want in reference.items():
     np.testing.assert_allclose(got[step], want, rtol=1e-4, err_msg=f"step {step}")
   assert "[1] " not in "".join(ln for ln in proc.stdout.splitlines(True) if "step " in ln)
+  if topo is FAN_IN:
+    # Scalable reads: process 0 (which writes the metrics) holds only the encoder, so it reads
+    # only the samples that have images.
+    cfg = tiny_config(data_dir, **topo)
+    ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], 2)
+    lines = (pathlib.Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
+    read = {r["step"]: r["records_read"] for r in map(json.loads, lines) if "loss" in r}
+    want = {step: int(np.sum(ds[step - 1]["num_images_b"] > 0)) for step in range(1, 5)}
+    assert read == want and sum(want.values()) < 4 * cfg.data.global_batch
 
 
 def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
