@@ -38,6 +38,7 @@ def get_config(arg: str | None = None) -> Config:
   d.text_len, d.text_len_sigma = 256, 0.6
   # The language model's cost per sample grows with its tokens, the encoder's with its images.
   d.image_token_cost, d.text_token_cost = 1.0, 1.0
+  cfg.topology.vision.unroll = False  # faster rolled on an H200 (docs/benchmarks.md)
   cfg.optim.lr, cfg.optim.warmup_steps = 3e-4, 20
   cfg.train.steps = 100
   cfg.eval.samples, cfg.eval.batch = 64, 8

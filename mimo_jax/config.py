@@ -75,6 +75,10 @@ class ModuleTopology:
   # What each layer's backward keeps: none (everything), full (its input only, recompute the
   # rest), dots (matmul outputs).
   remat: str = "none"
+  # The layer loop as straight-line code (true) or a rolled loop (false): unrolled saves the copies
+  # a rolled loop makes to stack each layer's residuals and gradients, but XLA schedules it
+  # differently; on an H200 it sped up the 1.1 B decoder and slowed ViT-L (docs/benchmarks.md).
+  unroll: bool = True
 
   @property
   def size(self) -> int:

@@ -79,8 +79,8 @@ def remat(layer: Callable, policy: str) -> Callable:
   return jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
 
 
-def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple) -> jax.Array:
-  return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params)[0]
+def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool) -> jax.Array:
+  return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
 
 
 def _at(tree, i):
@@ -95,15 +95,18 @@ class Stack:
   microbatch inputs every layer sees, such as positions).
   """
 
-  def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none"):
+  def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
+               unroll: bool = True):
     self.layer = remat(layer, remat_policy)
-    self.mesh, self.schedule = mesh, schedule
+    self.mesh, self.schedule, self.unroll = mesh, schedule, unroll
 
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:
     if not self.schedule.pipelined:
       if x_m.shape[0] == 1:  # one microbatch (the usual chunk): no vmap around the kernels
-        return _scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m))[None]
-      return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side))(x_m, *side_m)
+        return _scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m),
+                            self.unroll)[None]
+      return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side, self.unroll))(
+          x_m, *side_m)
     num = x_m.shape[0]
     pad = max(self.schedule.stages - num, 0)  # fewer microbatches than stages (evaluation)
     if pad:
@@ -130,7 +133,7 @@ class Stack:
       rnd, m = ic // num, ic % num
       first = jnp.where(rnd == 0, x_m[m], parked[m]) if v > 1 else x_m[m]
       h = jnp.where(stage == 0, first, incoming)
-      h = _scan_layers(self.layer, _at(chunks, rnd), h, tuple(a[m] for a in side_m))
+      h = _scan_layers(self.layer, _at(chunks, rnd), h, tuple(a[m] for a in side_m), self.unroll)
       done = (stage == p - 1) & (rnd == v - 1) & (i >= 0) & (i < items)
       outs = outs.at[m].set(jnp.where(done, h, outs[m]))
       incoming = jax.lax.ppermute(h, PP, ring)

@@ -103,8 +103,8 @@ class Stepper:
     frozen = parse_freeze(cfg.optim.freeze)
     tops = cfg.topology.modules()
     self.schedule = {n: Schedule(tops[n].pp, tops[n].virtual) for n in modules}
-    self.stacks = {n: Stack(m.layer, topo.meshes[n], self.schedule[n], tops[n].remat)
-                   for n, m in modules.items()}
+    self.stacks = {n: Stack(m.layer, topo.meshes[n], self.schedule[n], tops[n].remat,
+                            tops[n].unroll) for n, m in modules.items()}
     canonical = {n: m.abstract_params() for n, m in modules.items()}
     abstract = {n: jax.eval_shape(lambda p, n=n: self._layout(n, p), canonical[n])
                 for n in modules}
