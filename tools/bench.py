@@ -46,6 +46,7 @@ from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
+from tools.timing import median_time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -176,8 +177,8 @@ class Run:
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
     out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst in sent)
     pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
-    out["raw_s"] = _median_time(lambda: [jax.device_put(a, d) for a, d in pieces]) if pieces else 0
-    out["bridge_s"] = _median_time(lambda: [real(x, dst) for x, dst in sent]) if sent else 0.0
+    out["raw_s"] = median_time(lambda: [jax.device_put(a, d) for a, d in pieces]) if pieces else 0
+    out["bridge_s"] = median_time(lambda: [real(x, dst) for x, dst in sent]) if sent else 0.0
     out["peak_gib"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
                           for d in self.devices) / 2**30
     return out
@@ -198,16 +199,6 @@ class Run:
       return self.steps(n)["step_s"]
     finally:
       self.stepper.transfer = real
-
-
-def _median_time(fn, reps: int = 5) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 def measure(cfg: Config, layout: str, args) -> dict:

@@ -16,7 +16,6 @@ import datetime
 import os
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge
+from tools.timing import median_time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,16 +33,6 @@ def _sharding(spec: str) -> NamedSharding:
   offset, dp = (int(v) for v in spec.split(":"))
   devices = np.asarray(jax.devices()[offset:offset + dp], dtype=object).reshape(dp, 1)
   return NamedSharding(Mesh(devices, ("dp", "tp")), P("dp"))
-
-
-def _time(fn, reps: int) -> float:
-  jax.block_until_ready(fn())  # warm-up: compiles and allocates
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 def _raw(x: jax.Array, dst: NamedSharding):
@@ -70,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     with jax.transfer_guard_host_to_device("disallow_explicit"), \
          jax.transfer_guard_device_to_host("disallow_explicit"):
       y = jax.block_until_ready(bridge.transfer(x, dst))
-      t_bridge = _time(lambda: bridge.transfer(x, dst), args.reps)
-      t_raw = _time(lambda: _raw(x, dst), args.reps)
+      t_bridge = median_time(lambda: bridge.transfer(x, dst), args.reps)
+      t_raw = median_time(lambda: _raw(x, dst), args.reps)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     gb = x.nbytes / 1e9
     rows.append((mib, gb / t_bridge, gb / t_raw, t_raw / t_bridge))

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,22 +34,13 @@ from mimo_jax.models.layers import stacked
 from mimo_jax.models.llm import DecoderBlock
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.pipeline import Schedule, Stack
+from tools.timing import median_time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _ints(s: str) -> list[int]:
   return [int(v) for v in s.split(",") if v]
-
-
-def _median_time(fn, reps: int) -> float:
-  jax.block_until_ready(fn())  # compile and allocate
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 class Bench:
@@ -91,7 +81,7 @@ class Bench:
       loss = lambda p: jnp.mean(stack(p, x, (pos,)).astype(jnp.float32) ** 2)
       return jax.value_and_grad(loss)(params)
 
-    return _median_time(lambda: step(params, x, pos), a.reps)
+    return median_time(lambda: step(params, x, pos), a.reps)
 
 
 def main(argv: list[str] | None = None) -> None:
