@@ -233,6 +233,23 @@ def parse_lr_mult(spec: str) -> dict[str, float]:
   return out
 
 
+def set_layout(cfg: Config, layout: str) -> None:
+  """Sets topology fields from `module=offset/dp/tp[/pp[/virtual]],...` (as tests and benchmark
+  tools write layouts), e.g. `vision=0/4/1,language=4/2/2`."""
+  for item in (s.strip() for s in layout.split(",") if s.strip()):
+    name, _, spec = item.partition("=")
+    _require(name in MODULE_KINDS, "topology", f"{item!r}: unknown module {name!r}.")
+    try:
+      values = [int(v) for v in spec.split("/")]
+    except ValueError:
+      values = []
+    _require(3 <= len(values) <= 5, f"topology.{name}",
+             f"{item!r} is not offset/dp/tp[/pp[/virtual]].")
+    t = getattr(cfg.topology, name)
+    t.offset, t.dp, t.tp = values[:3]
+    t.pp, t.virtual = (values[3:] + [1, 1])[:2]
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
   """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
   _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",

@@ -96,3 +96,14 @@ def test_too_few_samples_for_one_batch():
   cfg.data.train_samples = 16  # global_batch 32
   with pytest.raises(ConfigError, match=r"^config\.data\.train_samples: 16 samples cannot fill"):
     validate(cfg, num_devices=8)
+
+
+def test_layout_strings():
+  from mimo_jax.config import set_layout
+  cfg = Config()
+  set_layout(cfg, "vision=0/4/1, language=4/1/2/2/2")
+  assert (cfg.topology.vision.dp, cfg.topology.language.pp, cfg.topology.language.virtual) == (
+      4, 2, 2)
+  for bad in ("audio=0/1/1", "vision=0/1", "vision=a/b/c"):
+    with pytest.raises(ConfigError, match=r"^config\.topology"):
+      set_layout(cfg, bad)

@@ -30,25 +30,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import importlib.util
 import json
 import pathlib
-import sys
 import time
 
 import jax
 import numpy as np
 
 from mimo_jax import bridge, topology
-from mimo_jax.config import Config, ConfigError, validate, validate_backend
+from mimo_jax.config import Config, ConfigError, set_layout, validate, validate_backend
 from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
-from tools.timing import median_time
+from tools.common import ROOT, median_time, record
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config(spec: str) -> Config:
@@ -72,15 +69,6 @@ def set_field(cfg: Config, assignment: str) -> None:
     raise SystemExit(f"--set {assignment!r}: config has no field {name}")
   kind = type(getattr(obj, last))
   setattr(obj, last, kind(value) if kind is not bool else value.lower() in ("1", "true"))
-
-
-def apply_layout(cfg: Config, layout: str) -> None:
-  for item in layout.split(","):
-    name, _, spec = item.partition("=")
-    t = getattr(cfg.topology, name.strip())
-    values = [int(v) for v in spec.split("/")]
-    t.offset, t.dp, t.tp = values[:3]
-    t.pp, t.virtual = (values[3:] + [1, 1])[:2]
 
 
 def moved_bytes(x: jax.Array, dst) -> int:
@@ -202,7 +190,7 @@ class Run:
 
 
 def measure(cfg: Config, layout: str, args) -> dict:
-  apply_layout(cfg, layout)
+  set_layout(cfg, layout)
   run = Run(cfg)
   print(f"[{layout}] {run.topo.describe()}; compiling and warming up", flush=True)
   run.steps(args.warmup)
@@ -266,13 +254,7 @@ def main(argv: list[str] | None = None) -> None:
   text = table(rows)
   print(text)
   if args.record:
-    device = jax.devices()[0].device_kind
-    cmd = "python -m tools.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    entry = (f"\n### Training step, {args.config}\n\n"
-             f"- device: {len(jax.devices())} x {device}; jax {jax.__version__}\n"
-             f"- date: {datetime.date.today().isoformat()}\n- command: `{cmd}`\n\n{text}\n")
-    with open(ROOT / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
-      f.write(entry)
+    record(f"Training step, {args.config}", "bench", argv, text)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,6 @@ its result is checked. `--record` appends the table to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge
-from tools.timing import median_time
+from tools.common import median_time, record
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _sharding(spec: str) -> NamedSharding:
@@ -72,16 +67,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"bridge {args.src} -> {args.dst} on {len(jax.devices())} x {device}")
   print(table)
   if args.record:
-    cmd = "python -m tools.bridge_bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    entry = (f"\n### Bridge bandwidth, {args.src} -> {args.dst}\n\n"
-             f"- device: {len(jax.devices())} x {device}; jax {jax.__version__}\n"
-             f"- date: {datetime.date.today().isoformat()}\n- command: `{cmd}`\n\n{table}\n")
-    path = ROOT / "docs" / "benchmarks.md"
-    if not path.exists():
-      path.write_text("# Benchmarks\n\nMeasured with the scripts in `tools/`; newest last.\n")
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(entry)
-    print(f"appended to {os.path.relpath(path)}")
+    record(f"Bridge bandwidth, {args.src} -> {args.dst}", "bridge_bench", argv, table)
 
 
 if __name__ == "__main__":

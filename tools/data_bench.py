@@ -21,16 +21,14 @@ Tables 3 and 4 need only the per-record metadata (data/meta.py), so they read no
 from __future__ import annotations
 
 import argparse
-import datetime
-import pathlib
-import sys
 import time
 
 import numpy as np
 
 from mimo_jax.config import validate
 from mimo_jax.data import loader
-from tools.bench import ROOT, load_config, set_field
+from tools.bench import load_config, set_field
+from tools.common import record
 
 
 def _ints(s: str) -> list[int]:
@@ -122,11 +120,7 @@ def main(argv: list[str] | None = None) -> None:
   text = "\n\n".join(tables)
   print(text)
   if args.record:
-    cmd = "python -m tools.data_bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    entry = (f"\n### Data pipeline, {args.config}\n\n- date: {datetime.date.today().isoformat()}\n"
-             f"- command: `{cmd}`\n\n{text}\n")
-    with open(pathlib.Path(ROOT) / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
-      f.write(entry)
+    record(f"Data pipeline, {args.config}", "data_bench", argv, text, device=False)
 
 
 if __name__ == "__main__":

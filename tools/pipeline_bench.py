@@ -17,9 +17,6 @@ of `--reps` steps after a warm-up. `--record` appends the table to docs/benchmar
 from __future__ import annotations
 
 import argparse
-import datetime
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +31,8 @@ from mimo_jax.models.layers import stacked
 from mimo_jax.models.llm import DecoderBlock
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.pipeline import Schedule, Stack
-from tools.timing import median_time
+from tools.common import median_time, record
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _ints(s: str) -> list[int]:
@@ -132,18 +128,10 @@ def main(argv: list[str] | None = None) -> None:
   table = "\n".join(lines)
   print(table)
   if args.record:
-    device = jax.devices()[0].device_kind
-    cmd = "python -m tools.pipeline_bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    entry = (f"\n### Pipeline schedules vs ideal bubble\n\n"
-             f"- device: {available} x {device}; jax {jax.__version__}\n"
-             f"- date: {datetime.date.today().isoformat()}\n- command: `{cmd}`\n"
-             f"- t_mb = {t_mb * 1e3:.1f} ms (one microbatch of {args.micro_batch}x{args.seq} "
-             f"tokens through {args.layers} layers of dim {args.dim}, forward and backward, "
-             f"remat {args.remat}, 1 GPU)\n\n{table}\n")
-    path = ROOT / "docs" / "benchmarks.md"
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(entry)
-    print(f"appended to {path}")
+    record("Pipeline schedules vs ideal bubble", "pipeline_bench", argv, table, notes=(
+        f"t_mb = {t_mb * 1e3:.1f} ms (one microbatch of {args.micro_batch}x{args.seq} tokens "
+        f"through {args.layers} layers of dim {args.dim}, forward and backward, remat "
+        f"{args.remat}, 1 GPU)",))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import argparse
 import json
 import sys
 
-from mimo_jax.config import ConfigError, validate_topology
-from tools.bench import apply_layout, load_config
+from mimo_jax.config import ConfigError, set_layout, validate_topology
+from tools.bench import load_config
 
 
 def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
@@ -47,7 +47,7 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0) -> li
     cfg = load_config(cfg_spec)
     for s in sets:
       set_field(cfg, s)
-    apply_layout(cfg, layout)
+    set_layout(cfg, layout)
     try:
       validate_topology(cfg, gpus)
     except ConfigError:

@@ -6,7 +6,7 @@ The argument sets each module's offset/dp/tp[/pp[/virtual]]; without it both mod
 device 0.
 """
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, set_layout
 
 
 def get_config(arg: str | None = None) -> Config:
@@ -19,11 +19,5 @@ def get_config(arg: str | None = None) -> Config:
   cfg.train.steps = 4
   cfg.eval.samples, cfg.eval.batch = 48, 16
   cfg.run.progress = "lines"
-  for item in (arg or "").split(","):
-    if item:
-      name, _, spec = item.partition("=")
-      t = getattr(cfg.topology, name)
-      values = [int(v) for v in spec.split("/")]
-      t.offset, t.dp, t.tp = values[:3]
-      t.pp, t.virtual = (values[3:] + [1, 1])[:2]
+  set_layout(cfg, arg or "")
   return cfg

@@ -1,0 +1,44 @@
+"""Shared helpers of the benchmark tools: timing and recording results in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def median_time(fn, reps: int = 5) -> float:
+  """Median seconds of `fn()` (waited for) over `reps` calls, after one untimed call that
+  compiles and allocates."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def record(title: str, tool: str, argv: list[str] | None, body: str, notes: tuple = (),
+           device: bool = True) -> None:
+  """Appends a section to docs/benchmarks.md: title, device (jax's devices), date, the command
+  that produced it (`python -m tools.<tool>` with its arguments), `notes` lines, then `body`."""
+  cmd = f"python -m tools.{tool} " + " ".join(sys.argv[1:] if argv is None else argv)
+  lines = [f"### {title}", ""]
+  if device:
+    lines.append(f"- device: {len(jax.devices())} x {jax.devices()[0].device_kind}; "
+                 f"jax {jax.__version__}")
+  lines += [f"- date: {datetime.date.today().isoformat()}", f"- command: `{cmd}`"]
+  lines += [f"- {n}" for n in notes]
+  if not BENCHMARKS.exists():
+    BENCHMARKS.write_text("# Benchmarks\n\nMeasured with the scripts in `tools/`; newest last.\n")
+  with open(BENCHMARKS, "a", encoding="utf-8") as f:
+    f.write("\n" + "\n".join(lines) + f"\n\n{body}\n")
+  print(f"appended to {BENCHMARKS}")
