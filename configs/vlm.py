@@ -11,6 +11,10 @@ Variants (the argument after the colon):
                  the projector (InternVL-style): the encoder does about half of the model FLOPs,
                  against a fifth in the default; its layers keep only their inputs for the
                  backward pass (remat full), as 88 image slots a microbatch would not fit otherwise
+  dynamic        dynamic resolution: each image 224², 336², 448², 224x448 or 448x224 (64-256
+                 tokens after a 2x2 pixel shuffle), packed into 8 slots of 2048 patches a
+                 microbatch (data.slot_patches) instead of being resized to one size; samples are
+                 balanced over language ranks by cost so that no rank's slots overflow
 
   python -m mimo_jax.launch --config=configs/vlm.py
   python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts=...
@@ -50,6 +54,11 @@ def get_config(arg: str | None = None) -> Config:
     cfg.topology.vision.remat = "full"
     d.max_images = 11
     d.image_probs = ",".join(["0"] * 4 + ["0.125"] * 8)
+  elif arg == "dynamic":
+    v.image_size, v.downsample = 448, 2
+    d.image_sizes = "224,336,448,224x448,448x224"
+    d.slot_patches, d.image_slots, d.reorder = 2048, 8, "balance"
   else:
-    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use 'default' or 'encoder_heavy'.")
+    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy or "
+                     "dynamic.")
   return cfg

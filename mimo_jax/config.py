@@ -125,6 +125,13 @@ class DataConfig:
   # Synthetic task: median text tokens a sample and the log-normal spread of the text length.
   text_len: int = 128
   text_len_sigma: float = 0.5
+  # Synthetic task: image sizes drawn uniformly per image, comma-separated "S" (S x S) or "HxW";
+  # "" = model.vision.image_size square. Several sizes need data.slot_patches > 0.
+  image_sizes: str = ""
+  # Dynamic resolution: each image slot is a row of this many ViT patches into which images of any
+  # size (sides multiples of patch_size * downsample, at most image_size) are packed, attending
+  # only within their image (XLA's masked attention); 0 = one image of image_size a slot.
+  slot_patches: int = 0
 
   @property
   def pixel_max(self) -> float:
@@ -140,6 +147,16 @@ class DataConfig:
 
   def probs(self) -> list[float]:
     return [float(p) for p in self.image_probs.split(",")]
+
+  def sizes(self, default: int) -> list[tuple[int, int]]:
+    """`image_sizes` as (h, w) pairs; [(default, default)] when empty."""
+    if not self.image_sizes.strip():
+      return [(default, default)]
+    out = []
+    for item in self.image_sizes.split(","):
+      h, _, w = item.strip().lower().partition("x")
+      out.append((int(h), int(w or h)))
+    return out
 
 
 @dataclasses.dataclass
@@ -194,6 +211,12 @@ class Config:
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+def slot_tokens(cfg: Config) -> int:
+  """Image tokens an image slot yields: one image's, or a packed slot's (data.slot_patches)."""
+  v = cfg.model.vision
+  return cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches else v.tokens_per_image
 
 
 PARAM_GROUPS = ("vision", "vision_projector", "language")
@@ -309,6 +332,26 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
            f"needs max_images + 1 = {d.max_images + 1} probabilities, got {len(probs)}.")
   _require(all(p >= 0 for p in probs) and abs(sum(probs) - 1) < 1e-6, "data.image_probs",
            "probabilities must be >= 0 and sum to 1.")
+  try:
+    sizes = d.sizes(v.image_size)
+  except ValueError:
+    raise ConfigError(f"config.data.image_sizes: {d.image_sizes!r} is not a comma-separated list "
+                      "of sizes S or HxW.") from None
+  unit = v.patch_size * v.downsample
+  for h, w in sizes:
+    _require(0 < h <= v.image_size and 0 < w <= v.image_size and h % unit == 0 and w % unit == 0,
+             "data.image_sizes", f"{h}x{w}: sides must be multiples of patch_size * downsample = "
+             f"{unit} and at most model.vision.image_size = {v.image_size}.")
+  _require(d.slot_patches or sizes == [(v.image_size, v.image_size)], "data.image_sizes",
+           f"{d.image_sizes!r} differs from model.vision.image_size = {v.image_size}; set "
+           f"data.slot_patches (e.g. {v.patches}) to pack images of several sizes.")
+  _require(not d.image_sizes or d.task == "synthetic", "data.image_sizes",
+           "applies to data.task=synthetic only (digits are 8x8).")
+  _require(d.slot_patches >= 0, "data.slot_patches", "must be >= 0 (0 = one image a slot).")
+  _require(d.slot_patches == 0 or (d.slot_patches >= v.patches and
+                                   d.slot_patches % v.downsample**2 == 0), "data.slot_patches",
+           f"{d.slot_patches} must hold the largest image ({v.patches} patches) and be a multiple "
+           f"of downsample² = {v.downsample**2}.")
   # bos, the image placeholders, ':', one answer word per image and eos; the last is never input.
   min_len = max(d.max_images * (v.tokens_per_image + 1) + 2, 5)
   _require(d.seq_len >= min_len, "data.seq_len",

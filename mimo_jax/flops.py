@@ -7,7 +7,8 @@ attention is causal, so a token sees (s + 1) / 2 keys on average; the ViT's is b
 N excludes the embedding table (a gather, not a matmul) and includes the output head.
 
 Counted are useful tokens only: the text tokens of real samples (padding excluded) and the patches
-of real images (empty image slots excluded). MFU = FLOPs / step time / (GPUs · peak).
+of real images (empty image slots excluded); with images of several sizes packed into a slot, the
+ViT's attention counts each image's patches against its own only. MFU = FLOPs / step time / (GPUs · peak).
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ class FlopModel:
     return cls(_kernel_params(v) - projector, projector,
                _kernel_params(abstract_params["language"]), cfg)
 
-  def vision_per_image(self) -> float:
+  def vision(self, patches: int, patches_sq: int) -> float:
+    """Images of `patches` patches in all, whose squared patch counts sum to `patches_sq` (each
+    image attends within itself)."""
     v = self.cfg.model.vision
-    patches = v.patches
-    dense = 6 * (self.vision_patch_params * patches + self.projector_params * v.tokens_per_image)
-    attention = 12 * v.layers * patches * v.dim * patches
-    return float(dense + attention)
+    dense = 6 * (self.vision_patch_params * patches +
+                 self.projector_params * patches / v.downsample**2)
+    return float(dense + 12 * v.layers * v.dim * patches_sq)
 
   def language_per_row(self, tokens: int) -> float:
     """A sample of `tokens` positions (its own segment when packed), attending causally."""
@@ -61,9 +63,8 @@ class FlopModel:
 
   def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """Model FLOPs of one step's batch (arrays with a leading microbatch axis)."""
-    images = int(np.sum(batch["num_images_b"]))
     # Per sample (its own segment when packed), counted for every sample of the step, including
     # those whose records other processes read.
     language = sum(self.language_per_row(int(n)) for n in np.ravel(batch["tokens_b"]) if n)
-    vision = images * self.vision_per_image()
+    vision = self.vision(int(np.sum(batch["patches"])), int(np.sum(batch["patches_sq"])))
     return {"vision": vision, "language": language, "total": vision + language}

@@ -40,8 +40,12 @@ from mimo_jax.models.mimo import (BLOCKS, Module, encode_images, language_logits
 from mimo_jax.pipeline import Schedule, Stack
 from mimo_jax.topology import REPLICATED, Topology
 
-# Per encoder: its images, the owner of each slot, and where its tokens go in the text.
-ENCODER_FIELDS = {"vision": ("images_nhwc", "slot_ids_n", "img_pos_bl")}
+# Per encoder: the owner of each image token of its slots, and where its tokens go in the text.
+ENCODER_FIELDS = {"vision": ("image_owner_nt", "img_pos_bl")}
+# An encoder's inputs (models/mimo.encode_images): one image a slot, or images packed into slots.
+IMAGE_FIELDS = {"images": "images_nhwc"}
+PACKED_IMAGE_FIELDS = {"patches": "patches_npk", "pos": "patch_pos_np", "seg": "patch_seg_np"}
+PIXELS = ("images", "patches")  # uint8 inputs, scaled to [0, 1] on device
 TEXT_FIELDS = ("tokens_bl", "targets_bl", "loss_mask_bl", "positions_bl", "segment_ids_bl",
                "token_sample_bl", "sample_ids_b", "colon_b", "num_images_b")
 
@@ -56,7 +60,7 @@ class ModuleState:
 class Inputs:
   """One microbatch on device: text on the language mesh, images on each encoder's mesh."""
   text: dict[str, jax.Array]
-  images: dict[str, jax.Array]
+  images: dict[str, dict[str, jax.Array]]
   slot_ids: dict[str, jax.Array]
   img_pos: dict[str, jax.Array]
 
@@ -99,7 +103,7 @@ class Stepper:
     self.cfg, self.topo, self.modules = cfg, topo, modules
     self.encoders = [n for n in modules if n != "language"]
     self.groups = topo.dp("language")
-    self.tokens_per_image = cfg.model.vision.tokens_per_image
+    self.image_fields = PACKED_IMAGE_FIELDS if cfg.data.slot_patches else IMAGE_FIELDS
     frozen = parse_freeze(cfg.optim.freeze)
     tops = cfg.topology.modules()
     self.schedule = {n: Schedule(tops[n].pp, tops[n].virtual) for n in modules}
@@ -181,9 +185,11 @@ class Stepper:
       out_sh = t.sharding(name)
 
       def apply(params, images, name=name, out_sh=out_sh):
-        """A chunk of microbatches: list of uint8 images [n, h, w, c] -> list of image tokens."""
-        pixels = _stacked(images).astype(jnp.float32) / self.cfg.data.pixel_max
-        out = encode_images(self.bind(name, params), self.run_blocks(name, params), pixels)
+        """A chunk of microbatches: list of encoder inputs -> list of image tokens."""
+        x = {k: _stacked([m[k] for m in images]) for k in images[0]}
+        x = {k: v.astype(jnp.float32) / self.cfg.data.pixel_max if k in PIXELS else v
+             for k, v in x.items()}
+        out = encode_images(self.bind(name, params), self.run_blocks(name, params), x)
         return [jax.lax.with_sharding_constraint(out[i], out_sh) for i in range(len(images))]
 
       def fwd(params, images, slot_ids, apply=apply):
@@ -194,7 +200,7 @@ class Stepper:
       self._enc_apply[name] = jax.jit(apply)
       self._enc_bwd[name] = jax.jit(lambda vjp, d_embs, acc: _tree_add(acc, vjp(d_embs)[0]),
                                     donate_argnums=(2,))
-    groups, tpi = self.groups, self.tokens_per_image
+    groups = self.groups
     lang_batch = t.sharding("language")
     packed = self.cfg.data.pack_rows > 0
 
@@ -214,8 +220,8 @@ class Stepper:
       # What the bridge moves back.
       g_embs = {n: [jax.lax.with_sharding_constraint(g, lang_batch) for g in v]
                 for n, v in g_embs.items()}
-      bad = sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None, None))(
-          slots[n], pos[n], x["token_sample_bl"], tpi, groups)) for n in embs)
+      bad = sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None))(
+          slots[n], pos[n], x["token_sample_bl"], groups)) for n in embs)
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
              "mismatches": acc["mismatches"] + bad}
       return acc, g_embs
@@ -300,8 +306,9 @@ class Stepper:
     text = {k: put(pick(k), lang_sh) for k in TEXT_FIELDS}
     images, slot_ids, img_pos = {}, {}, {}
     for name in self.encoders:
-      f_img, f_slots, f_pos = ENCODER_FIELDS[name]
-      images[name] = put(pick(f_img), self.topo.sharding(name))
+      f_slots, f_pos = ENCODER_FIELDS[name]
+      images[name] = {k: put(pick(f), self.topo.sharding(name))
+                      for k, f in self.image_fields.items()}
       slot_ids[name] = put(pick(f_slots), self.topo.sharding(name))
       img_pos[name] = put(pick(f_pos), lang_sh)
     return Inputs(text, images, slot_ids, img_pos)

@@ -21,7 +21,7 @@ def _samples(batch: dict, m: int) -> list[tuple]:
   mb = {k: v[m] for k, v in batch.items()}
   for b, sid in enumerate(mb["sample_ids_b"]):
     text = tuple(t for t in mb["tokens_bl"][b] if t != IMG)
-    images = mb["images_nhwc"][mb["slot_ids_n"] == sid]
+    images = mb["images_nhwc"][mb["image_owner_nt"][:, 0] == sid]
     out.append((int(sid), text, images.tobytes()))
   return out
 

@@ -46,8 +46,8 @@ def test_merge_places_own_images(groups, counts):
     rest = np.setdiff1d(np.arange(L), pos)
     assert np.all(merged[b, rest] == -1.0)  # text positions untouched
   assert mb["num_images_b"].tolist() == counts
-  bad = slot_mismatches(jnp.asarray(mb["slot_ids_n"]), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["token_sample_bl"]), T, groups)
+  bad = slot_mismatches(jnp.asarray(mb["image_owner_nt"]), jnp.asarray(mb["img_pos_bl"]),
+                        jnp.asarray(mb["token_sample_bl"]), groups)
   assert int(bad) == 0
 
 
@@ -55,16 +55,16 @@ def test_mismatch_detected_when_slots_are_swapped():
   samples = [_sample(i, 2) for i in range(4)]
   layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=12)
   mb = layout_microbatch(samples, [10, 11, 12, 13], layout, Tokenizer())
-  swapped = np.concatenate([mb["slot_ids_n"][6:], mb["slot_ids_n"][:6]])  # ranks exchanged
+  swapped = np.concatenate([mb["image_owner_nt"][6:], mb["image_owner_nt"][:6]])  # ranks exchanged
   bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["token_sample_bl"]), T, 2)
+                        jnp.asarray(mb["token_sample_bl"]), 2)
   assert int(bad) == 4 * 2 * T
 
 
 def test_capacity_overflow_names_the_sample():
   samples = [_sample(i, 3) for i in range(4)]
   layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=8)  # 4 slots a rank
-  with pytest.raises(ValueError, match=r"sample 21 needs 3 image slots.*data.image_slots"):
+  with pytest.raises(ValueError, match=r"sample 21 needs 3 images.*data.image_slots"):
     layout_microbatch(samples, [20, 21, 22, 23], layout, Tokenizer())
 
 

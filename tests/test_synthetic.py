@@ -42,7 +42,7 @@ def test_samples_follow_the_config(synth_dir):
     _, s = ds[i]
     k = len(s["images"])
     counts.append(k)
-    assert s["images"].dtype == np.uint8 and s["images"].shape[1:] == (16, 16, 3)
+    assert all(img.dtype == np.uint8 and img.shape == (16, 16, 3) for img in s["images"])
     assert np.sum(s["tokens"] == IMG) == k and np.all(s["tokens"][:k] == IMG)
     text = s["tokens"][k:]
     assert len(text) >= 1 and np.all((text >= synthetic.FIRST_TEXT_ID) &
@@ -59,14 +59,14 @@ def test_a_bad_record_names_file_and_index(tmp_path):
   writer.write(b"\x05\x00\x00\x00{oops")
   writer.close()
   ds = loader._source(path, "synthetic")  # pylint: disable=protected-access
-  assert ds[0][1]["images"].shape == (1, 4, 4, 3)
+  assert [img.shape for img in ds[0][1]["images"]] == [(4, 4, 3)]
   with pytest.raises(ValueError, match=r"bad\.array_record: record 1 is not a valid synthetic"):
     ds[1]  # pylint: disable=pointless-statement
 
 
 def test_too_many_image_tokens_for_the_sequence_is_an_error():
   with pytest.raises(ValueError, match="raise data.seq_len"):
-    list(synthetic.make_samples(4, 0, [0, 0, 1], (4, 4, 3), 16, 32, 8, 0.5, 64))
+    list(synthetic.make_samples(4, 0, [0, 0, 1], [(4, 4)], 3, lambda h, w: 16, 32, 8, 0.5, 64))
 
 
 def test_layout_of_token_samples_puts_the_loss_on_the_text():

@@ -33,7 +33,8 @@ def test_step_flops_count_real_samples_only():
   v, lm = cfg.model.vision, cfg.model.language
   fm = FlopModel.build(cfg, _abstract(cfg))
   # Two samples of 7 and 4 positions (the rest of their rows is padding), and an empty one.
-  batch = {"num_images_b": np.array([[2, 0, 0]]), "tokens_b": np.array([[7, 4, 0]])}
+  batch = {"patches": np.array([2 * v.patches]), "patches_sq": np.array([2 * v.patches**2]),
+           "tokens_b": np.array([[7, 4, 0]])}
   got = fm.step(batch)
   lang = lambda n: 6 * fm.language_params * n + 12 * lm.layers * lm.dim * n * (n + 1) / 2
   image = (6 * (fm.vision_patch_params * v.patches + fm.projector_params * v.tokens_per_image)

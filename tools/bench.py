@@ -124,8 +124,8 @@ class Run:
       totals["records_read"] += int(batch["records_read"].sum())
       for k, v in self.flops.step(batch).items():
         totals[f"flops_{k}"] += v
-      totals["real_images"] += int(np.sum(batch["num_images_b"]))
-      totals["image_slots"] += int(batch["slot_ids_n"].size)
+      totals["image_tokens"] += int(np.sum(batch["image_owner_nt"] >= 0))
+      totals["image_token_capacity"] += int(batch["image_owner_nt"].size)
       self.state, metrics = self.stepper.train_step(self.state, batch)
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}
@@ -205,7 +205,7 @@ def measure(cfg: Config, layout: str, args) -> dict:
   moved = prof["bridge_bytes"]
   row["bridge_gbps"] = moved / prof["bridge_s"] / 1e9 if moved else None
   row["raw_gbps"] = moved / prof["raw_s"] / 1e9 if moved else None
-  row["padding_efficiency"] = timed["real_images"] / max(timed["image_slots"], 1)
+  row["padding_efficiency"] = timed["image_tokens"] / max(timed["image_token_capacity"], 1)
   return row
 
 

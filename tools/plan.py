@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 
-from mimo_jax.config import ConfigError, set_layout, validate_topology
+from mimo_jax.config import ConfigError, set_layout, slot_tokens, validate_topology
 from tools.bench import load_config
 
 
@@ -73,9 +73,8 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0) -> li
 
 def bridge_bytes(cfg) -> float:
   """Bytes through the bridge for one microbatch: image tokens forward, their gradients back."""
-  v, lm = cfg.model.vision, cfg.model.language
   itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
-  return 2.0 * cfg.data.slots() * v.tokens_per_image * lm.dim * itemsize
+  return 2.0 * cfg.data.slots() * slot_tokens(cfg) * cfg.model.language.dim * itemsize
 
 
 def predict(c: dict, work_v: float, work_l: float, microbatches: int, bridge_s: float) -> float:

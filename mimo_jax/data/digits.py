@@ -86,16 +86,21 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     _write(pathlib.Path(tmp), sets[split])
-    meta.write(str(path), sets[split])  # before the shard appears under its name
+    # Before the shard appears under its name.
+    meta.write(str(path), (_sample(s) for s in sets[split]))
     os.replace(tmp, path)
   return {k: str(v) for k, v in paths.items()}
+
+
+def _sample(s: dict) -> dict:
+  """A stored sample (flat pixel lists) as the loader sees it."""
+  return {"images": np.asarray(s["images"], np.uint8).reshape(len(s["images"]), 8, 8),
+          "text": s["text"]}
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
   """JSON record -> sample dict with images as uint8 [k, 8, 8]; bad records name file and index."""
   try:
-    s = json.loads(record)
-    images = np.asarray(s["images"], np.uint8).reshape(len(s["images"]), 8, 8)
-    return {"images": images, "text": s["text"]}
+    return _sample(json.loads(record))
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid digits sample ({e}).") from None

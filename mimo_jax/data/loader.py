@@ -23,7 +23,7 @@ import numpy as np
 
 from mimo_jax.config import Config, DataConfig
 from mimo_jax.data import digits, meta, reorder, synthetic
-from mimo_jax.data.layout import Layout, layout_microbatch, slot_starts, stack
+from mimo_jax.data.layout import Layout, image_sizes, layout_microbatch, place_images, stack
 from mimo_jax.data.tokenizer import Tokenizer
 
 
@@ -35,8 +35,9 @@ def build_paths(cfg: Config, progress=None) -> dict[str, str]:
   d, v = cfg.data, cfg.model.vision
   if d.task == "synthetic":
     return synthetic.build(d.dir, d.train_samples, d.eval_samples, d.probs(),
-                           (v.image_size, v.image_size, v.channels), v.tokens_per_image, d.seq_len,
-                           d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress)
+                           d.sizes(v.image_size), v.channels,
+                           v.patch_size * v.downsample, d.seq_len, d.text_len,
+                           d.text_len_sigma, cfg.model.language.vocab_size, progress)
   return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
 
 
@@ -44,7 +45,8 @@ def make_layout(cfg: Config, groups: int, slots: int, pack_rows: int = 0) -> Lay
   v = cfg.model.vision
   return Layout(seq_len=cfg.data.seq_len, tokens_per_image=v.tokens_per_image, groups=groups,
                 slots=slots, image_shape=(v.image_size, v.image_size, v.channels),
-                pack_rows=pack_rows)
+                pack_rows=pack_rows, slot_patches=cfg.data.slot_patches,
+                patch_size=v.patch_size, downsample=v.downsample)
 
 
 class _Decode(grain.transforms.Map):
@@ -76,15 +78,14 @@ class Locality:
   def everything(self) -> bool:
     return self.groups is None and self.slots is None
 
-  def needs(self, group: int, first_slot: int, images: int) -> bool:
-    """Whether a sample of language group `group` whose images take slots [first_slot,
-    first_slot + images) has a row or a slot here."""
+  def needs(self, group: int, slots: set[int]) -> bool:
+    """Whether a sample of language group `group` whose images lie in `slots` has a row or a slot
+    here."""
     if self.groups is None or group in self.groups:
       return True
     if self.slots is None:
-      return images > 0
-    return images > 0 and any(first_slot < hi and lo < first_slot + images
-                              for lo, hi in self.slots)
+      return bool(slots)
+    return any(lo <= j < hi for j in slots for lo, hi in self.slots)
 
 
 def locality(topo, slots: int) -> Locality:
@@ -127,24 +128,22 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
                   records: _Records, where: Locality) -> dict[str, np.ndarray]:
   """Lays out one microbatch of (stream position, record index) pairs: reorders its samples over
   language dp ranks if configured, and reads only the records `where` needs."""
-  table = records.meta[[index for _, index in elements]]
-  costs = [reorder.sample_cost(int(m[meta.IMAGES]), int(m[meta.TEXT_TOKENS]),
-                               layout.tokens_per_image, data.image_token_cost,
-                               data.text_token_cost) for m in table]
+  stubs = [{"meta": tuple(int(v) for v in records.meta[index])} for _, index in elements]
+  ids = [id_of(pos) for pos, _ in elements]
+  image_tokens = [sum(layout.image_tokens(h, w, sid) for h, w in image_sizes(stub))
+                  for stub, sid in zip(stubs, ids)]
+  costs = [reorder.sample_cost(t, stub["meta"][meta.TEXT_TOKENS], data.image_token_cost,
+                               data.text_token_cost) for t, stub in zip(image_tokens, stubs)]
   order = list(range(len(elements)))
   if data.reorder == "balance":
     order = reorder.balance(costs, layout.groups)
-  elements, table = [elements[i] for i in order], table[order]
+  elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
   per_group = len(elements) // layout.groups
-  starts = slot_starts([int(m[meta.IMAGES]) for m in table], layout.groups,
-                       layout.slots_per_group)
-  samples = []
-  for b, ((_, index), m) in enumerate(zip(elements, table)):
-    if where.needs(b // per_group, starts[b], int(m[meta.IMAGES])):
-      samples.append(records.read(index))
-    else:
-      samples.append({"meta": tuple(int(v) for v in m)})
-  out = layout_microbatch(samples, [id_of(pos) for pos, _ in elements], layout, tok)
+  places = place_images([[layout.image_tokens(h, w, sid) for h, w in image_sizes(stub)]
+                         for stub, sid in zip(stubs, ids)], ids, layout)
+  samples = [records.read(index) if where.needs(b // per_group, {j for j, _ in places[b]})
+             else stub for b, ((_, index), stub) in enumerate(zip(elements, stubs))]
+  out = layout_microbatch(samples, ids, layout, tok)
   out["records_read"] = np.int32(sum("meta" not in s for s in samples))
   out["cost_spread"] = np.float32(reorder.spread(costs, order, layout.groups))
   out["cost_spread_in_order"] = np.float32(

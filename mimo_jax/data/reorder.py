@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample_cost(num_images: int, text_tokens: int, tokens_per_image: int,
-                image_token_cost: float, text_token_cost: float) -> float:
-  return num_images * tokens_per_image * image_token_cost + text_tokens * text_token_cost
+def sample_cost(image_tokens: int, text_tokens: int, image_token_cost: float,
+                text_token_cost: float) -> float:
+  return image_tokens * image_token_cost + text_tokens * text_token_cost
 
 
 def balance(costs: list[float], groups: int) -> list[int]:

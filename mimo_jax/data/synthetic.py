@@ -1,14 +1,15 @@
 """Synthetic VLM-shaped samples in ArrayRecord shards, for benchmarks (`data.task=synthetic`).
 
-A sample is k images (k drawn from `data.image_probs`, so 0..max_images with any skew) of
-`model.vision.image_size`² × `channels` random uint8 pixels, followed by a text of n random token ids
+A sample is k images (k drawn from `data.image_probs`, so 0..max_images with any skew) of random
+uint8 pixels, each of a size drawn uniformly from `data.image_sizes` (default
+`model.vision.image_size` square) with `channels` channels, followed by a text of n random token ids
 (n log-normal around `data.text_len` with spread `data.text_len_sigma`, clipped so that the sample
 fits `data.seq_len` with its image tokens). The loss covers the text. Real files, real decoding and
 real grain workers, shaped like LLaVA training data; the content is noise, so only speed means
 anything.
 
-Record format: a 4-byte little-endian header length, a JSON header {"k", "shape", "tokens"}, then
-the k images' raw bytes.
+Record format: a 4-byte little-endian header length, a JSON header {"shapes": [[h, w, c], ...],
+"tokens"}, then the k images' raw bytes one after another.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from array_record.python import array_record_module
 from mimo_jax.data import meta
 from mimo_jax.data.tokenizer import IMG, SPECIALS, Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FIRST_TEXT_ID = len(SPECIALS)  # text ids are drawn from [FIRST_TEXT_ID, vocab_size)
 
 
@@ -36,53 +37,67 @@ def text_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float,
   return np.clip(lengths, 1, np.maximum(limit, 1))
 
 
-def make_samples(n: int, seed: int, probs: list[float], image_shape: tuple[int, int, int],
-                 tokens_per_image: int, seq_len: int, text_len: int, text_sigma: float,
+def make_samples(n: int, seed: int, probs: list[float], sizes: list[tuple[int, int]],
+                 channels: int, image_tokens, seq_len: int, text_len: int, text_sigma: float,
                  vocab_size: int):
-  """Yields n samples: {"images": uint8 [k, h, w, c], "tokens": int32 [k + n_text]}."""
+  """Yields n samples: {"images": [uint8 [h, w, c] each], "tokens": int32 [k + n_text]}, sizes
+  drawn from `sizes`; `image_tokens(h, w)` is what an image takes in the language sequence."""
   rng = np.random.default_rng(seed)
   ks = rng.choice(len(probs), size=n, p=probs)
-  # bos + k * T image tokens + text + eos must fit seq_len + 1 (inputs and shifted targets).
-  room = seq_len - 1 - ks * tokens_per_image
+  drawn = [rng.integers(len(sizes), size=int(k)) for k in ks]
+  # bos + image tokens + text + eos must fit seq_len + 1 (inputs and shifted targets).
+  room = seq_len - 1 - np.asarray([sum(image_tokens(*sizes[i]) for i in d) for d in drawn],
+                                  np.int64)
   if np.any(room < 1):
-    worst = int(ks.max())
-    raise ValueError(f"{worst} images of {tokens_per_image} tokens leave no room for text in "
-                     f"data.seq_len={seq_len}; raise data.seq_len or lower data.max_images.")
+    worst = int(np.argmin(room))
+    raise ValueError(f"{ks[worst]} images of {seq_len - 1 - room[worst]} tokens leave no room for "
+                     f"text in data.seq_len={seq_len}; raise data.seq_len or lower "
+                     "data.max_images.")
   lengths = text_lengths(rng, n, text_len, text_sigma, room)
-  for k, length in zip(ks, lengths):
-    images = rng.integers(0, 256, size=(int(k),) + image_shape, dtype=np.uint8)
+  for k, which, length in zip(ks, drawn, lengths):
+    images = [rng.integers(0, 256, size=sizes[i] + (channels,), dtype=np.uint8) for i in which]
     text = rng.integers(FIRST_TEXT_ID, vocab_size, size=int(length), dtype=np.int32)
     yield {"images": images, "tokens": np.concatenate([np.full(k, IMG, np.int32), text])}
 
 
 def encode(sample: dict) -> bytes:
-  images = sample["images"]
-  header = json.dumps({"k": len(images), "shape": list(images.shape[1:]),
-                       "tokens": sample["tokens"].tolist()}, separators=(",", ":")).encode()
-  return struct.pack("<I", len(header)) + header + images.tobytes()
+  images = [np.ascontiguousarray(img, np.uint8) for img in sample["images"]]
+  header = json.dumps({"shapes": [list(img.shape) for img in images],
+                       "tokens": np.asarray(sample["tokens"]).tolist()},
+                      separators=(",", ":")).encode()
+  return struct.pack("<I", len(header)) + header + b"".join(img.tobytes() for img in images)
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
-  """Record -> {"images": uint8 [k, h, w, c], "tokens": int32 [...]}; a bad record names the file
-  and index."""
+  """Record -> {"images": [uint8 [h, w, c] each], "tokens": int32 [...]}; a bad record names the
+  file and index."""
   try:
     (size,) = struct.unpack_from("<I", record)
     header = json.loads(record[4:4 + size])
-    shape = (header["k"],) + tuple(header["shape"])
-    images = np.frombuffer(record, np.uint8, offset=4 + size).reshape(shape)
+    images, offset = [], 4 + size
+    for shape in header["shapes"]:
+      count = int(np.prod(shape))
+      images.append(np.frombuffer(record, np.uint8, count, offset).reshape(shape))
+      offset += count
+    if offset != len(record):
+      raise ValueError(f"{len(record) - offset} bytes beyond the images")
     return {"images": images, "tokens": np.asarray(header["tokens"], np.int32)}
   except (ValueError, KeyError, TypeError, struct.error) as e:
     raise ValueError(f"{source}: record {index} is not a valid synthetic sample ({e}).") from None
 
 
 def build(root: str, samples: int, eval_samples: int, probs: list[float],
-          image_shape: tuple[int, int, int], tokens_per_image: int, seq_len: int, text_len: int,
-          text_sigma: float, vocab_size: int, progress=None) -> dict[str, str]:
-  """Builds (once) train and eval shards under `root`; returns split -> path. The file name
-  encodes every parameter; files are written under a temporary name and renamed when complete."""
-  h, w, c = image_shape
+          sizes: list[tuple[int, int]], channels: int, token_pixels: int, seq_len: int,
+          text_len: int, text_sigma: float, vocab_size: int, progress=None) -> dict[str, str]:
+  """Builds (once) train and eval shards under `root`; returns split -> path. An image token
+  covers `token_pixels` x `token_pixels` pixels (patch size * downsample). The file name encodes
+  every parameter; files are written under a temporary name and renamed when complete."""
+  unit = token_pixels
+  image_tokens = lambda h, w: (h // unit) * (w // unit)
+  shapes = "_".join(f"{h}x{w}" for h, w in sizes)
   key = (f"v{FORMAT_VERSION}-n{samples}-e{eval_samples}-p{'_'.join(f'{p:g}' for p in probs)}"
-         f"-i{h}x{w}x{c}-t{tokens_per_image}-l{seq_len}-x{text_len}_{text_sigma:g}-v{vocab_size}")
+         f"-i{shapes}x{channels}-u{unit}-l{seq_len}-x{text_len}_{text_sigma:g}"
+         f"-v{vocab_size}")
   out_dir = pathlib.Path(root or os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax",
                                               "synthetic"))
   paths = {s: out_dir / f"synthetic-{key}-{s}.array_record" for s in ("train", "eval")}
@@ -95,7 +110,7 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
     os.close(fd)
     writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
     rows, tok = [], Tokenizer()
-    for i, sample in enumerate(make_samples(n, seed, probs, image_shape, tokens_per_image,
+    for i, sample in enumerate(make_samples(n, seed, probs, sizes, channels, image_tokens,
                                             seq_len, text_len, text_sigma, vocab_size)):
       writer.write(encode(sample))
       rows.append(meta.row(sample, tok))

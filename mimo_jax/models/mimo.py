@@ -123,20 +123,25 @@ def merge_images(x_bld: jax.Array, emb_ntd: jax.Array, img_pos_bl: jax.Array,
   return jnp.where(img_pos_bl[..., None] >= 0, got.reshape(b, l, d).astype(x_bld.dtype), x_bld)
 
 
-def slot_mismatches(slot_ids_n: jax.Array, img_pos_bl: jax.Array, token_sample_bl: jax.Array,
-                    tokens_per_image: int, groups: int) -> jax.Array:
-  """Placeholders whose image slot belongs to another sample than their own token (must be 0)."""
-  slots_gs = _grouped(slot_ids_n, groups)
+def slot_mismatches(image_owner_nt: jax.Array, img_pos_bl: jax.Array, token_sample_bl: jax.Array,
+                    groups: int) -> jax.Array:
+  """Placeholders whose image token belongs to another sample than their own token (must be 0)."""
+  owners_gk = _grouped(image_owner_nt, groups).reshape(groups, -1)
   pos_gk = _grouped(img_pos_bl, groups).reshape(groups, -1)
-  owner = jnp.take_along_axis(slots_gs, jnp.maximum(pos_gk, 0) // tokens_per_image, axis=1)
+  owner = jnp.take_along_axis(owners_gk, jnp.maximum(pos_gk, 0), axis=1)
   bad = (owner.reshape(img_pos_bl.shape) != token_sample_bl) & (img_pos_bl >= 0)
   return jnp.sum(bad.astype(jnp.int32))
 
 
-def encode_images(model: VisionEncoder, run_blocks: RunBlocks, images_m: jax.Array) -> jax.Array:
-  """Images of M microbatches [M, n, h, w, c] -> image tokens [M, n, patches, language dim]."""
-  x = jax.vmap(model.patches)(images_m)
-  return jax.vmap(model.finish)(run_blocks(x, ()))
+def encode_images(model: VisionEncoder, run_blocks: RunBlocks, inputs_m: dict) -> jax.Array:
+  """The image slots of M microbatches -> image tokens [M, n, slot tokens, language dim]. Inputs
+  are `images` [M, n, h, w, c] (one image a slot) or, with images packed into slots (dynamic
+  resolution), `patches` [M, n, k, p*p*c], their position ids `pos` and per-image segment ids
+  `seg` [M, n, k] (data/layout.py)."""
+  if "images" in inputs_m:
+    return jax.vmap(model.finish)(run_blocks(jax.vmap(model.patches)(inputs_m["images"]), ()))
+  x = jax.vmap(model.packed_patches)(inputs_m["patches"], inputs_m["pos"])
+  return jax.vmap(model.finish)(run_blocks(x, (inputs_m["seg"],)))
 
 
 def language_logits(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,

@@ -8,6 +8,7 @@ from flax import nnx
 
 from mimo_jax.config import LanguageConfig, VisionConfig
 from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
+from mimo_jax.patches import grid_positions, patchify
 
 
 class ViTBlock(nnx.Module):
@@ -19,15 +20,18 @@ class ViTBlock(nnx.Module):
     self.norm2 = LayerNorm(cfg.dim)
     self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype)
 
-  def __call__(self, x_npd: jax.Array) -> jax.Array:
-    x_npd = x_npd + self.attn(self.norm1(x_npd))
+  def __call__(self, x_npd: jax.Array, segment_ids_np: jax.Array | None = None) -> jax.Array:
+    """With `segment_ids_np` (images packed into rows) a patch attends only to its own image's."""
+    x_npd = x_npd + self.attn(self.norm1(x_npd), segment_ids_bl=segment_ids_np)
     return x_npd + self.mlp(self.norm2(x_npd))
 
 
 class VisionEncoder(nnx.Module):
-  """Images [n, h, w, c] -> projected image tokens [n, patches, language dim]: `patches`
-  (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then `finish`
-  (norm, projector)."""
+  """Images [n, h, w, c] -> projected image tokens [n, patches / downsample², language dim]:
+  `patches` (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then
+  `finish` (norm, pixel shuffle, projector). Patches are in block order (patches.py); the learned
+  position table covers the largest image's grid, and a smaller image (dynamic resolution,
+  `packed_patches`) uses its top-left part."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
                attention: str = "xla"):
@@ -43,18 +47,19 @@ class VisionEncoder(nnx.Module):
                              d_out=lm.dim)
 
   def patches(self, images_nhwc: jax.Array) -> jax.Array:
-    n, h, w, c = images_nhwc.shape
-    p = self.patch
-    x = images_nhwc.reshape(n, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
-    x_npd = self.embed(x.reshape(n, (h // p) * (w // p), p * p * c).astype(self.dtype))
-    return x_npd + self.pos[...].astype(self.dtype)
+    """Images of the full size [n, h, w, c] -> embedded patches [n, patches, dim]."""
+    _, h, w, _ = images_nhwc.shape
+    p, s = self.patch, self.downsample
+    pos = grid_positions(h // p, w // p, s, w // p)
+    return self.packed_patches(patchify(images_nhwc, p, s), jnp.asarray(pos)[None])
+
+  def packed_patches(self, patches_npk: jax.Array, pos_np: jax.Array) -> jax.Array:
+    """Pixels of patches [n, k, p*p*c] at position ids [n, k] -> embedded patches [n, k, dim]."""
+    x_npd = self.embed(patches_npk.astype(self.dtype))
+    return x_npd + self.pos[...].astype(self.dtype)[pos_np]
 
   def finish(self, x_npd: jax.Array) -> jax.Array:
     x_npd = self.norm(x_npd)
-    s = self.downsample
-    if s > 1:  # pixel shuffle: s x s neighbouring patches -> one token
-      n, p, d = x_npd.shape
-      side = int(round(p**0.5))
-      x = x_npd.reshape(n, side // s, s, side // s, s, d).transpose(0, 1, 3, 2, 4, 5)
-      x_npd = x.reshape(n, (side // s) ** 2, s * s * d)
-    return self.projector(x_npd)
+    n, k, d = x_npd.shape
+    s2 = self.downsample**2  # pixel shuffle: s*s consecutive patches (one block) -> one token
+    return self.projector(x_npd.reshape(n, k // s2, s2 * d))

@@ -1,0 +1,216 @@
+"""Dynamic resolution (data.slot_patches): images of several sizes packed into encoder slots, each
+attending only within itself, with token-granular split sizes through the bridge."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mimo_jax import topology
+from mimo_jax.config import ConfigError, validate
+from mimo_jax.data import loader, meta
+from mimo_jax.data.layout import Layout, layout_microbatch
+from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.models.mimo import build_modules, slot_mismatches
+from mimo_jax.patches import grid_positions, patchify
+from mimo_jax.step import Stepper
+from tests.configs import tiny_vlm
+from tests.helpers import assert_close_trajectory, run_steps
+
+P, S, C = 4, 2, 3  # patch size, pixel shuffle, channels
+
+
+def _config(tmp_dir, topo=None, **data):
+  cfg = tiny_vlm.get_config("dynamic")
+  cfg.data.dir = str(tmp_dir)
+  cfg.data.train_samples, cfg.data.eval_samples = 96, 16
+  cfg.data.image_slots = 24
+  for k, v in data.items():
+    setattr(cfg.data, k, v)
+  for name, (o, dp, tp) in (topo or {}).items():
+    t = getattr(cfg.topology, name)
+    t.offset, t.dp, t.tp = o, dp, tp
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def synth_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("dynamic")
+
+
+def _image(h, w, code):
+  rng = np.random.default_rng(code)
+  return rng.integers(0, 256, size=(h, w, C), dtype=np.uint8)
+
+
+def _layout(groups=2, slots=4, slot_patches=32):
+  return Layout(seq_len=40, tokens_per_image=4, groups=groups, slots=slots,
+                image_shape=(16, 16, C), slot_patches=slot_patches, patch_size=P, downsample=S)
+
+
+SIZES = [[(8, 8), (16, 16)], [], [(8, 16), (16, 8), (8, 8)], [(16, 16)]]
+
+
+def _samples():
+  return [{"images": [_image(h, w, 10 * b + i) for i, (h, w) in enumerate(sizes)],
+           "tokens": np.array([IMG] * len(sizes) + [20 + b, 21], np.int32)}
+          for b, sizes in enumerate(SIZES)]
+
+
+def test_layout_packs_images_of_several_sizes_at_token_granularity():
+  layout, samples, ids = _layout(), _samples(), [50, 51, 52, 53]
+  mb = layout_microbatch(samples, ids, layout, Tokenizer())
+  T = layout.slot_tokens  # 32 patches / 2x2 = 8 tokens a slot
+  per_group = mb["patches_npk"].reshape(2, -1, S * S, P * P * C)  # [rank, token, block, pixels]
+  positions = mb["patch_pos_np"].reshape(2, -1, S * S)
+  segments = mb["patch_seg_np"].reshape(2, -1, S * S)
+  for b, (sample, sid) in enumerate(zip(samples, ids)):
+    g, row = b // 2, mb["img_pos_bl"][b]
+    where = row[row >= 0]  # this sample's image tokens, in placeholder order
+    tokens = [(h // P) * (w // P) // (S * S) for h, w in SIZES[b]]  # 1, 4 or 2 an image
+    assert len(where) == sum(tokens) == np.sum(mb["tokens_bl"][b] == IMG)
+    want = [patchify(img[None], P, S)[0].reshape(-1, S * S, P * P * C) for img in sample["images"]]
+    want_pos = [grid_positions(h // P, w // P, S, 16 // P).reshape(-1, S * S) for h, w in SIZES[b]]
+    if want:
+      np.testing.assert_array_equal(per_group[g][where], np.concatenate(want))
+      np.testing.assert_array_equal(positions[g][where], np.concatenate(want_pos))
+    start = 0
+    for t in tokens:  # one segment an image, the same for all its patches
+      seg = segments[g][where[start:start + t]]
+      assert np.all(seg == seg[0, 0]) and seg[0, 0] > 0
+      start += t
+  owners = mb["image_owner_nt"]
+  assert np.sum(owners >= 0) == sum((h // P) * (w // P) // 4 for s in SIZES for h, w in s)
+  assert np.all((mb["patch_seg_np"] > 0) == np.repeat(owners >= 0, S * S, axis=1))
+  bad = slot_mismatches(jnp.asarray(owners), jnp.asarray(mb["img_pos_bl"]),
+                        jnp.asarray(mb["token_sample_bl"]), 2)
+  assert int(bad) == 0
+  patches = [(h // P) * (w // P) for s in SIZES for h, w in s]
+  assert int(mb["patches"]) == sum(patches) and int(mb["patches_sq"]) == sum(p * p for p in patches)
+
+
+def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
+  samples = [{"images": [_image(16, 16, 0)], "tokens": np.array([IMG, 20], np.int32)}]
+  with pytest.raises(ValueError, match=r"sample 7 has an image of 4 tokens.*data\.slot_patches"):
+    layout_microbatch(samples, [7], _layout(groups=1, slots=1, slot_patches=8), Tokenizer())
+  samples = [{"images": [_image(12, 16, 0)], "tokens": np.array([IMG, 20], np.int32)}]
+  with pytest.raises(ValueError, match=r"sample 7 has a 12x16 image; sides must be multiples of"):
+    layout_microbatch(samples, [7], _layout(groups=1, slots=1), Tokenizer())
+  fixed = Layout(seq_len=40, tokens_per_image=4, groups=1, slots=1, image_shape=(16, 16, C),
+                 patch_size=P, downsample=S)
+  samples = [{"images": [_image(8, 8, 0)], "tokens": np.array([IMG, 20], np.int32)}]
+  with pytest.raises(ValueError, match=r"sample 7 has a 8x8 image.*data\.slot_patches"):
+    layout_microbatch(samples, [7], fixed, Tokenizer())
+
+
+def _stepper(cfg):
+  validate(cfg, len(jax.devices()))
+  stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  return stepper, stepper.init_state(0)["vision"].params
+
+
+def _encode(stepper, params, inputs):
+  return np.asarray(stepper._enc_apply["vision"](params, [inputs])[0])  # pylint: disable=protected-access
+
+
+def test_packed_encoder_matches_each_image_alone_and_the_fixed_size_path(synth_dir):
+  stepper, params = _stepper(_config(synth_dir))
+  sizes = [(8, 8), (16, 16), (8, 16)]
+  images = [_image(h, w, i) for i, (h, w) in enumerate(sizes)]
+
+  def row(imgs, length):
+    """One slot holding `imgs` back to back, padded to `length` patches."""
+    k = np.concatenate([patchify(im[None], P, S)[0] for im in imgs])
+    pos = np.concatenate([grid_positions(im.shape[0] // P, im.shape[1] // P, S, 4) for im in imgs])
+    seg = np.concatenate([np.full(len(patchify(im[None], P, S)[0]), i + 1)
+                          for i, im in enumerate(imgs)])
+    pad = length - len(k)
+    return {"patches": jnp.asarray(np.pad(k, ((0, pad), (0, 0))))[None],
+            "pos": jnp.asarray(np.pad(pos, (0, pad)), jnp.int32)[None],
+            "seg": jnp.asarray(np.pad(seg, (0, pad)), jnp.int32)[None]}
+
+  packed = _encode(stepper, params, row(images, 32))[0]
+  start = 0
+  for im in images:  # each image alone in a slot of exactly its patches
+    n = im.shape[0] * im.shape[1] // (P * P)
+    alone = _encode(stepper, params, row([im], n))[0]
+    np.testing.assert_allclose(packed[start:start + n // 4], alone, rtol=1e-5, atol=1e-5)
+    start += n // 4
+  assert np.abs(packed[start:]).max() > 0  # padding tokens exist but no placeholder reads them
+  full = {"images": jnp.asarray(images[1])[None]}  # the largest size, through the plain ViT
+  np.testing.assert_allclose(_encode(stepper, params, row([images[1]], 16))[0],
+                             _encode(stepper, params, full)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_slots_keep_the_trajectory_of_one_image_a_slot(synth_dir):
+  """Every image at the full size: the packed path (two images a slot) against the plain one."""
+  plain = _config(synth_dir, image_sizes="", slot_patches=0, image_slots=0)
+  ref = run_steps(plain, 3)[0]
+  got = run_steps(_config(synth_dir, image_sizes="", slot_patches=32, image_slots=16), 3)[0]
+  assert_close_trajectory(ref, got, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(synth_dir):
+  out = run_steps(_config(synth_dir), 3)[0]
+  assert out[-1]["loss"] < out[0]["loss"]
+  return out
+
+
+def test_packing_density_does_not_change_the_loss(synth_dir, reference):
+  """Images of several sizes: slots of 16 patches (about one image each) against 32."""
+  got = run_steps(_config(synth_dir, slot_patches=16, image_slots=48), 3)[0]
+  assert_close_trajectory(reference, got, rtol=1e-4)
+
+
+@pytest.mark.parametrize("topo", [
+    {"vision": (0, 4, 1), "language": (4, 2, 2)},  # fan-in, disjoint
+    {"vision": (0, 2, 1), "language": (2, 4, 1)},  # fan-out, disjoint
+    {"vision": (0, 4, 2), "language": (0, 8, 1)},  # colocated, vision tp
+], ids=["fan_in", "fan_out", "colocated"])
+def test_dynamic_resolution_matches_single_device(synth_dir, reference, topo):
+  got = run_steps(_config(synth_dir, topo), 3)[0]
+  assert_close_trajectory(reference, got, rtol=1e-4)
+
+
+def test_scalable_reads_with_packed_slots(synth_dir):
+  cfg = _config(synth_dir, {"vision": (0, 4, 1), "language": (4, 2, 2)})
+  path = loader.build_paths(cfg)["train"]
+  full = loader.train_dataset(cfg, path, 2)[0]
+  where = loader.Locality(groups=frozenset(), slots=((12, 18),))  # vision dp rank 2 of 4
+  got = loader.train_dataset(cfg, path, 2, where)[0]
+  owners = [len({int(i) for i in ids.ravel() if i >= 0}) for ids in full["image_owner_nt"][:, 12:18]]
+  np.testing.assert_array_equal(got["records_read"], owners)
+  assert sum(owners) < full["sample_ids_b"].size
+  for k in ("patches_npk", "patch_pos_np", "patch_seg_np", "image_owner_nt"):
+    np.testing.assert_array_equal(got[k][:, 12:18], full[k][:, 12:18], err_msg=k)
+  for k in ("sample_ids_b", "tokens_b", "target_tokens", "patches", "patches_sq"):
+    np.testing.assert_array_equal(got[k], full[k], err_msg=k)
+
+
+def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir):
+  path = loader.build_paths(_config(synth_dir))["train"]
+  records = loader._Records(path, "synthetic")  # pylint: disable=protected-access
+  sizes = set()
+  for i in range(len(records)):
+    m, images = records.meta[i], records.read(i)["images"]
+    assert m[meta.IMAGES] == len(images)
+    got = [tuple(m[3 + 2 * j:5 + 2 * j]) for j in range(len(images))]
+    assert got == [im.shape[:2] for im in images]
+    sizes.update(got)
+  assert sizes == {(8, 8), (16, 16), (8, 16), (16, 8)}
+  np.save(meta.path_of(path), records.meta[:, :3])  # the format without sizes
+  assert loader._Records(path, "synthetic").meta.shape == records.meta.shape  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"image_sizes": "8,12"}, "data.image_sizes"),  # 12 is not a multiple of 4 * 2
+    ({"image_sizes": "8,32"}, "data.image_sizes"),  # beyond model.vision.image_size
+    ({"image_sizes": "8,16", "slot_patches": 0}, "data.image_sizes"),  # several sizes, no packing
+    ({"image_sizes": "8,a"}, "data.image_sizes"),
+    ({"slot_patches": 8}, "data.slot_patches"),  # smaller than the largest image
+    ({"slot_patches": 18}, "data.slot_patches"),  # not a multiple of 2x2
+])
+def test_bad_dynamic_resolution_settings_name_the_field(synth_dir, data, field):
+  with pytest.raises(ConfigError, match=rf"config\.{field}"):
+    validate(_config(synth_dir, **data), 8)
