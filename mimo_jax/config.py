@@ -114,6 +114,9 @@ class DataConfig:
   eval_samples: int = 1_000  # samples built from held-out images
   dir: str = ""  # where the digits ArrayRecord shards are built; "" = ~/.cache/mimo_jax/digits
   workers: int = 0  # grain read threads for the loader (0 = read in the main thread)
+  # grain worker processes, each building whole steps (with `workers` threads); 0 = none. Past a
+  # few threads the loader is bound by Python's GIL, which processes escape.
+  worker_processes: int = 0
   # Intra-microbatch reorder: "none" (stream order) or "balance" (samples assigned to language dp
   # ranks by cost = image tokens * image_token_cost + text tokens * text_token_cost).
   reorder: str = "none"
@@ -319,6 +322,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
            f"{d.microbatches} must divide global_batch {d.global_batch}.")
   _require(d.image_slots >= 0, "data.image_slots", "must be >= 0 (0 = worst case).")
   _require(d.workers >= 0, "data.workers", "must be >= 0.")
+  _require(d.worker_processes >= 0, "data.worker_processes", "must be >= 0.")
   _require(d.reorder in ("none", "balance"), "data.reorder",
            f"must be none or balance, got {d.reorder!r}.")
   _require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",

@@ -98,6 +98,7 @@ def run(cfg: Config) -> list[dict]:
   writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                          resume_after=start, enabled=distributed.is_main())
   records = []
+  batches = None
 
   def log(record: dict) -> None:
     records.append(record)
@@ -174,6 +175,8 @@ def run(cfg: Config) -> list[dict]:
       writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")
     log({"step": cfg.train.steps, **evaluator(state, eval_batches)})
   finally:
+    if batches is not None:
+      batches.close()  # stops grain's worker processes and threads
     ckpt.close()
     writer.close()
   return records

@@ -214,3 +214,21 @@ def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir)
 def test_bad_dynamic_resolution_settings_name_the_field(synth_dir, data, field):
   with pytest.raises(ConfigError, match=rf"config\.{field}"):
     validate(_config(synth_dir, **data), 8)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_worker_processes_give_the_same_steps_in_order(synth_dir, start):
+  """grain worker processes (data.worker_processes) build whole steps; a resumed iterator starts
+  exactly at its step."""
+  cfg = _config(synth_dir, worker_processes=2, workers=1)
+  path = loader.build_paths(cfg)["train"]
+  ds = loader.train_dataset(cfg, path, 1)
+  it = loader.train_iterator(cfg, path, 1, start_step=start)
+  try:
+    for step in range(start, start + 4):
+      got, want = next(it), ds[step]
+      assert got.keys() == want.keys()
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  finally:
+    it.close()

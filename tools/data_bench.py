@@ -1,18 +1,21 @@
 """Data pipeline benchmark on the synthetic VLM set: throughput, scalable reads, reorder, padding.
 
-  python -m tools.data_bench [--config=configs/vlm.py] [--workers=0,2,4,8] [--dps=2,4,8] [--record]
+  python -m tools.data_bench [--config=configs/vlm.py] [--workers=0,2,4,8] [--processes=0,4]
+                             [--dps=2,4,8] [--record]
 
 Prints four tables:
 
-1. **samples/s vs grain read threads** (`data.workers`): the training loader (read, decode,
-   layout, stack), all records read, timed from its start over `--steps` steps or 20 per thread,
-   whichever is more (each thread prefetches 2 steps).
+1. **samples/s vs grain worker processes and read threads** (`data.worker_processes`,
+   `data.workers`): the training loader (read, decode, layout, stack), all records read, timed
+   from its start over `--steps` steps or 20 per thread and process, whichever is more (each thread
+   and process prefetches 2 steps).
 2. **records read per rank**: per microbatch, by one language dp rank when every rank reads the
    whole microbatch (before scalable data parallelism) and when it reads only its share.
 3. **per-rank cost spread** (max / mean of the ranks' summed sample costs, `data.image_token_cost`
    and `data.text_token_cost`) in stream order and after `data.reorder=balance`, for each dp.
-4. **padding efficiency**: real images / image slots, where the slots per rank are the fewest that
-   hold every measured microbatch, in stream order and after the reorder.
+4. **padding efficiency**: real image tokens / image slot tokens, where the slots per rank are the
+   fewest that hold every measured microbatch, in stream order and after the reorder (with one
+   image a slot: real images / slots; with dynamic resolution the slots are packed).
 
 Tables 3 and 4 need only the per-record metadata (data/meta.py), so they read no record at all.
 `--set field=value` overrides config fields; `--record` appends the tables to docs/benchmarks.md.
@@ -25,7 +28,7 @@ import time
 
 import numpy as np
 
-from mimo_jax.config import validate
+from mimo_jax.config import slot_tokens, validate
 from mimo_jax.data import loader
 from tools.bench import load_config, set_field
 from tools.common import record
@@ -35,16 +38,18 @@ def _ints(s: str) -> list[int]:
   return [int(v) for v in s.split(",") if v]
 
 
-def throughput(cfg, path: str, workers: int, steps: int) -> float:
-  """Timed from the iterator's creation, over enough steps that the prefetch buffer (2 steps a
-  thread) is a small part of them."""
-  cfg.data.workers = workers
-  steps = max(steps, 20 * workers)
+def throughput(cfg, path: str, workers: int, processes: int, steps: int) -> float:
+  """Timed from the iterator's creation (worker start-up included), over enough steps that the
+  prefetch buffers (2 steps a thread or process) are a small part of them."""
+  cfg.data.workers, cfg.data.worker_processes = workers, processes
+  steps = max(steps, 20 * max(workers, 1) * max(processes, 1))
   start = time.perf_counter()
   it = loader.train_iterator(cfg, path, 1)
   for _ in range(steps):
     next(it)
-  return steps * cfg.data.global_batch / (time.perf_counter() - start)
+  took = time.perf_counter() - start
+  it.close()
+  return steps * cfg.data.global_batch / took
 
 
 def reads(cfg, path: str, dp: int, steps: int) -> tuple[float, float]:
@@ -62,13 +67,12 @@ def balance_stats(cfg, path: str, dp: int, steps: int) -> dict:
     ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset(), slots=()))
     batches = [ds[s] for s in range(steps)]
     spread = np.mean([b["cost_spread"].mean() for b in batches])
-    per_rank = [b["num_images_b"].reshape(b["num_images_b"].shape[0], dp, -1).sum(-1)
-                for b in batches]  # [microbatches, dp] images each rank holds
-    slots = max(int(r.max()) for r in per_rank)  # fewest slots a rank needs for all of them
-    real = sum(int(r.sum()) for r in per_rank)
-    microbatches = sum(r.shape[0] for r in per_rank)
+    # The fewest slots a rank needs for every measured microbatch, and the image tokens they hold.
+    slots = max(int(b["slots_used_g"].max()) for b in batches)
+    real = sum(int(b["image_tokens"].sum()) for b in batches)
+    microbatches = sum(b["slots_used_g"].shape[0] for b in batches)
     out[mode] = {"spread": float(spread), "slots": slots,
-                 "efficiency": real / (microbatches * dp * slots)}
+                 "efficiency": real / (microbatches * dp * slots * slot_tokens(cfg))}
   return out
 
 
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--set", action="append", default=[], help="field=value override")
   parser.add_argument("--workers", default="0,2,4,8", help="grain read threads to try")
+  parser.add_argument("--processes", default="0", help="grain worker processes to try")
   parser.add_argument("--dps", default="2,4,8", help="language dp sizes for tables 2-4")
   parser.add_argument("--steps", type=int, default=4, help="steps per measurement")
   parser.add_argument("--balance_batch", type=int, default=64,
@@ -95,9 +100,10 @@ def main(argv: list[str] | None = None) -> None:
   validate(cfg)
   path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
   tables = []
-  rows = [f"| {w} | {throughput(config(), path, w, args.steps):.1f} |"
-          for w in _ints(args.workers)]
-  tables.append("| read threads | samples/s |\n|---:|---:|\n" + "\n".join(rows))
+  rows = [f"| {p} | {w} | {throughput(config(), path, w, p, args.steps):.1f} |"
+          for p in _ints(args.processes) for w in _ints(args.workers)]
+  tables.append("| worker processes | read threads each | samples/s |\n|---:|---:|---:|\n" +
+                "\n".join(rows))
   rows, spread, padding = [], [], []
   for dp in _ints(args.dps):
     c = config()
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(f"| {dp} | {whole:.0f} | {share:.1f} | {whole / dp:.1f} |")
     c = config()
     c.data.global_batch = c.data.microbatches * args.balance_batch
+    c.data.image_slots = 0  # as many as could be needed: the table measures how many are
     st = balance_stats(c, path, dp, args.steps)
     spread.append(f"| {dp} | {args.balance_batch // dp} | {st['none']['spread']:.3f} | "
                   f"{st['balance']['spread']:.3f} |")

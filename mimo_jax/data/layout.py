@@ -170,8 +170,9 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
   A sample given only as `{"meta": (images, text tokens, loss tokens, h, w, ...)}` (data/meta.py)
   takes its row and slots like the full sample would, but they stay empty: scalable data
   parallelism passes such stubs for samples whose rows and slots live on other processes' devices.
-  `tokens`, `target_tokens`, `images`, `patches` and `patches_sq` (sum of squared patch counts, for
-  attention FLOPs) count the whole microbatch, stubs included.
+  `tokens`, `target_tokens`, `images`, `image_tokens`, `patches`, `patches_sq` (sum of squared
+  patch counts, for attention FLOPs) and `slots_used_g` (image slots each language dp rank fills)
+  count the whole microbatch, stubs included.
   """
   bsz, L, G = len(samples), layout.seq_len, layout.groups
   if bsz % G:
@@ -204,7 +205,13 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
   sizes = [image_sizes(x) if x is not None else [] for x in samples]
   image_tokens = [[layout.image_tokens(h, w, sid) for h, w in hw] for hw, sid in zip(sizes, ids)]
   places = place_images(image_tokens, ids, layout)
-  totals = {"tokens": 0, "target_tokens": 0, "images": 0, "patches": 0, "patches_sq": 0}
+  out["slots_used_g"] = np.zeros((G,), np.int32)
+  for b, placed in enumerate(places):
+    for slot, _ in placed:
+      g = b // per_group
+      out["slots_used_g"][g] = max(out["slots_used_g"][g], slot - g * S + 1)
+  totals = {"tokens": 0, "target_tokens": 0, "images": 0, "image_tokens": 0, "patches": 0,
+            "patches_sq": 0}
   for b, (sample, sid) in enumerate(zip(samples, ids)):
     if sample is None:
       continue
@@ -227,6 +234,7 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
     totals["tokens"] += n
     totals["target_tokens"] += n - colon
     totals["images"] += n_img
+    totals["image_tokens"] += n_tok
     totals["patches"] += sum(patches)
     totals["patches_sq"] += sum(p * p for p in patches)
     out["colon_b"][b] = colon

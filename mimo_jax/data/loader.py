@@ -170,10 +170,25 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
 
 def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0,
                    where: Locality | None = None) -> Iterator[dict]:
+  """Step batches from `start_step` on (the whole iterator state a checkpoint needs). With
+  `data.worker_processes` > 0 each of that many processes builds every p-th step (`data.workers`
+  read threads each) and grain hands them back in order; close the iterator to stop them."""
   ds = train_dataset(cfg, path, lang_dp, where)[start_step:]
   # Explicit options: grain's defaults (16 threads, 500 elements ahead) would apply otherwise.
-  w = cfg.data.workers
-  return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=w, prefetch_buffer_size=2 * w)))
+  w, p = cfg.data.workers, cfg.data.worker_processes
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=w, prefetch_buffer_size=2 * w))
+  if p:
+    _absl_flags_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=p, per_worker_buffer_size=2))
+  return iter(it)
+
+
+def _absl_flags_parsed() -> None:
+  """grain's worker processes read absl flags (their defaults will do); a program that does not
+  parse absl flags itself, like ours, must say so first."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
 
 
 def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[dict[str, np.ndarray]]:
