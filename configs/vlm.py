@@ -14,7 +14,8 @@ Variants (the argument after the colon):
   dynamic        dynamic resolution: each image 224², 336², 448², 224x448 or 448x224 (64-256
                  tokens after a 2x2 pixel shuffle), packed into 8 slots of 2048 patches a
                  microbatch (data.slot_patches) instead of being resized to one size; samples are
-                 balanced over language ranks by cost so that no rank's slots overflow
+                 balanced over language ranks by cost so that no rank's slots overflow; the
+                 ViT's layers keep only their inputs for the backward pass (remat full)
 
   python -m mimo_jax.launch --config=configs/vlm.py
   python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts=...
@@ -58,6 +59,7 @@ def get_config(arg: str | None = None) -> Config:
     v.image_size, v.downsample = 448, 2
     d.image_sizes = "224,336,448,224x448,448x224"
     d.slot_patches, d.image_slots, d.reorder = 2048, 8, "balance"
+    cfg.topology.vision.remat = "full"  # masked attention over 2048-patch slots is memory-hungry
   else:
     raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy or "
                      "dynamic.")

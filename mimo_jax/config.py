@@ -125,6 +125,14 @@ class DataConfig:
   pack_rows: int = 0
   image_token_cost: float = 1.0
   text_token_cost: float = 1.0
+  # Image slots a microbatch sends to the encoder: 0 = all of image_slots; k > 0 = only those its
+  # ranks fill, rounded up to one of k evenly spaced sizes (one compiled encoder and language step
+  # per size used). Less encoder work on padding; microbatches then differ in cost.
+  slot_buckets: int = 0
+  # Order of a step's microbatches: "stream", or "pipeline" (inter-microbatch reorder, DistTrain
+  # §5.3): Johnson's rule on each microbatch's encoder and language cost (the cost model above,
+  # slots sent for the encoder), for the fewest bubbles between the modules. Loss unchanged.
+  microbatch_order: str = "stream"
   # Synthetic task: median text tokens a sample and the log-normal spread of the text length.
   text_len: int = 128
   text_len_sigma: float = 0.5
@@ -325,6 +333,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _require(d.worker_processes >= 0, "data.worker_processes", "must be >= 0.")
   _require(d.reorder in ("none", "balance"), "data.reorder",
            f"must be none or balance, got {d.reorder!r}.")
+  _require(d.slot_buckets >= 0, "data.slot_buckets", "must be >= 0 (0 = send every slot).")
+  _require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
+           f"must be stream or pipeline, got {d.microbatch_order!r}.")
   _require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",
            "costs must be >= 0.")
   try:

@@ -300,16 +300,27 @@ class Stepper:
     return out
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:
-    """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs."""
+    """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs. Of each
+    language rank's image slots only the first `slots_sent[m]` travel (data.slot_buckets): ranks
+    fill their slots from the first, and a placeholder indexes its rank's slots from the first, so
+    the rest are empty and nothing else changes."""
     pick = (lambda k: batch[k][m]) if m is not None else (lambda k: batch[k])
     lang_sh = self.topo.sharding("language")
     text = {k: put(pick(k), lang_sh) for k in TEXT_FIELDS}
+    sent = int(batch["slots_sent"][m]) if m is not None and "slots_sent" in batch else None
+
+    def slots(field):
+      x = pick(field)
+      if sent is None:
+        return x
+      return x.reshape((self.groups, -1) + x.shape[1:])[:, :sent].reshape((-1,) + x.shape[1:])
+
     images, slot_ids, img_pos = {}, {}, {}
     for name in self.encoders:
       f_slots, f_pos = ENCODER_FIELDS[name]
-      images[name] = {k: put(pick(f), self.topo.sharding(name))
+      images[name] = {k: put(slots(f), self.topo.sharding(name))
                       for k, f in self.image_fields.items()}
-      slot_ids[name] = put(pick(f_slots), self.topo.sharding(name))
+      slot_ids[name] = put(slots(f_slots), self.topo.sharding(name))
       img_pos[name] = put(pick(f_pos), lang_sh)
     return Inputs(text, images, slot_ids, img_pos)
 

@@ -1,4 +1,7 @@
-"""Cost-balanced intra-microbatch reordering: even ranks, same loss, same samples per module."""
+"""Cost-based reordering: samples over ranks (even ranks, same loss, same samples per module) and
+a step's microbatches (Johnson's rule, slot buckets)."""
+
+import itertools
 
 import numpy as np
 import pytest
@@ -69,3 +72,31 @@ def test_reorder_lets_fewer_slots_fit(data_dir):
   need = {mode: next(s for s in range(4, 16 * 3 + 1, 4) if fits(s, mode))
           for mode in ("none", "balance")}
   assert need["balance"] < need["none"]  # 36 vs 44 of 48 slots with these seeds
+
+
+def _makespan(order, a, b):
+  """Two machines in series: each job on the first, then on the second."""
+  t1 = t2 = 0.0
+  for i in order:
+    t1 += a[i]
+    t2 = max(t2, t1) + b[i]
+  return t2
+
+
+def test_pipeline_order_is_the_shortest_two_stage_schedule():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    n = int(rng.integers(2, 7))
+    a, b = rng.uniform(0.1, 2, n).tolist(), rng.uniform(0.1, 2, n).tolist()
+    best = min(_makespan(p, a, b) for p in itertools.permutations(range(n)))
+    got = reorder.pipeline_order(a, b)
+    assert sorted(got) == list(range(n))
+    assert _makespan(got, a, b) == pytest.approx(best)
+
+
+def test_slot_buckets_hold_the_used_slots_and_split_over_vision_dp():
+  for used in range(0, 13):
+    for buckets in (1, 2, 3, 4, 12):
+      size = reorder.slot_bucket(used, 12, buckets, groups=2, vision_dp=4)
+      assert max(used, 1) <= size <= 12 and (2 * size) % 4 == 0
+  assert [reorder.slot_bucket(u, 12, 4, 1, 1) for u in (0, 3, 4, 7, 12)] == [3, 3, 6, 9, 12]

@@ -125,7 +125,9 @@ class Run:
       for k, v in self.flops.step(batch).items():
         totals[f"flops_{k}"] += v
       totals["image_tokens"] += int(np.sum(batch["image_owner_nt"] >= 0))
-      totals["image_token_capacity"] += int(batch["image_owner_nt"].size)
+      # Slot tokens the encoder computes: the slots each microbatch sends (data.slot_buckets).
+      totals["image_token_capacity"] += (int(batch["slots_sent"].sum()) * self.stepper.groups *
+                                         batch["image_owner_nt"].shape[-1])
       self.state, metrics = self.stepper.train_step(self.state, batch)
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}

@@ -165,7 +165,35 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
                                id_of=lambda pos: pos % (2**31 - 1), data=d, records=records,
                                where=where or Locality())
   ds = ds.batch(d.micro_batch, batch_fn=batch_fn)
-  return ds.batch(d.microbatches, batch_fn=stack)
+  return ds.batch(d.microbatches, batch_fn=functools.partial(_step_batch, cfg=cfg, layout=layout))
+
+
+def _step_batch(microbatches: list[dict], cfg: Config, layout: Layout) -> dict[str, np.ndarray]:
+  """A step's microbatches stacked [M, ...]. With `data.slot_buckets`, `slots_sent` [M] is how many
+  of each rank's image slots a microbatch sends to the encoder (the rest are empty; a pipelined
+  module takes a step's microbatches as one array, so then every microbatch sends the step's
+  most); with `data.microbatch_order=pipeline` the microbatches are reordered for the
+  encoder -> language pipeline (reorder.pipeline_order)."""
+  d, tops = cfg.data, cfg.topology
+  S = layout.slots_per_group
+  sent = [S] * len(microbatches)
+  if d.slot_buckets:
+    sent = [reorder.slot_bucket(int(mb["slots_used_g"].max()), S, d.slot_buckets, layout.groups,
+                                tops.vision.dp) for mb in microbatches]
+    if any(t.pp > 1 for t in tops.modules().values()):
+      sent = [max(sent)] * len(sent)
+  if d.microbatch_order == "pipeline":
+    # Time on each module's devices: encoder work grows with the slots it computes, padding
+    # included; the language model's with its rows, which every microbatch has alike.
+    rows = microbatches[0]["tokens_bl"].shape[0]
+    encoder = [n * layout.groups * layout.slot_tokens * d.image_token_cost
+               / tops.vision.size for n in sent]
+    language = [rows * layout.seq_len * d.text_token_cost / tops.language.size] * len(sent)
+    order = reorder.pipeline_order(encoder, language)
+    microbatches, sent = [microbatches[i] for i in order], [sent[i] for i in order]
+  out = stack(microbatches)
+  out["slots_sent"] = np.asarray(sent, np.int32)
+  return out
 
 
 def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0,

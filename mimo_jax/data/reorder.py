@@ -1,4 +1,5 @@
-"""Intra-microbatch reordering: samples assigned to language dp ranks by cost.
+"""Reordering by cost: samples over language dp ranks (intra-microbatch), and a step's
+microbatches (inter-microbatch, with `data.slot_buckets`).
 
 A microbatch's samples are split over the G language dp ranks, b = B / G each. Taking them in
 stream order can give one rank most of the images: its image slots overflow (or `data.image_slots`
@@ -38,3 +39,28 @@ def spread(costs: list[float], order: list[int], groups: int) -> float:
   per_rank = np.asarray([costs[i] for i in order]).reshape(groups, -1).sum(axis=1)
   mean = per_rank.mean()
   return float(per_rank.max() / mean) if mean > 0 else 1.0
+
+
+def slot_bucket(used: int, per_rank: int, buckets: int, groups: int, vision_dp: int) -> int:
+  """Slots a rank sends for a microbatch whose fullest rank fills `used` of its `per_rank`: the
+  smallest of `buckets` evenly spaced sizes that holds them, rounded up so that the encoder's dp
+  ranks split the microbatch's slots evenly (at least one slot, at most `per_rank`)."""
+  for i in range(1, buckets + 1):
+    size = -(-per_rank * i // buckets)
+    while (groups * size) % vision_dp:
+      size += 1
+    if size >= max(used, 1):
+      return min(size, per_rank)
+  return per_rank
+
+
+def pipeline_order(encoder: list[float], language: list[float]) -> list[int]:
+  """Inter-microbatch reorder (DistTrain §5.3): the order of a step's microbatches through the
+  two-stage pipeline encoder -> language model that Johnson's rule (1954) proves shortest for
+  two machines: microbatches lighter on the encoder than on the language model first, by rising
+  encoder time (the language model starts early), then the others by falling language time (the
+  encoder's last, long microbatches hide behind the language model's work)."""
+  idx = range(len(encoder))
+  first = sorted((i for i in idx if encoder[i] < language[i]), key=lambda i: (encoder[i], i))
+  last = sorted((i for i in idx if encoder[i] >= language[i]), key=lambda i: (-language[i], i))
+  return first + last
