@@ -130,17 +130,17 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
   language dp ranks if configured, and reads only the records `where` needs."""
   stubs = [{"meta": tuple(int(v) for v in records.meta[index])} for _, index in elements]
   ids = [id_of(pos) for pos, _ in elements]
-  image_tokens = [sum(layout.image_tokens(h, w, sid) for h, w in image_sizes(stub))
+  image_tokens = [[layout.image_tokens(h, w, sid) for h, w in image_sizes(stub)]
                   for stub, sid in zip(stubs, ids)]
-  costs = [reorder.sample_cost(t, stub["meta"][meta.TEXT_TOKENS], data.image_token_cost,
+  costs = [reorder.sample_cost(sum(t), stub["meta"][meta.TEXT_TOKENS], data.image_token_cost,
                                data.text_token_cost) for t, stub in zip(image_tokens, stubs)]
   order = list(range(len(elements)))
   if data.reorder == "balance":
     order = reorder.balance(costs, layout.groups)
-  elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
+  elements, stubs, ids, image_tokens = ([x[i] for i in order]
+                                        for x in (elements, stubs, ids, image_tokens))
   per_group = len(elements) // layout.groups
-  places = place_images([[layout.image_tokens(h, w, sid) for h, w in image_sizes(stub)]
-                         for stub, sid in zip(stubs, ids)], ids, layout)
+  places = place_images(image_tokens, ids, layout)
   samples = [records.read(index) if where.needs(b // per_group, {j for j, _ in places[b]})
              else stub for b, ((_, index), stub) in enumerate(zip(elements, stubs))]
   out = layout_microbatch(samples, ids, layout, tok)
