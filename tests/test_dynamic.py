@@ -14,22 +14,17 @@ from mimo_jax.data.tokenizer import IMG, Tokenizer
 from mimo_jax.models.mimo import build_modules, slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
 from mimo_jax.step import Stepper
-from tests.configs import tiny_vlm
 from tests.helpers import assert_close_trajectory, run_steps
+from tests.test_synthetic import _config as synthetic_config
 
 P, S, C = 4, 2, 3  # patch size, pixel shuffle, channels
 
 
 def _config(tmp_dir, topo=None, **data):
-  cfg = tiny_vlm.get_config("dynamic")
-  cfg.data.dir = str(tmp_dir)
-  cfg.data.train_samples, cfg.data.eval_samples = 96, 16
+  cfg = synthetic_config(tmp_dir, topo, variant="dynamic")
   cfg.data.image_slots = 24
   for k, v in data.items():
     setattr(cfg.data, k, v)
-  for name, (o, dp, tp) in (topo or {}).items():
-    t = getattr(cfg.topology, name)
-    t.offset, t.dp, t.tp = o, dp, tp
   return cfg
 
 
