@@ -57,7 +57,8 @@ class LanguageConfig:
 class ModelConfig:
   dtype: str = "float32"
   # Attention kernel: xla, cudnn (fused flash attention, GPUs, bfloat16), or auto (cudnn where it
-  # runs, else xla). Packed rows (data.pack_rows) always use xla's masked attention.
+  # runs, else xla). Packed rows (data.pack_rows, data.slot_patches) use cuDNN's packed attention
+  # with cudnn (Hopper GPUs and later), XLA's masked attention with xla.
   attention: str = "auto"
   vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
@@ -129,6 +130,10 @@ class DataConfig:
   # ranks fill, rounded up to one of k evenly spaced sizes (one compiled encoder and language step
   # per size used). Less encoder work on padding; microbatches then differ in cost.
   slot_buckets: int = 0
+  # Packed rows a microbatch sends to the language model (with pack_rows): 0 = all of pack_rows;
+  # k > 0 = only those its ranks fill, rounded up to one of k evenly spaced sizes (one compiled
+  # language step per size used). Less language work on padding rows.
+  row_buckets: int = 0
   # Order of a step's microbatches: "stream", or "pipeline" (inter-microbatch reorder, DistTrain
   # §5.3): Johnson's rule on each microbatch's encoder and language cost (the cost model above,
   # slots sent for the encoder), for the fewest bubbles between the modules. Loss unchanged.
@@ -141,7 +146,8 @@ class DataConfig:
   image_sizes: str = ""
   # Dynamic resolution: each image slot is a row of this many ViT patches into which images of any
   # size (sides multiples of patch_size * downsample, at most image_size) are packed, attending
-  # only within their image (XLA's masked attention); 0 = one image of image_size a slot.
+  # only within their image (cuDNN's packed attention on GPUs with model.attention=cudnn, else
+  # XLA's masked attention); 0 = one image of image_size a slot.
   slot_patches: int = 0
 
   @property
@@ -228,6 +234,23 @@ def slot_tokens(cfg: Config) -> int:
   """Image tokens an image slot yields: one image's, or a packed slot's (data.slot_patches)."""
   v = cfg.model.vision
   return cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches else v.tokens_per_image
+
+
+def slot_images(cfg: Config) -> int:
+  """Most images a packed image slot holds (data.slot_patches): as many of the smallest of
+  data.image_sizes as fit; 0 without packed slots. The layout never packs more, so attention can
+  be sized for it (models/layers.packed_attention)."""
+  d, v = cfg.data, cfg.model.vision
+  if not d.slot_patches:
+    return 0
+  smallest = min(h * w for h, w in d.sizes(v.image_size)) // v.patch_size**2
+  return max(d.slot_patches // smallest, 1)
+
+
+def row_segments(cfg: Config) -> int:
+  """Most runs of equal segment ids in a packed language row: every sample of a microbatch and
+  the padding; 0 without packing (data.pack_rows)."""
+  return cfg.data.micro_batch + 1 if cfg.data.pack_rows else 0
 
 
 PARAM_GROUPS = ("vision", "vision_projector", "language")
@@ -334,6 +357,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _require(d.reorder in ("none", "balance"), "data.reorder",
            f"must be none or balance, got {d.reorder!r}.")
   _require(d.slot_buckets >= 0, "data.slot_buckets", "must be >= 0 (0 = send every slot).")
+  _require(d.row_buckets >= 0, "data.row_buckets", "must be >= 0 (0 = send every row).")
+  _require(d.row_buckets == 0 or d.pack_rows > 0, "data.row_buckets",
+           "trims packed rows; set data.pack_rows too (without packing every row holds a sample).")
   _require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
            f"must be stream or pipeline, got {d.microbatch_order!r}.")
   _require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",

@@ -301,19 +301,23 @@ class Stepper:
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:
     """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs. Of each
-    language rank's image slots only the first `slots_sent[m]` travel (data.slot_buckets): ranks
-    fill their slots from the first, and a placeholder indexes its rank's slots from the first, so
-    the rest are empty and nothing else changes."""
+    language rank's image slots only the first `slots_sent[m]` travel (data.slot_buckets), and of
+    its rows the first `rows_sent[m]` (data.row_buckets): ranks fill their slots and packed rows
+    from the first, and a placeholder indexes its rank's slots from the first, so the rest are
+    empty and nothing else changes."""
     pick = (lambda k: batch[k][m]) if m is not None else (lambda k: batch[k])
     lang_sh = self.topo.sharding("language")
-    text = {k: put(pick(k), lang_sh) for k in TEXT_FIELDS}
-    sent = int(batch["slots_sent"][m]) if m is not None and "slots_sent" in batch else None
+    count = lambda k: int(batch[k][m]) if m is not None and k in batch else None
 
-    def slots(field):
-      x = pick(field)
-      if sent is None:
+    def first(x, n):  # the first n entries of each rank's share of x
+      if n is None:
         return x
-      return x.reshape((self.groups, -1) + x.shape[1:])[:, :sent].reshape((-1,) + x.shape[1:])
+      return x.reshape((self.groups, -1) + x.shape[1:])[:, :n].reshape((-1,) + x.shape[1:])
+
+    rows = count("rows_sent")
+    row = lambda k: first(pick(k), rows) if k.endswith("_bl") else pick(k)
+    text = {k: put(row(k), lang_sh) for k in TEXT_FIELDS}
+    slots = lambda k: first(pick(k), count("slots_sent"))
 
     images, slot_ids, img_pos = {}, {}, {}
     for name in self.encoders:
@@ -321,7 +325,7 @@ class Stepper:
       images[name] = {k: put(slots(f), self.topo.sharding(name))
                       for k, f in self.image_fields.items()}
       slot_ids[name] = put(slots(f_slots), self.topo.sharding(name))
-      img_pos[name] = put(pick(f_pos), lang_sh)
+      img_pos[name] = put(row(f_pos), lang_sh)
     return Inputs(text, images, slot_ids, img_pos)
 
   # ---- training step ------------------------------------------------------------------------

@@ -229,12 +229,14 @@ def test_worker_processes_give_the_same_steps_in_order(synth_dir, start):
     it.close()
 
 
-def test_slot_buckets_and_pipeline_order_keep_the_trajectory(synth_dir, reference):
-  """Microbatches send only the slots their ranks fill (4 sizes) and run in Johnson's order: the
-  same samples per step, fewer encoder slots, the single-device plain trajectory."""
+def test_slot_and_row_buckets_and_pipeline_order_keep_the_trajectory(synth_dir, reference):
+  """Microbatches send only the slots their ranks fill (12 sizes) and the packed rows they fill
+  (2 sizes), and run in Johnson's order: the same samples per step, fewer encoder slots and
+  language rows, the single-device plain trajectory."""
   topo, packing = {"vision": (0, 2, 1), "language": (2, 4, 1)}, {"slot_patches": 16,
                                                                   "image_slots": 48}
-  cfg = _config(synth_dir, topo, slot_buckets=12, microbatch_order="pipeline", **packing)
+  cfg = _config(synth_dir, topo, slot_buckets=12, microbatch_order="pipeline", pack_rows=8,
+                row_buckets=2, **packing)
   path = loader.build_paths(cfg)["train"]
   plain = loader.train_dataset(_config(synth_dir, topo, **packing), path, 4)
   ds = loader.train_dataset(cfg, path, 4)
@@ -247,5 +249,7 @@ def test_slot_buckets_and_pipeline_order_keep_the_trajectory(synth_dir, referenc
     reordered += order != sorted(order)
     assert np.all(b["slots_sent"] >= b["slots_used_g"].max(axis=1))
     assert np.all(b["slots_sent"] < S) and np.all(np.diff(b["slots_sent"]) >= 0)
+    assert np.all(b["rows_sent"] >= b["rows_used_g"].max(axis=1))
+    assert np.all(b["rows_sent"] == 1)  # two samples a rank fit one packed row of the two
   assert reordered  # Johnson's order differs from the stream's on this data
   assert_close_trajectory(reference, run_steps(cfg, 3)[0], rtol=1e-4)

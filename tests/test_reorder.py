@@ -97,6 +97,6 @@ def test_pipeline_order_is_the_shortest_two_stage_schedule():
 def test_slot_buckets_hold_the_used_slots_and_split_over_vision_dp():
   for used in range(0, 13):
     for buckets in (1, 2, 3, 4, 12):
-      size = reorder.slot_bucket(used, 12, buckets, groups=2, vision_dp=4)
+      size = reorder.bucket(used, 12, buckets, groups=2, split=4)
       assert max(used, 1) <= size <= 12 and (2 * size) % 4 == 0
-  assert [reorder.slot_bucket(u, 12, 4, 1, 1) for u in (0, 3, 4, 7, 12)] == [3, 3, 6, 9, 12]
+  assert [reorder.bucket(u, 12, 4, 1) for u in (0, 3, 4, 7, 12)] == [3, 3, 6, 9, 12]

@@ -128,6 +128,9 @@ class Run:
       # Slot tokens the encoder computes: the slots each microbatch sends (data.slot_buckets).
       totals["image_token_capacity"] += (int(batch["slots_sent"].sum()) * self.stepper.groups *
                                          batch["image_owner_nt"].shape[-1])
+      # Row positions the language model computes: the rows each microbatch sends.
+      totals["row_capacity"] += (int(batch["rows_sent"].sum()) * self.stepper.groups *
+                                 batch["tokens_bl"].shape[-1])
       self.state, metrics = self.stepper.train_step(self.state, batch)
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}
@@ -208,6 +211,7 @@ def measure(cfg: Config, layout: str, args) -> dict:
   row["bridge_gbps"] = moved / prof["bridge_s"] / 1e9 if moved else None
   row["raw_gbps"] = moved / prof["raw_s"] / 1e9 if moved else None
   row["padding_efficiency"] = timed["image_tokens"] / max(timed["image_token_capacity"], 1)
+  row["row_fill"] = timed["tokens"] / max(timed["row_capacity"], 1)
   return row
 
 

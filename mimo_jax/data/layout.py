@@ -46,6 +46,7 @@ class Layout:
   slot_patches: int = 0  # dynamic resolution: patches a slot; 0 = one image a slot
   patch_size: int = 4
   downsample: int = 1
+  slot_images: int = 0  # most images a packed slot takes (config.slot_images); 0 = no limit
 
   @property
   def slots_per_group(self) -> int:
@@ -89,12 +90,14 @@ def place_images(tokens: list[list[int]], ids: list[int], layout: Layout) -> lis
   """(slot, token offset in the slot) of every image of every sample: each language dp rank fills
   its own slots first fit, in sample order. `tokens[b]` lists sample b's image tokens."""
   per_group, S, cap = len(tokens) // layout.groups, layout.slots_per_group, layout.slot_tokens
-  free = [cap] * layout.slots
+  most = layout.slot_images or cap
+  free, images = [cap] * layout.slots, [0] * layout.slots
   out = []
   for b, (counts, sid) in enumerate(zip(tokens, ids)):
     g, placed = b // per_group, []
     for t in counts:
-      slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= t), None)
+      slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= t and images[j] < most),
+                  None)
       if t > cap:
         raise ValueError(f"sample {sid} has an image of {t} tokens but a slot holds {cap}; "
                          "raise data.slot_patches.")
@@ -105,6 +108,7 @@ def place_images(tokens: list[list[int]], ids: list[int], layout: Layout) -> lis
             "microbatch).")
       placed.append((slot, cap - free[slot]))
       free[slot] -= t
+      images[slot] += 1
     out.append(placed)
   return out
 
@@ -171,8 +175,8 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
   takes its row and slots like the full sample would, but they stay empty: scalable data
   parallelism passes such stubs for samples whose rows and slots live on other processes' devices.
   `tokens`, `target_tokens`, `images`, `image_tokens`, `patches`, `patches_sq` (sum of squared
-  patch counts, for attention FLOPs) and `slots_used_g` (image slots each language dp rank fills)
-  count the whole microbatch, stubs included.
+  patch counts, for attention FLOPs), `slots_used_g` (image slots each language dp rank fills) and
+  `rows_used_g` (rows it fills) count the whole microbatch, stubs included.
   """
   bsz, L, G = len(samples), layout.seq_len, layout.groups
   if bsz % G:
@@ -267,6 +271,10 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
       out["patch_pos_np"][slot, span] = grid_positions(h // P, w // P, s, W // P)
       out["patch_seg_np"][slot, span] = images_in_slot[slot]
   out.update({k: np.int32(v) for k, v in totals.items()})
+  # Rows each rank fills: its samples, or its packed rows holding any (first fit fills a prefix).
+  out["rows_used_g"] = np.asarray([sum(n > 0 for n in rows.segments[g * rows.per_group:
+                                                                    (g + 1) * rows.per_group])
+                                   if rows.packed else per_group for g in range(G)], np.int32)
   return out
 
 

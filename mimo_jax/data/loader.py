@@ -21,7 +21,7 @@ from typing import Iterator
 import grain
 import numpy as np
 
-from mimo_jax.config import Config, DataConfig
+from mimo_jax.config import Config, DataConfig, slot_images
 from mimo_jax.data import digits, meta, reorder, synthetic
 from mimo_jax.data.layout import Layout, image_sizes, layout_microbatch, place_images, stack
 from mimo_jax.data.tokenizer import Tokenizer
@@ -46,7 +46,7 @@ def make_layout(cfg: Config, groups: int, slots: int, pack_rows: int = 0) -> Lay
   return Layout(seq_len=cfg.data.seq_len, tokens_per_image=v.tokens_per_image, groups=groups,
                 slots=slots, image_shape=(v.image_size, v.image_size, v.channels),
                 pack_rows=pack_rows, slot_patches=cfg.data.slot_patches,
-                patch_size=v.patch_size, downsample=v.downsample)
+                patch_size=v.patch_size, downsample=v.downsample, slot_images=slot_images(cfg))
 
 
 class _Decode(grain.transforms.Map):
@@ -170,29 +170,37 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
 
 def _step_batch(microbatches: list[dict], cfg: Config, layout: Layout) -> dict[str, np.ndarray]:
   """A step's microbatches stacked [M, ...]. With `data.slot_buckets`, `slots_sent` [M] is how many
-  of each rank's image slots a microbatch sends to the encoder (the rest are empty; a pipelined
-  module takes a step's microbatches as one array, so then every microbatch sends the step's
-  most); with `data.microbatch_order=pipeline` the microbatches are reordered for the
+  of each rank's image slots a microbatch sends to the encoder, and with `data.row_buckets`,
+  `rows_sent` [M] how many of its packed rows go to the language model (the rest are empty; a
+  pipelined module takes a step's microbatches as one array, so then every microbatch sends the
+  step's most); with `data.microbatch_order=pipeline` the microbatches are reordered for the
   encoder -> language pipeline (reorder.pipeline_order)."""
   d, tops = cfg.data, cfg.topology
-  S = layout.slots_per_group
-  sent = [S] * len(microbatches)
-  if d.slot_buckets:
-    sent = [reorder.slot_bucket(int(mb["slots_used_g"].max()), S, d.slot_buckets, layout.groups,
-                                tops.vision.dp) for mb in microbatches]
-    if any(t.pp > 1 for t in tops.modules().values()):
-      sent = [max(sent)] * len(sent)
+  pipelined = any(t.pp > 1 for t in tops.modules().values())
+
+  def sent(field: str, buckets: int, per_rank: int, split: int) -> list[int]:
+    if not buckets:
+      return [per_rank] * len(microbatches)
+    out = [reorder.bucket(int(mb[field].max()), per_rank, buckets, layout.groups, split)
+           for mb in microbatches]
+    return [max(out)] * len(out) if pipelined else out
+
+  slots = sent("slots_used_g", d.slot_buckets, layout.slots_per_group, tops.vision.dp)
+  rows = sent("rows_used_g", d.row_buckets, microbatches[0]["tokens_bl"].shape[0] // layout.groups,
+              1)
   if d.microbatch_order == "pipeline":
-    # Time on each module's devices: encoder work grows with the slots it computes, padding
-    # included; the language model's with its rows, which every microbatch has alike.
-    rows = microbatches[0]["tokens_bl"].shape[0]
+    # Time on each module's devices: encoder work grows with the slots it computes, the language
+    # model's with the rows it computes, padding included.
     encoder = [n * layout.groups * layout.slot_tokens * d.image_token_cost
-               / tops.vision.size for n in sent]
-    language = [rows * layout.seq_len * d.text_token_cost / tops.language.size] * len(sent)
+               / tops.vision.size for n in slots]
+    language = [r * layout.groups * layout.seq_len * d.text_token_cost / tops.language.size
+                for r in rows]
     order = reorder.pipeline_order(encoder, language)
-    microbatches, sent = [microbatches[i] for i in order], [sent[i] for i in order]
+    microbatches = [microbatches[i] for i in order]
+    slots, rows = [slots[i] for i in order], [rows[i] for i in order]
   out = stack(microbatches)
-  out["slots_sent"] = np.asarray(sent, np.int32)
+  out["slots_sent"] = np.asarray(slots, np.int32)
+  out["rows_sent"] = np.asarray(rows, np.int32)
   return out
 
 

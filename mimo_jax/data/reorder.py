@@ -1,5 +1,5 @@
 """Reordering by cost: samples over language dp ranks (intra-microbatch), and a step's
-microbatches (inter-microbatch, with `data.slot_buckets`).
+microbatches (inter-microbatch, with `data.slot_buckets` / `data.row_buckets`).
 
 A microbatch's samples are split over the G language dp ranks, b = B / G each. Taking them in
 stream order can give one rank most of the images: its image slots overflow (or `data.image_slots`
@@ -41,13 +41,14 @@ def spread(costs: list[float], order: list[int], groups: int) -> float:
   return float(per_rank.max() / mean) if mean > 0 else 1.0
 
 
-def slot_bucket(used: int, per_rank: int, buckets: int, groups: int, vision_dp: int) -> int:
-  """Slots a rank sends for a microbatch whose fullest rank fills `used` of its `per_rank`: the
-  smallest of `buckets` evenly spaced sizes that holds them, rounded up so that the encoder's dp
-  ranks split the microbatch's slots evenly (at least one slot, at most `per_rank`)."""
+def bucket(used: int, per_rank: int, buckets: int, groups: int, split: int = 1) -> int:
+  """Image slots (or packed rows) a rank sends for a microbatch whose fullest rank fills `used` of
+  its `per_rank`: the smallest of `buckets` evenly spaced sizes that holds them, rounded up so that
+  `split` ranks (the encoder's dp, for slots) divide the microbatch's `groups` * size evenly (at
+  least one, at most `per_rank`)."""
   for i in range(1, buckets + 1):
     size = -(-per_rank * i // buckets)
-    while (groups * size) % vision_dp:
+    while (groups * size) % split:
       size += 1
     if size >= max(used, 1):
       return min(size, per_rank)

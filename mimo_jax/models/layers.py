@@ -82,15 +82,60 @@ def rope(x_blhd: jax.Array, positions_bl: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_blhd.dtype)
 
 
+def segment_runs(segment_ids_bl: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+  """Start offsets [b, M] and lengths [b, M] of the runs of equal ids in each row (M =
+  `max_segments`, unused entries -1). Rows hold contiguous segments with the padding (id 0) as
+  one more run at the end; a row with more runs than M would lose the rest, so the data layout
+  caps them (data/layout.py)."""
+  b, l = segment_ids_bl.shape
+  first = jnp.ones((b, 1), bool)
+  starts = jnp.concatenate([first, segment_ids_bl[:, 1:] != segment_ids_bl[:, :-1]], axis=1)
+  idx = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=l)[0])(starts)
+  idx = idx.astype(jnp.int32)
+  ends = jnp.concatenate([idx[:, 1:], jnp.full((b, 1), l, jnp.int32)], axis=1)
+  used = idx < l
+  return jnp.where(used, idx, -1), jnp.where(used, ends - idx, -1)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: jax.Array,
+                     max_segments: int, causal: bool) -> jax.Array:
+  """cuDNN's fused attention over rows of packed segments [b, l, heads, head_dim]: each token
+  attends only within its run of equal segment ids (causally if `causal`), as the masked XLA
+  attention does, without materialising the [l, l] mask. The segment layout goes to cuDNN as
+  per-row offsets and lengths (its packed "THD" mode, Hopper GPUs and later).
+
+  The public `jax.nn.dot_product_attention` takes no segment layout, hence the call into
+  `jax._src.cudnn`. Key and value heads are repeated to the query's count first: grouped-query
+  heads scale the key offsets wrongly in some jax releases (jax-ml/jax#39521).
+  """
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+
+  groups = q.shape[2] // k.shape[2]
+  if groups > 1:
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  offsets, lengths = segment_runs(segment_ids_bl, max_segments)
+  offsets = jnp.concatenate([offsets, jnp.full((offsets.shape[0], 1), -1, jnp.int32)], axis=1)
+  mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+  return cudnn.dot_product_attention(
+      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+      scale=q.shape[-1] ** -0.5, mask_type=mask)
+
+
 class Attention(nnx.Module):
-  """Multi-head attention with grouped-query heads; optional RoPE and causal mask."""
+  """Multi-head attention with grouped-query heads; optional RoPE and causal mask.
+
+  Packed rows (segment ids) use XLA's masked attention, or cuDNN's packed attention when the
+  implementation is "cudnn" and `max_segments` (most runs of equal ids in a row, padding
+  included) is set.
+  """
 
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
                bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
-               implementation: str = "xla"):
+               implementation: str = "xla", max_segments: int = 0):
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
     self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
+    self.max_segments = max_segments
     self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias)
     self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
     self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
@@ -106,11 +151,14 @@ class Attention(nnx.Module):
       q = rope(q, positions_bl, self.rope_theta)
       k = rope(k, positions_bl, self.rope_theta)
     mask, implementation = None, self.implementation
-    if segment_ids_bl is not None:  # packed rows: no attention across samples
-      mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
-      implementation = "xla"
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                       implementation=implementation)
+    if segment_ids_bl is not None and implementation == "cudnn" and self.max_segments:
+      out = packed_attention(q, k, v, segment_ids_bl, self.max_segments, causal)
+    else:
+      if segment_ids_bl is not None:  # packed rows: no attention across samples
+        mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
+        implementation = "xla"
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                         implementation=implementation)
     return self.o(out.reshape(b, l, self.heads * self.head_dim))
 
 

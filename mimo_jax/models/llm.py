@@ -13,11 +13,12 @@ from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear, stacked
 class DecoderBlock(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, dtype: jnp.dtype,
-               attention: str = "xla"):
+               attention: str = "xla", max_segments: int = 0):
     out_std = (2 * cfg.layers * cfg.dim) ** -0.5  # GPT-2 style scaled residual init
     self.norm1 = RMSNorm(cfg.dim)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype,
-                          rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention)
+                          rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention,
+                          max_segments=max_segments)
     self.norm2 = RMSNorm(cfg.dim)
     self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
 
@@ -33,10 +34,11 @@ class LanguageModel(nnx.Module):
   `pipeline.Stack`, `logits` maps the result to float32 logits."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype,
-               attention: str = "xla"):
+               attention: str = "xla", max_segments: int = 0):
     self.dtype = dtype
     self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, cfg.dim)))
-    self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype, attention), cfg.layers, rngs)
+    self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype, attention, max_segments),
+                          cfg.layers, rngs)
     self.norm = RMSNorm(cfg.dim)
     self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, row_segments, slot_images
 from mimo_jax.data.tokenizer import Tokenizer
 from mimo_jax.models.layers import TP_RULES
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
@@ -89,11 +89,14 @@ def build_modules(cfg: Config) -> dict[str, Module]:
   dtype = jnp.dtype(cfg.model.dtype)
   vocab = cfg.model.language.vocab_size or Tokenizer().vocab_size
   v, lm, att = cfg.model.vision, cfg.model.language, attention_implementation(cfg)
+  # Runs of equal segment ids a packed row can hold (packed attention is sized by them): a slot's
+  # images and the padding after them; a language row's samples and its padding.
+  vs, ls = slot_images(cfg) + 1 if cfg.data.slot_patches else 0, row_segments(cfg)
   return {
-      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype, att),
-                       lambda rngs: ViTBlock(rngs, v, dtype, att), seed_salt=1),
-      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att),
-                         lambda rngs: DecoderBlock(rngs, lm, dtype, att), seed_salt=2),
+      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype, att, vs),
+                       lambda rngs: ViTBlock(rngs, v, dtype, att, vs), seed_salt=1),
+      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att, ls),
+                         lambda rngs: DecoderBlock(rngs, lm, dtype, att, ls), seed_salt=2),
   }
 
 

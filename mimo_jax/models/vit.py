@@ -13,10 +13,11 @@ from mimo_jax.patches import grid_positions, patchify
 
 class ViTBlock(nnx.Module):
 
-  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype, attention: str = "xla"):
+  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype, attention: str = "xla",
+               max_segments: int = 0):
     self.norm1 = LayerNorm(cfg.dim)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
-                          implementation=attention)
+                          implementation=attention, max_segments=max_segments)
     self.norm2 = LayerNorm(cfg.dim)
     self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype)
 
@@ -34,13 +35,14 @@ class VisionEncoder(nnx.Module):
   `packed_patches`) uses its top-left part."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
-               attention: str = "xla"):
+               attention: str = "xla", max_segments: int = 0):
     self.patch, self.downsample = cfg.patch_size, cfg.downsample
     self.dtype = dtype
     patch_dim = cfg.patch_size**2 * cfg.channels
     self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=True)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.patches, cfg.dim)))
-    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention), cfg.layers, rngs)
+    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention, max_segments), cfg.layers,
+                          rngs)
     self.norm = LayerNorm(cfg.dim)
     # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
     self.projector = GeluMLP(rngs, cfg.dim * cfg.downsample**2, cfg.projector_hidden, dtype,
