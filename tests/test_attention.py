@@ -97,3 +97,25 @@ def test_cudnn_packed_attention_matches_masked_attention(causal, heads, kv_heads
     err, base_err = np.max(np.abs(got - want)), np.max(np.abs(base - want))
     # cuDNN in bfloat16 is as close to the float32 reference as XLA in bfloat16 (2x margin)
     assert err <= 2 * base_err + 1e-3, (name, err, base_err)
+
+
+@gpu
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("axis", ["batch", "heads"])
+def test_cudnn_packed_attention_sharded_over_rows_or_heads(axis):
+  """Rows split over data parallelism, or heads over tensor parallelism: each shard's packed
+  offsets must describe its own rows (cuDNN's partitioner cuts them with the rows)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  rows = jnp.asarray(np.repeat(ROWS, 2, axis=1))
+  b, l = rows.shape
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (b, l, 8, 64), jnp.bfloat16) for key in keys)
+  fn = jax.jit(lambda q, k, v, rows: packed_attention(q, k, v, rows, 4, causal=True))
+  want = np.asarray(fn(q, k, v, rows), np.float32)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  spec = P("x") if axis == "batch" else P(None, None, "x")
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  got = fn(put(q, spec), put(k, spec), put(v, spec), put(rows, P("x") if axis == "batch" else P()))
+  # A shard may pick another kernel tiling: a few bfloat16 ulps; wrong offsets would be O(1) off.
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=2e-2)
+  assert np.abs(want).max() > 0.5

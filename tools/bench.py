@@ -4,7 +4,8 @@
       --layouts="vision=0/4/1,language=0/4/1;vision=0/2/1,language=2/2/1" [--steps=8] [--record]
 
 Each layout (`;`-separated; `module=offset/dp/tp[/pp[/virtual]]` as in tests/configs/tiny.py)
-trains `--warmup` steps (compilation), then:
+trains `--warmup` steps (compilation), and one more step for each shape the measured steps will
+bring (slot and row buckets make microbatches differ in shape), then:
 
 * **step time, tokens/s, MFU** over `--steps` steps dispatched as in training (the loader, host
   placement and both meshes overlapping). Tokens are the real text and image-placeholder positions;
@@ -105,8 +106,10 @@ class Run:
     self.stepper = Stepper(cfg, self.topo, build_modules(cfg))
     self.state = self.stepper.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
+    where = loader.locality(self.topo, cfg.data.slots())
     self.batches = loader.train_iterator(cfg, paths["train"], self.topo.dp("language"),
-                                         where=loader.locality(self.topo, cfg.data.slots()))
+                                         where=where)
+    self.dataset = loader.train_dataset(cfg, paths["train"], self.topo.dp("language"), where)
     self.flops = FlopModel.build(cfg, {n: m.abstract_params()
                                        for n, m in self.stepper.modules.items()})
     self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
@@ -137,6 +140,23 @@ class Run:
     out["step_s"] = (time.perf_counter() - start) / n
     out["loss"] = float(jax.device_get(metrics["loss"]))
     return out
+
+  def compile_ahead(self, start: int, n: int) -> int:
+    """With slot or row buckets microbatches differ in shape, and each new shape compiles. Runs
+    one step (advancing the state) for every step batch in [start, start + n) that brings a shape
+    not seen yet, so that the measured steps, which read those batches next, never compile.
+    Returns the number of steps run."""
+    seen, ran = set(), 0
+    for s in range(start, start + n):
+      batch = self.dataset[s % len(self.dataset)]
+      shapes = set(zip(batch["slots_sent"].tolist(), batch["rows_sent"].tolist()))
+      if shapes <= seen:
+        continue
+      seen |= shapes
+      self.state, metrics = self.stepper.train_step(self.state, batch)
+      jax.block_until_ready((self.state, metrics))
+      ran += 1
+    return ran
 
   def profile(self, n: int) -> dict:
     """n steps phase by phase: busy seconds per module and for the bridge, bytes moved."""
@@ -199,6 +219,9 @@ def measure(cfg: Config, layout: str, args) -> dict:
   run = Run(cfg)
   print(f"[{layout}] {run.topo.describe()}; compiling and warming up", flush=True)
   run.steps(args.warmup)
+  ahead = run.compile_ahead(args.warmup, 2 * args.steps + args.profile_steps + 1)
+  if ahead:
+    print(f"[{layout}] {ahead} more steps compiled the shapes of the steps to come", flush=True)
   timed = run.steps(args.steps)
   print(f"[{layout}] {timed['step_s']:.3f} s/step", flush=True)
   prof = run.profile(args.profile_steps)
