@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, optim
 from mimo_jax.config import Config, parse_freeze
@@ -203,6 +204,34 @@ class Stepper:
     groups = self.groups
     lang_batch = t.sharding("language")
     packed = self.cfg.data.pack_rows > 0
+    # Unless the language model is pipelined (one call a step), its gradients are kept per dp rank
+    # ([dp, ...], split over dp) and summed over ranks once a step, in `_apply`: the sum over
+    # ranks is then one all-reduce a step instead of one a microbatch.
+    self.defer_reduce = not self.whole_step("language")
+
+    def forward_backward(params, embs, pos, x, inv_tokens, groups):
+      """Stacked microbatches -> (loss, parameter gradients, image-token gradients)."""
+      def loss_fn(p, embs):
+        logits = language_logits(self.bind("language", p), self.run_blocks("language", p),
+                                 x["tokens_bl"], embs, pos, groups, x["positions_bl"],
+                                 x["segment_ids_bl"] if packed else None)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["targets_bl"])
+        return jnp.sum(ce * x["loss_mask_bl"]) * inv_tokens
+      loss, (g_params, g_embs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, embs)
+      return loss, g_params, g_embs
+
+    def per_rank(params, embs, pos, x, inv_tokens):
+      """forward_backward on each dp rank's own rows and image tokens (a rank's rows index only
+      its own tokens): the parameter gradients come back unsummed, [dp, ...]."""
+      def local(params, embs, pos, x, inv_tokens):
+        params = jax.lax.pcast(params, ("dp",), to="varying")
+        loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, 1)
+        return (jax.lax.psum(loss, "dp"), jax.tree.map(lambda g: g[None], g_params), g_embs)
+      rows = P(None, "dp")  # [microbatches, rows or slots, ...]
+      return jax.shard_map(local, mesh=t.meshes["language"],
+                           in_specs=(P(), rows, rows, rows, P()),
+                           out_specs=(P(), P("dp"), rows), axis_names={"dp"})(
+                               params, embs, pos, x, inv_tokens)
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
       """A chunk of microbatches; every argument but params, acc and inv_tokens is a list (of
@@ -210,16 +239,14 @@ class Stepper:
       x = {k: _stacked([tx[k] for tx in text]) for k in text[0]}
       pos = {n: _stacked(v) for n, v in img_pos.items()}
       slots = {n: _stacked(v) for n, v in slot_ids.items()}
-
-      def loss_fn(p, embs):
-        logits = self.logits(p, x["tokens_bl"], {n: _stacked(v) for n, v in embs.items()}, pos,
-                             x["positions_bl"], x["segment_ids_bl"] if packed else None)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x["targets_bl"])
-        return jnp.sum(ce * x["loss_mask_bl"]) * inv_tokens
-      loss, (g_params, g_embs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, embs)
+      embs = {n: _stacked(v) for n, v in embs.items()}
+      if self.defer_reduce:
+        loss, g_params, g_embs = per_rank(params, embs, pos, x, inv_tokens)
+      else:
+        loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, groups)
       # What the bridge moves back.
-      g_embs = {n: [jax.lax.with_sharding_constraint(g, lang_batch) for g in v]
-                for n, v in g_embs.items()}
+      g_embs = {n: [jax.lax.with_sharding_constraint(g[i], lang_batch) for i in range(len(g))]
+                for n, g in g_embs.items()}
       bad = sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None))(
           slots[n], pos[n], x["token_sample_bl"], groups)) for n in embs)
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
@@ -244,10 +271,20 @@ class Stepper:
       self._update[name] = jax.jit(update, donate_argnums=(0, 1),
                                    out_shardings=(sh, self.opt_sh[name], scalar, scalar))
     scalar = t.sharding("language", REPLICATED)
+    grads_sh = self.param_sh["language"]
+    if self.defer_reduce:
+      dp = t.dp("language")
+      grads_sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P("dp", *s.spec)), grads_sh)
+      zeros = lambda a: jnp.zeros((dp,) + a.shape, a.dtype)
+      # Sums the ranks' gradients: the step's one all-reduce of the language model's gradients.
+      self._reduce_lang = jax.jit(lambda g: jax.tree.map(lambda a: jnp.sum(a, 0), g),
+                                  out_shardings=self.param_sh["language"])
+    else:
+      zeros = jnp.zeros_like
     self._lang_acc0 = jax.jit(
-        lambda p: {"grads": jax.tree.map(jnp.zeros_like, p), "loss": jnp.zeros((), jnp.float32),
+        lambda p: {"grads": jax.tree.map(zeros, p), "loss": jnp.zeros((), jnp.float32),
                    "mismatches": jnp.zeros((), jnp.int32)},
-        out_shardings={"grads": self.param_sh["language"], "loss": scalar, "mismatches": scalar})
+        out_shardings={"grads": grads_sh, "loss": scalar, "mismatches": scalar})
 
   # ---- state --------------------------------------------------------------------------------
 
@@ -414,7 +451,8 @@ class Stepper:
             acc[n] = self._enc_bwd[n](fwd[n][c][2], [d_embs[n][m] for m in chunk], acc[n])
             fwd[n][c] = None
             self._phase(n, acc[n])
-    acc["language"] = lang_acc["grads"]
+    acc["language"] = (self._reduce_lang(lang_acc["grads"]) if self.defer_reduce
+                       else lang_acc["grads"])
     return self._apply(state, acc, lang_acc)
 
   def _apply(self, state, grads, lang_acc):
