@@ -204,10 +204,12 @@ class Stepper:
     groups = self.groups
     lang_batch = t.sharding("language")
     packed = self.cfg.data.pack_rows > 0
-    # Unless the language model is pipelined (one call a step), its gradients are kept per dp rank
-    # ([dp, ...], split over dp) and summed over ranks once a step, in `_apply`: the sum over
-    # ranks is then one all-reduce a step instead of one a microbatch.
-    self.defer_reduce = not self.whole_step("language")
+    # The language model's gradients are kept per dp rank ([dp, ...], split over dp) and summed
+    # over ranks once a step, in `_apply`: one all-reduce a step instead of one a microbatch. This
+    # needs a shard_map manual over every mesh axis (cuDNN attention's partitioner fails inside a
+    # partly manual one), so tensor-parallel layouts sum every microbatch as before; a pipelined
+    # model takes the whole step in one call and sums once anyway.
+    self.defer_reduce = not self.whole_step("language") and t.meshes["language"].shape["tp"] == 1
 
     def forward_backward(params, embs, pos, x, inv_tokens, groups):
       """Stacked microbatches -> (loss, parameter gradients, image-token gradients)."""
@@ -222,7 +224,7 @@ class Stepper:
 
     def per_rank(params, embs, pos, x, inv_tokens):
       """forward_backward on each dp rank's own rows and image tokens (a rank's rows index only
-      its own tokens): the parameter gradients come back unsummed, [dp, ...]."""
+      its own tokens; tp and pp are 1): the parameter gradients come back unsummed, [dp, ...]."""
       def local(params, embs, pos, x, inv_tokens):
         params = jax.lax.pcast(params, ("dp",), to="varying")
         loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, 1)
@@ -230,8 +232,7 @@ class Stepper:
       rows = P(None, "dp")  # [microbatches, rows or slots, ...]
       return jax.shard_map(local, mesh=t.meshes["language"],
                            in_specs=(P(), rows, rows, rows, P()),
-                           out_specs=(P(), P("dp"), rows), axis_names={"dp"})(
-                               params, embs, pos, x, inv_tokens)
+                           out_specs=(P(), P("dp"), rows))(params, embs, pos, x, inv_tokens)
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
       """A chunk of microbatches; every argument but params, acc and inv_tokens is a list (of
