@@ -1,10 +1,13 @@
 """The core property (DESIGN §2.3): every topology gives the single-device loss trajectory."""
 
+import math
+import re
+
 import jax
 import numpy as np
 import pytest
 
-from mimo_jax.data import digits
+from mimo_jax.data import digits, loader
 from mimo_jax.data.layout import layout_microbatch, stack
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import Tokenizer
@@ -90,3 +93,46 @@ def test_bfloat16_compute_tracks_float32(data_dir, reference):
   ref = np.array([float(m["loss"]) for m in reference])
   assert not np.array_equal(losses, ref)  # really computed in bfloat16
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
+
+
+def _all_reduced_elements(hlo: str) -> int:
+  """Elements all-reduced by a compiled HLO module (results of all-reduce ops, tuples summed)."""
+  total = 0
+  for line in hlo.splitlines():
+    m = re.search(r"= (.*?) all-reduce(?:-start)?\(", line)
+    if m:
+      total += sum(math.prod(int(d) for d in dims.split(",") if d)
+                   for dims in re.findall(r"\[([0-9,]*)\]", m.group(1)))
+  return total
+
+
+def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
+  """Compiled HLO of each microbatch's language step in one training step, the language model's
+  parameter count, and whether the layout defers the gradient sum."""
+  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=language)
+  _, stepper, state, _ = run_steps(cfg, 1)
+  hlo = []
+  step = stepper._lang_step  # pylint: disable=protected-access
+
+  def capture(*args):
+    hlo.append(step.lower(*args).compile().as_text())
+    return step(*args)
+  stepper._lang_step = capture  # pylint: disable=protected-access
+  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], language[1])
+  stepper.train_step(state, ds[1])
+  assert len(hlo) == cfg.data.microbatches > 1
+  params = sum(a.size for a in jax.tree.leaves(state["language"].params))
+  return hlo, params, stepper.defer_reduce
+
+
+def test_language_gradients_summed_once_a_step(data_dir):
+  """A dp-only language model sums its gradients over ranks once a step (`_reduce_lang`), not in
+  every microbatch's step: that step all-reduces only its loss and mismatch count."""
+  hlo, _, deferred = _microbatch_step_hlo(data_dir, (1, 4, 1))
+  assert deferred
+  assert [_all_reduced_elements(h) for h in hlo] == [2] * len(hlo)
+  # With tensor parallelism each microbatch step still sums its gradients (see Stepper): the
+  # count above would see them.
+  hlo, params, deferred = _microbatch_step_hlo(data_dir, (1, 2, 2))
+  assert not deferred
+  assert all(_all_reduced_elements(h) > params // 2 for h in hlo)
