@@ -9,7 +9,7 @@ import pytest
 from mimo_jax.flops import FlopModel
 from mimo_jax.models.mimo import build_modules
 from tests.configs import tiny_vlm
-from tools import bench, plan
+from tools import bench, encoder_bench, plan
 
 
 def _abstract(cfg):
@@ -72,3 +72,19 @@ def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
   plan.main([f"--profile={out}", "--gpus=4", "--max_tp=1", f"--measured={out}"])
   printed = capsys.readouterr().out
   assert "recommended:" in printed and "| vision=0/2/1,language=2/2/1 | non-colocated |" in printed
+
+
+def test_encoder_bench_runs_split_and_fused(capsys):
+  """tools/encoder_bench.py on CPU: one row per remat policy and loop, and the split (the step's
+  way) and fused forward and backward give the same gradients."""
+  cfg = tiny_vlm.get_config()
+  row = encoder_bench.measure(cfg, images=2, reps=1)
+  assert row["split_vs_fused"] < 1e-5
+  assert all(row[k] > 0 for k in ("forward_s", "split_s", "fused_s", "split_tflops"))
+  encoder_bench.main(["--config=tests/configs/tiny_vlm.py", "--images=2", "--reps=1",
+                      "--remat=none,dots"])
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| none |")
+          or l.startswith("| dots |")]
+  assert len(rows) == 2 * 2 * 2  # each printed as measured, then in the table
+  with pytest.raises(SystemExit, match="unknown policy 'bogus'"):
+    encoder_bench.main(["--config=tests/configs/tiny_vlm.py", "--images=2", "--remat=bogus"])
