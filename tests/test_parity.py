@@ -7,10 +7,13 @@ import jax
 import numpy as np
 import pytest
 
+from mimo_jax import topology
 from mimo_jax.data import digits, loader
 from mimo_jax.data.layout import layout_microbatch, stack
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import Tokenizer
+from mimo_jax.models.mimo import build_modules
+from mimo_jax.step import Stepper
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 STEPS = 4
@@ -136,3 +139,17 @@ def test_language_gradients_summed_once_a_step(data_dir):
   hlo, params, deferred = _microbatch_step_hlo(data_dir, (1, 2, 2))
   assert not deferred
   assert all(_all_reduced_elements(h) > params // 2 for h in hlo)
+
+
+@pytest.mark.parametrize("topo,fused", [
+    ({"vision": (0, 1, 1), "language": (0, 1, 1)}, True),
+    ({"vision": (0, 8, 1), "language": (0, 8, 1)}, True),
+    ({"vision": (0, 4, 1), "language": (0, 4, 1)}, True),
+    ({"vision": (0, 4, 1), "language": (0, 2, 2)}, False),  # other mesh shapes
+    ({"vision": (0, 4, 1), "language": (4, 4, 1)}, False),  # disjoint
+])
+def test_colocated_dp_layouts_run_one_program_a_microbatch(data_dir, topo, fused):
+  """Encoders on the language model's own dp-only mesh run with it as one jit a microbatch (the
+  parity tests above cover both paths: the single-device reference runs this way)."""
+  cfg = tiny_config(data_dir, **topo)
+  assert Stepper(cfg, topology.build(cfg), build_modules(cfg)).fused == fused

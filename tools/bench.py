@@ -12,7 +12,9 @@ bring (slot and row buckets make microbatches differ in shape), then:
   MFU = model FLOPs (mimo_jax/flops.py: 6·N per token plus attention, useful tokens only) / step
   time / (GPUs used · 989 TFLOP/s).
 * **busy time per module**, from `--profile_steps` steps run phase by phase with the host waiting
-  after each phase: how long each module's own work takes, unoverlapped.
+  after each phase: how long each module's own work takes, unoverlapped. Encoders on the language
+  model's own mesh run with it as one program a microbatch in training (`Stepper.fused`); the
+  profile runs them as separate calls, the way the other layouts do.
 * **bridge time**: every transfer of one step (image tokens, slot owners, gradients) replayed back
   to back through the bridge, timed with one wait at the end; the bridge GB/s are the bytes that
   change device over that time, against **raw device_put GB/s**: the same pieces, pre-cut on their
@@ -176,7 +178,10 @@ class Run:
       phases[name] += now - last[0]
       last[0] = now
 
-    self.stepper.on_phase, self.stepper.transfer = on_phase, counted
+    # Module by module: a colocated step that runs as one program a microbatch (Stepper.fused)
+    # has no per-module phases, so the profile runs the modules' separate calls instead.
+    fused = self.stepper.fused
+    self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = on_phase, counted, False
     try:
       for i in range(n):
         inputs, inv = self.stepper.place_step(next(self.batches))
@@ -186,7 +191,7 @@ class Run:
         self.state, _ = self.stepper.dispatch(self.state, inputs, inv)
         jax.block_until_ready(self.state)
     finally:
-      self.stepper.on_phase, self.stepper.transfer = None, real
+      self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = None, real, fused
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
     out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst in sent)
     pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
