@@ -88,3 +88,15 @@ def test_encoder_bench_runs_split_and_fused(capsys):
   assert len(rows) == 2 * 2 * 2  # each printed as measured, then in the table
   with pytest.raises(SystemExit, match="unknown policy 'bogus'"):
     encoder_bench.main(["--config=tests/configs/tiny_vlm.py", "--images=2", "--remat=bogus"])
+
+
+def test_bench_profiles_a_fused_layout_module_by_module(tmp_path):
+  """A colocated dp-only layout trains as one program a microbatch; the profile still reports
+  each module's busy time (it runs the modules' separate calls)."""
+  out = tmp_path / "bench.json"
+  bench.main(["--config=tests/configs/tiny_vlm.py", f"--set=data.dir={tmp_path}",
+              "--layouts=vision=0/2/1,language=0/2/1", "--warmup=1", "--steps=1",
+              "--profile_steps=1", f"--json={out}"])
+  row = json.loads(out.read_text())["rows"][0]
+  assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0
+  assert "busy_step_s" not in row and row["bridge_bytes"] == 0

@@ -179,12 +179,19 @@ class Run:
       last[0] = now
 
     # Module by module: a colocated step that runs as one program a microbatch (Stepper.fused)
-    # has no per-module phases, so the profile runs the modules' separate calls instead.
+    # has no per-module phases, so the profile runs the modules' separate calls instead. Those
+    # compile on first use: then one untimed pass over the same batches comes first.
     fused = self.stepper.fused
-    self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = on_phase, counted, False
+    batches = [next(self.batches) for _ in range(n)]
+    self.stepper.fused = False
     try:
-      for i in range(n):
-        inputs, inv = self.stepper.place_step(next(self.batches))
+      if fused:
+        for batch in batches:
+          self.state, metrics = self.stepper.train_step(self.state, batch)
+          jax.block_until_ready((self.state, metrics))
+      self.stepper.on_phase, self.stepper.transfer = on_phase, counted
+      for batch in batches:
+        inputs, inv = self.stepper.place_step(batch)
         jax.block_until_ready((inputs, inv))
         last[0] = time.perf_counter()
         sent.clear()  # the last step's transfers are kept for the raw comparison
