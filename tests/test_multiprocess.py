@@ -24,6 +24,7 @@ SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
 FAN_IN = {"vision": (0, 4, 1), "language": (4, 2, 2)}  # process 0 -> process 1, 4 -> 2
 FAN_OUT = {"vision": (0, 1, 1), "language": (4, 4, 1)}  # 1 -> 4
 SPANNING = {"vision": (0, 2, 1), "language": (2, 2, 2)}  # language on devices of both processes
+ONE_MESH = {"vision": (0, 8, 1), "language": (0, 8, 1)}  # one program a microbatch, both processes
 
 
 def _args(data_dir, workdir, topo, *extra) -> list[str]:
@@ -54,6 +55,7 @@ def reference(data_dir):
     pytest.param(FAN_IN, (), id="fan-in"),
     pytest.param(FAN_OUT, (), id="fan-out"),
     pytest.param(SPANNING, ("--config.checkpoint.every=2",), id="language-spans-processes"),
+    pytest.param(ONE_MESH, (), id="colocated-one-program"),
 ])
 def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo, extra):
   proc = _launch(*_args(data_dir, tmp_path, topo, *extra))
