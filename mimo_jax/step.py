@@ -266,9 +266,9 @@ class Stepper:
 
     # Encoders on the language model's own mesh (same devices, dp only) run with it as one
     # program a microbatch: forward through every module and backward in one jit, where XLA
-    # plans the encoder's residuals with the rest (tools/encoder_bench.py: the ViT's forward and
-    # backward as one program take 0.066 s against 0.084 s as two calls); every module's
-    # gradients are kept per dp rank and summed once a step.
+    # plans the encoder's residuals with its backward instead of returning them from one call to
+    # the next (tools/encoder_bench.py measures both); every module's gradients are kept per dp
+    # rank and summed once a step.
     mesh = t.meshes["language"]
     self.fused = self.defer_reduce and all(
         not self.whole_step(n) and np.array_equal(t.meshes[n].devices, mesh.devices)
@@ -511,6 +511,8 @@ class Stepper:
     return self._apply(state, acc, lang_acc)
 
   def _dispatch_fused(self, state, inputs: list[Inputs], inv_tokens: jax.Array):
+    """`dispatch` when every module shares one dp-only mesh: one jit a microbatch, nothing to
+    bridge, each module's gradients summed over ranks once at the end."""
     params = {n: state[n].params for n in self.modules}
     acc = self._fused_acc0(params)
     for x in inputs:
