@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, distributed
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.step import ModuleState
+from mimo_jax.state import ModuleState
 
 META = "meta"
 # Fields that must match for a resumed run to continue the same trajectory.

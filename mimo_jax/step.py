@@ -17,15 +17,18 @@ which its backward consumes: no recomputation. After the last microbatch each mo
 squared norm of its gradients, the scalars are exchanged, and each module applies one clip factor
 and its own optax update (see optim.py).
 
-Parameters of stacked blocks are kept in their pipeline schedule's layout (`Schedule.to_layout`);
-`canonical` / `from_canonical` convert whole states to and from the topology-independent layout
-that checkpoints hold.
+When every encoder shares the language model's mesh and that mesh is dp only, the four phases of
+a microbatch are instead one jit (`Stepper.fused`): nothing to bridge, and XLA plans the encoder's
+residuals together with its backward. Wherever the language model is dp only, its gradients (and on
+that shared mesh every module's) stay per dp rank through the step and are summed once, before
+the clip.
+
+The state side (shardings, initialisation, checkpoint layout) is state.py's `StateLayout`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +38,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, optim
-from mimo_jax.config import Config, parse_freeze
+from mimo_jax.config import Config
 from mimo_jax.models.mimo import (BLOCKS, Module, encode_images, language_logits,
                                   slot_mismatches)
-from mimo_jax.pipeline import Schedule, Stack
+from mimo_jax.pipeline import Stack
+from mimo_jax.state import ModuleState, StateLayout
 from mimo_jax.topology import REPLICATED, Topology
 
 # Per encoder: the owner of each image token of its slots, and where its tokens go in the text.
@@ -49,12 +53,6 @@ PACKED_IMAGE_FIELDS = {"patches": "patches_npk", "pos": "patch_pos_np", "seg": "
 PIXELS = ("images", "patches")  # uint8 inputs, scaled to [0, 1] on device
 TEXT_FIELDS = ("tokens_bl", "targets_bl", "loss_mask_bl", "positions_bl", "segment_ids_bl",
                "token_sample_bl", "sample_ids_b", "colon_b", "num_images_b")
-
-
-@dataclasses.dataclass
-class ModuleState:
-  params: Any
-  opt_state: Any
 
 
 @dataclasses.dataclass
@@ -76,74 +74,30 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
-def _on_blocks(tree, fn):
-  """`fn` applied to the leaves of stacked blocks (parameters and the optimizer moments that
-  mirror them), identity elsewhere."""
-  key = f"[{BLOCKS!r}]"
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, tree)
-
-
 def _stacked(xs: list) -> jax.Array:
   return jnp.stack(xs) if len(xs) > 1 else xs[0][None]
-
-
-def _with_shardings(shapes, shardings):
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                      shardings)
 
 
 def _chunks(microbatches: int, whole: bool) -> list[list[int]]:
   return [list(range(microbatches))] if whole else [[m] for m in range(microbatches)]
 
 
-class Stepper:
+class Stepper(StateLayout):
   """Builds the jitted per-module functions once and runs training and eval steps with them."""
 
   def __init__(self, cfg: Config, topo: Topology, modules: dict[str, Module]):
-    self.cfg, self.topo, self.modules = cfg, topo, modules
+    super().__init__(cfg, topo, modules)
+    tops = cfg.topology.modules()
+    self.stacks = {n: Stack(m.layer, topo.meshes[n], self.schedule[n], tops[n].remat,
+                            tops[n].unroll) for n, m in modules.items()}
     self.encoders = [n for n in modules if n != "language"]
     self.groups = topo.dp("language")
     self.image_fields = PACKED_IMAGE_FIELDS if cfg.data.slot_patches else IMAGE_FIELDS
-    frozen = parse_freeze(cfg.optim.freeze)
-    tops = cfg.topology.modules()
-    self.schedule = {n: Schedule(tops[n].pp, tops[n].virtual) for n in modules}
-    self.stacks = {n: Stack(m.layer, topo.meshes[n], self.schedule[n], tops[n].remat,
-                            tops[n].unroll) for n, m in modules.items()}
-    canonical = {n: m.abstract_params() for n, m in modules.items()}
-    abstract = {n: jax.eval_shape(lambda p, n=n: self._layout(n, p), canonical[n])
-                for n in modules}
-    self.param_sh = {
-        n: jax.tree.map(lambda s, n=n: topo.sharding(n, s),
-                        m.specs(abstract[n], self.schedule[n].stage_spec()))
-        for n, m in modules.items()}
-    self.canonical_sh = {
-        n: jax.tree.map(lambda s, n=n: topo.sharding(n, s), m.specs(canonical[n]))
-        for n, m in modules.items()}
-    group_trees = {n: m.groups(abstract[n]) for n, m in modules.items()}
-    self.labels = {n: optim.labels(g, frozen) for n, g in group_trees.items()}
-    self.tx = {n: optim.module_transform(cfg, g) for n, g in group_trees.items()}
-    self.trainable = {n: any(l != optim.FROZEN for l in jax.tree.leaves(self.labels[n]))
-                      for n in modules}
-    self.abstract_params = {
-        n: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract[n], self.param_sh[n]) for n in modules}
-    self._opt_shapes = {n: jax.eval_shape(self.tx[n].init, self.abstract_params[n])
-                        for n in modules}
-    # Fixed once so that init, update and checkpoint restore all agree.
-    self.opt_sh = {n: self._mirror_shardings(n, self.abstract_params[n], self._opt_shapes[n])
-                   for n in modules}
     # Instrumentation for tools/bench.py: how arrays cross between meshes, and a callback after
     # each phase of a step (phase name, its outputs). Training leaves both alone.
     self.transfer = bridge.transfer
     self.on_phase = None
     self._build_jits()
-
-  def _layout(self, name: str, tree):
-    return _on_blocks(tree, self.schedule[name].to_layout)
-
-  def _unlayout(self, name: str, tree):
-    return _on_blocks(tree, self.schedule[name].from_layout)
 
   def whole_step(self, name: str) -> bool:
     """Whether `name` takes all microbatches of a step in one call (a pipelined module)."""
@@ -167,21 +121,6 @@ class Stepper:
     """The language model on M stacked microbatches (inside a jit on the language mesh)."""
     return language_logits(self.bind("language", params), self.run_blocks("language", params),
                            tokens_m, embs_m, img_pos_m, self.groups, positions_m, segment_ids_m)
-
-  def _mirror_shardings(self, name: str, params, opt_shapes):
-    """Optimizer-state leaves that mirror a parameter (Adam's moments) take its sharding; the
-    rest (step counts) are replicated. Matched by the parameter's path at the end of the leaf's."""
-    by_path = {jax.tree_util.keystr(p): a for p, a in
-               jax.tree_util.tree_flatten_with_path(params)[0]}
-    replicated = self.topo.sharding(name, REPLICATED)
-
-    def sharding(path, leaf):
-      key = jax.tree_util.keystr(path)
-      for suffix, param in by_path.items():
-        if key.endswith(suffix) and param.shape == leaf.shape:
-          return param.sharding
-      return replicated
-    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
   # ---- jitted functions -------------------------------------------------------------------
 
@@ -338,56 +277,6 @@ class Stepper:
                        else self.param_sh["language"], **metrics_sh})
     self._fused_acc0 = jax.jit(lambda p: acc0(jax.tree.map(per_rank_zeros, p)),
                                out_shardings={"grads": per_rank_sh, **metrics_sh})
-
-  # ---- state --------------------------------------------------------------------------------
-
-  def init_state(self, seed: int) -> dict[str, ModuleState]:
-    """Parameters born sharded on their module's mesh; values depend only on the seed."""
-    state = {}
-    for name, module in self.modules.items():
-      init = lambda seed, name=name, module=module: self._layout(name, module.init(seed))
-      params = jax.jit(init, static_argnums=0, out_shardings=self.param_sh[name])(seed)
-      opt_state = jax.jit(self.tx[name].init, out_shardings=self.opt_sh[name])(params)
-      state[name] = ModuleState(params, opt_state)
-    return state
-
-  def abstract_state(self, canonical: bool = False) -> dict[str, dict]:
-    """Shapes, dtypes and this topology's shardings of every module's state; with `canonical`,
-    in the layout checkpoints hold (restore targets)."""
-    out = {}
-    for name in self.modules:
-      opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         self._opt_shapes[name], self.opt_sh[name])
-      out[name] = {"params": self.abstract_params[name], "opt_state": opt}
-      if canonical and self.schedule[name].virtual > 1:
-        params = _with_shardings(jax.eval_shape(lambda p, name=name: self._unlayout(name, p),
-                                                self.abstract_params[name]),
-                                 self.canonical_sh[name])
-        shapes = jax.eval_shape(lambda o, name=name: self._unlayout(name, o),
-                                self._opt_shapes[name])
-        out[name] = {"params": params, "opt_state": _with_shardings(
-            shapes, self._mirror_shardings(name, params, shapes))}
-    return out
-
-  def canonical(self, state: dict[str, ModuleState]) -> dict[str, ModuleState]:
-    """State in the topology-independent layout (stacked layers [L, ...]) for checkpoints."""
-    return self._convert(state, canonical=True)
-
-  def from_canonical(self, state: dict[str, ModuleState]) -> dict[str, ModuleState]:
-    return self._convert(state, canonical=False)
-
-  def _convert(self, state, canonical: bool):
-    out = {}
-    for name, s in state.items():
-      if self.schedule[name].virtual == 1:
-        out[name] = s
-        continue
-      tree = {"params": s.params, "opt_state": s.opt_state}
-      fn = self._unlayout if canonical else self._layout
-      shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state(canonical)[name])
-      moved = jax.jit(lambda t, name=name, fn=fn: fn(name, t), out_shardings=shardings)(tree)
-      out[name] = ModuleState(moved["params"], moved["opt_state"])
-    return out
 
   def place(self, batch: dict[str, np.ndarray], m: int | None = None) -> Inputs:
     """Host arrays (microbatch m of a step batch, or a whole eval batch) -> device inputs. Of each
