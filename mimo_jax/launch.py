@@ -13,7 +13,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mimo_jax.config import ConfigError, validate
+from mimo_jax.config import ConfigError
+from mimo_jax.validation import validate
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator", None, "Multi-host: HOST:PORT of process 0's coordinator (with --num_processes "

@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax.config import Config, validate_topology
+from mimo_jax.config import Config
+from mimo_jax.validation import validate_topology
 
 AXES = ("pp", "dp", "tp")
 BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks

@@ -15,13 +15,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mimo_jax import checkpoint, distributed, topology
-from mimo_jax.config import Config, validate, validate_backend
+from mimo_jax.config import Config
 from mimo_jax.data import loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.optim import schedule
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate, validate_backend
 
 
 class BridgeMismatchError(RuntimeError):

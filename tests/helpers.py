@@ -6,10 +6,11 @@ import jax
 import numpy as np
 
 from mimo_jax import topology
-from mimo_jax.config import Config, validate
+from mimo_jax.config import Config
 from mimo_jax.data import loader
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate
 from tests.configs import tiny
 
 

@@ -10,10 +10,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, topology
-from mimo_jax.config import validate
 from mimo_jax.data import loader
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate
 from tests.helpers import tiny_config
 
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from mimo_jax.config import Config, ConfigError, validate
 from configs import digits
 from mimo_jax import topology
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.validation import validate
 
 CASES = [
     ("model.dtype", "float16", "model.dtype"),

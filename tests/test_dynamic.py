@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from mimo_jax import topology
-from mimo_jax.config import ConfigError, validate
+from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
 from mimo_jax.data.layout import Layout, layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
 from mimo_jax.models.mimo import build_modules, slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate
 from tests.helpers import assert_close_trajectory, run_steps
 from tests.test_synthetic import _config as synthetic_config
 

@@ -9,10 +9,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import topology
-from mimo_jax.config import ConfigError, validate
+from mimo_jax.config import ConfigError
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.pipeline import Schedule, Stack
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 LAYERS, DIM, HIDDEN, BATCH = 8, 16, 32, 8
@@ -175,7 +176,7 @@ def test_checkpoint_moves_between_pipeline_layouts(data_dir, tmp_path):
 
 
 def test_bfloat16_pipeline_on_cpu_is_a_clear_error(data_dir):
-  from mimo_jax.config import validate_backend
+  from mimo_jax.validation import validate_backend
   cfg = _deep(data_dir, vision=(0, 1, 1), language=(1, 1, 1, 2))
   cfg.model.dtype = "bfloat16"
   with pytest.raises(ConfigError, match=r"config\.model\.dtype: .*language pp > 1"):

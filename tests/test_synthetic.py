@@ -6,10 +6,11 @@ import pytest
 from array_record.python import array_record_module
 
 from mimo_jax import train
-from mimo_jax.config import ConfigError, validate
+from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, synthetic
 from mimo_jax.data.layout import Layout, layout_microbatch
 from mimo_jax.data.tokenizer import BOS, EOS, IMG, Tokenizer
+from mimo_jax.validation import validate
 from tests.configs import tiny_vlm
 from tests.helpers import assert_close_trajectory, run_steps
 

@@ -42,11 +42,12 @@ import jax
 import numpy as np
 
 from mimo_jax import bridge, topology
-from mimo_jax.config import Config, ConfigError, set_layout, validate, validate_backend
+from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate, validate_backend
 from tools.common import ROOT, median_time, record
 
 

@@ -28,8 +28,9 @@ import time
 
 import numpy as np
 
-from mimo_jax.config import slot_tokens, validate
+from mimo_jax.config import slot_tokens
 from mimo_jax.data import loader
+from mimo_jax.validation import validate
 from tools.bench import load_config, set_field
 from tools.common import record
 

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax import topology
-from mimo_jax.config import ConfigError, validate
+from mimo_jax.config import ConfigError
 from mimo_jax.flops import FlopModel
 from mimo_jax.models.mimo import build_modules, encode_images
 from mimo_jax.step import Stepper
+from mimo_jax.validation import validate
 from tools.bench import load_config, set_field
 from tools.common import median_time, record
 

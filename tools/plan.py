@@ -29,7 +29,8 @@ import argparse
 import json
 import sys
 
-from mimo_jax.config import ConfigError, set_layout, slot_tokens, validate_topology
+from mimo_jax.config import ConfigError, set_layout, slot_tokens
+from mimo_jax.validation import validate_topology
 from tools.bench import load_config
 
 

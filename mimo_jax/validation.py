@@ -1,0 +1,194 @@
+"""Config validation: every bad value becomes one `ConfigError` that names the field and the fix,
+before anything is compiled."""
+
+from mimo_jax.config import (DIGITS_VOCAB, REMAT, TASKS, Config, ConfigError, parse_freeze,
+                             parse_lr_mult, require)
+
+
+def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
+  for name in names:
+    value = getattr(cfg, name)
+    require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+  """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
+  require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",
+           f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
+  require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
+           f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
+  v, lm = cfg.model.vision, cfg.model.language
+  _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
+                                "mlp_dim", "projector_hidden"))
+  _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
+  require(cfg.data.task in TASKS, "data.task",
+           f"unknown task {cfg.data.task!r}; choose from {', '.join(TASKS)}.")
+  if cfg.data.task == "digits":
+    require((v.image_size, v.channels) == (8, 1), "model.vision.image_size",
+             "the digits task has 8x8 single-channel images; keep image_size=8, channels=1 "
+             "(or data.task=synthetic).")
+    require(lm.vocab_size in (0, DIGITS_VOCAB), "model.language.vocab_size",
+             f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
+  else:
+    require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
+             f"synthetic data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
+    _positive(cfg.data, "data", ("text_len",))
+    require(cfg.data.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
+  require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
+           f"{v.patch_size} must divide image_size {v.image_size}.")
+  require(v.downsample > 0 and (v.image_size // v.patch_size) % v.downsample == 0,
+           "model.vision.downsample",
+           f"{v.downsample} must divide the {v.image_size // v.patch_size} patches a side.")
+  require(v.dim % v.heads == 0, "model.vision.heads", f"{v.heads} must divide dim {v.dim}.")
+  require(lm.dim % lm.heads == 0, "model.language.heads", f"{lm.heads} must divide dim {lm.dim}.")
+  require((lm.dim // lm.heads) % 2 == 0, "model.language.dim",
+           "dim / heads must be even for rotary embeddings.")
+  require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
+           f"{lm.kv_heads} must divide heads {lm.heads}.")
+
+  d = cfg.data
+  _positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",
+                        "eval_samples"))
+  require(d.train_samples >= d.global_batch, "data.train_samples",
+           f"{d.train_samples} samples cannot fill one global batch of {d.global_batch}; build "
+           "more samples or lower data.global_batch.")
+  require(d.max_images >= 1, "data.max_images", "must be >= 1 (samples may still have 0 images).")
+  require(d.global_batch % d.microbatches == 0, "data.microbatches",
+           f"{d.microbatches} must divide global_batch {d.global_batch}.")
+  require(d.image_slots >= 0, "data.image_slots", "must be >= 0 (0 = worst case).")
+  require(d.workers >= 0, "data.workers", "must be >= 0.")
+  require(d.worker_processes >= 0, "data.worker_processes", "must be >= 0.")
+  require(d.reorder in ("none", "balance"), "data.reorder",
+           f"must be none or balance, got {d.reorder!r}.")
+  require(d.slot_buckets >= 0, "data.slot_buckets", "must be >= 0 (0 = send every slot).")
+  require(d.row_buckets >= 0, "data.row_buckets", "must be >= 0 (0 = send every row).")
+  require(d.row_buckets == 0 or d.pack_rows > 0, "data.row_buckets",
+           "trims packed rows; set data.pack_rows too (without packing every row holds a sample).")
+  require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
+           f"must be stream or pipeline, got {d.microbatch_order!r}.")
+  require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",
+           "costs must be >= 0.")
+  try:
+    probs = d.probs()
+  except ValueError:
+    raise ConfigError(f"config.data.image_probs: {d.image_probs!r} is not a comma-separated "
+                      "list of numbers.") from None
+  require(len(probs) == d.max_images + 1, "data.image_probs",
+           f"needs max_images + 1 = {d.max_images + 1} probabilities, got {len(probs)}.")
+  require(all(p >= 0 for p in probs) and abs(sum(probs) - 1) < 1e-6, "data.image_probs",
+           "probabilities must be >= 0 and sum to 1.")
+  try:
+    sizes = d.sizes(v.image_size)
+  except ValueError:
+    raise ConfigError(f"config.data.image_sizes: {d.image_sizes!r} is not a comma-separated list "
+                      "of sizes S or HxW.") from None
+  unit = v.patch_size * v.downsample
+  for h, w in sizes:
+    require(0 < h <= v.image_size and 0 < w <= v.image_size and h % unit == 0 and w % unit == 0,
+             "data.image_sizes", f"{h}x{w}: sides must be multiples of patch_size * downsample = "
+             f"{unit} and at most model.vision.image_size = {v.image_size}.")
+  require(d.slot_patches or sizes == [(v.image_size, v.image_size)], "data.image_sizes",
+           f"{d.image_sizes!r} differs from model.vision.image_size = {v.image_size}; set "
+           f"data.slot_patches (e.g. {v.patches}) to pack images of several sizes.")
+  require(not d.image_sizes or d.task == "synthetic", "data.image_sizes",
+           "applies to data.task=synthetic only (digits are 8x8).")
+  require(d.slot_patches >= 0, "data.slot_patches", "must be >= 0 (0 = one image a slot).")
+  require(d.slot_patches == 0 or (d.slot_patches >= v.patches and
+                                   d.slot_patches % v.downsample**2 == 0), "data.slot_patches",
+           f"{d.slot_patches} must hold the largest image ({v.patches} patches) and be a multiple "
+           f"of downsample² = {v.downsample**2}.")
+  # bos, the image placeholders, ':', one answer word per image and eos; the last is never input.
+  min_len = max(d.max_images * (v.tokens_per_image + 1) + 2, 5)
+  require(d.seq_len >= min_len, "data.seq_len",
+           f"{d.seq_len} cannot hold {d.max_images} images of {v.tokens_per_image} tokens plus "
+           f"their answer; use >= {min_len}.")
+
+  o = cfg.optim
+  require(o.lr > 0, "optim.lr", "must be > 0.")
+  require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")
+  require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1].")
+  require(o.clip_norm > 0, "optim.clip_norm", "must be > 0.")
+  parse_freeze(o.freeze)
+  parse_lr_mult(o.lr_mult)
+
+  require(cfg.train.steps > 0, "train.steps", "must be > 0.")
+  require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
+  require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
+  require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
+  require(cfg.eval.samples <= d.eval_samples, "eval.samples",
+           f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
+           "(data.eval_samples).")
+  require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
+  require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
+  require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
+  require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
+  require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
+           f"must be auto, bar or lines, got {cfg.run.progress!r}.")
+  require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
+  validate_topology(cfg, num_devices)
+
+
+def validate_backend(cfg: Config, backend: str) -> None:
+  """What the platform cannot run: XLA's CPU backend aborts on a bfloat16 all-reduce, which the
+  pipeline's stage-to-stage gradients need."""
+  pipelined = [n for n, t in cfg.topology.modules().items() if t.pp > 1]
+  require(not (backend == "cpu" and cfg.model.dtype == "bfloat16" and pipelined), "model.dtype",
+           f"bfloat16 with pipeline stages ({', '.join(pipelined)} pp > 1) does not run on CPU "
+           "(XLA's CPU backend cannot all-reduce bfloat16); use float32 on CPU, or a GPU.")
+
+
+def validate_topology(cfg: Config, num_devices: int | None) -> None:
+  """Device ranges and divisibility of every module; see DESIGN §2.2."""
+  d, lm = cfg.data, cfg.model.language
+  ranges = {}
+  for name, t in cfg.topology.modules().items():
+    f = f"topology.{name}"
+    require(t.offset >= 0, f"{f}.offset", "must be >= 0.")
+    _positive(t, f, ("dp", "tp", "pp", "virtual"))
+    require(t.remat in REMAT, f"{f}.remat",
+             f"unknown policy {t.remat!r}; choose from {', '.join(REMAT)}.")
+    require(t.virtual == 1 or t.pp > 1, f"{f}.virtual",
+             f"{t.virtual} virtual stages need pipeline stages; set pp > 1 or virtual=1.")
+    layers = getattr(cfg.model, name).layers
+    require(layers % (t.pp * t.virtual) == 0, f"{f}.pp",
+             f"model.{name}.layers={layers} must split evenly into pp*virtual = "
+             f"{t.pp}*{t.virtual} = {t.pp * t.virtual} chunks.")
+    require(t.pp == 1 or d.microbatches >= t.pp, "data.microbatches",
+             f"{d.microbatches} microbatches cannot fill {name}'s {t.pp} pipeline stages; use "
+             f"at least {t.pp} (more shrink the bubble (pp-1)/(microbatches*virtual+pp-1)).")
+    require(d.micro_batch % t.dp == 0, f"{f}.dp",
+             f"{t.dp} must divide the microbatch of {d.micro_batch} samples "
+             f"(data.global_batch / data.microbatches).")
+    require(cfg.eval.batch % t.dp == 0, "eval.batch",
+             f"{cfg.eval.batch} must be divisible by {name} dp {t.dp}.")
+    if num_devices is not None:
+      require(t.offset + t.size <= num_devices, f"{f}.offset",
+               f"devices [{t.offset}, {t.offset + t.size}) run past the {num_devices} devices "
+               f"available; lower offset or dp*tp*pp.")
+    ranges[name] = (t.offset, t.offset + t.size)
+  names = list(ranges)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      (a0, a1), (b0, b1) = ranges[a], ranges[b]
+      overlap = a0 < b1 and b0 < a1
+      require(not overlap or (a0, a1) == (b0, b1), f"topology.{b}.offset",
+               f"devices [{b0}, {b1}) partially overlap {a}'s [{a0}, {a1}); use identical "
+               "ranges (colocated) or disjoint ones.")
+  vt, lt = cfg.topology.vision, cfg.topology.language
+  v = cfg.model.vision
+  require(v.heads % vt.tp == 0, "topology.vision.tp",
+           f"{vt.tp} must divide model.vision.heads {v.heads}.")
+  require(v.mlp_dim % vt.tp == 0, "topology.vision.tp",
+           f"{vt.tp} must divide model.vision.mlp_dim {v.mlp_dim}.")
+  require(lm.kv_heads % lt.tp == 0, "topology.language.tp",
+           f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
+  require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
+           f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
+  require(d.pack_rows >= 0, "data.pack_rows", "must be >= 0 (0 = no packing).")
+  require(d.pack_rows % lt.dp == 0, "data.pack_rows",
+           f"{d.pack_rows} rows must split evenly over language dp {lt.dp}.")
+  slots = d.slots()
+  require(slots % lt.dp == 0, "data.image_slots",
+           f"{slots} slots must split evenly over language dp {lt.dp}.")
+  require(slots % vt.dp == 0, "data.image_slots",
+           f"{slots} slots must split evenly over vision dp {vt.dp}.")
