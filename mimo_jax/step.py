@@ -171,17 +171,18 @@ class Stepper(StateLayout):
       return sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None))(
           slots[n], pos[n], x["token_sample_bl"], groups)) for n in slots)
 
-    def per_rank(params, embs, pos, x, inv_tokens):
-      """forward_backward on each dp rank's own rows and image tokens (a rank's rows index only
-      its own tokens; tp and pp are 1): the parameter gradients come back unsummed, [dp, ...]."""
-      def local(params, embs, pos, x, inv_tokens):
+    def each_rank(fn, params, rows, inv_tokens, row_outputs=0):
+      """`fn(params, *rows, inv_tokens) -> (loss, parameter gradients, *row_outputs)` on each dp
+      rank's own rows and image tokens (a rank's rows index only its own tokens; tp and pp are
+      1): the loss comes back summed over ranks, the gradients unsummed, [dp, ...]."""
+      def local(params, rows, inv_tokens):
         params = jax.lax.pcast(params, ("dp",), to="varying")
-        loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, 1)
-        return (jax.lax.psum(loss, "dp"), jax.tree.map(lambda g: g[None], g_params), g_embs)
-      rows = P(None, "dp")  # [microbatches, rows or slots, ...]
-      return jax.shard_map(local, mesh=t.meshes["language"],
-                           in_specs=(P(), rows, rows, rows, P()),
-                           out_specs=(P(), P("dp"), rows))(params, embs, pos, x, inv_tokens)
+        loss, grads, *outs = fn(params, *rows, inv_tokens)
+        return (jax.lax.psum(loss, "dp"), jax.tree.map(lambda g: g[None], grads), *outs)
+      split = P(None, "dp")  # [microbatches, rows or slots, ...]
+      return jax.shard_map(local, mesh=t.meshes["language"], in_specs=(P(), split, P()),
+                           out_specs=(P(), P("dp")) + (split,) * row_outputs)(
+                               params, rows, inv_tokens)
 
     def lang_step(params, acc, embs, slot_ids, img_pos, text, inv_tokens):
       """A chunk of microbatches; every argument but params, acc and inv_tokens is a list (of
@@ -191,7 +192,9 @@ class Stepper(StateLayout):
       slots = {n: _stacked(v) for n, v in slot_ids.items()}
       embs = {n: _stacked(v) for n, v in embs.items()}
       if self.defer_reduce:
-        loss, g_params, g_embs = per_rank(params, embs, pos, x, inv_tokens)
+        loss, g_params, g_embs = each_rank(
+            lambda p, embs, pos, x, inv: forward_backward(p, embs, pos, x, inv, 1), params,
+            (embs, pos, x), inv_tokens, row_outputs=1)
       else:
         loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, groups)
       # What the bridge moves back.
@@ -219,20 +222,13 @@ class Stepper(StateLayout):
       pos = {n: v[None] for n, v in img_pos.items()}
       images = {n: {k: v[None] for k, v in im.items()} for n, im in images.items()}
 
-      def local(params, images, pos, x, inv_tokens):
-        params = jax.lax.pcast(params, ("dp",), to="varying")
-
-        def loss_fn(params):
-          embs = {}
-          for n in self.encoders:
-            e = self._encode(n, params[n], images[n])
-            embs[n] = e if self.trainable[n] else jax.lax.stop_gradient(e)
-          return lang_loss(params["language"], embs, pos, x, inv_tokens, 1)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        return jax.lax.psum(loss, "dp"), jax.tree.map(lambda g: g[None], grads)
-      rows = P(None, "dp")
-      loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, rows, P()),
-                                  out_specs=(P(), P("dp")))(params, images, pos, x, inv_tokens)
+      def loss_fn(params, images, pos, x, inv_tokens):
+        embs = {}
+        for n in self.encoders:
+          e = self._encode(n, params[n], images[n])
+          embs[n] = e if self.trainable[n] else jax.lax.stop_gradient(e)
+        return lang_loss(params["language"], embs, pos, x, inv_tokens, 1)
+      loss, grads = each_rank(jax.value_and_grad(loss_fn), params, (images, pos, x), inv_tokens)
       slots = {n: v[None] for n, v in slot_ids.items()}
       return {"grads": _tree_add(acc["grads"], grads), "loss": acc["loss"] + loss,
               "mismatches": acc["mismatches"] + mismatches(slots, pos, x)}
