@@ -48,7 +48,7 @@ from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Stepper
 from mimo_jax.validation import validate, validate_backend
-from tools.common import ROOT, median_time, record
+from tools.common import ROOT, median_times, record
 
 
 
@@ -203,8 +203,11 @@ class Run:
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
     out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst in sent)
     pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
-    out["raw_s"] = median_time(lambda: [jax.device_put(a, d) for a, d in pieces]) if pieces else 0
-    out["bridge_s"] = median_time(lambda: [real(x, dst) for x, dst in sent]) if sent else 0.0
+    out["raw_s"] = out["bridge_s"] = 0.0
+    if pieces:
+      out.update(median_times({"raw_s": lambda: [jax.device_put(a, d) for a, d in pieces],
+                               "bridge_s": lambda: [real(x, dst) for x, dst in sent]},
+                              reps=15))
     out["peak_gib"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
                           for d in self.devices) / 2**30
     return out

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge
-from tools.common import median_time, record
+from tools.common import median_times, record
 
 
 
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     with jax.transfer_guard_host_to_device("disallow_explicit"), \
          jax.transfer_guard_device_to_host("disallow_explicit"):
       y = jax.block_until_ready(bridge.transfer(x, dst))
-      t_bridge = median_time(lambda: bridge.transfer(x, dst), args.reps)
-      t_raw = median_time(lambda: _raw(x, dst), args.reps)
+      t = median_times({"bridge": lambda: bridge.transfer(x, dst), "raw": lambda: _raw(x, dst)},
+                       args.reps)
+      t_bridge, t_raw = t["bridge"], t["raw"]
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     gb = x.nbytes / 1e9
     rows.append((mib, gb / t_bridge, gb / t_raw, t_raw / t_bridge))

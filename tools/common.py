@@ -26,6 +26,20 @@ def median_time(fn, reps: int = 5) -> float:
   return float(np.median(times))
 
 
+def median_times(fns: dict, reps: int = 5) -> dict:
+  """`median_time` of several functions measured in turns (a, b, a, b, ...), so that a drift in
+  the machine's speed during the measurement reaches every one of them alike."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[k].append(time.perf_counter() - t)
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def record(title: str, tool: str, argv: list[str] | None, body: str, notes: tuple = (),
            device: bool = True) -> None:
   """Appends a section to docs/benchmarks.md: title, device (jax's devices), date, the command
