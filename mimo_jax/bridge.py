@@ -81,9 +81,14 @@ def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding
   return plan
 
 
-def _cut(shards: dict, piece: _Piece, full: int) -> jax.Array:
+def _whole(data: jax.Array, piece: _Piece) -> bool:
+  """Whether the piece is all of its source shard (nothing to cut)."""
+  return not data.ndim or (piece.lo, piece.hi) == (0, data.shape[0])
+
+
+def _cut(shards: dict, piece: _Piece) -> jax.Array:
   data = shards[piece.src]
-  if (piece.lo, piece.hi) == (0, full) or not data.ndim:
+  if _whole(data, piece):
     return data
   return jax.lax.slice_in_dim(data, piece.lo, piece.hi, axis=0)
 
@@ -104,10 +109,9 @@ def _send_across(pieces: list[_Piece], shards: dict, x: jax.Array) -> dict:
       else:
         rest.append(p)
     todo = rest
-    full = x.shape[0] if x.ndim else 1
     stack = lambda devices: NamedSharding(Mesh(np.asarray(devices, dtype=object), ("x",)),
                                           P("x"))
-    local = [_cut(shards, p, full)[None] for p in batch if p.src in shards]
+    local = [_cut(shards, p)[None] for p in batch if p.src in shards]
     src = jax.make_array_from_single_device_arrays(
         (len(batch),) + shape, stack([p.src for p in batch]), local, dtype=x.dtype)
     moved = jax.device_put(src, stack([p.dst for p in batch]))
@@ -124,12 +128,12 @@ def _splitter(cuts: tuple[tuple[int, int], ...]):
   return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in cuts])
 
 
-def _cut_local(shards: dict, pieces: list[_Piece], full: int) -> dict:
+def _cut_local(shards: dict, pieces: list[_Piece]) -> dict:
   """Piece -> its rows, on its source device."""
   out, todo = {}, {}
   for p in pieces:
     data = shards[p.src]
-    if (p.lo, p.hi) == (0, full) or not data.ndim:
+    if _whole(data, p):
       out[p] = data
     else:
       todo.setdefault(p.src, []).append(p)
@@ -137,6 +141,13 @@ def _cut_local(shards: dict, pieces: list[_Piece], full: int) -> dict:
     for p, rows in zip(ps, _splitter(tuple((p.lo, p.hi) for p in ps))(shards[src])):
       out[p] = rows
   return out
+
+
+@functools.lru_cache(maxsize=16)
+def _concat(n: int):
+  """One jitted call joining n pieces on their device (cheaper to dispatch than jnp.concatenate)."""
+  del n  # one compiled function per piece count; jit specialises on the pieces' shapes
+  return jax.jit(lambda *pieces: jnp.concatenate(pieces, axis=0))
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,16 +167,16 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     return jax.device_put(x, dst)
   plan = _plan(x.sharding, tuple(x.shape), dst)
   shards = {s.device: s.data for s in x.addressable_shards}
-  full = x.shape[0] if x.ndim else 1
   across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)
   mine = [d for d in plan if d.process_index == jax.process_index()]
   local = [p for d in mine for p in plan[d] if not p.crosses]
-  cut = _cut_local(shards, local, full)
-  moved = {p: jax.device_put(cut[p], p.dst) for p in local}
+  cut = _cut_local(shards, local)
+  # One call for every local copy: device_put's per-call cost is most of a small piece's.
+  moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
   arrays = []
   for device in mine:
     pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
-    arrays.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0))
+    arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
   return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
 
 

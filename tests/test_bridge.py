@@ -95,3 +95,19 @@ def test_aligned_shardings_copy_shard_to_shard():
   assert b.sharding == dst
   np.testing.assert_array_equal(np.asarray(b), x)
   np.testing.assert_array_equal(np.asarray(b.addressable_data(0)), x[:6])
+
+
+@pytest.mark.parametrize("src,dst,cut", [((0, 3), (4, 1), False), ((0, 4), (4, 2), False),
+                                         ((0, 1), (4, 3), True), ((0, 2), (2, 3), True)])
+def test_whole_shards_are_sent_uncut(monkeypatch, src, dst, cut):
+  """Fan-in sends each source shard as it is (no slicing program); only pieces smaller than their
+  shard are cut on the source device."""
+  cuts = []
+  real = bridge._splitter  # pylint: disable=protected-access
+  monkeypatch.setattr(bridge, "_splitter", lambda c: cuts.append(c) or real(c))
+  x = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+  a = jax.device_put(x, _sharding(*src))
+  with no_host_transfers():
+    b = jax.block_until_ready(bridge.transfer(a, _sharding(*dst)))
+  np.testing.assert_array_equal(np.asarray(b), x)
+  assert bool(cuts) == cut, cuts
