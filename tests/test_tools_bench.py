@@ -50,10 +50,58 @@ def test_planner_candidates_are_valid_layouts_and_predictions_follow_the_model(t
   assert "vision=0/4/1,language=0/4/1" in layouts and "vision=0/2/1,language=2/2/1" in layouts
   assert all(c["vision_gpus"] + c["language_gpus"] == 4 for c in cands
              if c["kind"] == "non-colocated")
-  coloc = {"kind": "colocated", "vision_gpus": 4, "language_gpus": 4}
-  split = {"kind": "non-colocated", "vision_gpus": 1, "language_gpus": 3}
-  assert plan.predict(coloc, 2.0, 6.0, 4, 0.01) == pytest.approx(2.0)
-  assert plan.predict(split, 2.0, 6.0, 4, 0.01) == pytest.approx(2.0 + 2.0 / 4 + 0.01)
+  assert plan.profile_layouts(4) == ["vision=0/1/1,language=0/1/1", "vision=0/2/1,language=0/2/1",
+                                     "vision=0/4/1,language=0/4/1"]
+  coloc, split = {"kind": "colocated"}, {"kind": "non-colocated"}
+  assert plan.predict(coloc, 2.0, 6.0, 4, 0.01) == pytest.approx(8.0)
+  # The encoder runs ahead: its time, unless the language model's plus one encoder microbatch is
+  # longer.
+  assert plan.predict(split, 2.0, 6.0, 4, 0.01) == pytest.approx(6.0 + 2.0 / 4 + 0.01)
+  assert plan.predict(split, 6.0, 2.0, 4, 0.01) == pytest.approx(6.0 + 0.01)
+
+
+def test_planner_costs_interpolate_in_dp_and_take_tp_as_dp(tmp_path):
+  """Cost = busy * GPUs / work at each profiled (dp, tp); between profiled dps it is linear, beyond
+  them the nearest; f_g is a colocated dp-only step over its modules' busy sum."""
+  spec, sets = "tests/configs/tiny_vlm.py:encoder_heavy", [f"data.dir={tmp_path}"]
+  rows = [{"layout": "vision=0/1/1,language=0/1/1", "step_s": 2.4, "busy_vision_s": 1.0,
+           "busy_language_s": 2.0},
+          {"layout": "vision=0/4/1,language=0/4/1", "step_s": 1.0, "busy_vision_s": 0.5,
+           "busy_language_s": 0.75}]
+  costs = plan.Costs(rows, spec, sets, lambda cfg: {"vision": 10.0, "language": 20.0})
+  assert costs("vision", 1, 1) == (pytest.approx(0.1), "profiled")
+  assert costs("vision", 4, 1) == (pytest.approx(0.2), "profiled")  # 0.5 s * 4 GPUs / 10
+  assert costs("vision", 2, 1) == (pytest.approx(0.1 + 0.1 / 3), "interpolated")
+  assert costs("language", 8, 1) == (pytest.approx(0.15), "from dp4")
+  assert costs("language", 2, 2) == (pytest.approx(0.15), "as dp4")
+  assert costs.factor(1) == pytest.approx(0.8) and costs.factor(4) == pytest.approx(0.8)
+  assert costs.factor(2) == pytest.approx(0.8)
+  with pytest.raises(SystemExit, match="no profile row has busy times"):
+    plan.Costs([{"layout": rows[0]["layout"], "step_s": 1.0}], spec, sets,
+               lambda cfg: {"vision": 1.0, "language": 1.0})
+
+
+@pytest.mark.parametrize("layout", ["vision=0/1/1,language=0/1/1", "vision=0/2/1,language=2/2/1",
+                                    "vision=0/4/1,language=0/4/1"])
+def test_planner_work_from_metadata_matches_the_loader(tmp_path, layout):
+  """The work the planner counts from metadata alone equals what the training loader (reading every
+  record) sends to each module."""
+  cfg = tiny_vlm.get_config("dynamic")
+  cfg.data.dir, cfg.data.slot_buckets, cfg.data.pack_rows, cfg.data.row_buckets = (
+      str(tmp_path), 4, 4, 4)
+  cfg.data.image_slots = 16
+  from mimo_jax.config import set_layout  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
+  set_layout(cfg, layout)
+  path = loader.build_paths(cfg)["train"]
+  got = plan.work(cfg, path, 3)
+  ds = loader.train_dataset(cfg, path, cfg.topology.language.dp)
+  slots = sum(int(ds[s]["slots_sent"].sum()) for s in range(3))
+  rows = sum(int(ds[s]["rows_sent"].sum()) for s in range(3))
+  g = cfg.topology.language.dp
+  assert got["vision"] == pytest.approx(slots * g * ds[0]["image_owner_nt"].shape[-1] / 3)
+  assert got["language"] == pytest.approx(rows * g * cfg.data.seq_len / 3)
+  assert got["vision"] > 0 and got["language"] > 0
 
 
 def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
@@ -72,6 +120,9 @@ def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
   plan.main([f"--profile={out}", "--gpus=4", "--max_tp=1", f"--measured={out}"])
   printed = capsys.readouterr().out
   assert "recommended:" in printed and "| vision=0/2/1,language=2/2/1 | non-colocated |" in printed
+  assert "v dp2 profiled; l dp2 profiled" in printed and "v dp4 from dp2" in printed
+  with pytest.raises(SystemExit, match="profile the config being planned"):
+    plan.main([f"--profile={out}", "--gpus=4", "--config=tests/configs/tiny_vlm.py:dynamic"])
 
 
 def test_encoder_bench_runs_split_and_fused(capsys):

@@ -1,26 +1,43 @@
 """Split planner: which GPUs each module should get, from a short profiling run.
 
-  python -m tools.bench --config=configs/vlm.py:encoder_heavy \\
-      --layouts="vision=0/1/1,language=0/1/1" --json=profile.json          # profile, 1 GPU
-  python -m tools.plan --profile=profile.json --gpus=4 [--measured=brute.json]
+  python -m tools.plan --config=configs/vlm.py:encoder_heavy --gpus=4 --profile_layouts
+  python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts="$(that)" --json=prof.json
+  python -m tools.plan --profile=prof.json --gpus=4 [--max_tp=1] [--measured=brute.json]
 
-The profile gives each module's busy time per step (`busy_vision_s`, `busy_language_s`) on the GPUs
-it used; their products with the GPU counts are the module's work per step in GPU-seconds (W_v,
-W_l). For every valid layout on `--gpus` GPUs (checked with the config's own validation), the
-predicted step time is
+**Profiles.** Each row of a tools/bench.py JSON gives, for both modules at that row's dp and tp,
+the module's busy seconds a step (`busy_<module>_s`, run phase by phase with the host waiting after
+each phase). Divided by the work the module computes under that layout (below) and multiplied by
+its GPUs, that is its **cost**: GPU-seconds per computed token at that (dp, tp). The cost grows
+with dp where per-GPU batches get small; the profiling run measures it instead of assuming linear
+scaling. A colocated dp-only row on g GPUs also gives **f_g** = its step time / (vision busy +
+language busy): how much faster a real step runs than the modules one by one, phase by phase (one
+program a microbatch, no host wait between phases). `--profile_layouts` prints the profiling run:
+both modules colocated, dp-only, on the first g GPUs for each g dividing `--gpus`. Several
+`--profile` files may be given.
 
-  colocated (all G GPUs hold both modules):   (W_v + W_l) / G
-  non-colocated (g_v + g_l = G):              max(T_v, T_l) + min(T_v, T_l) / M + bridge
-      T_v = W_v / g_v, T_l = W_l / g_l; the encoder and the language model overlap across the M
-      microbatches of a step, except for the first microbatch's encoder forward and the last one's
-      encoder backward (the fill and drain term); bridge = the microbatch's embeddings and their
-      gradients (bytes from the config) at `--bridge_gbps`, for the one microbatch that is not
-      hidden.
+**Work.** Padding depends on the layout: buckets round each microbatch's image slots and rows up to
+what its fullest language rank needs, so the more ranks, the more padding. For the profile rows and
+every candidate alike, the planner lays out the same `--data_steps` steps of the config's own data
+(metadata only; no record is read) and counts the slot tokens the encoder and the row positions
+the language model would compute.
 
-Scaling within a module is taken as linear in its GPUs, for dp and tp alike; tp is preferred last
-among layouts with the same prediction. `--layouts_only` prints the candidates as one `;`-joined
-string for tools/bench.py (to measure them all), and `--measured` (a tools/bench.py JSON of such a
-run) adds the measured step times and says how far the recommended layout is from the best measured.
+**Prediction.** A module's time a step on its g GPUs is T = f_g · cost(dp, tp) · work / g, with
+the cost at the candidate's own (dp, tp) if profiled, else interpolated linearly in dp between the
+profiled dps of that tp (the nearest one beyond them), and with no profile of that tp, that of tp 1
+at dp · tp (f_g likewise; 1 without any colocated dp-only profile). Then
+
+  colocated (all G GPUs hold both modules):   T_v + T_l
+  non-colocated (g_v + g_l = G):              max(T_v, T_l + T_v / M) + bridge
+      the encoder runs ahead of the language model over the M microbatches of a step, so the step
+      takes the encoder's time unless the language model's, plus one microbatch of the encoder's
+      (the first forward before it, the last backward after it), is longer; bridge = a
+      microbatch's embeddings and their gradients (bytes from the config) at `--bridge_gbps`, for
+      the one microbatch that is not hidden.
+
+tp is preferred last among layouts with the same prediction. `--layouts_only` prints the
+candidates as one `;`-joined string for tools/bench.py (to measure them all), and `--measured` (a
+tools/bench.py JSON of such a run; repeatable) adds the measured step times and says how far the
+recommended layout is from the best measured.
 """
 
 from __future__ import annotations
@@ -29,9 +46,14 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from mimo_jax.config import ConfigError, set_layout, slot_tokens
+from mimo_jax.data import loader
 from mimo_jax.validation import validate_topology
-from tools.bench import load_config
+from tools.bench import load_config, set_field
+
+MODULES = ("vision", "language")
 
 
 def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
@@ -39,37 +61,115 @@ def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
   return [(n // tp, tp) for tp in range(1, n + 1) if n % tp == 0 and (not max_tp or tp <= max_tp)]
 
 
+def _config(cfg_spec: str, sets: list[str], layout: str = ""):
+  cfg = load_config(cfg_spec)
+  for s in sets:
+    set_field(cfg, s)
+  if layout:
+    set_layout(cfg, layout)
+  return cfg
+
+
+def _shape(cfg, module: str) -> tuple[int, int]:
+  t = getattr(cfg.topology, module)
+  return t.dp, t.tp
+
+
 def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0) -> list[dict]:
   """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits."""
-  from tools.bench import set_field  # pylint: disable=import-outside-toplevel
   out = []
 
-  def valid(layout: str) -> bool:
-    cfg = load_config(cfg_spec)
-    for s in sets:
-      set_field(cfg, s)
-    set_layout(cfg, layout)
+  def add(layout: str, kind: str, gv: int, gl: int) -> None:
+    cfg = _config(cfg_spec, sets, layout)
     try:
       validate_topology(cfg, gpus)
     except ConfigError:
-      return False
-    return True
+      return
+    out.append({"layout": layout, "kind": kind, "vision_gpus": gv, "language_gpus": gl,
+                "tp": cfg.topology.vision.tp + cfg.topology.language.tp})
 
   for vdp, vtp in _divisor_pairs(gpus, max_tp):
     for ldp, ltp in _divisor_pairs(gpus, max_tp):
-      layout = f"vision=0/{vdp}/{vtp},language=0/{ldp}/{ltp}"
-      if valid(layout):
-        out.append({"layout": layout, "kind": "colocated", "vision_gpus": gpus,
-                    "language_gpus": gpus, "tp": vtp + ltp})
+      add(f"vision=0/{vdp}/{vtp},language=0/{ldp}/{ltp}", "colocated", gpus, gpus)
   for gv in range(1, gpus):
     gl = gpus - gv
     for vdp, vtp in _divisor_pairs(gv, max_tp):
       for ldp, ltp in _divisor_pairs(gl, max_tp):
-        layout = f"vision=0/{vdp}/{vtp},language={gv}/{ldp}/{ltp}"
-        if valid(layout):
-          out.append({"layout": layout, "kind": "non-colocated", "vision_gpus": gv,
-                      "language_gpus": gl, "tp": vtp + ltp})
+        add(f"vision=0/{vdp}/{vtp},language={gv}/{ldp}/{ltp}", "non-colocated", gv, gl)
   return out
+
+
+def profile_layouts(gpus: int) -> list[str]:
+  """The profiling run: both modules colocated, dp-only, on g GPUs for every g dividing `gpus`."""
+  return [f"vision=0/{g}/1,language=0/{g}/1" for g in range(1, gpus + 1) if gpus % g == 0]
+
+
+def work(cfg, path: str, steps: int) -> dict[str, float]:
+  """Per step, the slot tokens the encoder computes and the row positions the language model
+  computes under cfg's layout (padding included), from the records' metadata alone."""
+  ds = loader.train_dataset(cfg, path, cfg.topology.language.dp,
+                            loader.Locality(groups=frozenset(), slots=()))
+  groups = cfg.topology.language.dp
+  images = rows = 0
+  for s in range(steps):
+    b = ds[s]
+    images += int(b["slots_sent"].sum()) * groups * b["image_owner_nt"].shape[-1]
+    rows += int(b["rows_sent"].sum()) * groups * b["tokens_bl"].shape[-1]
+  return {"vision": images / steps, "language": rows / steps}
+
+
+def _interp(points: dict[int, float], x: int) -> tuple[float, str]:
+  """Linear in x between the nearest given points (the nearest one beyond them)."""
+  xs = sorted(points)
+  if x in points:
+    return points[x], "profiled"
+  note = "interpolated" if xs[0] < x < xs[-1] else f"from dp{xs[0] if x < xs[0] else xs[-1]}"
+  return float(np.interp(x, xs, [points[k] for k in xs])), note
+
+
+class Costs:
+  """From profile rows: GPU-seconds per computed token of each module at each profiled (dp, tp),
+  and for each GPU count g with a colocated dp-only profile the factor f_g = its step time / the
+  sum of its modules' busy times."""
+
+  def __init__(self, rows: list[dict], cfg_spec: str, sets: list[str], work_of):
+    table: dict[tuple[str, int, int], list[float]] = {}
+    factors: dict[int, list[float]] = {}
+    for r in rows:
+      cfg = _config(cfg_spec, sets, r["layout"])
+      w = work_of(cfg)
+      for m in MODULES:
+        dp, tp = _shape(cfg, m)
+        if r.get(f"busy_{m}_s") and w[m]:
+          table.setdefault((m, dp, tp), []).append(r[f"busy_{m}_s"] * dp * tp / w[m])
+      if _colocated_dp_only(cfg):
+        busy = r.get("busy_vision_s", 0) + r.get("busy_language_s", 0)
+        if busy:
+          factors.setdefault(cfg.topology.vision.dp, []).append(r["step_s"] / busy)
+    if not table:
+      raise SystemExit("plan: error: no profile row has busy times (busy_<module>_s); make the "
+                       "profile with tools/bench.py --json")
+    self.table = {k: float(np.mean(v)) for k, v in table.items()}
+    self.factors = {g: float(np.mean(v)) for g, v in factors.items()}
+
+  def __call__(self, module: str, dp: int, tp: int) -> tuple[float, str]:
+    """The cost at (dp, tp), and where it came from."""
+    same = {d: c for (m, d, t), c in self.table.items() if m == module and t == tp}
+    if same:
+      return _interp(same, dp)
+    same = {d: c for (m, d, t), c in self.table.items() if m == module and t == 1}
+    if not same:
+      raise SystemExit(f"plan: error: no profile of {module} at tp 1 or {tp}")
+    return _interp(same, dp * tp)[0], f"as dp{dp * tp}"  # tp GPUs counted as dp ones
+
+  def factor(self, gpus: int) -> float:
+    """f_g on `gpus` GPUs (interpolated), 1 without a colocated dp-only profile."""
+    return _interp(self.factors, gpus)[0] if self.factors else 1.0
+
+
+def _colocated_dp_only(cfg) -> bool:
+  v, l = cfg.topology.vision, cfg.topology.language
+  return (v.offset, v.dp, v.tp, v.pp) == (l.offset, l.dp, l.tp, l.pp) and v.tp == v.pp == 1
 
 
 def bridge_bytes(cfg) -> float:
@@ -78,17 +178,18 @@ def bridge_bytes(cfg) -> float:
   return 2.0 * cfg.data.slots() * slot_tokens(cfg) * cfg.model.language.dim * itemsize
 
 
-def predict(c: dict, work_v: float, work_l: float, microbatches: int, bridge_s: float) -> float:
+def predict(c: dict, t_v: float, t_l: float, microbatches: int, bridge_s: float) -> float:
+  """Step time from each module's time on its own GPUs (see the module docstring)."""
   if c["kind"] == "colocated":
-    return (work_v + work_l) / c["vision_gpus"]
-  t_v, t_l = work_v / c["vision_gpus"], work_l / c["language_gpus"]
-  return max(t_v, t_l) + min(t_v, t_l) / microbatches + bridge_s
+    return t_v + t_l
+  return max(t_v, t_l + t_v / microbatches) + bridge_s
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--profile", help="tools/bench.py JSON with one profiled layout")
+  parser.add_argument("--profile", action="append", default=[],
+                      help="tools/bench.py JSON of the profiling run (repeatable)")
   parser.add_argument("--config", default="", help="config[:variant] (default: the profile's)")
   parser.add_argument("--set", action="append", default=None,
                       help="field=value overrides (default: the profile's)")
@@ -96,42 +197,67 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--max_tp", type=int, default=0, help="largest tp considered (0 = any)")
   parser.add_argument("--bridge_gbps", type=float, default=300.0,
                       help="bridge bandwidth for the unhidden microbatch (GB/s)")
+  parser.add_argument("--data_steps", type=int, default=16,
+                      help="steps of data laid out to count each candidate's computed work")
   parser.add_argument("--layouts_only", action="store_true",
                       help="print the candidate layouts for tools/bench.py and stop")
-  parser.add_argument("--measured", default="", help="tools/bench.py JSON of the candidates")
+  parser.add_argument("--profile_layouts", action="store_true",
+                      help="print the profiling run's layouts for tools/bench.py and stop")
+  parser.add_argument("--measured", action="append", default=[],
+                      help="tools/bench.py JSON of the candidates (repeatable)")
   args = parser.parse_args(argv)
-  profile = json.load(open(args.profile)) if args.profile else {}
-  cfg_spec = args.config or profile.get("config")
-  sets = args.set if args.set is not None else profile.get("set", [])
+  if args.profile_layouts:
+    print(";".join(profile_layouts(args.gpus)))
+    return
+  profiles = [json.load(open(p)) for p in args.profile]
+  cfg_spec = args.config or (profiles[0].get("config") if profiles else "")
+  sets = args.set if args.set is not None else (profiles[0].get("set", []) if profiles else [])
   if not cfg_spec:
     raise SystemExit("plan: error: give --config or a --profile that names one")
+  for p, prof in zip(args.profile, profiles):
+    if (prof.get("config"), prof.get("set", [])) != (cfg_spec, sets):
+      raise SystemExit(f"plan: error: {p} profiles {prof.get('config')} with {prof.get('set')}, "
+                       f"not {cfg_spec} with {sets}; profile the config being planned")
   cands = candidates(cfg_spec, sets, args.gpus, args.max_tp)
   if args.layouts_only:
     print(";".join(c["layout"] for c in cands))
     return
-  if not profile:
+  if not profiles:
     raise SystemExit("plan: error: --profile is needed for predictions")
-  row = profile["rows"][0]
-  gpus_used = row["gpus"]
-  work_v = row["busy_vision_s"] * gpus_used
-  work_l = row["busy_language_s"] * gpus_used
-  cfg = load_config(cfg_spec)
-  from tools.bench import set_field  # pylint: disable=import-outside-toplevel
-  for s in sets:
-    set_field(cfg, s)
+  cfg = _config(cfg_spec, sets)
+  path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
+  work_of = lambda c: work(c, path, args.data_steps)
+  costs = Costs([r for prof in profiles for r in prof["rows"]], cfg_spec, sets, work_of)
   bridge_s = bridge_bytes(cfg) / (args.bridge_gbps * 1e9)
   for c in cands:
-    c["predicted_s"] = predict(c, work_v, work_l, cfg.data.microbatches, bridge_s)
+    ccfg = _config(cfg_spec, sets, c["layout"])
+    w = work_of(ccfg)
+    times, notes = {}, []
+    for m in MODULES:
+      dp, tp = _shape(ccfg, m)
+      cost, note = costs(m, dp, tp)
+      # A real step runs a module faster than the profile's phase by phase (f_g, measured where
+      # both modules share g GPUs): on a module's own GPUs, that of its GPU count.
+      times[m] = cost * w[m] / c[f"{m}_gpus"] * costs.factor(c[f"{m}_gpus"])
+      notes.append(f"{m[0]} dp{dp}" + (f"tp{tp}" if tp > 1 else "") + f" {note}")
+    c.update(t_vision=times["vision"], t_language=times["language"], cost_from="; ".join(notes))
+    c["predicted_s"] = predict(c, times["vision"], times["language"], cfg.data.microbatches,
+                               bridge_s)
   cands.sort(key=lambda c: (round(c["predicted_s"], 6), c["tp"]))
-  measured = {}
-  if args.measured:
-    measured = {r["layout"]: r["step_s"] for r in json.load(open(args.measured))["rows"]}
-  print(f"work per step: vision {work_v:.3f} GPU-s, language {work_l:.3f} GPU-s "
-        f"(from {row['layout']} on {gpus_used} GPU); bridge {bridge_s * 1e3:.2f} ms a microbatch")
-  print("| layout | kind | predicted s/step | measured s/step |\n|---|---|---:|---:|")
+  measured, layouts = {}, {c["layout"] for c in cands}
+  for m in args.measured:  # rows of other GPU counts (a profile's, say) are not candidates
+    measured.update({r["layout"]: r["step_s"] for r in json.load(open(m))["rows"]
+                     if r["layout"] in layouts})
+  print(f"profiled (module dp/tp): {', '.join(f'{m} {d}/{t}' for m, d, t in sorted(costs.table))}"
+        f"; f_g (colocated step / busy sum): "
+        f"{', '.join(f'{g} GPUs {f:.3f}' for g, f in sorted(costs.factors.items())) or 'none (1)'}"
+        f"; bridge {bridge_s * 1e3:.2f} ms a microbatch")
+  print("| layout | kind | vision s | language s | cost from | predicted s/step | measured s/step |"
+        "\n|---|---|---:|---:|---|---:|---:|")
   for c in cands:
     got = measured.get(c["layout"])
-    print(f"| {c['layout']} | {c['kind']} | {c['predicted_s']:.3f} | "
+    print(f"| {c['layout']} | {c['kind']} | {c['t_vision']:.3f} | {c['t_language']:.3f} | "
+          f"{c['cost_from']} | {c['predicted_s']:.3f} | "
           f"{'–' if got is None else format(got, '.3f')} |")
   best = cands[0]
   print(f"recommended: {best['layout']} ({best['kind']}), predicted {best['predicted_s']:.3f} s")
