@@ -151,3 +151,13 @@ def test_bench_profiles_a_fused_layout_module_by_module(tmp_path):
   row = json.loads(out.read_text())["rows"][0]
   assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0
   assert "busy_step_s" not in row and row["bridge_bytes"] == 0
+
+
+@pytest.mark.parametrize("src,dst", [("0:1", "1:3"), ("0:3", "3:1"), ("0:1", "0:2")])
+def test_bridge_bench_runs_on_cpu_devices(capsys, src, dst):
+  """tools/bridge_bench.py moves and checks the array (fan-out, fan-in, onto a mesh holding the
+  source device) and prints one row a size."""
+  from tools import bridge_bench  # pylint: disable=import-outside-toplevel
+  bridge_bench.main(["--src", src, "--dst", dst, "--sizes_mib", "1", "--reps", "1"])
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1 |")]
+  assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0
