@@ -56,7 +56,6 @@ def _samples():
 def test_layout_packs_images_of_several_sizes_at_token_granularity():
   layout, samples, ids = _layout(), _samples(), [50, 51, 52, 53]
   mb = layout_microbatch(samples, ids, layout, Tokenizer())
-  T = layout.slot_tokens  # 32 patches / 2x2 = 8 tokens a slot
   per_group = mb["patches_npk"].reshape(2, -1, S * S, P * P * C)  # [rank, token, block, pixels]
   positions = mb["patch_pos_np"].reshape(2, -1, S * S)
   segments = mb["patch_seg_np"].reshape(2, -1, S * S)

@@ -198,7 +198,7 @@ def layout_microbatch(samples: list[dict], ids: list[int], layout: Layout,
       "sample_ids_b": np.full((bsz,), -1, np.int32),
       "image_owner_nt": np.full((N, T), -1, np.int32),
   }
-  P, s, (H, W, C) = layout.patch_size, layout.downsample, layout.image_shape
+  P, s, (_, W, C) = layout.patch_size, layout.downsample, layout.image_shape
   if layout.packed_images:
     out.update(patches_npk=np.zeros((N, layout.slot_patches, P * P * C), np.uint8),
                patch_pos_np=np.zeros((N, layout.slot_patches), np.int32),
