@@ -159,12 +159,16 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
           [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
 
 
-def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-  """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
+def send(x: jax.Array, dst: NamedSharding):
+  """Dispatches the copies of `transfer(x, dst)` now and returns a function that assembles the
+  array on `dst` when first called (later calls return the same array). Joining a destination's
+  pieces is a program on that device: dispatched with the copies, ahead of when the array is
+  needed, it would queue before the device's other work and hold it until the copies arrive."""
   if x.sharding == dst:
-    return x
+    return lambda: x
   if _aligned(x.sharding, tuple(x.shape), dst):
-    return jax.device_put(x, dst)
+    y = jax.device_put(x, dst)
+    return lambda: y
   plan = _plan(x.sharding, tuple(x.shape), dst)
   shards = {s.device: s.data for s in x.addressable_shards}
   across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)
@@ -173,11 +177,21 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   cut = _cut_local(shards, local)
   # One call for every local copy: device_put's per-call cost is most of a small piece's.
   moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
-  arrays = []
-  for device in mine:
-    pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
-    arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
-  return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
+
+  @functools.cache
+  def assemble() -> jax.Array:
+    arrays = []
+    for device in mine:
+      pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
+      arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
+    return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
+
+  return assemble
+
+
+def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
+  """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
+  return send(x, dst)()
 
 
 def transfer_tree(tree, dst: NamedSharding):

@@ -96,6 +96,7 @@ class Stepper(StateLayout):
     # Instrumentation for tools/bench.py: how arrays cross between meshes, and a callback after
     # each phase of a step (phase name, its outputs). Training leaves both alone.
     self.transfer = bridge.transfer
+    self.send = bridge.send  # encoder outputs: copied at once, assembled when taken
     self.on_phase = None
     self._build_jits()
 
@@ -357,11 +358,15 @@ class Stepper(StateLayout):
         fwd[n].append((self._enc_apply[n](p, images), slots, None))
       self._phase(n, fwd[n][-1][0])
       # Sent at once: a copy queued on the encoder's devices after its next backward would make
-      # the language model wait for that backward too.
-      sent = self._to_language(fwd[n][-1][:2])
+      # the language model wait for that backward too. Assembled on the language mesh only when
+      # the language model takes it (`encoded`): a join of pieces there, queued now, would wait
+      # for those copies ahead of the language model's earlier microbatches.
+      dst = self.topo.sharding("language")
+      sent = jax.tree.map(lambda x: self.send(x, dst), fwd[n][-1][:2])
       for i, m in enumerate(ms):
         delivered[n][m] = (sent[0][i], sent[1][i])
-      self._phase("bridge", sent)
+      if self.on_phase is not None:
+        self._phase("bridge", jax.tree.map(lambda get: get(), sent))
 
     def encoded(n, m):
       """Microbatch m's image tokens and slot owners on the language mesh, dispatching the
@@ -369,7 +374,8 @@ class Stepper(StateLayout):
       c = next(i for i, ms in enumerate(enc_chunks[n]) if m in ms)
       while len(fwd[n]) <= c + ahead[n] and len(fwd[n]) < len(enc_chunks[n]):
         encode_next(n)
-      return delivered[n].pop(m)
+      embs, slots = delivered[n].pop(m)
+      return embs(), slots()
 
     for ms in _chunks(num_micro, self.whole_step("language")):
       got = [{n: encoded(n, m) for n in self.encoders} for m in ms]

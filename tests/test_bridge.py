@@ -111,3 +111,19 @@ def test_whole_shards_are_sent_uncut(monkeypatch, src, dst, cut):
     b = jax.block_until_ready(bridge.transfer(a, _sharding(*dst)))
   np.testing.assert_array_equal(np.asarray(b), x)
   assert bool(cuts) == cut, cuts
+
+
+def test_send_copies_at_once_and_joins_on_the_destination_when_taken(monkeypatch):
+  """`send` dispatches the copies; the join of a fan-in's pieces (a program on the destination)
+  waits until the array is taken, and taking it twice gives the same array."""
+  joins = []
+  real = bridge._concat  # pylint: disable=protected-access
+  monkeypatch.setattr(bridge, "_concat", lambda n: joins.append(n) or real(n))
+  x = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+  a = jax.device_put(x, _sharding(0, 3))
+  with no_host_transfers():
+    get = bridge.send(a, _sharding(4, 1))
+    assert not joins
+    b = jax.block_until_ready(get())
+  assert joins == [3] and get() is b
+  np.testing.assert_array_equal(np.asarray(b), x)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib.util
 import json
 import pathlib
@@ -165,11 +166,15 @@ class Run:
     """n steps phase by phase: busy seconds per module and for the bridge, bytes moved."""
     phases = collections.Counter()
     sent = []
-    real = self.stepper.transfer
+    real, real_send = self.stepper.transfer, self.stepper.send
 
     def counted(x, dst):
       sent.append((x, dst))
       return real(x, dst)
+
+    def counted_send(x, dst):
+      sent.append((x, dst))
+      return real_send(x, dst)
 
     last = [0.0]
 
@@ -191,6 +196,7 @@ class Run:
           self.state, metrics = self.stepper.train_step(self.state, batch)
           jax.block_until_ready((self.state, metrics))
       self.stepper.on_phase, self.stepper.transfer = on_phase, counted
+      self.stepper.send = counted_send
       for batch in batches:
         inputs, inv = self.stepper.place_step(batch)
         jax.block_until_ready((inputs, inv))
@@ -200,6 +206,7 @@ class Run:
         jax.block_until_ready(self.state)
     finally:
       self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = None, real, fused
+      self.stepper.send = real_send
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
     out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst in sent)
     pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
@@ -222,12 +229,14 @@ class Run:
         cache[key] = jax.block_until_ready(real(x, dst))
       return cache[key]
 
+    real_send = self.stepper.send
     self.stepper.transfer = in_place
+    self.stepper.send = lambda x, dst: functools.partial(in_place, x, dst)
     try:
       self.steps(1)  # fills the cache
       return self.steps(n)["step_s"]
     finally:
-      self.stepper.transfer = real
+      self.stepper.transfer, self.stepper.send = real, real_send
 
 
 def measure(cfg: Config, layout: str, args) -> dict:
