@@ -192,7 +192,3 @@ def send(x: jax.Array, dst: NamedSharding):
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
   """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
   return send(x, dst)()
-
-
-def transfer_tree(tree, dst: NamedSharding):
-  return jax.tree.map(lambda x: transfer(x, dst), tree)
