@@ -10,6 +10,14 @@ gradients back. Tensor-parallel replicas on the destination pull from different 
 so copies spread over links instead of all leaving one device. Pieces that cross processes go in
 batched `jax.device_put` calls between stacked shardings (NCCL on GPU, sockets on CPU); every
 process computes the same plan and makes the same calls.
+
+Cutting and joining are programs of their own, on the source and on the destination devices, and
+the copies wait for the one, the other for them. Where the dp sizes differ by a whole factor k,
+the programs on either side can do it instead: for a fan-out (each source dp rank's rows are those
+of k destination ranks) `split`, the producer's last step inside its jit, returns `Parts` whose
+shards are whole pieces, which `send` copies as they are; for a fan-in, `send(..., parts=True)`
+delivers the k pieces of each destination rank as `Parts` without joining them, and the
+consumer's jit joins them as its first step (`join`).
 """
 
 from __future__ import annotations
@@ -55,6 +63,83 @@ class _Piece:
 
 
 @functools.lru_cache(maxsize=256)
+def fan_out(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> int:
+  """k > 1 when the source's dp ranks hold equal row ranges and each is exactly the rows of k
+  consecutive destination dp ranks of equal size (a fan-out by k); 1 otherwise."""
+  if not shape:
+    return 1
+  a = sorted(set(_rows(src, shape, local=False).values()))
+  b = sorted(set(_rows(dst, shape, local=False).values()))
+  if len(b) <= len(a) or len(b) % len(a):
+    return 1
+  k = len(b) // len(a)
+  size = shape[0] // len(b)
+  expect = [(i * size, (i + 1) * size) for i in range(len(b))]
+  if b != expect or a != [(i * k * size, (i + 1) * k * size) for i in range(len(a))]:
+    return 1
+  return k
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"],
+                   meta_fields=["shape", "sharding"])
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """An array [n, ...] split on axis 0 over `sharding`, in k parts: of every shard's k·r rows,
+  `parts[j]` holds rows [j·r, (j + 1)·r) (each part split over `sharding` too). Made by a
+  producer for a fan-out (`split`: one part for each destination rank), or by the bridge for a
+  fan-in (`send(..., parts=True)`: one part from each source rank), and joined inside a
+  consumer's jit (`join`)."""
+  parts: tuple
+  shape: tuple[int, ...]
+  sharding: jax.sharding.Sharding
+
+  @property
+  def dtype(self):
+    return self.parts[0].dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.parts)
+
+
+def split(x: jax.Array, src: NamedSharding, dst: NamedSharding):
+  """Inside the producer's jit, as it returns `x` (split over `src`): `Parts` of x for a fan-out
+  to `dst` (`fan_out`), x itself (constrained to `src`) otherwise. Each part stays on the source devices, sharded as x;
+  the cut is local to every device (no communication) and joins the producer's program."""
+  x = jax.lax.with_sharding_constraint(x, src)
+  k = fan_out(src, tuple(x.shape), dst)
+  if k == 1:
+    return x
+  dp = len(set(_rows(src, tuple(x.shape), local=False).values()))
+  r = x.shape[0] // (dp * k)
+  rows = x.reshape((dp, k, r) + x.shape[1:])
+  parts = tuple(jax.lax.with_sharding_constraint(rows[:, j].reshape((dp * r,) + x.shape[1:]), src)
+                for j in range(k))
+  return Parts(parts, tuple(x.shape), src)
+
+
+def join(x):
+  """Inside a consumer's jit: the array of `Parts` (its rows in order, split as before), any other
+  array as it is. Local to every device (no communication)."""
+  if not isinstance(x, Parts):
+    return x
+  dp = len(set(_rows(x.sharding, x.shape, local=False).values()))
+  k, rest = len(x.parts), x.shape[1:]
+  r = x.shape[0] // (dp * k)
+  y = jnp.stack([p.reshape((dp, r) + rest) for p in x.parts], axis=1).reshape(x.shape)
+  return jax.lax.with_sharding_constraint(y, x.sharding)
+
+
+def is_array(x) -> bool:
+  """A leaf for `jax.tree.map` over what the bridge moves (an array or `Parts`)."""
+  return isinstance(x, (jax.Array, Parts))
+
+
+@functools.lru_cache(maxsize=256)
 def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> dict:
   """For every destination device (of every process), the source pieces it is built from.
 
@@ -81,19 +166,12 @@ def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding
   return plan
 
 
-def _whole(data: jax.Array, piece: _Piece) -> bool:
+def _whole(shard: jax.Array, piece: _Piece) -> bool:
   """Whether the piece is all of its source shard (nothing to cut)."""
-  return not data.ndim or (piece.lo, piece.hi) == (0, data.shape[0])
+  return not shard.ndim or (piece.lo, piece.hi) == (0, shard.shape[0])
 
 
-def _cut(shards: dict, piece: _Piece) -> jax.Array:
-  data = shards[piece.src]
-  if _whole(data, piece):
-    return data
-  return jax.lax.slice_in_dim(data, piece.lo, piece.hi, axis=0)
-
-
-def _send_across(pieces: list[_Piece], shards: dict, x: jax.Array) -> dict:
+def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
   """Copies pieces between processes with `jax.device_put`, which pairs shard i of a source
   sharding with shard i of a destination sharding and needs every pair to cross processes. Pieces
   are sent in rounds of distinct devices and equal shapes, stacked on a new leading axis."""
@@ -111,7 +189,7 @@ def _send_across(pieces: list[_Piece], shards: dict, x: jax.Array) -> dict:
     todo = rest
     stack = lambda devices: NamedSharding(Mesh(np.asarray(devices, dtype=object), ("x",)),
                                           P("x"))
-    local = [_cut(shards, p)[None] for p in batch if p.src in shards]
+    local = [cut[p][None] for p in batch if p in cut]
     src = jax.make_array_from_single_device_arrays(
         (len(batch),) + shape, stack([p.src for p in batch]), local, dtype=x.dtype)
     moved = jax.device_put(src, stack([p.dst for p in batch]))
@@ -128,13 +206,23 @@ def _splitter(cuts: tuple[tuple[int, int], ...]):
   return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in cuts])
 
 
-def _cut_local(shards: dict, pieces: list[_Piece]) -> dict:
-  """Piece -> its rows, on its source device."""
+def _cuts(x, pieces: list[_Piece]) -> dict:
+  """Piece -> its rows on its source device (pieces of this process's source devices): a shard
+  of `Parts` as it is; of an array, a whole shard as it is, else one cutting call a device."""
+  if isinstance(x, Parts):
+    by_part = [{s.device: s.data for s in part.addressable_shards} for part in x.parts]
+    out = {}
+    for p in pieces:
+      j, rem = divmod(p.lo, p.hi - p.lo)
+      if rem or p.hi - p.lo != by_part[j][p.src].shape[0]:
+        raise ValueError(f"piece [{p.lo}, {p.hi}) of {x.sharding} is not a part of {x.shape}")
+      out[p] = by_part[j][p.src]
+    return out
+  shards = {s.device: s.data for s in x.addressable_shards}
   out, todo = {}, {}
   for p in pieces:
-    data = shards[p.src]
-    if _whole(data, p):
-      out[p] = data
+    if _whole(shards[p.src], p):
+      out[p] = shards[p.src]
     else:
       todo.setdefault(p.src, []).append(p)
   for src, ps in todo.items():
@@ -159,27 +247,37 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
           [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
 
 
-def send(x: jax.Array, dst: NamedSharding):
+def send(x, dst: NamedSharding, parts: bool = False):
   """Dispatches the copies of `transfer(x, dst)` now and returns a function that assembles the
   array on `dst` when first called (later calls return the same array). Joining a destination's
   pieces is a program on that device: dispatched with the copies, ahead of when the array is
-  needed, it would queue before the device's other work and hold it until the copies arrive."""
+  needed, it would queue before the device's other work and hold it until the copies arrive.
+  With `parts`, a fan-in by k (`fan_out(dst, shape, src)`) is delivered as `Parts` of its pieces,
+  for a consumer that joins them inside its own program (`join`)."""
   if x.sharding == dst:
     return lambda: x
-  if _aligned(x.sharding, tuple(x.shape), dst):
+  if not isinstance(x, Parts) and _aligned(x.sharding, tuple(x.shape), dst):
     y = jax.device_put(x, dst)
     return lambda: y
   plan = _plan(x.sharding, tuple(x.shape), dst)
-  shards = {s.device: s.data for s in x.addressable_shards}
-  across = _send_across([p for ps in plan.values() for p in ps if p.crosses], shards, x)
+  here = set(x.sharding.addressable_devices)
+  cut = _cuts(x, [p for ps in plan.values() for p in ps if p.src in here])
+  across = _send_across([p for ps in plan.values() for p in ps if p.crosses], cut, x)
   mine = [d for d in plan if d.process_index == jax.process_index()]
   local = [p for d in mine for p in plan[d] if not p.crosses]
-  cut = _cut_local(shards, local)
   # One call for every local copy: device_put's per-call cost is most of a small piece's.
   moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
 
+  k = fan_out(dst, tuple(x.shape), x.sharding) if parts else 1
+
   @functools.cache
-  def assemble() -> jax.Array:
+  def assemble():
+    if k > 1:  # every destination device holds k whole pieces, in row order
+      part_shape = (x.shape[0] // k,) + tuple(x.shape[1:])
+      got = [[across[p] if p.crosses else moved[p] for p in plan[device]] for device in mine]
+      return Parts(tuple(jax.make_array_from_single_device_arrays(
+          part_shape, dst, [g[j] for g in got], dtype=x.dtype) for j in range(k)),
+                   tuple(x.shape), dst)
     arrays = []
     for device in mine:
       pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
@@ -189,6 +287,7 @@ def send(x: jax.Array, dst: NamedSharding):
   return assemble
 
 
-def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-  """Moves an array split on axis 0 (or replicated) to `dst`; see the module docstring."""
-  return send(x, dst)()
+def transfer(x, dst: NamedSharding, parts: bool = False):
+  """Moves an array split on axis 0 (or replicated), or its `Parts`, to `dst`; see the module
+  docstring and `send`."""
+  return send(x, dst, parts)()

@@ -12,7 +12,9 @@ see pipeline.py). With one microbatch a chunk on both sides, per microbatch m:
 The encoder runs ahead: its forwards for m+1 (and m+2 on a disjoint mesh) are dispatched before
 the language model's work for m, and each forward's output is sent to the language mesh at once,
 so that the copy is not queued behind the encoder's next backward. On disjoint meshes the modules
-then overlap. The encoder forward returns its `jax.vjp` closure (a pytree of residuals),
+then overlap. Where the two dp sizes differ by a whole factor, the program that makes what crosses
+(the encoder's forward, the language model's backward) cuts it for the bridge and the one that
+takes it joins the pieces (`bridge.split`, `bridge.join`): the bridge itself only copies. The encoder forward returns its `jax.vjp` closure (a pytree of residuals),
 which its backward consumes: no recomputation. After the last microbatch each module computes the
 squared norm of its gradients, the scalars are exchanged, and each module applies one clip factor
 and its own optax update (see optim.py).
@@ -29,6 +31,7 @@ The state side (shardings, initialisation, checkpoint layout) is state.py's `Sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +99,9 @@ class Stepper(StateLayout):
     # Instrumentation for tools/bench.py: how arrays cross between meshes, and a callback after
     # each phase of a step (phase name, its outputs). Training leaves both alone.
     self.transfer = bridge.transfer
-    self.send = bridge.send  # encoder outputs: copied at once, assembled when taken
+    # Image tokens and their gradients: copied at once, assembled when taken, a fan-in's pieces
+    # joined inside the jit that takes them (`bridge.join`).
+    self.send = functools.partial(bridge.send, parts=True)
     self.on_phase = None
     self._build_jits()
 
@@ -128,24 +133,28 @@ class Stepper(StateLayout):
   def _build_jits(self) -> None:
     t = self.topo
     self._enc_fwd, self._enc_apply, self._enc_bwd = {}, {}, {}
+    lang_batch = t.sharding("language")
     for name in self.encoders:
       out_sh = t.sharding(name)
+      # What goes to the language mesh leaves the program cut for it where that is a fan-out.
+      to_lang = lambda x, out_sh=out_sh: bridge.split(x, out_sh, lang_batch)
 
       def apply(params, images, name=name, out_sh=out_sh):
         """A chunk of microbatches: list of encoder inputs -> list of image tokens."""
         out = self._encode(name, params, {k: _stacked([m[k] for m in images]) for k in images[0]})
         return [jax.lax.with_sharding_constraint(out[i], out_sh) for i in range(len(images))]
 
-      def fwd(params, images, slot_ids, apply=apply):
+      def fwd(params, images, slot_ids, apply=apply, to_lang=to_lang):
         embs, vjp = jax.vjp(lambda p: apply(p, images), params)
-        return embs, slot_ids, vjp
+        return [to_lang(e) for e in embs], [to_lang(s) for s in slot_ids], vjp
 
       self._enc_fwd[name] = jax.jit(fwd)
-      self._enc_apply[name] = jax.jit(apply)
-      self._enc_bwd[name] = jax.jit(lambda vjp, d_embs, acc: _tree_add(acc, vjp(d_embs)[0]),
-                                    donate_argnums=(2,))
+      self._enc_apply[name] = jax.jit(lambda p, images, apply=apply, to_lang=to_lang:
+                                      [to_lang(e) for e in apply(p, images)])
+      self._enc_bwd[name] = jax.jit(
+          lambda vjp, d_embs, acc: _tree_add(acc, vjp([bridge.join(d) for d in d_embs])[0]),
+          donate_argnums=(2,))
     groups = self.groups
-    lang_batch = t.sharding("language")
     packed = self.cfg.data.pack_rows > 0
     # The language model's gradients are kept per dp rank ([dp, ...], split over dp) and summed
     # over ranks once a step, in `_apply`: one all-reduce a step instead of one a microbatch. This
@@ -190,16 +199,16 @@ class Stepper(StateLayout):
       dicts by encoder name) with one entry per microbatch."""
       x = {k: _stacked([tx[k] for tx in text]) for k in text[0]}
       pos = {n: _stacked(v) for n, v in img_pos.items()}
-      slots = {n: _stacked(v) for n, v in slot_ids.items()}
-      embs = {n: _stacked(v) for n, v in embs.items()}
+      slots = {n: _stacked([bridge.join(s) for s in v]) for n, v in slot_ids.items()}
+      embs = {n: _stacked([bridge.join(e) for e in v]) for n, v in embs.items()}
       if self.defer_reduce:
         loss, g_params, g_embs = each_rank(
             lambda p, embs, pos, x, inv: forward_backward(p, embs, pos, x, inv, 1), params,
             (embs, pos, x), inv_tokens, row_outputs=1)
       else:
         loss, g_params, g_embs = forward_backward(params, embs, pos, x, inv_tokens, groups)
-      # What the bridge moves back.
-      g_embs = {n: [jax.lax.with_sharding_constraint(g[i], lang_batch) for i in range(len(g))]
+      # What the bridge moves back (cut here for it where that is a fan-out).
+      g_embs = {n: [bridge.split(g[i], lang_batch, t.sharding(n)) for i in range(len(g))]
                 for n, g in g_embs.items()}
       acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
              "mismatches": acc["mismatches"] + mismatches(slots, pos, x)}
@@ -308,7 +317,7 @@ class Stepper(StateLayout):
 
   def _to_language(self, tree):
     dst = self.topo.sharding("language")
-    return jax.tree.map(lambda x: self.transfer(x, dst), tree)
+    return jax.tree.map(lambda x: self.transfer(x, dst), tree, is_leaf=bridge.is_array)
 
   def _phase(self, name: str, tree) -> None:
     if self.on_phase is not None:
@@ -362,7 +371,7 @@ class Stepper(StateLayout):
       # the language model takes it (`encoded`): a join of pieces there, queued now, would wait
       # for those copies ahead of the language model's earlier microbatches.
       dst = self.topo.sharding("language")
-      sent = jax.tree.map(lambda x: self.send(x, dst), fwd[n][-1][:2])
+      sent = jax.tree.map(lambda x: self.send(x, dst), fwd[n][-1][:2], is_leaf=bridge.is_array)
       for i, m in enumerate(ms):
         delivered[n][m] = (sent[0][i], sent[1][i])
       if self.on_phase is not None:
@@ -390,7 +399,7 @@ class Stepper(StateLayout):
         if not self.trainable[n]:
           continue
         for m, g in zip(ms, grads_back[n]):
-          d_embs[n][m] = self.transfer(g, self.topo.sharding(n))
+          d_embs[n][m] = self.send(g, self.topo.sharding(n))()
         self._phase("bridge", d_embs[n])
         for c, chunk in enumerate(enc_chunks[n]):  # backward of every chunk now complete
           if c < len(fwd[n]) and fwd[n][c] is not None and all(m in d_embs[n] for m in chunk):

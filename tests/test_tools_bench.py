@@ -153,11 +153,17 @@ def test_bench_profiles_a_fused_layout_module_by_module(tmp_path):
   assert "busy_step_s" not in row and row["bridge_bytes"] == 0
 
 
-@pytest.mark.parametrize("src,dst", [("0:1", "1:3"), ("0:3", "3:1"), ("0:1", "0:2")])
-def test_bridge_bench_runs_on_cpu_devices(capsys, src, dst):
+@pytest.mark.parametrize("src,dst,ends", [("0:1", "1:3", "bridge"), ("0:3", "3:1", "bridge"),
+                                          ("0:1", "0:2", "bridge"), ("0:1", "1:3", "programs"),
+                                          ("0:3", "3:1", "programs"), ("0:2", "1:1", "programs")])
+def test_bridge_bench_runs_on_cpu_devices(capsys, src, dst, ends):
   """tools/bridge_bench.py moves and checks the array (fan-out, fan-in, onto a mesh holding the
-  source device) and prints one row a size."""
+  source device; pieces cut and joined by the bridge or by the programs at either end) and
+  prints one row a size."""
   from tools import bridge_bench  # pylint: disable=import-outside-toplevel
-  bridge_bench.main(["--src", src, "--dst", dst, "--sizes_mib", "1", "--reps", "1"])
+  bridge_bench.main(["--src", src, "--dst", dst, "--sizes_mib", "1", "--reps", "1",
+                     "--ends", ends])
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1 |")]
-  assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0
+  assert len(rows) == 1
+  cells = [float(c) for c in rows[0].strip("|").split("|")]
+  assert len(cells) == (6 if ends == "programs" else 4) and all(c > 0 for c in cells[1:])

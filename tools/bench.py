@@ -16,9 +16,11 @@ bring (slot and row buckets make microbatches differ in shape), then:
   model's own mesh run with it as one program a microbatch in training (`Stepper.fused`); the
   profile runs them as separate calls, the way the other layouts do.
 * **bridge time**: every transfer of one step (image tokens, slot owners, gradients) replayed back
-  to back through the bridge, timed with one wait at the end; the bridge GB/s are the bytes that
-  change device over that time, against **raw device_put GB/s**: the same pieces, pre-cut on their
-  source devices, copied with `jax.device_put` and timed the same way. The bridge time bounds the
+  to back through the bridge as the step calls it (a fan-out's pieces cut by the program that
+  made the array, a fan-in's left for the program that takes it to join), timed with one wait at
+  the end; the bridge GB/s are the bytes that change device over that time, against **raw
+  device_put GB/s**: the same pieces, pre-cut on their source devices, copied with
+  `jax.device_put` and timed the same way. The bridge time bounds the
   **exposed** bridge time from above (a transfer cannot hold a step up longer than it takes).
 * **decoupled step**: the step time of the same loop with every bridge transfer replaced by an array
   already in place, so the language model no longer waits for the encoder: step time minus this is
@@ -76,8 +78,9 @@ def set_field(cfg: Config, assignment: str) -> None:
   setattr(obj, last, kind(value) if kind is not bool else value.lower() in ("1", "true"))
 
 
-def moved_bytes(x: jax.Array, dst) -> int:
-  """Bytes the bridge copies between devices for `x` (pieces already in place excluded)."""
+def moved_bytes(x, dst) -> int:
+  """Bytes the bridge copies between devices for `x` (an array or `bridge.Parts`; pieces already
+  in place excluded)."""
   if x.sharding == dst:
     return 0
   plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
@@ -85,18 +88,15 @@ def moved_bytes(x: jax.Array, dst) -> int:
   return sum((p.hi - p.lo) * row for pieces in plan.values() for p in pieces if p.src != p.dst)
 
 
-def raw_pieces(x: jax.Array, dst) -> list[tuple[jax.Array, jax.Device]]:
-  """The pieces the bridge copies for `x`, pre-cut on their source devices."""
+def raw_pieces(x, dst) -> list[tuple[jax.Array, jax.Device]]:
+  """The pieces the bridge copies for `x`, pre-cut on their source devices (the parts themselves
+  for `bridge.Parts`)."""
   if x.sharding == dst:
     return []
   plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
-  shards = {s.device: s.data for s in x.addressable_shards}
-  out = []
-  for pieces in plan.values():
-    for p in pieces:
-      if p.src != p.dst:
-        out.append((jax.block_until_ready(shards[p.src][p.lo:p.hi]), p.dst))
-  return out
+  moving = [p for pieces in plan.values() for p in pieces if p.src != p.dst]
+  cut = bridge._cuts(x, moving)  # pylint: disable=protected-access
+  return [(jax.block_until_ready(cut[p]), p.dst) for p in moving]
 
 
 class Run:
@@ -169,11 +169,11 @@ class Run:
     real, real_send = self.stepper.transfer, self.stepper.send
 
     def counted(x, dst):
-      sent.append((x, dst))
+      sent.append((x, dst, lambda: real(x, dst)))
       return real(x, dst)
 
     def counted_send(x, dst):
-      sent.append((x, dst))
+      sent.append((x, dst, lambda: real_send(x, dst)()))
       return real_send(x, dst)
 
     last = [0.0]
@@ -208,12 +208,12 @@ class Run:
       self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = None, real, fused
       self.stepper.send = real_send
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
-    out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst in sent)
-    pieces = [p for x, dst in sent for p in raw_pieces(x, dst)]
+    out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst, _ in sent)
+    pieces = [p for x, dst, _ in sent for p in raw_pieces(x, dst)]
     out["raw_s"] = out["bridge_s"] = 0.0
-    if pieces:
+    if pieces:  # the bridge as the step calls it (a fan-in's pieces left to its consumer)
       out.update(median_times({"raw_s": lambda: [jax.device_put(a, d) for a, d in pieces],
-                               "bridge_s": lambda: [real(x, dst) for x, dst in sent]},
+                               "bridge_s": lambda: [again() for _, _, again in sent]},
                               reps=15))
     out["peak_gib"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
                           for d in self.devices) / 2**30
@@ -221,17 +221,17 @@ class Run:
 
   def without_bridge(self, n: int) -> float:
     """Step time when every bridge transfer returns an array already in place."""
-    real, cache = self.stepper.transfer, {}
+    real, real_send, cache = self.stepper.transfer, self.stepper.send, {}
 
-    def in_place(x, dst):
-      key = (tuple(x.shape), x.dtype, dst)
+    def in_place(move, x, dst):
+      key = (move, tuple(x.shape), x.dtype, dst)
       if key not in cache:
-        cache[key] = jax.block_until_ready(real(x, dst))
+        cache[key] = jax.block_until_ready(move(x, dst))
       return cache[key]
 
-    real_send = self.stepper.send
-    self.stepper.transfer = in_place
-    self.stepper.send = lambda x, dst: functools.partial(in_place, x, dst)
+    delivered = lambda x, dst: real_send(x, dst)()
+    self.stepper.transfer = functools.partial(in_place, real)
+    self.stepper.send = lambda x, dst: functools.partial(in_place, delivered, x, dst)
     try:
       self.steps(1)  # fills the cache
       return self.steps(n)["step_s"]
