@@ -62,6 +62,11 @@ class _Piece:
     return self.src.process_index != self.dst.process_index
 
 
+def _ranks(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> int:
+  """How many distinct row ranges (dp ranks) the sharding splits axis 0 into."""
+  return len(set(_rows(sharding, shape, local=False).values()))
+
+
 @functools.lru_cache(maxsize=256)
 def fan_out(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> int:
   """k > 1 when the source's dp ranks hold equal row ranges and each is exactly the rows of k
@@ -108,13 +113,13 @@ class Parts:
 
 def split(x: jax.Array, src: NamedSharding, dst: NamedSharding):
   """Inside the producer's jit, as it returns `x` (split over `src`): `Parts` of x for a fan-out
-  to `dst` (`fan_out`), x itself (constrained to `src`) otherwise. Each part stays on the source devices, sharded as x;
-  the cut is local to every device (no communication) and joins the producer's program."""
+  to `dst` (`fan_out`), x itself (constrained to `src`) otherwise. Each part stays on the source
+  devices, split as x; the cut is local to every device (no communication)."""
   x = jax.lax.with_sharding_constraint(x, src)
   k = fan_out(src, tuple(x.shape), dst)
   if k == 1:
     return x
-  dp = len(set(_rows(src, tuple(x.shape), local=False).values()))
+  dp = _ranks(src, tuple(x.shape))
   r = x.shape[0] // (dp * k)
   rows = x.reshape((dp, k, r) + x.shape[1:])
   parts = tuple(jax.lax.with_sharding_constraint(rows[:, j].reshape((dp * r,) + x.shape[1:]), src)
@@ -127,7 +132,7 @@ def join(x):
   array as it is. Local to every device (no communication)."""
   if not isinstance(x, Parts):
     return x
-  dp = len(set(_rows(x.sharding, x.shape, local=False).values()))
+  dp = _ranks(x.sharding, x.shape)
   k, rest = len(x.parts), x.shape[1:]
   r = x.shape[0] // (dp * k)
   y = jnp.stack([p.reshape((dp, r) + rest) for p in x.parts], axis=1).reshape(x.shape)

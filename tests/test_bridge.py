@@ -25,6 +25,17 @@ def no_host_transfers():
     yield
 
 
+@pytest.fixture(name="programs")
+def _programs(monkeypatch) -> list:
+  """Records the bridge's own programs: cuts on a source device (the cut ranges) and joins on a
+  destination (the piece count)."""
+  made = []
+  cut, join = bridge._splitter, bridge._concat  # pylint: disable=protected-access
+  monkeypatch.setattr(bridge, "_splitter", lambda c: made.append(c) or cut(c))
+  monkeypatch.setattr(bridge, "_concat", lambda n: made.append(n) or join(n))
+  return made
+
+
 def _sharding(offset: int, dp: int, tp: int = 1) -> NamedSharding:
   devices = np.asarray(jax.devices()[offset:offset + dp * tp]).reshape(dp, tp)
   return NamedSharding(Mesh(devices, ("dp", "tp")), P("dp"))
@@ -60,15 +71,11 @@ def test_transfer_roundtrip_without_host(src, dst):
     pytest.param({"vision": (0, 3, 1), "language": (4, 1, 1)}, 12, id="fan-in-3to1"),
     pytest.param({"vision": (0, 1, 1), "language": (4, 4, 1)}, 16, id="fan-out-1to4"),
 ])
-def test_training_step_without_host_transfers(monkeypatch, data_dir, topo, batch):
+def test_training_step_without_host_transfers(programs, data_dir, topo, batch):
   """A whole step (encoder fwd, bridge, LLM fwd+bwd, bridge back, encoder bwd, update). Every
   fan-out here (image tokens 1 -> 4; gradients 1 -> 2 and 1 -> 3) leaves its producer cut and
   every fan-in (image tokens 4 -> 2 and 3 -> 1; gradients 4 -> 1) is joined by its consumer, so
   the bridge runs no program of its own: it only copies."""
-  cuts = []
-  real_cut, real_join = bridge._splitter, bridge._concat  # pylint: disable=protected-access
-  monkeypatch.setattr(bridge, "_splitter", lambda c: cuts.append(c) or real_cut(c))
-  monkeypatch.setattr(bridge, "_concat", lambda n: cuts.append(n) or real_join(n))
   cfg = tiny_config(data_dir, **topo)
   cfg.data.global_batch, cfg.eval.batch = 2 * batch, batch
   validate(cfg, len(jax.devices()))
@@ -86,7 +93,7 @@ def test_training_step_without_host_transfers(monkeypatch, data_dir, topo, batch
   m = jax.device_get(metrics)
   assert int(m["mismatches"]) == 0 and np.isfinite(m["loss"])
   assert int(host["num_images_b"].sum()) > 0
-  assert not cuts, cuts
+  assert not programs, programs
 
 
 def test_aligned_shardings_copy_shard_to_shard():
@@ -140,12 +147,9 @@ def test_send_copies_at_once_and_joins_on_the_destination_when_taken(monkeypatch
 @pytest.mark.parametrize("src,dst,k", [((0, 1), (4, 3), 3), ((0, 2), (4, 4), 2), ((0, 1), (0, 3), 3),
                                        ((0, 1, 2), (2, 2, 3), 2), ((0, 2), (2, 3), 1),
                                        ((0, 3), (4, 1), 1), ((0, 2), (4, 2), 1)])
-def test_producer_cuts_a_fan_out_and_the_bridge_sends_its_parts(monkeypatch, src, dst, k):
+def test_producer_cuts_a_fan_out_and_the_bridge_sends_its_parts(programs, src, dst, k):
   """`split` in the producer's jit returns k parts for a fan-out by k (the array itself otherwise),
   with no communication in the program; the bridge sends the parts without a cutting program."""
-  cuts = []
-  real = bridge._splitter  # pylint: disable=protected-access
-  monkeypatch.setattr(bridge, "_splitter", lambda c: cuts.append(c) or real(c))
   src, dst = _sharding(*src), _sharding(*dst)
   x = np.arange(12 * 2 * 3, dtype=np.float32).reshape(12, 2, 3)
   assert bridge.fan_out(src, x.shape, dst) == k
@@ -164,7 +168,7 @@ def test_producer_cuts_a_fan_out_and_the_bridge_sends_its_parts(monkeypatch, src
   assert b.sharding == dst
   np.testing.assert_array_equal(np.asarray(b), 2 * x)
   if k > 1:
-    assert not cuts, cuts
+    assert not programs, programs
 
 
 def test_parts_for_another_destination_are_refused():
@@ -178,12 +182,9 @@ def test_parts_for_another_destination_are_refused():
 @pytest.mark.parametrize("src,dst,k", [((0, 3), (4, 1), 3), ((0, 4), (4, 2), 2), ((0, 4), (2, 2), 2),
                                        ((2, 2, 2), (0, 1, 2), 2), ((0, 2), (2, 3), 1),
                                        ((0, 1), (4, 3), 1)])
-def test_fan_in_delivered_as_parts_and_joined_by_the_consumer(monkeypatch, src, dst, k):
+def test_fan_in_delivered_as_parts_and_joined_by_the_consumer(programs, src, dst, k):
   """`send(..., parts=True)` delivers a fan-in by k as `Parts` of whole source shards without a
   joining program; `join` in the consumer's jit gives the array back, with no communication."""
-  joins = []
-  real = bridge._concat  # pylint: disable=protected-access
-  monkeypatch.setattr(bridge, "_concat", lambda n: joins.append(n) or real(n))
   src, dst = _sharding(*src), _sharding(*dst)
   x = np.arange(12 * 2 * 3, dtype=np.float32).reshape(12, 2, 3)
   assert bridge.fan_out(dst, x.shape, src) == k
@@ -192,7 +193,7 @@ def test_fan_in_delivered_as_parts_and_joined_by_the_consumer(monkeypatch, src, 
     got = jax.block_until_ready(bridge.transfer(a, dst, parts=True))
   assert isinstance(got, bridge.Parts) == (k > 1)
   if k > 1:
-    assert not joins and len(got.parts) == k and all(p.sharding == dst for p in got.parts)
+    assert not programs and len(got.parts) == k and all(p.sharding == dst for p in got.parts)
   consumer = jax.jit(lambda y: bridge.join(y) + 1)
   hlo = consumer.lower(got).compile().as_text()
   for op in ("all-to-all", "collective-permute", "all-gather", "all-reduce"):
