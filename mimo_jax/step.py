@@ -14,8 +14,9 @@ the language model's work for m, and each forward's output is sent to the langua
 so that the copy is not queued behind the encoder's next backward. On disjoint meshes the modules
 then overlap. Where the two dp sizes differ by a whole factor, the program that makes what crosses
 (the encoder's forward, the language model's backward) cuts it for the bridge and the one that
-takes it joins the pieces (`bridge.split`, `bridge.join`): the bridge itself only copies. The encoder forward returns its `jax.vjp` closure (a pytree of residuals),
-which its backward consumes: no recomputation. After the last microbatch each module computes the
+takes it joins the pieces (`bridge.split`, `bridge.join`): the bridge itself only copies. The
+encoder forward returns its `jax.vjp` closure (a pytree of residuals), which its backward
+consumes: no recomputation. After the last microbatch each module computes the
 squared norm of its gradients, the scalars are exchanged, and each module applies one clip factor
 and its own optax update (see optim.py).
 

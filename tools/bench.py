@@ -20,8 +20,8 @@ bring (slot and row buckets make microbatches differ in shape), then:
   made the array, a fan-in's left for the program that takes it to join), timed with one wait at
   the end; the bridge GB/s are the bytes that change device over that time, against **raw
   device_put GB/s**: the same pieces, pre-cut on their source devices, copied with
-  `jax.device_put` and timed the same way. The bridge time bounds the
-  **exposed** bridge time from above (a transfer cannot hold a step up longer than it takes).
+  `jax.device_put` and timed the same way. The bridge time bounds the **exposed** bridge time
+  from above (a transfer cannot hold a step up longer than it takes).
 * **decoupled step**: the step time of the same loop with every bridge transfer replaced by an array
   already in place, so the language model no longer waits for the encoder: step time minus this is
   what the dependency between the modules costs (pipeline fill and drain, and the bridge).
