@@ -30,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+# The constructor behind jax.make_array_from_single_device_arrays, without its checks (`_assemble`).
+from jax._src import core  # pylint: disable=g-bad-import-order
+from jax._src.array import ArrayImpl
 
 
 def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], local: bool) -> dict:
@@ -176,6 +179,40 @@ def _whole(shard: jax.Array, piece: _Piece) -> bool:
   return not shard.ndim or (piece.lo, piece.hi) == (0, shard.shape[0])
 
 
+def _shards(x: jax.Array) -> dict:
+  """Device -> x's shard on it (this process's devices). `addressable_data` rather than
+  `addressable_shards`, which also computes every shard's index: on an array fresh from a program
+  that is most of a small transfer's host time. (`addressable_data` of a fully replicated array
+  is always its first shard; an array on one device is its own shard.)"""
+  devices = _local_devices(x.sharding, tuple(x.shape))
+  if len(devices) == 1 and len(x.sharding.device_set) == 1:
+    return {devices[0]: x}
+  if x.is_fully_replicated:
+    return {s.device: s.data for s in x.addressable_shards}
+  return {d: x.addressable_data(i) for i, d in enumerate(devices)}
+
+
+@functools.lru_cache(maxsize=256)
+def _local_devices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple:
+  """This process's devices of `sharding` in the order of its per-device arrays (the order of
+  `addressable_data` and of what `_assemble` takes)."""
+  return tuple(sharding.addressable_devices_indices_map(shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _aval(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+  return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
+
+
+def _assemble(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, arrays: list):
+  """`jax.make_array_from_single_device_arrays` without its checks, which cost about as much as the
+  rest of a small transfer's host work. Only for arrays the route built: one on each of this
+  process's devices of `sharding`, in `_local_devices` order, of the shard's shape
+  and `dtype` (tests/test_bridge.py compares it with the public function)."""
+  return ArrayImpl(_aval(shape, dtype, sharding), sharding, arrays, committed=True,
+                   _skip_checks=True)
+
+
 def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
   """Copies pieces between processes with `jax.device_put`, which pairs shard i of a source
   sharding with shard i of a destination sharding and needs every pair to cross processes. Pieces
@@ -215,7 +252,7 @@ def _cuts(x, pieces: list[_Piece]) -> dict:
   """Piece -> its rows on its source device (pieces of this process's source devices): a shard
   of `Parts` as it is; of an array, a whole shard as it is, else one cutting call a device."""
   if isinstance(x, Parts):
-    by_part = [{s.device: s.data for s in part.addressable_shards} for part in x.parts]
+    by_part = [_shards(part) for part in x.parts]
     out = {}
     for p in pieces:
       j, rem = divmod(p.lo, p.hi - p.lo)
@@ -223,7 +260,7 @@ def _cuts(x, pieces: list[_Piece]) -> dict:
         raise ValueError(f"piece [{p.lo}, {p.hi}) of {x.sharding} is not a part of {x.shape}")
       out[p] = by_part[j][p.src]
     return out
-  shards = {s.device: s.data for s in x.addressable_shards}
+  shards = _shards(x)
   out, todo = {}, {}
   for p in pieces:
     if _whole(shards[p.src], p):
@@ -252,6 +289,30 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
           [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Route:
+  """What `send` does for one (source sharding, shape, destination, parts), worked out once."""
+  plan: dict  # destination device -> its pieces (`_plan`)
+  sources: tuple  # pieces whose source device is this process's
+  across: tuple  # pieces that change process
+  local: tuple  # pieces that stay in this process (to this process's destination devices)
+  mine: tuple  # this process's destination devices, in the order `_assemble` takes them
+  k: int  # > 1: the destination gets `Parts` of k pieces a device
+
+
+@functools.lru_cache(maxsize=256)
+def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding,
+           parts: bool) -> _Route:
+  plan = _plan(src, shape, dst)
+  pieces = [p for ps in plan.values() for p in ps]
+  here = set(src.addressable_devices)
+  mine = _local_devices(dst, shape)
+  return _Route(plan, tuple(p for p in pieces if p.src in here),
+                tuple(p for p in pieces if p.crosses),
+                tuple(p for d in mine for p in plan[d] if not p.crosses), mine,
+                fan_out(dst, shape, src) if parts else 1)
+
+
 def send(x, dst: NamedSharding, parts: bool = False):
   """Dispatches the copies of `transfer(x, dst)` now and returns a function that assembles the
   array on `dst` when first called (later calls return the same array). Joining a destination's
@@ -264,32 +325,35 @@ def send(x, dst: NamedSharding, parts: bool = False):
   if not isinstance(x, Parts) and _aligned(x.sharding, tuple(x.shape), dst):
     y = jax.device_put(x, dst)
     return lambda: y
-  plan = _plan(x.sharding, tuple(x.shape), dst)
-  here = set(x.sharding.addressable_devices)
-  cut = _cuts(x, [p for ps in plan.values() for p in ps if p.src in here])
-  across = _send_across([p for ps in plan.values() for p in ps if p.crosses], cut, x)
-  mine = [d for d in plan if d.process_index == jax.process_index()]
-  local = [p for d in mine for p in plan[d] if not p.crosses]
+  route = _route(x.sharding, tuple(x.shape), dst, parts)
+  cut = _cuts(x, route.sources)
+  got = _send_across(route.across, cut, x) if route.across else {}
   # One call for every local copy: device_put's per-call cost is most of a small piece's.
-  moved = dict(zip(local, jax.device_put([cut[p] for p in local], [p.dst for p in local])))
+  got.update(zip(route.local, jax.device_put([cut[p] for p in route.local],
+                                             [p.dst for p in route.local])))
+  done = []
 
-  k = fan_out(dst, tuple(x.shape), x.sharding) if parts else 1
-
-  @functools.cache
   def assemble():
-    if k > 1:  # every destination device holds k whole pieces, in row order
-      part_shape = (x.shape[0] // k,) + tuple(x.shape[1:])
-      got = [[across[p] if p.crosses else moved[p] for p in plan[device]] for device in mine]
-      return Parts(tuple(jax.make_array_from_single_device_arrays(
-          part_shape, dst, [g[j] for g in got], dtype=x.dtype) for j in range(k)),
-                   tuple(x.shape), dst)
-    arrays = []
-    for device in mine:
-      pieces = [across[p] if p.crosses else moved[p] for p in plan[device]]
-      arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
-    return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
+    if not done:
+      done.append(_arrive(x, dst, route, got))
+    return done[0]
 
   return assemble
+
+
+def _arrive(x, dst: NamedSharding, route: _Route, got: dict):
+  """The array on `dst` (or its `Parts`) from the pieces `send` copied."""
+  shape, k = tuple(x.shape), route.k
+  if k > 1:  # every destination device holds k whole pieces, in row order
+    part_shape = (shape[0] // k,) + shape[1:]
+    pieces = [[got[p] for p in route.plan[device]] for device in route.mine]
+    return Parts(tuple(_assemble(part_shape, x.dtype, dst, [g[j] for g in pieces])
+                       for j in range(k)), shape, dst)
+  arrays = []
+  for device in route.mine:
+    pieces = [got[p] for p in route.plan[device]]
+    arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
+  return _assemble(shape, x.dtype, dst, arrays)
 
 
 def transfer(x, dst: NamedSharding, parts: bool = False):

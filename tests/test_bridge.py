@@ -202,3 +202,41 @@ def test_fan_in_delivered_as_parts_and_joined_by_the_consumer(programs, src, dst
   y = consumer(got)
   assert y.sharding == dst
   np.testing.assert_array_equal(np.asarray(y), x + 1)
+
+
+def _permuted(ids: list[int], tp: int = 1) -> NamedSharding:
+  devices = np.asarray([jax.devices()[i] for i in ids]).reshape(-1, tp)
+  return NamedSharding(Mesh(devices, ("dp", "tp")), P("dp"))
+
+
+@pytest.mark.parametrize("src,dst", [
+    (([2, 0, 1], 1), ([7], 1)), (([3], 1), ([6, 4, 7, 5], 1)), (([1, 0, 3, 2], 2), ([7, 5], 1)),
+    (([6, 4], 1), ([3, 1, 2, 0], 2)), (([5, 4, 7], 1), ([2, 0, 1], 1))])
+@pytest.mark.parametrize("parts", [False, True])
+def test_shards_and_assembly_follow_the_meshes_device_order(src, dst, parts):
+  """The bridge reads shards and assembles arrays without the public functions' checks and
+  reordering (`_shards`, `_assemble`): on meshes that list their devices out of order, with tp
+  replicas, every shard is the one the sharding puts on that device, as the public functions
+  build them."""
+  src, dst = _permuted(*src), _permuted(*dst)
+  x = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+  a = jax.device_put(x, src)
+  read, order = bridge._shards, bridge._local_devices  # pylint: disable=protected-access
+  shards = read(a)
+  assert set(shards) == {s.device for s in a.addressable_shards}
+  for s in a.addressable_shards:
+    assert shards[s.device].devices() == {s.device}
+    np.testing.assert_array_equal(np.asarray(shards[s.device]), x[s.index])
+  made = jax.jit(lambda y: bridge.split(y, src, dst))(a) if parts else a
+  with no_host_transfers():
+    got = jax.block_until_ready(bridge.transfer(made, dst, parts=parts))
+  arrays = got.parts if isinstance(got, bridge.Parts) else [got]
+  for y in arrays:
+    assert y.sharding == dst
+    per_device = [read(y)[d] for d in order(dst, y.shape)]
+    public = jax.make_array_from_single_device_arrays(y.shape, dst, per_device)
+    for s, t in zip(y.addressable_shards, public.addressable_shards):
+      assert (s.device, s.index) == (t.device, t.index)
+      np.testing.assert_array_equal(np.asarray(s.data), np.asarray(t.data))
+  consumer = jax.jit(lambda y: bridge.join(y) + 0)
+  np.testing.assert_array_equal(np.asarray(consumer(got)), x)
