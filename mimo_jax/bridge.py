@@ -174,11 +174,6 @@ def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding
   return plan
 
 
-def _whole(shard: jax.Array, piece: _Piece) -> bool:
-  """Whether the piece is all of its source shard (nothing to cut)."""
-  return not shard.ndim or (piece.lo, piece.hi) == (0, shard.shape[0])
-
-
 def _shards(x: jax.Array) -> dict:
   """Device -> x's shard on it (this process's devices). `addressable_data` rather than
   `addressable_shards`, which also computes every shard's index: on an array fresh from a program
@@ -199,18 +194,16 @@ def _local_devices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> t
   return tuple(sharding.addressable_devices_indices_map(shape))
 
 
-@functools.lru_cache(maxsize=256)
+def _assemble(aval, sharding: jax.sharding.Sharding, arrays: list):
+  """`jax.make_array_from_single_device_arrays` without its checks, which cost about as much as the
+  rest of a small transfer's host work. Only for arrays a route built: one on each of this
+  process's devices of `sharding`, in `_local_devices` order, each of the shard's shape and the
+  dtype of `aval` (`_aval`). tests/test_bridge.py compares it with the public function."""
+  return ArrayImpl(aval, sharding, arrays, committed=True, _skip_checks=True)
+
+
 def _aval(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
-
-
-def _assemble(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, arrays: list):
-  """`jax.make_array_from_single_device_arrays` without its checks, which cost about as much as the
-  rest of a small transfer's host work. Only for arrays the route built: one on each of this
-  process's devices of `sharding`, in `_local_devices` order, of the shard's shape
-  and `dtype` (tests/test_bridge.py compares it with the public function)."""
-  return ArrayImpl(_aval(shape, dtype, sharding), sharding, arrays, committed=True,
-                   _skip_checks=True)
 
 
 def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
@@ -248,29 +241,42 @@ def _splitter(cuts: tuple[tuple[int, int], ...]):
   return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in cuts])
 
 
+def _sources(src: jax.sharding.Sharding, shape: tuple[int, ...], k: int, pieces) -> tuple:
+  """How the pieces of this process's source devices are had, for an array (k = 0) or its `Parts`
+  in k parts: `whole`, pairs (piece, j) of pieces that are all of their device's shard of part j
+  (j = 0 for an array), sent as they are; `cut`, source device -> the pieces cut from its shard
+  in one call (arrays only)."""
+  rows = _rows(src, shape, local=True)
+  whole, cut = [], {}
+  for p in pieces:
+    lo, hi = rows[p.src]
+    if k:
+      r = (hi - lo) // k
+      if p.hi - p.lo != r or p.lo % r:
+        raise ValueError(f"piece [{p.lo}, {p.hi}) of {src} is not a part of {shape} in {k}: "
+                         "these Parts were split for another destination")
+      whole.append((p, p.lo // r))
+    elif not shape or (p.lo, p.hi) == (0, hi - lo):
+      whole.append((p, 0))
+    else:
+      cut.setdefault(p.src, []).append(p)
+  return tuple(whole), {d: tuple(ps) for d, ps in cut.items()}
+
+
+def _take(x, whole: tuple, cut: dict) -> dict:
+  """Piece -> its rows on its source device, as `_sources` says."""
+  shards = [_shards(a) for a in x.parts] if isinstance(x, Parts) else [_shards(x)]
+  out = {p: shards[j][p.src] for p, j in whole}
+  for src, ps in cut.items():
+    out.update(zip(ps, _splitter(tuple((p.lo, p.hi) for p in ps))(shards[0][src])))
+  return out
+
+
 def _cuts(x, pieces: list[_Piece]) -> dict:
   """Piece -> its rows on its source device (pieces of this process's source devices): a shard
   of `Parts` as it is; of an array, a whole shard as it is, else one cutting call a device."""
-  if isinstance(x, Parts):
-    by_part = [_shards(part) for part in x.parts]
-    out = {}
-    for p in pieces:
-      j, rem = divmod(p.lo, p.hi - p.lo)
-      if rem or p.hi - p.lo != by_part[j][p.src].shape[0]:
-        raise ValueError(f"piece [{p.lo}, {p.hi}) of {x.sharding} is not a part of {x.shape}")
-      out[p] = by_part[j][p.src]
-    return out
-  shards = _shards(x)
-  out, todo = {}, {}
-  for p in pieces:
-    if _whole(shards[p.src], p):
-      out[p] = shards[p.src]
-    else:
-      todo.setdefault(p.src, []).append(p)
-  for src, ps in todo.items():
-    for p, rows in zip(ps, _splitter(tuple((p.lo, p.hi) for p in ps))(shards[src])):
-      out[p] = rows
-  return out
+  k = len(x.parts) if isinstance(x, Parts) else 0
+  return _take(x, *_sources(x.sharding, tuple(x.shape), k, pieces))
 
 
 @functools.lru_cache(maxsize=16)
@@ -291,26 +297,34 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
 
 @dataclasses.dataclass(frozen=True)
 class _Route:
-  """What `send` does for one (source sharding, shape, destination, parts), worked out once."""
-  plan: dict  # destination device -> its pieces (`_plan`)
-  sources: tuple  # pieces whose source device is this process's
+  """What `send` does for one kind of array and destination, worked out once."""
+  whole: tuple  # pieces of this process's source devices, and how they are had (`_sources`)
+  cut: dict
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
-  mine: tuple  # this process's destination devices, in the order `_assemble` takes them
   k: int  # > 1: the destination gets `Parts` of k pieces a device
+  arrays: tuple  # per array to assemble on `dst`: its pieces on each device, in `_local_devices`
+  aval: object  # order (a part's one piece, or the pieces a device joins); what they make
 
 
 @functools.lru_cache(maxsize=256)
-def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding,
-           parts: bool) -> _Route:
+def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
+           dst: NamedSharding, parts: bool) -> _Route:
+  """For an array (k_in = 0) or its `Parts` in k_in parts, split over `src`, sent to `dst`."""
   plan = _plan(src, shape, dst)
   pieces = [p for ps in plan.values() for p in ps]
   here = set(src.addressable_devices)
+  whole, cut = _sources(src, shape, k_in, [p for p in pieces if p.src in here])
   mine = _local_devices(dst, shape)
-  return _Route(plan, tuple(p for p in pieces if p.src in here),
-                tuple(p for p in pieces if p.crosses),
-                tuple(p for d in mine for p in plan[d] if not p.crosses), mine,
-                fan_out(dst, shape, src) if parts else 1)
+  k = fan_out(dst, shape, src) if parts else 1
+  if k > 1:  # every destination device holds k whole pieces, in row order: part j is the j-th
+    arrays = tuple(tuple((plan[d][j],) for d in mine) for j in range(k))
+    aval = _aval((shape[0] // k,) + shape[1:], dtype, dst)
+  else:
+    arrays = (tuple(tuple(plan[d]) for d in mine),)
+    aval = _aval(shape, dtype, dst)
+  return _Route(whole, cut, tuple(p for p in pieces if p.crosses),
+                tuple(p for d in mine for p in plan[d] if not p.crosses), k, arrays, aval)
 
 
 def send(x, dst: NamedSharding, parts: bool = False):
@@ -322,11 +336,13 @@ def send(x, dst: NamedSharding, parts: bool = False):
   for a consumer that joins them inside its own program (`join`)."""
   if x.sharding == dst:
     return lambda: x
-  if not isinstance(x, Parts) and _aligned(x.sharding, tuple(x.shape), dst):
+  is_parts = isinstance(x, Parts)
+  shape = tuple(x.shape)
+  if not is_parts and _aligned(x.sharding, shape, dst):
     y = jax.device_put(x, dst)
     return lambda: y
-  route = _route(x.sharding, tuple(x.shape), dst, parts)
-  cut = _cuts(x, route.sources)
+  route = _route(x.sharding, shape, x.dtype, len(x.parts) if is_parts else 0, dst, parts)
+  cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}
   # One call for every local copy: device_put's per-call cost is most of a small piece's.
   got.update(zip(route.local, jax.device_put([cut[p] for p in route.local],
@@ -335,25 +351,13 @@ def send(x, dst: NamedSharding, parts: bool = False):
 
   def assemble():
     if not done:
-      done.append(_arrive(x, dst, route, got))
+      arrays = [_assemble(route.aval, dst, [got[ps[0]] if len(ps) == 1 else
+                                            _concat(len(ps))(*(got[p] for p in ps))
+                                            for ps in array]) for array in route.arrays]
+      done.append(Parts(tuple(arrays), shape, dst) if route.k > 1 else arrays[0])
     return done[0]
 
   return assemble
-
-
-def _arrive(x, dst: NamedSharding, route: _Route, got: dict):
-  """The array on `dst` (or its `Parts`) from the pieces `send` copied."""
-  shape, k = tuple(x.shape), route.k
-  if k > 1:  # every destination device holds k whole pieces, in row order
-    part_shape = (shape[0] // k,) + shape[1:]
-    pieces = [[got[p] for p in route.plan[device]] for device in route.mine]
-    return Parts(tuple(_assemble(part_shape, x.dtype, dst, [g[j] for g in pieces])
-                       for j in range(k)), shape, dst)
-  arrays = []
-  for device in route.mine:
-    pieces = [got[p] for p in route.plan[device]]
-    arrays.append(pieces[0] if len(pieces) == 1 else _concat(len(pieces))(*pieces))
-  return _assemble(shape, x.dtype, dst, arrays)
 
 
 def transfer(x, dst: NamedSharding, parts: bool = False):
