@@ -288,10 +288,12 @@ def _concat(n: int):
 
 @functools.lru_cache(maxsize=256)
 def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> bool:
-  """Whether shard i of `src` is exactly shard i of `dst`: then one `jax.device_put` copies the
-  shards device to device (no host), with less overhead than piece by piece."""
+  """Whether shard i of `src` is exactly shard i of `dst`, on more than one device: then one
+  `jax.device_put` copies the shards device to device (no host), with less overhead than piece by
+  piece. From one device to another a piece is cheaper: `jax.device_put` to a sharding on another
+  device takes longer on the host than to the device itself."""
   a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
-  return (jax.process_count() == 1 and len(a) == len(b) and
+  return (jax.process_count() == 1 and len(a) == len(b) > 1 and
           [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
 
 
