@@ -14,7 +14,11 @@ restore reverses the path onto the current topology.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import re
+import sys
+import warnings
 
 import jax
 import orbax.checkpoint as ocp
@@ -34,6 +38,33 @@ RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
 
 class CheckpointError(ConfigError):
   """A checkpoint that cannot be restored into this run; the message says what differs."""
+
+
+def _reason(e: Exception) -> str:
+  """The first line of a failed read's error, without the storage spec tensorstore appends."""
+  return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
+
+
+def _closed_loop_reports(previous):
+  """An unraisable-exception hook that drops "Event loop is closed" and passes the rest on."""
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+  hook.drops_closed_loop_reports = True
+  return hook
+
+
+def _drop_failed_reads() -> None:
+  """A restore that fails leaves orbax's other reads behind, bound to an event loop that orbax
+  has closed: as each ends, or is collected, Python reports "Event loop is closed", after the
+  error or at exit. From the first failed read on, those reports (and only those) are dropped;
+  what is already garbage is collected now."""
+  if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+    sys.unraisablehook = _closed_loop_reports(sys.unraisablehook)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
+    gc.collect()
 
 
 def directory(workdir: str) -> str:
@@ -97,7 +128,8 @@ class Checkpointer:
     self.path, self.modules = path, list(modules)
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
-    async_save = async_save and jax.process_count() == 1
+    # A read-only checkpointer never saves: no background thread.
+    async_save = async_save and jax.process_count() == 1 and not read_only
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only)
@@ -127,7 +159,8 @@ class Checkpointer:
       return self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f"{self.path}: step {step} has no readable metadata ({e}).") from None
+      failed = f"has no readable metadata ({_reason(e)})"
+    self._fail(step, failed)
 
   def restore(self, step: int, abstract: dict[str, dict],
               cfg: Config) -> tuple[dict[str, ModuleState], dict]:
@@ -140,13 +173,22 @@ class Checkpointer:
     try:
       restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f"{self.path}: step {step} could not be restored: "
-                            f"{str(e).splitlines()[0]}") from None
+      restored, failed = None, f"could not be restored: {_reason(e)}"
+    if restored is None:
+      self._fail(step, failed)
     if multi:
       restored = {n: _from_global(restored[n], abstract[n]) for n in abstract}
       _settle(restored)
     state = {n: ModuleState(restored[n]["params"], restored[n]["opt_state"]) for n in abstract}
     return state, meta
+
+  def _fail(self, step: int, what: str):
+    """Raises the error for a step that cannot be read, once the failed read is released (outside
+    the `except` block, whose exception holds it)."""
+    _drop_failed_reads()
+    raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
+                          f"incomplete: move {self.path}/{step} away to resume from the "
+                          "checkpoint before it, or start in a new run.workdir.")
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
