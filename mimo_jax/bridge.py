@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-# The constructor behind jax.make_array_from_single_device_arrays, without its checks (`_assemble`).
+# The constructor behind jax.make_array_from_single_device_arrays and the abstract value it takes,
+# to build arrays without that function's checks (`_assemble`).
 from jax._src import core  # pylint: disable=g-bad-import-order
 from jax._src.array import ArrayImpl
 
@@ -300,13 +301,15 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
 @dataclasses.dataclass(frozen=True)
 class _Route:
   """What `send` does for one kind of array and destination, worked out once."""
-  whole: tuple  # pieces of this process's source devices, and how they are had (`_sources`)
-  cut: dict
+  whole: tuple  # how the pieces of this process's source devices are had (`_sources`):
+  cut: dict  # sent as they are, or cut first
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
   k: int  # > 1: the destination gets `Parts` of k pieces a device
-  arrays: tuple  # per array to assemble on `dst`: its pieces on each device, in `_local_devices`
-  aval: object  # order (a part's one piece, or the pieces a device joins); what they make
+  # Per array to assemble on the destination (k of them for `Parts`, else one): for each of this
+  # process's devices in `_local_devices` order, its pieces (one, or several it joins).
+  arrays: tuple
+  aval: object  # what each of those arrays is (shape, dtype, sharding)
 
 
 @functools.lru_cache(maxsize=256)
