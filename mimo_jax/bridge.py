@@ -34,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 # to build arrays without that function's checks (`_assemble`).
 from jax._src import core  # pylint: disable=g-bad-import-order
 from jax._src.array import ArrayImpl
+# The copy behind jax.device_put between devices, for many arrays in one call (`_copy`).
+from jax._src.lib import xla_client as xc
 
 
 def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], local: bool) -> dict:
@@ -207,6 +209,18 @@ def _aval(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
 
 
+def _copy(arrays: list, targets: tuple) -> list:
+  """Copies one-device `arrays` device to device, one onto each of `targets` (one-device
+  shardings): the call `jax.device_put` makes for them, without the layers before it, which cost
+  more on the host than the call itself (tests/test_bridge.py checks that no copy goes through
+  the host)."""
+  if not arrays:
+    return []
+  return xc.batched_copy_array_to_devices_with_sharding(
+      arrays, [t._internal_device_list for t in targets], list(targets),  # pylint: disable=protected-access
+      [xc.ArrayCopySemantics.REUSE_INPUT] * len(arrays))
+
+
 def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
   """Copies pieces between processes with `jax.device_put`, which pairs shard i of a source
   sharding with shard i of a destination sharding and needs every pair to cross processes. Pieces
@@ -305,6 +319,7 @@ class _Route:
   cut: dict  # sent as they are, or cut first
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
+  targets: tuple  # their destinations, as one-device shardings
   k: int  # > 1: the destination gets `Parts` of k pieces a device
   # Per array to assemble on the destination (k of them for `Parts`, else one): for each of this
   # process's devices in `_local_devices` order, its pieces (one, or several it joins).
@@ -328,8 +343,9 @@ def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
   else:
     arrays = (tuple(tuple(plan[d]) for d in mine),)
     aval = _aval(shape, dtype, dst)
-  return _Route(whole, cut, tuple(p for p in pieces if p.crosses),
-                tuple(p for d in mine for p in plan[d] if not p.crosses), k, arrays, aval)
+  local = tuple(p for d in mine for p in plan[d] if not p.crosses)
+  return _Route(whole, cut, tuple(p for p in pieces if p.crosses), local,
+                tuple(jax.sharding.SingleDeviceSharding(p.dst) for p in local), k, arrays, aval)
 
 
 def send(x, dst: NamedSharding, parts: bool = False):
@@ -349,9 +365,7 @@ def send(x, dst: NamedSharding, parts: bool = False):
   route = _route(x.sharding, shape, x.dtype, len(x.parts) if is_parts else 0, dst, parts)
   cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}
-  # One call for every local copy: device_put's per-call cost is most of a small piece's.
-  got.update(zip(route.local, jax.device_put([cut[p] for p in route.local],
-                                             [p.dst for p in route.local])))
+  got.update(zip(route.local, _copy([cut[p] for p in route.local], route.targets)))
   done = []
 
   def assemble():
