@@ -209,16 +209,15 @@ def _aval(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
   return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
 
 
-def _copy(arrays: list, targets: tuple) -> list:
+def _copy(arrays: list, targets: tuple, device_lists: tuple) -> list:
   """Copies one-device `arrays` device to device, one onto each of `targets` (one-device
-  shardings): the call `jax.device_put` makes for them, without the layers before it, which cost
-  more on the host than the call itself (tests/test_bridge.py checks that no copy goes through
-  the host)."""
+  shardings, whose `_internal_device_list`s are `device_lists`): the call `jax.device_put` makes
+  for them, without the layers before it, which cost more on the host than the call itself
+  (tests/test_bridge.py checks that no copy goes through the host)."""
   if not arrays:
     return []
   return xc.batched_copy_array_to_devices_with_sharding(
-      arrays, [t._internal_device_list for t in targets], list(targets),  # pylint: disable=protected-access
-      [xc.ArrayCopySemantics.REUSE_INPUT] * len(arrays))
+      arrays, device_lists, targets, [xc.ArrayCopySemantics.REUSE_INPUT] * len(arrays))
 
 
 def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
@@ -320,6 +319,7 @@ class _Route:
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
   targets: tuple  # their destinations, as one-device shardings
+  device_lists: tuple  # those shardings' device lists (what `_copy` takes with them)
   k: int  # > 1: the destination gets `Parts` of k pieces a device
   # Per array to assemble on the destination (k of them for `Parts`, else one): for each of this
   # process's devices in `_local_devices` order, its pieces (one, or several it joins).
@@ -344,8 +344,10 @@ def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
     arrays = (tuple(tuple(plan[d]) for d in mine),)
     aval = _aval(shape, dtype, dst)
   local = tuple(p for d in mine for p in plan[d] if not p.crosses)
-  return _Route(whole, cut, tuple(p for p in pieces if p.crosses), local,
-                tuple(jax.sharding.SingleDeviceSharding(p.dst) for p in local), k, arrays, aval)
+  targets = tuple(jax.sharding.SingleDeviceSharding(p.dst) for p in local)
+  device_lists = tuple(t._internal_device_list for t in targets)  # pylint: disable=protected-access
+  return _Route(whole, cut, tuple(p for p in pieces if p.crosses), local, targets, device_lists,
+                k, arrays, aval)
 
 
 def send(x, dst: NamedSharding, parts: bool = False):
@@ -365,7 +367,8 @@ def send(x, dst: NamedSharding, parts: bool = False):
   route = _route(x.sharding, shape, x.dtype, len(x.parts) if is_parts else 0, dst, parts)
   cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}
-  got.update(zip(route.local, _copy([cut[p] for p in route.local], route.targets)))
+  got.update(zip(route.local, _copy([cut[p] for p in route.local], route.targets,
+                                     route.device_lists)))
   done = []
 
   def assemble():
