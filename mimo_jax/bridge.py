@@ -314,8 +314,10 @@ def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedShard
 @dataclasses.dataclass(frozen=True)
 class _Route:
   """What `send` does for one kind of array and destination, worked out once."""
-  whole: tuple  # how the pieces of this process's source devices are had (`_sources`):
-  cut: dict  # sent as they are, or cut first
+  # The pieces of this process's source devices (`_sources`): those sent as they are (with the
+  # part each is of), and, per source device, those cut from its shard first.
+  whole: tuple
+  cut: dict
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
   targets: tuple  # their destinations, as one-device shardings
