@@ -300,17 +300,6 @@ def _concat(n: int):
   return jax.jit(lambda *pieces: jnp.concatenate(pieces, axis=0))
 
 
-@functools.lru_cache(maxsize=256)
-def _aligned(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> bool:
-  """Whether shard i of `src` is exactly shard i of `dst`, on more than one device: then one
-  `jax.device_put` copies the shards device to device (no host), with less overhead than piece by
-  piece. From one device to another a piece is cheaper: `jax.device_put` to a sharding on another
-  device takes longer on the host than to the device itself."""
-  a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
-  return (jax.process_count() == 1 and len(a) == len(b) > 1 and
-          [tuple(i) for i in a.values()] == [tuple(i) for i in b.values()])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Route:
   """What `send` does for one kind of array and destination, worked out once."""
@@ -363,9 +352,6 @@ def send(x, dst: NamedSharding, parts: bool = False):
     return lambda: x
   is_parts = isinstance(x, Parts)
   shape = tuple(x.shape)
-  if not is_parts and _aligned(x.sharding, shape, dst):
-    y = jax.device_put(x, dst)
-    return lambda: y
   route = _route(x.sharding, shape, x.dtype, len(x.parts) if is_parts else 0, dst, parts)
   cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}

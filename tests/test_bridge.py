@@ -96,20 +96,25 @@ def test_training_step_without_host_transfers(programs, data_dir, topo, batch):
   assert not programs, programs
 
 
-def test_aligned_shardings_copy_shard_to_shard():
-  """Equal row splits take one device_put (no host), also with the devices in another order."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_aligned_shardings_copy_shard_to_shard(monkeypatch, tp):
+  """Equal row splits send every shard whole to the device that holds the same rows (no cutting or
+  joining program, no host), also with the devices in another order and with tp replicas."""
+  programs = []
+  for name in ("_splitter", "_concat"):
+    real = getattr(bridge, name)
+    monkeypatch.setattr(bridge, name, lambda n, real=real: programs.append(n) or real(n))
   x = np.arange(12 * 4, dtype=np.float32).reshape(12, 4)
-  src = _sharding(0, 2)
-  devices = np.asarray([jax.devices()[5], jax.devices()[4]]).reshape(2, 1)
+  src = _sharding(0, 2, tp)
+  devices = np.asarray(jax.devices()[4:4 + 2 * tp][::-1]).reshape(2, tp)
   dst = NamedSharding(Mesh(devices, ("dp", "tp")), P("dp"))
-  assert bridge._aligned(src, x.shape, dst)  # pylint: disable=protected-access
-  assert not bridge._aligned(src, x.shape, _sharding(4, 2, 2))  # tp replicas: piece by piece
   a = jax.device_put(x, src)
   with no_host_transfers():
     b = jax.block_until_ready(bridge.transfer(a, dst))
-  assert b.sharding == dst
+  assert b.sharding == dst and not programs, programs
   np.testing.assert_array_equal(np.asarray(b), x)
-  np.testing.assert_array_equal(np.asarray(b.addressable_data(0)), x[:6])
+  for shard in b.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
 
 
 @pytest.mark.parametrize("src,dst,cut", [((0, 3), (4, 1), False), ((0, 4), (4, 2), False),

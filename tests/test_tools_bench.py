@@ -60,6 +60,21 @@ def test_planner_candidates_are_valid_layouts_and_predictions_follow_the_model(t
   assert plan.predict(split, 6.0, 2.0, 4, 0.01) == pytest.approx(6.0 + 0.01)
 
 
+def test_split_bound_is_below_every_split_and_uses_each_modules_fewest_gpu_seconds():
+  def cand(kind, gv, gl, tv, tl):
+    c = {"kind": kind, "vision_gpus": gv, "language_gpus": gl, "t_vision": tv, "t_language": tl}
+    c["predicted_s"] = plan.predict(c, tv, tl, 4, 0.0)
+    return c
+  # vision takes 1.8 GPU-seconds on 1 GPU, 2.0 on 2 and 2.4 on 3; language 1.5, 1.2 and 1.5.
+  cands = [cand("colocated", 4, 4, 0.55, 0.35), cand("non-colocated", 1, 3, 1.8, 0.5),
+           cand("non-colocated", 2, 2, 1.0, 0.6), cand("non-colocated", 3, 1, 0.8, 1.5)]
+  got = plan.split_bound(cands, 4)
+  assert got["vision"] == pytest.approx((1.8, 1)) and got["language"] == pytest.approx((1.2, 2))
+  assert got["step_s"] == pytest.approx((1.8 + 1.2) / 4)
+  assert all(got["step_s"] <= c["predicted_s"] for c in cands if c["kind"] == "non-colocated")
+  assert plan.split_bound(cands[:1], 4) is None
+
+
 def test_planner_costs_interpolate_in_dp_and_take_tp_as_dp(tmp_path):
   """Cost = busy * GPUs / work at each profiled (dp, tp); between profiled dps it is linear, beyond
   them the nearest; f_g is a colocated dp-only step over its modules' busy sum."""
@@ -121,6 +136,7 @@ def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "recommended:" in printed and "| vision=0/2/1,language=2/2/1 | non-colocated |" in printed
   assert "v dp2 profiled; l dp2 profiled" in printed and "v dp4 from dp2" in printed
+  assert "no split of the 4 GPUs between the modules can take less than" in printed
   with pytest.raises(SystemExit, match="profile the config being planned"):
     plan.main([f"--profile={out}", "--gpus=4", "--config=tests/configs/tiny_vlm.py:dynamic"])
 

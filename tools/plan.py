@@ -34,6 +34,12 @@ at dp · tp (f_g likewise; 1 without any colocated dp-only profile). Then
       microbatch's embeddings and their gradients (bytes from the config) at `--bridge_gbps`, for
       the one microbatch that is not hidden.
 
+**What a split can gain at most.** A non-colocated step takes at least its slower module's time,
+and no split of G GPUs runs both modules in less than their GPU-seconds summed over G (each
+module's fewest over the candidates' GPU counts). The planner prints that bound and its ratio to
+the fastest colocated prediction: where the modules scale almost linearly with their GPUs, it is
+close to 1 and no split pays, however the GPUs are divided (`split_bound`).
+
 tp is preferred last among layouts with the same prediction. `--layouts_only` prints the
 candidates as one `;`-joined string for tools/bench.py (to measure them all), and `--measured` (a
 tools/bench.py JSON of such a run; repeatable) adds the measured step times and says how far the
@@ -185,6 +191,23 @@ def predict(c: dict, t_v: float, t_l: float, microbatches: int, bridge_s: float)
   return max(t_v, t_l + t_v / microbatches) + bridge_s
 
 
+def split_bound(cands: list[dict], gpus: int) -> dict | None:
+  """The least step time any split of `gpus` GPUs between the modules could take, from the
+  predicted candidates: a non-colocated step is at least max(T_v, T_l), and with g_v + g_l = G,
+  max(S_v / g_v, S_l / g_l) >= (S_v + S_l) / G for the GPU-seconds S_m = T_m * g_m each module
+  takes on its GPUs; so no split beats each module's fewest GPU-seconds on any of the candidates'
+  GPU counts, summed, over G. None without a non-colocated candidate."""
+  split = [c for c in cands if c["kind"] == "non-colocated"]
+  if not split:
+    return None
+  out = {}
+  for m in MODULES:
+    c = min(split, key=lambda c: c[f"t_{m}"] * c[f"{m}_gpus"])
+    out[m] = (c[f"t_{m}"] * c[f"{m}_gpus"], c[f"{m}_gpus"])
+  out["step_s"] = sum(out[m][0] for m in MODULES) / gpus
+  return out
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +283,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{c['cost_from']} | {c['predicted_s']:.3f} | "
           f"{'–' if got is None else format(got, '.3f')} |")
   best = cands[0]
+  bound = split_bound(cands, args.gpus)
+  colocated = [c for c in cands if c["kind"] == "colocated"]
+  if bound and colocated:
+    fewest = ", ".join(f"{m} {bound[m][0]:.3f} on {bound[m][1]}" for m in MODULES)
+    print(f"no split of the {args.gpus} GPUs between the modules can take less than "
+          f"{bound['step_s']:.3f} s a step (each module's fewest GPU-seconds a step, {fewest} "
+          f"GPUs, over {args.gpus}): at most {colocated[0]['predicted_s'] / bound['step_s']:.2f}x "
+          f"the fastest colocated layout's predicted tokens/s")
   print(f"recommended: {best['layout']} ({best['kind']}), predicted {best['predicted_s']:.3f} s")
   if measured and best["layout"] in measured:
     fastest = min(measured, key=measured.get)
