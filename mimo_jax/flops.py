@@ -8,7 +8,8 @@ N excludes the embedding table (a gather, not a matmul) and includes the output 
 
 Counted are useful tokens only: the text tokens of real samples (padding excluded) and the patches
 of real images (empty image slots excluded); with images of several sizes packed into a slot, the
-ViT's attention counts each image's patches against its own only. MFU = FLOPs / step time / (GPUs · peak).
+ViT's attention counts each image's patches against its own only.
+MFU = FLOPs / step time / (GPUs · peak).
 """
 
 from __future__ import annotations

@@ -2,22 +2,24 @@
 
 Models keep the parameters of their repeated blocks stacked on a leading layer axis (see
 `models/layers.stacked`), and hand the stack to a `Stack`: the model code is the same for every
-pipeline size. With `pp == 1` the layers run as one `lax.scan`. With `pp > 1` the stack runs inside a
-`jax.shard_map` that is manual over `pp` only (dp and tp stay automatic, so tensor parallelism inside
-a layer is unchanged), and activations move from stage to stage with `lax.ppermute`.
+pipeline size. With `pp == 1` the layers run as one `lax.scan`. With `pp > 1` the stack runs
+inside a `jax.shard_map` that is manual over `pp` only (dp and tp stay automatic, so tensor
+parallelism inside a layer is unchanged), and activations move from stage to stage with
+`lax.ppermute`.
 
 Schedules, for M microbatches, p stages and v virtual stages (chunks) per stage:
 
-* GPipe (v = 1): stage s holds layers [s·L/p, (s+1)·L/p). At time t stage s runs microbatch t − s;
-  M + p − 1 steps, a bubble of (p − 1) / (M + p − 1).
+* GPipe (v = 1): stage s holds layers [s·L/p, (s+1)·L/p). At time t stage s runs microbatch
+  t − s; M + p − 1 steps, a bubble of (p − 1) / (M + p − 1).
 * Circular (v > 1): the layers form p·v chunks of L/(p·v); chunk k lives on stage k mod p, so a
-  microbatch goes round the ring v times. Stage 0 parks what comes back from the last stage until its
-  next round (this needs M ≥ p). M·v + p − 1 steps of 1/v the work each: the bubble shrinks by v.
+  microbatch goes round the ring v times. Stage 0 parks what comes back from the last stage until
+  its next round (this needs M ≥ p). M·v + p − 1 steps of 1/v the work each: the bubble shrinks
+  by v.
 
-The backward pass is the transpose of the forward loop (ppermute's transpose sends the other way), so
-gradients flow through the same ring in reverse: all forwards, then all backwards, as in GPipe.
-Bubble steps compute on zeros and are masked out. Inputs and outputs are replicated over `pp`: every
-stage receives the microbatches and the last stage's outputs are broadcast by one `psum`.
+The backward pass is the transpose of the forward loop (ppermute's transpose sends the other way),
+so gradients flow through the same ring in reverse: all forwards, then all backwards, as in GPipe.
+Bubble steps compute on zeros and are masked out. Inputs and outputs are replicated over `pp`:
+every stage receives the microbatches and the last stage's outputs are broadcast by one `psum`.
 """
 
 from __future__ import annotations

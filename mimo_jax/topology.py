@@ -1,9 +1,9 @@
 """Devices -> one Mesh per module (DESIGN §2.2).
 
 A module uses the dp*tp*pp consecutive devices of `jax.devices()` starting at its offset, laid out
-as a (pp, dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps tensor-parallel
-collectives on the fastest links; each pipeline stage is one contiguous block of dp*tp devices. Identical device ranges are colocated modules; disjoint ranges run
-concurrently.
+as a (pp, dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps
+tensor-parallel collectives on the fastest links; each pipeline stage is one contiguous block of
+dp*tp devices. Identical device ranges are colocated modules; disjoint ranges run concurrently.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def test_cudnn_packed_attention_matches_masked_attention(causal, heads, kv_heads
 def test_cudnn_packed_attention_sharded_over_rows_or_heads(axis):
   """Rows split over data parallelism, or heads over tensor parallelism: each shard's packed
   offsets must describe its own rows (cuDNN's partitioner cuts them with the rows)."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   rows = jnp.asarray(np.repeat(ROWS, 2, axis=1))
   b, l = rows.shape
   keys = jax.random.split(jax.random.key(1), 3)

@@ -105,7 +105,8 @@ def _stepper(cfg):
 
 
 def _encode(stepper, params, inputs):
-  return np.asarray(stepper._enc_apply["vision"](params, [inputs])[0])  # pylint: disable=protected-access
+  apply = stepper._enc_apply["vision"]  # pylint: disable=protected-access
+  return np.asarray(apply(params, [inputs])[0])
 
 
 def test_packed_encoder_matches_each_image_alone_and_the_fixed_size_path(synth_dir):
@@ -174,7 +175,8 @@ def test_scalable_reads_with_packed_slots(synth_dir):
   full = loader.train_dataset(cfg, path, 2)[0]
   where = loader.Locality(groups=frozenset(), slots=((12, 18),))  # vision dp rank 2 of 4
   got = loader.train_dataset(cfg, path, 2, where)[0]
-  owners = [len({int(i) for i in ids.ravel() if i >= 0}) for ids in full["image_owner_nt"][:, 12:18]]
+  owners = [len({int(i) for i in ids.ravel() if i >= 0})
+            for ids in full["image_owner_nt"][:, 12:18]]
   np.testing.assert_array_equal(got["records_read"], owners)
   assert sum(owners) < full["sample_ids_b"].size
   for k in ("patches_npk", "patch_pos_np", "patch_seg_np", "image_owner_nt"):
@@ -195,7 +197,8 @@ def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir)
     sizes.update(got)
   assert sizes == {(8, 8), (16, 16), (8, 16), (16, 8)}
   np.save(meta.path_of(path), records.meta[:, :3])  # the format without sizes
-  assert loader._Records(path, "synthetic").meta.shape == records.meta.shape  # pylint: disable=protected-access
+  got = loader._Records(path, "synthetic")  # pylint: disable=protected-access
+  assert got.meta.shape == records.meta.shape
 
 
 @pytest.mark.parametrize("data, field", [

@@ -40,8 +40,8 @@ def test_reorder_keeps_the_samples_and_their_images(data_dir, lang_dp):
     assert set(a) == set(b)
     for sid in a:
       np.testing.assert_array_equal(plain["tokens_bl"][m][a[sid]], balanced["tokens_bl"][m][b[sid]])
-      np.testing.assert_array_equal(plain["images_nhwc"][m][plain["image_owner_nt"][m][:, 0] == sid],
-                                    balanced["images_nhwc"][m][balanced["image_owner_nt"][m][:, 0] == sid])
+      mine = lambda b: b["images_nhwc"][m][b["image_owner_nt"][m][:, 0] == sid]
+      np.testing.assert_array_equal(mine(plain), mine(balanced))
     assert balanced["cost_spread"][m] <= plain["cost_spread"][m]
   assert balanced["cost_spread"].mean() < plain["cost_spread"].mean()
 

@@ -49,7 +49,8 @@ def test_a_vision_rank_reads_the_samples_of_its_slots(setup):
   cfg, path, full = setup
   where = loader.Locality(groups=frozenset(), slots=((24, 36),))  # vision dp rank 2 of 4
   for want, got in zip(full, _scalable(cfg, path, where)):
-    owners = [len({int(i) for i in ids.ravel() if i >= 0}) for ids in want["image_owner_nt"][:, 24:36]]
+    owners = [len({int(i) for i in ids.ravel() if i >= 0})
+              for ids in want["image_owner_nt"][:, 24:36]]
     np.testing.assert_array_equal(got["records_read"], owners)
     assert all(0 < n < cfg.data.micro_batch for n in owners)
     _same(want, got, GLOBAL)

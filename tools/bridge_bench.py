@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     header += " 2·x, bridge, + 1: ms, bridge cuts and joins | programs do |"
   header += "\n|" + "---:|" * (header.count("|") - 1)
   table = "\n".join([header] + rows)
-  print(f"bridge {args.src} -> {args.dst} on {len(jax.devices())} x {device}, pieces cut and joined by the {args.ends}")
+  print(f"bridge {args.src} -> {args.dst} on {len(jax.devices())} x {device}, "
+        f"pieces cut and joined by the {args.ends}")
   print(table)
   if args.record:
     record(f"Bridge bandwidth, {args.src} -> {args.dst}, ends: {args.ends}", "bridge_bench",

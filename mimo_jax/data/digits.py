@@ -2,8 +2,8 @@
 
 A sample is 0..k images of scikit-learn's 8x8 handwritten digits plus text. With images the text is
 `<img> <img> : seven two` (name the digits in order); without, it is a question such as
-`after seven : eight`. Train and eval samples draw from disjoint image sets, so eval accuracy measures
-recognition of digits never seen in training.
+`after seven : eight`. Train and eval samples draw from disjoint image sets, so eval accuracy
+measures recognition of digits never seen in training.
 """
 
 from __future__ import annotations

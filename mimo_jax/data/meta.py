@@ -3,8 +3,8 @@
 Scalable data parallelism (loader.py) reads only the records whose rows or image slots live on this
 process's devices, yet the layout of a microbatch (which row and which slots each sample takes), the
 cost-balanced reorder and the loss scale (1 / target tokens of the global batch) depend on every
-sample of the step. They need three numbers a sample and the size of each image, kept in `<shard>.meta.npy` (int32 [records, 3 + 2K], K the most
-images of a sample in the shard):
+sample of the step. They need three numbers a sample and the size of each image, kept in
+`<shard>.meta.npy` (int32 [records, 3 + 2K], K the most images of a sample in the shard):
 
   images        images of the sample
   text_tokens   its tokens other than image placeholders, bos and eos included

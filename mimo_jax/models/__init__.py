@@ -1,1 +1,1 @@
-"""Models: a ViT encoder with its projector, a Llama-style decoder, and the merge that joins them."""
+"""Models: a ViT encoder with its projector, a Llama-style decoder, and the merge joining them."""

@@ -108,7 +108,8 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
   `jax._src.cudnn`. Key and value heads are repeated to the query's count first: grouped-query
   heads scale the key offsets wrongly in some jax releases (jax-ml/jax#39521).
   """
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
   groups = q.shape[2] // k.shape[2]
   if groups > 1:
