@@ -350,9 +350,9 @@ def send(x, dst: NamedSharding, parts: bool = False):
   for a consumer that joins them inside its own program (`join`)."""
   if x.sharding == dst:
     return lambda: x
-  is_parts = isinstance(x, Parts)
   shape = tuple(x.shape)
-  route = _route(x.sharding, shape, x.dtype, len(x.parts) if is_parts else 0, dst, parts)
+  k_in = len(x.parts) if isinstance(x, Parts) else 0
+  route = _route(x.sharding, shape, x.dtype, k_in, dst, parts)
   cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}
   got.update(zip(route.local, _copy([cut[p] for p in route.local], route.targets,
