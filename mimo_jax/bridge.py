@@ -1,7 +1,7 @@
 """Moving arrays between module meshes, device to device, never through the host.
 
 `jax.device_put` between two shardings whose shards do not line up one-to-one silently copies
-through the host (DESIGN §3.2). The bridge therefore works on single-device shards: a dp-split array
+through the host. The bridge therefore works on single-device shards: a dp-split array
 [n, ...] is cut into the row ranges each destination dp rank needs (a slice on the device that holds
 them), each piece is copied device-to-device, pieces of one destination are concatenated there, and
 the result is assembled into one global array on the destination mesh. That covers fan-in
@@ -30,12 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-# The constructor behind jax.make_array_from_single_device_arrays and the abstract value it takes,
-# to build arrays without that function's checks (`_assemble`).
-from jax._src import core  # pylint: disable=g-bad-import-order
-from jax._src.array import ArrayImpl
-# The copy behind jax.device_put between devices, for many arrays in one call (`_copy`).
-from jax._src.lib import xla_client as xc
+
+from mimo_jax import compat
 
 
 def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], local: bool) -> dict:
@@ -197,27 +193,11 @@ def _local_devices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> t
   return tuple(sharding.addressable_devices_indices_map(shape))
 
 
-def _assemble(aval, sharding: jax.sharding.Sharding, arrays: list):
-  """`jax.make_array_from_single_device_arrays` without its checks, which cost about as much as the
-  rest of a small transfer's host work. Only for arrays a route built: one on each of this
-  process's devices of `sharding`, in `_local_devices` order, each of the shard's shape and the
-  dtype of `aval` (`_aval`). tests/test_bridge.py compares it with the public function."""
-  return ArrayImpl(aval, sharding, arrays, committed=True, _skip_checks=True)
-
-
-def _aval(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
-  return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
-
-
-def _copy(arrays: list, targets: tuple, device_lists: tuple) -> list:
-  """Copies one-device `arrays` device to device, one onto each of `targets` (one-device
-  shardings, whose `_internal_device_list`s are `device_lists`): the call `jax.device_put` makes
-  for them, without the layers before it, which cost more on the host than the call itself
-  (tests/test_bridge.py checks that no copy goes through the host)."""
-  if not arrays:
-    return []
-  return xc.batched_copy_array_to_devices_with_sharding(
-      arrays, device_lists, targets, [xc.ArrayCopySemantics.REUSE_INPUT] * len(arrays))
+def _assemble(route: "_Route", sharding: jax.sharding.Sharding, arrays: list):
+  """The array a route delivers from its per-device pieces: one on each of this process's devices
+  of `sharding`, in `_local_devices` order (compat.assemble; tests/test_bridge.py compares both
+  of its paths with `jax.make_array_from_single_device_arrays`)."""
+  return compat.assemble(route.shape, route.dtype, route.aval, sharding, arrays)
 
 
 def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
@@ -310,18 +290,22 @@ class _Route:
   across: tuple  # pieces that change process
   local: tuple  # pieces that stay in this process (to this process's destination devices)
   targets: tuple  # their destinations, as one-device shardings
-  device_lists: tuple  # those shardings' device lists (what `_copy` takes with them)
+  device_lists: tuple  # what compat.copy takes with them
   k: int  # > 1: the destination gets `Parts` of k pieces a device
   # Per array to assemble on the destination (k of them for `Parts`, else one): for each of this
   # process's devices in `_local_devices` order, its pieces (one, or several it joins).
   arrays: tuple
-  aval: object  # what each of those arrays is (shape, dtype, sharding)
+  shape: tuple[int, ...]  # each of those arrays' shape and dtype
+  dtype: object
+  aval: object  # and what compat.assemble's private path takes for them (None on the public one)
 
 
 @functools.lru_cache(maxsize=256)
 def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
-           dst: NamedSharding, parts: bool) -> _Route:
-  """For an array (k_in = 0) or its `Parts` in k_in parts, split over `src`, sent to `dst`."""
+           dst: NamedSharding, parts: bool, private: bool) -> _Route:
+  """For an array (k_in = 0) or its `Parts` in k_in parts, split over `src`, sent to `dst`
+  (`private`: which compat path the route was made for)."""
+  del private  # part of the cache key only
   plan = _plan(src, shape, dst)
   pieces = [p for ps in plan.values() for p in ps]
   here = set(src.addressable_devices)
@@ -330,15 +314,14 @@ def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
   k = fan_out(dst, shape, src) if parts else 1
   if k > 1:  # every destination device holds k whole pieces, in row order: part j is the j-th
     arrays = tuple(tuple((plan[d][j],) for d in mine) for j in range(k))
-    aval = _aval((shape[0] // k,) + shape[1:], dtype, dst)
+    out_shape = (shape[0] // k,) + shape[1:]
   else:
     arrays = (tuple(tuple(plan[d]) for d in mine),)
-    aval = _aval(shape, dtype, dst)
+    out_shape = shape
   local = tuple(p for d in mine for p in plan[d] if not p.crosses)
-  targets = tuple(jax.sharding.SingleDeviceSharding(p.dst) for p in local)
-  device_lists = tuple(t._internal_device_list for t in targets)  # pylint: disable=protected-access
+  targets, device_lists = compat.copy_targets(tuple(p.dst for p in local))
   return _Route(whole, cut, tuple(p for p in pieces if p.crosses), local, targets, device_lists,
-                k, arrays, aval)
+                k, arrays, out_shape, dtype, compat.aval(out_shape, dtype, dst))
 
 
 def send(x, dst: NamedSharding, parts: bool = False):
@@ -352,16 +335,16 @@ def send(x, dst: NamedSharding, parts: bool = False):
     return lambda: x
   shape = tuple(x.shape)
   k_in = len(x.parts) if isinstance(x, Parts) else 0
-  route = _route(x.sharding, shape, x.dtype, k_in, dst, parts)
+  route = _route(x.sharding, shape, x.dtype, k_in, dst, parts, compat.private_bridge())
   cut = _take(x, route.whole, route.cut)
   got = _send_across(route.across, cut, x) if route.across else {}
-  got.update(zip(route.local, _copy([cut[p] for p in route.local], route.targets,
-                                     route.device_lists)))
+  got.update(zip(route.local, compat.copy([cut[p] for p in route.local], route.targets,
+                                           route.device_lists)))
   done = []
 
   def assemble():
     if not done:
-      arrays = [_assemble(route.aval, dst, [got[ps[0]] if len(ps) == 1 else
+      arrays = [_assemble(route, dst, [got[ps[0]] if len(ps) == 1 else
                                             _concat(len(ps))(*(got[p] for p in ps))
                                             for ps in array]) for array in route.arrays]
       done.append(Parts(tuple(arrays), shape, dst) if route.k > 1 else arrays[0])

@@ -45,26 +45,34 @@ def _reason(e: Exception) -> str:
   return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
 
 
-def _closed_loop_reports(previous):
-  """An unraisable-exception hook that drops "Event loop is closed" and passes the rest on."""
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and
-            str(unraisable.exc_value) == "Event loop is closed"):
-      previous(unraisable)
-  hook.drops_closed_loop_reports = True
-  return hook
+def _is_closed_loop_report(unraisable) -> bool:
+  return (isinstance(unraisable.exc_value, RuntimeError) and
+          str(unraisable.exc_value) == "Event loop is closed")
 
 
-def _drop_failed_reads() -> None:
-  """A restore that fails leaves orbax's other reads behind, bound to an event loop that orbax
-  has closed: as each ends, or is collected, Python reports "Event loop is closed", after the
-  error or at exit. From the first failed read on, those reports (and only those) are dropped;
-  what is already garbage is collected now."""
-  if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
-    sys.unraisablehook = _closed_loop_reports(sys.unraisablehook)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
-    gc.collect()
+class _DroppedReads:
+  """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
+  closed: as each ends, or is collected, Python reports "Event loop is closed". While this is
+  installed (from a failed read until its checkpointer is closed), those reports, and only those,
+  are dropped; the previous hook is restored afterwards."""
+
+  def __enter__(self):
+    self._previous = sys.unraisablehook
+
+    def hook(unraisable, previous=self._previous):
+      if not _is_closed_loop_report(unraisable):
+        previous(unraisable)
+    sys.unraisablehook = hook
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
+      gc.collect()  # the failed read's leftovers that are already garbage
+    return self
+
+  def __exit__(self, *exc):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      gc.collect()
+    sys.unraisablehook = self._previous
 
 
 def directory(workdir: str) -> str:
@@ -126,6 +134,7 @@ class Checkpointer:
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
                read_only: bool = False):
     self.path, self.modules = path, list(modules)
+    self._dropped = None  # a _DroppedReads while a failed restore's reads linger
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
@@ -185,7 +194,8 @@ class Checkpointer:
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside
     the `except` block, whose exception holds it)."""
-    _drop_failed_reads()
+    if self._dropped is None:
+      self._dropped = _DroppedReads().__enter__()
     raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
                           f"incomplete: move {self.path}/{step} away to resume from the "
                           "checkpoint before it, or start in a new run.workdir.")
@@ -196,6 +206,9 @@ class Checkpointer:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
+    if self._dropped is not None:
+      self._dropped.__exit__(None, None, None)
+      self._dropped = None
 
 
 def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:

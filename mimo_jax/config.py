@@ -8,7 +8,7 @@ the field and the fix, before anything is compiled.
 
 import dataclasses
 
-MODULE_KINDS = ("vision", "language")  # encoders first, the language model last
+LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
 REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
 TASKS = ("digits", "synthetic")
 DIGITS_VOCAB = 17  # data/tokenizer.py
@@ -62,6 +62,12 @@ class ModelConfig:
   attention: str = "auto"
   vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
+  # Configs of further registered encoders by name (mimo_jax/encoders), beside `vision`.
+  extra: dict = dataclasses.field(default_factory=dict)
+
+  def module(self, name: str):
+    """`model.<name>`: a module's config section."""
+    return self.extra[name] if name in self.extra else getattr(self, name)
 
 
 @dataclasses.dataclass
@@ -90,14 +96,24 @@ class ModuleTopology:
 class TopologyConfig:
   vision: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
   language: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
+  # Further registered encoders by name (mimo_jax/encoders), each with its own mesh.
+  extra: dict = dataclasses.field(default_factory=dict)
+
+  def encoders(self) -> list[str]:
+    """The run's encoders in dispatch order: `vision`, then the others as added."""
+    return ["vision", *self.extra]
 
   def modules(self) -> dict[str, ModuleTopology]:
-    return {name: getattr(self, name) for name in MODULE_KINDS}
+    """Every module's topology: encoders first, the language model last."""
+    return {name: self.module(name) for name in [*self.encoders(), LANGUAGE]}
+
+  def module(self, name: str) -> ModuleTopology:
+    return self.extra[name] if name in self.extra else getattr(self, name)
 
 
 @dataclasses.dataclass
 class DataConfig:
-  # digits: the digits-captioning task (DESIGN §4); synthetic: random VLM-shaped samples for
+  # digits: the digits-captioning task (data/digits.py); synthetic: random VLM-shaped samples for
   # benchmarks (data/synthetic.py), images of model.vision.image_size, text ids < vocab_size.
   task: str = "digits"
   seed: int = 0
@@ -290,13 +306,15 @@ def set_layout(cfg: Config, layout: str) -> None:
   tools write layouts), e.g. `vision=0/4/1,language=4/2/2`."""
   for item in (s.strip() for s in layout.split(",") if s.strip()):
     name, _, spec = item.partition("=")
-    require(name in MODULE_KINDS, "topology", f"{item!r}: unknown module {name!r}.")
+    modules = cfg.topology.modules()
+    require(name in modules, "topology",
+             f"{item!r}: unknown module {name!r}; modules: {', '.join(modules)}.")
     try:
       values = [int(v) for v in spec.split("/")]
     except ValueError:
       values = []
     require(3 <= len(values) <= 5, f"topology.{name}",
              f"{item!r} is not offset/dp/tp[/pp[/virtual]].")
-    t = getattr(cfg.topology, name)
+    t = cfg.topology.module(name)
     t.offset, t.dp, t.tp = values[:3]
     t.pp, t.virtual = (values[3:] + [1, 1])[:2]

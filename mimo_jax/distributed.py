@@ -1,7 +1,7 @@
 """Several processes (hosts): start-up, and bringing device values to every process.
 
 Every process runs the same program and makes the same jit and transfer calls in the same order
-(DESIGN §3.6); a process may call a jit on a mesh where it has no devices. Only process 0 writes
+(docs/multihost.md); a process may call a jit on a mesh where it has no devices. Only process 0 writes
 metrics, progress and the run's logs.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge
+from mimo_jax import bridge, compat
 
 CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
@@ -56,10 +56,8 @@ def barrier(tag: str, timeout_s: int = 300) -> None:
   """
   if jax.process_count() == 1:
     return
-  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
   _barriers[0] += 1
-  jax_distributed.global_state.client.wait_at_barrier(f"mimo_jax_{tag}_{_barriers[0]}",
-                                                      timeout_s * 1000)
+  compat.barrier(f"mimo_jax_{tag}_{_barriers[0]}", timeout_s)
 
 
 def is_main() -> bool:

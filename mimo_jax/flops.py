@@ -19,12 +19,14 @@ import dataclasses
 import jax
 import numpy as np
 
+from mimo_jax import encoders
+from mimo_jax.batch import Batch
 from mimo_jax.config import Config
 
 H100_H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of one H100 / H200 SXM
 
 
-def _kernel_params(params, prefix: str = "") -> int:
+def kernel_params(params, prefix: str = "") -> int:
   """Parameters of matmul kernels under `prefix` (every `kernel` leaf)."""
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -36,25 +38,24 @@ def _kernel_params(params, prefix: str = "") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class FlopModel:
-  vision_patch_params: int  # matmul parameters a patch goes through (embedding, blocks)
-  projector_params: int  # matmul parameters an image token goes through after the pixel shuffle
+  """Model FLOPs of a step: each encoder's from its plug-in (encoders/*.py), the language
+  model's here."""
+  params: dict  # abstract parameters by module
   language_params: int  # matmul parameters a text position goes through (blocks, head)
   cfg: Config
 
   @classmethod
   def build(cls, cfg: Config, abstract_params: dict) -> "FlopModel":
-    v = abstract_params["vision"]
-    projector = _kernel_params(v, "projector")
-    return cls(_kernel_params(v) - projector, projector,
-               _kernel_params(abstract_params["language"]), cfg)
+    return cls(abstract_params, kernel_params(abstract_params["language"]), cfg)
+
+  def encoder(self, name: str, work: dict[str, int]) -> float:
+    """Encoder `name` on items whose FLOP-model counts are `work` (e.g. patches)."""
+    return encoders.get(name).flops(self.cfg, self.params[name], work)
 
   def vision(self, patches: int, patches_sq: int) -> float:
     """Images of `patches` patches in all, whose squared patch counts sum to `patches_sq` (each
     image attends within itself)."""
-    v = self.cfg.model.vision
-    dense = 6 * (self.vision_patch_params * patches +
-                 self.projector_params * patches / v.downsample**2)
-    return float(dense + 12 * v.layers * v.dim * patches_sq)
+    return self.encoder("vision", {"patches": patches, "patches_sq": patches_sq})
 
   def language_per_row(self, tokens: int) -> float:
     """A sample of `tokens` positions (its own segment when packed), attending causally."""
@@ -62,10 +63,13 @@ class FlopModel:
     return float(6 * self.language_params * tokens + 12 * lm.layers * lm.dim * tokens *
                  (tokens + 1) / 2)
 
-  def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """Model FLOPs of one step's batch (arrays with a leading microbatch axis)."""
+  def step(self, batch: Batch) -> dict[str, float]:
+    """Model FLOPs of a batch (a step's, or one microbatch): per module and in total."""
     # Per sample (its own segment when packed), counted for every sample of the step, including
     # those whose records other processes read.
-    language = sum(self.language_per_row(int(n)) for n in np.ravel(batch["tokens_b"]) if n)
-    vision = self.vision(int(np.sum(batch["patches"])), int(np.sum(batch["patches_sq"])))
-    return {"vision": vision, "language": language, "total": vision + language}
+    out = {"language": sum(self.language_per_row(int(n))
+                           for n in np.ravel(batch.samples.tokens_b) if n)}
+    for name, work in batch.stats.work.items():
+      out[name] = self.encoder(name, {k: int(np.sum(v)) for k, v in work.items()})
+    out["total"] = sum(out.values())
+    return out

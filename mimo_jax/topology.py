@@ -1,4 +1,4 @@
-"""Devices -> one Mesh per module (DESIGN §2.2).
+"""Devices -> one Mesh per module.
 
 A module uses the dp*tp*pp consecutive devices of `jax.devices()` starting at its offset, laid out
 as a (pp, dp, tp) grid: tp neighbours are adjacent devices, which on a GPU host keeps
@@ -16,11 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax.config import Config
+from mimo_jax.sharding import AXES, BATCH, REPLICATED  # noqa: F401  (re-exported)
 from mimo_jax.validation import validate_topology
-
-AXES = ("pp", "dp", "tp")
-BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
-REPLICATED = P()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The training loop: plain Python around `Stepper.train_step`.
+"""The training loop: plain Python around `Step.train_step`.
 
 Metrics of step N are fetched after step N+1 has been dispatched, so the host never makes the
 devices wait (a fetch inside the step would serialise the module meshes). A workdir that holds
@@ -14,14 +14,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import checkpoint, distributed, topology
+from mimo_jax import checkpoint, distributed
+from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
 from mimo_jax.data import loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter
-from mimo_jax.models.mimo import build_modules
 from mimo_jax.optim import schedule
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from mimo_jax.validation import validate, validate_backend
 
 
@@ -75,22 +75,32 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
           "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"]}
 
 
+def _batch_info(batch: Batch) -> dict:
+  """What a record logs of its step's batch."""
+  return {"tokens": total(batch, lambda s: s.tokens),
+          "target_tokens": total(batch, lambda s: s.target_tokens),
+          "images": total(batch, lambda s: s.items.get("vision", 0)),
+          "records_read": total(batch, lambda s: s.records_read),
+          "cost_spread": float(batch.stats.cost_spread.mean()),
+          "cost_spread_in_order": float(batch.stats.cost_spread_in_order.mean())}
+
+
 def run(cfg: Config) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
-  topo = topology.build(cfg)
+  trainer = Step.build(cfg)
+  topo = trainer.topo
   paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
-  stepper = Stepper(cfg, topo, build_modules(cfg))
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(stepper.modules),
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(trainer.modules),
                                  keep=cfg.checkpoint.keep)
   start = ckpt.latest_step() or 0
   if start:
-    state, _ = ckpt.restore(start, stepper.abstract_state(canonical=True), cfg)
-    state = stepper.from_canonical(state)
+    state, _ = ckpt.restore(start, trainer.abstract_state(canonical=True), cfg)
+    state = trainer.from_canonical(state)
   else:
-    state = stepper.init_state(cfg.train.seed)
-  evaluator = Evaluator(stepper, cfg.data.max_images, accuracy=cfg.data.task == "digits")
+    state = trainer.init_state(cfg.train.seed)
+  evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
   eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
   # The whole LR table once: evaluating the schedule per step would queue behind the step's work
   # on device 0 and make the host wait there.
@@ -142,27 +152,21 @@ def run(cfg: Config) -> list[dict]:
       for step in range(start + 1, cfg.train.steps + 1):
         waited = time.time()
         batch = next(batches)
-        info = {"loader_wait_s": time.time() - waited,
-                "tokens": int(batch["tokens"].sum()),
-                "target_tokens": int(batch["target_tokens"].sum()),
-                "images": int(batch["images"].sum()),
-                "records_read": int(batch["records_read"].sum()),
-                "cost_spread": float(batch["cost_spread"].mean()),
-                "cost_spread_in_order": float(batch["cost_spread_in_order"].mean())}
+        info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
         dispatched = time.time()
-        state, metrics = stepper.train_step(state, batch)
+        state, metrics = trainer.train_step(state, batch)
         if pending is not None:
           flush()  # the previous step's metrics, now that this step is dispatched
         pending = (step, metrics, info, dispatched)
         if stop.should_stop(step):
           flush()
-          ckpt.save(step, stepper.canonical(state), cfg, force=True)
+          ckpt.save(step, trainer.canonical(state), cfg, force=True)
           ckpt.wait()
           writer.say(f"{stop.signal}: saved step {step} to {ckpt.path}; run the same command "
                      "to resume.")
           return records
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-          ckpt.save(step, stepper.canonical(state), cfg)
+          ckpt.save(step, trainer.canonical(state), cfg)
           saved = step
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
           flush()
@@ -171,7 +175,7 @@ def run(cfg: Config) -> list[dict]:
     if pending is not None:
       flush()
     if start < cfg.train.steps and saved != cfg.train.steps:
-      ckpt.save(cfg.train.steps, stepper.canonical(state), cfg, force=True)
+      ckpt.save(cfg.train.steps, trainer.canonical(state), cfg, force=True)
     elif start >= cfg.train.steps:
       writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")
     log({"step": cfg.train.steps, **evaluator(state, eval_batches)})

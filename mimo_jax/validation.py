@@ -1,6 +1,7 @@
 """Config validation: every bad value becomes one `ConfigError` that names the field and the fix,
 before anything is compiled."""
 
+from mimo_jax import encoders
 from mimo_jax.config import (DIGITS_VOCAB, REMAT, TASKS, Config, ConfigError, parse_freeze,
                              parse_lr_mult, require)
 
@@ -125,6 +126,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
            f"must be auto, bar or lines, got {cfg.run.progress!r}.")
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
+  for name in cfg.topology.extra:
+    require(name in cfg.model.extra, f"model.{name}",
+             f"topology.{name} is set but model.{name} is not; give the encoder a config.")
+  for name in cfg.model.extra:
+    require(name in cfg.topology.extra, f"topology.{name}",
+             f"model.{name} is set but topology.{name} is not; place the encoder on devices.")
+  for encoder in encoders.of(cfg).values():
+    encoder.validate(cfg)
   validate_topology(cfg, num_devices)
 
 
@@ -138,7 +147,7 @@ def validate_backend(cfg: Config, backend: str) -> None:
 
 
 def validate_topology(cfg: Config, num_devices: int | None) -> None:
-  """Device ranges and divisibility of every module; see DESIGN §2.2."""
+  """Device ranges and divisibility of every module (topology.py)."""
   d, lm = cfg.data, cfg.model.language
   ranges = {}
   for name, t in cfg.topology.modules().items():
@@ -149,7 +158,7 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
              f"unknown policy {t.remat!r}; choose from {', '.join(REMAT)}.")
     require(t.virtual == 1 or t.pp > 1, f"{f}.virtual",
              f"{t.virtual} virtual stages need pipeline stages; set pp > 1 or virtual=1.")
-    layers = getattr(cfg.model, name).layers
+    layers = cfg.model.module(name).layers
     require(layers % (t.pp * t.virtual) == 0, f"{f}.pp",
              f"model.{name}.layers={layers} must split evenly into pp*virtual = "
              f"{t.pp}*{t.virtual} = {t.pp * t.virtual} chunks.")

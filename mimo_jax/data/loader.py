@@ -1,7 +1,7 @@
 """grain pipelines: the global sample order and the per-step batches in slot layout.
 
 Sample j of step s is element s * global_batch + j of one shuffled, endlessly repeated stream of
-record indices that depends only on `data.seed`, never on the topology (DESIGN §2.3). The layout
+record indices that depends only on `data.seed`, never on the topology. The layout
 (slots per language dp rank) is the only topology-dependent part, and it moves samples between
 slots, never between steps.
 
@@ -21,9 +21,11 @@ from typing import Iterator
 import grain
 import numpy as np
 
-from mimo_jax.config import Config, DataConfig, slot_images
+from mimo_jax import encoders
+from mimo_jax.batch import Batch, stack
+from mimo_jax.config import Config, DataConfig
 from mimo_jax.data import digits, meta, reorder, synthetic
-from mimo_jax.data.layout import Layout, image_sizes, layout_microbatch, place_images, stack
+from mimo_jax.data.layout import Layout, layout_microbatch, place_items
 from mimo_jax.data.tokenizer import Tokenizer
 
 
@@ -41,12 +43,14 @@ def build_paths(cfg: Config, progress=None) -> dict[str, str]:
   return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
 
 
-def make_layout(cfg: Config, groups: int, slots: int, pack_rows: int = 0) -> Layout:
-  v = cfg.model.vision
-  return Layout(seq_len=cfg.data.seq_len, tokens_per_image=v.tokens_per_image, groups=groups,
-                slots=slots, image_shape=(v.image_size, v.image_size, v.channels),
-                pack_rows=pack_rows, slot_patches=cfg.data.slot_patches,
-                patch_size=v.patch_size, downsample=v.downsample, slot_images=slot_images(cfg))
+def make_layout(cfg: Config, groups: int, eval_batch: int = 0) -> Layout:
+  """The training layout, or with `eval_batch` > 0 that of an eval batch of that many samples (no
+  packing, slots for every sample's most items)."""
+  slots = {n: e.slots(cfg, eval_batch) for n, e in encoders.of(cfg).items()}
+  return Layout(seq_len=cfg.data.seq_len, groups=groups,
+                encoders=tuple(e.slot_layout(cfg, groups, slots[n])
+                               for n, e in encoders.of(cfg).items()),
+                pack_rows=0 if eval_batch else cfg.data.pack_rows)
 
 
 class _Decode(grain.transforms.Map):
@@ -125,12 +129,14 @@ class _Records:
 
 
 def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
-                  records: _Records, where: Locality) -> dict[str, np.ndarray]:
+                  records: _Records, where: Locality) -> Batch:
   """Lays out one microbatch of (stream position, record index) pairs: reorders its samples over
-  language dp ranks if configured, and reads only the records `where` needs."""
+  language dp ranks if configured, and reads only the records `where` needs. (The sidecar
+  describes images: the stubs and reads follow the vision encoder's slots.)"""
   stubs = [{"meta": tuple(int(v) for v in records.meta[index])} for _, index in elements]
   ids = [id_of(pos) for pos, _ in elements]
-  image_tokens = [[layout.image_tokens(h, w, sid) for h, w in image_sizes(stub)]
+  vision = layout.encoder("vision")
+  image_tokens = [[vision.item_tokens(size, sid) for size in vision.sizes(stub)]
                   for stub, sid in zip(stubs, ids)]
   costs = [reorder.sample_cost(sum(t), stub["meta"][meta.TEXT_TOKENS], data.image_token_cost,
                                data.text_token_cost) for t, stub in zip(image_tokens, stubs)]
@@ -140,13 +146,13 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
   elements, stubs, ids, image_tokens = ([x[i] for i in order]
                                         for x in (elements, stubs, ids, image_tokens))
   per_group = len(elements) // layout.groups
-  places = place_images(image_tokens, ids, layout)
+  places = place_items(image_tokens, ids, vision)
   samples = [records.read(index) if where.needs(b // per_group, {j for j, _ in places[b]})
              else stub for b, ((_, index), stub) in enumerate(zip(elements, stubs))]
   out = layout_microbatch(samples, ids, layout, tok)
-  out["records_read"] = np.int32(sum("meta" not in s for s in samples))
-  out["cost_spread"] = np.float32(reorder.spread(costs, order, layout.groups))
-  out["cost_spread_in_order"] = np.float32(
+  out.stats.records_read = np.int32(sum("meta" not in s for s in samples))
+  out.stats.cost_spread = np.float32(reorder.spread(costs, order, layout.groups))
+  out.stats.cost_spread_in_order = np.float32(
       reorder.spread(costs, list(range(len(costs))), layout.groups))
   return out
 
@@ -156,7 +162,7 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
   """Element s = step s's batch: arrays with a leading [microbatches] axis. `where` limits the
   records read to this process's share (default: read everything)."""
   d = cfg.data
-  layout = make_layout(cfg, lang_dp, d.slots(), d.pack_rows)
+  layout = make_layout(cfg, lang_dp)
   records = _Records(path, d.task)
   ds = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
@@ -168,40 +174,42 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
   return ds.batch(d.microbatches, batch_fn=functools.partial(_step_batch, cfg=cfg, layout=layout))
 
 
-def _step_batch(microbatches: list[dict], cfg: Config, layout: Layout) -> dict[str, np.ndarray]:
-  """A step's microbatches stacked [M, ...]. With `data.slot_buckets`, `slots_sent` [M] is how many
-  of each rank's image slots a microbatch sends to the encoder, and with `data.row_buckets`,
-  `rows_sent` [M] how many of its packed rows go to the language model (the rest are empty; a
+def _step_batch(microbatches: list[Batch], cfg: Config, layout: Layout) -> Batch:
+  """A step's microbatches stacked [m, ...]. With `data.slot_buckets`, each encoder's `Slots.sent`
+  is how many of each rank's slots a microbatch sends to the encoder, and with `data.row_buckets`,
+  `Text.rows_sent` how many of its packed rows go to the language model (the rest are empty; a
   pipelined module takes a step's microbatches as one array, so then every microbatch sends the
   step's most); with `data.microbatch_order=pipeline` the microbatches are reordered for the
   encoder -> language pipeline (reorder.pipeline_order)."""
   d, tops = cfg.data, cfg.topology
   pipelined = any(t.pp > 1 for t in tops.modules().values())
 
-  def sent(field: str, buckets: int, per_rank: int, split: int) -> list[int]:
+  def sent(used: list[int], buckets: int, per_rank: int, split: int) -> list[int]:
     if not buckets:
-      return [per_rank] * len(microbatches)
-    out = [reorder.bucket(int(mb[field].max()), per_rank, buckets, layout.groups, split)
-           for mb in microbatches]
+      return [per_rank] * len(used)
+    out = [reorder.bucket(u, per_rank, buckets, layout.groups, split) for u in used]
     return [max(out)] * len(out) if pipelined else out
 
-  slots = sent("slots_used_g", d.slot_buckets, layout.slots_per_group, tops.vision.dp)
-  rows = sent("rows_used_g", d.row_buckets, microbatches[0]["tokens_bl"].shape[0] // layout.groups,
-              1)
+  slots = {e.name: sent([int(mb.slots[e.name].used_g.max()) for mb in microbatches],
+                        d.slot_buckets, e.slots_per_group, tops.module(e.name).dp)
+           for e in layout.encoders}
+  rows = sent([int(mb.stats.rows_used_g.max()) for mb in microbatches], d.row_buckets,
+              microbatches[0].text.tokens_rl.shape[0] // layout.groups, 1)
+  order = list(range(len(microbatches)))
   if d.microbatch_order == "pipeline":
     # Time on each module's devices: encoder work grows with the slots it computes, the language
     # model's with the rows it computes, padding included.
-    encoder = [n * layout.groups * layout.slot_tokens * d.image_token_cost
-               / tops.vision.size for n in slots]
+    encoder = [sum(slots[e.name][i] * layout.groups * e.slot_tokens * d.image_token_cost
+                   / tops.module(e.name).size for e in layout.encoders)
+               for i in order]
     language = [r * layout.groups * layout.seq_len * d.text_token_cost / tops.language.size
                 for r in rows]
     order = reorder.pipeline_order(encoder, language)
-    microbatches = [microbatches[i] for i in order]
-    slots, rows = [slots[i] for i in order], [rows[i] for i in order]
-  out = stack(microbatches)
-  out["slots_sent"] = np.asarray(slots, np.int32)
-  out["rows_sent"] = np.asarray(rows, np.int32)
-  return out
+  for i, mb in enumerate(microbatches):
+    mb.text.rows_sent = np.int32(rows[i])
+    for name, s in slots.items():
+      mb.slots[name].sent = np.int32(s[i])
+  return stack([microbatches[i] for i in order])
 
 
 def train_iterator(cfg: Config, path: str, lang_dp: int, start_step: int = 0,
@@ -227,13 +235,13 @@ def _absl_flags_parsed() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
-def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[dict[str, np.ndarray]]:
+def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   """The first `eval.samples` eval samples in file order, in batches of `eval.batch`.
 
   The last batch is padded with empty rows (sample id -1, no loss, no accuracy), never truncated.
   """
   n, bsz = cfg.eval.samples, cfg.eval.batch
-  layout = make_layout(cfg, lang_dp, bsz * cfg.data.max_images)
+  layout = make_layout(cfg, lang_dp, eval_batch=bsz)
   tok = Tokenizer()
   ds = _source(path, cfg.data.task)
   if n > len(ds):

@@ -20,17 +20,18 @@ import os
 
 import numpy as np
 
-from mimo_jax.data.layout import image_sizes, sample_tokens, text_length
-from mimo_jax.data.tokenizer import Tokenizer
+from mimo_jax.data.layout import sample_tokens, text_length
+from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.encoders.vision import image_sizes
 
 IMAGES, TEXT_TOKENS, LOSS_TOKENS = range(3)
 
 
 def row(sample: dict, tok: Tokenizer) -> tuple[int, ...]:
   k = len(sample["images"])
-  seq, start = sample_tokens(tok, sample, [1] * k)
+  seq, start = sample_tokens(tok, sample, {IMG: [1] * k})
   sizes = [v for hw in image_sizes(sample) for v in hw]
-  return (k, text_length(sample, tok), len(seq) - 1 - start, *sizes)
+  return (k, text_length(sample, tok, (IMG,)), len(seq) - 1 - start, *sizes)
 
 
 def path_of(shard: str) -> str:

@@ -2,8 +2,8 @@
 
 Tensor parallelism is Megatron's column/row split: the first matmul of attention and MLP is split
 on its output features (heads, hidden units) over the mesh axis `tp`, the second on its input
-features, so each block needs one reduction. The split is declared by path rules (`TP_RULES`), not
-by the modules, which never see a mesh.
+features, so each block needs one reduction. The split is declared by path rules
+(`sharding.TP_RULES`), not by the modules, which never see a mesh.
 """
 
 from __future__ import annotations
@@ -11,22 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-COLUMN = P(None, "tp")  # kernel [in, out]: out split
-ROW = P("tp", None)  # kernel [in, out]: in split
-COLUMN_BIAS = P("tp")
-
-# (path regex, spec) pairs; the first match wins, unmatched parameters are replicated.
-TP_RULES = (
-    (r".*attn/(q|k|v)/kernel$", COLUMN),
-    (r".*attn/(q|k|v)/bias$", COLUMN_BIAS),
-    (r".*attn/o/kernel$", ROW),
-    (r"(.*/)?(mlp|projector)/(gate|up)/kernel$", COLUMN),
-    (r"(.*/)?(mlp|projector)/(gate|up)/bias$", COLUMN_BIAS),
-    (r"(.*/)?(mlp|projector)/down/kernel$", ROW),
-)
-
+from mimo_jax import compat
 
 def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
   """`n` layers built by `make(rngs)`, parameters stacked on a new leading axis (one key each), so
@@ -104,22 +90,16 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
   attention does, without materialising the [l, l] mask. The segment layout goes to cuDNN as
   per-row offsets and lengths (its packed "THD" mode, Hopper GPUs and later).
 
-  The public `jax.nn.dot_product_attention` takes no segment layout, hence the call into
-  `jax._src.cudnn`. Key and value heads are repeated to the query's count first: grouped-query
-  heads scale the key offsets wrongly in some jax releases (jax-ml/jax#39521).
+  The public `jax.nn.dot_product_attention` takes no segment layout, hence the private call
+  (compat.packed_attention). Key and value heads are repeated to the query's count first:
+  grouped-query heads scale the key offsets wrongly in some jax releases (jax-ml/jax#39521).
   """
-  # pylint: disable-next=g-import-not-at-top
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
   groups = q.shape[2] // k.shape[2]
   if groups > 1:
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
   offsets, lengths = segment_runs(segment_ids_bl, max_segments)
   offsets = jnp.concatenate([offsets, jnp.full((offsets.shape[0], 1), -1, jnp.int32)], axis=1)
-  mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  return cudnn.dot_product_attention(
-      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-      scale=q.shape[-1] ** -0.5, mask_type=mask)
+  return compat.packed_attention(q, k, v, offsets, lengths, causal)
 
 
 class Attention(nnx.Module):

@@ -1,7 +1,7 @@
 """The multimodal model as separate modules (encoders by name + `language`) and the merge step.
 
 Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
-shardings of `topology.py` all see the same simple pytree. `Module.bind` rebuilds the flax NNX
+shardings of the plan (sharding.py) all see the same simple pytree. `Module.bind` rebuilds the flax NNX
 object from such a dict inside a jitted function. A module's repeated blocks live under `blocks`,
 stacked on a leading layer axis; the step runs them through a `pipeline.Stack` (`RunBlocks`), which
 is what lets the same model code run in one piece or in pipeline stages.
@@ -10,40 +10,33 @@ is what lets the same model code run in one piece or in pipeline stages.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from mimo_jax.config import Config, row_segments, slot_images
+from mimo_jax import encoders
+from mimo_jax.config import Config, row_segments
 from mimo_jax.data.tokenizer import Tokenizer
-from mimo_jax.models.layers import TP_RULES
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
-from mimo_jax.models.vit import ViTBlock, VisionEncoder
+from mimo_jax.sharding import path_str
 
 Params = dict
 # (x [M, ...], per-microbatch side inputs, each [M, ...]) -> x after every block.
 RunBlocks = Callable[[jax.Array, tuple], jax.Array]
-BLOCKS = "blocks"
-
-
-def path_str(path: tuple) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 @dataclasses.dataclass
 class Module:
-  """One module: how to build it, its parameter groups and its tensor-parallel specs."""
+  """One module: how to build it and its parameter groups."""
   name: str
   ctor: Callable[[nnx.Rngs], nnx.Module]
   layer_ctor: Callable[[nnx.Rngs], nnx.Module]  # one of the stacked `blocks`
   seed_salt: int
 
   def init(self, seed: int) -> Params:
-    """Parameters from the model seed alone: identical on every mesh (DESIGN §2.3)."""
+    """Parameters from the model seed alone: identical on every mesh."""
     key = jax.random.fold_in(jax.random.key(seed), self.seed_salt)
     return nnx.to_pure_dict(nnx.split(self.ctor(nnx.Rngs(params=key)))[1])
 
@@ -68,36 +61,22 @@ class Module:
       return f"{self.name}_projector"
     return self.name
 
-  def specs(self, params: Params, stage_spec: tuple = ("pp",)) -> Params:
-    """PartitionSpec per parameter from `TP_RULES` (unmatched parameters are replicated); the
-    stacked layer axes of `blocks` are split as `stage_spec` says (pipeline stages)."""
-    def spec(path, _):
-      p = path_str(path)
-      lead = stage_spec if p.startswith(BLOCKS + "/") else ()
-      for pattern, s in TP_RULES:
-        if re.fullmatch(pattern, p):
-          return P(*lead, *s)
-      return P(*lead)
-    return jax.tree_util.tree_map_with_path(spec, params)
-
   def groups(self, params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)
 
 
 def build_modules(cfg: Config) -> dict[str, Module]:
-  """Encoders first, `language` last; the order is the dispatch order of the step."""
+  """Encoders first (encoders.of), `language` last; the order is the dispatch order of the step."""
   dtype = jnp.dtype(cfg.model.dtype)
   vocab = cfg.model.language.vocab_size or Tokenizer().vocab_size
-  v, lm, att = cfg.model.vision, cfg.model.language, attention_implementation(cfg)
-  # Runs of equal segment ids a packed row can hold (packed attention is sized by them): a slot's
-  # images and the padding after them; a language row's samples and its padding.
-  vs, ls = slot_images(cfg) + 1 if cfg.data.slot_patches else 0, row_segments(cfg)
-  return {
-      "vision": Module("vision", lambda rngs: VisionEncoder(rngs, v, lm, dtype, att, vs),
-                       lambda rngs: ViTBlock(rngs, v, dtype, att, vs), seed_salt=1),
-      "language": Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att, ls),
-                         lambda rngs: DecoderBlock(rngs, lm, dtype, att, ls), seed_salt=2),
-  }
+  lm, att = cfg.model.language, attention_implementation(cfg)
+  # Runs of equal segment ids a packed language row can hold (packed attention is sized by
+  # them): a row's samples and its padding.
+  ls = row_segments(cfg)
+  out = {n: e.module(cfg) for n, e in encoders.of(cfg).items()}
+  out["language"] = Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att, ls),
+                           lambda rngs: DecoderBlock(rngs, lm, dtype, att, ls), seed_salt=2)
+  return out
 
 
 def attention_implementation(cfg: Config) -> str:
@@ -134,17 +113,6 @@ def slot_mismatches(image_owner_nt: jax.Array, img_pos_bl: jax.Array, token_samp
   owner = jnp.take_along_axis(owners_gk, jnp.maximum(pos_gk, 0), axis=1)
   bad = (owner.reshape(img_pos_bl.shape) != token_sample_bl) & (img_pos_bl >= 0)
   return jnp.sum(bad.astype(jnp.int32))
-
-
-def encode_images(model: VisionEncoder, run_blocks: RunBlocks, inputs_m: dict) -> jax.Array:
-  """The image slots of M microbatches -> image tokens [M, n, slot tokens, language dim]. Inputs
-  are `images` [M, n, h, w, c] (one image a slot) or, with images packed into slots (dynamic
-  resolution), `patches` [M, n, k, p*p*c], their position ids `pos` and per-image segment ids
-  `seg` [M, n, k] (data/layout.py)."""
-  if "images" in inputs_m:
-    return jax.vmap(model.finish)(run_blocks(jax.vmap(model.patches)(inputs_m["images"]), ()))
-  x = jax.vmap(model.packed_patches)(inputs_m["patches"], inputs_m["pos"])
-  return jax.vmap(model.finish)(run_blocks(x, (inputs_m["seg"],)))
 
 
 def language_logits(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,

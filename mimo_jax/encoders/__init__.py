@@ -1,0 +1,136 @@
+"""Encoders as plug-ins: a registry of `Encoder`s by name.
+
+An encoder turns a sample's items (images, or any other input) into tokens that replace the item's
+placeholders in the text. Everything the rest of the code needs of it is declared here:
+
+* its config (`model.<name>`) and how it is validated,
+* its module (models/mimo.Module: parameters, blocks, parameter groups) and a `load()` seam for
+  external weights,
+* its host slot layout (`SlotLayout`: how many tokens an item yields, how items are written into
+  the slots of a microbatch, the device inputs of those slots),
+* its sidecar fields (the size of each item, read from a record or from its metadata stub),
+* its device forward (`encode`) and its FLOP model.
+
+Topology (`topology.<name>`) and model config (`model.<name>`) are keyed by registered names; the
+language model is the one module that is not an encoder. `vision` is registered here; a test
+registers a second, toy encoder (tests/toy_encoder.py) and trains the three modules on three meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from mimo_jax.config import Config, ConfigError
+
+REGISTRY: dict[str, "Encoder"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+  """An encoder's slots in one microbatch: n = `slots` in all, `slots // groups` a language rank,
+  each yielding `slot_tokens` tokens and taking at most `slot_items` items (0 = as many as fit)."""
+  name: str
+  placeholder: int  # the token id of this encoder's placeholders in the text
+  groups: int
+  slots: int
+  slot_tokens: int
+  slot_items: int = 0
+
+  @property
+  def slots_per_group(self) -> int:
+    return self.slots // self.groups
+
+  def sizes(self, sample: dict) -> list[tuple[int, ...]]:
+    """Each item's size (its sidecar fields), from the sample or its metadata stub."""
+    raise NotImplementedError
+
+  def items(self, sample: dict) -> list:
+    raise NotImplementedError
+
+  def item_tokens(self, size: tuple[int, ...], sid: int) -> int:
+    """Tokens an item of `size` yields, or an error naming sample `sid` if it cannot be taken."""
+    raise NotImplementedError
+
+  def empty(self) -> dict[str, np.ndarray]:
+    """The device inputs of `slots` empty slots."""
+    raise NotImplementedError
+
+  def write(self, inputs: dict, slot: int, start: int, tokens: int, item: Any,
+            size: tuple[int, ...], nth: int) -> None:
+    """Writes an item into `slot` at token offset `start` (the `nth` item of that slot, from 1)."""
+    raise NotImplementedError
+
+  def work(self, sizes: list[tuple[int, ...]]) -> dict[str, int]:
+    """What the FLOP model counts for these items (e.g. patches)."""
+    raise NotImplementedError
+
+
+class Encoder:
+  """The plug-in: subclasses set `name`, `sample_key`, `seed_salt` and implement the methods."""
+  name: str = ""
+  sample_key: str = ""  # the field of a sample that lists its items
+  seed_salt: int = 0  # parameters depend on train.seed and this
+
+  def config(self, cfg: Config):
+    return cfg.model.module(self.name)
+
+  def validate(self, cfg: Config) -> None:
+    """Raises ConfigError for a bad field of `model.<name>`."""
+
+  def module(self, cfg: Config):
+    """The models/mimo.Module: parameters, blocks and parameter groups."""
+    raise NotImplementedError
+
+  def slot_layout(self, cfg: Config, groups: int, slots: int) -> SlotLayout:
+    raise NotImplementedError
+
+  def slots(self, cfg: Config, eval_batch: int = 0) -> int:
+    """Slots a training microbatch has (every language rank an equal share), or an eval batch of
+    `eval_batch` samples (room for every sample's most items)."""
+    raise NotImplementedError
+
+  def prepare(self, cfg: Config, inputs: dict) -> dict:
+    """Device inputs as the model takes them (inside the jit; e.g. uint8 pixels -> float)."""
+    return inputs
+
+  def encode(self, model, run_blocks, inputs_m: dict):
+    """Stacked microbatches of inputs [M, n, ...] -> tokens [M, n, t, language dim]."""
+    raise NotImplementedError
+
+  def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
+    """Model FLOPs (forward and backward) of the items whose `work` is given."""
+    raise NotImplementedError
+
+  def load(self, path: str, cfg: Config):
+    """Parameters from external weights at `path` (the seam for pretrained towers)."""
+    raise ConfigError(f"model.{self.name}: this encoder cannot load weights from {path!r}.")
+
+
+def register(encoder: Encoder) -> Encoder:
+  if not encoder.name or encoder.name == "language":
+    raise ValueError(f"an encoder needs a name other than 'language', got {encoder.name!r}")
+  REGISTRY[encoder.name] = encoder
+  return encoder
+
+
+def unregister(name: str) -> None:
+  REGISTRY.pop(name, None)
+
+
+def get(name: str) -> Encoder:
+  if name not in REGISTRY:
+    raise ConfigError(f"topology.{name}: no encoder {name!r} is registered; registered: "
+                      f"{', '.join(REGISTRY)}.")
+  return REGISTRY[name]
+
+
+def of(cfg: Config) -> dict[str, Encoder]:
+  """The run's encoders, in dispatch order."""
+  return {n: get(n) for n in cfg.topology.encoders()}
+
+
+# pylint: disable-next=wrong-import-position,cyclic-import
+from mimo_jax.encoders import vision  # noqa: E402,F401  (registers `vision`)

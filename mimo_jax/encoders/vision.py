@@ -1,0 +1,149 @@
+"""The vision encoder plug-in: a ViT + projector over image slots (models/vit.py).
+
+Slots: without dynamic resolution a slot holds one image of exactly `model.vision.image_size`,
+sent as `images_nhwc` (uint8). With `data.slot_patches` > 0 a slot is a row of that many patches
+into which a rank's images of any size (sides multiples of patch * downsample, up to `image_size`)
+are packed first fit, sent as `patches_nqk` (uint8, block order, see patches.py), `patch_pos_nq`
+(position ids) and `patch_seg_nq` (1, 2, ... per image in the slot, 0 = padding); the ViT attends
+only within an image. An image of gh x gw patches yields gh·gw/s² tokens (s = downsample).
+Sidecar fields: each image's (h, w).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mimo_jax import encoders
+from mimo_jax.config import Config, slot_images
+from mimo_jax.data.tokenizer import IMG
+from mimo_jax.patches import grid_positions, patchify
+
+IMAGE_INPUTS = ("images_nhwc",)
+PACKED_INPUTS = ("patches_nqk", "patch_pos_nq", "patch_seg_nq")
+PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
+
+
+def image_sizes(sample: dict) -> list[tuple[int, int]]:
+  """(h, w) of each image of a sample, read or from a stub's metadata (data/meta.py)."""
+  if "meta" in sample:
+    m = [int(v) for v in sample["meta"]]
+    return [(m[3 + 2 * i], m[4 + 2 * i]) for i in range(m[0])]
+  return [tuple(int(v) for v in np.shape(img)[:2]) for img in sample["images"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSlots(encoders.SlotLayout):
+  image_shape: tuple[int, ...] = (8, 8, 1)  # the largest image (the only size without packing)
+  slot_patches: int = 0  # dynamic resolution: patches a slot; 0 = one image a slot
+  patch_size: int = 4
+  downsample: int = 1
+
+  @property
+  def packed(self) -> bool:
+    return self.slot_patches > 0
+
+  def sizes(self, sample: dict) -> list[tuple[int, int]]:
+    return image_sizes(sample)
+
+  def items(self, sample: dict) -> list:
+    return list(sample.get("images", ()))
+
+  def item_tokens(self, size: tuple[int, ...], sid: int) -> int:
+    (h, w), (H, W) = size, self.image_shape[:2]
+    if not self.packed:
+      if (h, w) != (H, W):
+        raise ValueError(f"sample {sid} has a {h}x{w} image but model.vision.image_size is {H}; "
+                         "set data.slot_patches > 0 for images of several sizes (dynamic "
+                         "resolution).")
+      return self.slot_tokens
+    unit = self.patch_size * self.downsample
+    if h % unit or w % unit or h > H or w > W or h == 0 or w == 0:
+      raise ValueError(f"sample {sid} has a {h}x{w} image; sides must be multiples of "
+                       f"patch_size * downsample = {unit} and at most {H}x{W} "
+                       "(model.vision.image_size).")
+    return (h // self.patch_size) * (w // self.patch_size) // self.downsample**2
+
+  def empty(self) -> dict[str, np.ndarray]:
+    n, p, c = self.slots, self.patch_size, self.image_shape[2]
+    if not self.packed:
+      return {"images_nhwc": np.zeros((n,) + self.image_shape, np.uint8)}
+    q = self.slot_patches
+    return {"patches_nqk": np.zeros((n, q, p * p * c), np.uint8),
+            "patch_pos_nq": np.zeros((n, q), np.int32),
+            "patch_seg_nq": np.zeros((n, q), np.int32)}
+
+  def write(self, inputs, slot, start, tokens, item, size, nth) -> None:
+    (h, w), (_, W, C) = size, self.image_shape
+    img = np.asarray(item).reshape(h, w, C)
+    if not self.packed:
+      inputs["images_nhwc"][slot] = img
+      return
+    p, s = self.patch_size, self.downsample
+    span = slice(start * s * s, (start + tokens) * s * s)
+    inputs["patches_nqk"][slot, span] = patchify(img[None], p, s)[0]
+    inputs["patch_pos_nq"][slot, span] = grid_positions(h // p, w // p, s, W // p)
+    inputs["patch_seg_nq"][slot, span] = nth
+
+  def work(self, sizes) -> dict[str, int]:
+    patches = [(h // self.patch_size) * (w // self.patch_size) for h, w in sizes]
+    return {"patches": sum(patches), "patches_sq": sum(q * q for q in patches)}
+
+
+class Vision(encoders.Encoder):
+  name, sample_key, seed_salt = "vision", "images", 1
+
+  def module(self, cfg: Config):
+    # pylint: disable-next=import-outside-toplevel,cyclic-import
+    from mimo_jax.models import mimo, vit
+    v, lm = cfg.model.vision, cfg.model.language
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
+    # Runs of equal segment ids a packed slot holds (packed attention is sized by them): its
+    # images and the padding after them.
+    segments = slot_images(cfg) + 1 if cfg.data.slot_patches else 0
+    return mimo.Module(self.name,
+                       lambda rngs: vit.VisionEncoder(rngs, v, lm, dtype, att, segments),
+                       lambda rngs: vit.ViTBlock(rngs, v, dtype, att, segments),
+                       seed_salt=self.seed_salt)
+
+  def slot_layout(self, cfg: Config, groups: int, slots: int) -> ImageSlots:
+    v = cfg.model.vision
+    tokens = (cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches
+              else v.tokens_per_image)
+    return ImageSlots(self.name, IMG, groups, slots, tokens, slot_images(cfg),
+                      image_shape=(v.image_size, v.image_size, v.channels),
+                      slot_patches=cfg.data.slot_patches, patch_size=v.patch_size,
+                      downsample=v.downsample)
+
+  def slots(self, cfg: Config, eval_batch: int = 0) -> int:
+    return eval_batch * cfg.data.max_images if eval_batch else cfg.data.slots()
+
+  def prepare(self, cfg: Config, inputs: dict) -> dict:
+    return {k: v.astype(jnp.float32) / cfg.data.pixel_max if k in PIXELS else v
+            for k, v in inputs.items()}
+
+  def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
+    """`images_nhwc` [M, n, h, w, c] (one image a slot) or, packed, `patches_nqk` [M, n, q, k]
+    with `patch_pos_nq` and `patch_seg_nq` [M, n, q] -> tokens [M, n, t, language dim]."""
+    if "images_nhwc" in inputs_m:
+      x = jax.vmap(model.patches)(inputs_m["images_nhwc"])
+      return jax.vmap(model.finish)(run_blocks(x, ()))
+    x = jax.vmap(model.packed_patches)(inputs_m["patches_nqk"], inputs_m["patch_pos_nq"])
+    return jax.vmap(model.finish)(run_blocks(x, (inputs_m["patch_seg_nq"],)))
+
+  def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
+    """6·N a patch for the ViT's matmuls and 6·N an image token for the projector's, plus
+    bidirectional attention of each image's patches against its own."""
+    # pylint: disable-next=import-outside-toplevel
+    from mimo_jax.flops import kernel_params
+    v = cfg.model.vision
+    projector = kernel_params(params, "projector")
+    patch = kernel_params(params) - projector
+    dense = 6 * (patch * work["patches"] + projector * work["patches"] / v.downsample**2)
+    return float(dense + 12 * v.layers * v.dim * work["patches_sq"])
+
+
+encoders.register(Vision())

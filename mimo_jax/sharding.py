@@ -1,0 +1,174 @@
+"""The parallel plan, in one place: mesh axes, tensor-parallel rules, and for every module the
+shardings of its parameters, optimizer state and per-rank gradients.
+
+Each module has a mesh of axes (pp, dp, tp) (topology.py). What is split where:
+
+* **Activations and batches** are split on their first axis over `dp` (`BATCH`); scalars and
+  whatever every rank needs whole are replicated (`REPLICATED`).
+* **Parameters** follow `TP_RULES` (Megatron's column/row split over `tp`; a parameter no rule
+  matches is replicated), with the stacked layer axes of `blocks` split over `pp` as the pipeline
+  schedule lays them out (`Schedule.stage_spec`).
+* **Optimizer state**: every leaf that mirrors a parameter (Adam's moments) takes that parameter's
+  sharding, found by optax from the transform's own structure (`optax.tree_utils.tree_map_params`,
+  an `eval_shape` of its init); the rest (step counts) is replicated.
+* **Per-rank gradients** (`per_rank`): a parameter's gradient with a leading [dp] axis split over
+  `dp`, for the steps that keep each rank's gradients apart and sum them once a step.
+
+Models never see a mesh: they name their parameters, and these rules place them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax import optim
+from mimo_jax.config import Config, parse_freeze
+from mimo_jax.pipeline import Schedule
+
+AXES = ("pp", "dp", "tp")
+BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
+REPLICATED = P()
+
+COLUMN = P(None, "tp")  # kernel [in, out]: out split
+ROW = P("tp", None)  # kernel [in, out]: in split
+COLUMN_BIAS = P("tp")
+
+# (path regex, spec) pairs; the first match wins, unmatched parameters are replicated. The first
+# matmul of attention and of an MLP is split on its output features (heads, hidden units), the
+# second on its input features, so each block needs one reduction.
+TP_RULES = (
+    (r".*attn/(q|k|v)/kernel$", COLUMN),
+    (r".*attn/(q|k|v)/bias$", COLUMN_BIAS),
+    (r".*attn/o/kernel$", ROW),
+    (r"(.*/)?(mlp|projector)/(gate|up)/kernel$", COLUMN),
+    (r"(.*/)?(mlp|projector)/(gate|up)/bias$", COLUMN_BIAS),
+    (r"(.*/)?(mlp|projector)/down/kernel$", ROW),
+)
+BLOCKS = "blocks"  # the stacked repeated layers of a module (models/layers.stacked)
+
+
+def path_str(path: tuple) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def param_specs(params, stage_spec: tuple = ("pp",)):
+  """PartitionSpec per parameter from `TP_RULES`; the stacked layer axes of `blocks` are split as
+  `stage_spec` says (pipeline stages)."""
+  def spec(path, _):
+    p = path_str(path)
+    lead = stage_spec if p.startswith(BLOCKS + "/") else ()
+    for pattern, s in TP_RULES:
+      if re.fullmatch(pattern, p):
+        return P(*lead, *s)
+    return P(*lead)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def on_blocks(tree, fn):
+  """`fn` applied to the leaves of stacked blocks (parameters and the optimizer moments that
+  mirror them), identity elsewhere."""
+  key = f"[{BLOCKS!r}]"
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, tree)
+
+
+def with_shardings(shapes, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                      shardings)
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, opt_shapes, param_shardings,
+                        replicated: NamedSharding):
+  """The sharding of every optimizer-state leaf: a parameter's where the leaf mirrors one."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_utils.tree_map_params(
+      tx, lambda leaf, s: leaf if masked(leaf) else s, opt_shapes, param_shardings,
+      transform_non_params=lambda _: replicated, is_leaf=masked)
+
+
+@dataclasses.dataclass
+class ModulePlan:
+  """One module's placement: mesh, pipeline schedule, parameter groups and optax transform, and
+  the shardings of its state, in the schedule's layout of stacked blocks and in the
+  topology-independent one checkpoints hold (`canonical_*`)."""
+  name: str
+  mesh: Mesh
+  schedule: Schedule
+  labels: Any  # parameter tree of group labels (optim.FROZEN for frozen groups)
+  tx: optax.GradientTransformation
+  trainable: bool
+  abstract_params: Any  # ShapeDtypeStructs with shardings, in the schedule's layout
+  opt_shapes: Any
+  param_sh: Any
+  opt_sh: Any
+  per_rank_sh: Any  # gradients kept per dp rank: [dp, ...] split over dp
+  canonical_params: Any  # ShapeDtypeStructs with shardings, stacked blocks as [L, ...]
+
+  def sharding(self, spec: P = BATCH) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  @property
+  def dp(self) -> int:
+    return self.mesh.shape["dp"]
+
+  @property
+  def tp(self) -> int:
+    return self.mesh.shape["tp"]
+
+  def layout(self, tree):
+    """Canonical stacked blocks [L, ...] -> the schedule's layout."""
+    return on_blocks(tree, self.schedule.to_layout)
+
+  def unlayout(self, tree):
+    return on_blocks(tree, self.schedule.from_layout)
+
+
+def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, ...]) -> ModulePlan:
+  t = cfg.topology.module(name)
+  schedule = Schedule(t.pp, t.virtual)
+  canonical = module.abstract_params()
+  layout = lambda tree: on_blocks(tree, schedule.to_layout)
+  abstract = jax.eval_shape(layout, canonical)
+  shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  param_sh = shard(param_specs(abstract, schedule.stage_spec()))
+  groups = module.groups(abstract)
+  labels = optim.labels(groups, frozen)
+  tx = optim.module_transform(cfg, groups)
+  abstract_params = with_shardings(abstract, param_sh)
+  opt_shapes = jax.eval_shape(tx.init, abstract_params)
+  replicated = NamedSharding(mesh, REPLICATED)
+  return ModulePlan(
+      name=name, mesh=mesh, schedule=schedule, labels=labels, tx=tx,
+      trainable=any(l != optim.FROZEN for l in jax.tree.leaves(labels)),
+      abstract_params=abstract_params, opt_shapes=opt_shapes, param_sh=param_sh,
+      opt_sh=optimizer_shardings(tx, opt_shapes, param_sh, replicated),
+      per_rank_sh=jax.tree.map(lambda s: NamedSharding(mesh, P("dp", *s.spec)), param_sh),
+      canonical_params=with_shardings(canonical, shard(param_specs(canonical))))
+
+
+@dataclasses.dataclass
+class Plan:
+  """Every module's `ModulePlan`, encoders first and `language` last (the dispatch order)."""
+  modules: dict[str, ModulePlan]
+
+  @classmethod
+  def build(cls, cfg: Config, meshes: dict[str, Mesh], modules: dict) -> "Plan":
+    frozen = parse_freeze(cfg.optim.freeze)
+    return cls({n: plan_module(cfg, n, meshes[n], m, frozen) for n, m in modules.items()})
+
+  def __getitem__(self, name: str) -> ModulePlan:
+    return self.modules[name]
+
+  def sharding(self, name: str, spec: P = BATCH) -> NamedSharding:
+    return self.modules[name].sharding(spec)
+
+  @property
+  def encoders(self) -> list[str]:
+    return [n for n in self.modules if n != "language"]
