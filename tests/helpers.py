@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from mimo_jax import topology
 from mimo_jax.config import Config
 from mimo_jax.data import loader
-from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.data.layout import Layout
+from mimo_jax.data.tokenizer import IMG
+from mimo_jax.encoders.vision import ImageSlots
+from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tests.configs import tiny
 
@@ -26,27 +27,26 @@ def topology_arg(**topo) -> str:
   return ",".join(f"{name}={'/'.join(str(v) for v in spec)}" for name, spec in topo.items())
 
 
-def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Stepper, dict, dict]:
+def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Step, dict, dict]:
   """Runs `steps` optimizer steps.
 
-  Returns host metrics per step, the stepper, the final state and the initial parameters (host).
+  Returns host metrics per step, the step, the final state and the initial parameters (host).
   """
   validate(cfg, len(jax.devices()))
-  topo = topology.build(cfg)
-  stepper = Stepper(cfg, topo, build_modules(cfg))
-  state = stepper.init_state(cfg.train.seed)
+  step = Step.build(cfg)
+  state = step.init_state(cfg.train.seed)
   init = {n: jax.device_get(s.params) for n, s in state.items()}
   if batches is None:
     path = loader.build_paths(cfg)["train"]
-    ds = loader.train_dataset(cfg, path, topo.dp("language"))
+    ds = loader.train_dataset(cfg, path, step.ctx.groups)
     batches = [ds[s] for s in range(steps)]
   elif callable(batches):
-    batches = batches(topo.dp("language"))
+    batches = batches(step.ctx.groups)
   out = []
   for batch in batches[:steps]:
-    state, metrics = stepper.train_step(state, batch)
+    state, metrics = step.train_step(state, batch)
     out.append(jax.device_get(metrics))
-  return out, stepper, state, init
+  return out, step, state, init
 
 
 def assert_close_trajectory(ref: list[dict], got: list[dict], rtol: float) -> None:
@@ -55,3 +55,14 @@ def assert_close_trajectory(ref: list[dict], got: list[dict], rtol: float) -> No
     b = np.array([float(m[key]) for m in got])
     np.testing.assert_allclose(b, a, rtol=rtol, atol=0, err_msg=key)
   assert all(int(m["mismatches"]) == 0 for m in got)
+
+
+def image_layout(seq_len: int, tokens_per_image: int, groups: int, slots: int,
+                 image_shape: tuple = (8, 8, 1), pack_rows: int = 0, slot_patches: int = 0,
+                 patch_size: int = 4, downsample: int = 1, slot_images: int = 0) -> Layout:
+  """A layout with the vision encoder's image slots only (as the digits and synthetic tasks)."""
+  tokens = slot_patches // downsample**2 if slot_patches else tokens_per_image
+  return Layout(seq_len, groups, (ImageSlots("vision", IMG, groups, slots, tokens, slot_images,
+                                             image_shape=image_shape, slot_patches=slot_patches,
+                                             patch_size=patch_size, downsample=downsample),),
+                pack_rows=pack_rows)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mimo_jax.config import row_segments, slot_images
-from mimo_jax.data.layout import Layout, place_images
+from mimo_jax.data.layout import place_items
 from mimo_jax.models.layers import packed_attention, segment_runs
+from tests.helpers import image_layout
 from tests.test_synthetic import _config as synthetic_config
 
 # Rows as the data layout writes them: contiguous segments 1, 2, ... then padding (0).
@@ -51,13 +52,13 @@ def test_runs_are_bounded_by_the_config(tmp_path):
 
 
 def test_layout_never_packs_more_images_into_a_slot_than_the_bound():
-  layout = Layout(seq_len=40, tokens_per_image=4, groups=1, slots=2, image_shape=(16, 16, 3),
+  layout = image_layout(seq_len=40, tokens_per_image=4, groups=1, slots=2, image_shape=(16, 16, 3),
                   slot_patches=32, patch_size=4, downsample=2, slot_images=3)
-  places = place_images([[1, 1, 1, 1], [1]], [7, 8], layout)  # five 1-token images
+  places = place_items([[1, 1, 1, 1], [1]], [7, 8], layout.encoders[0])  # five 1-token images
   slots = [slot for sample in places for slot, _ in sample]
   assert slots == [0, 0, 0, 1, 1]  # the fourth image goes to the next slot although slot 0 has room
   with pytest.raises(ValueError, match="data.image_slots"):
-    place_images([[1] * 7], [9], layout)
+    place_items([[1] * 7], [9], layout.encoders[0])
 
 
 gpu = pytest.mark.skipif(

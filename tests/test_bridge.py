@@ -11,8 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, topology
 from mimo_jax.data import loader
-from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tests.helpers import tiny_config
 
@@ -79,10 +78,9 @@ def test_training_step_without_host_transfers(programs, data_dir, topo, batch):
   cfg = tiny_config(data_dir, **topo)
   cfg.data.global_batch, cfg.eval.batch = 2 * batch, batch
   validate(cfg, len(jax.devices()))
-  topo_ = topology.build(cfg)
-  stepper = Stepper(cfg, topo_, build_modules(cfg))
+  stepper = Step.build(cfg)
   state = stepper.init_state(0)
-  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], topo_.dp("language"))
+  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], stepper.ctx.groups)
   for s in range(2):  # the first step compiles outside the guard
     host = ds[s]
     inputs, inv_tokens = jax.block_until_ready(stepper.place_step(host))
@@ -92,7 +90,7 @@ def test_training_step_without_host_transfers(programs, data_dir, topo, batch):
       jax.block_until_ready((state, metrics))
   m = jax.device_get(metrics)
   assert int(m["mismatches"]) == 0 and np.isfinite(m["loss"])
-  assert int(host["num_images_b"].sum()) > 0
+  assert int(host.samples.items_b.sum()) > 0
   assert not programs, programs
 
 

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from mimo_jax import checkpoint, topology, train
 from mimo_jax.config import ConfigError
 from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -163,9 +163,9 @@ def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   run = lambda *a: subprocess.run([sys.executable, "-m", "tools.ckpt", *a], cwd=ROOT,
                                   capture_output=True, text=True, timeout=300)
   cfg = _cfg(data_dir, full_dir)
-  stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  stepper = Step.build(cfg)
   counts = {n: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(a))
-            for n, a in stepper.abstract_params.items()}
+            for n, a in {n: p.abstract_params for n, p in stepper.plan.modules.items()}.items()}
   out = run("inspect", str(full_dir), "--params")
   assert out.returncode == 0, out.stderr
   assert "steps: 2, 4, 6 (showing 6)" in out.stdout
@@ -183,9 +183,9 @@ def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   ckpt.close()
   np.testing.assert_array_equal(tensors["language/embedding"],
                                 np.asarray(state["language"].params["embedding"]))
-  assert len(tensors) == sum(len(jax.tree.leaves(a)) for a in stepper.abstract_params.values())
+  assert len(tensors) == sum(len(jax.tree.leaves(a)) for a in [p.abstract_params for p in stepper.plan.modules.values()])
   out = run("check", str(full_dir))
-  arrays = sum(len(jax.tree.leaves(a)) for a in stepper.abstract_params.values())
+  arrays = sum(len(jax.tree.leaves(a)) for a in [p.abstract_params for p in stepper.plan.modules.values()])
   assert out.returncode == 0, out.stdout + out.stderr
   assert out.stdout.count(f": {arrays} arrays restored, ok") == 3, out.stdout
   out = run("export", str(full_dir), "--step", "5", "--out", str(target))

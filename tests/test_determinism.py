@@ -5,23 +5,24 @@ import numpy as np
 import pytest
 
 from mimo_jax import topology
+from mimo_jax.batch import Batch
 from mimo_jax.data import loader
 from mimo_jax.data.tokenizer import IMG, Tokenizer
 from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
 ONE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
 EIGHT = {"vision": (0, 4, 1), "language": (4, 2, 2)}
 
 
-def _samples(batch: dict, m: int) -> list[tuple]:
+def _samples(batch: Batch, m: int) -> list[tuple]:
   """Per row: sample id, text tokens (placeholders collapsed) and its images' pixels."""
   out = []
-  mb = {k: v[m] for k, v in batch.items()}
-  for b, sid in enumerate(mb["sample_ids_b"]):
-    text = tuple(t for t in mb["tokens_bl"][b] if t != IMG)
-    images = mb["images_nhwc"][mb["image_owner_nt"][:, 0] == sid]
+  mb = batch.microbatch(m)
+  for b, sid in enumerate(mb.samples.ids_b):
+    text = tuple(t for t in mb.text.tokens_rl[b] if t != IMG)
+    images = mb.slots["vision"].inputs["images_nhwc"][mb.slots["vision"].owner_nt[:, 0] == sid]
     out.append((int(sid), text, images.tobytes()))
   return out
 
@@ -34,7 +35,7 @@ def test_same_seed_same_batches_on_1_and_8_devices(data_dir):
     b1, b8 = ds1[step], ds8[step]
     for m in range(c1.data.microbatches):
       assert _samples(b1, m) == _samples(b8, m)
-  ids = [ds1[s]["sample_ids_b"].ravel().tolist() for s in range(3)]
+  ids = [ds1[s].samples.ids_b.ravel().tolist() for s in range(3)]
   assert len(set(sum(ids, []))) == 3 * c1.data.global_batch  # no sample repeats within 3 steps
 
 
@@ -54,13 +55,13 @@ def test_same_seed_same_init_on_1_and_8_devices(data_dir):
   states = []
   for topo in (ONE, EIGHT):
     cfg = tiny_config(data_dir, **topo)
-    stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
+    stepper = Step.build(cfg)
     states.append({n: jax.device_get(s.params) for n, s in stepper.init_state(0).items()})
   for n in states[0]:
     for a, b in zip(jax.tree.leaves(states[0][n]), jax.tree.leaves(states[1][n])):
       np.testing.assert_array_equal(a, b)
   cfg.train.seed = 1
-  other = Stepper(cfg, topology.build(cfg), build_modules(cfg)).init_state(1)
+  other = Step.build(cfg).init_state(1)
   assert not np.array_equal(jax.device_get(other["language"].params["embedding"]),
                             states[0]["language"]["embedding"])
 

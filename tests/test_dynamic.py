@@ -9,13 +9,13 @@ import pytest
 from mimo_jax import topology
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
-from mimo_jax.data.layout import Layout, layout_microbatch
+from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
 from mimo_jax.models.mimo import build_modules, slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from mimo_jax.validation import validate
-from tests.helpers import assert_close_trajectory, run_steps
+from tests.helpers import assert_close_trajectory, run_steps, image_layout
 from tests.test_synthetic import _config as synthetic_config
 
 P, S, C = 4, 2, 3  # patch size, pixel shuffle, channels
@@ -40,7 +40,7 @@ def _image(h, w, code):
 
 
 def _layout(groups=2, slots=4, slot_patches=32):
-  return Layout(seq_len=40, tokens_per_image=4, groups=groups, slots=slots,
+  return image_layout(seq_len=40, tokens_per_image=4, groups=groups, slots=slots,
                 image_shape=(16, 16, C), slot_patches=slot_patches, patch_size=P, downsample=S)
 
 
@@ -56,14 +56,14 @@ def _samples():
 def test_layout_packs_images_of_several_sizes_at_token_granularity():
   layout, samples, ids = _layout(), _samples(), [50, 51, 52, 53]
   mb = layout_microbatch(samples, ids, layout, Tokenizer())
-  per_group = mb["patches_npk"].reshape(2, -1, S * S, P * P * C)  # [rank, token, block, pixels]
-  positions = mb["patch_pos_np"].reshape(2, -1, S * S)
-  segments = mb["patch_seg_np"].reshape(2, -1, S * S)
+  per_group = mb.slots["vision"].inputs["patches_nqk"].reshape(2, -1, S * S, P * P * C)  # [rank, token, block, pixels]
+  positions = mb.slots["vision"].inputs["patch_pos_nq"].reshape(2, -1, S * S)
+  segments = mb.slots["vision"].inputs["patch_seg_nq"].reshape(2, -1, S * S)
   for b, (sample, sid) in enumerate(zip(samples, ids)):
-    g, row = b // 2, mb["img_pos_bl"][b]
+    g, row = b // 2, mb.slots["vision"].pos_rl[b]
     where = row[row >= 0]  # this sample's image tokens, in placeholder order
     tokens = [(h // P) * (w // P) // (S * S) for h, w in SIZES[b]]  # 1, 4 or 2 an image
-    assert len(where) == sum(tokens) == np.sum(mb["tokens_bl"][b] == IMG)
+    assert len(where) == sum(tokens) == np.sum(mb.text.tokens_rl[b] == IMG)
     want = [patchify(img[None], P, S)[0].reshape(-1, S * S, P * P * C) for img in sample["images"]]
     want_pos = [grid_positions(h // P, w // P, S, 16 // P).reshape(-1, S * S) for h, w in SIZES[b]]
     if want:
@@ -74,14 +74,14 @@ def test_layout_packs_images_of_several_sizes_at_token_granularity():
       seg = segments[g][where[start:start + t]]
       assert np.all(seg == seg[0, 0]) and seg[0, 0] > 0
       start += t
-  owners = mb["image_owner_nt"]
+  owners = mb.slots["vision"].owner_nt
   assert np.sum(owners >= 0) == sum((h // P) * (w // P) // 4 for s in SIZES for h, w in s)
-  assert np.all((mb["patch_seg_np"] > 0) == np.repeat(owners >= 0, S * S, axis=1))
-  bad = slot_mismatches(jnp.asarray(owners), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["token_sample_bl"]), 2)
+  assert np.all((mb.slots["vision"].inputs["patch_seg_nq"] > 0) == np.repeat(owners >= 0, S * S, axis=1))
+  bad = slot_mismatches(jnp.asarray(owners), jnp.asarray(mb.slots["vision"].pos_rl),
+                        jnp.asarray(mb.text.token_sample_rl), 2)
   assert int(bad) == 0
   patches = [(h // P) * (w // P) for s in SIZES for h, w in s]
-  assert int(mb["patches"]) == sum(patches) and int(mb["patches_sq"]) == sum(p * p for p in patches)
+  assert int(mb.stats.work["vision"]["patches"]) == sum(patches) and int(mb.stats.work["vision"]["patches_sq"]) == sum(p * p for p in patches)
 
 
 def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
@@ -91,7 +91,7 @@ def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
   samples = [{"images": [_image(12, 16, 0)], "tokens": np.array([IMG, 20], np.int32)}]
   with pytest.raises(ValueError, match=r"sample 7 has a 12x16 image; sides must be multiples of"):
     layout_microbatch(samples, [7], _layout(groups=1, slots=1), Tokenizer())
-  fixed = Layout(seq_len=40, tokens_per_image=4, groups=1, slots=1, image_shape=(16, 16, C),
+  fixed = image_layout(seq_len=40, tokens_per_image=4, groups=1, slots=1, image_shape=(16, 16, C),
                  patch_size=P, downsample=S)
   samples = [{"images": [_image(8, 8, 0)], "tokens": np.array([IMG, 20], np.int32)}]
   with pytest.raises(ValueError, match=r"sample 7 has a 8x8 image.*data\.slot_patches"):
@@ -100,12 +100,12 @@ def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
 
 def _stepper(cfg):
   validate(cfg, len(jax.devices()))
-  stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
+  stepper = Step.build(cfg)
   return stepper, stepper.init_state(0)["vision"].params
 
 
 def _encode(stepper, params, inputs):
-  apply = stepper._enc_apply["vision"]  # pylint: disable=protected-access
+  apply = stepper.programs.encoder_tokens["vision"]
   return np.asarray(apply(params, [inputs])[0])
 
 
@@ -176,13 +176,17 @@ def test_scalable_reads_with_packed_slots(synth_dir):
   where = loader.Locality(groups=frozenset(), slots=((12, 18),))  # vision dp rank 2 of 4
   got = loader.train_dataset(cfg, path, 2, where)[0]
   owners = [len({int(i) for i in ids.ravel() if i >= 0})
-            for ids in full["image_owner_nt"][:, 12:18]]
-  np.testing.assert_array_equal(got["records_read"], owners)
-  assert sum(owners) < full["sample_ids_b"].size
-  for k in ("patches_npk", "patch_pos_np", "patch_seg_np", "image_owner_nt"):
-    np.testing.assert_array_equal(got[k][:, 12:18], full[k][:, 12:18], err_msg=k)
-  for k in ("sample_ids_b", "tokens_b", "target_tokens", "patches", "patches_sq"):
-    np.testing.assert_array_equal(got[k], full[k], err_msg=k)
+            for ids in full.slots["vision"].owner_nt[:, 12:18]]
+  np.testing.assert_array_equal(got.stats.records_read, owners)
+  assert sum(owners) < full.samples.ids_b.size
+  g, f = got.slots["vision"], full.slots["vision"]
+  for k in ("patches_nqk", "patch_pos_nq", "patch_seg_nq"):
+    np.testing.assert_array_equal(g.inputs[k][:, 12:18], f.inputs[k][:, 12:18], err_msg=k)
+  np.testing.assert_array_equal(g.owner_nt[:, 12:18], f.owner_nt[:, 12:18])
+  for pick in (lambda b: b.samples.ids_b, lambda b: b.samples.tokens_b,
+               lambda b: b.stats.target_tokens, lambda b: b.stats.work["vision"]["patches"],
+               lambda b: b.stats.work["vision"]["patches_sq"]):
+    np.testing.assert_array_equal(pick(got), pick(full))
 
 
 def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir):
@@ -225,9 +229,9 @@ def test_worker_processes_give_the_same_steps_in_order(synth_dir, start):
   try:
     for step in range(start, start + 4):
       got, want = next(it), ds[step]
-      assert got.keys() == want.keys()
-      for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+      assert jax.tree.structure(got) == jax.tree.structure(want)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
   finally:
     it.close()
 
@@ -246,13 +250,13 @@ def test_slot_and_row_buckets_and_pipeline_order_keep_the_trajectory(synth_dir, 
   S, reordered = cfg.data.slots() // 4, 0
   for step in range(3):
     a, b = plain[step], ds[step]
-    assert sorted(a["sample_ids_b"].ravel()) == sorted(b["sample_ids_b"].ravel())
-    order = [int(np.flatnonzero(a["sample_ids_b"][:, 0] == sid)[0])
-             for sid in b["sample_ids_b"][:, 0]]
+    assert sorted(a.samples.ids_b.ravel()) == sorted(b.samples.ids_b.ravel())
+    order = [int(np.flatnonzero(a.samples.ids_b[:, 0] == sid)[0])
+             for sid in b.samples.ids_b[:, 0]]
     reordered += order != sorted(order)
-    assert np.all(b["slots_sent"] >= b["slots_used_g"].max(axis=1))
-    assert np.all(b["slots_sent"] < S) and np.all(np.diff(b["slots_sent"]) >= 0)
-    assert np.all(b["rows_sent"] >= b["rows_used_g"].max(axis=1))
-    assert np.all(b["rows_sent"] == 1)  # two samples a rank fit one packed row of the two
+    assert np.all(b.slots["vision"].sent >= b.slots["vision"].used_g.max(axis=1))
+    assert np.all(b.slots["vision"].sent < S) and np.all(np.diff(b.slots["vision"].sent) >= 0)
+    assert np.all(b.text.rows_sent >= b.stats.rows_used_g.max(axis=1))
+    assert np.all(b.text.rows_sent == 1)  # two samples a rank fit one packed row of the two
   assert reordered  # Johnson's order differs from the stream's on this data
   assert_close_trajectory(reference, run_steps(cfg, 3)[0], rtol=1e-4)

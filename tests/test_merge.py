@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax.data.layout import Layout, layout_microbatch
+from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import DIGIT_WORDS, IMG, Tokenizer
 from mimo_jax.models.mimo import merge_images, slot_mismatches
+from tests.helpers import image_layout
 
 T, D, L = 4, 8, 24
 
@@ -32,43 +33,43 @@ def _fake_encoder(images_nhwc: np.ndarray) -> np.ndarray:
 def test_merge_places_own_images(groups, counts):
   samples = [_sample(i, k) for i, k in enumerate(counts)]
   ids = list(range(100, 100 + len(samples)))
-  layout = Layout(seq_len=L, tokens_per_image=T, groups=groups, slots=8 * 3)
+  layout = image_layout(seq_len=L, tokens_per_image=T, groups=groups, slots=8 * 3)
   mb = layout_microbatch(samples, ids, layout, Tokenizer())
   x = jnp.full((len(samples), L, D), -1.0)
-  merged = np.asarray(merge_images(x, jnp.asarray(_fake_encoder(mb["images_nhwc"])),
-                                   jnp.asarray(mb["img_pos_bl"]), groups))
+  merged = np.asarray(merge_images(x, jnp.asarray(_fake_encoder(mb.slots["vision"].inputs["images_nhwc"])),
+                                   jnp.asarray(mb.slots["vision"].pos_rl), groups))
   for b, s in enumerate(samples):
-    pos = np.flatnonzero(mb["tokens_bl"][b] == IMG)
+    pos = np.flatnonzero(mb.text.tokens_rl[b] == IMG)
     assert len(pos) == len(s["images"]) * T
     want = np.concatenate([(1 + (3 * b + i) % 16) * 100 + np.arange(T)
                            for i in range(len(s["images"]))] or [np.zeros(0)])
     np.testing.assert_array_equal(merged[b, pos, 0], want)
     rest = np.setdiff1d(np.arange(L), pos)
     assert np.all(merged[b, rest] == -1.0)  # text positions untouched
-  assert mb["num_images_b"].tolist() == counts
-  bad = slot_mismatches(jnp.asarray(mb["image_owner_nt"]), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["token_sample_bl"]), groups)
+  assert mb.samples.items_b.tolist() == counts
+  bad = slot_mismatches(jnp.asarray(mb.slots["vision"].owner_nt), jnp.asarray(mb.slots["vision"].pos_rl),
+                        jnp.asarray(mb.text.token_sample_rl), groups)
   assert int(bad) == 0
 
 
 def test_mismatch_detected_when_slots_are_swapped():
   samples = [_sample(i, 2) for i in range(4)]
-  layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=12)
+  layout = image_layout(seq_len=L, tokens_per_image=T, groups=2, slots=12)
   mb = layout_microbatch(samples, [10, 11, 12, 13], layout, Tokenizer())
-  swapped = np.concatenate([mb["image_owner_nt"][6:], mb["image_owner_nt"][:6]])  # ranks exchanged
-  bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb["img_pos_bl"]),
-                        jnp.asarray(mb["token_sample_bl"]), 2)
+  swapped = np.concatenate([mb.slots["vision"].owner_nt[6:], mb.slots["vision"].owner_nt[:6]])  # ranks exchanged
+  bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb.slots["vision"].pos_rl),
+                        jnp.asarray(mb.text.token_sample_rl), 2)
   assert int(bad) == 4 * 2 * T
 
 
 def test_capacity_overflow_names_the_sample():
   samples = [_sample(i, 3) for i in range(4)]
-  layout = Layout(seq_len=L, tokens_per_image=T, groups=2, slots=8)  # 4 slots a rank
+  layout = image_layout(seq_len=L, tokens_per_image=T, groups=2, slots=8)  # 4 slots a rank
   with pytest.raises(ValueError, match=r"sample 21 needs 3 images.*data.image_slots"):
     layout_microbatch(samples, [20, 21, 22, 23], layout, Tokenizer())
 
 
 def test_too_long_sample_is_an_error():
-  layout = Layout(seq_len=10, tokens_per_image=T, groups=1, slots=8)
+  layout = image_layout(seq_len=10, tokens_per_image=T, groups=1, slots=8)
   with pytest.raises(ValueError, match=r"sample 5 needs \d+ tokens.*data.seq_len"):
     layout_microbatch([_sample(0, 3)], [5], layout, Tokenizer())

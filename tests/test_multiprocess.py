@@ -72,7 +72,7 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
     ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], 2)
     lines = (pathlib.Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
     read = {r["step"]: r["records_read"] for r in map(json.loads, lines) if "loss" in r}
-    want = {step: int(np.sum(ds[step - 1]["num_images_b"] > 0)) for step in range(1, 5)}
+    want = {step: int(np.sum(ds[step - 1].samples.items_b > 0)) for step in range(1, 5)}
     assert read == want and sum(want.values()) < 4 * cfg.data.global_batch
 
 

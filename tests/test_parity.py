@@ -1,5 +1,6 @@
-"""The core property (DESIGN §2.3): every topology gives the single-device loss trajectory."""
+"""The core property: every topology gives the single-device loss trajectory."""
 
+import dataclasses
 import math
 import re
 
@@ -7,13 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import topology
 from mimo_jax.data import digits, loader
-from mimo_jax.data.layout import layout_microbatch, stack
+from mimo_jax.batch import stack
+from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import Tokenizer
-from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 STEPS = 4
@@ -60,7 +60,7 @@ def _mixed_batches(cfg):
   tok = Tokenizer()
 
   def make(lang_dp):
-    layout = make_layout(cfg, lang_dp, cfg.data.slots())
+    layout = make_layout(cfg, lang_dp)
     out = []
     for s, step in enumerate(steps):
       mbs = []
@@ -115,26 +115,26 @@ def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=language)
   _, stepper, state, _ = run_steps(cfg, 1)
   hlo = []
-  step = stepper._lang_step  # pylint: disable=protected-access
+  step = stepper.programs.language_step
 
   def capture(*args):
     hlo.append(step.lower(*args).compile().as_text())
     return step(*args)
-  stepper._lang_step = capture  # pylint: disable=protected-access
+  stepper.programs = dataclasses.replace(stepper.programs, language_step=capture)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], language[1])
   stepper.train_step(state, ds[1])
   assert len(hlo) == cfg.data.microbatches > 1
   params = sum(a.size for a in jax.tree.leaves(state["language"].params))
-  return hlo, params, stepper.defer_reduce
+  return hlo, params, stepper.ctx.defer_reduce
 
 
 def test_language_gradients_summed_once_a_step(data_dir):
-  """A dp-only language model sums its gradients over ranks once a step (`_reduce_lang`), not in
+  """A dp-only language model sums its gradients over ranks once a step (`programs.reduce`), not in
   every microbatch's step: that step all-reduces only its loss and mismatch count."""
   hlo, _, deferred = _microbatch_step_hlo(data_dir, (1, 4, 1))
   assert deferred
   assert [_all_reduced_elements(h) for h in hlo] == [2] * len(hlo)
-  # With tensor parallelism each microbatch step still sums its gradients (see Stepper): the
+  # With tensor parallelism each microbatch step still sums its gradients (see programs.py): the
   # count above would see them.
   hlo, params, deferred = _microbatch_step_hlo(data_dir, (1, 2, 2))
   assert not deferred
@@ -152,4 +152,4 @@ def test_colocated_dp_layouts_run_one_program_a_microbatch(data_dir, topo, fused
   """Encoders on the language model's own dp-only mesh run with it as one jit a microbatch (the
   parity tests above cover both paths: the single-device reference runs this way)."""
   cfg = tiny_config(data_dir, **topo)
-  assert Stepper(cfg, topology.build(cfg), build_modules(cfg)).fused == fused
+  assert Step.build(cfg).ctx.fused == fused

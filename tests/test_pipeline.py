@@ -12,7 +12,7 @@ from mimo_jax import topology
 from mimo_jax.config import ConfigError
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.pipeline import Schedule, Stack
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
@@ -115,7 +115,7 @@ def test_circular_layout_is_canonical_in_checkpoints(data_dir):
   back; checkpoints hold that form, so they restore onto any pipeline layout."""
   def stepper(**topo):
     cfg = _deep(data_dir, **topo)
-    return Stepper(cfg, topology.build(cfg), build_modules(cfg))
+    return Step.build(cfg)
   circular = stepper(vision=(0, 1, 1, 2, 2), language=(4, 1, 1, 2, 2))
   plain = stepper(vision=(0, 1, 1), language=(0, 1, 1))
   state = circular.init_state(0)
@@ -153,7 +153,7 @@ def test_checkpoint_moves_between_pipeline_layouts(data_dir, tmp_path):
 
   def stepper(**topo):
     cfg = _deep(data_dir, **topo)
-    return cfg, Stepper(cfg, topology.build(cfg), build_modules(cfg))
+    return cfg, Step.build(cfg)
   cfg_c, circular = stepper(vision=(0, 2, 1, 2, 2), language=(4, 1, 2, 2, 2))
   cfg_p, plain = stepper(vision=(0, 1, 1), language=(0, 1, 1))
   state = run_steps(cfg_c, 2)[2]  # trained a little: optimizer moments are not zero

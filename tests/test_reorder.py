@@ -35,15 +35,15 @@ def test_reorder_keeps_the_samples_and_their_images(data_dir, lang_dp):
   cfg.data.reorder = "balance"
   balanced = loader.train_dataset(cfg, path, lang_dp)[0]
   for m in range(cfg.data.microbatches):
-    a = {int(s): i for i, s in enumerate(plain["sample_ids_b"][m])}
-    b = {int(s): i for i, s in enumerate(balanced["sample_ids_b"][m])}
+    a = {int(s): i for i, s in enumerate(plain.samples.ids_b[m])}
+    b = {int(s): i for i, s in enumerate(balanced.samples.ids_b[m])}
     assert set(a) == set(b)
     for sid in a:
-      np.testing.assert_array_equal(plain["tokens_bl"][m][a[sid]], balanced["tokens_bl"][m][b[sid]])
-      mine = lambda b: b["images_nhwc"][m][b["image_owner_nt"][m][:, 0] == sid]
+      np.testing.assert_array_equal(plain.text.tokens_rl[m][a[sid]], balanced.text.tokens_rl[m][b[sid]])
+      mine = lambda b: b.slots["vision"].inputs["images_nhwc"][m][b.slots["vision"].owner_nt[m][:, 0] == sid]
       np.testing.assert_array_equal(mine(plain), mine(balanced))
-    assert balanced["cost_spread"][m] <= plain["cost_spread"][m]
-  assert balanced["cost_spread"].mean() < plain["cost_spread"].mean()
+    assert balanced.stats.cost_spread[m] <= plain.stats.cost_spread[m]
+  assert balanced.stats.cost_spread.mean() < plain.stats.cost_spread.mean()
 
 
 def test_reorder_keeps_the_loss_trajectory(data_dir):

@@ -40,7 +40,7 @@ def test_a_language_rank_reads_its_samples_only(setup):
   where = loader.Locality(groups=frozenset({1}), slots=())  # language dp rank 1 alone
   for want, got in zip(full, _scalable(cfg, path, where)):
     per_rank = cfg.data.micro_batch // 2
-    np.testing.assert_array_equal(got["records_read"], per_rank)  # its share, not the batch
+    np.testing.assert_array_equal(got.stats.records_read, per_rank)  # its share, not the batch
     _same(want, got, GLOBAL)
     _same(want, got, ROWS, rows=slice(per_rank, None))  # the rows of rank 1 are complete
 
@@ -50,8 +50,8 @@ def test_a_vision_rank_reads_the_samples_of_its_slots(setup):
   where = loader.Locality(groups=frozenset(), slots=((24, 36),))  # vision dp rank 2 of 4
   for want, got in zip(full, _scalable(cfg, path, where)):
     owners = [len({int(i) for i in ids.ravel() if i >= 0})
-              for ids in want["image_owner_nt"][:, 24:36]]
-    np.testing.assert_array_equal(got["records_read"], owners)
+              for ids in want.slots["vision"].owner_nt[:, 24:36]]
+    np.testing.assert_array_equal(got.stats.records_read, owners)
     assert all(0 < n < cfg.data.micro_batch for n in owners)
     _same(want, got, GLOBAL)
     _same(want, got, ("images_nhwc", "image_owner_nt"), rows=slice(24, 36))
@@ -61,7 +61,7 @@ def test_a_process_holding_every_vision_slot_skips_text_only_samples(setup):
   cfg, path, full = setup
   where = loader.Locality(groups=frozenset(), slots=None)
   for want, got in zip(full, _scalable(cfg, path, where)):
-    np.testing.assert_array_equal(got["records_read"], np.sum(want["num_images_b"] > 0, axis=1))
+    np.testing.assert_array_equal(got.stats.records_read, np.sum(want.samples.items_b > 0, axis=1))
     _same(want, got, ("images_nhwc", "image_owner_nt") + GLOBAL)
 
 

@@ -8,11 +8,11 @@ from array_record.python import array_record_module
 from mimo_jax import train
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, synthetic
-from mimo_jax.data.layout import Layout, layout_microbatch
+from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import BOS, EOS, IMG, Tokenizer
 from mimo_jax.validation import validate
 from tests.configs import tiny_vlm
-from tests.helpers import assert_close_trajectory, run_steps
+from tests.helpers import assert_close_trajectory, run_steps, image_layout
 
 
 def _config(tmp_dir, topo=None, variant="encoder_heavy"):
@@ -74,14 +74,14 @@ def test_layout_of_token_samples_puts_the_loss_on_the_text():
   tpi = 4
   sample = {"images": np.full((2, 4, 4, 3), 7, np.uint8),
             "tokens": np.array([IMG, IMG, 20, 21, 22], np.int32)}
-  layout = Layout(seq_len=16, tokens_per_image=tpi, groups=1, slots=2, image_shape=(4, 4, 3))
+  layout = image_layout(seq_len=16, tokens_per_image=tpi, groups=1, slots=2, image_shape=(4, 4, 3))
   mb = layout_microbatch([sample], [5], layout, Tokenizer())
   n = 1 + 2 * tpi + 3  # bos, placeholders, text (eos is the last target)
-  np.testing.assert_array_equal(mb["tokens_bl"][0, :n], [BOS] + [IMG] * 8 + [20, 21, 22])
-  np.testing.assert_array_equal(mb["targets_bl"][0, :n], [IMG] * 8 + [20, 21, 22, EOS])
+  np.testing.assert_array_equal(mb.text.tokens_rl[0, :n], [BOS] + [IMG] * 8 + [20, 21, 22])
+  np.testing.assert_array_equal(mb.text.targets_rl[0, :n], [IMG] * 8 + [20, 21, 22, EOS])
   # Targets from the last placeholder on: the three text tokens and eos.
-  np.testing.assert_array_equal(np.flatnonzero(mb["loss_mask_bl"][0]), np.arange(8, 12))
-  assert mb["images_nhwc"].dtype == np.uint8 and np.all(mb["images_nhwc"] == 7)
+  np.testing.assert_array_equal(np.flatnonzero(mb.text.loss_mask_rl[0]), np.arange(8, 12))
+  assert mb.slots["vision"].inputs["images_nhwc"].dtype == np.uint8 and np.all(mb.slots["vision"].inputs["images_nhwc"] == 7)
 
 
 def test_synthetic_task_needs_a_vocabulary(synth_dir):

@@ -2,10 +2,12 @@
 never asserted here)."""
 
 import json
+import types
 
 import numpy as np
 import pytest
 
+from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
 from mimo_jax.models.mimo import build_modules
 from tests.configs import tiny_vlm
@@ -24,7 +26,7 @@ def test_matmul_parameters_from_the_config_alone():
   projector = v.dim * v.downsample**2 * v.projector_hidden + v.projector_hidden * lm.dim
   hd = lm.dim // lm.heads
   layer = 2 * lm.dim * lm.heads * hd + 2 * lm.dim * lm.kv_heads * hd + 3 * lm.dim * lm.mlp_dim
-  assert (fm.vision_patch_params, fm.projector_params) == (patch, projector)
+  assert encoders.get("vision").matmul_params(fm.params["vision"]) == (patch, projector)
   assert fm.language_params == lm.layers * layer + lm.dim * lm.vocab_size
 
 
@@ -33,11 +35,14 @@ def test_step_flops_count_real_samples_only():
   v, lm = cfg.model.vision, cfg.model.language
   fm = FlopModel.build(cfg, _abstract(cfg))
   # Two samples of 7 and 4 positions (the rest of their rows is padding), and an empty one.
-  batch = {"patches": np.array([2 * v.patches]), "patches_sq": np.array([2 * v.patches**2]),
-           "tokens_b": np.array([[7, 4, 0]])}
+  work = {"vision": {"patches": np.array([2 * v.patches]),
+                     "patches_sq": np.array([2 * v.patches**2])}}
+  batch = types.SimpleNamespace(stats=types.SimpleNamespace(work=work),
+                                samples=types.SimpleNamespace(tokens_b=np.array([[7, 4, 0]])))
   got = fm.step(batch)
   lang = lambda n: 6 * fm.language_params * n + 12 * lm.layers * lm.dim * n * (n + 1) / 2
-  image = (6 * (fm.vision_patch_params * v.patches + fm.projector_params * v.tokens_per_image)
+  patch, projector = encoders.get("vision").matmul_params(fm.params["vision"])
+  image = (6 * (patch * v.patches + projector * v.tokens_per_image)
            + 12 * v.layers * v.patches * v.dim * v.patches)
   assert got["language"] == pytest.approx(lang(7) + lang(4))
   assert got["vision"] == pytest.approx(2 * image)
@@ -111,10 +116,10 @@ def test_planner_work_from_metadata_matches_the_loader(tmp_path, layout):
   path = loader.build_paths(cfg)["train"]
   got = plan.work(cfg, path, 3)
   ds = loader.train_dataset(cfg, path, cfg.topology.language.dp)
-  slots = sum(int(ds[s]["slots_sent"].sum()) for s in range(3))
-  rows = sum(int(ds[s]["rows_sent"].sum()) for s in range(3))
+  slots = sum(int(ds[s].slots["vision"].sent.sum()) for s in range(3))
+  rows = sum(int(ds[s].text.rows_sent.sum()) for s in range(3))
   g = cfg.topology.language.dp
-  assert got["vision"] == pytest.approx(slots * g * ds[0]["image_owner_nt"].shape[-1] / 3)
+  assert got["vision"] == pytest.approx(slots * g * ds[0].slots["vision"].owner_nt.shape[-1] / 3)
   assert got["language"] == pytest.approx(rows * g * cfg.data.seq_len / 3)
   assert got["vision"] > 0 and got["language"] > 0
 

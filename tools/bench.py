@@ -13,7 +13,7 @@ bring (slot and row buckets make microbatches differ in shape), then:
   time / (GPUs used · 989 TFLOP/s).
 * **busy time per module**, from `--profile_steps` steps run phase by phase with the host waiting
   after each phase: how long each module's own work takes, unoverlapped. Encoders on the language
-  model's own mesh run with it as one program a microbatch in training (`Stepper.fused`); the
+  model's own mesh run with it as one program a microbatch in training (`Context.fused`); the
   profile runs them as separate calls, the way the other layouts do.
 * **bridge time**: every transfer of one step (image tokens, slot owners, gradients) replayed back
   to back through the bridge as the step calls it (a fan-out's pieces cut by the program that
@@ -29,6 +29,8 @@ bring (slot and row buckets make microbatches differ in shape), then:
 
 `--json` writes every figure for tools/plan.py; `--record` appends the table to docs/benchmarks.md.
 `--set field=value` overrides config fields (repeatable), e.g. `--set data.global_batch=48`.
+`--bridge private` runs the bridge on JAX's private copy and assembly paths (mimo_jax/compat.py)
+instead of the public ones, to measure what they save inside the step.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import bridge, topology
+from mimo_jax import bridge, compat
+from mimo_jax.batch import total
 from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
-from mimo_jax.models.mimo import build_modules
-from mimo_jax.step import Stepper
+from mimo_jax.step import Probe, Step
 from mimo_jax.validation import validate, validate_backend
 from tools.common import ROOT, median_times, record
 
@@ -100,45 +102,50 @@ def raw_pieces(x, dst) -> list[tuple[jax.Array, jax.Device]]:
 
 
 class Run:
-  """One layout: its stepper, state and loader."""
+  """One layout: its step, state and loader."""
 
   def __init__(self, cfg: Config):
     validate(cfg, len(jax.devices()))
     validate_backend(cfg, jax.default_backend())
     self.cfg = cfg
-    self.topo = topology.build(cfg)
-    self.stepper = Stepper(cfg, self.topo, build_modules(cfg))
-    self.state = self.stepper.init_state(cfg.train.seed)
+    self.step = Step.build(cfg)
+    self.topo = self.step.topo
+    self.state = self.step.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
     where = loader.locality(self.topo, cfg.data.slots())
-    self.batches = loader.train_iterator(cfg, paths["train"], self.topo.dp("language"),
-                                         where=where)
-    self.dataset = loader.train_dataset(cfg, paths["train"], self.topo.dp("language"), where)
+    groups = self.step.ctx.groups
+    self.batches = loader.train_iterator(cfg, paths["train"], groups, where=where)
+    self.dataset = loader.train_dataset(cfg, paths["train"], groups, where)
     self.flops = FlopModel.build(cfg, {n: m.abstract_params()
-                                       for n, m in self.stepper.modules.items()})
+                                       for n, m in self.step.modules.items()})
     self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
 
-  def steps(self, n: int) -> dict:
-    """n steps as training runs them; per-step means."""
+  def steps(self, n: int, probe: Probe | None = None) -> dict:
+    """n steps as training runs them (or through `probe`); per-step means."""
     totals = collections.Counter()
     metrics = None
+    groups = self.step.ctx.groups
     start = time.perf_counter()
     for _ in range(n):
       t = time.perf_counter()
       batch = next(self.batches)
       totals["loader_wait_s"] += time.perf_counter() - t
-      totals["tokens"] += int(batch["tokens"].sum())
-      totals["records_read"] += int(batch["records_read"].sum())
+      totals["tokens"] += total(batch, lambda s: s.tokens)
+      totals["records_read"] += total(batch, lambda s: s.records_read)
       for k, v in self.flops.step(batch).items():
         totals[f"flops_{k}"] += v
-      totals["image_tokens"] += int(np.sum(batch["image_owner_nt"] >= 0))
+      vision = batch.slots["vision"]
+      totals["image_tokens"] += int(np.sum(vision.owner_nt >= 0))
       # Slot tokens the encoder computes: the slots each microbatch sends (data.slot_buckets).
-      totals["image_token_capacity"] += (int(batch["slots_sent"].sum()) * self.stepper.groups *
-                                         batch["image_owner_nt"].shape[-1])
+      totals["image_token_capacity"] += (int(vision.sent.sum()) * groups *
+                                         vision.owner_nt.shape[-1])
       # Row positions the language model computes: the rows each microbatch sends.
-      totals["row_capacity"] += (int(batch["rows_sent"].sum()) * self.stepper.groups *
-                                 batch["tokens_bl"].shape[-1])
-      self.state, metrics = self.stepper.train_step(self.state, batch)
+      totals["row_capacity"] += (int(batch.text.rows_sent.sum()) * groups *
+                                 batch.text.tokens_rl.shape[-1])
+      if probe is None:
+        self.state, metrics = self.step.train_step(self.state, batch)
+      else:
+        self.state, metrics = self.step.dispatch(self.state, *self.step.place_step(batch), probe)
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}
     out["step_s"] = (time.perf_counter() - start) / n
@@ -153,11 +160,12 @@ class Run:
     seen, ran = set(), 0
     for s in range(start, start + n):
       batch = self.dataset[s % len(self.dataset)]
-      shapes = set(zip(batch["slots_sent"].tolist(), batch["rows_sent"].tolist()))
+      shapes = set(zip(*[v.sent.tolist() for v in batch.slots.values()],
+                       batch.text.rows_sent.tolist()))
       if shapes <= seen:
         continue
       seen |= shapes
-      self.state, metrics = self.stepper.train_step(self.state, batch)
+      self.state, metrics = self.step.train_step(self.state, batch)
       jax.block_until_ready((self.state, metrics))
       ran += 1
     return ran
@@ -166,11 +174,7 @@ class Run:
     """n steps phase by phase: busy seconds per module and for the bridge, bytes moved."""
     phases = collections.Counter()
     sent = []
-    real, real_send = self.stepper.transfer, self.stepper.send
-
-    def counted(x, dst):
-      sent.append((x, dst, lambda: real(x, dst)))
-      return real(x, dst)
+    real_send = functools.partial(bridge.send, parts=True)
 
     def counted_send(x, dst):
       sent.append((x, dst, lambda: real_send(x, dst)()))
@@ -184,29 +188,24 @@ class Run:
       phases[name] += now - last[0]
       last[0] = now
 
-    # Module by module: a colocated step that runs as one program a microbatch (Stepper.fused)
+    # Module by module: a colocated step that runs as one program a microbatch (Context.fused)
     # has no per-module phases, so the profile runs the modules' separate calls instead. Those
     # compile on first use: then one untimed pass over the same batches comes first.
-    fused = self.stepper.fused
     batches = [next(self.batches) for _ in range(n)]
-    self.stepper.fused = False
-    try:
-      if fused:
-        for batch in batches:
-          self.state, metrics = self.stepper.train_step(self.state, batch)
-          jax.block_until_ready((self.state, metrics))
-      self.stepper.on_phase, self.stepper.transfer = on_phase, counted
-      self.stepper.send = counted_send
+    unfused = Probe(fused=False)
+    if self.step.ctx.fused:
       for batch in batches:
-        inputs, inv = self.stepper.place_step(batch)
-        jax.block_until_ready((inputs, inv))
-        last[0] = time.perf_counter()
-        sent.clear()  # the last step's transfers are kept for the raw comparison
-        self.state, _ = self.stepper.dispatch(self.state, inputs, inv)
-        jax.block_until_ready(self.state)
-    finally:
-      self.stepper.on_phase, self.stepper.transfer, self.stepper.fused = None, real, fused
-      self.stepper.send = real_send
+        self.state, metrics = self.step.dispatch(self.state, *self.step.place_step(batch),
+                                                 unfused)
+        jax.block_until_ready((self.state, metrics))
+    probe = Probe(phase=on_phase, send=counted_send, fused=False)
+    for batch in batches:
+      inputs, inv = self.step.place_step(batch)
+      jax.block_until_ready((inputs, inv))
+      last[0] = time.perf_counter()
+      sent.clear()  # the last step's transfers are kept for the raw comparison
+      self.state, _ = self.step.dispatch(self.state, inputs, inv, probe)
+      jax.block_until_ready(self.state)
     out = {f"busy_{k}_s": v / n for k, v in phases.items() if k != "bridge"}
     out["bridge_bytes"] = sum(moved_bytes(x, dst) for x, dst, _ in sent)
     pieces = [p for x, dst, _ in sent for p in raw_pieces(x, dst)]
@@ -221,22 +220,18 @@ class Run:
 
   def without_bridge(self, n: int) -> float:
     """Step time when every bridge transfer returns an array already in place."""
-    real, real_send, cache = self.stepper.transfer, self.stepper.send, {}
+    cache = {}
+    delivered = lambda x, dst: bridge.send(x, dst, parts=True)()
 
-    def in_place(move, x, dst):
-      key = (move, tuple(x.shape), x.dtype, dst)
+    def in_place(x, dst):
+      key = (tuple(x.shape), x.dtype, dst)
       if key not in cache:
-        cache[key] = jax.block_until_ready(move(x, dst))
+        cache[key] = jax.block_until_ready(delivered(x, dst))
       return cache[key]
 
-    delivered = lambda x, dst: real_send(x, dst)()
-    self.stepper.transfer = functools.partial(in_place, real)
-    self.stepper.send = lambda x, dst: functools.partial(in_place, delivered, x, dst)
-    try:
-      self.steps(1)  # fills the cache
-      return self.steps(n)["step_s"]
-    finally:
-      self.stepper.transfer, self.stepper.send = real, real_send
+    probe = Probe(send=lambda x, dst: functools.partial(in_place, x, dst))
+    self.steps(1, probe)  # fills the cache
+    return self.steps(n, probe)["step_s"]
 
 
 def measure(cfg: Config, layout: str, args) -> dict:
@@ -291,8 +286,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--peak", type=float, default=H100_H200_BF16_PEAK,
                       help="peak FLOP/s of one device for MFU")
   parser.add_argument("--json", default="", help="write every figure to this file")
+  parser.add_argument("--bridge", choices=("public", "private"), default="public",
+                      help="the bridge's copy and assembly paths (mimo_jax/compat.py)")
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   args = parser.parse_args(argv)
+  compat.use_private_bridge(args.bridge == "private")
   rows = []
   for layout in [s.strip() for s in args.layouts.split(";") if s.strip()]:
     cfg = load_config(args.config)

@@ -56,7 +56,7 @@ def throughput(cfg, path: str, workers: int, processes: int, steps: int) -> floa
 def reads(cfg, path: str, dp: int, steps: int) -> tuple[float, float]:
   """Records a language dp rank reads per microbatch: the whole microbatch, and its share."""
   ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset({0}), slots=()))
-  share = np.mean([ds[s]["records_read"].mean() for s in range(steps)])
+  share = np.mean([ds[s].stats.records_read.mean() for s in range(steps)])
   return float(cfg.data.micro_batch), float(share)
 
 
@@ -67,11 +67,11 @@ def balance_stats(cfg, path: str, dp: int, steps: int) -> dict:
     cfg.data.reorder = mode
     ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset(), slots=()))
     batches = [ds[s] for s in range(steps)]
-    spread = np.mean([b["cost_spread"].mean() for b in batches])
+    spread = np.mean([b.stats.cost_spread.mean() for b in batches])
     # The fewest slots a rank needs for every measured microbatch, and the image tokens they hold.
-    slots = max(int(b["slots_used_g"].max()) for b in batches)
-    real = sum(int(b["image_tokens"].sum()) for b in batches)
-    microbatches = sum(b["slots_used_g"].shape[0] for b in batches)
+    slots = max(int(b.slots["vision"].used_g.max()) for b in batches)
+    real = sum(int(b.stats.item_tokens["vision"].sum()) for b in batches)
+    microbatches = sum(b.slots["vision"].used_g.shape[0] for b in batches)
     out[mode] = {"spread": float(spread), "slots": slots,
                  "efficiency": real / (microbatches * dp * slots * slot_tokens(cfg))}
   return out

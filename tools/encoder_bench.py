@@ -21,11 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mimo_jax import topology
 from mimo_jax.config import ConfigError
 from mimo_jax.flops import FlopModel
-from mimo_jax.models.mimo import build_modules, encode_images
-from mimo_jax.step import Stepper
+from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tools.bench import load_config, set_field
 from tools.common import median_time, record
@@ -33,16 +31,15 @@ from tools.common import median_time, record
 
 def measure(cfg, images: int, reps: int) -> dict:
   validate(cfg, len(jax.devices()))
-  stepper = Stepper(cfg, topology.build(cfg), build_modules(cfg))
-  params = stepper.init_state(cfg.train.seed)["vision"].params
+  step = Step.build(cfg)
+  params = step.init_state(cfg.train.seed)["vision"].params
   v = cfg.model.vision
   rng = np.random.default_rng(0)
-  x = {"images": jnp.asarray(rng.integers(0, 256, (1, images, v.image_size, v.image_size,
-                                                    v.channels), np.uint8))}
+  x = {"images_nhwc": jnp.asarray(rng.integers(0, 256, (1, images, v.image_size, v.image_size,
+                                                         v.channels), np.uint8))}
 
   def forward(p, x):
-    x = {"images": x["images"].astype(jnp.float32) / cfg.data.pixel_max}
-    return encode_images(stepper.bind("vision", p), stepper.run_blocks("vision", p), x)
+    return step.ctx.encode("vision", p, x)
 
   out = jax.eval_shape(forward, params, x)
   ct = (0.01 * jax.random.normal(jax.random.key(1), out.shape)).astype(out.dtype)
@@ -51,7 +48,7 @@ def measure(cfg, images: int, reps: int) -> dict:
   bwd = jax.jit(lambda vjp, ct: vjp(ct)[0])
   fused = jax.jit(lambda p, x, ct: jax.vjp(lambda p: forward(p, x), p)[1](ct)[0])
   patches = (v.image_size // v.patch_size) ** 2
-  flops = FlopModel.build(cfg, {n: m.abstract_params() for n, m in stepper.modules.items()})
+  flops = FlopModel.build(cfg, {n: m.abstract_params() for n, m in step.modules.items()})
   total = flops.vision(images * patches, images * patches**2)  # forward and backward
   row = {"forward_s": median_time(lambda: fwd(params, x), reps),
          "split_s": median_time(lambda: bwd(fwd_vjp(params, x)[1], ct), reps),

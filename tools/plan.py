@@ -119,8 +119,9 @@ def work(cfg, path: str, steps: int) -> dict[str, float]:
   images = rows = 0
   for s in range(steps):
     b = ds[s]
-    images += int(b["slots_sent"].sum()) * groups * b["image_owner_nt"].shape[-1]
-    rows += int(b["rows_sent"].sum()) * groups * b["tokens_bl"].shape[-1]
+    vision = b.slots["vision"]
+    images += int(vision.sent.sum()) * groups * vision.owner_nt.shape[-1]
+    rows += int(b.text.rows_sent.sum()) * groups * b.text.tokens_rl.shape[-1]
   return {"vision": images / steps, "language": rows / steps}
 
 

@@ -137,13 +137,19 @@ class Vision(encoders.Encoder):
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
     """6·N a patch for the ViT's matmuls and 6·N an image token for the projector's, plus
     bidirectional attention of each image's patches against its own."""
-    # pylint: disable-next=import-outside-toplevel
-    from mimo_jax.flops import kernel_params
     v = cfg.model.vision
-    projector = kernel_params(params, "projector")
-    patch = kernel_params(params) - projector
+    patch, projector = self.matmul_params(params)
     dense = 6 * (patch * work["patches"] + projector * work["patches"] / v.downsample**2)
     return float(dense + 12 * v.layers * v.dim * work["patches_sq"])
+
+
+  def matmul_params(self, params) -> tuple[int, int]:
+    """Matmul parameters a patch goes through (embedding, blocks) and an image token goes through
+    after the pixel shuffle (the projector)."""
+    # pylint: disable-next=import-outside-toplevel
+    from mimo_jax.flops import kernel_params
+    projector = kernel_params(params, "projector")
+    return kernel_params(params) - projector, projector
 
 
 encoders.register(Vision())

@@ -1,0 +1,92 @@
+"""Encoders as plug-ins: a second, tests-only encoder (tests/toy_encoder.py) trains beside vision
+and the language model on three meshes, with the single-device float32 trajectory."""
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax import encoders
+from mimo_jax.batch import stack
+from mimo_jax.config import ConfigError, ModuleTopology
+from mimo_jax.data import digits
+from mimo_jax.data.layout import layout_microbatch
+from mimo_jax.data.loader import make_layout
+from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.validation import validate
+from tests import toy_encoder
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+  encoders.register(toy_encoder.Signal())
+  yield
+  encoders.unregister("signal")
+
+
+def _config(data_dir, vision, signal, language):
+  cfg = tiny_config(data_dir, vision=vision, language=language)
+  cfg.model.extra["signal"] = toy_encoder.SignalConfig()
+  cfg.topology.extra["signal"] = ModuleTopology(*signal)
+  cfg.data.seq_len = 32  # room for 3 images and 2 signals of 4 tokens each
+  return cfg
+
+
+def _batches(cfg):
+  """Samples with 0-3 images and 0-2 signals, given as token ids: items' placeholders first,
+  then text ids the digits vocabulary has, never the signal placeholder."""
+  tr_x, _, _, _ = digits._images()  # pylint: disable=protected-access
+  rng = np.random.default_rng(3)
+  micro = cfg.data.micro_batch
+
+  def sample(s, m, i):
+    k, j = int(rng.integers(0, 4)), int(rng.integers(0, 3))
+    images = [np.asarray(tr_x[(97 * s + 31 * m + 7 * i + q) % len(tr_x)], np.uint8).reshape(8, 8)
+              for q in range(k)]
+    signals = [rng.standard_normal(16).astype(np.float32) for _ in range(j)]
+    text = rng.integers(5, 17, size=int(rng.integers(2, 5)))
+    tokens = [IMG] * k + [toy_encoder.PLACEHOLDER] * j + text.tolist()
+    return {"images": images, "signals": signals, "tokens": np.asarray(tokens, np.int32)}
+
+  steps = [[[sample(s, m, i) for i in range(micro)] for m in range(cfg.data.microbatches)]
+           for s in range(STEPS)]
+
+  def make(lang_dp):
+    layout = make_layout(cfg, lang_dp)
+    return [stack([layout_microbatch(samples, [1000 * s + 100 * m + i for i in range(micro)],
+                                     layout, Tokenizer())
+                   for m, samples in enumerate(step)]) for s, step in enumerate(steps)]
+  return make
+
+
+def test_three_meshes_match_single_device(data_dir):
+  ref_cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  ref, ref_step, ref_state, ref_init = run_steps(ref_cfg, STEPS, batches=_batches(ref_cfg))
+  assert ref_step.ctx.fused  # every module on device 0: one program a microbatch
+  assert ref[-1]["loss"] < ref[0]["loss"]
+  cfg = _config(data_dir, (0, 2, 1), (2, 2, 1), (4, 2, 2))
+  got, step, state, init = run_steps(cfg, STEPS, batches=_batches(cfg))
+  assert list(step.plan.modules) == ["vision", "signal", "language"]
+  assert not step.ctx.fused
+  assert {d.id for d in step.plan["signal"].mesh.devices.flat} == {2, 3}
+  assert_close_trajectory(ref, got, rtol=1e-4)
+  # The signal encoder trained: its parameters moved, alike on both layouts.
+  for a, b, c in zip(jax.tree.leaves(init["signal"]), jax.tree.leaves(state["signal"].params),
+                     jax.tree.leaves(ref_state["signal"].params)):
+    assert not np.allclose(a, np.asarray(b))
+    np.testing.assert_allclose(np.asarray(b), np.asarray(c), rtol=1e-4, atol=1e-6)
+  batch = _batches(cfg)(2)[0]
+  assert int(batch.stats.items["signal"].sum()) > 0 and int(batch.stats.items["vision"].sum()) > 0
+
+
+def test_unregistered_or_unplaced_encoders_are_config_errors(data_dir):
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  del cfg.topology.extra["signal"]
+  with pytest.raises(ConfigError, match="config.topology.signal"):
+    validate(cfg, 8)
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  encoders.unregister("signal")
+  with pytest.raises(ConfigError, match="no encoder 'signal' is registered"):
+    validate(cfg, 8)
