@@ -1,4 +1,4 @@
-"""Default config: a small VLM learns to name handwritten digits (DESIGN §4), on 8 devices.
+"""Default config: a small VLM learns to name handwritten digits (README), on 8 devices.
 
 The vision encoder and the language model run on separate meshes with different dp: vision dp4 on
 devices 0-3 feeds language dp2 x tp2 on devices 4-7 (a 4 -> 2 fan-in through the bridge).

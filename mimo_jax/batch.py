@@ -60,7 +60,7 @@ class Slots:
   """One encoder's part of a microbatch."""
   inputs: dict  # the encoder's device inputs, [n, ...] each (encoders/*.py say which)
   owner_nt: np.ndarray  # sample id owning each token of each slot (-1 = empty)
-  pos_rl: np.ndarray  # index of a placeholder's token in its rank's slots (slot · t + token), or -1
+  pos_rl: np.ndarray  # a placeholder's token in its rank's slots (slot · t + token), or -1
   used_g: np.ndarray  # slots each language rank fills (a prefix of its own)
   sent: np.ndarray  # slots of each rank the microbatch sends to the encoder (data.slot_buckets)
 

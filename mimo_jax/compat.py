@@ -1,9 +1,9 @@
 """Every use of JAX's private modules, behind one door.
 
-Three things the public API does not offer, or offers only with host work that matters:
+Four things the public API does not offer, or offers only with host work that matters:
 
 * `assemble`: a global array from its per-device pieces without the checks of
-  `jax.make_array_from_single_device_arrays` (the bridge's routes already guarantee what they check).
+  `jax.make_array_from_single_device_arrays` (the bridge's routes guarantee what they check).
 * `copy`: many one-device arrays copied device to device in one call (the batched copy that
   `jax.device_put` ends in), without the Python layers before it.
 * `packed_attention`: cuDNN's fused attention over packed segments (per-row offsets and lengths),
@@ -78,7 +78,8 @@ def copy_targets(devices: tuple) -> tuple[tuple, tuple]:
   targets = tuple(jax.sharding.SingleDeviceSharding(d) for d in devices)
   if not PRIVATE_OK:
     return targets, ()
-  return targets, tuple(t._internal_device_list for t in targets)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  return targets, tuple(t._internal_device_list for t in targets)
 
 
 def copy(arrays: list, targets: tuple, device_lists: tuple) -> list:

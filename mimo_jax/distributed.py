@@ -1,8 +1,8 @@
 """Several processes (hosts): start-up, and bringing device values to every process.
 
 Every process runs the same program and makes the same jit and transfer calls in the same order
-(docs/multihost.md); a process may call a jit on a mesh where it has no devices. Only process 0 writes
-metrics, progress and the run's logs.
+(docs/multihost.md); a process may call a jit on a mesh where it has no devices. Only process 0
+writes metrics, progress and the run's logs.
 """
 
 from __future__ import annotations

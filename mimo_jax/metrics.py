@@ -46,7 +46,7 @@ class MetricsWriter:
     """Logs a record with a `step`; raises NonFiniteError on NaN/Inf (after writing it)."""
     step = record["step"]
     if self.enabled:
-      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.write(json.dumps(_strict(record), allow_nan=False) + "\n")
       self._jsonl.flush()
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)):
@@ -76,6 +76,13 @@ class MetricsWriter:
       self._bar.close()
     self._tb.close()
     self._jsonl.close()
+
+
+def _strict(record: dict) -> dict:
+  """Strict JSON has no NaN or Infinity: such values are written as the strings "nan", "inf" and
+  "-inf"."""
+  return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+          for k, v in record.items()}
 
 
 def format_record(record: dict) -> str:

@@ -1,9 +1,10 @@
 """One optimizer step across modules: optax per module, one global-norm clip over all of them.
 
-Arrays on different meshes cannot meet in one optax chain (DESIGN §3.3). Each module computes the
-squared norm of its trainable gradients on its own mesh; the scalars are copied to every module
-(`bridge.replicate_to`), and every module sums them in the same order, so all modules apply the
-bit-identical clip factor. Frozen groups get `optax.set_to_zero` and do not count in the norm.
+Arrays on different meshes cannot meet in one optax chain (docs/architecture.md). Each module
+computes the squared norm of its trainable gradients on its own mesh; the scalars are copied to
+every module (`bridge.transfer`), and every module sums them in the same order, so all modules
+apply the bit-identical clip factor. Frozen groups get `optax.set_to_zero` and do not count in
+the norm.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax.config import Config
-from mimo_jax.sharding import AXES, BATCH, REPLICATED  # noqa: F401  (re-exported)
+from mimo_jax.sharding import AXES, BATCH
 from mimo_jax.validation import validate_topology
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, topology
+from mimo_jax import bridge
 from mimo_jax.data import loader
 from mimo_jax.step import Step
 from mimo_jax.validation import validate
@@ -18,7 +18,8 @@ from tests.helpers import tiny_config
 
 @contextlib.contextmanager
 def no_host_transfers():
-  """Rejects the host fallback of device_put but allows device-to-device copies (DESIGN §3.2)."""
+  """Rejects the host fallback of device_put but allows device-to-device copies
+  (docs/architecture.md)."""
   with jax.transfer_guard_host_to_device("disallow_explicit"), \
        jax.transfer_guard_device_to_host("disallow_explicit"):
     yield

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mimo_jax import checkpoint, topology, train
+from mimo_jax import checkpoint, train
 from mimo_jax.config import ConfigError
-from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
@@ -183,9 +182,10 @@ def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   ckpt.close()
   np.testing.assert_array_equal(tensors["language/embedding"],
                                 np.asarray(state["language"].params["embedding"]))
-  assert len(tensors) == sum(len(jax.tree.leaves(a)) for a in [p.abstract_params for p in stepper.plan.modules.values()])
+  abstract = [p.abstract_params for p in stepper.plan.modules.values()]
+  assert len(tensors) == sum(len(jax.tree.leaves(a)) for a in abstract)
   out = run("check", str(full_dir))
-  arrays = sum(len(jax.tree.leaves(a)) for a in [p.abstract_params for p in stepper.plan.modules.values()])
+  arrays = sum(len(jax.tree.leaves(a)) for a in abstract)
   assert out.returncode == 0, out.stdout + out.stderr
   assert out.stdout.count(f": {arrays} arrays restored, ok") == 3, out.stdout
   out = run("export", str(full_dir), "--step", "5", "--out", str(target))

@@ -4,11 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import topology
 from mimo_jax.batch import Batch
 from mimo_jax.data import loader
 from mimo_jax.data.tokenizer import IMG, Tokenizer
-from mimo_jax.models.mimo import build_modules
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
@@ -42,13 +40,13 @@ def test_same_seed_same_batches_on_1_and_8_devices(data_dir):
 def test_data_seed_changes_order_and_restart_resumes_it(data_dir):
   cfg = tiny_config(data_dir, **ONE)
   path = loader.build_paths(cfg)["train"]
-  a = loader.train_dataset(cfg, path, 1)[0]["tokens_bl"]
+  a = loader.train_dataset(cfg, path, 1)[0].text.tokens_rl
   cfg.data.seed = 1
-  b = loader.train_dataset(cfg, path, 1)[0]["tokens_bl"]
+  b = loader.train_dataset(cfg, path, 1)[0].text.tokens_rl
   assert not np.array_equal(a, b)
   it = loader.train_iterator(cfg, path, 1, start_step=2)
-  np.testing.assert_array_equal(next(it)["tokens_bl"], loader.train_dataset(cfg, path, 1)[2]
-                                ["tokens_bl"])
+  np.testing.assert_array_equal(next(it).text.tokens_rl,
+                                loader.train_dataset(cfg, path, 1)[2].text.tokens_rl)
 
 
 def test_same_seed_same_init_on_1_and_8_devices(data_dir):

@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import topology
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
-from mimo_jax.models.mimo import build_modules, slot_mismatches
+from mimo_jax.models.mimo import slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
 from mimo_jax.step import Step
 from mimo_jax.validation import validate
@@ -56,7 +55,9 @@ def _samples():
 def test_layout_packs_images_of_several_sizes_at_token_granularity():
   layout, samples, ids = _layout(), _samples(), [50, 51, 52, 53]
   mb = layout_microbatch(samples, ids, layout, Tokenizer())
-  per_group = mb.slots["vision"].inputs["patches_nqk"].reshape(2, -1, S * S, P * P * C)  # [rank, token, block, pixels]
+  vision = mb.slots["vision"]
+  # [rank, token, block, pixels]
+  per_group = vision.inputs["patches_nqk"].reshape(2, -1, S * S, P * P * C)
   positions = mb.slots["vision"].inputs["patch_pos_nq"].reshape(2, -1, S * S)
   segments = mb.slots["vision"].inputs["patch_seg_nq"].reshape(2, -1, S * S)
   for b, (sample, sid) in enumerate(zip(samples, ids)):
@@ -76,12 +77,14 @@ def test_layout_packs_images_of_several_sizes_at_token_granularity():
       start += t
   owners = mb.slots["vision"].owner_nt
   assert np.sum(owners >= 0) == sum((h // P) * (w // P) // 4 for s in SIZES for h, w in s)
-  assert np.all((mb.slots["vision"].inputs["patch_seg_nq"] > 0) == np.repeat(owners >= 0, S * S, axis=1))
+  assert np.all((vision.inputs["patch_seg_nq"] > 0) == np.repeat(owners >= 0, S * S, axis=1))
   bad = slot_mismatches(jnp.asarray(owners), jnp.asarray(mb.slots["vision"].pos_rl),
                         jnp.asarray(mb.text.token_sample_rl), 2)
   assert int(bad) == 0
   patches = [(h // P) * (w // P) for s in SIZES for h, w in s]
-  assert int(mb.stats.work["vision"]["patches"]) == sum(patches) and int(mb.stats.work["vision"]["patches_sq"]) == sum(p * p for p in patches)
+  work = mb.stats.work["vision"]
+  assert int(work["patches"]) == sum(patches)
+  assert int(work["patches_sq"]) == sum(p * p for p in patches)
 
 
 def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():

@@ -36,8 +36,9 @@ def test_merge_places_own_images(groups, counts):
   layout = image_layout(seq_len=L, tokens_per_image=T, groups=groups, slots=8 * 3)
   mb = layout_microbatch(samples, ids, layout, Tokenizer())
   x = jnp.full((len(samples), L, D), -1.0)
-  merged = np.asarray(merge_images(x, jnp.asarray(_fake_encoder(mb.slots["vision"].inputs["images_nhwc"])),
-                                   jnp.asarray(mb.slots["vision"].pos_rl), groups))
+  vision = mb.slots["vision"]
+  merged = np.asarray(merge_images(x, jnp.asarray(_fake_encoder(vision.inputs["images_nhwc"])),
+                                   jnp.asarray(vision.pos_rl), groups))
   for b, s in enumerate(samples):
     pos = np.flatnonzero(mb.text.tokens_rl[b] == IMG)
     assert len(pos) == len(s["images"]) * T
@@ -47,7 +48,7 @@ def test_merge_places_own_images(groups, counts):
     rest = np.setdiff1d(np.arange(L), pos)
     assert np.all(merged[b, rest] == -1.0)  # text positions untouched
   assert mb.samples.items_b.tolist() == counts
-  bad = slot_mismatches(jnp.asarray(mb.slots["vision"].owner_nt), jnp.asarray(mb.slots["vision"].pos_rl),
+  bad = slot_mismatches(jnp.asarray(vision.owner_nt), jnp.asarray(vision.pos_rl),
                         jnp.asarray(mb.text.token_sample_rl), groups)
   assert int(bad) == 0
 
@@ -56,7 +57,8 @@ def test_mismatch_detected_when_slots_are_swapped():
   samples = [_sample(i, 2) for i in range(4)]
   layout = image_layout(seq_len=L, tokens_per_image=T, groups=2, slots=12)
   mb = layout_microbatch(samples, [10, 11, 12, 13], layout, Tokenizer())
-  swapped = np.concatenate([mb.slots["vision"].owner_nt[6:], mb.slots["vision"].owner_nt[:6]])  # ranks exchanged
+  owners = mb.slots["vision"].owner_nt
+  swapped = np.concatenate([owners[6:], owners[:6]])  # ranks exchanged
   bad = slot_mismatches(jnp.asarray(swapped), jnp.asarray(mb.slots["vision"].pos_rl),
                         jnp.asarray(mb.text.token_sample_rl), 2)
   assert int(bad) == 4 * 2 * T

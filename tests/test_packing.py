@@ -28,7 +28,8 @@ def test_packed_rows_hold_segments_with_restarting_positions():
     np.testing.assert_array_equal(mb.text.positions_rl[r[0], cols], np.arange(n))
     np.testing.assert_array_equal(mb.text.tokens_rl[r[0], cols], plain.text.tokens_rl[b, :n])
     np.testing.assert_array_equal(mb.text.loss_mask_rl[r[0], cols], plain.text.loss_mask_rl[b, :n])
-    np.testing.assert_array_equal(mb.slots["vision"].pos_rl[r[0], cols], plain.slots["vision"].pos_rl[b, :n])
+    np.testing.assert_array_equal(mb.slots["vision"].pos_rl[r[0], cols],
+                                  plain.slots["vision"].pos_rl[b, :n])
   assert mb.text.loss_mask_rl.sum() == plain.text.loss_mask_rl.sum()
   assert (mb.text.segment_ids_rl.max(axis=1) > 1).any()  # some row really holds several samples
 

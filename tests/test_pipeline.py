@@ -1,5 +1,5 @@
 """Pipeline parallelism (pipeline.py): the schedules against a plain loop, and the training step
-with pipelined modules against the single-device run (DESIGN §2.3)."""
+with pipelined modules against the single-device run (docs/architecture.md, Numerics)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import topology
 from mimo_jax.config import ConfigError
-from mimo_jax.models.mimo import build_modules
 from mimo_jax.pipeline import Schedule, Stack
 from mimo_jax.step import Step
 from mimo_jax.validation import validate

@@ -39,8 +39,10 @@ def test_reorder_keeps_the_samples_and_their_images(data_dir, lang_dp):
     b = {int(s): i for i, s in enumerate(balanced.samples.ids_b[m])}
     assert set(a) == set(b)
     for sid in a:
-      np.testing.assert_array_equal(plain.text.tokens_rl[m][a[sid]], balanced.text.tokens_rl[m][b[sid]])
-      mine = lambda b: b.slots["vision"].inputs["images_nhwc"][m][b.slots["vision"].owner_nt[m][:, 0] == sid]
+      np.testing.assert_array_equal(plain.text.tokens_rl[m][a[sid]],
+                                    balanced.text.tokens_rl[m][b[sid]])
+      mine = lambda b: (b.slots["vision"].inputs["images_nhwc"][m]
+                        [b.slots["vision"].owner_nt[m][:, 0] == sid])
       np.testing.assert_array_equal(mine(plain), mine(balanced))
     assert balanced.stats.cost_spread[m] <= plain.stats.cost_spread[m]
   assert balanced.stats.cost_spread.mean() < plain.stats.cost_spread.mean()

@@ -81,7 +81,8 @@ def test_layout_of_token_samples_puts_the_loss_on_the_text():
   np.testing.assert_array_equal(mb.text.targets_rl[0, :n], [IMG] * 8 + [20, 21, 22, EOS])
   # Targets from the last placeholder on: the three text tokens and eos.
   np.testing.assert_array_equal(np.flatnonzero(mb.text.loss_mask_rl[0]), np.arange(8, 12))
-  assert mb.slots["vision"].inputs["images_nhwc"].dtype == np.uint8 and np.all(mb.slots["vision"].inputs["images_nhwc"] == 7)
+  images = mb.slots["vision"].inputs["images_nhwc"]
+  assert images.dtype == np.uint8 and np.all(images == 7)
 
 
 def test_synthetic_task_needs_a_vocabulary(synth_dir):

@@ -1,4 +1,4 @@
-"""The digits-captioning task (DESIGN §4), stored as ArrayRecord shards of JSON samples.
+"""The digits-captioning task (README), stored as ArrayRecord shards of JSON samples.
 
 A sample is 0..k images of scikit-learn's 8x8 handwritten digits plus text. With images the text is
 `<img> <img> : seven two` (name the digits in order); without, it is a question such as

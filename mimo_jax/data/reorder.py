@@ -23,6 +23,8 @@ def sample_cost(image_tokens: int, text_tokens: int, image_token_cost: float,
 def balance(costs: list[float], groups: int) -> list[int]:
   """A permutation of range(len(costs)): group 0's samples, then group 1's, ... (b each)."""
   n = len(costs)
+  if groups < 1 or n % groups:
+    raise ValueError(f"{n} samples do not split evenly over {groups} groups")
   per_group = n // groups
   load = np.zeros(groups)
   members: list[list[int]] = [[] for _ in range(groups)]

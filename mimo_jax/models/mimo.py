@@ -1,10 +1,10 @@
 """The multimodal model as separate modules (encoders by name + `language`) and the merge step.
 
 Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
-shardings of the plan (sharding.py) all see the same simple pytree. `Module.bind` rebuilds the flax NNX
-object from such a dict inside a jitted function. A module's repeated blocks live under `blocks`,
-stacked on a leading layer axis; the step runs them through a `pipeline.Stack` (`RunBlocks`), which
-is what lets the same model code run in one piece or in pipeline stages.
+shardings of the plan (sharding.py) all see the same simple pytree. `Module.bind` rebuilds the flax
+NNX object from such a dict inside a jitted function. A module's repeated blocks live under
+`blocks`, stacked on a leading layer axis; the step runs them through a `pipeline.Stack`
+(`RunBlocks`), which is what lets the same model code run in one piece or in pipeline stages.
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""Unit tests of the model modules: layers, the ViT and the decoder."""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mimo_jax.config import LanguageConfig, VisionConfig
+from mimo_jax.models import layers, llm, vit
+
+
+def test_rmsnorm_and_layernorm_follow_their_formulas():
+  x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+  rms = layers.RMSNorm(8)(jnp.asarray(x))
+  np.testing.assert_allclose(rms, x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6),
+                             rtol=1e-5)
+  ln = layers.LayerNorm(8)(jnp.asarray(x))
+  mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  np.testing.assert_allclose(ln, (x - mean) / np.sqrt(var + 1e-6), rtol=1e-4, atol=1e-5)
+
+
+def test_rope_rotates_pairs_and_keeps_relative_positions():
+  rng = np.random.default_rng(1)
+  q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32) for _ in range(2))
+  at = lambda x, p: layers.rope(x, jnp.asarray([[p]]), 10_000.0)
+  np.testing.assert_allclose(jnp.linalg.norm(at(q, 5)), jnp.linalg.norm(q), rtol=1e-5)
+  # <rope(q, i), rope(k, j)> depends on i - j only.
+  dot = lambda i, j: float(jnp.sum(at(q, i) * at(k, j)))
+  np.testing.assert_allclose(dot(7, 3), dot(14, 10), rtol=1e-4)
+
+
+def test_causal_attention_sees_only_earlier_tokens():
+  attn = layers.Attention(nnx.Rngs(0), 16, 4, 2, jnp.float32, rope_theta=10_000.0)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 6, 16)), jnp.float32)
+  pos = jnp.arange(6)[None]
+  out = attn(x, pos, causal=True)
+  changed = attn(x.at[:, 4:].set(0.0), pos, causal=True)
+  np.testing.assert_allclose(out[:, :4], changed[:, :4], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(out[:, 4:], changed[:, 4:])
+
+
+def test_vit_and_decoder_shapes():
+  v, lm = VisionConfig(), LanguageConfig()
+  enc = vit.VisionEncoder(nnx.Rngs(0), v, lm, jnp.float32)
+  images = jnp.zeros((2, v.image_size, v.image_size, v.channels))
+  x = enc.patches(images)
+  assert x.shape == (2, v.patches, v.dim)
+  assert enc.finish(x).shape == (2, v.tokens_per_image, lm.dim)
+  dec = llm.LanguageModel(nnx.Rngs(0), lm, 17, jnp.float32)
+  h = dec.embed(jnp.zeros((2, 5), jnp.int32))
+  assert h.shape == (2, 5, lm.dim) and dec.logits(h).shape == (2, 5, 17)
+  assert dec.logits(h).dtype == jnp.float32
