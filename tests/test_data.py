@@ -41,3 +41,16 @@ def test_build_is_cached_and_keyed_by_parameters(data_dir):
   assert {k: os.path.getmtime(v) for k, v in first.items()} == mtime
   other = digits.build(data_dir, 1000, 200, cfg.data.probs())
   assert other["train"] != first["train"]
+
+
+def test_metrics_lines_stay_strict_json_with_non_finite_values(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  import pytest  # pylint: disable=import-outside-toplevel
+  from mimo_jax.metrics import MetricsWriter, NonFiniteError  # pylint: disable=import-outside-toplevel
+  writer = MetricsWriter(str(tmp_path), 10, progress="lines")
+  with pytest.raises(NonFiniteError):
+    writer.write({"step": 3, "loss": float("nan"), "grad_norm": float("inf")})
+  writer.close()
+  line = (tmp_path / "metrics.jsonl").read_text().splitlines()[-1]
+  assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) == {
+      "step": 3, "loss": "nan", "grad_norm": "inf"}

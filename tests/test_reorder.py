@@ -102,3 +102,8 @@ def test_slot_buckets_hold_the_used_slots_and_split_over_vision_dp():
       size = reorder.bucket(used, 12, buckets, groups=2, split=4)
       assert max(used, 1) <= size <= 12 and (2 * size) % 4 == 0
   assert [reorder.bucket(u, 12, 4, 1) for u in (0, 3, 4, 7, 12)] == [3, 3, 6, 9, 12]
+
+
+def test_balance_rejects_groups_that_do_not_divide_the_samples():
+  with pytest.raises(ValueError, match="do not split evenly over 3 groups"):
+    reorder.balance([1.0] * 8, 3)
