@@ -46,7 +46,7 @@ def test_build_is_cached_and_keyed_by_parameters(data_dir):
 def test_metrics_lines_stay_strict_json_with_non_finite_values(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
   import pytest  # pylint: disable=import-outside-toplevel
-  from mimo_jax.metrics import MetricsWriter, NonFiniteError  # pylint: disable=import-outside-toplevel
+  from mimo_jax.metrics import MetricsWriter, NonFiniteError  # pylint: disable=all
   writer = MetricsWriter(str(tmp_path), 10, progress="lines")
   with pytest.raises(NonFiniteError):
     writer.write({"step": 3, "loss": float("nan"), "grad_norm": float("inf")})

@@ -124,9 +124,9 @@ def test_packed_encoder_matches_each_image_alone_and_the_fixed_size_path(synth_d
     seg = np.concatenate([np.full(len(patchify(im[None], P, S)[0]), i + 1)
                           for i, im in enumerate(imgs)])
     pad = length - len(k)
-    return {"patches": jnp.asarray(np.pad(k, ((0, pad), (0, 0))))[None],
-            "pos": jnp.asarray(np.pad(pos, (0, pad)), jnp.int32)[None],
-            "seg": jnp.asarray(np.pad(seg, (0, pad)), jnp.int32)[None]}
+    return {"patches_nqk": jnp.asarray(np.pad(k, ((0, pad), (0, 0))))[None],
+            "patch_pos_nq": jnp.asarray(np.pad(pos, (0, pad)), jnp.int32)[None],
+            "patch_seg_nq": jnp.asarray(np.pad(seg, (0, pad)), jnp.int32)[None]}
 
   packed = _encode(stepper, params, row(images, 32))[0]
   start = 0
@@ -136,7 +136,7 @@ def test_packed_encoder_matches_each_image_alone_and_the_fixed_size_path(synth_d
     np.testing.assert_allclose(packed[start:start + n // 4], alone, rtol=1e-5, atol=1e-5)
     start += n // 4
   assert np.abs(packed[start:]).max() > 0  # padding tokens exist but no placeholder reads them
-  full = {"images": jnp.asarray(images[1])[None]}  # the largest size, through the plain ViT
+  full = {"images_nhwc": jnp.asarray(images[1])[None]}  # the largest size, through the plain ViT
   np.testing.assert_allclose(_encode(stepper, params, row([images[1]], 16))[0],
                              _encode(stepper, params, full)[0], rtol=1e-5, atol=1e-5)
 

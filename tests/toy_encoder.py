@@ -64,6 +64,7 @@ class SignalEncoder(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class SignalSlots(encoders.SlotLayout):
+  noun = "signal"
   length: int = 16
 
   def sizes(self, sample: dict) -> list[tuple[int]]:

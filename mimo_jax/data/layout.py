@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 
 from mimo_jax.batch import Batch, Samples, Slots, Stats, Text
-from mimo_jax.data.tokenizer import BOS, EOS, PAD, Tokenizer
+from mimo_jax.data.tokenizer import BOS, EOS, IMG, PAD, Tokenizer
 from mimo_jax.encoders import SlotLayout
 
 
@@ -53,13 +53,14 @@ def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> l
     g, placed = b // per_group, []
     for t in counts:
       if t > cap:
-        raise ValueError(f"sample {sid} has a {slots.name} item of {t} tokens but a slot holds "
+        article = "an" if slots.noun[0] in "aeiou" else "a"
+        raise ValueError(f"sample {sid} has {article} {slots.noun} of {t} tokens but a slot holds "
                          f"{cap}; raise data.slot_patches.")
       slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= t and items[j] < most),
                   None)
       if slot is None:
         raise ValueError(
-            f"sample {sid} needs {len(counts)} {slots.name} items but the {slots.name} slots of "
+            f"sample {sid} needs {len(counts)} {slots.noun}s but the {slots.noun} slots of "
             f"language dp rank {g} are full in this microbatch; raise data.image_slots (now "
             f"{slots.slots} per microbatch).")
       placed.append((slot, cap - free[slot]))
@@ -69,17 +70,20 @@ def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> l
   return out
 
 
-def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]]
-                  ) -> tuple[list[int], int]:
+def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]],
+                  nouns: dict[int, str] | None = None) -> tuple[list[int], int]:
   """bos + the sample's tokens (its i-th placeholder of each encoder expanded to that item's
-  tokens; `item_tokens` maps placeholder id -> tokens per item) + eos, and the position whose
+  tokens; `item_tokens` maps placeholder id -> tokens per item, `nouns` placeholder id -> what an
+  item is called, for errors) + eos, and the position whose
   target starts the loss: ':' for a digits sample (`text`), the last placeholder (or bos) for a
   sample given as token ids (`tokens`, items first, as data/synthetic.py writes)."""
   ids = tok.encode(sample["text"]) if "text" in sample else [int(w) for w in sample["tokens"]]
   for mark, counts in item_tokens.items():
     if ids.count(mark) != len(counts):
-      raise ValueError(f"its text has {ids.count(mark)} placeholders (token {mark}) but it has "
-                       f"{len(counts)} items for them.")
+      word = "<img>" if mark == IMG else f"token {mark}"
+      noun = (nouns or {}).get(mark, "item")
+      raise ValueError(f"its text has {ids.count(mark)} {word} placeholders but it has "
+                       f"{len(counts)} {noun}s.")
   words, items = [BOS], {mark: iter(counts) for mark, counts in item_tokens.items()}
   for w in ids:
     words.extend([w] * next(items[w]) if w in items else [w])
@@ -201,7 +205,8 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
     else:
       try:
         seq, answer = sample_tokens(tok, sample, {e.placeholder: tokens[e.name][b]
-                                                  for e in layout.encoders})
+                                                  for e in layout.encoders},
+                                    {e.placeholder: e.noun for e in layout.encoders})
       except ValueError as err:
         raise ValueError(f"sample {sid}: {err}") from None
       n = len(seq) - 1
