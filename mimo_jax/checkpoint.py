@@ -50,29 +50,25 @@ def _is_closed_loop_report(unraisable) -> bool:
           str(unraisable.exc_value) == "Event loop is closed")
 
 
-class _DroppedReads:
+def _collect() -> None:
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
+    gc.collect()
+
+
+def _drop_closed_loop_reports():
   """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
-  closed: as each ends, or is collected, Python reports "Event loop is closed". While this is
-  installed (from a failed read until its checkpointer is closed), those reports, and only those,
-  are dropped; the previous hook is restored afterwards."""
+  closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
+  read until its checkpointer is closed those reports, and only those, are dropped; returns the
+  hook to restore then."""
+  previous = sys.unraisablehook
 
-  def __enter__(self):
-    self._previous = sys.unraisablehook
-
-    def hook(unraisable, previous=self._previous):
-      if not _is_closed_loop_report(unraisable):
-        previous(unraisable)
-    sys.unraisablehook = hook
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
-      gc.collect()  # the failed read's leftovers that are already garbage
-    return self
-
-  def __exit__(self, *exc):
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      gc.collect()
-    sys.unraisablehook = self._previous
+  def hook(unraisable):
+    if not _is_closed_loop_report(unraisable):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  _collect()  # the failed read's leftovers that are already garbage
+  return previous
 
 
 def directory(workdir: str) -> str:
@@ -134,7 +130,7 @@ class Checkpointer:
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
                read_only: bool = False):
     self.path, self.modules = path, list(modules)
-    self._dropped = None  # a _DroppedReads while a failed restore's reads linger
+    self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
@@ -194,8 +190,8 @@ class Checkpointer:
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside
     the `except` block, whose exception holds it)."""
-    if self._dropped is None:
-      self._dropped = _DroppedReads().__enter__()
+    if self._hook is None:
+      self._hook = _drop_closed_loop_reports()
     raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
                           f"incomplete: move {self.path}/{step} away to resume from the "
                           "checkpoint before it, or start in a new run.workdir.")
@@ -206,9 +202,9 @@ class Checkpointer:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
-    if self._dropped is not None:
-      self._dropped.__exit__(None, None, None)
-      self._dropped = None
+    if self._hook is not None:
+      _collect()
+      sys.unraisablehook, self._hook = self._hook, None
 
 
 def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:

@@ -67,12 +67,12 @@ class Context:
     """Whether `name` takes all microbatches of a step in one call (a pipelined module)."""
     return self.plan[name].schedule.pipelined
 
-  @property
+  @functools.cached_property
   def defer_reduce(self) -> bool:
     """The language model keeps per-rank gradients through the step (module docstring)."""
     return not self.whole_step("language") and self.plan["language"].tp == 1
 
-  @property
+  @functools.cached_property
   def fused(self) -> bool:
     """Every encoder shares the language model's dp-only mesh: one program a microbatch."""
     mesh = self.plan["language"].mesh

@@ -77,7 +77,7 @@ def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]
   item is called, for errors) + eos, and the position whose
   target starts the loss: ':' for a digits sample (`text`), the last placeholder (or bos) for a
   sample given as token ids (`tokens`, items first, as data/synthetic.py writes)."""
-  ids = tok.encode(sample["text"]) if "text" in sample else [int(w) for w in sample["tokens"]]
+  ids = tok.encode(sample["text"]) if "text" in sample else list(sample["tokens"])
   for mark, counts in item_tokens.items():
     if ids.count(mark) != len(counts):
       word = "<img>" if mark == IMG else f"token {mark}"

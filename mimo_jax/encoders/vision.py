@@ -18,12 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax import encoders
-from mimo_jax.config import Config, slot_images
+from mimo_jax.config import Config, slot_images, slot_tokens
 from mimo_jax.data.tokenizer import IMG
 from mimo_jax.patches import grid_positions, patchify
 
-IMAGE_INPUTS = ("images_nhwc",)
-PACKED_INPUTS = ("patches_nqk", "patch_pos_nq", "patch_seg_nq")
 PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
 
 
@@ -112,9 +110,7 @@ class Vision(encoders.Encoder):
 
   def slot_layout(self, cfg: Config, groups: int, slots: int) -> ImageSlots:
     v = cfg.model.vision
-    tokens = (cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches
-              else v.tokens_per_image)
-    return ImageSlots(self.name, IMG, groups, slots, tokens, slot_images(cfg),
+    return ImageSlots(self.name, IMG, groups, slots, slot_tokens(cfg), slot_images(cfg),
                       image_shape=(v.image_size, v.image_size, v.channels),
                       slot_patches=cfg.data.slot_patches, patch_size=v.patch_size,
                       downsample=v.downsample)
