@@ -119,7 +119,7 @@ def run(cfg: Config) -> list[dict]:
     writer.say(f"topology: {topo.describe()}")
     if start:
       writer.say(f"resumed from {ckpt.path} step {start}")
-    where = loader.locality(topo, cfg.data.slots())
+    where = loader.locality(topo, loader.slot_counts(cfg))
     if not where.everything:
       writer.say("scalable data parallelism: this process reads only the records of its devices")
     batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start,

@@ -176,7 +176,8 @@ def test_scalable_reads_with_packed_slots(synth_dir):
   cfg = _config(synth_dir, {"vision": (0, 4, 1), "language": (4, 2, 2)})
   path = loader.build_paths(cfg)["train"]
   full = loader.train_dataset(cfg, path, 2)[0]
-  where = loader.Locality(groups=frozenset(), slots=((12, 18),))  # vision dp rank 2 of 4
+  # vision dp rank 2 of 4
+  where = loader.Locality(groups=frozenset(), slots={"vision": ((12, 18),)})
   got = loader.train_dataset(cfg, path, 2, where)[0]
   owners = [len({int(i) for i in ids.ravel() if i >= 0})
             for ids in full.slots["vision"].owner_nt[:, 12:18]]
@@ -197,15 +198,14 @@ def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir)
   records = loader._Records(path, "synthetic")  # pylint: disable=protected-access
   sizes = set()
   for i in range(len(records)):
-    m, images = records.meta[i], records.read(i)["images"]
-    assert m[meta.IMAGES] == len(images)
-    got = [tuple(m[3 + 2 * j:5 + 2 * j]) for j in range(len(images))]
-    assert got == [im.shape[:2] for im in images]
+    got, images = records.meta[i].sizes["vision"], records.read(i)["images"]
+    assert list(got) == [im.shape[:2] for im in images]
     sizes.update(got)
   assert sizes == {(8, 8), (16, 16), (8, 16), (16, 8)}
-  np.save(meta.path_of(path), records.meta[:, :3])  # the format without sizes
+  want = [records.meta[i] for i in range(len(records))]
+  np.savez(meta.path_of(path), text_tokens=records.meta.text_tokens)  # an older format
   got = loader._Records(path, "synthetic")  # pylint: disable=protected-access
-  assert got.meta.shape == records.meta.shape
+  assert [got.meta[i] for i in range(len(got))] == want
 
 
 @pytest.mark.parametrize("data, field", [

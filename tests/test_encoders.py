@@ -1,6 +1,9 @@
 """Encoders as plug-ins: a second, tests-only encoder (tests/toy_encoder.py) trains beside vision
 and the language model on three meshes, with the single-device float32 trajectory."""
 
+import functools
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ import pytest
 from mimo_jax import encoders
 from mimo_jax.batch import stack
 from mimo_jax.config import ConfigError, ModuleTopology
-from mimo_jax.data import digits
+from mimo_jax.data import digits, loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import IMG, Tokenizer
@@ -34,12 +37,11 @@ def _config(data_dir, vision, signal, language):
   return cfg
 
 
-def _batches(cfg):
+def _samples(steps, micro, microbatches):
   """Samples with 0-3 images and 0-2 signals, given as token ids: items' placeholders first,
   then text ids the digits vocabulary has, never the signal placeholder."""
   tr_x, _, _, _ = digits._images()  # pylint: disable=protected-access
   rng = np.random.default_rng(3)
-  micro = cfg.data.micro_batch
 
   def sample(s, m, i):
     k, j = int(rng.integers(0, 4)), int(rng.integers(0, 3))
@@ -50,8 +52,13 @@ def _batches(cfg):
     tokens = [IMG] * k + [toy_encoder.PLACEHOLDER] * j + text.tolist()
     return {"images": images, "signals": signals, "tokens": np.asarray(tokens, np.int32)}
 
-  steps = [[[sample(s, m, i) for i in range(micro)] for m in range(cfg.data.microbatches)]
-           for s in range(STEPS)]
+  return [[[sample(s, m, i) for i in range(micro)] for m in range(microbatches)]
+          for s in range(steps)]
+
+
+def _batches(cfg):
+  micro = cfg.data.micro_batch
+  steps = _samples(STEPS, micro, cfg.data.microbatches)
 
   def make(lang_dp):
     layout = make_layout(cfg, lang_dp)
@@ -90,3 +97,39 @@ def test_unregistered_or_unplaced_encoders_are_config_errors(data_dir):
   encoders.unregister("signal")
   with pytest.raises(ConfigError, match="no encoder 'signal' is registered"):
     validate(cfg, 8)
+
+
+def test_sidecar_and_scalable_reads_cover_every_encoder(data_dir, tmp_path):
+  """The metadata sidecar keeps every encoder's item sizes, and a process that holds only some of
+  the signal encoder's slots reads exactly the records whose signals lie there."""
+  cfg = _config(data_dir, (0, 2, 1), (2, 2, 1), (4, 2, 2))
+  micro = cfg.data.micro_batch
+  samples = _samples(1, 2 * micro, 1)[0][0]
+  shard = str(tmp_path / "toy.array_record")
+  meta.write(shard, samples)
+  table = meta.load(shard, len(samples), samples.__getitem__, ("vision", "signal"))
+  tok = Tokenizer()
+  for i, sample in enumerate(samples):
+    assert table[i] == meta.row(sample, tok)
+    assert table[i].sizes["signal"] == ((16,),) * len(sample["signals"])
+    assert table[i].sizes["vision"] == ((8, 8),) * len(sample["images"])
+  records = types.SimpleNamespace(meta=table, read=samples.__getitem__)
+  layout = make_layout(cfg, 2)
+  S = layout.encoder("signal").slots
+  for start in (0, micro):
+    elements = [(start + i, start + i) for i in range(micro)]
+    batch = functools.partial(loader._layout_batch,  # pylint: disable=protected-access
+                              elements, layout, tok, lambda pos: pos, cfg.data, records)
+    full = batch(loader.Locality())
+    got = batch(loader.Locality(groups=frozenset(), slots={"signal": ((S // 2, S),)}))
+    owners = {int(i) for i in full.slots["signal"].owner_nt[S // 2:].ravel() if i >= 0}
+    assert int(got.stats.records_read) == len(owners) and 0 < len(owners) < micro
+    assert int(full.stats.records_read) == micro
+    g, f = got.slots["signal"], full.slots["signal"]
+    np.testing.assert_array_equal(g.inputs["signals_ns"][S // 2:], f.inputs["signals_ns"][S // 2:])
+    np.testing.assert_array_equal(g.owner_nt[S // 2:], f.owner_nt[S // 2:])
+    assert not g.inputs["signals_ns"][:S // 2].any()  # the other rank's slots stay empty here
+    for pick in (lambda b: b.samples.ids_b, lambda b: b.samples.tokens_b,
+                 lambda b: b.samples.answer_b, lambda b: b.stats.target_tokens,
+                 lambda b: b.stats.items["signal"], lambda b: b.slots["vision"].used_g):
+      np.testing.assert_array_equal(pick(got), pick(full))

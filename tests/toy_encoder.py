@@ -67,9 +67,6 @@ class SignalSlots(encoders.SlotLayout):
   noun = "signal"
   length: int = 16
 
-  def sizes(self, sample: dict) -> list[tuple[int]]:
-    return [(len(s),) for s in sample.get("signals", ())]
-
   def items(self, sample: dict) -> list:
     return list(sample.get("signals", ()))
 
@@ -89,7 +86,10 @@ class SignalSlots(encoders.SlotLayout):
 
 
 class Signal(encoders.Encoder):
-  name, sample_key, seed_salt = "signal", "signals", 3
+  name, sample_key, placeholder, size_fields, seed_salt = "signal", "signals", PLACEHOLDER, 1, 3
+
+  def item_sizes(self, sample: dict) -> list[tuple[int]]:
+    return [(len(s),) for s in sample.get("signals", ())]
 
   def validate(self, cfg: Config) -> None:
     s = self.config(cfg)
@@ -102,7 +102,7 @@ class Signal(encoders.Encoder):
 
   def slot_layout(self, cfg: Config, groups: int, slots: int) -> SignalSlots:
     s = self.config(cfg)
-    return SignalSlots(self.name, PLACEHOLDER, groups, slots, s.tokens, 1, length=s.length)
+    return SignalSlots(self.name, self.placeholder, groups, slots, s.tokens, 1, length=s.length)
 
   def slots(self, cfg: Config, eval_batch: int = 0) -> int:
     return (eval_batch or cfg.data.micro_batch) * self.config(cfg).max_signals

@@ -112,7 +112,7 @@ class Run:
     self.topo = self.step.topo
     self.state = self.step.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
-    where = loader.locality(self.topo, cfg.data.slots())
+    where = loader.locality(self.topo, loader.slot_counts(cfg))
     groups = self.step.ctx.groups
     self.batches = loader.train_iterator(cfg, paths["train"], groups, where=where)
     self.dataset = loader.train_dataset(cfg, paths["train"], groups, where)

@@ -55,7 +55,7 @@ def throughput(cfg, path: str, workers: int, processes: int, steps: int) -> floa
 
 def reads(cfg, path: str, dp: int, steps: int) -> tuple[float, float]:
   """Records a language dp rank reads per microbatch: the whole microbatch, and its share."""
-  ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset({0}), slots=()))
+  ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset({0}), slots={}))
   share = np.mean([ds[s].stats.records_read.mean() for s in range(steps)])
   return float(cfg.data.micro_batch), float(share)
 
@@ -65,7 +65,7 @@ def balance_stats(cfg, path: str, dp: int, steps: int) -> dict:
   out = {}
   for mode in ("none", "balance"):
     cfg.data.reorder = mode
-    ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset(), slots=()))
+    ds = loader.train_dataset(cfg, path, dp, loader.Locality(groups=frozenset(), slots={}))
     batches = [ds[s] for s in range(steps)]
     spread = np.mean([b.stats.cost_spread.mean() for b in batches])
     # The fewest slots a rank needs for every measured microbatch, and the image tokens they hold.

@@ -114,7 +114,7 @@ def work(cfg, path: str, steps: int) -> dict[str, float]:
   """Per step, the slot tokens the encoder computes and the row positions the language model
   computes under cfg's layout (padding included), from the records' metadata alone."""
   ds = loader.train_dataset(cfg, path, cfg.topology.language.dp,
-                            loader.Locality(groups=frozenset(), slots=()))
+                            loader.Locality(groups=frozenset(), slots={}))
   groups = cfg.topology.language.dp
   images = rows = 0
   for s in range(steps):

@@ -169,7 +169,8 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
   2, ...; 0 = padding) whose positions restart at 0. Per-sample arrays (`_b`) keep one entry per
   sample in both cases.
 
-  A sample given only as `{"meta": (items, text tokens, loss tokens, sizes...)}` (data/meta.py)
+  A sample given only as `{"meta": meta.Meta}` (text and loss tokens, its items' sizes;
+  data/meta.py)
   takes its row and slots like the full sample would, but they stay empty: scalable data
   parallelism passes such stubs for samples whose rows and slots live on other processes' devices.
   The statistics count the whole microbatch, stubs included.
@@ -199,9 +200,9 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
     n_items = sum(len(sizes[e.name][b]) for e in layout.encoders)
     n_tok = sum(sum(tokens[e.name][b]) for e in layout.encoders)
     if "meta" in sample:
-      _, text_tokens, loss_tokens = (int(v) for v in sample["meta"][:3])
-      seq, n = None, text_tokens + n_tok - 1
-      answer = n - loss_tokens
+      m = sample["meta"]
+      seq, n = None, m.text_tokens + n_tok - 1
+      answer = n - m.loss_tokens
     else:
       try:
         seq, answer = sample_tokens(tok, sample, {e.placeholder: tokens[e.name][b]

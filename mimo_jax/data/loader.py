@@ -6,10 +6,10 @@ record indices that depends only on `data.seed`, never on the topology. The layo
 slots, never between steps.
 
 Scalable data parallelism: the layout of a microbatch is computed from every sample's metadata
-(data/meta.py: image count, text and loss tokens), but a process reads and decodes only the records
-whose rows or image slots live on its own devices (`Locality`); the other samples become stubs that
-take their rows and slots without content. Every process computes the same layout, so every module
-sees the same samples in the same places; `records_read` counts this process's reads.
+(data/meta.py: text and loss tokens, each item's size), but a process reads and decodes only the
+records whose rows or slots live on its own devices (`Locality`); the other samples become stubs
+that take their rows and slots without content. Every process computes the same layout, so every
+module sees the same samples in the same places; `records_read` counts this process's reads.
 """
 
 from __future__ import annotations
@@ -73,28 +73,36 @@ def _source(path: str, task: str = "digits") -> grain.MapDataset:
 
 @dataclasses.dataclass(frozen=True)
 class Locality:
-  """Which language dp groups and which image slots of a microbatch this process holds.
-  `None` for either means all of them."""
+  """Which language dp groups and which slots of each encoder a microbatch has on this process.
+  `groups=None` means every group, `slots=None` every slot of every encoder; an encoder missing
+  from `slots` has none here."""
   groups: frozenset | None = None
-  slots: tuple[tuple[int, int], ...] | None = None  # [lo, hi) slot ranges
+  slots: dict[str, tuple[tuple[int, int], ...]] | None = None  # encoder -> [lo, hi) slot ranges
 
   @property
   def everything(self) -> bool:
     return self.groups is None and self.slots is None
 
-  def needs(self, group: int, slots: set[int]) -> bool:
-    """Whether a sample of language group `group` whose images lie in `slots` has a row or a slot
-    here."""
+  def needs(self, group: int, slots: dict[str, set[int]]) -> bool:
+    """Whether a sample of language group `group` whose items lie in `slots` (encoder -> slot
+    numbers) has a row or a slot here."""
     if self.groups is None or group in self.groups:
       return True
     if self.slots is None:
-      return bool(slots)
-    return any(lo <= j < hi for j in slots for lo, hi in self.slots)
+      return any(slots.values())
+    return any(lo <= j < hi for name, taken in slots.items()
+               for j in taken for lo, hi in self.slots.get(name, ()))
 
 
-def locality(topo, slots: int) -> Locality:
-  """The `Locality` of this process under `topo` (a topology.Topology) for `slots` image slots a
-  microbatch: the dp indices of its language devices and the slot ranges of its vision devices."""
+def slot_counts(cfg: Config) -> dict[str, int]:
+  """Each encoder's slots in a training microbatch."""
+  return {n: e.slots(cfg) for n, e in encoders.of(cfg).items()}
+
+
+def locality(topo, slots: dict[str, int]) -> Locality:
+  """The `Locality` of this process under `topo` (a topology.Topology) for `slots` (encoder ->
+  slots a microbatch): the dp indices of its language devices and the slot ranges of each
+  encoder's devices."""
   import jax  # pylint: disable=import-outside-toplevel
 
   def local_dp(name):
@@ -104,22 +112,25 @@ def locality(topo, slots: int) -> Locality:
             if mesh.devices[i].process_index == jax.process_index()}, mesh.shape["dp"]
 
   groups, lang_dp = local_dp("language")
-  ranks, vision_dp = local_dp("vision")
-  per = slots // vision_dp
+  ranges, everything = {}, True
+  for name, count in slots.items():
+    ranks, dp = local_dp(name)
+    per = count // dp
+    everything &= len(ranks) == dp
+    ranges[name] = tuple((r * per, (r + 1) * per) for r in sorted(ranks))
   return Locality(None if len(groups) == lang_dp else frozenset(groups),
-                  None if len(ranks) == vision_dp else
-                  tuple((r * per, (r + 1) * per) for r in sorted(ranks)))
+                  None if everything else ranges)
 
 
 class _Records:
   """Random access to a shard's records and their metadata; decodes on demand."""
 
-  def __init__(self, path: str, task: str):
+  def __init__(self, path: str, task: str, names=("vision",)):
     self.path, self._decode = path, DECODERS[task]
     self.source = grain.sources.ArrayRecordDataSource([path])
     if len(self.source) == 0:
       raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
-    self.meta = meta.load(path, len(self.source), self.read)
+    self.meta = meta.load(path, len(self.source), self.read, names)
 
   def __len__(self) -> int:
     return len(self.source)
@@ -131,23 +142,23 @@ class _Records:
 def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
                   records: _Records, where: Locality) -> Batch:
   """Lays out one microbatch of (stream position, record index) pairs: reorders its samples over
-  language dp ranks if configured, and reads only the records `where` needs. (The sidecar
-  describes images: the stubs and reads follow the vision encoder's slots.)"""
-  stubs = [{"meta": tuple(int(v) for v in records.meta[index])} for _, index in elements]
+  language dp ranks if configured, and reads only the records `where` needs."""
+  stubs = [{"meta": records.meta[index]} for _, index in elements]
   ids = [id_of(pos) for pos, _ in elements]
-  vision = layout.encoder("vision")
-  image_tokens = [[vision.item_tokens(size, sid) for size in vision.sizes(stub)]
-                  for stub, sid in zip(stubs, ids)]
-  costs = [reorder.sample_cost(sum(t), stub["meta"][meta.TEXT_TOKENS], data.image_token_cost,
-                               data.text_token_cost) for t, stub in zip(image_tokens, stubs)]
+  item_tokens = {e.name: [[e.item_tokens(size, sid) for size in e.sizes(stub)]
+                          for stub, sid in zip(stubs, ids)] for e in layout.encoders}
+  costs = [reorder.sample_cost(sum(sum(t[b]) for t in item_tokens.values()),
+                               stub["meta"].text_tokens, data.image_token_cost,
+                               data.text_token_cost) for b, stub in enumerate(stubs)]
   order = list(range(len(elements)))
   if data.reorder == "balance":
     order = reorder.balance(costs, layout.groups)
-  elements, stubs, ids, image_tokens = ([x[i] for i in order]
-                                        for x in (elements, stubs, ids, image_tokens))
+  elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
+  item_tokens = {n: [t[i] for i in order] for n, t in item_tokens.items()}
   per_group = len(elements) // layout.groups
-  places = place_items(image_tokens, ids, vision)
-  samples = [records.read(index) if where.needs(b // per_group, {j for j, _ in places[b]})
+  places = {e.name: place_items(item_tokens[e.name], ids, e) for e in layout.encoders}
+  samples = [records.read(index)
+             if where.needs(b // per_group, {n: {j for j, _ in p[b]} for n, p in places.items()})
              else stub for b, ((_, index), stub) in enumerate(zip(elements, stubs))]
   out = layout_microbatch(samples, ids, layout, tok)
   out.stats.records_read = np.int32(sum("meta" not in s for s in samples))
@@ -163,7 +174,7 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
   records read to this process's share (default: read everything)."""
   d = cfg.data
   layout = make_layout(cfg, lang_dp)
-  records = _Records(path, d.task)
+  records = _Records(path, d.task, tuple(e.name for e in layout.encoders))
   ds = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, index: (pos, index))

@@ -1,41 +1,56 @@
 """Per-record metadata beside every shard: what the layout needs without reading the record.
 
-Scalable data parallelism (loader.py) reads only the records whose rows or image slots live on this
+Scalable data parallelism (loader.py) reads only the records whose rows or slots live on this
 process's devices, yet the layout of a microbatch (which row and which slots each sample takes), the
 cost-balanced reorder and the loss scale (1 / target tokens of the global batch) depend on every
-sample of the step. They need three numbers a sample and the size of each image, kept in
-`<shard>.meta.npy` (int32 [records, 3 + 2K], K the most images of a sample in the shard):
+sample of the step. They need two numbers a sample and the size of each of its items, for every
+registered encoder (`encoders.Encoder.item_sizes`; images: (h, w)). `<shard>.meta.npz` holds, for R
+records:
 
-  images        images of the sample
-  text_tokens   its tokens other than image placeholders, bos and eos included
-  loss_tokens   its target tokens that carry loss (image placeholders excluded)
-  h, w          height and width of image 0, 1, ... (0 past the sample's images)
+  text_tokens     int32 [R]           tokens other than placeholders, bos and eos included
+  loss_tokens     int32 [R]           target tokens that carry loss (placeholders excluded)
+  <name>.count    int32 [R]           items of encoder <name> (0 where a sample has none)
+  <name>.sizes    int32 [R, K, F]     their sizes (K: the most items of a sample; F: the
+                                      encoder's size fields)
 
-Shards are built with their sidecar; a shard without one gets it on first use (one full scan).
+Shards are built with their sidecar; a shard without one, or with one that lacks an encoder the run
+uses, gets it on first use (one full scan).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
+from mimo_jax import encoders
 from mimo_jax.data.layout import sample_tokens, text_length
-from mimo_jax.data.tokenizer import IMG, Tokenizer
-from mimo_jax.encoders.vision import image_sizes
+from mimo_jax.data.tokenizer import Tokenizer
 
-IMAGES, TEXT_TOKENS, LOSS_TOKENS = range(3)
+FORMAT = 2
 
 
-def row(sample: dict, tok: Tokenizer) -> tuple[int, ...]:
-  k = len(sample["images"])
-  seq, start = sample_tokens(tok, sample, {IMG: [1] * k})
-  sizes = [v for hw in image_sizes(sample) for v in hw]
-  return (k, text_length(sample, tok, (IMG,)), len(seq) - 1 - start, *sizes)
+@dataclasses.dataclass(frozen=True)
+class Meta:
+  """One record's metadata: a stub `{"meta": Meta}` takes the record's row and slots."""
+  text_tokens: int
+  loss_tokens: int
+  sizes: dict[str, tuple[tuple[int, ...], ...]]  # encoder -> each item's size
+
+
+def row(sample: dict, tok: Tokenizer) -> Meta:
+  """The metadata of a full sample, for every registered encoder whose items it lists."""
+  present = [e for e in encoders.REGISTRY.values() if e.sample_key in sample]
+  sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
+  seq, start = sample_tokens(tok, sample, {e.placeholder: [1] * len(sizes[e.name])
+                                           for e in present})
+  placeholders = tuple(e.placeholder for e in present)
+  return Meta(text_length(sample, tok, placeholders), len(seq) - 1 - start, sizes)
 
 
 def path_of(shard: str) -> str:
-  return shard + ".meta.npy"
+  return shard + ".meta.npz"
 
 
 def write(shard: str, samples) -> None:
@@ -44,29 +59,71 @@ def write(shard: str, samples) -> None:
   save(shard, [row(s, tok) for s in samples])
 
 
-def save(shard: str, rows: list) -> None:
-  width = 3 + 2 * max((r[IMAGES] for r in rows), default=0)
-  table = np.zeros((len(rows), width), np.int32)
-  for i, r in enumerate(rows):
-    table[i, :len(r)] = r
-  tmp = path_of(shard) + ".tmp.npy"
-  np.save(tmp, table)
+def save(shard: str, rows: list[Meta]) -> None:
+  arrays = {"format": np.int32(FORMAT),
+            "text_tokens": np.asarray([r.text_tokens for r in rows], np.int32).reshape(-1),
+            "loss_tokens": np.asarray([r.loss_tokens for r in rows], np.int32).reshape(-1)}
+  for e in encoders.REGISTRY.values():
+    sizes = [r.sizes.get(e.name, ()) for r in rows]
+    k = max((len(s) for s in sizes), default=0)
+    table = np.zeros((len(rows), k, e.size_fields), np.int32)
+    for i, s in enumerate(sizes):
+      if s:
+        table[i, :len(s)] = s
+    arrays[f"{e.name}.count"] = np.asarray([len(s) for s in sizes], np.int32).reshape(-1)
+    arrays[f"{e.name}.sizes"] = table
+  tmp = path_of(shard) + ".tmp.npz"
+  with open(tmp, "wb") as f:
+    np.savez(f, **arrays)
   os.replace(tmp, path_of(shard))
 
 
-def _current(table: np.ndarray, count: int) -> bool:
-  """Whether a loaded sidecar has this format (one row a record, every image's size)."""
-  return (table.ndim == 2 and table.shape[0] == count and table.shape[1] >= 3 and
-          table.shape[1] == 3 + 2 * int(table[:, IMAGES].max(initial=0)))
+class Table:
+  """A loaded sidecar: `table[i]` is record i's `Meta`."""
+
+  def __init__(self, arrays: dict[str, np.ndarray]):
+    self.text_tokens, self.loss_tokens = arrays["text_tokens"], arrays["loss_tokens"]
+    self.names = tuple(k[:-len(".count")] for k in arrays if k.endswith(".count"))
+    self.count = {n: arrays[f"{n}.count"] for n in self.names}
+    self.sizes = {n: arrays[f"{n}.sizes"] for n in self.names}
+
+  def __len__(self) -> int:
+    return len(self.text_tokens)
+
+  def __getitem__(self, i: int) -> Meta:
+    return Meta(int(self.text_tokens[i]), int(self.loss_tokens[i]),
+                {n: tuple(tuple(int(v) for v in s) for s in self.sizes[n][i, :self.count[n][i]])
+                 for n in self.names})
 
 
-def load(shard: str, count: int, read) -> np.ndarray:
-  """The sidecar of `shard` ([count, 3 + 2K]); built by scanning with `read(i)` if missing or
-  stale."""
+def _read(path: str, count: int, names) -> Table | None:
+  """The sidecar at `path` if it has this format, one row a record and every encoder in `names`."""
+  try:
+    with np.load(path) as z:
+      arrays = {k: z[k] for k in z.files}
+  except (OSError, ValueError, EOFError):
+    return None
+  if int(arrays.get("format", -1)) != FORMAT or "text_tokens" not in arrays:
+    return None
+  table = Table(arrays)
+  if len(table) != count or any(n not in table.names for n in names):
+    return None
+  return table
+
+
+def load(shard: str, count: int, read, names=()) -> Table:
+  """The sidecar of `shard` (`count` records, items of the encoders in `names`); built by scanning
+  with `read(i)` if missing, stale or of another format."""
   path = path_of(shard)
   if os.path.exists(path):
-    table = np.load(path)
-    if _current(table, count):
+    table = _read(path, count, names)
+    if table is not None:
       return table
   write(shard, (read(i) for i in range(count)))
-  return np.load(path)
+  table = _read(path, count, names)
+  if table is None:
+    missing = [n for n in names if n not in encoders.REGISTRY]
+    raise ValueError(f"{path}: could not build the metadata of {shard} for encoders "
+                     f"{', '.join(names)}" + (f" ({', '.join(missing)} not registered)"
+                                              if missing else "") + ".")
+  return table

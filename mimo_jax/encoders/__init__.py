@@ -8,7 +8,8 @@ placeholders in the text. Everything the rest of the code needs of it is declare
   external weights,
 * its host slot layout (`SlotLayout`: how many tokens an item yields, how items are written into
   the slots of a microbatch, the device inputs of those slots),
-* its sidecar fields (the size of each item, read from a record or from its metadata stub),
+* its sidecar fields (`item_sizes`: the size of each item, kept beside every shard so that the
+  layout can place a record's items without reading it; data/meta.py),
 * its device forward (`encode`) and its FLOP model.
 
 Topology (`topology.<name>`) and model config (`model.<name>`) are keyed by registered names; the
@@ -45,8 +46,11 @@ class SlotLayout:
     return self.slots // self.groups
 
   def sizes(self, sample: dict) -> list[tuple[int, ...]]:
-    """Each item's size (its sidecar fields), from the sample or its metadata stub."""
-    raise NotImplementedError
+    """Each item's size (its sidecar fields), from the sample or its metadata stub
+    (data/meta.py)."""
+    if "meta" in sample:
+      return list(sample["meta"].sizes.get(self.name, ()))
+    return get(self.name).item_sizes(sample)
 
   def items(self, sample: dict) -> list:
     raise NotImplementedError
@@ -73,7 +77,13 @@ class Encoder:
   """The plug-in: subclasses set `name`, `sample_key`, `seed_salt` and implement the methods."""
   name: str = ""
   sample_key: str = ""  # the field of a sample that lists its items
+  placeholder: int = -1  # the token id that marks each item in a sample's text
+  size_fields: int = 1  # integers that give an item's size (an image's: h, w)
   seed_salt: int = 0  # parameters depend on train.seed and this
+
+  def item_sizes(self, sample: dict) -> list[tuple[int, ...]]:
+    """Each item's size (`size_fields` integers) of a full sample; kept in the shard's sidecar."""
+    raise NotImplementedError
 
   def config(self, cfg: Config):
     return cfg.model.module(self.name)

@@ -26,11 +26,8 @@ PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
 
 
 def image_sizes(sample: dict) -> list[tuple[int, int]]:
-  """(h, w) of each image of a sample, read or from a stub's metadata (data/meta.py)."""
-  if "meta" in sample:
-    m = [int(v) for v in sample["meta"]]
-    return [(m[3 + 2 * i], m[4 + 2 * i]) for i in range(m[0])]
-  return [tuple(int(v) for v in np.shape(img)[:2]) for img in sample["images"]]
+  """(h, w) of each image of a full sample."""
+  return [tuple(int(v) for v in np.shape(img)[:2]) for img in sample.get("images", ())]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +41,6 @@ class ImageSlots(encoders.SlotLayout):
   @property
   def packed(self) -> bool:
     return self.slot_patches > 0
-
-  def sizes(self, sample: dict) -> list[tuple[int, int]]:
-    return image_sizes(sample)
 
   def items(self, sample: dict) -> list:
     return list(sample.get("images", ()))
@@ -93,7 +87,10 @@ class ImageSlots(encoders.SlotLayout):
 
 
 class Vision(encoders.Encoder):
-  name, sample_key, seed_salt = "vision", "images", 1
+  name, sample_key, placeholder, size_fields, seed_salt = "vision", "images", IMG, 2, 1
+
+  def item_sizes(self, sample: dict) -> list[tuple[int, int]]:
+    return image_sizes(sample)
 
   def module(self, cfg: Config):
     # pylint: disable-next=import-outside-toplevel,cyclic-import
@@ -110,7 +107,8 @@ class Vision(encoders.Encoder):
 
   def slot_layout(self, cfg: Config, groups: int, slots: int) -> ImageSlots:
     v = cfg.model.vision
-    return ImageSlots(self.name, IMG, groups, slots, slot_tokens(cfg), slot_images(cfg),
+    return ImageSlots(self.name, self.placeholder, groups, slots, slot_tokens(cfg),
+                      slot_images(cfg),
                       image_shape=(v.image_size, v.image_size, v.channels),
                       slot_patches=cfg.data.slot_patches, patch_size=v.patch_size,
                       downsample=v.downsample)
