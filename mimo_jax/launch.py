@@ -80,11 +80,7 @@ def main(argv: list[str]) -> None:
     _fail(str(e))
   try:
     train.run(cfg)
-    if jax.process_count() > 1:
-      # Leave the coordination service together, in order: a process that simply exits while
-      # the others still hold their connections makes the service's threads report the lost
-      # connection ("Connection refused", "CANCELLED") although the run ended normally.
-      jax.distributed.shutdown()
+    distributed.shutdown()
   except ConfigError as e:
     _fail(str(e))
   except Exception as e:  # pylint: disable=broad-except

@@ -60,6 +60,8 @@ def reference(data_dir):
 def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo, extra):
   proc = _launch(*_args(data_dir, tmp_path, topo, *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
+  # A normal end leaves the coordination service quietly (no lost-connection reports).
+  assert not re.search("Connection refused|CANCELLED|WatchTasks", proc.stdout), proc.stdout[-3000:]
   got = _train_records(tmp_path)
   assert sorted(got) == [1, 2, 3, 4]
   for step, want in reference.items():
