@@ -1,9 +1,16 @@
 """orbax checkpoints: one item per module (params + optimizer state) and one `meta` item.
 
-`meta` holds the step, the data position, the seeds and the config that wrote the checkpoint. A
-restore reads each module into abstract arrays carrying the *current* topology's shardings, so a
-checkpoint written on one layout restores onto any other. orbax writes a step into a temporary
-folder and renames it when complete, so an interrupted save is never taken as the latest step.
+`meta` holds the step, the data position, the seeds, the config that wrote the checkpoint, a
+fingerprint of every saved array (fingerprint.py, computed on the devices at save time) and a
+digest of itself. A restore reads each module into abstract arrays carrying the *current*
+topology's shardings, so a checkpoint written on one layout restores onto any other, and checks
+every array against its fingerprint: a damaged step is refused, never trained on.
+
+orbax writes a step into a temporary folder and renames it when complete (`commit_success.txt`
+last). A step folder without that file is never a step: it is moved aside as `<step>.uncommitted`
+when a run opens the folder, so that it neither counts as the latest step nor blocks a new save
+of that step. Resuming from an older step (`checkpoint.restore_step`) moves the newer steps aside
+as `<step>.replaced`, since the run will write its own.
 
 With several processes, orbax refuses arrays that live on the devices of one process only (a module
 whose mesh sits on one host). There every array is first gathered and copied, through the bridge,
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import os
 import re
 import sys
@@ -25,7 +34,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed
+from mimo_jax import bridge, distributed, fingerprint
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.state import ModuleState
 
@@ -84,6 +93,28 @@ def complete_steps(path: str) -> list[int]:
                 if d.isdigit() and os.path.exists(os.path.join(path, d, "commit_success.txt")))
 
 
+def _set_aside(path: str, step: int, why: str) -> str:
+  """Renames `path/step` to `path/step.why` (or `.why-2`, ...); returns the new name."""
+  n, target = 1, os.path.join(path, f"{step}.{why}")
+  while os.path.exists(target):
+    n += 1
+    target = os.path.join(path, f"{step}.{why}-{n}")
+  os.rename(os.path.join(path, str(step)), target)
+  return target
+
+
+def _digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def mismatches(saved: dict, tree: dict, module: str) -> list[str]:
+  """The arrays of `tree` (one module's params and opt_state) whose fingerprints differ from
+  `saved`, as `module path`."""
+  got = fingerprint.on_device(tree)
+  return [f"{module} {k}" for k in sorted(set(saved) | set(got)) if saved.get(k) != got.get(k)]
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
   out = {}
   for k, v in d.items():
@@ -131,13 +162,20 @@ class Checkpointer:
                read_only: bool = False):
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
+    self.set_aside = []  # step folders moved aside when this run opened the folder
+    if not read_only and distributed.is_main() and os.path.isdir(path):
+      complete = set(complete_steps(path))
+      for d in sorted(os.listdir(path)):
+        if d.isdigit() and int(d) not in complete:
+          self.set_aside.append(_set_aside(path, int(d), "uncommitted"))
+    distributed.barrier("checkpoint_open")
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
     async_save = async_save and jax.process_count() == 1 and not read_only
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
-        read_only=read_only)
+        read_only=read_only, cleanup_tmp_directories=not read_only)
     handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
     handlers[META] = ocp.JsonCheckpointHandler()
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
@@ -146,12 +184,39 @@ class Checkpointer:
     steps = complete_steps(self.path)
     return steps[-1] if steps else None
 
+  def resume_step(self, wanted: int = 0) -> int:
+    """The step to resume from: the newest (`wanted` = 0) or `wanted`, whose newer steps are then
+    moved aside (the run writes its own); 0 when there is none."""
+    steps = complete_steps(self.path)
+    if not wanted:
+      return steps[-1] if steps else 0
+    if wanted not in steps:
+      raise CheckpointError(
+          f"checkpoint.restore_step={wanted}: {self.path} holds no complete step {wanted}; it "
+          f"holds {', '.join(map(str, steps)) or 'none'}.")
+    newer = [s for s in steps if s > wanted]
+    if newer and distributed.is_main():
+      self.set_aside += [_set_aside(self.path, s, "replaced") for s in newer]
+    distributed.barrier("checkpoint_resume")
+    if newer:
+      self._mngr.reload()
+    return wanted
+
+  def set_aside_step(self, step: int, why: str) -> None:
+    """Moves a saved step aside as `<step>.<why>` (kept on disk, no longer a step)."""
+    if distributed.is_main():
+      self.set_aside.append(_set_aside(self.path, step, why))
+    distributed.barrier("checkpoint_set_aside")
+    self._mngr.reload()
+
   def save(self, step: int, state: dict[str, ModuleState], cfg: Config, force: bool = False):
     meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
                      **{k: getattr(cfg.data, k) for k in DATA_FIELDS}},
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
     trees = {n: {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
+    meta["fingerprints"] = {n: fingerprint.on_device(t) for n, t in trees.items()}
+    meta["digest"] = _digest(meta)
     if jax.process_count() > 1:
       trees = {n: _to_global(t) for n, t in trees.items()}
       _settle(trees)
@@ -161,15 +226,20 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> dict:
     try:
-      return self._mngr.restore(step, args=ocp.args.Composite(
+      meta = self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
+      failed = None if meta.get("digest", _digest(meta)) == _digest(meta) else (
+          "has metadata that does not match its digest")
     except Exception as e:  # pylint: disable=broad-except
       failed = f"has no readable metadata ({_reason(e)})"
-    self._fail(step, failed)
+    if failed:
+      self._fail(step, failed)
+    return meta
 
   def restore(self, step: int, abstract: dict[str, dict],
               cfg: Config) -> tuple[dict[str, ModuleState], dict]:
-    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first."""
+    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first, and every
+    array against the fingerprint saved with it."""
     meta = self.read_meta(step)
     check_compatible(meta, cfg, self.path, step)
     multi = jax.process_count() > 1
@@ -184,6 +254,11 @@ class Checkpointer:
     if multi:
       restored = {n: _from_global(restored[n], abstract[n]) for n in abstract}
       _settle(restored)
+    saved = meta.get("fingerprints", {})
+    bad = [m for n in abstract if n in saved for m in mismatches(saved[n], restored[n], n)]
+    if bad:
+      self._fail(step, f"does not match the fingerprints saved with it ({', '.join(bad[:3])}"
+                 f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})")
     state = {n: ModuleState(restored[n]["params"], restored[n]["opt_state"]) for n in abstract}
     return state, meta
 
@@ -192,9 +267,11 @@ class Checkpointer:
     the `except` block, whose exception holds it)."""
     if self._hook is None:
       self._hook = _drop_closed_loop_reports()
-    raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
-                          f"incomplete: move {self.path}/{step} away to resume from the "
-                          "checkpoint before it, or start in a new run.workdir.")
+    older = [s for s in complete_steps(self.path) if s < step]
+    fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
+           if older else "move it away to start from scratch")
+    raise CheckpointError(f"{self.path}: step {step} {what}; its files are damaged. To go on, "
+                          f"{fix}, or use a new run.workdir.")
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()

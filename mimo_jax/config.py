@@ -224,6 +224,8 @@ class EvalConfig:
 class CheckpointConfig:
   every: int = 0  # save interval in steps; 0 = only at the end
   keep: int = 3  # checkpoints kept (the newest)
+  # Step to resume from: 0 = the newest complete one; an older step moves the newer ones aside.
+  restore_step: int = 0
 
 
 @dataclasses.dataclass

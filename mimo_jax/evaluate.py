@@ -60,10 +60,13 @@ class Evaluator:
     self.step, self.accuracy = step, accuracy
     self._eval = jax.jit(functools.partial(language_eval, step.ctx, max_images, accuracy))
 
-  def __call__(self, state, batches: list[Batch]) -> dict[str, float]:
+  def __call__(self, state, batches: list[Batch], stop=None) -> dict[str, float] | None:
+    """Eval metrics over `batches`, or None if `stop()` turns true between batches."""
     totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0, "digits": 0.0}
     outs = []
     for batch in batches:
+      if stop is not None and stop():
+        return None
       x = self.step.place(batch)
       tokens = self.step.encode(state, x)
       outs.append(self._eval(state["language"].params, tokens,

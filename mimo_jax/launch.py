@@ -21,12 +21,15 @@ _COORDINATOR = flags.DEFINE_string(
     "and --process_id). Omit under SLURM or Open MPI: the cluster is detected.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+_DEBUG = flags.DEFINE_bool(
+    "debug", False, "Print the full traceback of an error as well as its one-line summary.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout", 60, "Multi-host: seconds without a heartbeat after which the other "
     "processes declare a process dead and stop with an error.")
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "digits.py")
 _CONFIG = None
+_CONFIG_HELP = "Config file (configs/NAME.py[:ARG]); override any field with --config.a.b=value."
 
 
 def _fail(message: str) -> None:
@@ -81,25 +84,82 @@ def main(argv: list[str]) -> None:
   try:
     train.run(cfg)
     distributed.shutdown()
-  except ConfigError as e:
-    _fail(str(e))
   except Exception as e:  # pylint: disable=broad-except
+    message, status = _explain(e)
+    if message is None or _DEBUG.value:
+      traceback.print_exc()
+    if message is None:
+      message = f"{type(e).__name__}: {e} (the traceback above shows where)"
     if jax.process_count() == 1:
-      raise
+      print(f"mimo_jax: error: {message}", file=sys.stderr, flush=True)
+      sys.exit(status)
     # Every process reports its own failure, tagged, so a multi-host log says who failed.
-    traceback.print_exc()
-    print(f"mimo_jax: process {jax.process_index()}: error: {type(e).__name__}: {e}",
-          file=sys.stderr, flush=True)
-    os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the others
+    print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
+          flush=True)
+    os._exit(status)  # skip jax.distributed's shutdown barrier, which would wait for the others
+
+
+def _chain(e: BaseException):
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def _explain(e: BaseException) -> tuple[str | None, int]:
+  """One sentence and the exit status for errors a user can fix: 2 for input (config, data,
+  checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
+  for anything else, which is a bug and keeps its traceback."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax import train, workdir
+  from mimo_jax.data import loader
+  from mimo_jax.metrics import NonFiniteError
+  for x in _chain(e):
+    if isinstance(x, (ConfigError, loader.CapacityError)):
+      return str(x), 2
+    if isinstance(x, (train.NonFiniteStepError, NonFiniteError)):
+      return str(x), 1
+    if isinstance(x, OSError) and x.errno is not None:
+      return workdir.describe_os_error(x, x.filename or "run.workdir"), 1
+  text = " ".join(str(x) for x in _chain(e))
+  for needle, errno_ in (("No space left on device", 28), ("File too large", 27),
+                         ("Read-only file system", 30), ("Permission denied", 13)):
+    if needle in text:
+      return workdir.describe_os_error(OSError(errno_, needle), "a write under run.workdir"), 1
+  return None, 1
+
+
+def _config_fields(obj, prefix: str = "config.") -> list[str]:
+  """`--config.a.b=default  (type)` for every field of the config dataclasses."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  lines = []
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      lines += _config_fields(value, f"{prefix}{f.name}.")
+    elif not isinstance(value, dict):
+      lines.append(f"  --{prefix}{f.name}={value!r}  ({type(value).__name__})")
+  return lines
+
+
+def _help_full() -> None:
+  """--helpfull: the flags, then every config field with its default; exits 0."""
+  from mimo_jax.config import Config  # pylint: disable=import-outside-toplevel
+  print(__doc__.strip() + "\n")
+  print(f"  --config: {_CONFIG_HELP}\n    (default: {DEFAULT_CONFIG!r})")
+  print(flags.FLAGS.main_module_help().split("\n", 2)[-1])
+  print("\nconfig fields (defaults of the dataclasses; a config file sets its own; the README's "
+        "config table says what each does):")
+  print("\n".join(_config_fields(Config())))
+  sys.exit(0)
 
 
 def cli() -> None:
   global _CONFIG
+  if "--helpfull" in sys.argv[1:]:
+    _help_full()
   _check_config_file(sys.argv)
   # ml_collections reads the --config.* overrides from sys.argv while defining the flag.
-  _CONFIG = _guarded(config_flags.DEFINE_config_file, "config", DEFAULT_CONFIG,
-                     "Config file (configs/NAME.py[:ARG]); override any field with "
-                     "--config.a.b=value.")
+  _CONFIG = _guarded(config_flags.DEFINE_config_file, "config", DEFAULT_CONFIG, _CONFIG_HELP)
   app.run(main, flags_parser=lambda argv: _guarded(flags.FLAGS, argv))
 
 

@@ -26,18 +26,24 @@ class MetricsWriter:
     """
     self.enabled = enabled
     self._t0 = time.time()
+    self.evaluated = set()  # steps whose eval record is kept from before
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     kept = []
-    if resume_after and os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_after]
-    self._jsonl = open(path, "w", encoding="utf-8")
-    self._jsonl.writelines(kept)
+    if os.path.exists(path):
+      kept = _records_through(path, resume_after)
+    # The kept records are rewritten atomically, then appended to.
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+    self.evaluated = {json.loads(ln)["step"] for ln in kept if '"eval_' in ln}
+    self._jsonl = open(path, "a", encoding="utf-8")
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    # Events of steps after the checkpoint (from the run that was cut short) are dropped.
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
     use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
     self._bar = tqdm(total=total_steps, initial=min(resume_after, total_steps), unit="step",
                      dynamic_ncols=True) if use_bar else None
@@ -76,6 +82,22 @@ class MetricsWriter:
       self._bar.close()
     self._tb.close()
     self._jsonl.close()
+
+
+def _records_through(path: str, step: int) -> list[str]:
+  """The lines of a metrics file up to `step` (a torn last line, from a run that was killed while
+  writing, is dropped)."""
+  kept = []
+  with open(path, encoding="utf-8") as f:
+    for ln in f:
+      try:
+        record = json.loads(ln)
+      except ValueError:
+        continue
+      if isinstance(record, dict) and isinstance(record.get("step"), int) and \
+          record["step"] <= step:
+        kept.append(ln if ln.endswith("\n") else ln + "\n")
+  return kept
 
 
 def _strict(record: dict) -> dict:

@@ -121,6 +121,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
            "(data.eval_samples).")
   require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
   require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
+  require(cfg.checkpoint.restore_step >= 0, "checkpoint.restore_step",
+          "must be >= 0 (0 = the newest step).")
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",

@@ -6,7 +6,9 @@
 
 `export` writes every module's parameters into one safetensors file (keys `module/path/to/param`,
 the config in its metadata): loadable with `safetensors.numpy.load_file`, no mimo_jax needed.
-`check` reads every step's parameters back and verifies that all values are finite.
+`check` reads every step back, each item on its own: the metadata against its digest, and every
+array of every module (parameters and optimizer state) against the fingerprint saved with it and
+for non-finite values. It exits non-zero naming each step and item that fails.
 """
 
 from __future__ import annotations
@@ -128,24 +130,67 @@ def export(args) -> None:
   print(f"wrote {len(tensors)} tensors ({size / 2**20:.1f} MiB) of step {step} to {args.out}")
 
 
+def _read_module(mngr, step: int, module: str) -> dict:
+  """One module's whole saved tree (parameters and optimizer state) as host arrays."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  tree = getattr(mngr.item_metadata(step)[module], "tree", mngr.item_metadata(step)[module])
+  restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return mngr.restore(step, args=ocp.args.Composite(**{module: ocp.args.PyTreeRestore(
+      item=tree, restore_args=restore)}))[module]
+
+
+def _check_step(mngr, step: int) -> list[str]:
+  """What is wrong with one step: its metadata, and every array of every module against its
+  fingerprint and for non-finite values; [] if nothing."""
+  from mimo_jax import fingerprint  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint import _digest  # pylint: disable=import-outside-toplevel
+  try:
+    meta = _meta(mngr, step)
+  except Exception as e:  # pylint: disable=broad-except
+    return [f"meta: unreadable ({str(e).splitlines()[0]})"]
+  problems = []
+  if meta.get("digest", _digest(meta)) != _digest(meta):
+    problems.append("meta: does not match its digest")
+  saved = meta.get("fingerprints")
+  if saved is None:
+    problems.append("meta: no fingerprints (written before they were kept); values not verified")
+  for module in meta.get("modules", []):
+    try:
+      tree = _read_module(mngr, step, module)
+    except Exception as e:  # pylint: disable=broad-except
+      problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
+      continue
+    arrays = fingerprint.paths(tree)
+    if saved is not None:
+      got = fingerprint.on_host(tree)
+      want = saved.get(module, {})
+      problems += [f"{module} {k}: does not match its fingerprint" for k in sorted(set(want) |
+                                                                                    set(got))
+                   if want.get(k) != got.get(k)]
+    problems += [f"{module} {k}: non-finite values" for k, v in arrays.items()
+                 if np.issubdtype(np.asarray(v).dtype, np.floating) and
+                 not np.all(np.isfinite(v))]
+  return problems
+
+
 def check(args) -> None:
   mngr, path = _manager(args.dir)
   steps = [_pick_step(mngr, args.step)] if args.step is not None else complete_steps(path)
-  bad = 0
+  bad = []
   for step in steps:
-    meta = _meta(mngr, step)
-    try:
-      tensors = _read_params(mngr, step, meta["modules"])
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"step {step}: FAILED to read: {str(e).splitlines()[0]}")
-      bad += 1
-      continue
-    nonfinite = [k for k, v in tensors.items() if not np.all(np.isfinite(v))]
-    status = "ok" if not nonfinite else f"non-finite values in {', '.join(nonfinite[:5])}"
-    bad += bool(nonfinite)
-    print(f"step {step}: {len(tensors)} arrays restored, {status}")
+    problems = _check_step(mngr, step)
+    if problems:
+      bad.append(step)
+      shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
+                                         else "")
+      print(f"step {step}: FAILED: {shown}")
+    else:
+      print(f"step {step}: ok (metadata, every array's fingerprint, all values finite)")
   if bad:
-    _fail(f"{bad} of {len(steps)} steps in {path} failed the check.")
+    _fail(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {path} failed the "
+          "check (above); resume from a step that passed with "
+          "--config.checkpoint.restore_step=N.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,13 +61,29 @@ def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> l
       if slot is None:
         raise ValueError(
             f"sample {sid} needs {len(counts)} {slots.noun}s but the {slots.noun} slots of "
-            f"language dp rank {g} are full in this microbatch; raise data.image_slots (now "
-            f"{slots.slots} per microbatch).")
+            f"language dp rank {g} are full in this microbatch; raise "
+            f"{slots.slots_field or f'the slots of encoder {slots.name}'} (now {slots.slots} "
+            "per microbatch).")
       placed.append((slot, cap - free[slot]))
       free[slot] -= t
       items[slot] += 1
     out.append(placed)
   return out
+
+
+def first_fit(sizes: list[int], capacity: int, most: int = 0) -> int:
+  """Bins of `capacity` (each taking at most `most` items; 0 = any number) that first fit opens
+  for `sizes` in order: the slots or packed rows a rank needs."""
+  free, items = [], []
+  for t in sizes:
+    j = next((j for j, f in enumerate(free) if f >= t and (not most or items[j] < most)), None)
+    if j is None:
+      free.append(capacity)
+      items.append(0)
+      j = len(free) - 1
+    free[j] -= t
+    items[j] += 1
+  return len(free)
 
 
 def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]],

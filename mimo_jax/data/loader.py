@@ -23,13 +23,29 @@ import numpy as np
 
 from mimo_jax import encoders
 from mimo_jax.batch import Batch, stack
-from mimo_jax.config import Config, DataConfig
+from mimo_jax.config import Config, ConfigError, DataConfig
 from mimo_jax.data import digits, meta, reorder, synthetic
-from mimo_jax.data.layout import Layout, layout_microbatch, place_items
+from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_items
 from mimo_jax.data.tokenizer import Tokenizer
 
 
 DECODERS = {"digits": digits.decode, "synthetic": synthetic.decode}
+
+
+class DataError(ConfigError):
+  """A shard that cannot be read; the message names it and how to rebuild it."""
+
+
+def read_record(read, path: str, index: int, decode) -> dict:
+  """Record `index` of shard `path` (`read()` gives its bytes), decoded; a damaged record or
+  shard is a DataError."""
+  try:
+    return decode(read(), path, index)
+  except Exception as e:  # pylint: disable=broad-except
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise DataError(f"{path}: record {index} cannot be read ({reason}); the shard is damaged: "
+                    f"delete it and {meta.path_of(path)} and run again to rebuild them (shards "
+                    "of the built-in tasks are rebuilt on first use).") from None
 
 
 def build_paths(cfg: Config, progress=None) -> dict[str, str]:
@@ -60,7 +76,7 @@ class _Decode(grain.transforms.Map):
 
   def map(self, element):
     index, record = element
-    return index, self._decode(record, self._path, index)
+    return index, read_record(lambda: record, self._path, index, self._decode)
 
 
 def _source(path: str, task: str = "digits") -> grain.MapDataset:
@@ -127,7 +143,11 @@ class _Records:
 
   def __init__(self, path: str, task: str, names=("vision",)):
     self.path, self._decode = path, DECODERS[task]
-    self.source = grain.sources.ArrayRecordDataSource([path])
+    try:
+      self.source = grain.sources.ArrayRecordDataSource([path])
+    except Exception as e:  # pylint: disable=broad-except
+      raise DataError(f"{path} cannot be opened as a shard ({str(e).splitlines()[0]}); delete "
+                      "it and run again to rebuild it, or check data.dir.") from None
     if len(self.source) == 0:
       raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
     self.meta = meta.load(path, len(self.source), self.read, names)
@@ -136,7 +156,7 @@ class _Records:
     return len(self.source)
 
   def read(self, index: int) -> dict:
-    return self._decode(self.source[index], self.path, index)
+    return read_record(lambda: self.source[index], self.path, index, self._decode)
 
 
 def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
@@ -166,6 +186,83 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
   out.stats.cost_spread_in_order = np.float32(
       reorder.spread(costs, list(range(len(costs))), layout.groups))
   return out
+
+
+class CapacityError(ValueError):
+  """The configured slots or packed rows cannot hold some microbatch of the run."""
+
+
+def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
+                   progress=None) -> None:
+  """Raises CapacityError, before anything compiles, if some microbatch of steps start+1..steps
+  needs more slots of an encoder, or more packed rows, than configured, or holds a sample longer
+  than data.seq_len; the error gives the value that works for the whole run. Reads only the
+  metadata sidecar (the sample order is the loader's)."""
+  d = cfg.data
+  layout = make_layout(cfg, lang_dp)
+  records = _Records(path, d.task, tuple(e.name for e in layout.encoders))
+  order = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
+  G, micro = layout.groups, d.micro_batch
+  per = micro // G
+  tokens_of = {}  # record -> ({encoder: [item tokens]}, text tokens); computed once a record
+  need = {e.name: (0, None) for e in layout.encoders}  # most slots a rank needs, and where
+  rows_need, worst_len = (0, None), (0, None)
+  first, last = start * d.microbatches, steps * d.microbatches
+  for mb in range(first, last):
+    if progress and mb > first and (mb - first) % 20000 == 0:
+      progress(f"checking capacity: microbatch {mb - first}/{last - first}")
+    ids = [mb * micro + j for j in range(micro)]
+    indices = [order[i] for i in ids]
+    for i, index in zip(ids, indices):
+      if index not in tokens_of:
+        m = records.meta[index]
+        tokens_of[index] = ({e.name: [e.item_tokens(size, i) for size in e.sizes({"meta": m})]
+                             for e in layout.encoders}, m.text_tokens)
+    items = [tokens_of[index][0] for index in indices]
+    lengths = [text + sum(sum(t) for t in it.values()) - 1
+               for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
+    ranks = list(range(micro))
+    if d.reorder == "balance":
+      costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
+                                   d.image_token_cost, d.text_token_cost)
+               for it, x in zip(items, indices)]
+      ranks = reorder.balance(costs, G)
+    where = f"step {mb // d.microbatches + 1}, microbatch {mb % d.microbatches}"
+    for g in range(G):
+      mine = ranks[g * per:(g + 1) * per]
+      for e in layout.encoders:
+        sizes = [t for b in mine for t in items[b][e.name]]
+        too_big = [t for t in sizes if t > e.slot_tokens]
+        if too_big:
+          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} tokens does not fit a slot "
+                              f"of {e.slot_tokens}; raise data.slot_patches.")
+        n = first_fit(sizes, e.slot_tokens, e.slot_items)
+        if n > need[e.name][0]:
+          need[e.name] = (n, f"{where}, language dp rank {g}")
+      if layout.pack_rows:
+        n = first_fit([lengths[b] for b in mine], layout.seq_len)
+        if n > rows_need[0]:
+          rows_need = (n, f"{where}, language dp rank {g}")
+    longest = max(lengths)
+    if longest > worst_len[0]:
+      worst_len = (longest, f"{where}, sample {ids[lengths.index(longest)]}")
+  if worst_len[0] > layout.seq_len:
+    raise CapacityError(f"{worst_len[1]} needs {worst_len[0]} tokens but data.seq_len is "
+                        f"{layout.seq_len}; raise data.seq_len to {worst_len[0]}.")
+  for e in layout.encoders:
+    n, at = need[e.name]
+    if n > e.slots_per_group:
+      field = e.slots_field or f"the slots of encoder {e.name}"
+      raise CapacityError(
+          f"{field}={e.slots} is too small for this run: {at} needs {n} {e.noun} slots, "
+          f"{e.slots_per_group} a rank are configured; set {field}={n * G} (enough for every "
+          f"microbatch of steps {start + 1}-{steps}).")
+  if layout.pack_rows and rows_need[0] > layout.pack_rows // G:
+    raise CapacityError(
+        f"data.pack_rows={layout.pack_rows} is too small for this run: {rows_need[1]} needs "
+        f"{rows_need[0]} rows, {layout.pack_rows // G} a rank are configured; set "
+        f"data.pack_rows={rows_need[0] * G} (enough for every microbatch of steps "
+        f"{start + 1}-{steps}).")
 
 
 def train_dataset(cfg: Config, path: str, lang_dp: int,
@@ -254,15 +351,14 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   n, bsz = cfg.eval.samples, cfg.eval.batch
   layout = make_layout(cfg, lang_dp, eval_batch=bsz)
   tok = Tokenizer()
-  ds = _source(path, cfg.data.task)
-  if n > len(ds):
-    raise ValueError(f"eval.samples={n} but {path} holds only {len(ds)} samples; lower "
+  records = _Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
+  if n > len(records):
+    raise ValueError(f"eval.samples={n} but {path} holds only {len(records)} samples; lower "
                      "eval.samples or raise data.eval_samples.")
   out = []
   for start in range(0, n, bsz):
     stop = min(start + bsz, n)
-    elements = [ds[i] for i in range(start, stop)]
-    samples = [s for _, s in elements] + [None] * (bsz - (stop - start))
+    samples = [records.read(i) for i in range(start, stop)] + [None] * (bsz - (stop - start))
     ids = list(range(start, stop)) + [-1] * (bsz - (stop - start))
     out.append(layout_microbatch(samples, ids, layout, tok))
   return out

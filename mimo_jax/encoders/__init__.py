@@ -34,6 +34,7 @@ class SlotLayout:
   """An encoder's slots in one microbatch: n = `slots` in all, `slots // groups` a language rank,
   each yielding `slot_tokens` tokens and taking at most `slot_items` items (0 = as many as fit)."""
   noun = "item"  # what an item is called in errors ("image")
+  slots_field = ""  # the config field that sets `slots` ("data.image_slots"), for errors
   name: str
   placeholder: int  # the token id of this encoder's placeholders in the text
   groups: int

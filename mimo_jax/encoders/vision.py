@@ -33,6 +33,7 @@ def image_sizes(sample: dict) -> list[tuple[int, int]]:
 @dataclasses.dataclass(frozen=True)
 class ImageSlots(encoders.SlotLayout):
   noun = "image"
+  slots_field = "data.image_slots"
   image_shape: tuple[int, ...] = (8, 8, 1)  # the largest image (the only size without packing)
   slot_patches: int = 0  # dynamic resolution: patches a slot; 0 = one image a slot
   patch_size: int = 4

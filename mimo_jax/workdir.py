@@ -1,0 +1,108 @@
+"""The run's working directory: checked before anything is built, and held by one run at a time.
+
+`<workdir>/run.lock` holds the host, pid and start time of the run that uses the workdir (process
+0 of a multi-process run). A second run on the same workdir stops with an error naming the first;
+a lock left by a process that is gone (same host, pid no longer running) is taken over with a note.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+
+from mimo_jax.config import ConfigError
+
+LOCK = "run.lock"
+
+
+class WorkdirError(ConfigError):
+  """The workdir cannot be used; the message names it and the fix."""
+
+
+def describe_os_error(e: OSError, what: str) -> str:
+  """One sentence for a failed write or read of `what`."""
+  if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    return (f"{what}: the file system refused the write ({os.strerror(e.errno)}); free space "
+            "(or raise the quota or file size limit) and run the same command again to resume.")
+  if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    return (f"{what}: {os.strerror(e.errno)}; choose a writable run.workdir or fix its "
+            "permissions.")
+  return f"{what}: {os.strerror(e.errno) if e.errno else e}."
+
+
+def check(workdir: str) -> str:
+  """The absolute workdir, created if missing; an error if it is not a writable directory."""
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"run.workdir={workdir!r} is a file, not a directory; choose another "
+                       "run.workdir.")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write_test.{os.getpid()}")
+    with open(probe, "w", encoding="utf-8") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise WorkdirError(describe_os_error(e, f"run.workdir={workdir!r}")) from None
+  return path
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class Lock:
+  """The workdir's lock, held from `acquire()` to `release()`."""
+
+  def __init__(self, path: str):
+    self.file = os.path.join(path, LOCK)
+    self.note = None  # set when a stale lock was taken over
+    self._held = False
+
+  def acquire(self) -> "Lock":
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):
+      try:
+        fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        holder = self._holder()
+        if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+          self.note = (f"took over {self.file} from process {holder.get('pid')} (started "
+                       f"{holder.get('started', '?')}), which is no longer running")
+          os.remove(self.file)
+          continue
+        raise WorkdirError(
+            f"{os.path.dirname(self.file)} is in use by another run (host "
+            f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+            f"{holder.get('started', '?')}); stop it or choose another run.workdir. If that run "
+            f"is gone, delete {self.file}.") from None
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(me, f)
+      self._held = True
+      return self
+    raise WorkdirError(f"could not take {self.file}; delete it if no run uses this workdir.")
+
+  def _holder(self) -> dict:
+    try:
+      with open(self.file, encoding="utf-8") as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}  # unreadable: treated as another host's lock (not taken over)
+
+  def release(self) -> None:
+    if self._held:
+      self._held = False
+      try:
+        os.remove(self.file)
+      except OSError:
+        pass

@@ -1,0 +1,213 @@
+"""Faults injected into real runs (`python -m mimo_jax.launch` in a subprocess): damaged
+checkpoints, a stale step folder, divergence, two runs on one workdir, SIGTERM during the final
+save, too few image slots, a damaged shard, a full disk and an unwritable workdir. Each asserts that
+nothing is lost and that the run's last line is one sentence, without a traceback."""
+
+import json
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from mimo_jax.checkpoint import complete_steps
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = ["--config.data.train_samples=2000", "--config.data.eval_samples=200",
+         "--config.eval.samples=16", "--config.eval.batch=16", "--config.model.language.layers=1",
+         "--config.model.vision.layers=1", "--config.run.log_every=1",
+         "--config.run.progress=lines"]
+
+
+def _args(data_dir, workdir, *extra):
+  return [sys.executable, "-m", "mimo_jax.launch", f"--config.run.workdir={workdir}",
+          f"--config.data.dir={data_dir}", *SMALL, *extra]
+
+
+def _run(args, **kw):
+  return subprocess.run(args, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=600, **kw)
+
+
+def _ckpt(*args):
+  return subprocess.run([sys.executable, "-m", "tools.ckpt", *map(str, args)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _one_line_error(proc, status: int, *words: str, clean: bool = True) -> str:
+  """The run failed with `status`, and its last line is one error sentence with `words` (and,
+  if `clean`, nothing on standard error is a traceback)."""
+  assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+  assert not clean or "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("mimo_jax: error: ") and last.endswith("."), last
+  for w in words:
+    assert w in last, (w, last)
+  return last
+
+
+def _flip(path: pathlib.Path, count: int = 64) -> None:
+  data = bytearray(path.read_bytes())
+  for i in range(count):
+    data[len(data) // 3 + 5 * i] ^= 0xA5
+  path.write_bytes(bytes(data))
+
+
+def _records(workdir) -> list[dict]:
+  return [json.loads(ln) for ln in (pathlib.Path(workdir) / "metrics.jsonl").read_text()
+          .splitlines()]
+
+
+def test_damaged_checkpoints_and_a_stale_step_folder(data_dir, tmp_path):
+  work = tmp_path / "run"
+  proc = _run(_args(data_dir, work, "--config.train.steps=4", "--config.checkpoint.every=2"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  ckpts = work / "checkpoints"
+  assert _ckpt("check", work).returncode == 0
+  # Flipped bytes in the array files of both modules of step 4 (parameters and optimizer state
+  # live in them).
+  for module in ("vision", "language"):
+    files = sorted((ckpts / "4" / module).rglob("d/*"), key=lambda p: p.stat().st_size)
+    _flip(files[-1])
+  check = _ckpt("check", work)
+  assert check.returncode != 0
+  assert "step 2: ok" in check.stdout and "step 4: FAILED" in check.stdout
+  assert "vision" in check.stdout and "language" in check.stdout
+  assert "step 4" in check.stderr.strip().splitlines()[-1]
+  # A resume refuses step 4 and names the flag that takes step 2.
+  again = _run(_args(data_dir, work, "--config.train.steps=6"))
+  _one_line_error(again, 2, "step 4", "--config.checkpoint.restore_step=2")
+  assert complete_steps(ckpts) == [2, 4]  # nothing written, nothing lost
+  # A stale step folder (a save cut short: no commit_success.txt) is moved aside, never counted.
+  shutil.copytree(ckpts / "2", ckpts / "6")
+  (ckpts / "6" / "commit_success.txt").unlink()
+  resumed = _run(_args(data_dir, work, "--config.train.steps=6",
+                       "--config.checkpoint.restore_step=2"))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+  assert complete_steps(ckpts) == [2, 6]  # step 6 saved although a folder of that name was there
+  assert (ckpts / "6.uncommitted").is_dir() and (ckpts / "4.replaced").is_dir()
+  assert _ckpt("check", work).returncode == 0
+  steps = [r["step"] for r in _records(work) if "loss" in r]
+  assert steps == sorted(set(steps)) and steps[-1] == 6  # no step twice after the resume
+
+
+def test_divergence_never_saves_a_non_finite_step(data_dir, tmp_path):
+  work = tmp_path / "run"
+  proc = _run(_args(data_dir, work, "--config.train.steps=8", "--config.checkpoint.every=1",
+                    "--config.checkpoint.keep=2", "--config.optim.lr=1e6",
+                    "--config.optim.warmup_steps=4"))
+  last = _one_line_error(proc, 1, "not finite", "optim.lr")
+  kept = complete_steps(work / "checkpoints")
+  check = _ckpt("check", work)
+  assert check.returncode == 0 or not kept, check.stdout + check.stderr
+  assert f"step {kept[-1]}" in last if kept else "nothing was saved" in last
+  # A sane learning rate resumes from the newest finite step and trains on.
+  again = _run(_args(data_dir, work, "--config.train.steps=10"))
+  assert again.returncode == 0, again.stderr[-3000:]
+  if kept:
+    assert f"step {kept[-1]}" in again.stdout.split("resumed from")[1].splitlines()[0]
+  assert _ckpt("check", work).returncode == 0
+
+
+def test_two_runs_on_one_workdir(data_dir, tmp_path):
+  work = tmp_path / "run"
+  first = subprocess.Popen(_args(data_dir, work, "--config.train.steps=100000"), cwd=ROOT,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline and not (work / "metrics.jsonl").exists():
+      time.sleep(0.2)
+    second = _run(_args(data_dir, work, "--config.train.steps=3"))
+    _one_line_error(second, 2, "in use by another run", f"pid {first.pid}")
+  finally:
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=300)
+  assert first.returncode == 0, out[-3000:]
+  lines = _records(work)  # strict JSON lines, none torn or interleaved
+  assert all("step" in r for r in lines)
+  # A lock left by a process that is gone is taken over, with a note.
+  (work / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": 2**22 + 7,
+                                             "started": "earlier"}))
+  last = max(complete_steps(work / "checkpoints"))
+  again = _run(_args(data_dir, work, f"--config.train.steps={last + 1}"))
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "took over" in again.stdout and not (work / "run.lock").exists()
+
+
+def test_sigterm_during_the_final_save_and_eval(data_dir, tmp_path):
+  work = tmp_path / "run"
+  proc = subprocess.Popen(_args(data_dir, work, "--config.train.steps=6",
+                                "--config.eval.samples=200", "--config.eval.batch=8"),
+                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if "step 6 | loss" in line:  # the last step is logged: the final save and eval follow
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, out[-3000:]
+  assert "SIGTERM" in out.strip().splitlines()[-1]
+  assert complete_steps(work / "checkpoints") == [6]
+  assert _ckpt("check", work).returncode == 0
+  # The rerun has nothing to train; it evaluates once, and only if the first run did not.
+  for _ in range(2):
+    again = _run(_args(data_dir, work, "--config.train.steps=6", "--config.eval.samples=200",
+                       "--config.eval.batch=8"))
+    assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-3000:]
+  evals = [r for r in _records(work) if "eval_loss" in r]
+  assert len(evals) == 1 and evals[0]["step"] == 6
+
+
+def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
+  # Too few image slots: refused before compiling, with the value that works.
+  work = tmp_path / "slots"
+  proc = _run(_args(data_dir, work, "--config.train.steps=600", "--config.data.image_slots=8"))
+  last = _one_line_error(proc, 2, "data.image_slots=8 is too small", "set data.image_slots=")
+  assert "step 1 |" not in proc.stdout
+  assert not complete_steps(work / "checkpoints")
+  # A damaged shard names itself and how to rebuild it.
+  broken = tmp_path / "data"
+  shutil.copytree(data_dir, broken)
+  shard = next(p for p in broken.glob("*train*") if p.suffix != ".npz")
+  shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
+  proc = _run(_args(broken, tmp_path / "shard", "--config.train.steps=3"))
+  _one_line_error(proc, 2, str(shard), "delete it")
+  # A workdir that is a file, and one that cannot be written.
+  afile = tmp_path / "afile"
+  afile.write_text("not a directory")
+  _one_line_error(_run(_args(data_dir, afile, "--config.train.steps=3")), 2, "is a file")
+  assert afile.read_text() == "not a directory"
+  if os.geteuid() == 0:
+    readonly = pathlib.Path("/sys/mimo_jax_workdir")  # root may write anywhere chmod allows
+  else:
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+  _one_line_error(_run(_args(data_dir, readonly, "--config.train.steps=3")), 2, "run.workdir")
+  assert last  # (the slot error above named the setting)
+
+
+def _file_size_limit(limit: int):
+  def apply():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+  return apply
+
+
+def test_a_full_disk_is_one_line(data_dir, tmp_path):
+  work = tmp_path / "run"
+  args = _args(data_dir, work, "--config.train.steps=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # only the run's own files meet the limit
+  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                        preexec_fn=_file_size_limit(64 * 1024))
+  # orbax's writer threads print their own reports of the failed writes before it (not clean).
+  _one_line_error(proc, 1, "the file system refused the write", clean=False)
+  assert not complete_steps(work / "checkpoints")  # no partial step counts as saved
