@@ -269,9 +269,9 @@ class Checkpointer:
       self._hook = _drop_closed_loop_reports()
     older = [s for s in complete_steps(self.path) if s < step]
     fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
-           if older else "move it away to start from scratch")
-    raise CheckpointError(f"{self.path}: step {step} {what}; its files are damaged. To go on, "
-                          f"{fix}, or use a new run.workdir.")
+           if older else f"move {self.path}/{step} away to start from scratch")
+    raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
+                          f"incomplete: {fix}, or start in a new run.workdir.")
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
