@@ -140,16 +140,17 @@ def _read_module(mngr, step: int, module: str) -> dict:
       item=tree, restore_args=restore)}))[module]
 
 
-def _check_step(mngr, step: int) -> list[str]:
-  """What is wrong with one step: its metadata, and every array of every module against its
-  fingerprint and for non-finite values; [] if nothing."""
+def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
+  """What is wrong with one step (its metadata, and every array of every module against its
+  fingerprint and for non-finite values; [] if nothing), and the parameter and optimizer-state
+  arrays read."""
   from mimo_jax import fingerprint  # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import _digest  # pylint: disable=import-outside-toplevel
   try:
     meta = _meta(mngr, step)
   except Exception as e:  # pylint: disable=broad-except
-    return [f"meta: unreadable ({str(e).splitlines()[0]})"]
-  problems = []
+    return [f"meta: unreadable ({str(e).splitlines()[0]})"], 0, 0
+  problems, counts = [], [0, 0]
   if meta.get("digest", _digest(meta)) != _digest(meta):
     problems.append("meta: does not match its digest")
   saved = meta.get("fingerprints")
@@ -162,6 +163,8 @@ def _check_step(mngr, step: int) -> list[str]:
       problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
       continue
     arrays = fingerprint.paths(tree)
+    counts[0] += len(fingerprint.paths(tree.get("params", {})))
+    counts[1] += len(arrays) - len(fingerprint.paths(tree.get("params", {})))
     if saved is not None:
       got = fingerprint.on_host(tree)
       want = saved.get(module, {})
@@ -171,7 +174,7 @@ def _check_step(mngr, step: int) -> list[str]:
     problems += [f"{module} {k}: non-finite values" for k, v in arrays.items()
                  if np.issubdtype(np.asarray(v).dtype, np.floating) and
                  not np.all(np.isfinite(v))]
-  return problems
+  return problems, counts[0], counts[1]
 
 
 def check(args) -> None:
@@ -179,14 +182,15 @@ def check(args) -> None:
   steps = [_pick_step(mngr, args.step)] if args.step is not None else complete_steps(path)
   bad = []
   for step in steps:
-    problems = _check_step(mngr, step)
+    problems, params, opt = _check_step(mngr, step)
     if problems:
       bad.append(step)
       shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
                                          else "")
       print(f"step {step}: FAILED: {shown}")
     else:
-      print(f"step {step}: ok (metadata, every array's fingerprint, all values finite)")
+      print(f"step {step}: {params} arrays restored, ok (and {opt} optimizer-state arrays; "
+            "metadata digest, every array's fingerprint, all values finite)")
   if bad:
     _fail(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {path} failed the "
           "check (above); resume from a step that passed with "
