@@ -16,16 +16,16 @@ import numpy as np
 
 
 def _words(x):
-  """The bits of `x` as uint32 words, and the words per element (jnp or np, by `x`'s kind)."""
+  """The bits of `x` as uint32 words (jnp or np, by `x`'s kind; 64-bit types as [..., 2])."""
   xp = np if isinstance(x, np.ndarray) else jnp
   x = xp.asarray(x)
   if x.dtype == bool:
-    return x.astype(xp.uint32), 1
+    return x.astype(xp.uint32)
   size = x.dtype.itemsize
   if size == 8:
-    return _bitcast(xp, x, np.uint32), 2  # [..., 2]
+    return _bitcast(xp, x, np.uint32)  # [..., 2]
   kind = {4: np.uint32, 2: np.uint16, 1: np.uint8}[size]
-  return _bitcast(xp, x, kind).astype(xp.uint32), 1
+  return _bitcast(xp, x, kind).astype(xp.uint32)
 
 
 def _bitcast(xp, x, dtype):
@@ -51,7 +51,7 @@ def _index(xp, shape):
 def of(x) -> tuple:
   """(Σ b_i, Σ b_i·(2i + 1)) mod 2³² of one array (jnp inside a jit, or numpy on the host)."""
   xp = np if isinstance(x, np.ndarray) or np.isscalar(x) else jnp
-  words, _ = _words(x)
+  words = _words(x)
   index = _index(xp, words.shape)
   weighted = words * (index * xp.uint32(2) + xp.uint32(1))
   with np.errstate(over="ignore"):

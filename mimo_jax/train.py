@@ -136,7 +136,8 @@ def _run(cfg: Config, lock) -> list[dict]:
     else:
       state = trainer.init_state(cfg.train.seed)
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
-    loader.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps)
+    loader.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
+                          progress=print if distributed.is_main() else None)
     evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
     eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
     # The whole LR table once: evaluating the schedule per step would queue behind the step's

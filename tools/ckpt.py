@@ -163,8 +163,9 @@ def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
       problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
       continue
     arrays = fingerprint.paths(tree)
-    counts[0] += len(fingerprint.paths(tree.get("params", {})))
-    counts[1] += len(arrays) - len(fingerprint.paths(tree.get("params", {})))
+    params = len(fingerprint.paths(tree.get("params", {})))
+    counts[0] += params
+    counts[1] += len(arrays) - params
     if saved is not None:
       got = fingerprint.on_host(tree)
       want = saved.get(module, {})
