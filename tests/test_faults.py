@@ -6,7 +6,6 @@ nothing is lost and that the run's last line is one sentence, without a tracebac
 import json
 import os
 import pathlib
-import resource
 import shutil
 import signal
 import subprocess
@@ -195,11 +194,9 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   assert last  # (the slot error above named the setting)
 
 
-def _file_size_limit(limit: int):
-  def apply():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-  return apply
+LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+           "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+           "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 
 
 def test_a_full_disk_is_one_line(data_dir, tmp_path):
@@ -207,8 +204,9 @@ def test_a_full_disk_is_one_line(data_dir, tmp_path):
   args = _args(data_dir, work, "--config.train.steps=2")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # only the run's own files meet the limit
-  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                        preexec_fn=_file_size_limit(64 * 1024))
+  # The run starts under a file size limit: a write past it fails (EFBIG), as on a full disk.
+  proc = subprocess.run([sys.executable, "-c", LIMITED, str(64 * 1024), *args[1:]], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
   # orbax's writer threads print their own reports of the failed writes before it (not clean).
   _one_line_error(proc, 1, "the file system refused the write", clean=False)
   assert not complete_steps(work / "checkpoints")  # no partial step counts as saved
