@@ -39,8 +39,10 @@ from mimo_jax.config import Config, ConfigError
 from mimo_jax.state import ModuleState
 
 META = "meta"
-# Fields that must match for a resumed run to continue the same trajectory.
-DATA_FIELDS = ("seed", "global_batch")
+# Data fields that must match for a resumed run to continue the same trajectory: each changes the
+# sample order or the eval set (checkpoints written before a field was listed are not checked on it).
+DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", "max_images",
+               "image_probs", "text_len", "text_len_sigma", "image_sizes")
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
 
@@ -299,8 +301,8 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:
     raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
                           "Use the same model config or a new run.workdir.")
   for k in DATA_FIELDS:
-    if meta["data"][k] != getattr(cfg.data, k):
+    if k in meta["data"] and meta["data"][k] != getattr(cfg.data, k):
       raise CheckpointError(
-          f"{where} was written with data.{k}={meta['data'][k]}; resuming with "
-          f"{getattr(cfg.data, k)} would change the sample order. Keep it or use a new "
-          "run.workdir.")
+          f"{where} was written with data.{k}={meta['data'][k]!r}; resuming with "
+          f"{getattr(cfg.data, k)!r} would change the sample order or the eval set. Keep "
+          f"--config.data.{k}={meta['data'][k]!r} or use a new run.workdir.")

@@ -73,6 +73,9 @@ def main(argv: list[str]) -> None:
   except ConfigError as e:
     _fail(str(e))
   logging.set_verbosity(logging.WARNING)
+  if not _DEBUG.value:
+    logging.get_absl_handler().addFilter(_no_tracebacks)
+    sys.unraisablehook = _unraisable_once
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)  # before the backend starts
   from mimo_jax import distributed, train  # pylint: disable=import-outside-toplevel
@@ -92,11 +95,43 @@ def main(argv: list[str]) -> None:
       message = f"{type(e).__name__}: {e} (the traceback above shows where)"
     if jax.process_count() == 1:
       print(f"mimo_jax: error: {message}", file=sys.stderr, flush=True)
+      _silence_stderr()  # library threads still failing on their way out must not follow it
       sys.exit(status)
     # Every process reports its own failure, tagged, so a multi-host log says who failed.
     print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
           flush=True)
     os._exit(status)  # skip jax.distributed's shutdown barrier, which would wait for the others
+
+
+def _no_tracebacks(record) -> bool:
+  """A log filter: library warnings and errors stay, as one line each; their tracebacks are shown
+  with --debug (the error that ends the run is explained on its own last line)."""
+  if record.exc_info or record.exc_text:
+    record.exc_info, record.exc_text = None, None
+    record.msg = f"{record.msg} (--debug shows its traceback)"
+  return True
+
+
+_UNRAISABLE_SEEN = set()
+
+
+def _unraisable_once(unraisable) -> None:
+  """Exceptions Python ignores (raised in finalizers or callbacks of a closed event loop, as
+  orbax's leave after a failed save): one line per kind, tracebacks with --debug."""
+  exc = unraisable.exc_value
+  key = (type(exc).__name__, str(exc))
+  if key not in _UNRAISABLE_SEEN:
+    _UNRAISABLE_SEEN.add(key)
+    print(f"mimo_jax: note: ignored {key[0]}: {key[1]} (--debug shows its traceback)",
+          file=sys.stderr, flush=True)
+
+
+def _silence_stderr() -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
 
 
 def _chain(e: BaseException):

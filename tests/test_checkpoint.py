@@ -103,6 +103,13 @@ def test_mismatched_model_is_a_clear_error(data_dir, full_run, tmp_path):
   cfg.data.global_batch = 16
   with pytest.raises(ConfigError, match=r"data\.global_batch=32"):
     train.run(cfg)
+  # Every field that changes the sample order or the eval set is named, with the value to keep.
+  for field, value in (("train_samples", 1500), ("image_probs", "0.25,0.25,0.25,0.25"), ("eval_samples", 100)):
+    cfg = _cfg(data_dir, tmp_path)
+    kept = getattr(cfg.data, field)
+    setattr(cfg.data, field, value)
+    with pytest.raises(ConfigError, match=rf"--config\.data\.{field}={kept!r}"):
+      train.run(cfg)
   assert not (tmp_path / "metrics.jsonl").exists()  # nothing written
 
 
