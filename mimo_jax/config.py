@@ -9,7 +9,9 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
-REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
+REMAT = ("none", "full", "dots")
+ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
+ROPE_SCALINGS = ("none", "llama3")  # activation rematerialisation policies (pipeline.py)
 TASKS = ("digits", "synthetic")
 DIGITS_VOCAB = 17  # data/tokenizer.py
 
@@ -31,10 +33,38 @@ class VisionConfig:
   # Pixel shuffle before the projector: each s x s block of patches becomes one image token of
   # s*s*dim features (InternVL's token compression); 1 = one token a patch.
   downsample: int = 1
+  # Tower variants (tools.hf import sets them from an HF config.json). The defaults are SigLIP's
+  # layout; CLIP has a class token, no patch-embedding bias, a LayerNorm before the blocks and
+  # quick_gelu. The class token is dropped from the features the projector sees.
+  class_token: bool = False
+  patch_bias: bool = True
+  pre_norm: bool = False
+  # LayerNorm on the last block's output (SigLIP's post_layernorm); LLaVA reads hidden states
+  # without it.
+  final_norm: bool = True
+  norm_eps: float = 1e-6
+  activation: str = "gelu_tanh"  # of the ViT's MLP: gelu_tanh, gelu (exact) or quick_gelu
+  projector_activation: str = "gelu_tanh"  # of the projector's MLP (LLaVA: gelu)
+  # Per-channel mean and std the [0, 1] pixels are normalised with on device, comma-separated
+  # ("" = none); e.g. SigLIP's "0.5,0.5,0.5".
+  pixel_mean: str = ""
+  pixel_std: str = ""
 
   @property
   def patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
+
+  @property
+  def positions(self) -> int:
+    """Rows of the position table: the patches and the class token's."""
+    return self.patches + int(self.class_token)
+
+  def pixel_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(mean, std) per channel, or None."""
+    if not self.pixel_mean and not self.pixel_std:
+      return None
+    return (tuple(float(x) for x in self.pixel_mean.split(",")),
+            tuple(float(x) for x in self.pixel_std.split(",")))
 
   @property
   def tokens_per_image(self) -> int:
@@ -51,6 +81,23 @@ class LanguageConfig:
   mlp_dim: int = 256
   rope_theta: float = 10_000.0
   vocab_size: int = 0  # 0 = the task's tokenizer (17 for digits); synthetic data needs it set
+  # Architecture variants (tools.hf import sets them from an HF config.json).
+  norm_eps: float = 1e-6  # RMSNorm epsilon (Llama-3 and Qwen2: 1e-5 or 1e-6 as configured)
+  qkv_bias: bool = False  # biases on the q, k, v projections, none on o (Qwen2)
+  tie_embeddings: bool = False  # the output head is the embedding table, transposed
+  # RoPE frequency scaling: none, or llama3 (Llama-3.1 and later) with the four fields below.
+  rope_scaling: str = "none"
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_positions: int = 8192
+
+  def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
+    """(factor, low_freq_factor, high_freq_factor, original_positions), or None."""
+    if self.rope_scaling == "none":
+      return None
+    return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+            self.rope_original_positions)
 
 
 @dataclasses.dataclass

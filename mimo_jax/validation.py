@@ -2,14 +2,45 @@
 before anything is compiled."""
 
 from mimo_jax import encoders
-from mimo_jax.config import (DIGITS_VOCAB, REMAT, TASKS, Config, ConfigError, parse_freeze,
-                             parse_lr_mult, require)
+from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, REMAT, ROPE_SCALINGS, TASKS, Config,
+                             ConfigError, parse_freeze, parse_lr_mult, require)
 
 
 def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
   for name in names:
     value = getattr(cfg, name)
     require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
+
+
+def _variants(cfg: Config) -> None:
+  """The architecture variants of model.vision and model.language (Hugging Face towers)."""
+  v, lm = cfg.model.vision, cfg.model.language
+  for field in ("activation", "projector_activation"):
+    require(getattr(v, field) in ACTIVATIONS, f"model.vision.{field}",
+            f"must be one of {', '.join(ACTIVATIONS)}, got {getattr(v, field)!r}.")
+  require(v.norm_eps > 0, "model.vision.norm_eps", f"must be > 0, got {v.norm_eps}.")
+  require(lm.norm_eps > 0, "model.language.norm_eps", f"must be > 0, got {lm.norm_eps}.")
+  try:
+    norm = v.pixel_norm()
+  except ValueError:
+    raise ConfigError(f"config.model.vision.pixel_mean: {v.pixel_mean!r} or pixel_std "
+                      f"{v.pixel_std!r} is not a comma-separated list of numbers.") from None
+  if norm is not None:
+    mean, std = norm
+    require(len(mean) == len(std) == v.channels, "model.vision.pixel_mean",
+            f"pixel_mean ({v.pixel_mean!r}) and pixel_std ({v.pixel_std!r}) need one value per "
+            f"channel ({v.channels}).")
+    require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
+  require(not (v.class_token and cfg.data.slot_patches), "model.vision.class_token",
+          "a class token needs one image a slot; set data.slot_patches=0.")
+  require(lm.rope_scaling in ROPE_SCALINGS, "model.language.rope_scaling",
+          f"must be one of {', '.join(ROPE_SCALINGS)}, got {lm.rope_scaling!r}.")
+  if lm.rope_scaling == "llama3":
+    _positive(lm, "model.language", ("rope_factor", "rope_low_freq_factor",
+                                     "rope_high_freq_factor", "rope_original_positions"))
+    require(lm.rope_high_freq_factor > lm.rope_low_freq_factor,
+            "model.language.rope_high_freq_factor",
+            f"must exceed rope_low_freq_factor ({lm.rope_low_freq_factor}).")
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:
@@ -46,6 +77,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
            "dim / heads must be even for rotary embeddings.")
   require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
            f"{lm.kv_heads} must divide heads {lm.heads}.")
+  _variants(cfg)
 
   d = cfg.data
   _positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",

@@ -169,7 +169,7 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   # Too few image slots: refused before compiling, with the value that works.
   work = tmp_path / "slots"
   proc = _run(_args(data_dir, work, "--config.train.steps=600", "--config.data.image_slots=8"))
-  last = _one_line_error(proc, 2, "data.image_slots=8 is too small", "set data.image_slots=")
+  _one_line_error(proc, 2, "data.image_slots=8 is too small", "set data.image_slots=")
   assert "step 1 |" not in proc.stdout
   assert not complete_steps(work / "checkpoints")
   # A damaged shard names itself and how to rebuild it.
@@ -191,7 +191,6 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
     readonly.mkdir()
     readonly.chmod(0o555)
   _one_line_error(_run(_args(data_dir, readonly, "--config.train.steps=3")), 2, "run.workdir")
-  assert last  # (the slot error above named the setting)
 
 
 LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "

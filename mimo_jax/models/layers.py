@@ -8,6 +8,8 @@ features, so each block needs one reduction. The split is declared by path rules
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,10 +59,38 @@ class LayerNorm(nnx.Module):
     return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
 
 
-def rope(x_blhd: jax.Array, positions_bl: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (half-split convention), computed in float32."""
-  half = x_blhd.shape[-1] // 2
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's
+}
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+  """The rotary frequencies [head_dim / 2] in float32. `scaling` = (factor, low_freq_factor,
+  high_freq_factor, original_positions) applies Llama-3.1's: wavelengths beyond
+  original_positions / low_freq_factor are slowed by `factor`, those below
+  original_positions / high_freq_factor kept, and those between interpolated smoothly."""
+  half = head_dim // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if scaling is None:
+    return freq
+  factor, low, high, original = scaling
+  wavelen = 2 * math.pi / freq
+  scaled = jnp.where(wavelen > original / low, freq / factor, freq)
+  smooth = (original / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x_blhd: jax.Array, positions_bl: jax.Array, freq: jax.Array | float) -> jax.Array:
+  """Rotary position embedding (half-split convention), computed in float32; `freq` is
+  `rope_frequencies(...)` or a base theta."""
+  half = x_blhd.shape[-1] // 2
+  if not isinstance(freq, jax.Array):
+    freq = rope_frequencies(2 * half, freq)
   angle = positions_bl[..., None, None].astype(jnp.float32) * freq  # [b, l, 1, half]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   x1, x2 = jnp.split(x_blhd.astype(jnp.float32), 2, axis=-1)
@@ -112,15 +142,20 @@ class Attention(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
                bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
-               implementation: str = "xla", max_segments: int = 0):
+               implementation: str = "xla", max_segments: int = 0, o_bias: bool | None = None,
+               rope_scaling: tuple | None = None):
+    """`bias`: on q, k, v and (unless `o_bias` says otherwise) o. `rope_scaling`: see
+    `rope_frequencies`."""
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling
     self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
     self.max_segments = max_segments
     self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias)
     self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
     self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
-    self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias, std=out_std)
+    self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
+                    std=out_std)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
                causal: bool = False, segment_ids_bl: jax.Array | None = None) -> jax.Array:
@@ -129,8 +164,9 @@ class Attention(nnx.Module):
     k = self.k(x_bld).reshape(b, l, self.kv_heads, self.head_dim)
     v = self.v(x_bld).reshape(b, l, self.kv_heads, self.head_dim)
     if self.rope_theta is not None:
-      q = rope(q, positions_bl, self.rope_theta)
-      k = rope(k, positions_bl, self.rope_theta)
+      freq = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+      q = rope(q, positions_bl, freq)
+      k = rope(k, positions_bl, freq)
     mask, implementation = None, self.implementation
     if segment_ids_bl is not None and implementation == "cudnn" and self.max_segments:
       out = packed_attention(q, k, v, segment_ids_bl, self.max_segments, causal)
@@ -156,11 +192,13 @@ class SwiGLU(nnx.Module):
 
 
 class GeluMLP(nnx.Module):
+  """up, activation (`ACTIVATIONS`: GELU's tanh approximation by default), down; with biases."""
 
   def __init__(self, rngs: nnx.Rngs, dim: int, hidden: int, dtype: jnp.dtype,
-               d_out: int | None = None):
+               d_out: int | None = None, activation: str = "gelu_tanh"):
     self.up = linear(rngs, dim, hidden, dtype, bias=True)
     self.down = linear(rngs, hidden, d_out or dim, dtype, bias=True)
+    self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.gelu(self.up(x)))
+    return self.down(ACTIVATIONS[self.activation](self.up(x)))

@@ -1,4 +1,6 @@
-"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head."""
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, an output head (or the
+embedding table, tied). The variants of Llama-3.x and Qwen2 (norm epsilon, q/k/v biases, RoPE
+scaling, tied embeddings) are config fields (LanguageConfig)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ class DecoderBlock(nnx.Module):
   def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, dtype: jnp.dtype,
                attention: str = "xla", max_segments: int = 0):
     out_std = (2 * cfg.layers * cfg.dim) ** -0.5  # GPT-2 style scaled residual init
-    self.norm1 = RMSNorm(cfg.dim)
-    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype,
+    self.norm1 = RMSNorm(cfg.dim, cfg.norm_eps)
+    self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype, bias=cfg.qkv_bias,
                           rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention,
-                          max_segments=max_segments)
-    self.norm2 = RMSNorm(cfg.dim)
+                          max_segments=max_segments, o_bias=False,
+                          rope_scaling=cfg.rope_scaling_params())
+    self.norm2 = RMSNorm(cfg.dim, cfg.norm_eps)
     self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array,
@@ -39,11 +42,16 @@ class LanguageModel(nnx.Module):
     self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, cfg.dim)))
     self.blocks = stacked(lambda r: DecoderBlock(r, cfg, dtype, attention, max_segments),
                           cfg.layers, rngs)
-    self.norm = RMSNorm(cfg.dim)
-    self.head = linear(rngs, cfg.dim, vocab_size, dtype)
+    self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    self.tied = cfg.tie_embeddings
+    if not self.tied:
+      self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
 
   def logits(self, x_bld: jax.Array) -> jax.Array:
-    return self.head(self.norm(x_bld)).astype(jnp.float32)
+    x_bld = self.norm(x_bld)
+    if self.tied:
+      return (x_bld @ self.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+    return self.head(x_bld).astype(jnp.float32)

@@ -15,11 +15,11 @@ class ViTBlock(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype, attention: str = "xla",
                max_segments: int = 0):
-    self.norm1 = LayerNorm(cfg.dim)
+    self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
                           implementation=attention, max_segments=max_segments)
-    self.norm2 = LayerNorm(cfg.dim)
-    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype)
+    self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
+    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation)
 
   def __call__(self, x_npd: jax.Array, segment_ids_np: jax.Array | None = None) -> jax.Array:
     """With `segment_ids_np` (images packed into rows) a patch attends only to its own image's."""
@@ -32,21 +32,32 @@ class VisionEncoder(nnx.Module):
   `patches` (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then
   `finish` (norm, pixel shuffle, projector). Patches are in block order (patches.py); the learned
   position table covers the largest image's grid, and a smaller image (dynamic resolution,
-  `packed_patches`) uses its top-left part."""
+  `packed_patches`) uses its top-left part.
+
+  Pixels arrive in [0, 1] and are normalised per channel if the config says so. CLIP's layout
+  (`class_token`, `pre_norm`, no patch bias) puts a class token first, position row 0, which
+  `finish` drops; `final_norm` off gives the hidden states LLaVA reads."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
                attention: str = "xla", max_segments: int = 0):
     self.patch, self.downsample = cfg.patch_size, cfg.downsample
     self.dtype = dtype
+    self.pixel_norm = cfg.pixel_norm()
+    self.first = int(cfg.class_token)  # position rows (and tokens) before the patches'
     patch_dim = cfg.patch_size**2 * cfg.channels
-    self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=True)
-    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.patches, cfg.dim)))
+    self.embed = linear(rngs, patch_dim, cfg.dim, dtype, bias=cfg.patch_bias)
+    if cfg.class_token:
+      self.cls = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.dim,)))
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.positions, cfg.dim)))
+    if cfg.pre_norm:
+      self.pre_norm = LayerNorm(cfg.dim, cfg.norm_eps)
     self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention, max_segments), cfg.layers,
                           rngs)
-    self.norm = LayerNorm(cfg.dim)
+    if cfg.final_norm:
+      self.norm = LayerNorm(cfg.dim, cfg.norm_eps)
     # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
     self.projector = GeluMLP(rngs, cfg.dim * cfg.downsample**2, cfg.projector_hidden, dtype,
-                             d_out=lm.dim)
+                             d_out=lm.dim, activation=cfg.projector_activation)
 
   def patches(self, images_nhwc: jax.Array) -> jax.Array:
     """Images of the full size [n, h, w, c] -> embedded patches [n, patches, dim]."""
@@ -56,12 +67,31 @@ class VisionEncoder(nnx.Module):
     return self.packed_patches(patchify(images_nhwc, p, s), jnp.asarray(pos)[None])
 
   def packed_patches(self, patches_npk: jax.Array, pos_np: jax.Array) -> jax.Array:
-    """Pixels of patches [n, k, p*p*c] at position ids [n, k] -> embedded patches [n, k, dim]."""
-    x_npd = self.embed(patches_npk.astype(self.dtype))
-    return x_npd + self.pos[...].astype(self.dtype)[pos_np]
+    """Pixels of patches [n, k, p*p*c] in [0, 1] at position ids [n, k] -> embedded patches
+    [n, k, dim] (with the class token first: [n, 1 + k, dim])."""
+    patches_npk = patches_npk.astype(jnp.float32)
+    if self.pixel_norm is not None:  # per channel: the channel is the fastest axis of a patch
+      mean, std = (jnp.tile(jnp.asarray(v, jnp.float32), patches_npk.shape[-1] // len(v))
+                   for v in self.pixel_norm)
+      patches_npk = (patches_npk - mean) / std
+    pos = self.pos[...].astype(self.dtype)
+    x_npd = self.embed(patches_npk.astype(self.dtype)) + pos[pos_np + self.first]
+    if self.first:
+      cls = jnp.broadcast_to(self.cls[...].astype(self.dtype) + pos[0],
+                             (x_npd.shape[0], 1, x_npd.shape[2]))
+      x_npd = jnp.concatenate([cls, x_npd], axis=1)
+    if hasattr(self, "pre_norm"):
+      x_npd = self.pre_norm(x_npd)
+    return x_npd
+
+  def features(self, x_npd: jax.Array) -> jax.Array:
+    """The blocks' output -> the tower's features (final norm if any, class token dropped)."""
+    if hasattr(self, "norm"):
+      x_npd = self.norm(x_npd)
+    return x_npd[:, self.first:]
 
   def finish(self, x_npd: jax.Array) -> jax.Array:
-    x_npd = self.norm(x_npd)
+    x_npd = self.features(x_npd)
     n, k, d = x_npd.shape
     s2 = self.downsample**2  # pixel shuffle: s*s consecutive patches (one block) -> one token
     return self.projector(x_npd.reshape(n, k // s2, s2 * d))

@@ -1,0 +1,422 @@
+"""Hugging Face checkpoints: config.json -> our config fields, safetensors -> our parameters.
+
+Supported: language models of the Llama (Llama-3, 3.1, 3.2) and Qwen2 (Qwen2, 2.5)
+architectures, SigLIP and CLIP vision towers, and LLaVA checkpoints (`LlavaForConditionalGeneration`:
+a tower, the projector and a language model). Names are matched after the prefixes that
+transformers' versions and the model classes put in front of them (`vision_model.`,
+`model.language_model.`, `language_model.model.`, ...), so files written by `save_pretrained` of
+any of those classes read alike.
+
+Tensors are read one at a time (`safe_open`), converted to float32 and to our layout (kernels
+[in, out], a module's layers stacked on a leading axis); `Reader.leaves` yields them leaf by leaf,
+so the caller can place each on its devices before the next is read (tools/hf.py).
+
+Every problem is one `HFError` naming the file or tensor and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Callable, Iterator
+
+import numpy as np
+
+from mimo_jax.config import ConfigError
+
+LANGUAGE_TYPES = ("llama", "qwen2")
+VISION_TYPES = {"siglip_vision_model": "siglip", "siglip": "siglip",
+                "clip_vision_model": "clip", "clip": "clip"}
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
+               "quick_gelu": "quick_gelu"}
+# Name prefixes of each part, most specific first (transformers 4.x and 5.x, each model class).
+PREFIXES = {
+    "vision": ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
+               "model.vision_tower.", "vision_tower.", "vision_model.", ""),
+    "language": ("model.language_model.model.", "model.language_model.", "language_model.model.",
+                 "language_model.", "model.", ""),
+    "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
+}
+HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+
+class HFError(ConfigError):
+  """A Hugging Face directory that cannot be read; the message names the file or tensor."""
+
+
+def _json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise HFError(f"{path}: not found; an HF model directory has a config.json (as "
+                  "save_pretrained writes it).") from None
+  except (OSError, ValueError) as e:
+    raise HFError(f"{path}: cannot be read as JSON ({e}).") from None
+
+
+@dataclasses.dataclass
+class Source:
+  """An HF model directory: its config.json, and where each tensor is."""
+  path: pathlib.Path
+  config: dict
+  files: dict[str, pathlib.Path]  # tensor name -> safetensors file
+
+  @classmethod
+  def open(cls, path: str | pathlib.Path) -> "Source":
+    path = pathlib.Path(path)
+    if not path.is_dir():
+      raise HFError(f"{path}: not a directory; pass an HF model directory (config.json and "
+                    "*.safetensors).")
+    config = _json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = _json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise HFError(f"{index}: has no weight_map; rewrite it with save_pretrained.")
+      files = {k: path / v for k, v in weight_map.items()}
+      for f in sorted(set(files.values())):
+        if not f.is_file():
+          raise HFError(f"{f}: missing; {index.name} lists it (tensors "
+                        f"{', '.join(sorted(k for k, v in files.items() if v == f)[:3])}...). "
+                        "Copy the whole model directory.")
+    else:
+      found = sorted(path.glob("*.safetensors"))
+      if not found:
+        raise HFError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not read; "
+                      "convert them with save_pretrained(..., safe_serialization=True)).")
+      files = {}
+      for f in found:
+        for k in _keys(f):
+          files[k] = f
+    return cls(path, config, files)
+
+  @property
+  def kind(self) -> str:
+    """llava, llama, qwen2, siglip or clip."""
+    t = self.config.get("model_type", "")
+    if t == "llava":
+      return "llava"
+    if t in LANGUAGE_TYPES:
+      return t
+    if t in VISION_TYPES:
+      return VISION_TYPES[t]
+    raise HFError(f"{self.path / 'config.json'}: model_type {t!r} is not supported; supported: "
+                  f"llava, {', '.join(LANGUAGE_TYPES)}, siglip, clip.")
+
+  def has(self, name: str) -> bool:
+    return name in self.files
+
+  def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` as float32, checked against the `shape` config.json implies."""
+    if name not in self.files:
+      raise HFError(f"{self.path}: tensor {name} is missing (config.json says it exists); the "
+                    "checkpoint is incomplete or of another architecture.")
+    f = self.files[name]
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    try:
+      with safe_open(str(f), "np") as st:
+        x = st.get_tensor(name)
+    except Exception as e:  # pylint: disable=broad-except
+      if "bf16" in str(e).lower() or "bfloat16" in str(e).lower():
+        x = _read_bf16(f, name)
+      else:
+        raise HFError(f"{f}: tensor {name} cannot be read ({e}); the file is damaged or not "
+                      "safetensors.") from None
+    if x.dtype.kind != "f":
+      raise HFError(f"{f}: tensor {name} has dtype {x.dtype}, expected a floating point type.")
+    if tuple(x.shape) != tuple(shape):
+      raise HFError(f"{f}: tensor {name} has shape {tuple(x.shape)}, but config.json implies "
+                    f"{tuple(shape)}.")
+    return np.asarray(x, np.float32)
+
+
+def _keys(f: pathlib.Path) -> list[str]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(str(f), "np") as st:
+      return list(st.keys())
+  except Exception as e:  # pylint: disable=broad-except
+    raise HFError(f"{f}: cannot be read as safetensors ({e}).") from None
+
+
+def _read_bf16(f: pathlib.Path, name: str) -> np.ndarray:
+  """numpy has no bfloat16: read the raw bits (safetensors' header gives the layout)."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  with open(f, "rb") as fh:
+    n = int.from_bytes(fh.read(8), "little")
+    header = json.loads(fh.read(n))
+    info = header[name]
+    start, end = info["data_offsets"]
+    fh.seek(8 + n + start)
+    raw = fh.read(end - start)
+  return np.frombuffer(raw, ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+def _find(src: Source, part: str, suffix: str) -> str:
+  """The full name of `suffix` under the first of `part`'s prefixes that has it."""
+  for p in PREFIXES[part]:
+    if src.has(p + suffix):
+      return p + suffix
+  return PREFIXES[part][0] + suffix  # missing: read() names it
+
+
+def _int(cfg: dict, key: str, where: str) -> int:
+  if not isinstance(cfg.get(key), int):
+    raise HFError(f"{where}: field {key} is missing or not an integer.")
+  return cfg[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> config fields
+
+
+def text_config(src: Source) -> dict:
+  return src.config.get("text_config", {}) if src.kind == "llava" else src.config
+
+
+def vision_config(src: Source) -> dict:
+  return src.config.get("vision_config", {}) if src.kind == "llava" else src.config
+
+
+def language_fields(src: Source) -> dict:
+  """model.language fields from config.json (a language model, or a LLaVA's text_config)."""
+  c, where = text_config(src), str(src.path / "config.json")
+  kind = c.get("model_type", "llama")
+  if kind not in LANGUAGE_TYPES:
+    raise HFError(f"{where}: language model_type {kind!r} is not supported; supported: "
+                  f"{', '.join(LANGUAGE_TYPES)}.")
+  dim, heads = _int(c, "hidden_size", where), _int(c, "num_attention_heads", where)
+  if c.get("head_dim") not in (None, dim // heads):
+    raise HFError(f"{where}: head_dim {c['head_dim']} differs from hidden_size / "
+                  f"num_attention_heads = {dim // heads}, which is the only layout supported.")
+  for flag in ("mlp_bias",) + (("attention_bias",) if kind == "llama" else ()):
+    if c.get(flag):
+      raise HFError(f"{where}: {flag}=true is not supported (Llama without biases; Qwen2's q, "
+                    "k, v biases).")
+  if c.get("hidden_act", "silu") != "silu":
+    raise HFError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (silu).")
+  if kind == "qwen2" and c.get("use_sliding_window"):
+    raise HFError(f"{where}: use_sliding_window=true is not supported.")
+  rope = dict(c.get("rope_parameters") or {})
+  rope.update(c.get("rope_scaling") or {})  # transformers 4.x names
+  theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  fields = dict(dim=dim, layers=_int(c, "num_hidden_layers", where), heads=heads,
+                kv_heads=c.get("num_key_value_heads") or heads,
+                mlp_dim=_int(c, "intermediate_size", where), rope_theta=float(theta),
+                vocab_size=_int(c, "vocab_size", where),
+                norm_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias=kind == "qwen2",
+                tie_embeddings=bool(c.get("tie_word_embeddings",
+                                          src.config.get("tie_word_embeddings", False))))
+  if rope_type == "llama3":
+    fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                  rope_low_freq_factor=float(rope["low_freq_factor"]),
+                  rope_high_freq_factor=float(rope["high_freq_factor"]),
+                  rope_original_positions=int(rope["original_max_position_embeddings"]))
+  elif rope_type != "default":
+    raise HFError(f"{where}: RoPE type {rope_type!r} is not supported (default, llama3).")
+  return fields
+
+
+def feature_layers(src: Source) -> int:
+  """Tower layers whose output is the features: all of a lone tower; LLaVA's
+  `vision_feature_layer` (hidden_states[k], k = 0 the embeddings) counted from the end if < 0."""
+  layers = _int(vision_config(src), "num_hidden_layers", str(src.path / "config.json"))
+  if src.kind != "llava":
+    return layers
+  k = src.config.get("vision_feature_layer", -2)
+  if not isinstance(k, int):
+    raise HFError(f"{src.path / 'config.json'}: vision_feature_layer {k!r} (several layers) is "
+                  "not supported; one layer index is.")
+  used = k if k >= 0 else layers + 1 + k
+  if not 1 <= used <= layers:
+    raise HFError(f"{src.path / 'config.json'}: vision_feature_layer {k} is outside the tower's "
+                  f"{layers} layers.")
+  return used
+
+
+def vision_fields(src: Source) -> dict:
+  """model.vision fields from config.json (a tower, or a LLaVA's vision_config) and
+  preprocessor_config.json (pixel mean and std) if present."""
+  c, where = vision_config(src), str(src.path / "config.json")
+  kind = VISION_TYPES.get(c.get("model_type", ""))
+  if kind is None:
+    raise HFError(f"{where}: vision model_type {c.get('model_type')!r} is not supported; "
+                  "supported: siglip_vision_model, clip_vision_model.")
+  act = c.get("hidden_act", "gelu_pytorch_tanh" if kind == "siglip" else "quick_gelu")
+  if act not in ACTIVATIONS:
+    raise HFError(f"{where}: vision hidden_act {act!r} is not supported "
+                  f"({', '.join(ACTIVATIONS)}).")
+  fields = dict(image_size=_int(c, "image_size", where), patch_size=_int(c, "patch_size", where),
+                channels=c.get("num_channels", 3), dim=_int(c, "hidden_size", where),
+                layers=feature_layers(src), heads=_int(c, "num_attention_heads", where),
+                mlp_dim=_int(c, "intermediate_size", where), downsample=1,
+                class_token=kind == "clip", patch_bias=kind == "siglip",
+                pre_norm=kind == "clip", final_norm=kind == "siglip" and src.kind != "llava",
+                norm_eps=float(c.get("layer_norm_eps", 1e-6 if kind == "siglip" else 1e-5)),
+                activation=ACTIVATIONS[act])
+  if src.kind == "llava":
+    strategy = src.config.get("vision_feature_select_strategy", "default")
+    if (kind, strategy) not in (("clip", "default"), ("siglip", "full")):
+      raise HFError(f"{where}: vision_feature_select_strategy {strategy!r} with a {kind} tower "
+                    "is not supported (clip: default, dropping the class token; siglip: full).")
+    act = src.config.get("projector_hidden_act", "gelu")
+    if act not in ACTIVATIONS or not src.config.get("multimodal_projector_bias", True):
+      raise HFError(f"{where}: the projector (projector_hidden_act {act!r}, "
+                    "multimodal_projector_bias) is not supported: gelu with biases is.")
+    fields.update(projector_activation=ACTIVATIONS[act],
+                  projector_hidden=_int(text_config(src), "hidden_size", where))
+  pre = src.path / "preprocessor_config.json"
+  if pre.exists():
+    p = _json(pre)
+    if "image_mean" in p and "image_std" in p:
+      fields.update(pixel_mean=",".join(repr(float(x)) for x in p["image_mean"]),
+                    pixel_std=",".join(repr(float(x)) for x in p["image_std"]))
+  return fields
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors -> parameters
+
+
+Leaf = tuple[tuple[str, ...], Callable[[], np.ndarray]]  # (path in our tree, read it)
+
+
+def _stack(src: Source, part: str, layers: int, name: str, shape, transpose: bool) -> Callable:
+  def read():
+    out = None
+    for i in range(layers):
+      x = src.read(_find(src, part, name.format(i=i)), shape)
+      x = x.T if transpose else x
+      if out is None:
+        out = np.empty((layers,) + x.shape, np.float32)
+      out[i] = x
+    return out
+  return read
+
+
+def _one(src: Source, part: str, name: str, shape, transpose: bool = False,
+         fn: Callable | None = None) -> Callable:
+  def read():
+    x = src.read(_find(src, part, name), shape)
+    x = x.T if transpose else x
+    return fn(x) if fn else x
+  return read
+
+
+def language_leaves(src: Source, lm) -> Iterator[Leaf]:
+  """Our language parameters (a LanguageConfig `lm` matching language_fields) leaf by leaf."""
+  d, hd, f = lm.dim, lm.dim // lm.heads, lm.mlp_dim
+  q, kv = lm.heads * hd, lm.kv_heads * hd
+  layer = "layers.{i}."
+  blocks = [
+      (("norm1", "scale"), "input_layernorm.weight", (d,), False),
+      (("norm2", "scale"), "post_attention_layernorm.weight", (d,), False),
+      (("attn", "q", "kernel"), "self_attn.q_proj.weight", (q, d), True),
+      (("attn", "k", "kernel"), "self_attn.k_proj.weight", (kv, d), True),
+      (("attn", "v", "kernel"), "self_attn.v_proj.weight", (kv, d), True),
+      (("attn", "o", "kernel"), "self_attn.o_proj.weight", (d, q), True),
+      (("mlp", "gate", "kernel"), "mlp.gate_proj.weight", (f, d), True),
+      (("mlp", "up", "kernel"), "mlp.up_proj.weight", (f, d), True),
+      (("mlp", "down", "kernel"), "mlp.down_proj.weight", (d, f), True),
+  ]
+  if lm.qkv_bias:
+    blocks += [(("attn", n, "bias"), f"self_attn.{n}_proj.bias", (s,), False)
+               for n, s in (("q", q), ("k", kv), ("v", kv))]
+  yield ("embedding",), _one(src, "language", "embed_tokens.weight", (lm.vocab_size, d))
+  for path, name, shape, t in blocks:
+    yield ("blocks",) + path, _stack(src, "language", lm.layers, layer + name, shape, t)
+  yield ("norm", "scale"), _one(src, "language", "norm.weight", (d,))
+  if not lm.tie_embeddings:
+    head = next((h for h in HEADS if src.has(h)), HEADS[0])
+    yield ("head", "kernel"), lambda: src.read(head, (lm.vocab_size, d)).T
+
+
+def vision_leaves(src: Source, v) -> Iterator[Leaf]:
+  """Our vision parameters (tower, and the projector of a LLaVA) leaf by leaf. A lone tower has
+  no projector: those leaves are not yielded (the caller keeps its own)."""
+  d, f, p, c = v.dim, v.mlp_dim, v.patch_size, v.channels
+  layer = "encoder.layers.{i}."
+  conv = lambda w: w.transpose(2, 3, 1, 0).reshape(p * p * c, d)  # [d, c, p, p] -> ours
+  yield ("embed", "kernel"), _one(src, "vision", "embeddings.patch_embedding.weight",
+                                  (d, c, p, p), fn=conv)
+  if v.patch_bias:
+    yield ("embed", "bias"), _one(src, "vision", "embeddings.patch_embedding.bias", (d,))
+  if v.class_token:
+    yield ("cls",), _one(src, "vision", "embeddings.class_embedding", (d,))
+  yield ("pos",), _one(src, "vision", "embeddings.position_embedding.weight", (v.positions, d))
+  if v.pre_norm:
+    for ours, theirs in (("scale", "weight"), ("bias", "bias")):
+      yield ("pre_norm", ours), _one(src, "vision", f"pre_layrnorm.{theirs}", (d,))
+  blocks = []
+  for ours, theirs in (("norm1", "layer_norm1"), ("norm2", "layer_norm2")):
+    blocks += [((ours, "scale"), f"{theirs}.weight", (d,), False),
+               ((ours, "bias"), f"{theirs}.bias", (d,), False)]
+  for n, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
+    blocks += [(("attn", n, "kernel"), f"self_attn.{theirs}.weight", (d, d), True),
+               (("attn", n, "bias"), f"self_attn.{theirs}.bias", (d,), False)]
+  blocks += [(("mlp", "up", "kernel"), "mlp.fc1.weight", (f, d), True),
+             (("mlp", "up", "bias"), "mlp.fc1.bias", (f,), False),
+             (("mlp", "down", "kernel"), "mlp.fc2.weight", (d, f), True),
+             (("mlp", "down", "bias"), "mlp.fc2.bias", (d,), False)]
+  for path, name, shape, t in blocks:
+    yield ("blocks",) + path, _stack(src, "vision", v.layers, layer + name, shape, t)
+  if v.final_norm:
+    for ours, theirs in (("scale", "weight"), ("bias", "bias")):
+      yield ("norm", ours), _one(src, "vision", f"post_layernorm.{theirs}", (d,))
+  if src.kind == "llava":
+    h, out = v.projector_hidden, text_config(src)["hidden_size"]
+    for ours, theirs, n_in, n_out in (("up", "linear_1", d, h), ("down", "linear_2", h, out)):
+      yield ("projector", ours, "kernel"), _one(src, "projector", f"{theirs}.weight",
+                                                (n_out, n_in), transpose=True)
+      yield ("projector", ours, "bias"), _one(src, "projector", f"{theirs}.bias", (n_out,))
+
+
+def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
+  """`module`'s leaves ("vision" or "language") for a run config `cfg`."""
+  if module == "language":
+    return language_leaves(src, cfg.model.language)
+  return vision_leaves(src, cfg.model.vision)
+
+
+def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
+  out: dict = {}
+  for path, x in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = x
+  return out
+
+
+def check_fields(src: Source, module: str, fields: dict, section) -> list[str]:
+  """The fields of config section `section` (model.<module>) that contradict `fields`."""
+  return [f"model.{module}.{k}={getattr(section, k)!r} (the checkpoint has {v!r})"
+          for k, v in fields.items() if getattr(section, k) != v]
+
+
+def load(src: Source, module: str, cfg, base: dict) -> tuple[dict, list[tuple[str, ...]]]:
+  """`base` (our parameter tree of `module`, e.g. its init) with every leaf the checkpoint has
+  replaced by it; also the paths replaced. All on the host; tools/hf.py places leaf by leaf."""
+  flat = {path: x for path, x in _flatten(base)}
+  replaced = []
+  for path, read in leaves(src, module, cfg):
+    if path not in flat:
+      raise HFError(f"{src.path}: {'/'.join(path)} has no place in model.{module} (a config "
+                    "field differs from the checkpoint's).")
+    x = read()
+    if tuple(x.shape) != tuple(flat[path].shape):
+      raise HFError(f"{src.path}: {'/'.join(path)} has shape {x.shape} where model.{module} "
+                    f"has {tuple(flat[path].shape)}.")
+    flat[path] = x
+    replaced.append(path)
+  return nest(flat), replaced
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple[str, ...], object]]:
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      yield from _flatten(v, prefix + (k,))
+    else:
+      yield prefix + (k,), v

@@ -1,0 +1,163 @@
+"""Tiny random Hugging Face checkpoints and their reference outputs, for the interop tests.
+
+  python -m tools.hf_fixtures [--out tests/fixtures/hf]
+
+Needs torch and transformers (`pip install -e '.[hf]'`); the tests that read the fixtures do not.
+Each fixture is a directory as `save_pretrained` writes it (config.json, safetensors; one of them
+sharded with an index) plus `reference.npz`: the inputs and transformers' float32 outputs on them
+(logits of language models and LLaVA, with LLaVA's loss; `last_hidden_state` of vision towers).
+Pixels are stored in [0, 1] (`pixels`, NHWC) with the mean and std transformers' inputs were
+normalised with. Rerun after changing a fixture; the whole set stays well under a megabyte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VOCAB, DIM, LAYERS, SEQ, BATCH = 64, 32, 2, 12, 2
+IMAGE, PATCH, CHANNELS = 16, 4, 3
+SIGLIP_NORM = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+CLIP_NORM = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+
+
+def _text(**kw) -> dict:
+  return dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=48, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **kw)
+
+
+def _vision(**kw) -> dict:
+  return dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+              image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, **kw)
+
+
+def _language_models():
+  # pylint: disable=import-outside-toplevel
+  from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+  llama31_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}
+  return {
+      "llama3": lambda: LlamaForCausalLM(LlamaConfig(**_text(
+          rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))),
+      "llama31": lambda: LlamaForCausalLM(LlamaConfig(**_text(
+          rms_norm_eps=1e-5, rope_parameters=llama31_rope))),
+      "llama32_tied": lambda: LlamaForCausalLM(LlamaConfig(**_text(
+          rms_norm_eps=1e-5, rope_parameters=llama31_rope, tie_word_embeddings=True))),
+      "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_text(
+          rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+          tie_word_embeddings=False))),
+  }
+
+
+def _vision_towers():
+  # pylint: disable=import-outside-toplevel
+  from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
+  return {
+      "siglip": (lambda: SiglipVisionModel(SiglipVisionConfig(**_vision(vision_use_head=False))), SIGLIP_NORM),
+      "clip": (lambda: CLIPVisionModel(CLIPVisionConfig(**_vision(hidden_act="quick_gelu"))),
+               CLIP_NORM),
+  }
+
+
+def _llavas():
+  # pylint: disable=import-outside-toplevel
+  from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                            LlavaForConditionalGeneration, SiglipVisionConfig)
+  text = LlamaConfig(**_text(rms_norm_eps=1e-5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+  return {
+      # LLaVA-1.5: CLIP read at layer -2 without its class token, GELU projector, Llama.
+      "llava15": (lambda: LlavaForConditionalGeneration(LlavaConfig(
+          vision_config=CLIPVisionConfig(**_vision(hidden_act="quick_gelu")), text_config=text,
+          image_token_index=VOCAB - 1, vision_feature_layer=-2,
+          vision_feature_select_strategy="default", projector_hidden_act="gelu")), CLIP_NORM),
+      # A SigLIP-based LLaVA: the last layer's hidden states, every patch.
+      "llava_siglip": (lambda: LlavaForConditionalGeneration(LlavaConfig(
+          vision_config=SiglipVisionConfig(**_vision(vision_use_head=False)), text_config=text,
+          image_token_index=VOCAB - 1, vision_feature_layer=-1,
+          vision_feature_select_strategy="full", projector_hidden_act="gelu")), SIGLIP_NORM),
+  }
+
+
+def _pixels(rng, n: int) -> np.ndarray:
+  return rng.random((n, IMAGE, IMAGE, CHANNELS), dtype=np.float32)
+
+
+def _normalised(torch, pixels, norm):
+  mean, std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in norm)
+  return (torch.from_numpy(pixels).permute(0, 3, 1, 2) - mean) / std
+
+
+def _save(model, out: pathlib.Path, shard: bool = False) -> None:
+  if out.exists():
+    shutil.rmtree(out)
+  # A small shard size makes transformers write several files and an index.
+  model.save_pretrained(out, max_shard_size="40KB" if shard else "50GB")
+  for junk in ("generation_config.json",):
+    (out / junk).unlink(missing_ok=True)
+
+
+def build(root: pathlib.Path) -> None:
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  rng = np.random.default_rng(0)
+  for name, make in _language_models().items():
+    model = make().eval().to(torch.float32)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)
+    with torch.no_grad():
+      logits = model(input_ids=torch.from_numpy(ids)).logits.numpy()
+    _save(model, root / name, shard=name == "llama3")
+    np.savez(root / name / "reference.npz", input_ids=ids, logits=logits)
+    print(f"{name}: logits {logits.shape}")
+  for name, (make, norm) in _vision_towers().items():
+    model = make().eval()
+    pixels = _pixels(rng, BATCH)
+    with torch.no_grad():
+      hidden = model(pixel_values=_normalised(torch, pixels, norm)).last_hidden_state.numpy()
+    _save(model, root / name)
+    _preprocessor(root / name, norm)
+    np.savez(root / name / "reference.npz", pixels=pixels, last_hidden_state=hidden)
+    print(f"{name}: last_hidden_state {hidden.shape}")
+  for name, (make, norm) in _llavas().items():
+    model = make().eval()
+    cfg = model.config
+    tokens = (IMAGE // PATCH) ** 2
+    ids = rng.integers(0, VOCAB - 1, (BATCH, SEQ + tokens)).astype(np.int64)
+    ids[:, 2:2 + tokens] = cfg.image_token_index  # one image a sample, after two text tokens
+    labels = np.where(ids == cfg.image_token_index, -100, ids)
+    pixels = _pixels(rng, BATCH)
+    with torch.no_grad():
+      out = model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
+                  pixel_values=_normalised(torch, pixels, norm))
+    _save(model, root / name)
+    _preprocessor(root / name, norm)
+    np.savez(root / name / "reference.npz", input_ids=ids, labels=labels, pixels=pixels,
+             logits=out.logits.numpy(), loss=np.float32(out.loss.item()))
+    print(f"{name}: logits {tuple(out.logits.shape)}, loss {out.loss.item():.6f}")
+  total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+  print(f"{root}: {total / 1e6:.2f} MB in all")
+
+
+def _preprocessor(out: pathlib.Path, norm) -> None:
+  """The two fields of an image processor's config that the import reads."""
+  (out / "preprocessor_config.json").write_text(json.dumps(
+      {"image_mean": norm[0], "image_std": norm[1]}, indent=2) + "\n")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf"))
+  args = parser.parse_args()
+  root = pathlib.Path(args.out)
+  root.mkdir(parents=True, exist_ok=True)
+  build(root)
+
+
+if __name__ == "__main__":
+  main()
