@@ -49,6 +49,10 @@ class VisionConfig:
   # ("" = none); e.g. SigLIP's "0.5,0.5,0.5".
   pixel_mean: str = ""
   pixel_std: str = ""
+  # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
+  # weights a run starts from instead of the seed's; not read on resume. The fields above must
+  # match its config.json (mimo_jax/hf.py derives them; a contradiction is an error).
+  init_from: str = ""
 
   @property
   def patches(self) -> int:
@@ -91,6 +95,10 @@ class LanguageConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_positions: int = 8192
+  # An HF directory (Llama-3.x or Qwen2 language model, or a LLaVA checkpoint) whose weights a run
+  # starts from instead of the seed's; not read on resume. The fields above must match its
+  # config.json.
+  init_from: str = ""
 
   def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
     """(factor, low_freq_factor, high_freq_factor, original_positions), or None."""

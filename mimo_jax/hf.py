@@ -392,8 +392,16 @@ def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
 
 def check_fields(src: Source, module: str, fields: dict, section) -> list[str]:
   """The fields of config section `section` (model.<module>) that contradict `fields`."""
+  def same(k, ours, theirs):
+    if k in ("pixel_mean", "pixel_std"):  # lists of numbers, however written
+      try:
+        return [float(x) for x in str(ours).split(",") if x.strip()] == [
+            float(x) for x in theirs.split(",")]
+      except ValueError:
+        return False
+    return ours == theirs
   return [f"model.{module}.{k}={getattr(section, k)!r} (the checkpoint has {v!r})"
-          for k, v in fields.items() if getattr(section, k) != v]
+          for k, v in fields.items() if not same(k, getattr(section, k), v)]
 
 
 def load(src: Source, module: str, cfg, base: dict) -> tuple[dict, list[tuple[str, ...]]]:

@@ -18,16 +18,44 @@ class ModuleState:
   opt_state: Any
 
 
-def init_state(plan: Plan, modules: dict, seed: int) -> dict[str, ModuleState]:
-  """Parameters born sharded on their module's mesh; values depend only on the seed."""
+def init_state(plan: Plan, modules: dict, seed: int, cfg=None) -> dict[str, ModuleState]:
+  """Parameters born sharded on their module's mesh; values depend only on the seed, except for
+  a module whose config names an HF directory to start from (`init_from`, with `cfg`)."""
   state = {}
   for name, module in modules.items():
     p = plan[name]
-    init = lambda seed, p=p, module=module: p.layout(module.init(seed))
-    params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
+    source = cfg.model.module(name).init_from if cfg is not None and name in (
+        "vision", "language") else ""
+    if source:
+      params = _from_hf(p, module, seed, cfg, name)
+    else:
+      init = lambda seed, p=p, module=module: p.layout(module.init(seed))
+      params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
     opt_state = jax.jit(p.tx.init, out_shardings=p.opt_sh)(params)
     state[name] = ModuleState(params, opt_state)
   return state
+
+
+def _from_hf(p, module, seed: int, cfg, name: str):
+  """The seed's parameters with every leaf the HF directory has replaced, each read on the host
+  and placed straight into its sharding (one leaf in host memory at a time)."""
+  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
+  canonical_sh = jax.tree.map(lambda a: a.sharding, p.canonical_params)
+  params = jax.jit(module.init, static_argnums=0, out_shardings=canonical_sh)(seed)
+  src = hf.Source.open(cfg.model.module(name).init_from)
+  for path, read in hf.leaves(src, name, cfg):
+    node, target = params, p.canonical_params
+    for k in path[:-1]:
+      node, target = node[k], target[k]
+    target = target[path[-1]]
+    x = read()
+    if x.shape != target.shape:
+      raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {x.shape} where model.{name} has "
+                       f"{target.shape}.")
+    node[path[-1]] = jax.make_array_from_callback(x.shape, target.sharding,
+                                                  lambda idx, x=x: x[idx])
+    del x
+  return jax.jit(p.layout, out_shardings=p.param_sh)(params)
 
 
 def abstract_state(plan: Plan, canonical: bool = False) -> dict[str, dict]:

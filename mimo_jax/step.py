@@ -106,7 +106,7 @@ class Step:
     return self.plan.encoders
 
   def init_state(self, seed: int) -> dict[str, ModuleState]:
-    return state.init_state(self.plan, self.modules, seed)
+    return state.init_state(self.plan, self.modules, seed, self.cfg)
 
   def place(self, batch: Batch) -> Batch:
     """A microbatch (or a whole eval batch) on device: text on the language mesh, each encoder's

@@ -35,12 +35,33 @@ def _variants(cfg: Config) -> None:
           "a class token needs one image a slot; set data.slot_patches=0.")
   require(lm.rope_scaling in ROPE_SCALINGS, "model.language.rope_scaling",
           f"must be one of {', '.join(ROPE_SCALINGS)}, got {lm.rope_scaling!r}.")
+  for name in ("vision", "language"):
+    _init_from(cfg, name)
   if lm.rope_scaling == "llama3":
     _positive(lm, "model.language", ("rope_factor", "rope_low_freq_factor",
                                      "rope_high_freq_factor", "rope_original_positions"))
     require(lm.rope_high_freq_factor > lm.rope_low_freq_factor,
             "model.language.rope_high_freq_factor",
             f"must exceed rope_low_freq_factor ({lm.rope_low_freq_factor}).")
+
+
+def _init_from(cfg: Config, name: str) -> None:
+  """model.<name>.init_from: a readable HF directory whose config.json agrees with the config."""
+  section = cfg.model.module(name)
+  if not section.init_from:
+    return
+  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(section.init_from)
+  parts = {"vision": ("siglip", "clip", "llava"), "language": ("llama", "qwen2", "llava")}
+  require(src.kind in parts[name], f"model.{name}.init_from",
+          f"{section.init_from} holds a {src.kind} model, which has no {name} module.")
+  fields = hf.vision_fields(src) if name == "vision" else hf.language_fields(src)
+  if name == "vision" and src.kind != "llava":  # a lone tower: the projector is ours
+    fields.pop("projector_hidden", None)
+  differ = hf.check_fields(src, name, fields, section)
+  require(not differ, f"model.{name}.init_from",
+          f"{section.init_from} does not match the config: {'; '.join(differ)}. Set those "
+          "fields as the checkpoint has them.")
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from mimo_jax import hf
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.models import mimo, whole
 from mimo_jax.validation import validate
+from tests.helpers import run_steps
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 LANGUAGE = ("llama3", "llama31", "llama32_tied", "qwen2")
@@ -79,3 +80,45 @@ def test_llava_matches_transformers(name):
   _close(logits, ref["logits"])
   np.testing.assert_allclose(whole.next_token_loss(logits, ref["labels"]), ref["loss"],
                              rtol=1e-5)
+
+
+def _llava_run_config(tmp_path) -> Config:
+  """A training run on synthetic data that starts both modules from the LLaVA-1.5 fixture."""
+  src = hf.Source.open(FIXTURES / "llava15")
+  cfg = _config(src)
+  cfg.model.vision.init_from = cfg.model.language.init_from = str(src.path)
+  d = cfg.data
+  d.dir, d.train_samples, d.eval_samples, d.global_batch, d.microbatches = str(tmp_path), 64, 8, 8, 2
+  d.seq_len, d.text_len, d.max_images, d.image_probs = 40, 12, 1, "0.25,0.75"
+  cfg.optim.warmup_steps, cfg.eval.samples, cfg.eval.batch = 1, 8, 8
+  validate(cfg, len(jax.devices()))
+  return cfg
+
+
+def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_path):
+  cfg = _llava_run_config(tmp_path)
+  cfg.optim.freeze = "vision,language"  # LLaVA's stage 1: the projector alone
+  src = hf.Source.open(cfg.model.vision.init_from)
+  _, _, state, init = run_steps(cfg, 2)
+  for module in ("vision", "language"):
+    want = dict(hf._flatten(_params(src, cfg, module)))  # pylint: disable=protected-access
+    got = dict(hf._flatten(init[module]))  # pylint: disable=protected-access
+    assert set(got) == set(want)
+    for path, x in want.items():  # the run started from the checkpoint's weights exactly
+      np.testing.assert_array_equal(got[path], x, err_msg="/".join(path))
+    after = dict(hf._flatten(jax.device_get(state[module].params)))  # pylint: disable=protected-access
+    for path, x in got.items():
+      moved = not np.array_equal(after[path], x)
+      assert moved == (path[0] == "projector"), ("/".join(path), moved)
+
+
+def test_init_from_that_contradicts_the_config_is_one_error(tmp_path):
+  cfg = _llava_run_config(tmp_path)
+  cfg.model.language.norm_eps = 1e-6
+  with pytest.raises(ConfigError, match=r"model\.language\.norm_eps=1e-06 \(the checkpoint has "
+                     r"1e-05\)"):
+    validate(cfg)
+  cfg = _llava_run_config(tmp_path)
+  cfg.model.vision.init_from = str(FIXTURES / "qwen2")
+  with pytest.raises(ConfigError, match="holds a qwen2 model, which has no vision module"):
+    validate(cfg)
