@@ -44,7 +44,9 @@ META = "meta"
 DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", "max_images",
                "image_probs", "text_len", "text_len_sigma", "image_sizes")
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
-RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
+# Where a run started from (init_from) does not matter once a checkpoint exists.
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention", "model.vision.init_from",
+                        "model.language.init_from")
 
 
 class CheckpointError(ConfigError):
@@ -186,12 +188,13 @@ class Checkpointer:
     steps = complete_steps(self.path)
     return steps[-1] if steps else None
 
-  def resume_step(self, wanted: int = 0) -> int:
+  def resume_step(self, wanted: int = 0) -> int | None:
     """The step to resume from: the newest (`wanted` = 0) or `wanted`, whose newer steps are then
-    moved aside (the run writes its own); 0 when there is none."""
+    moved aside (the run writes its own); None when there is none (step 0 is one: the weights
+    tools.hf import writes)."""
     steps = complete_steps(self.path)
     if not wanted:
-      return steps[-1] if steps else 0
+      return steps[-1] if steps else None
     if wanted not in steps:
       raise CheckpointError(
           f"checkpoint.restore_step={wanted}: {self.path} holds no complete step {wanted}; it "
@@ -295,8 +298,11 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:
                           f"{', '.join(meta.get('modules', []))}.")
   saved = _flatten(meta["config"]["model"], "model.")
   current = _flatten(dataclasses.asdict(cfg.model), "model.")
-  diffs = [f"{k}={saved.get(k)!r} (this run: {current[k]!r})" for k in sorted(current)
-           if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != current[k]]
+  # A field newer than the checkpoint had its default's behaviour when it was written.
+  default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
+  saved = {k: saved.get(k, default.get(k)) for k in current}
+  diffs = [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
+           if k not in RUNTIME_MODEL_FIELDS and saved[k] != current[k]]
   if diffs:
     raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
                           "Use the same model config or a new run.workdir.")

@@ -329,6 +329,25 @@ def row_segments(cfg: Config) -> int:
 PARAM_GROUPS = ("vision", "vision_projector", "language")
 
 
+def from_dict(values: dict, cls=None, prefix: str = "config."):
+  """A config from `dataclasses.asdict` output (a checkpoint's metadata, a workdir's
+  config.json); fields it lacks keep their defaults, fields the dataclasses lack are errors."""
+  cls = cls or Config
+  obj = cls()
+  known = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in values.items():
+    if name not in known:
+      raise ConfigError(f"{prefix}{name}: unknown field (written by another mimo_jax version?).")
+    current = getattr(obj, name)
+    if dataclasses.is_dataclass(current) and isinstance(value, dict):
+      value = from_dict(value, type(current), f"{prefix}{name}.")
+    elif isinstance(current, dict) and value:
+      raise ConfigError(f"{prefix}{name}: further encoders cannot be read back from a dict; set "
+                        "them in a config file.")
+    setattr(obj, name, value)
+  return obj
+
+
 def require(ok: bool, field: str, message: str) -> None:
   """Raises ConfigError naming `field` (config.<field>) unless `ok`."""
   if not ok:

@@ -129,9 +129,10 @@ def _run(cfg: Config, lock) -> list[dict]:
   records = []
   batches = None
   try:
-    start = ckpt.resume_step(cfg.checkpoint.restore_step)
-    if start:
-      state, _ = ckpt.restore(start, trainer.abstract_state(canonical=True), cfg)
+    found = ckpt.resume_step(cfg.checkpoint.restore_step)
+    start = found or 0
+    if found is not None:
+      state, _ = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg)
       state = trainer.from_canonical(state)
     else:
       state = trainer.init_state(cfg.train.seed)
@@ -156,7 +157,7 @@ def _run(cfg: Config, lock) -> list[dict]:
     for moved in ckpt.set_aside:
       writer.say(f"moved {moved} aside (not a complete step of this run)")
     writer.say(f"topology: {topo.describe()}")
-    if start:
+    if found is not None:
       writer.say(f"resumed from {ckpt.path} step {start}")
     where = loader.locality(topo, loader.slot_counts(cfg))
     if not where.everything:
