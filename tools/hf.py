@@ -1,0 +1,275 @@
+"""Hugging Face checkpoints in and out of mimo_jax.
+
+  python -m tools.hf import --hf DIR --out WORKDIR [--config=configs/vlm.py[:ARG]] [--config.a.b=v ...]
+  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language]
+  python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
+
+`import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
+a SigLIP or CLIP vision tower, a Llama-3.x or Qwen2 language model, or a LLaVA checkpoint (both).
+It takes the model fields of the modules it holds from config.json (and the pixel mean and std
+from preprocessor_config.json), the rest from `--config` (default configs/vlm.py) and the
+`--config.a.b=v` overrides, and writes WORKDIR/config.py (with WORKDIR/config.json) and a step-0
+checkpoint, each tensor streamed from its file into its devices. Train from it with
+`python -m mimo_jax.launch --config=WORKDIR/config.py`. An override that contradicts config.json
+is an error naming both values; so is a WORKDIR that already holds checkpoints.
+
+`export` writes a checkpoint's weights as an HF directory that transformers loads with its own
+class: LlavaForConditionalGeneration for the whole model (the default), or one module:
+SiglipVisionModel / CLIPVisionModel (`--module vision`), LlamaForCausalLM / Qwen2ForCausalLM
+(`--module language`). Float32, sharded at 5 GB with an index.
+
+`check` (needs torch and transformers: `pip install -e '.[hf]'`) runs the same random inputs
+through transformers and mimo_jax and prints the largest absolute and relative differences of the
+logits (language models, LLaVA) or hidden states (towers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from mimo_jax import hf
+from mimo_jax.config import Config, ConfigError, from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_BASE = "configs/vlm.py"
+SHARD_BYTES = 5 * 1024**3
+
+
+def _fail(message: str) -> None:
+  print(f"tools.hf: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _load_config(spec: str) -> Config:
+  path, _, arg = spec.partition(":")
+  file = pathlib.Path(path) if pathlib.Path(path).is_file() else ROOT / path
+  if not file.is_file():
+    _fail(f"--config: file {path!r} does not exist; try {DEFAULT_BASE}.")
+  module_spec = importlib.util.spec_from_file_location("hf_base_config", file)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def _set(cfg: Config, name: str, value: str) -> object:
+  """Sets config field `name` (a.b.c) from text, as the field's type; returns the value."""
+  *parents, last = name.split(".")
+  obj = cfg
+  for p in parents:
+    obj = getattr(obj, p, None)
+  if obj is None or not hasattr(obj, last) or dataclasses.is_dataclass(getattr(obj, last)):
+    _fail(f"--config.{name}: unknown config field.")
+  kind = type(getattr(obj, last))
+  try:
+    typed = (value.lower() in ("1", "true") if kind is bool else kind(value))
+  except ValueError:
+    _fail(f"--config.{name}={value}: not a {kind.__name__}.")
+  setattr(obj, last, typed)
+  return typed
+
+
+def _overrides(items: list[str]) -> dict[str, str]:
+  out = {}
+  for item in items:
+    if not item.startswith("--config.") or "=" not in item:
+      _fail(f"unexpected argument {item!r}; overrides look like --config.a.b=value.")
+    name, value = item[len("--config."):].split("=", 1)
+    out[name] = value
+  return out
+
+
+def import_(args, extra: list[str]) -> None:
+  from mimo_jax.checkpoint import Checkpointer, complete_steps, directory  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(args.hf)
+  cfg = _load_config(args.config)
+  overrides = _overrides(extra)
+  for name, value in overrides.items():
+    _set(cfg, name, value)
+  modules = {"llava": ("vision", "language"), "siglip": ("vision",), "clip": ("vision",)}.get(
+      src.kind, ("language",))
+  contradictions = []
+  for module in modules:
+    fields = hf.vision_fields(src) if module == "vision" else hf.language_fields(src)
+    section = cfg.model.module(module)
+    for k, v in fields.items():
+      if f"model.{module}.{k}" in overrides and not hf.check_fields(src, module, {k: v}, section) == []:
+        contradictions.append(f"--config.model.{module}.{k}={overrides[f'model.{module}.{k}']} "
+                              f"(config.json: {v!r})")
+      setattr(section, k, v)
+    section.init_from = str(src.path.resolve())
+  if contradictions:
+    _fail(f"{src.path / 'config.json'} contradicts {'; '.join(contradictions)}; drop those "
+          "overrides.")
+  out = pathlib.Path(args.out).resolve()
+  cfg.run.workdir = str(out)
+  ckpts = directory(str(out))
+  if os.path.isdir(ckpts) and complete_steps(ckpts):
+    _fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")
+  import jax  # pylint: disable=import-outside-toplevel
+  from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
+  from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
+  validate(cfg, len(jax.devices()))
+  started = time.time()
+  print(f"importing {src.path} ({src.kind}: {', '.join(modules)}) into {out}", flush=True)
+  step = Step.build(cfg)
+  state = step.init_state(cfg.train.seed)
+  out.mkdir(parents=True, exist_ok=True)
+  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False)
+  ckpt.save(0, step.canonical(state), cfg, force=True)
+  ckpt.close()
+  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+  (out / "config.py").write_text(CONFIG_PY.format(source=src.path))
+  (out / "hf_import.json").write_text(json.dumps(
+      {"source": str(src.path), "kind": src.kind, "modules": list(modules),
+       "image_token_index": src.config.get("image_token_index")}, indent=2) + "\n")
+  print(f"wrote step 0 ({', '.join(f'{n}: {_count(state[n].params):,} parameters' for n in step.modules)}) "
+        f"in {time.time() - started:.1f} s; train with: python -m mimo_jax.launch "
+        f"--config={out / 'config.py'}")
+
+
+CONFIG_PY = '''"""The config of this workdir, written by `python -m tools.hf import --hf {source}`.
+
+  python -m mimo_jax.launch --config=<this file> [--config.a.b=value ...]
+"""
+
+import json
+import pathlib
+
+from mimo_jax.config import from_dict
+
+
+def get_config(arg=None):
+  del arg
+  return from_dict(json.loads((pathlib.Path(__file__).parent / "config.json").read_text()))
+'''
+
+
+def _count(tree) -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _read_checkpoint(workdir: str, step: int | None) -> tuple[Config, dict, int, dict]:
+  """(config, parameters by module on the host, step, import record) of a workdir's step."""
+  from tools import ckpt  # pylint: disable=import-outside-toplevel
+  mngr, _ = ckpt._manager(workdir)  # pylint: disable=protected-access
+  step = ckpt._pick_step(mngr, step)  # pylint: disable=protected-access
+  meta = ckpt._meta(mngr, step)  # pylint: disable=protected-access
+  cfg = from_dict(meta["config"])
+  flat = ckpt._read_params(mngr, step, meta["modules"])  # pylint: disable=protected-access
+  params: dict = {}
+  for key, x in flat.items():
+    module, *path = key.split("/")
+    node = params.setdefault(module, {})
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = x
+  record_file = pathlib.Path(workdir) / "hf_import.json"
+  record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+  return cfg, params, step, record
+
+
+def export(args) -> None:
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  logging.set_verbosity(logging.ERROR)  # orbax's notes on opening a checkpoint read-only
+  cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
+  kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
+  if kind == "llava":
+    token = args.image_token_index if args.image_token_index is not None else record.get(
+        "image_token_index")
+    if token is None:
+      _fail("LLaVA needs the id of its image token: pass --image_token_index (the tokenizer's "
+            "<image> id).")
+    config = hf.llava_config_json(cfg, int(token))
+  elif kind == "tower":
+    config = hf.vision_config_json(cfg.model.vision)
+  else:
+    config = hf.language_config_json(cfg.model.language)
+  out = pathlib.Path(args.out)
+  if out.exists() and any(out.iterdir()):
+    _fail(f"{out} exists and is not empty; choose a new --out.")
+  tensors = dict(hf.export_tensors(kind, cfg, params))
+  out.mkdir(parents=True, exist_ok=True)
+  _write_safetensors(out, tensors)
+  (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  if kind != "language":
+    pre = hf.preprocessor_json(cfg.model.vision)
+    if pre is not None:
+      (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+  total = sum(x.nbytes for x in tensors.values())
+  print(f"wrote {out}: {config['architectures'][0]} from step {step}, {len(tensors)} tensors, "
+        f"{total / 1e6:.1f} MB")
+
+
+def _write_safetensors(out: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+  """One model.safetensors, or shards of at most SHARD_BYTES with model.safetensors.index.json."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  shards, current, size = [], {}, 0
+  for name in sorted(tensors):
+    x = tensors[name]
+    if current and size + x.nbytes > SHARD_BYTES:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = x
+    size += x.nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    return
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, str(out / file), metadata={"format": "pt"})
+    weight_map.update({name: file for name in shard})
+  (out / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+       "weight_map": weight_map}, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=__doc__.split("\n\n", 1)[1])
+  verbs = parser.add_subparsers(dest="verb", required=True)
+  p = verbs.add_parser("import", help="an HF directory -> a workdir with a step-0 checkpoint")
+  p.add_argument("--hf", required=True, help="the HF model directory")
+  p.add_argument("--out", required=True, help="the workdir to write")
+  p.add_argument("--config", default=DEFAULT_BASE,
+                 help=f"config file for the fields config.json does not set (default {DEFAULT_BASE})")
+  p = verbs.add_parser("export", help="a checkpoint -> an HF directory")
+  p.add_argument("workdir")
+  p.add_argument("--step", type=int, default=None, help="default: the newest")
+  p.add_argument("--out", required=True)
+  p.add_argument("--module", choices=("vision", "language"), default=None,
+                 help="one module alone (default: the whole model as LLaVA)")
+  p.add_argument("--image_token_index", type=int, default=None,
+                 help="LLaVA's image token id (default: the imported checkpoint's)")
+  p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs")
+  p.add_argument("--hf", required=True)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  args, extra = parser.parse_known_args(argv)
+  try:
+    if args.verb == "import":
+      import_(args, extra)
+    elif extra:
+      _fail(f"unexpected arguments {extra}.")
+    elif args.verb == "export":
+      export(args)
+    else:
+      from tools import hf_check  # pylint: disable=import-outside-toplevel
+      hf_check.check(args.hf, args.dtype)
+  except ConfigError as e:
+    _fail(str(e))
+
+
+if __name__ == "__main__":
+  main()
