@@ -1,0 +1,105 @@
+"""tools.hf import / export on the transformers fixtures (tests/fixtures/hf): the export holds the
+fixture's own tensors bit for bit, import(export(x)) is x, and a malformed directory is one error
+naming the file and tensor, with nothing written."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tools import hf as hf_tool
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+RUN = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
+       "--config.data.max_images=1", "--config.data.image_probs=0.25,0.75",
+       "--config.data.seq_len=40", "--config.data.text_len=12", "--config.eval.samples=16"]
+
+
+def _import(hf_dir, out, *extra):
+  hf_tool.main(["import", "--hf", str(hf_dir), "--out", str(out), *RUN, *extra])
+
+
+def _error(capsys, fn, *words):
+  """`fn` exits with status 2 and one line `tools.hf: error: ...` containing `words`."""
+  with pytest.raises(SystemExit) as e:
+    fn()
+  assert e.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
+  for w in words:
+    assert w in lines[0], (w, lines[0])
+
+
+def _tensors(directory) -> dict[str, np.ndarray]:
+  out = {}
+  for f in sorted(pathlib.Path(directory).glob("*.safetensors")):
+    out.update(load_file(str(f)))
+  return out
+
+
+def _params(workdir, step=0):
+  _, params, _, _ = hf_tool._read_checkpoint(str(workdir), step)  # pylint: disable=protected-access
+  return params
+
+
+def test_import_export_round_trip(tmp_path):
+  _import(FIXTURES / "llava15", tmp_path / "a")
+  assert (tmp_path / "a" / "config.py").is_file()
+  hf_tool.main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "hf")])
+  ours, theirs = _tensors(tmp_path / "hf"), _tensors(FIXTURES / "llava15")
+  # LLaVA-1.5 reads layer -2: the tower's last layer is not part of the model.
+  dropped = {k for k in theirs if ".layers.2." in k and k.startswith("vision_tower.")}
+  assert set(ours) == set(theirs) - dropped
+  for k, x in ours.items():
+    np.testing.assert_array_equal(x, theirs[k], err_msg=k)
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert config["architectures"] == ["LlavaForConditionalGeneration"]
+  assert config["vision_config"]["num_hidden_layers"] == 2 and config["vision_feature_layer"] == -1
+  # import(export(x)) is x, bit for bit.
+  _import(tmp_path / "hf", tmp_path / "b")
+  first, second = _params(tmp_path / "a"), _params(tmp_path / "b")
+  flat = lambda t: dict(hf_tool.hf._flatten(t))  # pylint: disable=protected-access
+  for module in ("vision", "language"):
+    a, b = flat(first[module]), flat(second[module])
+    assert set(a) == set(b)
+    for path in a:
+      np.testing.assert_array_equal(a[path], b[path], err_msg="/".join(path))
+  # One module alone: the language model as LlamaForCausalLM, with the fixture's names.
+  hf_tool.main(["export", str(tmp_path / "a"), "--module", "language", "--out",
+                str(tmp_path / "lm")])
+  lm = _tensors(tmp_path / "lm")
+  for k, x in lm.items():
+    np.testing.assert_array_equal(x, theirs["language_model." + k if k.startswith("model.")
+                                            else "language_model.lm_head.weight"], err_msg=k)
+
+
+def test_malformed_directories_are_one_error_and_write_nothing(tmp_path, capsys):
+  out = tmp_path / "out"
+  # A missing shard of a sharded checkpoint.
+  sharded = tmp_path / "sharded"
+  shutil.copytree(FIXTURES / "llama3", sharded)
+  (sharded / "model-00002-of-00002.safetensors").unlink()
+  _error(capsys, lambda: _import(sharded, out), "model-00002-of-00002.safetensors", "missing")
+  # An unknown architecture.
+  other = tmp_path / "gpt2"
+  shutil.copytree(FIXTURES / "qwen2", other)
+  config = json.loads((other / "config.json").read_text())
+  (other / "config.json").write_text(json.dumps(dict(config, model_type="gpt2")))
+  _error(capsys, lambda: _import(other, out), "config.json", "gpt2", "not supported")
+  # A tensor whose shape does not match config.json.
+  (other / "config.json").write_text(json.dumps(dict(config, intermediate_size=40)))
+  _error(capsys, lambda: _import(other, out), "model.safetensors", "mlp.gate_proj.weight",
+         "(48, 32)", "(40, 32)")
+  # A tensor of integers.
+  (other / "config.json").write_text(json.dumps(config))
+  tensors = load_file(str(other / "model.safetensors"))
+  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+  save_file(tensors, str(other / "model.safetensors"))
+  _error(capsys, lambda: _import(other, out), "model.norm.weight", "int32")
+  # An override that contradicts config.json names both values.
+  _error(capsys, lambda: _import(FIXTURES / "qwen2", out, "--config.model.language.dim=48"),
+         "--config.model.language.dim=48", "config.json: 32")
+  assert not out.exists()
