@@ -19,7 +19,9 @@ RUN = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
 
 
 def _import(hf_dir, out, *extra):
-  hf_tool.main(["import", "--hf", str(hf_dir), "--out", str(out), *RUN, *extra])
+  dirs = hf_dir if isinstance(hf_dir, (list, tuple)) else [hf_dir]
+  hf_tool.main(["import", *[a for d in dirs for a in ("--hf", str(d))], "--out", str(out), *RUN,
+                *extra])
 
 
 def _error(capsys, fn, *words):
@@ -102,4 +104,21 @@ def test_malformed_directories_are_one_error_and_write_nothing(tmp_path, capsys)
   # An override that contradicts config.json names both values.
   _error(capsys, lambda: _import(FIXTURES / "qwen2", out, "--config.model.language.dim=48"),
          "--config.model.language.dim=48", "config.json: 32")
+  # Two directories that both hold a language model.
+  _error(capsys, lambda: _import([FIXTURES / "llava15", FIXTURES / "qwen2"], out),
+         "both hold the language module")
   assert not out.exists()
+
+
+def test_a_tower_and_a_language_model_from_two_directories(tmp_path):
+  _import([FIXTURES / "siglip", FIXTURES / "qwen2"], tmp_path / "run",
+          "--config.model.vision.projector_hidden=24")
+  params = _params(tmp_path / "run")
+  flat = lambda t: dict(hf_tool.hf._flatten(t))  # pylint: disable=protected-access
+  for module, name in (("vision", "siglip"), ("language", "qwen2")):
+    src = hf_tool.hf.Source.open(FIXTURES / name)
+    cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+    got = flat(params[module])
+    for path, read in hf_tool.hf.leaves(src, module, cfg):
+      np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
+  assert flat(params["vision"])[("projector", "up", "kernel")].shape == (16, 24)  # the seed's

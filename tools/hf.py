@@ -1,11 +1,12 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
-  python -m tools.hf import --hf DIR --out WORKDIR [--config=configs/vlm.py[:ARG]] [--config.a.b=v ...]
+  python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=configs/vlm.py[:ARG]] [--config.a.b=v ...]
   python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
 `import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
-a SigLIP or CLIP vision tower, a Llama-3.x or Qwen2 language model, or a LLaVA checkpoint (both).
+a SigLIP or CLIP vision tower, a Llama-3.x or Qwen2 language model, or a LLaVA checkpoint (both);
+`--hf` twice takes a tower and a language model from two directories.
 It takes the model fields of the modules it holds from config.json (and the pixel mean and std
 from preprocessor_config.json), the rest from `--config` (default configs/vlm.py) and the
 `--config.a.b=v` overrides, and writes WORKDIR/config.py (with WORKDIR/config.json) and a step-0
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import resource
 import sys
 import time
 
@@ -89,26 +91,31 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 def import_(args, extra: list[str]) -> None:
   from mimo_jax.checkpoint import Checkpointer, complete_steps, directory  # pylint: disable=import-outside-toplevel
-  src = hf.Source.open(args.hf)
+  sources = [hf.Source.open(d) for d in args.hf]
   cfg = _load_config(args.config)
   overrides = _overrides(extra)
   for name, value in overrides.items():
     _set(cfg, name, value)
-  modules = {"llava": ("vision", "language"), "siglip": ("vision",), "clip": ("vision",)}.get(
-      src.kind, ("language",))
-  contradictions = []
-  for module in modules:
-    fields = hf.vision_fields(src) if module == "vision" else hf.language_fields(src)
-    section = cfg.model.module(module)
-    for k, v in fields.items():
-      if f"model.{module}.{k}" in overrides and not hf.check_fields(src, module, {k: v}, section) == []:
-        contradictions.append(f"--config.model.{module}.{k}={overrides[f'model.{module}.{k}']} "
-                              f"(config.json: {v!r})")
-      setattr(section, k, v)
-    section.init_from = str(src.path.resolve())
+  contradictions, taken = [], {}
+  for src in sources:
+    modules = {"llava": ("vision", "language"), "siglip": ("vision",),
+               "clip": ("vision",)}.get(src.kind, ("language",))
+    for module in modules:
+      if module in taken:
+        _fail(f"--hf {taken[module]} and --hf {src.path} both hold the {module} module; pass one.")
+      taken[module] = src.path
+      fields = hf.vision_fields(src) if module == "vision" else hf.language_fields(src)
+      if module == "vision" and src.kind != "llava":
+        fields.pop("projector_hidden", None)  # a lone tower: the projector is the config's
+      section = cfg.model.module(module)
+      for k, v in fields.items():
+        given = overrides.get(f"model.{module}.{k}")
+        if given is not None and hf.check_fields(src, module, {k: v}, section):
+          contradictions.append(f"--config.model.{module}.{k}={given} (config.json: {v!r})")
+        setattr(section, k, v)
+      section.init_from = str(src.path.resolve())
   if contradictions:
-    _fail(f"{src.path / 'config.json'} contradicts {'; '.join(contradictions)}; drop those "
-          "overrides.")
+    _fail(f"the HF config.json contradicts {'; '.join(contradictions)}; drop those overrides.")
   out = pathlib.Path(args.out).resolve()
   cfg.run.workdir = str(out)
   ckpts = directory(str(out))
@@ -119,7 +126,8 @@ def import_(args, extra: list[str]) -> None:
   from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
   validate(cfg, len(jax.devices()))
   started = time.time()
-  print(f"importing {src.path} ({src.kind}: {', '.join(modules)}) into {out}", flush=True)
+  for module, path in taken.items():
+    print(f"importing model.{module} from {path}", flush=True)
   step = Step.build(cfg)
   state = step.init_state(cfg.train.seed)
   out.mkdir(parents=True, exist_ok=True)
@@ -127,13 +135,16 @@ def import_(args, extra: list[str]) -> None:
   ckpt.save(0, step.canonical(state), cfg, force=True)
   ckpt.close()
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-  (out / "config.py").write_text(CONFIG_PY.format(source=src.path))
+  (out / "config.py").write_text(CONFIG_PY.format(
+      source=" --hf ".join(str(s.path) for s in sources)))
+  token = next((s.config.get("image_token_index") for s in sources if s.kind == "llava"), None)
   (out / "hf_import.json").write_text(json.dumps(
-      {"source": str(src.path), "kind": src.kind, "modules": list(modules),
-       "image_token_index": src.config.get("image_token_index")}, indent=2) + "\n")
-  print(f"wrote step 0 ({', '.join(f'{n}: {_count(state[n].params):,} parameters' for n in step.modules)}) "
-        f"in {time.time() - started:.1f} s; train with: python -m mimo_jax.launch "
-        f"--config={out / 'config.py'}")
+      {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token},
+      indent=2) + "\n")
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+  counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
+  print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s, peak host memory "
+        f"{peak:.2f} GiB; train with: python -m mimo_jax.launch --config={out / 'config.py'}")
 
 
 CONFIG_PY = '''"""The config of this workdir, written by `python -m tools.hf import --hf {source}`.
@@ -241,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                                    epilog=__doc__.split("\n\n", 1)[1])
   verbs = parser.add_subparsers(dest="verb", required=True)
   p = verbs.add_parser("import", help="an HF directory -> a workdir with a step-0 checkpoint")
-  p.add_argument("--hf", required=True, help="the HF model directory")
+  p.add_argument("--hf", required=True, action="append",
+                 help="an HF model directory; repeat for a tower and a language model")
   p.add_argument("--out", required=True, help="the workdir to write")
   p.add_argument("--config", default=DEFAULT_BASE,
                  help=f"config file for the fields config.json does not set (default {DEFAULT_BASE})")
