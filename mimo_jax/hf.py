@@ -123,7 +123,7 @@ class Source:
       else:
         raise HFError(f"{f}: tensor {name} cannot be read ({e}); the file is damaged or not "
                       "safetensors.") from None
-    if x.dtype.kind != "f":
+    if x.dtype.kind != "f" and str(x.dtype) != "bfloat16":
       raise HFError(f"{f}: tensor {name} has dtype {x.dtype}, expected a floating point type.")
     if tuple(x.shape) != tuple(shape):
       raise HFError(f"{f}: tensor {name} has shape {tuple(x.shape)}, but config.json implies "
@@ -248,7 +248,10 @@ def vision_fields(src: Source) -> dict:
   if act not in ACTIVATIONS:
     raise HFError(f"{where}: vision hidden_act {act!r} is not supported "
                   f"({', '.join(ACTIVATIONS)}).")
-  fields = dict(image_size=_int(c, "image_size", where), patch_size=_int(c, "patch_size", where),
+  # A side that is no multiple of the patch (SigLIP-so400m: 384 with patches of 14) loses its
+  # last pixels to HF's strided convolution: the same as cropping it to the patches (378).
+  patch = _int(c, "patch_size", where)
+  fields = dict(image_size=_int(c, "image_size", where) // patch * patch, patch_size=patch,
                 channels=c.get("num_channels", 3), dim=_int(c, "hidden_size", where),
                 layers=feature_layers(src), heads=_int(c, "num_attention_heads", where),
                 mlp_dim=_int(c, "intermediate_size", where), downsample=1,
