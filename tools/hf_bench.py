@@ -16,6 +16,7 @@ import argparse
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -76,17 +77,30 @@ def main() -> None:
   parser.add_argument("--phases", default="make,import,check,train")
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--work", default=str(ROOT / ".hf_bench"))
-  parser.add_argument("--record", action="store_true", help="append the figures to docs")
+  parser.add_argument("--record", action="store_true",
+                      help="append the figures (of this call or of --results) to docs")
+  parser.add_argument("--results", default=None,
+                      help="where the figures are kept (default WORK/results.json)")
+  parser.add_argument("--check_dtypes", default="bfloat16,float32")
   parser.add_argument("--tiny", action="store_true",
                       help="small shapes on one CPU: a smoke test of the phases")
   args = parser.parse_args()
   work = pathlib.Path(args.work)
   work.mkdir(parents=True, exist_ok=True)
-  results_file = work / "results.json"
+  results_file = pathlib.Path(args.results or work / "results.json")
   results = json.loads(results_file.read_text()) if results_file.exists() else {}
-  phases = args.phases.split(",")
+  phases = [p for p in args.phases.split(",") if p]
+  if phases:  # not through jax here: its backend would take the GPU the phases need
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=False) if shutil.which(
+                              "nvidia-smi") else None
+    names = gpus.stdout.split("\n") if gpus and gpus.returncode == 0 else []
+    names = [n.strip() for n in names if n.strip()]
+    results["device"] = f"{len(names)} x {names[0]}" if names else "CPU"
+  save = lambda: results_file.write_text(json.dumps(results, indent=2))
   if "make" in phases:
     results["make"] = make(work, args.tiny)
+    save()
   run = work / "run"
   if "import" in phases:
     t = time.time()
@@ -99,21 +113,23 @@ def main() -> None:
     peak = re.search(r"peak host memory ([\d.]+) GiB", out)
     results["import"] = {"seconds": time.time() - t, "peak_gib": float(peak.group(1)),
                          "report": out.strip().splitlines()[-1]}
+    save()
   if "check" in phases:
     results["check"] = {}
     for name in ("llama", "siglip"):
-      for dtype in ("bfloat16", "float32"):
+      for dtype in args.check_dtypes.split(","):
         out = _run(["tools.hf", "check", "--hf", str(work / name), "--dtype", dtype])
         results["check"][f"{name} {dtype}"] = out.strip().splitlines()[-1]
+        save()
   if "train" in phases:
     t = time.time()
     out = _run(["mimo_jax.launch", f"--config={run / 'config.py'}",
                 f"--config.train.steps={args.steps}", "--config.run.log_every=5",
-                "--config.checkpoint.every=0"])
+                "--config.checkpoint.every=0", "--config.eval.samples=8", "--config.eval.batch=8"])
     losses = re.findall(r"step (\d+) \| loss ([\d.]+)", out)
     results["train"] = {"seconds": time.time() - t, "losses": losses,
                         "last": out.strip().splitlines()[-1]}
-  results_file.write_text(json.dumps(results, indent=2))
+  save()
   print(json.dumps(results, indent=2))
   if args.record:
     _record(results, args)
@@ -134,9 +150,10 @@ def _record(results: dict, args) -> None:
     rows.append(f"| train {args.steps} steps from the import (wall, incl. compile) | "
                 f"{t['seconds']:.0f} s; loss by step {losses} |")
   record("Hugging Face import, check and training at pretrained sizes", "hf_bench",
-         None, "\n".join(rows),
-         notes=("random weights of Llama-3.2-1B's and SigLIP-so400m's shapes, saved by "
-                "transformers; check runs transformers on the CPU",))
+         ["--phases", "make,import,check,train", f"--steps={args.steps}"], "\n".join(rows),
+         notes=(f"device: {results.get('device')}",
+                "random weights of Llama-3.2-1B's and SigLIP-so400m's shapes, saved by "
+                "transformers; check runs transformers on the CPU"), device=False)
 
 
 if __name__ == "__main__":
