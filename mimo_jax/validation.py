@@ -31,6 +31,10 @@ def _variants(cfg: Config) -> None:
             f"pixel_mean ({v.pixel_mean!r}) and pixel_std ({v.pixel_std!r}) need one value per "
             f"channel ({v.channels}).")
     require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
+  rows = cfg.data.slot_patches or v.positions
+  require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
+          f"cuDNN's fused attention trains even sequence lengths only, and the vision tower's "
+          f"are {rows}; use auto (XLA's attention for the tower, cuDNN's elsewhere) or xla.")
   require(not (v.class_token and cfg.data.slot_patches), "model.vision.class_token",
           "a class token needs one image a slot; set data.slot_patches=0.")
   require(lm.rope_scaling in ROPE_SCALINGS, "model.language.rope_scaling",

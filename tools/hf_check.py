@@ -67,7 +67,9 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
   norm = v.pixel_norm() or ((0.0,) * v.channels, (1.0,) * v.channels)
   mean, std = (torch.tensor(x, dtype=torch.float32).reshape(1, -1, 1, 1) for x in norm)
   torch_pixels = ((torch.from_numpy(pixels).permute(0, 3, 1, 2) - mean) / std).to(torch_dtype)
-  with torch.no_grad():
+  # float32 as written: XLA would otherwise run float32 matmuls on GPUs in TF32.
+  precision = "highest" if dtype == "float32" else "default"
+  with torch.no_grad(), jax.default_matmul_precision(precision):
     if src.kind in ("siglip", "clip"):
       theirs = model(pixel_values=torch_pixels).last_hidden_state.float().numpy()
       params = _ours(src, cfg, "vision")

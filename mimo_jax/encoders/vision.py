@@ -97,7 +97,9 @@ class Vision(encoders.Encoder):
     # pylint: disable-next=import-outside-toplevel,cyclic-import
     from mimo_jax.models import mimo, vit
     v, lm = cfg.model.vision, cfg.model.language
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
+    # A tower's rows: its patches (and class token), or a packed slot's patches.
+    rows = cfg.data.slot_patches or v.positions
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, rows)
     # Runs of equal segment ids a packed slot holds (packed attention is sized by them): its
     # images and the padding after them.
     segments = slot_images(cfg) + 1 if cfg.data.slot_patches else 0

@@ -79,12 +79,14 @@ def build_modules(cfg: Config) -> dict[str, Module]:
   return out
 
 
-def attention_implementation(cfg: Config) -> str:
-  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16, else XLA's."""
+def attention_implementation(cfg: Config, seq_len: int | None = None) -> str:
+  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16 where it trains
+  the module's `seq_len` (even lengths only, e.g. not SigLIP-so400m's 729 patches), else XLA's."""
   if cfg.model.attention != "auto":
     return cfg.model.attention
   gpu = jax.default_backend() == "gpu"
-  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" else "xla"
+  even = seq_len is None or seq_len % 2 == 0
+  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" and even else "xla"
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
