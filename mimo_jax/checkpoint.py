@@ -163,7 +163,9 @@ class Checkpointer:
   """Saves and restores training state under `<workdir>/checkpoints`."""
 
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, host_gb: int | None = None):
+    """`host_gb`: at most this many GB of arrays copied to the host at a time by a save (orbax's
+    default: 96)."""
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder
@@ -180,7 +182,8 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only, cleanup_tmp_directories=not read_only)
-    handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
+    limit = {} if host_gb is None else {"save_concurrent_gb": host_gb}
+    handlers = {n: ocp.StandardCheckpointHandler(**limit) for n in self.modules}
     handlers[META] = ocp.JsonCheckpointHandler()
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 

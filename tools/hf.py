@@ -44,6 +44,7 @@ from mimo_jax.config import Config, ConfigError, from_dict
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "configs/vlm.py"
 SHARD_BYTES = 5 * 1024**3
+SAVE_HOST_GB = 2
 
 
 def _fail(message: str) -> None:
@@ -130,8 +131,11 @@ def import_(args, extra: list[str]) -> None:
     print(f"importing model.{module} from {path}", flush=True)
   step = Step.build(cfg)
   state = step.init_state(cfg.train.seed)
+  jax.block_until_ready(state)
+  read_peak = _peak_gib()
   out.mkdir(parents=True, exist_ok=True)
-  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False)
+  # The save copies the state to the host a few GB at a time, not all at once.
+  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=SAVE_HOST_GB)
   ckpt.save(0, step.canonical(state), cfg, force=True)
   ckpt.close()
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
@@ -141,10 +145,14 @@ def import_(args, extra: list[str]) -> None:
   (out / "hf_import.json").write_text(json.dumps(
       {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token},
       indent=2) + "\n")
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
   counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
-  print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s, peak host memory "
-        f"{peak:.2f} GiB; train with: python -m mimo_jax.launch --config={out / 'config.py'}")
+  print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
+        f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save; train "
+        f"with: python -m mimo_jax.launch --config={out / 'config.py'}")
+
+
+def _peak_gib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
 
 
 CONFIG_PY = '''"""The config of this workdir, written by `python -m tools.hf import --hf {source}`.
