@@ -39,8 +39,8 @@ class _StopFlag:
   (processes see a signal at different steps).
   """
 
-  def __init__(self):
-    self.signal = None
+  def __init__(self, pending: str | None = None):
+    self.signal = pending  # a signal an earlier flag caught (during start-up)
     self._old = {}
     self._multi = jax.process_count() > 1
 
@@ -120,6 +120,16 @@ def run(cfg: Config) -> list[dict]:
 
 
 def _run(cfg: Config, lock) -> list[dict]:
+  # A signal during start-up (data, compilation, the capacity check) ends the run before its
+  # first step, with nothing to save; the loop's own flag takes over from this one.
+  early = _StopFlag().__enter__()
+  try:
+    return _run_flagged(cfg, lock, early)
+  finally:
+    early.__exit__()
+
+
+def _run_flagged(cfg: Config, lock, early: _StopFlag) -> list[dict]:
   paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
   trainer = Step.build(cfg)
   topo = trainer.topo
@@ -138,7 +148,8 @@ def _run(cfg: Config, lock) -> list[dict]:
       state = trainer.init_state(cfg.train.seed)
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
     loader.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
-                          progress=print if distributed.is_main() else None)
+                          progress=print if distributed.is_main() else None,
+                          stop=early.requested)
     evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
     eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
     # The whole LR table once: evaluating the schedule per step would queue behind the step's
@@ -208,7 +219,7 @@ def _run(cfg: Config, lock) -> list[dict]:
       saved = step
 
     last = None  # (step, metrics) of the newest dispatched step
-    with _StopFlag() as stop:
+    with _StopFlag(pending=early.signal) as stop:
       try:
         for step in range(start + 1, cfg.train.steps + 1):
           if stop.requested() and last is None:
@@ -244,7 +255,8 @@ def _run(cfg: Config, lock) -> list[dict]:
         raise
       if stop.requested() and last is None:
         writer.say(f"{stop.signal} before the first step: the newest checkpoint is step "
-                   f"{saved}; run the same command to resume.")
+                   f"{saved}; run the same command to resume." if found is not None else
+                   f"{stop.signal} before the first step: nothing to save.")
         return records
       if start >= cfg.train.steps:
         writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")

@@ -193,11 +193,12 @@ class CapacityError(ValueError):
 
 
 def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
-                   progress=None) -> None:
+                   progress=None, stop=None) -> bool:
   """Raises CapacityError, before anything compiles, if some microbatch of steps start+1..steps
   needs more slots of an encoder, or more packed rows, than configured, or holds a sample longer
   than data.seq_len; the error gives the value that works for the whole run. Reads only the
-  metadata sidecar (the sample order is the loader's)."""
+  metadata sidecar (the sample order is the loader's). Returns False if `stop()` turned true
+  (a signal) before it finished."""
   d = cfg.data
   layout = make_layout(cfg, lang_dp)
   records = _Records(path, d.task, tuple(e.name for e in layout.encoders))
@@ -209,6 +210,8 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
   rows_need, worst_len = (0, None), (0, None)
   first, last = start * d.microbatches, steps * d.microbatches
   for mb in range(first, last):
+    if stop is not None and (mb - first) % 1000 == 0 and stop():
+      return False
     if progress and mb > first and (mb - first) % 20000 == 0:
       progress(f"checking capacity: microbatch {mb - first}/{last - first}")
     ids = [mb * micro + j for j in range(micro)]
@@ -263,6 +266,7 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
         f"{rows_need[0]} rows, {layout.pack_rows // G} a rank are configured; set "
         f"data.pack_rows={rows_need[0] * G} (enough for every microbatch of steps "
         f"{start + 1}-{steps}).")
+  return True
 
 
 def train_dataset(cfg: Config, path: str, lang_dp: int,
