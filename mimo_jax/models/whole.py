@@ -54,7 +54,7 @@ def vlm_logits(cfg: Config, vision: dict, language: dict, ids_bl, images_nhwc,
   where = ids == image_token
   if int(where.sum()) != flat.shape[0]:
     raise ValueError(f"{int(where.sum())} image-token ids for {flat.shape[0]} image tokens.")
-  index = np.where(where, np.cumsum(where) .reshape(ids.shape) - 1, 0)
+  index = np.where(where, np.cumsum(where).reshape(ids.shape) - 1, 0)
   model = mimo.build_modules(cfg)["language"].bind(language)
   x = model.embed(jnp.asarray(ids))
   x = jnp.where(jnp.asarray(where)[..., None], flat[jnp.asarray(index)].astype(x.dtype), x)
