@@ -139,7 +139,7 @@ def test_sigterm_saves_and_rerun_resumes(data_dir, tmp_path):
           "--config.model.language.layers=1", "--config.model.vision.layers=1",
           "--config.run.log_every=1", "--config.run.progress=lines"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(args + ["--config.train.steps=100000"], cwd=ROOT, env=env,
+  proc = subprocess.Popen(args + ["--config.train.steps=2000"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.time() + 300

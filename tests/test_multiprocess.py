@@ -107,7 +107,7 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
 
 def _start(data_dir, workdir):
   """A long two-process run; returns the launcher, its output lines and the two pids."""
-  args = _args(data_dir, workdir, FAN_IN, "--config.train.steps=100000")
+  args = _args(data_dir, workdir, FAN_IN, "--config.train.steps=2000")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   launcher = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
