@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config.json -> our config fields, safetensors -> our parameters.
+"""Hugging Face checkpoints: config.json <-> our config fields, safetensors <-> our parameters.
 
 Supported: language models of the Llama (Llama-3, 3.1, 3.2) and Qwen2 (Qwen2, 2.5)
 architectures, SigLIP and CLIP vision towers, and LLaVA checkpoints (`LlavaForConditionalGeneration`:
@@ -8,8 +8,10 @@ transformers' versions and the model classes put in front of them (`vision_model
 any of those classes read alike.
 
 Tensors are read one at a time (`safe_open`), converted to float32 and to our layout (kernels
-[in, out], a module's layers stacked on a leading axis); `Reader.leaves` yields them leaf by leaf,
-so the caller can place each on its devices before the next is read (tools/hf.py).
+[in, out], a module's layers stacked on a leading axis); `leaves` yields them leaf by leaf, so
+the caller can place each on its devices before the next is read (state.py, for `init_from`).
+One table per module (`Tensor`: our leaf, the HF name and shape, the layout map) serves reading
+and writing (`export_tensors`, with the config.json writers, for tools/hf.py export).
 
 Every problem is one `HFError` naming the file or tensor and the fix.
 """
