@@ -51,7 +51,7 @@ class VisionConfig:
   pixel_std: str = ""
   # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
   # weights a run starts from instead of the seed's; not read on resume. The fields above must
-  # match its config.json (mimo_jax/hf.py derives them; a contradiction is an error).
+  # match its config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error).
   init_from: str = ""
 
   @property

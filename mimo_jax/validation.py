@@ -56,13 +56,9 @@ def _init_from(cfg: Config, name: str) -> None:
     return
   from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(section.init_from)
-  parts = {"vision": ("siglip", "clip", "llava"), "language": ("llama", "qwen2", "llava")}
-  require(src.kind in parts[name], f"model.{name}.init_from",
+  require(name in src.modules, f"model.{name}.init_from",
           f"{section.init_from} holds a {src.kind} model, which has no {name} module.")
-  fields = hf.vision_fields(src) if name == "vision" else hf.language_fields(src)
-  if name == "vision" and src.kind != "llava":  # a lone tower: the projector is ours
-    fields.pop("projector_hidden", None)
-  differ = hf.check_fields(src, name, fields, section)
+  differ = hf.check_fields(src, name, hf.fields(src, name), section)
   require(not differ, f"model.{name}.init_from",
           f"{section.init_from} does not match the config: {'; '.join(differ)}. Set those "
           "fields as the checkpoint has them.")

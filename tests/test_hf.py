@@ -23,22 +23,14 @@ LLAVA = ("llava15", "llava_siglip")
 def _config(src: hf.Source) -> Config:
   cfg = Config()
   cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
-  if src.kind != "siglip" and src.kind != "clip":
-    for k, v in hf.language_fields(src).items():
-      setattr(cfg.model.language, k, v)
-  else:
-    cfg.model.language.vocab_size = 64
-  if src.kind not in hf.LANGUAGE_TYPES:
-    for k, v in hf.vision_fields(src).items():
-      setattr(cfg.model.vision, k, v)
+  cfg.model.language.vocab_size = 64  # a lone tower's (unused) language model
+  hf.configure(cfg, src)
   validate(cfg)
   return cfg
 
 
 def _params(src: hf.Source, cfg: Config, module: str) -> dict:
-  base = mimo.build_modules(cfg)[module].init(0)
-  params, _ = hf.load(src, module, cfg, jax.tree.map(np.asarray, base))
-  return params
+  return hf.load(src, module, cfg)
 
 
 def _close(ours, theirs, rtol=1e-5):
@@ -101,12 +93,12 @@ def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_p
   src = hf.Source.open(cfg.model.vision.init_from)
   _, _, state, init = run_steps(cfg, 2)
   for module in ("vision", "language"):
-    want = dict(hf._flatten(_params(src, cfg, module)))  # pylint: disable=protected-access
-    got = dict(hf._flatten(init[module]))  # pylint: disable=protected-access
+    want = dict(hf.flatten(_params(src, cfg, module)))
+    got = dict(hf.flatten(init[module]))
     assert set(got) == set(want)
     for path, x in want.items():  # the run started from the checkpoint's weights exactly
       np.testing.assert_array_equal(got[path], x, err_msg="/".join(path))
-    after = dict(hf._flatten(jax.device_get(state[module].params)))  # pylint: disable=protected-access
+    after = dict(hf.flatten(jax.device_get(state[module].params)))
     for path, x in got.items():
       moved = not np.array_equal(after[path], x)
       assert moved == (path[0] == "projector"), ("/".join(path), moved)

@@ -43,7 +43,7 @@ def _tensors(directory) -> dict[str, np.ndarray]:
 
 
 def _params(workdir, step=0):
-  _, params, _, _ = hf_tool._read_checkpoint(str(workdir), step)  # pylint: disable=protected-access
+  _, params, _, _ = hf_tool._read_checkpoint(str(workdir), step)
   return params
 
 
@@ -63,7 +63,7 @@ def test_import_export_round_trip(tmp_path):
   # import(export(x)) is x, bit for bit.
   _import(tmp_path / "hf", tmp_path / "b")
   first, second = _params(tmp_path / "a"), _params(tmp_path / "b")
-  flat = lambda t: dict(hf_tool.hf._flatten(t))  # pylint: disable=protected-access
+  flat = lambda t: dict(hf_tool.hf.flatten(t))
   for module in ("vision", "language"):
     a, b = flat(first[module]), flat(second[module])
     assert set(a) == set(b)
@@ -114,7 +114,7 @@ def test_a_tower_and_a_language_model_from_two_directories(tmp_path):
   _import([FIXTURES / "siglip", FIXTURES / "qwen2"], tmp_path / "run",
           "--config.model.vision.projector_hidden=24")
   params = _params(tmp_path / "run")
-  flat = lambda t: dict(hf_tool.hf._flatten(t))  # pylint: disable=protected-access
+  flat = lambda t: dict(hf_tool.hf.flatten(t))
   for module, name in (("vision", "siglip"), ("language", "qwen2")):
     src = hf_tool.hf.Source.open(FIXTURES / name)
     cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))

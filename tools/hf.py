@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from mimo_jax import hf
+from mimo_jax.hf import export as hf_export
 from mimo_jax.config import Config, ConfigError, from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -99,17 +100,12 @@ def import_(args, extra: list[str]) -> None:
     _set(cfg, name, value)
   contradictions, taken = [], {}
   for src in sources:
-    modules = {"llava": ("vision", "language"), "siglip": ("vision",),
-               "clip": ("vision",)}.get(src.kind, ("language",))
-    for module in modules:
+    for module in src.modules:
       if module in taken:
         _fail(f"--hf {taken[module]} and --hf {src.path} both hold the {module} module; pass one.")
       taken[module] = src.path
-      fields = hf.vision_fields(src) if module == "vision" else hf.language_fields(src)
-      if module == "vision" and src.kind != "llava":
-        fields.pop("projector_hidden", None)  # a lone tower: the projector is the config's
       section = cfg.model.module(module)
-      for k, v in fields.items():
+      for k, v in hf.fields(src, module).items():
         given = overrides.get(f"model.{module}.{k}")
         if given is not None and hf.check_fields(src, module, {k: v}, section):
           contradictions.append(f"--config.model.{module}.{k}={given} (config.json: {v!r})")
@@ -208,20 +204,20 @@ def export(args) -> None:
     if token is None:
       _fail("LLaVA needs the id of its image token: pass --image_token_index (the tokenizer's "
             "<image> id).")
-    config = hf.llava_config_json(cfg, int(token))
+    config = hf_export.llava_config_json(cfg, int(token))
   elif kind == "tower":
-    config = hf.vision_config_json(cfg.model.vision)
+    config = hf_export.vision_config_json(cfg.model.vision)
   else:
-    config = hf.language_config_json(cfg.model.language)
+    config = hf_export.language_config_json(cfg.model.language)
   out = pathlib.Path(args.out)
   if out.exists() and any(out.iterdir()):
     _fail(f"{out} exists and is not empty; choose a new --out.")
-  tensors = dict(hf.export_tensors(kind, cfg, params))
+  tensors = dict(hf_export.export_tensors(kind, cfg, params))
   out.mkdir(parents=True, exist_ok=True)
   _write_safetensors(out, tensors)
   (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   if kind != "language":
-    pre = hf.preprocessor_json(cfg.model.vision)
+    pre = hf_export.preprocessor_json(cfg.model.vision)
     if pre is not None:
       (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
   total = sum(x.nbytes for x in tensors.values())

@@ -22,20 +22,9 @@ BATCH, SEQ = 2, 16
 def _config(src: hf.Source, dtype: str) -> Config:
   cfg = Config()
   cfg.model.dtype = dtype
-  if src.kind in ("siglip", "clip"):
-    cfg.model.language.vocab_size = 32
-  else:
-    for k, v in hf.language_fields(src).items():
-      setattr(cfg.model.language, k, v)
-  if src.kind not in hf.LANGUAGE_TYPES:
-    for k, v in hf.vision_fields(src).items():
-      setattr(cfg.model.vision, k, v)
+  cfg.model.language.vocab_size = 32  # a lone tower's (unused) language model
+  hf.configure(cfg, src)
   return cfg
-
-
-def _ours(src: hf.Source, cfg: Config, module: str) -> dict:
-  base = jax.tree.map(np.asarray, mimo.build_modules(cfg)[module].init(0))
-  return hf.load(src, module, cfg, base)[0]
 
 
 def _report(what: str, ours, theirs) -> tuple[float, float]:
@@ -72,7 +61,7 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
   with torch.no_grad(), jax.default_matmul_precision(precision):
     if src.kind in ("siglip", "clip"):
       theirs = model(pixel_values=torch_pixels).last_hidden_state.float().numpy()
-      params = _ours(src, cfg, "vision")
+      params = hf.load(src, "vision", cfg)
       ours = whole.vision_hidden(cfg, params, pixels)
       if v.final_norm:
         ours = mimo.build_modules(cfg)["vision"].bind(params).norm(ours)
@@ -85,10 +74,10 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
       ids[:, 1:1 + v.tokens_per_image] = token
       theirs = model(input_ids=torch.from_numpy(ids),
                      pixel_values=torch_pixels).logits.float().numpy()
-      ours = whole.vlm_logits(cfg, _ours(src, cfg, "vision"), _ours(src, cfg, "language"), ids,
-                              pixels, token)
+      ours = whole.vlm_logits(cfg, hf.load(src, "vision", cfg), hf.load(src, "language", cfg),
+                              ids, pixels, token)
     else:
       ids = rng.integers(0, vocab, (BATCH, SEQ))
       theirs = model(input_ids=torch.from_numpy(ids)).logits.float().numpy()
-      ours = whole.language_logits(cfg, _ours(src, cfg, "language"), ids)
+      ours = whole.language_logits(cfg, hf.load(src, "language", cfg), ids)
   return _report("logits", ours, theirs)

@@ -1,0 +1,27 @@
+"""Hugging Face checkpoints: config.json <-> our config fields, safetensors <-> our parameters.
+
+Supported: language models of the Llama (Llama-3, 3.1, 3.2) and Qwen2 (Qwen2, 2.5)
+architectures, SigLIP and CLIP vision towers, and LLaVA checkpoints (`LlavaForConditionalGeneration`:
+a tower, the projector and a language model). Names are matched after the prefixes that
+transformers' versions and the model classes put in front of them (`vision_model.`,
+`model.language_model.`, `language_model.model.`, ...), so files written by `save_pretrained` of
+any of those classes read alike.
+
+Tensors are read one at a time (`safe_open`), converted to float32 and to our layout (kernels
+[in, out], a module's layers stacked on a leading axis); `leaves` yields them leaf by leaf, so
+the caller can place each on its devices before the next is read (state.py, for `init_from`).
+One table per module (`Tensor`: our leaf, the HF name and shape, the layout map) serves reading
+and writing (export.py).
+
+Every problem is one `HFError` naming the file or tensor and the fix.
+
+source.py reads a directory, fields.py maps config.json to config fields, tensors.py maps tensors
+to parameters, export.py writes them back.
+"""
+
+from mimo_jax.hf.fields import (check_fields, configure, feature_layers, fields, language_fields,
+                                text_config, vision_config, vision_fields)
+from mimo_jax.hf.source import (ACTIVATIONS, HEADS, LANGUAGE_TYPES, MODULES, PREFIXES,
+                                VISION_TYPES, HFError, Source)
+from mimo_jax.hf.tensors import (Leaf, Tensor, flatten, language_tensors, leaves, load, nest,
+                                 tensors, vision_tensors)

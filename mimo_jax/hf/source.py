@@ -1,0 +1,164 @@
+"""An HF model directory: config.json, where each tensor is, and reading one tensor (float32,
+checked against the shape config.json implies). Every problem is one `HFError` naming the file
+or tensor and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+from mimo_jax.config import ConfigError
+
+
+LANGUAGE_TYPES = ("llama", "qwen2")
+
+
+MODULES = {"llava": ("vision", "language"), "siglip": ("vision",), "clip": ("vision",),
+           "llama": ("language",), "qwen2": ("language",)}  # the modules of each kind
+VISION_TYPES = {"siglip_vision_model": "siglip", "siglip": "siglip",
+                "clip_vision_model": "clip", "clip": "clip"}
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
+               "quick_gelu": "quick_gelu"}
+# Name prefixes of each part, most specific first (transformers 4.x and 5.x, each model class).
+PREFIXES = {
+    "vision": ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
+               "model.vision_tower.", "vision_tower.", "vision_model.", ""),
+    "language": ("model.language_model.model.", "model.language_model.", "language_model.model.",
+                 "language_model.", "model.", ""),
+    "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
+}
+HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+
+class HFError(ConfigError):
+  """A Hugging Face directory that cannot be read; the message names the file or tensor."""
+
+
+def _json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise HFError(f"{path}: not found; an HF model directory has a config.json (as "
+                  "save_pretrained writes it).") from None
+  except (OSError, ValueError) as e:
+    raise HFError(f"{path}: cannot be read as JSON ({e}).") from None
+
+
+@dataclasses.dataclass
+class Source:
+  """An HF model directory: its config.json, and where each tensor is."""
+  path: pathlib.Path
+  config: dict
+  files: dict[str, pathlib.Path]  # tensor name -> safetensors file
+
+  @classmethod
+  def open(cls, path: str | pathlib.Path) -> "Source":
+    path = pathlib.Path(path)
+    if not path.is_dir():
+      raise HFError(f"{path}: not a directory; pass an HF model directory (config.json and "
+                    "*.safetensors).")
+    config = _json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = _json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise HFError(f"{index}: has no weight_map; rewrite it with save_pretrained.")
+      files = {k: path / v for k, v in weight_map.items()}
+      for f in sorted(set(files.values())):
+        if not f.is_file():
+          raise HFError(f"{f}: missing; {index.name} lists it (tensors "
+                        f"{', '.join(sorted(k for k, v in files.items() if v == f)[:3])}...). "
+                        "Copy the whole model directory.")
+    else:
+      found = sorted(path.glob("*.safetensors"))
+      if not found:
+        raise HFError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not read; "
+                      "convert them with save_pretrained(..., safe_serialization=True)).")
+      files = {}
+      for f in found:
+        for k in _keys(f):
+          files[k] = f
+    return cls(path, config, files)
+
+  @property
+  def kind(self) -> str:
+    """llava, llama, qwen2, siglip or clip."""
+    t = self.config.get("model_type", "")
+    if t == "llava":
+      return "llava"
+    if t in LANGUAGE_TYPES:
+      return t
+    if t in VISION_TYPES:
+      return VISION_TYPES[t]
+    raise HFError(f"{self.path / 'config.json'}: model_type {t!r} is not supported; supported: "
+                  f"llava, {', '.join(LANGUAGE_TYPES)}, siglip, clip.")
+
+  @property
+  def modules(self) -> tuple[str, ...]:
+    """The modules the directory holds: vision, language or both."""
+    return MODULES[self.kind]
+
+  def has(self, name: str) -> bool:
+    return name in self.files
+
+  def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` as float32, checked against the `shape` config.json implies."""
+    if name not in self.files:
+      raise HFError(f"{self.path}: tensor {name} is missing (config.json says it exists); the "
+                    "checkpoint is incomplete or of another architecture.")
+    f = self.files[name]
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    try:
+      with safe_open(str(f), "np") as st:
+        x = st.get_tensor(name)
+    except Exception as e:  # pylint: disable=broad-except
+      if "bf16" in str(e).lower() or "bfloat16" in str(e).lower():
+        x = _read_bf16(f, name)
+      else:
+        raise HFError(f"{f}: tensor {name} cannot be read ({e}); the file is damaged or not "
+                      "safetensors.") from None
+    if x.dtype.kind != "f" and str(x.dtype) != "bfloat16":
+      raise HFError(f"{f}: tensor {name} has dtype {x.dtype}, expected a floating point type.")
+    if tuple(x.shape) != tuple(shape):
+      raise HFError(f"{f}: tensor {name} has shape {tuple(x.shape)}, but config.json implies "
+                    f"{tuple(shape)}.")
+    return np.asarray(x, np.float32)
+
+
+def _keys(f: pathlib.Path) -> list[str]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(str(f), "np") as st:
+      return list(st.keys())
+  except Exception as e:  # pylint: disable=broad-except
+    raise HFError(f"{f}: cannot be read as safetensors ({e}).") from None
+
+
+def _read_bf16(f: pathlib.Path, name: str) -> np.ndarray:
+  """numpy has no bfloat16: read the raw bits (safetensors' header gives the layout)."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  with open(f, "rb") as fh:
+    n = int.from_bytes(fh.read(8), "little")
+    header = json.loads(fh.read(n))
+    info = header[name]
+    start, end = info["data_offsets"]
+    fh.seek(8 + n + start)
+    raw = fh.read(end - start)
+  return np.frombuffer(raw, ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+def _find(src: Source, part: str, suffix: str) -> str:
+  """The full name of `suffix` under the first of `part`'s prefixes that has it."""
+  for p in PREFIXES[part]:
+    if src.has(p + suffix):
+      return p + suffix
+  return PREFIXES[part][0] + suffix  # missing: read() names it
+
+
+def _int(cfg: dict, key: str, where: str) -> int:
+  if not isinstance(cfg.get(key), int):
+    raise HFError(f"{where}: field {key} is missing or not an integer.")
+  return cfg[key]

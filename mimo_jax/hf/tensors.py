@@ -1,0 +1,186 @@
+"""Our parameters and HF tensors, one table per module (`Tensor`: our leaf, the HF name and
+shape, the layout map), for reading (`leaves`, `load`) and writing (export.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import numpy as np
+
+from mimo_jax.hf.fields import text_config
+from mimo_jax.hf.source import HEADS, HFError, Source, _find
+
+
+@dataclasses.dataclass(frozen=True)
+
+
+class Tensor:
+  """One of our leaves and the HF tensor(s) it comes from: `name` under `part`'s prefixes, with
+  "{i}" for each of the `layers` stacked layers; `shape` is the HF tensor's; `how` maps it to ours:
+  "copy", "T" (a linear weight [out, in] -> our kernel [in, out]) or "conv" (a patch-embedding
+  convolution [d, c, p, p] -> our kernel [p*p*c, d], channels fastest)."""
+  path: tuple[str, ...]
+  part: str
+  name: str
+  shape: tuple[int, ...]
+  how: str = "copy"
+  layers: int = 0  # 0 = not stacked
+
+  def to_ours(self, x: np.ndarray) -> np.ndarray:
+    if self.how == "T":
+      return x.T
+    if self.how == "conv":
+      d, c, p, _ = x.shape
+      return x.transpose(2, 3, 1, 0).reshape(p * p * c, d)
+    return x
+
+  def to_theirs(self, x: np.ndarray) -> np.ndarray:
+    if self.how == "T":
+      return x.T
+    if self.how == "conv":
+      d, c, p, _ = self.shape
+      return x.reshape(p, p, c, d).transpose(3, 2, 0, 1)
+    return x
+
+  def names(self) -> list[str]:
+    return [self.name.format(i=i) for i in range(self.layers)] if self.layers else [self.name]
+
+
+def language_tensors(lm) -> list[Tensor]:
+  """Our language parameters (a LanguageConfig `lm`) and their HF tensors."""
+  d, hd, f, L = lm.dim, lm.dim // lm.heads, lm.mlp_dim, lm.layers
+  q, kv = lm.heads * hd, lm.kv_heads * hd
+  block = lambda path, name, shape, how="copy": Tensor(("blocks",) + path, "language",
+                                                       "layers.{i}." + name, shape, how, L)
+  out = [Tensor(("embedding",), "language", "embed_tokens.weight", (lm.vocab_size, d)),
+         block(("norm1", "scale"), "input_layernorm.weight", (d,)),
+         block(("norm2", "scale"), "post_attention_layernorm.weight", (d,)),
+         block(("attn", "q", "kernel"), "self_attn.q_proj.weight", (q, d), "T"),
+         block(("attn", "k", "kernel"), "self_attn.k_proj.weight", (kv, d), "T"),
+         block(("attn", "v", "kernel"), "self_attn.v_proj.weight", (kv, d), "T"),
+         block(("attn", "o", "kernel"), "self_attn.o_proj.weight", (d, q), "T"),
+         block(("mlp", "gate", "kernel"), "mlp.gate_proj.weight", (f, d), "T"),
+         block(("mlp", "up", "kernel"), "mlp.up_proj.weight", (f, d), "T"),
+         block(("mlp", "down", "kernel"), "mlp.down_proj.weight", (d, f), "T")]
+  if lm.qkv_bias:
+    out += [block(("attn", n, "bias"), f"self_attn.{n}_proj.bias", (s,))
+            for n, s in (("q", q), ("k", kv), ("v", kv))]
+  out.append(Tensor(("norm", "scale"), "language", "norm.weight", (d,)))
+  if not lm.tie_embeddings:
+    out.append(Tensor(("head", "kernel"), "head", "lm_head.weight", (lm.vocab_size, d), "T"))
+  return out
+
+
+def vision_tensors(v, projector_out: int | None = None) -> list[Tensor]:
+  """Our vision parameters (a VisionConfig `v`) and their HF tensors: the tower, and with
+  `projector_out` (the language width) LLaVA's projector."""
+  d, f, p, c, L = v.dim, v.mlp_dim, v.patch_size, v.channels, v.layers
+  one = lambda path, name, shape, how="copy": Tensor(path, "vision", name, shape, how)
+  block = lambda path, name, shape, how="copy": Tensor(("blocks",) + path, "vision",
+                                                       "encoder.layers.{i}." + name, shape, how, L)
+  norm = lambda ours, theirs: [one((ours, "scale"), f"{theirs}.weight", (d,)),
+                               one((ours, "bias"), f"{theirs}.bias", (d,))]
+  out = [one(("embed", "kernel"), "embeddings.patch_embedding.weight", (d, c, p, p), "conv")]
+  if v.patch_bias:
+    out.append(one(("embed", "bias"), "embeddings.patch_embedding.bias", (d,)))
+  if v.class_token:
+    out.append(one(("cls",), "embeddings.class_embedding", (d,)))
+  out.append(one(("pos",), "embeddings.position_embedding.weight", (v.positions, d)))
+  if v.pre_norm:
+    out += norm("pre_norm", "pre_layrnorm")
+  for ours, theirs in (("norm1", "layer_norm1"), ("norm2", "layer_norm2")):
+    out += [block((ours, "scale"), f"{theirs}.weight", (d,)),
+            block((ours, "bias"), f"{theirs}.bias", (d,))]
+  for n, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
+    out += [block(("attn", n, "kernel"), f"self_attn.{theirs}.weight", (d, d), "T"),
+            block(("attn", n, "bias"), f"self_attn.{theirs}.bias", (d,))]
+  out += [block(("mlp", "up", "kernel"), "mlp.fc1.weight", (f, d), "T"),
+          block(("mlp", "up", "bias"), "mlp.fc1.bias", (f,)),
+          block(("mlp", "down", "kernel"), "mlp.fc2.weight", (d, f), "T"),
+          block(("mlp", "down", "bias"), "mlp.fc2.bias", (d,))]
+  if v.final_norm:
+    out += norm("norm", "post_layernorm")
+  if projector_out is not None:
+    h = v.projector_hidden
+    for ours, theirs, n_in, n_out in (("up", "linear_1", d * v.downsample**2, h),
+                                      ("down", "linear_2", h, projector_out)):
+      out += [Tensor(("projector", ours, "kernel"), "projector", f"{theirs}.weight",
+                     (n_out, n_in), "T"),
+              Tensor(("projector", ours, "bias"), "projector", f"{theirs}.bias", (n_out,))]
+  return out
+
+
+def tensors(src: Source, module: str, cfg) -> list[Tensor]:
+  """`module`'s tensors ("vision" or "language") a directory holds, for a run config `cfg`."""
+  if module == "language":
+    return language_tensors(cfg.model.language)
+  return vision_tensors(cfg.model.vision,
+                        text_config(src)["hidden_size"] if src.kind == "llava" else None)
+
+
+def _full_name(src: Source, t: Tensor, name: str) -> str:
+  if t.part == "head":
+    return next((h for h in HEADS if src.has(h)), HEADS[0])
+  return _find(src, t.part, name)
+
+
+Leaf = tuple[tuple[str, ...], Callable[[], np.ndarray]]  # (path in our tree, read it)
+
+
+def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
+  """`module`'s leaves, each with a function that reads it (float32, our layout; stacked layers
+  [L, ...]): one leaf in host memory at a time."""
+  for t in tensors(src, module, cfg):
+    def read(t=t):
+      names = t.names()
+      out = None
+      for i, name in enumerate(names):
+        x = t.to_ours(src.read(_full_name(src, t, name), t.shape))
+        if not t.layers:
+          return x
+        if out is None:
+          out = np.empty((len(names),) + x.shape, np.float32)
+        out[i] = x
+      return out
+    yield t.path, read
+
+
+def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
+  out: dict = {}
+  for path, x in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = x
+  return out
+
+
+
+
+def load(src: Source, module: str, cfg, base: dict | None = None) -> dict:
+  """`base` (our parameter tree of `module`; default its init from seed 0) with every leaf the
+  checkpoint has replaced by it, all on the host (state.py places them leaf by leaf instead)."""
+  if base is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    from mimo_jax.models import mimo  # pylint: disable=import-outside-toplevel,cyclic-import
+    base = jax.tree.map(np.asarray, mimo.build_modules(cfg)[module].init(0))
+  flat = dict(flatten(base))
+  for path, read in leaves(src, module, cfg):
+    if path not in flat:
+      raise HFError(f"{src.path}: {'/'.join(path)} has no place in model.{module} (a config "
+                    "field differs from the checkpoint's).")
+    x = read()
+    if tuple(x.shape) != tuple(flat[path].shape):
+      raise HFError(f"{src.path}: {'/'.join(path)} has shape {x.shape} where model.{module} "
+                    f"has {tuple(flat[path].shape)}.")
+    flat[path] = x
+  return nest(flat)
+
+
+def flatten(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple[str, ...], object]]:
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      yield from flatten(v, prefix + (k,))
+    else:
+      yield prefix + (k,), v
