@@ -9,9 +9,10 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
-REMAT = ("none", "full", "dots")
+REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
-ROPE_SCALINGS = ("none", "llama3")  # activation rematerialisation policies (pipeline.py)
+POSITION_RESIZE = ("crop", "bicubic")  # patches.py
+ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
 TASKS = ("digits", "synthetic")
 DIGITS_VOCAB = 17  # data/tokenizer.py
 
@@ -49,6 +50,10 @@ class VisionConfig:
   # ("" = none); e.g. SigLIP's "0.5,0.5,0.5".
   pixel_mean: str = ""
   pixel_std: str = ""
+  # Positions of an image whose patch grid differs from the table's (image_size / patch_size a
+  # side; dynamic resolution): "crop" takes the table's top-left part, "bicubic" resizes the table
+  # to the image's grid as Hugging Face's towers do with interpolate_pos_encoding (patches.py).
+  position_resize: str = "crop"
   # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
   # weights a run starts from instead of the seed's; not read on resume. The fields above must
   # match its config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error).

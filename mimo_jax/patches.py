@@ -6,6 +6,12 @@ sequence lists the patches block by block: block (bi, bj) in row-major order, in
 row-major order. Attention does not care about the order (positions are added explicitly), and the
 shuffle is then a plain reshape of s*s consecutive patches, which also holds for several images
 packed into one row (dynamic resolution, data/layout.py). Works on numpy and jax arrays alike.
+
+An image whose patch grid differs from the position table's (model.vision.position_resize) takes
+its positions either from the table's top-left part (`grid_positions`: ids into the table) or,
+as Hugging Face's towers do with `interpolate_pos_encoding`, from the table resized bicubically
+(`bicubic_taps`: 16 ids and weights a patch, torch's `interpolate(mode="bicubic",
+align_corners=False)` as a weighted sum of table rows).
 """
 
 from __future__ import annotations
@@ -28,3 +34,35 @@ def grid_positions(rows: int, cols: int, shuffle: int, grid_cols: int) -> np.nda
   r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
   ids = (r * grid_cols + c).reshape(1, rows, cols, 1)
   return patchify(ids, 1, shuffle).reshape(-1).astype(np.int32)
+
+
+def _cubic_taps(out: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Source indices and weights [out, 4] of torch's bicubic resize of `size` samples to `out`
+  (align_corners=False, Keys' kernel with a = -0.75, indices clamped to the edges)."""
+  a = -0.75
+  real = (np.arange(out) + 0.5) * (size / out) - 0.5
+  first = np.minimum(np.floor(real), size - 1).astype(np.int64)
+  t = np.clip(real - first, 0.0, 1.0)
+
+  def near(x):  # |x| <= 1
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+  def far(x):  # 1 < |x| < 2
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+  weights = np.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], axis=1)
+  index = np.clip(first[:, None] + np.arange(-1, 3)[None], 0, size - 1)
+  return index, weights
+
+
+def bicubic_taps(rows: int, cols: int, grid: int, shuffle: int) -> tuple[np.ndarray, np.ndarray]:
+  """Position ids [rows * cols, 16] into a grid x grid table and their weights (float32) for a
+  rows x cols patch grid in block order: the table resized bicubically to rows x cols. At the
+  table's own size the weights pick each row exactly once."""
+  ri, rw = _cubic_taps(rows, grid)
+  ci, cw = _cubic_taps(cols, grid)
+  ids = ri[:, None, :, None] * grid + ci[None, :, None, :]  # [rows, cols, 4, 4]
+  weights = rw[:, None, :, None] * cw[None, :, None, :]
+  ids = patchify(ids.reshape(1, rows, cols, 16), 1, shuffle).reshape(-1, 16)
+  weights = patchify(weights.reshape(1, rows, cols, 16), 1, shuffle).reshape(-1, 16)
+  return ids.astype(np.int32), weights.astype(np.float32)

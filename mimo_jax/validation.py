@@ -2,8 +2,8 @@
 before anything is compiled."""
 
 from mimo_jax import encoders
-from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, REMAT, ROPE_SCALINGS, TASKS, Config,
-                             ConfigError, parse_freeze, parse_lr_mult, require)
+from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, POSITION_RESIZE, REMAT, ROPE_SCALINGS,
+                             TASKS, Config, ConfigError, parse_freeze, parse_lr_mult, require)
 
 
 def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
@@ -19,6 +19,8 @@ def _variants(cfg: Config) -> None:
     require(getattr(v, field) in ACTIVATIONS, f"model.vision.{field}",
             f"must be one of {', '.join(ACTIVATIONS)}, got {getattr(v, field)!r}.")
   require(v.norm_eps > 0, "model.vision.norm_eps", f"must be > 0, got {v.norm_eps}.")
+  require(v.position_resize in POSITION_RESIZE, "model.vision.position_resize",
+          f"must be one of {', '.join(POSITION_RESIZE)}, got {v.position_resize!r}.")
   require(lm.norm_eps > 0, "model.language.norm_eps", f"must be > 0, got {lm.norm_eps}.")
   try:
     norm = v.pixel_norm()

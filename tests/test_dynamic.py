@@ -10,6 +10,7 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.models import whole
 from mimo_jax.models.mimo import slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
 from mimo_jax.step import Step
@@ -139,6 +140,41 @@ def test_packed_encoder_matches_each_image_alone_and_the_fixed_size_path(synth_d
   full = {"images_nhwc": jnp.asarray(images[1])[None]}  # the largest size, through the plain ViT
   np.testing.assert_allclose(_encode(stepper, params, row([images[1]], 16))[0],
                              _encode(stepper, params, full)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bicubic_positions_packed_match_each_image_alone(synth_dir):
+  """position_resize=bicubic: a slot packed by the layout (taps and weights a patch) gives each
+  image the tokens it gets alone through the plain ViT, its table resized to its own grid."""
+  cfg = _config(synth_dir)
+  cfg.model.vision.position_resize = "bicubic"
+  stepper, params = _stepper(cfg)
+  layout = loader.make_layout(cfg, 1)
+  sizes = [(8, 8), (16, 8), (8, 16)]
+  images = [_image(h, w, i) for i, (h, w) in enumerate(sizes)]
+  sample = {"images": images, "tokens": np.array([IMG] * 3 + [20, 21], np.int32)}
+  mb = layout_microbatch([sample], [0], layout, Tokenizer())
+  inputs = mb.slots["vision"].inputs
+  assert set(inputs) == {"patches_nqk", "patch_taps_nqt", "patch_tapw_nqt", "patch_seg_nq"}
+  packed = _encode(stepper, params, {k: jnp.asarray(v) for k, v in inputs.items()})
+  model = stepper.modules["vision"].bind(params)
+  got = packed.reshape(-1, packed.shape[-1])
+  start = 0
+  for im in images:
+    x = model.patches(jnp.asarray(im, jnp.float32)[None] / cfg.data.pixel_max)
+    alone = np.asarray(model.finish(whole.blocks(stepper.modules["vision"], params, x)))[0]
+    np.testing.assert_allclose(got[start:start + len(alone)], alone, rtol=1e-5, atol=1e-5)
+    start += len(alone)
+
+
+def test_bicubic_positions_match_single_device(synth_dir):
+  one = _config(synth_dir)
+  one.model.vision.position_resize = "bicubic"
+  ref = run_steps(one, 3)[0]
+  split = _config(synth_dir, {"vision": (0, 4, 1), "language": (4, 2, 2)})
+  split.model.vision.position_resize = "bicubic"
+  assert_close_trajectory(ref, run_steps(split, 3)[0], rtol=1e-4)
+  crop = run_steps(_config(synth_dir), 1)[0]  # the table's top-left part: another loss
+  assert abs(float(crop[0]["loss"]) - float(ref[0]["loss"])) > 1e-4
 
 
 def test_packed_slots_keep_the_trajectory_of_one_image_a_slot(synth_dir):

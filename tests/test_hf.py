@@ -62,6 +62,25 @@ def test_vision_towers_match_transformers(name):
   _close(hidden, ref["last_hidden_state"])
 
 
+@pytest.mark.parametrize("name", VISION)
+def test_vision_towers_off_the_grid_match_transformers_interpolation(name):
+  """Images of another patch grid than the position table's (smaller and not square, larger):
+  position_resize=bicubic (set by the import) equals interpolate_pos_encoding=True."""
+  src = hf.Source.open(FIXTURES / name)
+  ref = np.load(src.path / "reference.npz")
+  cfg = _config(src)
+  assert cfg.model.vision.position_resize == "bicubic"
+  params = _params(src, cfg, "vision")
+  model = mimo.build_modules(cfg)["vision"].bind(params)
+  sizes = sorted(k[len("pixels_"):] for k in ref.files if k.startswith("pixels_"))
+  assert sizes == ["24x20", "8x12"]
+  for size in sizes:
+    hidden = whole.vision_hidden(cfg, params, ref[f"pixels_{size}"])
+    if cfg.model.vision.final_norm:
+      hidden = model.norm(hidden)
+    _close(hidden, ref[f"last_hidden_state_{size}"])
+
+
 @pytest.mark.parametrize("name", LLAVA)
 def test_llava_matches_transformers(name):
   src = hf.Source.open(FIXTURES / name)

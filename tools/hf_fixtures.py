@@ -5,9 +5,10 @@
 Needs torch and transformers (`pip install -e '.[hf]'`); the tests that read the fixtures do not.
 Each fixture is a directory as `save_pretrained` writes it (config.json, safetensors; one of them
 sharded with an index) plus `reference.npz`: the inputs and transformers' float32 outputs on them
-(logits of language models and LLaVA, with LLaVA's loss; `last_hidden_state` of vision towers).
-Pixels are stored in [0, 1] (`pixels`, NHWC) with the mean and std transformers' inputs were
-normalised with. Rerun after changing a fixture; the whole set stays well under a megabyte.
+(logits of language models and LLaVA, with LLaVA's loss; `last_hidden_state` of vision towers,
+also at image sizes off the position table's grid, `interpolate_pos_encoding=True`:
+`pixels_HxW`, `last_hidden_state_HxW`). Pixels are stored in [0, 1] (`pixels`, NHWC), each a byte
+/ 255 as a run's loader makes them, with the mean and std transformers' inputs were normalised with. Rerun after changing a fixture; the whole set stays well under a megabyte.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB, DIM, LAYERS, SEQ, BATCH = 64, 32, 2, 12, 2
 IMAGE, PATCH, CHANNELS = 16, 4, 3
+RESIZED = ((8, 12), (24, 20))  # a smaller, non-square grid and a larger one (grid 4 -> 2x3, 6x5)
 SIGLIP_NORM = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 CLIP_NORM = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
 
@@ -85,8 +87,8 @@ def _llavas():
   }
 
 
-def _pixels(rng, n: int) -> np.ndarray:
-  return rng.random((n, IMAGE, IMAGE, CHANNELS), dtype=np.float32)
+def _pixels(rng, n: int, h: int = IMAGE, w: int = IMAGE) -> np.ndarray:
+  return rng.integers(0, 256, (n, h, w, CHANNELS)).astype(np.float32) / np.float32(255)
 
 
 def _normalised(torch, pixels, norm):
@@ -120,10 +122,17 @@ def build(root: pathlib.Path) -> None:
     pixels = _pixels(rng, BATCH)
     with torch.no_grad():
       hidden = model(pixel_values=_normalised(torch, pixels, norm)).last_hidden_state.numpy()
+      resized = {}
+      for h, w in RESIZED:
+        px = _pixels(rng, BATCH, h, w)
+        resized[f"pixels_{h}x{w}"] = px
+        resized[f"last_hidden_state_{h}x{w}"] = model(
+            pixel_values=_normalised(torch, px, norm),
+            interpolate_pos_encoding=True).last_hidden_state.numpy()
     _save(model, root / name)
     _preprocessor(root / name, norm)
-    np.savez(root / name / "reference.npz", pixels=pixels, last_hidden_state=hidden)
-    print(f"{name}: last_hidden_state {hidden.shape}")
+    np.savez(root / name / "reference.npz", pixels=pixels, last_hidden_state=hidden, **resized)
+    print(f"{name}: last_hidden_state {hidden.shape}, also at {RESIZED}")
   for name, (make, norm) in _llavas().items():
     model = make().eval()
     cfg = model.config

@@ -5,7 +5,10 @@ sent as `images_nhwc` (uint8). With `data.slot_patches` > 0 a slot is a row of t
 into which a rank's images of any size (sides multiples of patch * downsample, up to `image_size`)
 are packed first fit, sent as `patches_nqk` (uint8, block order, see patches.py), `patch_pos_nq`
 (position ids) and `patch_seg_nq` (1, 2, ... per image in the slot, 0 = padding); the ViT attends
-only within an image. An image of gh x gw patches yields gh·gw/s² tokens (s = downsample).
+only within an image. With model.vision.position_resize=bicubic the position ids are 16 taps a
+patch with their weights, `patch_taps_nqt` and `patch_tapw_nqt` (the table resized to each image's
+grid), in place of `patch_pos_nq`. An image of gh x gw patches yields gh·gw/s² tokens
+(s = downsample).
 Sidecar fields: each image's (h, w).
 """
 
@@ -20,7 +23,7 @@ import numpy as np
 from mimo_jax import encoders
 from mimo_jax.config import Config, slot_images, slot_tokens
 from mimo_jax.data.tokenizer import IMG
-from mimo_jax.patches import grid_positions, patchify
+from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
 PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
 
@@ -38,6 +41,12 @@ class ImageSlots(encoders.SlotLayout):
   slot_patches: int = 0  # dynamic resolution: patches a slot; 0 = one image a slot
   patch_size: int = 4
   downsample: int = 1
+  position_resize: str = "crop"  # model.vision.position_resize
+
+  @property
+  def taps(self) -> bool:
+    """Positions as 16 weighted taps a patch (bicubic resize) rather than one id."""
+    return self.packed and self.position_resize == "bicubic"
 
   @property
   def packed(self) -> bool:
@@ -66,8 +75,10 @@ class ImageSlots(encoders.SlotLayout):
     if not self.packed:
       return {"images_nhwc": np.zeros((n,) + self.image_shape, np.uint8)}
     q = self.slot_patches
-    return {"patches_nqk": np.zeros((n, q, p * p * c), np.uint8),
-            "patch_pos_nq": np.zeros((n, q), np.int32),
+    pos = ({"patch_taps_nqt": np.zeros((n, q, 16), np.int32),
+            "patch_tapw_nqt": np.zeros((n, q, 16), np.float32)} if self.taps else
+           {"patch_pos_nq": np.zeros((n, q), np.int32)})
+    return {"patches_nqk": np.zeros((n, q, p * p * c), np.uint8), **pos,
             "patch_seg_nq": np.zeros((n, q), np.int32)}
 
   def write(self, inputs, slot, start, tokens, item, size, nth) -> None:
@@ -79,7 +90,12 @@ class ImageSlots(encoders.SlotLayout):
     p, s = self.patch_size, self.downsample
     span = slice(start * s * s, (start + tokens) * s * s)
     inputs["patches_nqk"][slot, span] = patchify(img[None], p, s)[0]
-    inputs["patch_pos_nq"][slot, span] = grid_positions(h // p, w // p, s, W // p)
+    if self.taps:
+      ids, weights = bicubic_taps(h // p, w // p, W // p, s)
+      inputs["patch_taps_nqt"][slot, span] = ids
+      inputs["patch_tapw_nqt"][slot, span] = weights
+    else:
+      inputs["patch_pos_nq"][slot, span] = grid_positions(h // p, w // p, s, W // p)
     inputs["patch_seg_nq"][slot, span] = nth
 
   def work(self, sizes) -> dict[str, int]:
@@ -114,7 +130,7 @@ class Vision(encoders.Encoder):
                       slot_images(cfg),
                       image_shape=(v.image_size, v.image_size, v.channels),
                       slot_patches=cfg.data.slot_patches, patch_size=v.patch_size,
-                      downsample=v.downsample)
+                      downsample=v.downsample, position_resize=v.position_resize)
 
   def slots(self, cfg: Config, eval_batch: int = 0) -> int:
     return eval_batch * cfg.data.max_images if eval_batch else cfg.data.slots()
@@ -125,11 +141,16 @@ class Vision(encoders.Encoder):
 
   def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
     """`images_nhwc` [M, n, h, w, c] (one image a slot) or, packed, `patches_nqk` [M, n, q, k]
-    with `patch_pos_nq` and `patch_seg_nq` [M, n, q] -> tokens [M, n, t, language dim]."""
+    with `patch_pos_nq` (or `patch_taps_nqt` and `patch_tapw_nqt` [M, n, q, 16]) and
+    `patch_seg_nq` [M, n, q] -> tokens [M, n, t, language dim]."""
     if "images_nhwc" in inputs_m:
       x = jax.vmap(model.patches)(inputs_m["images_nhwc"])
       return jax.vmap(model.finish)(run_blocks(x, ()))
-    x = jax.vmap(model.packed_patches)(inputs_m["patches_nqk"], inputs_m["patch_pos_nq"])
+    if "patch_taps_nqt" in inputs_m:
+      x = jax.vmap(model.packed_patches)(inputs_m["patches_nqk"], inputs_m["patch_taps_nqt"],
+                                         inputs_m["patch_tapw_nqt"])
+    else:
+      x = jax.vmap(model.packed_patches)(inputs_m["patches_nqk"], inputs_m["patch_pos_nq"])
     return jax.vmap(model.finish)(run_blocks(x, (inputs_m["patch_seg_nq"],)))
 
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:

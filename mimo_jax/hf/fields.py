@@ -94,7 +94,7 @@ def vision_fields(src: Source) -> dict:
                 class_token=kind == "clip", patch_bias=kind == "siglip",
                 pre_norm=kind == "clip", final_norm=kind == "siglip" and src.kind != "llava",
                 norm_eps=float(c.get("layer_norm_eps", 1e-6 if kind == "siglip" else 1e-5)),
-                activation=ACTIVATIONS[act])
+                activation=ACTIVATIONS[act], position_resize="bicubic")
   if src.kind == "llava":
     strategy = src.config.get("vision_feature_select_strategy", "default")
     if (kind, strategy) not in (("clip", "default"), ("siglip", "full")):

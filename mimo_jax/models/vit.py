@@ -8,7 +8,7 @@ from flax import nnx
 
 from mimo_jax.config import LanguageConfig, VisionConfig
 from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
-from mimo_jax.patches import grid_positions, patchify
+from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
 
 class ViTBlock(nnx.Module):
@@ -31,8 +31,9 @@ class VisionEncoder(nnx.Module):
   """Images [n, h, w, c] -> projected image tokens [n, patches / downsample², language dim]:
   `patches` (embedding and positions), the stacked `blocks` (run as a `pipeline.Stack`), then
   `finish` (norm, pixel shuffle, projector). Patches are in block order (patches.py); the learned
-  position table covers the largest image's grid, and a smaller image (dynamic resolution,
-  `packed_patches`) uses its top-left part.
+  position table covers the grid of `image_size`, and an image of another grid (dynamic
+  resolution, `packed_patches`) uses its top-left part or, with `position_resize=bicubic`, the
+  table resized to its grid.
 
   Pixels arrive in [0, 1] and are normalised per channel if the config says so. CLIP's layout
   (`class_token`, `pre_norm`, no patch bias) puts a class token first, position row 0, which
@@ -41,6 +42,7 @@ class VisionEncoder(nnx.Module):
   def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
                attention: str = "xla", max_segments: int = 0):
     self.patch, self.downsample = cfg.patch_size, cfg.downsample
+    self.grid, self.position_resize = cfg.image_size // cfg.patch_size, cfg.position_resize
     self.dtype = dtype
     self.pixel_norm = cfg.pixel_norm()
     self.first = int(cfg.class_token)  # position rows (and tokens) before the patches'
@@ -60,22 +62,36 @@ class VisionEncoder(nnx.Module):
                              d_out=lm.dim, activation=cfg.projector_activation)
 
   def patches(self, images_nhwc: jax.Array) -> jax.Array:
-    """Images of the full size [n, h, w, c] -> embedded patches [n, patches, dim]."""
+    """Images [n, h, w, c] (all of one size) -> embedded patches [n, patches, dim]."""
     _, h, w, _ = images_nhwc.shape
     p, s = self.patch, self.downsample
-    pos = grid_positions(h // p, w // p, s, w // p)
-    return self.packed_patches(patchify(images_nhwc, p, s), jnp.asarray(pos)[None])
+    x = patchify(images_nhwc, p, s)
+    if self.position_resize == "bicubic":
+      ids, weights = bicubic_taps(h // p, w // p, self.grid, s)
+      return self.packed_patches(x, jnp.asarray(ids)[None], jnp.asarray(weights)[None])
+    if h // p > self.grid or w // p > self.grid:
+      raise ValueError(f"a {h}x{w} image has more patches a side than the position table's "
+                       f"{self.grid}; position_resize=bicubic resizes the table.")
+    return self.packed_patches(x, jnp.asarray(grid_positions(h // p, w // p, s, self.grid))[None])
 
-  def packed_patches(self, patches_npk: jax.Array, pos_np: jax.Array) -> jax.Array:
+  def packed_patches(self, patches_npk: jax.Array, pos_np: jax.Array,
+                     weights_npt: jax.Array | None = None) -> jax.Array:
     """Pixels of patches [n, k, p*p*c] in [0, 1] at position ids [n, k] -> embedded patches
-    [n, k, dim] (with the class token first: [n, 1 + k, dim])."""
+    [n, k, dim] (with the class token first: [n, 1 + k, dim]). With `weights_npt` the ids are
+    taps [n, k, t] and a patch's position is their weighted sum (a resized table, in float32)."""
     patches_npk = patches_npk.astype(jnp.float32)
     if self.pixel_norm is not None:  # per channel: the channel is the fastest axis of a patch
       mean, std = (jnp.tile(jnp.asarray(v, jnp.float32), patches_npk.shape[-1] // len(v))
                    for v in self.pixel_norm)
       patches_npk = (patches_npk - mean) / std
     pos = self.pos[...].astype(self.dtype)
-    x_npd = self.embed(patches_npk.astype(self.dtype)) + pos[pos_np + self.first]
+    if weights_npt is None:
+      pos_npd = pos[pos_np + self.first]
+    else:
+      pos_npd = jnp.einsum("nkt,nktd->nkd", weights_npt.astype(jnp.float32),
+                           self.pos[...].astype(jnp.float32)[pos_np + self.first],
+                           precision=jax.lax.Precision.HIGHEST).astype(self.dtype)
+    x_npd = self.embed(patches_npk.astype(self.dtype)) + pos_npd
     if self.first:
       cls = jnp.broadcast_to(self.cls[...].astype(self.dtype) + pos[0],
                              (x_npd.shape[0], 1, x_npd.shape[2]))
