@@ -49,7 +49,8 @@ class Text:
 class Samples:
   """Per sample, in row order (a packed row's samples are still one entry each)."""
   ids_b: np.ndarray  # sample id (-1 = empty)
-  answer_b: np.ndarray  # position whose target starts the loss (digits: the ':')
+  # tokens - loss tokens: where the loss starts when it is one run at the end (digits: the ':')
+  answer_b: np.ndarray
   items_b: np.ndarray  # items of every encoder (the digits task: images = digits to name)
   tokens_b: np.ndarray  # positions the sample takes in its row
 

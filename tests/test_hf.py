@@ -10,6 +10,9 @@ import pytest
 
 from mimo_jax import hf
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import loader
+from mimo_jax.data.layout import layout_microbatch
+from mimo_jax.data.tokenizer import IMG, Tokenizer
 from mimo_jax.models import mimo, whole
 from mimo_jax.validation import validate
 from tests.helpers import run_steps
@@ -121,6 +124,37 @@ def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_p
     for path, x in got.items():
       moved = not np.array_equal(after[path], x)
       assert moved == (path[0] == "projector"), ("/".join(path), moved)
+
+
+@pytest.mark.parametrize("name", LLAVA)
+def test_the_first_training_step_has_transformers_loss(tmp_path, name):
+  """The reference batch laid out as training samples (each run of image tokens one placeholder,
+  the labels as a loss mask, the pixels as bytes): the run's first loss, through the layout, the
+  slots, the bridge and the step, is transformers' loss."""
+  src = hf.Source.open(FIXTURES / name)
+  ref = np.load(src.path / "reference.npz")
+  cfg = _llava_run_config(tmp_path)
+  cfg.model.vision.init_from = cfg.model.language.init_from = str(src.path)
+  hf.configure(cfg, src)
+  cfg.data.global_batch, cfg.data.microbatches = len(ref["input_ids"]), 1
+  cfg.data.seq_len, cfg.eval.samples, cfg.eval.batch = ref["input_ids"].shape[1], 2, 2
+  image = src.config["image_token_index"]
+  samples = []
+  for ids, labels, pixels in zip(ref["input_ids"], ref["labels"], ref["pixels"]):
+    first = ids != image
+    first[1:] |= ids[1:] != ids[:-1]  # the first token of each run of image tokens stays
+    samples.append({"tokens": np.where(ids == image, IMG, ids)[first].astype(np.int32),
+                    "loss_mask": (labels != -100)[first].astype(np.int32),
+                    "images": [np.rint(pixels * 255).astype(np.uint8)]})
+    assert list(samples[-1]["tokens"]).count(IMG) == 1
+
+  def batches(groups):
+    layout = loader.make_layout(cfg, groups)
+    mb = layout_microbatch(samples, list(range(len(samples))), layout, Tokenizer())
+    return [loader._step_batch([mb], cfg, layout)]  # pylint: disable=protected-access
+
+  metrics = run_steps(cfg, 1, batches)[0]
+  np.testing.assert_allclose(float(metrics[0]["loss"]), float(ref["loss"]), rtol=1e-5)
 
 
 def test_init_from_that_contradicts_the_config_is_one_error(tmp_path):

@@ -137,9 +137,12 @@ def build(root: pathlib.Path) -> None:
     model = make().eval()
     cfg = model.config
     tokens = (IMAGE // PATCH) ** 2
-    ids = rng.integers(0, VOCAB - 1, (BATCH, SEQ + tokens)).astype(np.int64)
+    # Text ids from 4 on: the same rows are laid out as training samples by the tests, whose image
+    # placeholder is id 3 (pad, bos, eos and the placeholder are 0-3 in mimo_jax's layout).
+    ids = rng.integers(4, VOCAB - 1, (BATCH, SEQ + tokens)).astype(np.int64)
     ids[:, 2:2 + tokens] = cfg.image_token_index  # one image a sample, after two text tokens
     labels = np.where(ids == cfg.image_token_index, -100, ids)
+    labels[:, 2 + tokens:5 + tokens] = -100  # a prompt after the image without loss, as in training
     pixels = _pixels(rng, BATCH)
     with torch.no_grad():
       out = model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),

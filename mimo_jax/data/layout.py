@@ -87,32 +87,47 @@ def first_fit(sizes: list[int], capacity: int, most: int = 0) -> int:
 
 
 def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]],
-                  nouns: dict[int, str] | None = None) -> tuple[list[int], int]:
-  """bos + the sample's tokens (its i-th placeholder of each encoder expanded to that item's
-  tokens; `item_tokens` maps placeholder id -> tokens per item, `nouns` placeholder id -> what an
-  item is called, for errors) + eos, and the position whose
-  target starts the loss: ':' for a digits sample (`text`), the last placeholder (or bos) for a
-  sample given as token ids (`tokens`, items first, as data/synthetic.py writes)."""
+                  nouns: dict[int, str] | None = None) -> tuple[list[int], np.ndarray]:
+  """The sample's token sequence, its i-th placeholder of each encoder expanded to that item's
+  tokens (`item_tokens` maps placeholder id -> tokens per item, `nouns` placeholder id -> what an
+  item is called, for errors), and the loss mask of its targets (float32, one per position but
+  the last: 1 where the next token carries loss).
+
+  Three forms: a digits sample (`text`) and a sample of token ids (`tokens`, items first, as
+  data/synthetic.py writes) get bos and eos around them and loss on the targets after ':' or after
+  the last placeholder (or bos); a sample with its own `loss_mask` (one 0/1 per token of `tokens`:
+  1 = the token is a target) is taken as it is, with loss on those tokens (never on an item's)."""
   ids = tok.encode(sample["text"]) if "text" in sample else list(sample["tokens"])
+  own = "loss_mask" in sample
+  if own and len(sample["loss_mask"]) != len(ids):
+    raise ValueError(f"its loss_mask has {len(sample['loss_mask'])} entries for {len(ids)} "
+                     "tokens.")
   for mark, counts in item_tokens.items():
     if ids.count(mark) != len(counts):
       word = "<img>" if mark == IMG else f"token {mark}"
       noun = (nouns or {}).get(mark, "item")
       raise ValueError(f"its text has {ids.count(mark)} {word} placeholders but it has "
                        f"{len(counts)} {noun}s.")
-  words, items = [BOS], {mark: iter(counts) for mark, counts in item_tokens.items()}
-  for w in ids:
-    words.extend([w] * next(items[w]) if w in items else [w])
+  words, items = ([] if own else [BOS]), {mark: iter(counts) for mark, counts in
+                                          item_tokens.items()}
+  marks = []  # the loss of each word as a target
+  for i, w in enumerate(ids):
+    n = next(items[w]) if w in items else 1
+    words.extend([w] * n)
+    marks.extend([0.0] * n if w in items else [float(sample["loss_mask"][i]) if own else 0.0])
+  if own:
+    return words, np.asarray(marks[1:], np.float32)
   words.append(EOS)
-  if "text" in sample:
-    return words, words.index(tok.colon)
-  return words, sum(sum(c) for c in item_tokens.values())
+  loss = np.zeros(len(words) - 1, np.float32)
+  start = words.index(tok.colon) if "text" in sample else sum(sum(c) for c in item_tokens.values())
+  loss[start:] = 1.0
+  return words, loss
 
 
 def text_length(sample: dict, tok: Tokenizer, placeholders: tuple[int, ...]) -> int:
   """Tokens of a sample other than its placeholders (bos and eos included)."""
   ids = tok.encode(sample["text"]) if "text" in sample else sample["tokens"]
-  return 2 + sum(1 for w in ids if w not in placeholders)
+  return 2 * ("loss_mask" not in sample) + sum(1 for w in ids if w not in placeholders)
 
 
 class _Rows:
@@ -221,12 +236,13 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
       answer = n - m.loss_tokens
     else:
       try:
-        seq, answer = sample_tokens(tok, sample, {e.placeholder: tokens[e.name][b]
-                                                  for e in layout.encoders},
-                                    {e.placeholder: e.noun for e in layout.encoders})
+        seq, loss = sample_tokens(tok, sample, {e.placeholder: tokens[e.name][b]
+                                                for e in layout.encoders},
+                                  {e.placeholder: e.noun for e in layout.encoders})
       except ValueError as err:
         raise ValueError(f"sample {sid}: {err}") from None
       n = len(seq) - 1
+      answer = n - int(loss.sum())
     if n > L:
       raise ValueError(f"sample {sid} needs {n} tokens but data.seq_len is {L}; "
                        "raise data.seq_len.")
@@ -237,7 +253,7 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
     samples_.tokens_b[b], samples_.ids_b[b] = n, sid
     if seq is None:  # a stub: its row and slots belong to another process
       continue
-    _write_text(text, r, o, seq, answer, segment, sid)
+    _write_text(text, r, o, seq, loss, segment, sid)
     for e in layout.encoders:
       _write_items(slots[e.name], e, sample, seq, r, o, g, sid, sizes[e.name][b],
                    tokens[e.name][b], places[e.name][b], filled[e.name])
@@ -255,13 +271,13 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
   return Batch(text=text, samples=samples_, slots=slots, stats=stats)
 
 
-def _write_text(text: Text, r: int, o: int, seq: list[int], answer: int, segment: int,
+def _write_text(text: Text, r: int, o: int, seq: list[int], loss: np.ndarray, segment: int,
                 sid: int) -> None:
   n = len(seq) - 1
   span = slice(o, o + n)
   text.tokens_rl[r, span] = seq[:-1]
   text.targets_rl[r, span] = seq[1:]
-  text.loss_mask_rl[r, o + answer:o + n] = 1.0  # predict the answer and eos
+  text.loss_mask_rl[r, span] = loss
   text.positions_rl[r, span] = np.arange(n)
   text.segment_ids_rl[r, span] = segment
   text.token_sample_rl[r, span] = sid

@@ -43,10 +43,10 @@ def row(sample: dict, tok: Tokenizer) -> Meta:
   """The metadata of a full sample, for every registered encoder whose items it lists."""
   present = [e for e in encoders.REGISTRY.values() if e.sample_key in sample]
   sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
-  seq, start = sample_tokens(tok, sample, {e.placeholder: [1] * len(sizes[e.name])
-                                           for e in present})
+  _, loss = sample_tokens(tok, sample, {e.placeholder: [1] * len(sizes[e.name])
+                                        for e in present})
   placeholders = tuple(e.placeholder for e in present)
-  return Meta(text_length(sample, tok, placeholders), len(seq) - 1 - start, sizes)
+  return Meta(text_length(sample, tok, placeholders), int(loss.sum()), sizes)
 
 
 def path_of(shard: str) -> str:
