@@ -1,0 +1,149 @@
+"""A language model's own tokenizer and chat template, without transformers.
+
+`ChatTokenizer.open(DIR)` reads an HF tokenizer directory: `tokenizer.json` (the `tokenizers`
+library) and the chat template from `tokenizer_config.json` (or `chat_template.jinja`), rendered
+with jinja2 in a sandbox set up as transformers' `apply_chat_template` sets it up (trim_blocks,
+lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not escape
+HTML), with the special tokens of tokenizer_config.json as variables.
+
+`encode(messages)` gives a conversation's token ids (the rendered text tokenized without adding
+special tokens: the template writes them) and a 0/1 loss mask: 1 on the tokens of every assistant
+turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are found by rendering the
+conversation up to it with `add_generation_prompt=True` and up to its end: what the second adds to
+the first is the turn (trailing whitespace, such as the newline after ChatML's `<|im_end|>`, is
+not). A template for which the first is no prefix of the second is an error. LLaVA-format records
+(`{"from": "human" | "gpt" | "system", "value": ...}`) map to roles with `messages()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+
+import numpy as np
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "system": "system"}
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class ChatError(ValueError):
+  """A tokenizer directory or a conversation that cannot be encoded; the message names it."""
+
+
+def messages(conversation: list[dict], where: str = "") -> list[dict]:
+  """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown role is an error."""
+  out = []
+  for i, turn in enumerate(conversation):
+    who = turn.get("from", turn.get("role"))
+    if who not in ROLES:
+      raise ChatError(f"{where}turn {i}: unknown role {who!r}; known: {', '.join(ROLES)}.")
+    out.append({"role": ROLES[who], "content": turn.get("value", turn.get("content", ""))})
+  return out
+
+
+def _token_text(value) -> str | None:
+  if isinstance(value, dict):  # an AddedToken as transformers writes it
+    return value.get("content")
+  return value
+
+
+def _environment():
+  # pylint: disable=import-outside-toplevel
+  import jinja2
+  from jinja2 import ext, sandbox
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env
+
+
+@dataclasses.dataclass
+class ChatTokenizer:
+  path: pathlib.Path
+  tokenizer: object  # tokenizers.Tokenizer
+  template: object  # jinja2.Template
+  specials: dict[str, str]
+
+  @classmethod
+  def open(cls, path) -> "ChatTokenizer":
+    # pylint: disable-next=import-outside-toplevel
+    import tokenizers
+    path = pathlib.Path(path)
+    tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
+    if not tok_file.exists():
+      raise ChatError(f"{tok_file}: missing; a tokenizer directory holds tokenizer.json (the "
+                      "`tokenizers` format that transformers' fast tokenizers save).")
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # pylint: disable=broad-except
+      raise ChatError(f"{tok_file}: not a tokenizers file ({e}).") from None
+    config = {}
+    if cfg_file.exists():
+      try:
+        config = json.loads(cfg_file.read_text())
+      except ValueError as e:
+        raise ChatError(f"{cfg_file}: not JSON ({e}).") from None
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+      source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+      source = jinja_file.read_text()
+    if not source:
+      raise ChatError(f"{cfg_file}: no chat_template (nor {jinja_file.name}); a base model's "
+                      "tokenizer has none: use its instruct model's tokenizer directory.")
+    try:
+      template = _environment().from_string(source)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ChatError(f"{cfg_file}: the chat template does not compile ({e}).") from None
+    specials = {k: _token_text(config[k]) for k in SPECIAL_KEYS if config.get(k) is not None}
+    return cls(path, tokenizer, template, specials)
+
+  def token_id(self, text: str) -> int:
+    """The id of a token given by its text (e.g. `<image>`); an error if it is not one token."""
+    i = self.tokenizer.token_to_id(text)
+    if i is None:
+      raise ChatError(f"{self.path / 'tokenizer.json'}: {text!r} is not a token of the "
+                      "vocabulary; add it as a special token.")
+    return i
+
+  def render(self, msgs: list[dict], add_generation_prompt: bool = False) -> str:
+    try:
+      return self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                  **self.specials)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ChatError(f"the chat template of {self.path} failed: {e}") from None
+
+  def encode(self, msgs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [n] (int32) and the loss mask [n] (int32, 1 on assistant turns)."""
+    text = self.render(msgs)
+    spans = []
+    for k, m in enumerate(msgs):
+      if m["role"] != "assistant":
+        continue
+      before = self.render(msgs[:k], add_generation_prompt=True)
+      upto = self.render(msgs[:k + 1])
+      if not upto.startswith(before) or not text.startswith(upto):
+        raise ChatError(f"the chat template of {self.path} does not render assistant turn {k} "
+                        "after the conversation before it (no prefix); its loss cannot be "
+                        "located.")
+      spans.append((len(before), len(upto.rstrip())))
+    enc = self.tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, np.int32)
+    mask = np.zeros(len(ids), np.int32)
+    for j, (start, end) in enumerate(enc.offsets):
+      mask[j] = any(a <= start and end <= b and start < end for a, b in spans)
+    return ids, mask

@@ -1,0 +1,42 @@
+"""A language model's tokenizer.json and chat template give transformers' token ids and assistant
+masks (fixtures written by tools/chat_fixtures.py with transformers; none needed here)."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from mimo_jax.data.chat import ChatError, ChatTokenizer, messages
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat"
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_ids_and_loss_masks_match_transformers(family):
+  tok = ChatTokenizer.open(FIXTURES / family)
+  image = tok.token_id("<image>")
+  refs = json.loads((FIXTURES / family / "reference.json").read_text())
+  assert {r["id"] for r in refs} == {"text-only", "one-image", "multi-turn-system",
+                                     "three-images"}
+  for ref in refs:
+    ids, mask = tok.encode(messages(ref["conversations"]))
+    np.testing.assert_array_equal(ids, ref["input_ids"], err_msg=ref["id"])
+    np.testing.assert_array_equal(mask, ref["loss_mask"], err_msg=ref["id"])
+    images = ref.get("image", [])
+    images = [images] if isinstance(images, str) else images
+    assert int((ids == image).sum()) == len(images), ref["id"]
+    assert mask.sum() > 0 and not mask[ids == image].any()
+
+
+def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):
+  with pytest.raises(ChatError, match=r"turn 1: unknown role 'bot'"):
+    messages([{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}])
+  with pytest.raises(ChatError, match=r"tokenizer\.json: missing"):
+    ChatTokenizer.open(tmp_path)
+  (tmp_path / "tokenizer.json").write_text((FIXTURES / "llama3" / "tokenizer.json").read_text())
+  with pytest.raises(ChatError, match=r"no chat_template"):
+    ChatTokenizer.open(tmp_path)
+  tok = ChatTokenizer.open(FIXTURES / "qwen2")
+  with pytest.raises(ChatError, match=r"'<video>' is not a token"):
+    tok.token_id("<video>")
