@@ -16,6 +16,8 @@ align_corners=False)` as a weighted sum of table rows).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -55,14 +57,18 @@ def _cubic_taps(out: int, size: int) -> tuple[np.ndarray, np.ndarray]:
   return index, weights
 
 
+@functools.lru_cache(maxsize=256)
 def bicubic_taps(rows: int, cols: int, grid: int, shuffle: int) -> tuple[np.ndarray, np.ndarray]:
   """Position ids [rows * cols, 16] into a grid x grid table and their weights (float32) for a
   rows x cols patch grid in block order: the table resized bicubically to rows x cols. At the
-  table's own size the weights pick each row exactly once."""
+  table's own size the weights pick each row exactly once. Cached (the loader asks once an
+  image): the arrays are read-only."""
   ri, rw = _cubic_taps(rows, grid)
   ci, cw = _cubic_taps(cols, grid)
   ids = ri[:, None, :, None] * grid + ci[None, :, None, :]  # [rows, cols, 4, 4]
   weights = rw[:, None, :, None] * cw[None, :, None, :]
   ids = patchify(ids.reshape(1, rows, cols, 16), 1, shuffle).reshape(-1, 16)
   weights = patchify(weights.reshape(1, rows, cols, 16), 1, shuffle).reshape(-1, 16)
-  return ids.astype(np.int32), weights.astype(np.float32)
+  ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+  ids.flags.writeable = weights.flags.writeable = False
+  return ids, weights

@@ -143,7 +143,8 @@ class ChatTokenizer:
       spans.append((len(before), len(upto.rstrip())))
     enc = self.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
-    mask = np.zeros(len(ids), np.int32)
-    for j, (start, end) in enumerate(enc.offsets):
-      mask[j] = any(a <= start and end <= b and start < end for a, b in spans)
-    return ids, mask
+    offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+    start, end = offsets[:, :1], offsets[:, 1:]
+    span = np.asarray(spans, np.int64).reshape(1, -1, 2)
+    inside = (span[..., 0] <= start) & (end <= span[..., 1]) & (start < end)
+    return ids, inside.any(axis=1).astype(np.int32)

@@ -110,11 +110,12 @@ def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]
                        f"{len(counts)} {noun}s.")
   words, items = ([] if own else [BOS]), {mark: iter(counts) for mark, counts in
                                           item_tokens.items()}
-  marks = []  # the loss of each word as a target
+  marks = []  # with its own mask: the loss of each word as a target (none on an item's tokens)
   for i, w in enumerate(ids):
     n = next(items[w]) if w in items else 1
     words.extend([w] * n)
-    marks.extend([0.0] * n if w in items else [float(sample["loss_mask"][i]) if own else 0.0])
+    if own:
+      marks.extend([0.0] * n if w in items else [float(sample["loss_mask"][i])])
   if own:
     return words, np.asarray(marks[1:], np.float32)
   words.append(EOS)
