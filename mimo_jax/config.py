@@ -10,6 +10,7 @@ import dataclasses
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
 REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
+SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (sharding.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 POSITION_RESIZE = ("crop", "bicubic")  # patches.py
 ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
@@ -142,6 +143,9 @@ class ModuleTopology:
   # What each layer's backward keeps: none (everything), full (its input only, recompute the
   # rest), dots (matmul outputs).
   remat: str = "none"
+  # State sharded over the module's dp ranks: none (replicated), optimizer (ZeRO-1: optimizer
+  # state and summed gradients), full (FSDP: parameters too, each layer gathered when it runs).
+  shard: str = "none"
   # The layer loop as straight-line code (true) or a rolled loop (false): unrolled saves the copies
   # a rolled loop makes to stack each layer's residuals and gradients, but XLA schedules it
   # differently; on an H200 it sped up the 1.1 B decoder and slowed ViT-L (docs/benchmarks.md).

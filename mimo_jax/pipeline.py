@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 PP = "pp"
+GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
 
 # Activation rematerialisation per layer: what the backward pass keeps from the forward.
 REMAT_POLICIES = {
@@ -73,11 +74,23 @@ class Schedule:
     return (p - 1) / (microbatches * v + p - 1)
 
 
-def remat(layer: Callable, policy: str) -> Callable:
+def _all_but_gathered(prim, *_, **params) -> bool:
+  """The remat policy `none` where a layer gathers its parameters (FSDP): keeps every value but
+  the gathered parameters, which are sharding constraints named GATHERED (the only sharding
+  constraints inside a layer)."""
+  return prim.name != "sharding_constraint" and params.get("name") != GATHERED
+
+
+def remat(layer: Callable, policy: str, gathered: bool = False) -> Callable:
+  """`layer` under the remat `policy`; with `gathered` (its parameters are gathered inside it,
+  named GATHERED), the backward gathers them again rather than keeping them, whatever the policy
+  (none keeps everything else)."""
   if policy not in REMAT_POLICIES:
     raise ValueError(f"unknown remat policy {policy!r}; one of {', '.join(REMAT_POLICIES)}")
   if policy == "none":
-    return layer
+    if not gathered:
+      return layer
+    return jax.checkpoint(layer, policy=_all_but_gathered)
   return jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
 
 
@@ -98,8 +111,12 @@ class Stack:
   """
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
-               unroll: bool = True):
-    self.layer = remat(layer, remat_policy)
+               unroll: bool = True, gather: Callable | None = None):
+    """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather)."""
+    if gather is not None:
+      inner = layer
+      layer = lambda params, x, *side: inner(gather(params), x, *side)
+    self.layer = remat(layer, remat_policy, gathered=gather is not None)
     self.mesh, self.schedule, self.unroll = mesh, schedule, unroll
 
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:

@@ -50,8 +50,8 @@ class Context:
   @classmethod
   def build(cls, cfg: Config, plan: Plan, modules: dict[str, Module], encoders: dict) -> "Context":
     tops = cfg.topology.modules()
-    stacks = {n: Stack(m.layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll)
-              for n, m in modules.items()}
+    stacks = {n: Stack(m.layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll,
+                       plan[n].gather) for n, m in modules.items()}
     return cls(cfg, plan, modules, encoders, stacks)
 
   @property
@@ -69,16 +69,23 @@ class Context:
 
   @functools.cached_property
   def defer_reduce(self) -> bool:
-    """The language model keeps per-rank gradients through the step (module docstring)."""
-    return not self.whole_step("language") and self.plan["language"].tp == 1
+    """The language model keeps per-rank gradients through the step (module docstring); not
+    under FSDP, where full per-rank copies would undo the sharding."""
+    lang = self.plan["language"]
+    return not self.whole_step("language") and lang.tp == 1 and not lang.sharded_params
 
   @functools.cached_property
   def fused(self) -> bool:
     """Every encoder shares the language model's dp-only mesh: one program a microbatch."""
-    mesh = self.plan["language"].mesh
-    return self.defer_reduce and all(
-        not self.whole_step(n) and np.array_equal(self.plan[n].mesh.devices, mesh.devices)
+    lang = self.plan["language"]
+    return not self.whole_step("language") and lang.tp == 1 and all(
+        not self.whole_step(n) and np.array_equal(self.plan[n].mesh.devices, lang.mesh.devices)
         for n in self.encoders)
+
+  @functools.cached_property
+  def fused_per_rank(self) -> bool:
+    """The fused program keeps every module's gradients per rank (none is FSDP-sharded)."""
+    return self.fused and not any(p.sharded_params for p in self.plan.modules.values())
 
   def bind(self, name: str, params):
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
@@ -197,9 +204,10 @@ def language_step(ctx: Context, params, acc: dict, tokens: dict, owners: dict, p
     loss, g_params, g_tokens = each_rank(
         ctx, lambda p, tokens, pos, x, inv: _forward_backward(ctx, p, tokens, pos, x, inv, 1),
         params, (tokens, pos, x), inv_tokens, row_outputs=1)
-  else:
+  else:  # summed over ranks here (reduce-scattered under FSDP)
     loss, g_params, g_tokens = _forward_backward(ctx, params, tokens, pos, x, inv_tokens,
                                                  ctx.groups)
+    g_params = jax.lax.with_sharding_constraint(g_params, ctx.plan["language"].param_sh)
   lang = ctx.plan.sharding("language")
   g_tokens = {n: [bridge.split(g[i], lang, ctx.plan.sharding(n)) for i in range(len(g))]
               for n, g in g_tokens.items()}
@@ -211,18 +219,27 @@ def language_step(ctx: Context, params, acc: dict, tokens: dict, owners: dict, p
 def fused_step(ctx: Context, params: dict, acc: dict, inputs: dict, owners: dict, pos: dict,
                text: Text, inv_tokens):
   """One microbatch through every module as one program (`Context.fused`): encoders forward,
-  merge, language forward and backward, encoders backward; every module's gradients per rank."""
+  merge, language forward and backward, encoders backward; every module's gradients per rank, or
+  with an FSDP module (`Context.fused_per_rank` false) summed over ranks here."""
   x = jax.tree.map(lambda v: v[None], text)
   pos = {n: v[None] for n, v in pos.items()}
   inputs = jax.tree.map(lambda v: v[None], inputs)
+
+  groups = 1 if ctx.fused_per_rank else ctx.groups
 
   def loss_fn(params, inputs, pos, x, inv_tokens):
     tokens = {}
     for n in ctx.encoders:
       e = ctx.encode(n, params[n], inputs[n])
       tokens[n] = e if ctx.plan[n].trainable else jax.lax.stop_gradient(e)
-    return language_loss(ctx, params["language"], tokens, pos, x, inv_tokens, 1)
-  loss, grads = each_rank(ctx, jax.value_and_grad(loss_fn), params, (inputs, pos, x), inv_tokens)
+    return language_loss(ctx, params["language"], tokens, pos, x, inv_tokens, groups)
+  if ctx.fused_per_rank:
+    loss, grads = each_rank(ctx, jax.value_and_grad(loss_fn), params, (inputs, pos, x),
+                            inv_tokens)
+  else:
+    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, pos, x, inv_tokens)
+    grads = jax.lax.with_sharding_constraint(
+        grads, {n: p.param_sh for n, p in ctx.plan.modules.items()})
   owners = {n: v[None] for n, v in owners.items()}
   return {"grads": _tree_add(acc["grads"], grads), "loss": acc["loss"] + loss,
           "mismatches": acc["mismatches"] + mismatches(ctx, owners, pos, x)}
@@ -247,6 +264,8 @@ def language_accumulator(ctx: Context, params) -> dict:
 
 
 def fused_accumulator(ctx: Context, params: dict) -> dict:
+  if not ctx.fused_per_rank:
+    return _acc0(zeros(params))
   return _acc0({n: per_rank_zeros(ctx.groups, p) for n, p in params.items()})
 
 
@@ -255,7 +274,8 @@ def zeros(params):
 
 
 def reduce(grads):
-  """Per-rank gradients [dp, ...] -> their sum: the step's one all-reduce of a module."""
+  """Per-rank gradients [dp, ...] -> their sum: the step's one all-reduce of a module (a
+  reduce-scatter where its optimizer state is split over dp: ZeRO-1)."""
   return jax.tree.map(lambda a: jnp.sum(a, 0), grads)
 
 
@@ -296,8 +316,8 @@ class Programs:
     return cls(
         encoder_forward={n: jax.jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
         encoder_tokens={n: jax.jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
-        encoder_backward={n: jax.jit(encoder_backward, donate_argnums=(2,))
-                          for n in ctx.encoders},
+        encoder_backward={n: jax.jit(encoder_backward, donate_argnums=(2,),
+                                     out_shardings=plan[n].param_sh) for n in ctx.encoders},
         language_step=jax.jit(part(language_step, ctx), donate_argnums=(1,)),
         fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)),
         language_accumulator=jax.jit(
@@ -306,10 +326,10 @@ class Programs:
                            **metrics}),
         fused_accumulator=jax.jit(
             part(fused_accumulator, ctx),
-            out_shardings={"grads": {n: p.per_rank_sh for n, p in plan.modules.items()},
-                           **metrics}),
+            out_shardings={"grads": {n: p.per_rank_sh if ctx.fused_per_rank else p.param_sh
+                                     for n, p in plan.modules.items()}, **metrics}),
         zeros={n: jax.jit(zeros, out_shardings=p.param_sh) for n, p in plan.modules.items()},
-        reduce={n: jax.jit(reduce, out_shardings=p.param_sh) for n, p in plan.modules.items()},
+        reduce={n: jax.jit(reduce, out_shardings=p.grad_sh) for n, p in plan.modules.items()},
         sq_norm={n: jax.jit(part(sq_norm, p.labels), out_shardings=scalar(n))
                  for n, p in plan.modules.items()},
         update={n: jax.jit(part(update, ctx, n), donate_argnums=(0, 1),

@@ -13,6 +13,12 @@ Each module has a mesh of axes (pp, dp, tp) (topology.py). What is split where:
   an `eval_shape` of its init); the rest (step counts) is replicated.
 * **Per-rank gradients** (`per_rank`): a parameter's gradient with a leading [dp] axis split over
   `dp`, for the steps that keep each rank's gradients apart and sum them once a step.
+* **State sharded over dp** (`topology.<module>.shard`): `optimizer` (ZeRO-1) splits the optimizer
+  state and the summed gradients over `dp`, `full` (FSDP) the parameters too. Each leaf is split
+  on its largest dimension that dp divides and nothing else splits (`dp_specs`; never a stacked
+  layer axis); a leaf with none stays replicated. Under `full` each layer's parameters are
+  gathered in the compute dtype just before the layer runs and their gradients reduce-scattered
+  right after (`layer_gather`); the backward gathers again rather than keeping them.
 
 Models never see a mesh: they name their parameters, and these rules place them.
 """
@@ -25,12 +31,13 @@ from typing import Any
 
 import jax
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import optim
 from mimo_jax.config import Config, parse_freeze
-from mimo_jax.pipeline import Schedule
+from mimo_jax.pipeline import GATHERED, Schedule
 
 AXES = ("pp", "dp", "tp")
 BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
@@ -71,6 +78,40 @@ def param_specs(params, stage_spec: tuple = ("pp",)):
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def dp_specs(shapes, specs, dp: int, stage_dims: int):
+  """`specs` with each leaf also split over `dp` on its largest dimension that dp divides and no
+  other axis splits; the first `stage_dims` axes of stacked blocks (layers, pipeline chunks) are
+  never chosen. A leaf with no such dimension is left as it was (replicated over dp)."""
+  def one(path, a, s):
+    lead = stage_dims if path_str(path).startswith(BLOCKS + "/") else 0
+    entries = list(s) + [None] * (a.ndim - len(s))
+    free = [d for d in range(lead, a.ndim) if entries[d] is None and a.shape[d] % dp == 0]
+    if dp == 1 or not free:
+      return s
+    entries[max(free, key=lambda d: (a.shape[d], -d))] = "dp"
+    return P(*entries)
+  return jax.tree_util.tree_map_with_path(one, shapes, specs)
+
+
+def layer_gather(mesh: Mesh, canonical_shapes, gathered_specs, sharded_specs, dtype):
+  """FSDP's gather of one layer's parameters (a slice of `blocks`, under jit): the matmul kernels
+  cast to the compute `dtype` on their shards first, as the layers would cast them (exact, and
+  half the bytes in bfloat16), then constrained to their specs without dp, so XLA all-gathers
+  them just before the layer and reduce-scatters their gradients right after it. The gathered
+  values are named GATHERED: no remat policy keeps them for the backward, which gathers again."""
+  layer = lambda tree: jax.tree.map(lambda s: P(*s[1:]), tree[BLOCKS])
+  full = jax.tree.map(lambda s: NamedSharding(mesh, s), layer(gathered_specs))
+  split = jax.tree.map(lambda s: NamedSharding(mesh, s), layer(sharded_specs))
+  kernels = jax.tree_util.tree_map_with_path(
+      lambda path, _: path_str(path).endswith("kernel"), canonical_shapes[BLOCKS])
+
+  def one(x, kernel, split, full):
+    if kernel:
+      x = jax.lax.with_sharding_constraint(x.astype(dtype), split)
+    return checkpoint_name(jax.lax.with_sharding_constraint(x, full), GATHERED)
+  return lambda params: jax.tree.map(one, params, kernels, split, full)
+
+
 def on_blocks(tree, fn):
   """`fn` applied to the leaves of stacked blocks (parameters and the optimizer moments that
   mirror them), identity elsewhere."""
@@ -101,6 +142,7 @@ class ModulePlan:
   name: str
   mesh: Mesh
   schedule: Schedule
+  shard: str  # topology.<module>.shard: none, optimizer (ZeRO-1) or full (FSDP)
   labels: Any  # parameter tree of group labels (optim.FROZEN for frozen groups)
   tx: optax.GradientTransformation
   trainable: bool
@@ -108,8 +150,11 @@ class ModulePlan:
   opt_shapes: Any
   param_sh: Any
   opt_sh: Any
-  per_rank_sh: Any  # gradients kept per dp rank: [dp, ...] split over dp
+  grad_sh: Any  # a step's summed gradients (split over dp under optimizer and full)
+  per_rank_sh: Any  # gradients kept per dp rank: [dp, ...] split over dp (not under full)
   canonical_params: Any  # ShapeDtypeStructs with shardings, stacked blocks as [L, ...]
+  canonical_grad_sh: Any  # grad_sh in the canonical layout (what optimizer moments follow)
+  gather: Any = None  # FSDP's per-layer gather (`layer_gather`), for a `full` unpipelined module
 
   def sharding(self, spec: P = BATCH) -> NamedSharding:
     return NamedSharding(self.mesh, spec)
@@ -121,6 +166,11 @@ class ModulePlan:
   @property
   def tp(self) -> int:
     return self.mesh.shape["tp"]
+
+  @property
+  def sharded_params(self) -> bool:
+    """FSDP: the parameters themselves are split over dp ranks."""
+    return self.shard == "full" and self.dp > 1
 
   def layout(self, tree):
     """Canonical stacked blocks [L, ...] -> the schedule's layout."""
@@ -137,20 +187,39 @@ def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, .
   layout = lambda tree: on_blocks(tree, schedule.to_layout)
   abstract = jax.eval_shape(layout, canonical)
   shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  param_sh = shard(param_specs(abstract, schedule.stage_spec()))
+  dp = mesh.shape["dp"]
+
+  def specs(shapes, stage_spec):
+    """(parameter specs, specs of summed gradients and optimizer moments) for this module."""
+    tp_specs = param_specs(shapes, stage_spec)
+    if t.shard == "none":
+      return tp_specs, tp_specs
+    split = dp_specs(shapes, tp_specs, dp, len(stage_spec))
+    return (split if t.shard == "full" else tp_specs), split
+
+  param_specs_, grad_specs = specs(abstract, schedule.stage_spec())
+  canonical_specs, canonical_grad_specs = specs(canonical, ("pp",))
+  param_sh = shard(param_specs_)
   groups = module.groups(abstract)
   labels = optim.labels(groups, frozen)
   tx = optim.module_transform(cfg, groups)
   abstract_params = with_shardings(abstract, param_sh)
   opt_shapes = jax.eval_shape(tx.init, abstract_params)
   replicated = NamedSharding(mesh, REPLICATED)
+  gather = None
+  if t.shard == "full" and dp > 1 and not schedule.pipelined:
+    gather = layer_gather(mesh, canonical, param_specs(canonical), canonical_specs,
+                          jax.numpy.dtype(cfg.model.dtype))
   return ModulePlan(
-      name=name, mesh=mesh, schedule=schedule, labels=labels, tx=tx,
+      name=name, mesh=mesh, schedule=schedule, shard=t.shard, labels=labels, tx=tx,
       trainable=any(l != optim.FROZEN for l in jax.tree.leaves(labels)),
       abstract_params=abstract_params, opt_shapes=opt_shapes, param_sh=param_sh,
-      opt_sh=optimizer_shardings(tx, opt_shapes, param_sh, replicated),
-      per_rank_sh=jax.tree.map(lambda s: NamedSharding(mesh, P("dp", *s.spec)), param_sh),
-      canonical_params=with_shardings(canonical, shard(param_specs(canonical))))
+      opt_sh=optimizer_shardings(tx, opt_shapes, shard(grad_specs), replicated),
+      grad_sh=shard(grad_specs),
+      per_rank_sh=jax.tree.map(lambda s: NamedSharding(mesh, P("dp", *s)),
+                               param_specs(abstract, schedule.stage_spec())),
+      canonical_params=with_shardings(canonical, shard(canonical_specs)),
+      canonical_grad_sh=shard(canonical_grad_specs), gather=gather)
 
 
 @dataclasses.dataclass

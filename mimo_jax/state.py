@@ -67,9 +67,7 @@ def abstract_state(plan: Plan, canonical: bool = False) -> dict[str, dict]:
                  "opt_state": with_shardings(p.opt_shapes, p.opt_sh)}
     if canonical and p.schedule.virtual > 1:
       shapes = jax.eval_shape(p.unlayout, p.opt_shapes)
-      opt_sh = optimizer_shardings(p.tx, shapes, jax.tree.map(lambda a: a.sharding,
-                                                              p.canonical_params),
-                                   p.sharding(REPLICATED))
+      opt_sh = optimizer_shardings(p.tx, shapes, p.canonical_grad_sh, p.sharding(REPLICATED))
       out[name] = {"params": p.canonical_params, "opt_state": with_shardings(shapes, opt_sh)}
   return out
 

@@ -225,7 +225,9 @@ class Step:
                           {n: s.owner_nt for n, s in x.slots.items()},
                           {n: s.pos_rl for n, s in x.slots.items()}, x.text, inv_tokens)
     probe("step", acc)
-    return self._apply(state_, {n: pr.reduce[n](g) for n, g in acc["grads"].items()}, acc, probe)
+    if self.ctx.fused_per_rank:
+      acc["grads"] = {n: pr.reduce[n](g) for n, g in acc["grads"].items()}
+    return self._apply(state_, acc["grads"], acc, probe)
 
   def _apply(self, state_, grads, lang_acc, probe: Probe):
     pr = self.programs

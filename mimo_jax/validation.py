@@ -3,7 +3,8 @@ before anything is compiled."""
 
 from mimo_jax import encoders
 from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, POSITION_RESIZE, REMAT, ROPE_SCALINGS,
-                             TASKS, Config, ConfigError, parse_freeze, parse_lr_mult, require)
+                             SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
+                             require)
 
 
 def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
@@ -213,6 +214,8 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
     _positive(t, f, ("dp", "tp", "pp", "virtual"))
     require(t.remat in REMAT, f"{f}.remat",
              f"unknown policy {t.remat!r}; choose from {', '.join(REMAT)}.")
+    require(t.shard in SHARD_MODES, f"{f}.shard",
+             f"unknown mode {t.shard!r}; choose from {', '.join(SHARD_MODES)}.")
     require(t.virtual == 1 or t.pp > 1, f"{f}.virtual",
              f"{t.virtual} virtual stages need pipeline stages; set pp > 1 or virtual=1.")
     layers = cfg.model.module(name).layers
