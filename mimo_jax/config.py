@@ -298,6 +298,9 @@ class RunConfig:
   log_every: int = 10
   cpu_devices: int = 8
   progress: str = "auto"  # auto (bar on a terminal), bar, lines
+  # Memory of one device in GiB for the check before compiling (memory.py); 0 = what the device
+  # reports (GPUs; none on CPU, where nothing is checked).
+  device_memory_gb: float = 0.0
 
 
 @dataclasses.dataclass

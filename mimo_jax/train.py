@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import checkpoint, distributed, workdir
+from mimo_jax import checkpoint, distributed, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
 from mimo_jax.data import loader
@@ -108,30 +108,32 @@ def run(cfg: Config) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
+  trainer = Step.build(cfg)
+  # What the layout needs of each device's memory, before anything is written or compiled.
+  memory.check(cfg, trainer)
   lock = None
   if distributed.is_main():
     workdir.check(cfg.run.workdir)
     lock = workdir.Lock(cfg.run.workdir).acquire()
   try:
-    return _run(cfg, lock)
+    return _run(cfg, trainer, lock)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _run(cfg: Config, lock) -> list[dict]:
+def _run(cfg: Config, trainer: Step, lock) -> list[dict]:
   # A signal during start-up (data, compilation, the capacity check) ends the run before its
   # first step, with nothing to save; the loop's own flag takes over from this one.
   early = _StopFlag().__enter__()
   try:
-    return _run_flagged(cfg, lock, early)
+    return _run_flagged(cfg, trainer, lock, early)
   finally:
     early.__exit__()
 
 
-def _run_flagged(cfg: Config, lock, early: _StopFlag) -> list[dict]:
+def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dict]:
   paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
-  trainer = Step.build(cfg)
   topo = trainer.topo
   ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(trainer.modules),
                                  keep=cfg.checkpoint.keep)

@@ -181,6 +181,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
           "must be >= 0 (0 = the newest step).")
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
+  require(cfg.run.device_memory_gb >= 0, "run.device_memory_gb",
+           "must be >= 0 (0 = what the device reports).")
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
            f"must be auto, bar or lines, got {cfg.run.progress!r}.")
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")

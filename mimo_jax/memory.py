@@ -1,0 +1,114 @@
+"""Device memory a layout needs, known before anything compiles.
+
+For every module, per device: its parameters, optimizer state and gradient accumulators, exactly,
+from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp), and a lower
+bound on the activations its backward keeps (one microbatch's layer inputs, the MLP's hidden
+units unless `remat=full`, and the float32 logits; a pipelined module holds all its microbatches).
+Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
+and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
+buffers, the gathered layers under FSDP), so a layout that passes may still not fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from mimo_jax.config import Config, ConfigError
+
+GiB = 1024**3
+
+
+def _bytes(tree) -> int:
+  """Bytes of the largest shard of every array in `tree` (ShapeDtypeStructs with shardings)."""
+  return sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+             for a in jax.tree.leaves(tree) if hasattr(a, "sharding"))
+
+
+def _abstract(shapes, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                      shardings)
+
+
+def _activations(cfg: Config, name: str, plan) -> int:
+  """A lower bound on the bytes of activations the backward of one microbatch keeps a device."""
+  t = cfg.topology.module(name)
+  d = cfg.data
+  width = np.dtype(cfg.model.dtype).itemsize
+  chunks = d.microbatches if t.pp > 1 else 1  # a pipelined module holds a step's microbatches
+  layers = cfg.model.module(name).layers // t.pp
+  if name == "language":
+    m = cfg.model.language
+    rows = (d.pack_rows or d.micro_batch) // t.dp
+    tokens = rows * d.seq_len * chunks
+    kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
+    vocab = m.vocab_size or 17
+    return tokens * (layers * kept * width + 2 * 4 * vocab // t.tp)
+  if name == "vision":
+    v = cfg.model.vision
+    per_slot = d.slot_patches or v.positions
+    tokens = d.slots() // t.dp * per_slot * chunks
+    kept = v.dim + (0 if t.remat == "full" else v.mlp_dim // t.tp)
+    return tokens * layers * kept * width
+  return 0
+
+
+def module_bytes(cfg: Config, step) -> dict[str, dict[str, int]]:
+  """Per module: bytes a device holds of parameters, optimizer state, gradients, activations."""
+  out = {}
+  for name, p in step.plan.modules.items():
+    per_rank = (step.ctx.defer_reduce if name == "language" else False) or step.ctx.fused_per_rank
+    acc_sh = p.per_rank_sh if per_rank else p.param_sh
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
+                                                         a.dtype), p.abstract_params)
+    grads = _bytes(_abstract(shapes, acc_sh))
+    if per_rank:  # the step's sum is made beside the per-rank accumulators
+      grads += _bytes(_abstract(p.abstract_params, p.grad_sh))
+    out[name] = {"parameters": _bytes(p.abstract_params),
+                 "optimizer state": _bytes(_abstract(p.opt_shapes, p.opt_sh)),
+                 "gradients": grads if p.trainable else 0,
+                 "activations": _activations(cfg, name, p)}
+  return out
+
+
+def device_memory(cfg: Config) -> int | None:
+  """Bytes a device has: `run.device_memory_gb` if set, else what the device reports (GPUs; the
+  CPU reports nothing, and then nothing is checked)."""
+  if cfg.run.device_memory_gb > 0:
+    return int(cfg.run.device_memory_gb * GiB)
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def check(cfg: Config, step) -> dict[str, dict[str, int]]:
+  """Raises a ConfigError naming the module whose devices cannot hold what it needs (with the
+  modules it shares them with); returns `module_bytes`."""
+  need = module_bytes(cfg, step)
+  limit = device_memory(cfg)
+  if not limit:
+    return need
+  devices = {}
+  for name, p in step.plan.modules.items():
+    for dev in p.mesh.devices.flat:
+      devices.setdefault(dev.id, []).append(name)
+  for names in devices.values():
+    total = sum(sum(need[n].values()) for n in names)
+    if total <= limit:
+      continue
+    name = max(names, key=lambda n: sum(need[n].values()))
+    parts = ", ".join(f"{k} {size(v)}" for k, v in need[name].items())
+    others = [n for n in names if n != name]
+    shared = (f"; {', '.join(others)} on the same devices "
+              f"{size(sum(sum(need[n].values()) for n in others))}" if others else "")
+    raise ConfigError(
+        f"config.topology.{name}.shard: {name} needs at least {size(sum(need[name].values()))} "
+        f"a device ({parts}{shared}) where a device has {size(limit)}; shard its state over dp "
+        f"(topology.{name}.shard=full), add dp, tp or pp, or set topology.{name}.remat=full.")
+  return need
+
+
+def size(nbytes: float) -> str:
+  """Bytes as GiB, or MiB below one GiB."""
+  return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 1024**2:.1f} MiB"
