@@ -17,6 +17,11 @@ Variants (the argument after the colon):
                  microbatch (data.slot_patches) instead of being resized to one size; samples are
                  balanced over language ranks by cost so that no rank's slots overflow; the
                  ViT's layers keep only their inputs for the backward pass (remat full)
+  llm8b          an 8B-class Llama-3-shaped language model (32 layers of width 4096, 32 heads /
+                 8 key-value heads, SwiGLU 14336, vocabulary 128256: 8.0 B parameters) with the
+                 ViT-L, one image a sample; both modules shard their state over their dp ranks
+                 (FSDP, topology.<module>.shard=full) and keep only each layer's input for the
+                 backward pass, in rolled layer loops
 
   python -m mimo_jax.launch --config=configs/vlm.py
   python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts=...
@@ -64,7 +69,14 @@ def get_config(arg: str | None = None) -> Config:
     d.image_sizes = "224,336,448,224x448,448x224"
     d.slot_patches, d.image_slots, d.reorder = 2048, 8, "balance"
     cfg.topology.vision.remat = "full"  # masked attention over 2048-patch slots is memory-hungry
+  elif arg == "llm8b":
+    lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = 4096, 32, 32, 8, 14336
+    lm.vocab_size = 128_256
+    d.image_probs = "0,1,0,0"
+    d.microbatches = 8  # 4 samples a microbatch
+    for t in (cfg.topology.vision, cfg.topology.language):
+      t.remat, t.unroll, t.shard = "full", False, "full"
   else:
-    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy or "
-                     "dynamic.")
+    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy, "
+                     "dynamic or llm8b.")
   return cfg

@@ -73,6 +73,15 @@ def module_bytes(cfg: Config, step) -> dict[str, dict[str, int]]:
   return out
 
 
+def per_device(step, need: dict[str, dict[str, int]]) -> int:
+  """The most bytes any one device needs: the modules placed on it added up."""
+  totals = {}
+  for name, p in step.plan.modules.items():
+    for dev in p.mesh.devices.flat:
+      totals[dev.id] = totals.get(dev.id, 0) + sum(need[name].values())
+  return max(totals.values())
+
+
 def device_memory(cfg: Config) -> int | None:
   """Bytes a device has: `run.device_memory_gb` if set, else what the device reports (GPUs; the
   CPU reports nothing, and then nothing is checked)."""

@@ -70,9 +70,11 @@ class Context:
   @functools.cached_property
   def defer_reduce(self) -> bool:
     """The language model keeps per-rank gradients through the step (module docstring); not
-    under FSDP, where full per-rank copies would undo the sharding."""
+    under FSDP, where full per-rank copies would undo the sharding, nor on one rank, where there
+    is nothing to sum."""
     lang = self.plan["language"]
-    return not self.whole_step("language") and lang.tp == 1 and not lang.sharded_params
+    return (not self.whole_step("language") and lang.tp == 1 and lang.dp > 1
+            and not lang.sharded_params)
 
   @functools.cached_property
   def fused(self) -> bool:
@@ -85,7 +87,8 @@ class Context:
   @functools.cached_property
   def fused_per_rank(self) -> bool:
     """The fused program keeps every module's gradients per rank (none is FSDP-sharded)."""
-    return self.fused and not any(p.sharded_params for p in self.plan.modules.values())
+    return self.fused and self.groups > 1 and not any(
+        p.sharded_params for p in self.plan.modules.values())
 
   def bind(self, name: str, params):
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""

@@ -26,6 +26,8 @@ bring (slot and row buckets make microbatches differ in shape), then:
   already in place, so the language model no longer waits for the encoder: step time minus this is
   what the dependency between the modules costs (pipeline fill and drain, and the bridge).
 * **loader wait**: time the loop waited for the next batch.
+* **peak GiB** (the most any device held) beside **estimate GiB**, mimo_jax/memory.py's lower
+  bound for the busiest device; a layout over the device's memory is refused before compiling.
 
 `--json` writes every figure for tools/plan.py; `--record` appends the table to docs/benchmarks.md.
 `--set field=value` overrides config fields (repeatable), e.g. `--set data.global_batch=48`.
@@ -46,7 +48,7 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import bridge, compat
+from mimo_jax import bridge, compat, memory
 from mimo_jax.batch import total
 from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
@@ -110,6 +112,10 @@ class Run:
     self.cfg = cfg
     self.step = Step.build(cfg)
     self.topo = self.step.topo
+    # Refused before compiling where a device cannot hold it (run.device_memory_gb or the
+    # device's own); the estimate is a lower bound to set beside the measured peak.
+    need = memory.check(cfg, self.step)
+    self.estimate_gib = memory.per_device(self.step, need) / 2**30
     self.state = self.step.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
     where = loader.locality(self.topo, loader.slot_counts(cfg))
@@ -247,7 +253,8 @@ def measure(cfg: Config, layout: str, args) -> dict:
   prof = run.profile(args.profile_steps)
   decoupled = run.without_bridge(args.steps) if prof["bridge_bytes"] else timed["step_s"]
   gpus = len(run.devices)
-  row = {"layout": layout, "gpus": gpus, **timed, **prof, "decoupled_step_s": decoupled}
+  row = {"layout": layout, "gpus": gpus, **timed, **prof, "decoupled_step_s": decoupled,
+         "estimate_gib": run.estimate_gib}
   row["tokens_per_s"] = timed["tokens"] / timed["step_s"]
   row["mfu"] = timed["flops_total"] / timed["step_s"] / (gpus * args.peak)
   moved = prof["bridge_bytes"]
@@ -261,7 +268,8 @@ def measure(cfg: Config, layout: str, args) -> dict:
 def table(rows: list[dict]) -> str:
   head = ("| layout | GPUs | s/step | tokens/s | MFU | vision busy s | language busy s | "
           "bridge s (% step) | bridge GB/s | raw GB/s | decoupled s/step | loader wait s | "
-          "peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "peak GiB | estimate GiB |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   fmt = lambda v, f: "–" if v is None else format(v, f)
   lines = [head]
   for r in rows:
@@ -270,7 +278,8 @@ def table(rows: list[dict]) -> str:
         f"{r['mfu']:.1%} | {r.get('busy_vision_s', 0):.3f} | {r.get('busy_language_s', 0):.3f} | "
         f"{r['bridge_s']:.4f} ({r['bridge_s'] / r['step_s']:.2%}) | "
         f"{fmt(r['bridge_gbps'], '.0f')} | {fmt(r['raw_gbps'], '.0f')} | "
-        f"{r['decoupled_step_s']:.3f} | {r['loader_wait_s']:.4f} | {r['peak_gib']:.1f} |")
+        f"{r['decoupled_step_s']:.3f} | {r['loader_wait_s']:.4f} | {r['peak_gib']:.1f} | "
+        f"{r.get('estimate_gib', 0):.1f} |")
   return "\n".join(lines)
 
 
