@@ -87,7 +87,7 @@ def device_memory(cfg: Config) -> int | None:
   CPU reports nothing, and then nothing is checked)."""
   if cfg.run.device_memory_gb > 0:
     return int(cfg.run.device_memory_gb * GiB)
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("bytes_limit")
 
 
@@ -111,10 +111,15 @@ def check(cfg: Config, step) -> dict[str, dict[str, int]]:
     others = [n for n in names if n != name]
     shared = (f"; {', '.join(others)} on the same devices "
               f"{size(sum(sum(need[n].values()) for n in others))}" if others else "")
+    t = cfg.topology.module(name)
+    fixes = ([] if t.shard == "full" else [f"shard its state over dp (topology.{name}.shard=full)"])
+    fixes.append("add dp, tp or pp")
+    if t.remat != "full":
+      fixes.append(f"set topology.{name}.remat=full")
     raise ConfigError(
         f"config.topology.{name}.shard: {name} needs at least {size(sum(need[name].values()))} "
-        f"a device ({parts}{shared}) where a device has {size(limit)}; shard its state over dp "
-        f"(topology.{name}.shard=full), add dp, tp or pp, or set topology.{name}.remat=full.")
+        f"a device ({parts}{shared}) where a device has {size(limit)}; "
+        f"{', '.join(fixes[:-1]) + ' or ' if len(fixes) > 1 else ''}{fixes[-1]}.")
   return need
 
 
