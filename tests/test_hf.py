@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import hf
-from mimo_jax.config import Config, ConfigError
+from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
@@ -109,12 +109,21 @@ def _llava_run_config(tmp_path) -> Config:
   return cfg
 
 
-def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_path):
+@pytest.mark.parametrize("layout", [
+    pytest.param("", id="one-device"),
+    pytest.param("vision=0/2/1,language=2/2/1", id="fsdp-split"),  # each tensor placed split
+])
+def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_path, layout):
   cfg = _llava_run_config(tmp_path)
   cfg.optim.freeze = "vision,language"  # LLaVA's stage 1: the projector alone
+  if layout:
+    set_layout(cfg, layout)
+    cfg.topology.vision.shard = cfg.topology.language.shard = "full"
   src = hf.Source.open(cfg.model.vision.init_from)
   _, _, state, init = run_steps(cfg, 2)
   for module in ("vision", "language"):
+    split = [a for a in jax.tree.leaves(state[module].params) if "dp" in a.sharding.spec]
+    assert bool(split) == bool(layout), module
     want = dict(hf.flatten(_params(src, cfg, module)))
     got = dict(hf.flatten(init[module]))
     assert set(got) == set(want)
