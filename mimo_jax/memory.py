@@ -15,8 +15,13 @@ import math
 
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh
 
+from mimo_jax import encoders
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.models.mimo import build_modules
+from mimo_jax.programs import Context
+from mimo_jax.sharding import AXES, Plan
 
 GiB = 1024**3
 
@@ -32,7 +37,7 @@ def _abstract(shapes, shardings):
                       shardings)
 
 
-def _activations(cfg: Config, name: str, plan) -> int:
+def _activations(cfg: Config, name: str) -> int:
   """A lower bound on the bytes of activations the backward of one microbatch keeps a device."""
   t = cfg.topology.module(name)
   d = cfg.data
@@ -55,11 +60,20 @@ def _activations(cfg: Config, name: str, plan) -> int:
   return 0
 
 
-def module_bytes(cfg: Config, step) -> dict[str, dict[str, int]]:
+def context(cfg: Config) -> Context:
+  """The run's plan and programs' context on abstract meshes (no devices needed)."""
+  modules = build_modules(cfg)
+  meshes = {n: AbstractMesh((t.pp, t.dp, t.tp), AXES)
+            for n, t in cfg.topology.modules().items()}
+  return Context.build(cfg, Plan.build(cfg, meshes, modules), modules, encoders.of(cfg))
+
+
+def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
   """Per module: bytes a device holds of parameters, optimizer state, gradients, activations."""
+  ctx = context(cfg)
   out = {}
-  for name, p in step.plan.modules.items():
-    per_rank = (step.ctx.defer_reduce if name == "language" else False) or step.ctx.fused_per_rank
+  for name, p in ctx.plan.modules.items():
+    per_rank = (ctx.defer_reduce if name == "language" else False) or ctx.fused_per_rank
     acc_sh = p.per_rank_sh if per_rank else p.param_sh
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
                                                          a.dtype), p.abstract_params)
@@ -69,17 +83,22 @@ def module_bytes(cfg: Config, step) -> dict[str, dict[str, int]]:
     out[name] = {"parameters": _bytes(p.abstract_params),
                  "optimizer state": _bytes(_abstract(p.opt_shapes, p.opt_sh)),
                  "gradients": grads if p.trainable else 0,
-                 "activations": _activations(cfg, name, p)}
+                 "activations": _activations(cfg, name)}
   return out
 
 
-def per_device(step, need: dict[str, dict[str, int]]) -> int:
+def _devices(cfg: Config) -> dict[int, list[str]]:
+  """Device index -> the modules placed on it (topology.<module>.offset and size)."""
+  out = {}
+  for name, t in cfg.topology.modules().items():
+    for d in range(t.offset, t.offset + t.size):
+      out.setdefault(d, []).append(name)
+  return out
+
+
+def per_device(cfg: Config, need: dict[str, dict[str, int]]) -> int:
   """The most bytes any one device needs: the modules placed on it added up."""
-  totals = {}
-  for name, p in step.plan.modules.items():
-    for dev in p.mesh.devices.flat:
-      totals[dev.id] = totals.get(dev.id, 0) + sum(need[name].values())
-  return max(totals.values())
+  return max(sum(sum(need[n].values()) for n in names) for names in _devices(cfg).values())
 
 
 def device_memory(cfg: Config) -> int | None:
@@ -91,18 +110,15 @@ def device_memory(cfg: Config) -> int | None:
   return stats.get("bytes_limit")
 
 
-def check(cfg: Config, step) -> dict[str, dict[str, int]]:
+def check(cfg: Config, limit: int | None = None) -> dict[str, dict[str, int]]:
   """Raises a ConfigError naming the module whose devices cannot hold what it needs (with the
-  modules it shares them with); returns `module_bytes`."""
-  need = module_bytes(cfg, step)
-  limit = device_memory(cfg)
+  modules it shares them with) in `limit` bytes (default `device_memory`); returns
+  `module_bytes`."""
+  need = module_bytes(cfg)
+  limit = limit or device_memory(cfg)
   if not limit:
     return need
-  devices = {}
-  for name, p in step.plan.modules.items():
-    for dev in p.mesh.devices.flat:
-      devices.setdefault(dev.id, []).append(name)
-  for names in devices.values():
+  for names in _devices(cfg).values():
     total = sum(sum(need[n].values()) for n in names)
     if total <= limit:
       continue

@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -79,10 +78,10 @@ class Context:
   @functools.cached_property
   def fused(self) -> bool:
     """Every encoder shares the language model's dp-only mesh: one program a microbatch."""
-    lang = self.plan["language"]
+    tops, lang = self.cfg.topology.modules(), self.plan["language"]
+    same = lambda a, b: (a.offset, a.pp, a.dp, a.tp) == (b.offset, b.pp, b.dp, b.tp)
     return not self.whole_step("language") and lang.tp == 1 and all(
-        not self.whole_step(n) and np.array_equal(self.plan[n].mesh.devices, lang.mesh.devices)
-        for n in self.encoders)
+        not self.whole_step(n) and same(tops[n], tops["language"]) for n in self.encoders)
 
   @functools.cached_property
   def fused_per_rank(self) -> bool:

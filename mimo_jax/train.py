@@ -108,9 +108,9 @@ def run(cfg: Config) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
-  trainer = Step.build(cfg)
   # What the layout needs of each device's memory, before anything is written or compiled.
-  memory.check(cfg, trainer)
+  memory.check(cfg)
+  trainer = Step.build(cfg)
   lock = None
   if distributed.is_main():
     workdir.check(cfg.run.workdir)

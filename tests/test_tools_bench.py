@@ -188,3 +188,20 @@ def test_bridge_bench_runs_on_cpu_devices(capsys, src, dst, ends):
   assert len(rows) == 1
   cells = [float(c) for c in rows[0].strip("|").split("|")]
   assert len(cells) == (6 if ends == "programs" else 4) and all(c > 0 for c in cells[1:])
+
+
+def test_planner_leaves_out_layouts_that_cannot_fit():
+  """Memory is a planner input: with the language model's state split over dp (FSDP), a budget
+  that replicated layouts exceed still admits the dp-only ones, and every admitted layout's
+  estimate is within it."""
+  spec = "tests/configs/tiny_vlm.py:encoder_heavy"
+  every = plan.candidates(spec, [], 4, max_tp=2, memory_gb=1e6)
+  assert every and all(c["gib"] > 0 for c in every)
+  budget = sorted(c["gib"] for c in every)[len(every) // 2]  # the median layout's need
+  refused = []
+  kept = plan.candidates(spec, [], 4, max_tp=2, memory_gb=budget, refused=refused)
+  assert kept and refused and len(kept) + len(refused) == len(every)
+  assert all(c["gib"] <= budget for c in kept) and all(c["gib"] > budget for c in refused)
+  sharded = plan.candidates(spec, ["topology.language.shard=full", "topology.vision.shard=full"],
+                            4, max_tp=2, memory_gb=budget)
+  assert len(sharded) > len(kept)  # sharding the state lets more layouts fit

@@ -110,12 +110,11 @@ class Run:
     validate(cfg, len(jax.devices()))
     validate_backend(cfg, jax.default_backend())
     self.cfg = cfg
-    self.step = Step.build(cfg)
-    self.topo = self.step.topo
     # Refused before compiling where a device cannot hold it (run.device_memory_gb or the
     # device's own); the estimate is a lower bound to set beside the measured peak.
-    need = memory.check(cfg, self.step)
-    self.estimate_gib = memory.per_device(self.step, need) / 2**30
+    self.estimate_gib = memory.per_device(cfg, memory.check(cfg)) / 2**30
+    self.step = Step.build(cfg)
+    self.topo = self.step.topo
     self.state = self.step.init_state(cfg.train.seed)
     paths = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))
     where = loader.locality(self.topo, loader.slot_counts(cfg))

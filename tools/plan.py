@@ -40,6 +40,11 @@ module's fewest over the candidates' GPU counts). The planner prints that bound 
 the fastest colocated prediction: where the modules scale almost linearly with their GPUs, it is
 close to 1 and no split pays, however the GPUs are divided (`split_bound`).
 
+**Memory.** With `--memory_gb`, every candidate's bytes a GPU are estimated from the config
+alone (mimo_jax/memory.py: parameters, optimizer state and gradients exactly from the shardings
+that `topology.<module>.shard` gives, activations as a lower bound), and the layouts that cannot
+fit are listed and left out; give the shard choice with `--set topology.language.shard=full`.
+
 tp is preferred last among layouts with the same prediction. `--layouts_only` prints the
 candidates as one `;`-joined string for tools/bench.py (to measure them all), and `--measured` (a
 tools/bench.py JSON of such a run; repeatable) adds the measured step times and says how far the
@@ -54,6 +59,7 @@ import sys
 
 import numpy as np
 
+from mimo_jax import memory
 from mimo_jax.config import ConfigError, set_layout, slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.validation import validate_topology
@@ -81,8 +87,11 @@ def _shape(cfg, module: str) -> tuple[int, int]:
   return t.dp, t.tp
 
 
-def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0) -> list[dict]:
-  """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits."""
+def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
+               memory_gb: float = 0.0, refused: list | None = None) -> list[dict]:
+  """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits. With
+  `memory_gb`, a layout whose devices cannot hold what it needs (mimo_jax/memory.py's lower
+  bound, from the config's shard and remat choices) is left out and added to `refused`."""
   out = []
 
   def add(layout: str, kind: str, gv: int, gl: int) -> None:
@@ -91,8 +100,15 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0) -> li
       validate_topology(cfg, gpus)
     except ConfigError:
       return
-    out.append({"layout": layout, "kind": kind, "vision_gpus": gv, "language_gpus": gl,
-                "tp": cfg.topology.vision.tp + cfg.topology.language.tp})
+    c = {"layout": layout, "kind": kind, "vision_gpus": gv, "language_gpus": gl,
+         "tp": cfg.topology.vision.tp + cfg.topology.language.tp}
+    if memory_gb:
+      c["gib"] = memory.per_device(cfg, memory.module_bytes(cfg)) / memory.GiB
+      if c["gib"] > memory_gb:
+        if refused is not None:
+          refused.append(c)
+        return
+    out.append(c)
 
   for vdp, vtp in _divisor_pairs(gpus, max_tp):
     for ldp, ltp in _divisor_pairs(gpus, max_tp):
@@ -229,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="print the profiling run's layouts for tools/bench.py and stop")
   parser.add_argument("--measured", action="append", default=[],
                       help="tools/bench.py JSON of the candidates (repeatable)")
+  parser.add_argument("--memory_gb", type=float, default=0.0,
+                      help="memory of one GPU (GiB): layouts that cannot fit are left out "
+                      "(0 = not checked)")
   args = parser.parse_args(argv)
   if args.profile_layouts:
     print(";".join(profile_layouts(args.gpus)))
@@ -242,7 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     if (prof.get("config"), prof.get("set", [])) != (cfg_spec, sets):
       raise SystemExit(f"plan: error: {p} profiles {prof.get('config')} with {prof.get('set')}, "
                        f"not {cfg_spec} with {sets}; profile the config being planned")
-  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp)
+  refused = []
+  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused)
+  for c in refused:
+    print(f"does not fit: {c['layout']} needs at least {c['gib']:.1f} GiB a GPU of "
+          f"{args.memory_gb:.1f}", file=sys.stderr)
+  if not cands:
+    raise SystemExit(f"plan: error: no layout of {args.gpus} GPUs fits {args.memory_gb:.1f} GiB "
+                     "a GPU; shard the state (--set topology.<module>.shard=full), set "
+                     "topology.<module>.remat=full, or use more GPUs")
   if args.layouts_only:
     print(";".join(c["layout"] for c in cands))
     return
