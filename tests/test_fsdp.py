@@ -1,8 +1,10 @@
 """State sharded over data-parallel ranks (`topology.<module>.shard`): ZeRO-1 and FSDP keep the
 single-device trajectory, shrink what each device holds, and checkpoints move between them."""
 
+import dataclasses
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -164,3 +166,25 @@ def test_a_layout_that_cannot_fit_is_refused_before_compiling(data_dir, tmp_path
   for part in ("parameters", "optimizer state"):
     assert need["language"][part] * 4 == pytest.approx(plain["language"][part], rel=1e-3)
   assert need["language"]["gradients"] * 8 == plain["language"]["gradients"]  # per-rank + sum
+
+
+def test_each_layer_is_gathered_for_its_forward_and_again_for_its_backward(data_dir):
+  """Under FSDP no remat policy keeps a gathered layer for the backward: the compiled language
+  step all-gathers the layers' parameters about twice (XLA may merge the last layer's two)."""
+  cfg = sharded_config(data_dir, {"language": "full"}, vision=(0, 2, 1), language=(2, 4, 1))
+  cfg.model.language.layers = 4
+  cfg.topology.language.remat, cfg.topology.language.unroll = "none", True
+  step = Step.build(cfg)
+  state = step.init_state(cfg.train.seed)
+  hlo = []
+  program = step.programs.language_step
+
+  def capture(*args):
+    hlo.append(program.lower(*args).compile().as_text())
+    return program(*args)
+  step.programs = dataclasses.replace(step.programs, language_step=capture)
+  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
+  step.train_step(state, ds[0])
+  gathers = len(re.findall(r"= [^=]*? all-gather(?:-start)?\(", hlo[0]))
+  per_layer = len(jax.tree.leaves(state["language"].params["blocks"]))
+  assert gathers >= 1.5 * cfg.model.language.layers * per_layer, gathers
