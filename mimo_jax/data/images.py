@@ -1,0 +1,152 @@
+"""Images as a vision tower's Hugging Face processor prepares them, from its
+`preprocessor_config.json`, with Pillow and numpy (no transformers).
+
+    processor = ImageProcessor.open("siglip-so400m-patch14-384")
+    pixels = processor(PIL.Image.open("cat.png"))  # uint8 [h, w, 3]
+
+Steps, as transformers' PIL backend runs them (`CLIPImageProcessorPil`, `SiglipImageProcessorPil`,
+the processors without torchvision):
+
+1. RGB: an image with transparency is composited onto white, grayscale and palette images become
+   RGB.
+2. Optionally LLaVA's pad to square (`pad_to_square`, LLaVA-1.5's `image_aspect_ratio=pad`): the
+   image centred on a square of its longer side filled with the mean colour.
+3. Resize with Pillow's filter (`resample`; bicubic for CLIP and SigLIP): the shortest edge to
+   `size.shortest_edge` keeping the aspect ratio (the long side truncated, as transformers
+   computes it) for CLIP, to `size.height` x `size.width` for SigLIP.
+4. Center crop to `crop_size` (CLIP), padding with zeros where the image is smaller.
+
+The result stays uint8, which is what the data shards hold. Rescaling by 1/255 and the per-channel
+mean and std are applied on the device, in one place: the vision tower divides by 255 and
+normalises with `model.vision.pixel_mean` / `pixel_std` (which `tools.hf import` takes from the
+same file); `normalized` does the same on the host for checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+from PIL import Image
+
+from mimo_jax.config import ConfigError
+
+FILE = "preprocessor_config.json"
+PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
+
+
+class ImageError(ConfigError):
+  """An image or a processor config that cannot be used; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessor:
+  shortest_edge: int = 0  # resize the shorter side to this, keeping the aspect ratio (CLIP)
+  size: tuple[int, int] | None = None  # or resize to (height, width) (SigLIP)
+  crop: tuple[int, int] | None = None  # then center crop to (height, width)
+  resample: int = Image.Resampling.BICUBIC
+  mean: tuple[float, ...] = (0.0, 0.0, 0.0)  # normalisation (on the device)
+  std: tuple[float, ...] = (1.0, 1.0, 1.0)
+  pad_to_square: bool = False  # LLaVA's pad to a square of the mean colour first
+
+  @classmethod
+  def open(cls, directory, pad_to_square: bool = False) -> "ImageProcessor":
+    """The processor a model directory's preprocessor_config.json describes."""
+    path = pathlib.Path(directory) / FILE
+    try:
+      c = json.loads(path.read_text())
+    except FileNotFoundError:
+      raise ImageError(f"{path}: not found; a vision tower's directory holds its image "
+                       "processor's preprocessor_config.json.") from None
+    except (OSError, ValueError) as e:
+      raise ImageError(f"{path}: unreadable ({e}).") from None
+    kind = c.get("image_processor_type", "")
+    if kind.removesuffix("Fast").removesuffix("Pil") not in PROCESSORS:
+      raise ImageError(f"{path}: image_processor_type {kind!r} is not supported; supported: "
+                       f"{', '.join(PROCESSORS)}.")
+    if c.get("do_rescale", True) and abs(c.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-12:
+      raise ImageError(f"{path}: rescale_factor {c['rescale_factor']} is not supported (1/255, "
+                       "which the vision tower applies).")
+    if not c.get("do_convert_rgb", True):
+      raise ImageError(f"{path}: do_convert_rgb=false is not supported (images become RGB).")
+    size, out = c.get("size", {}), {}
+    if c.get("do_resize", True):
+      if "shortest_edge" in size:
+        out["shortest_edge"] = int(size["shortest_edge"])
+      elif "height" in size and "width" in size:
+        out["size"] = (int(size["height"]), int(size["width"]))
+      else:
+        raise ImageError(f"{path}: size {size} is not supported (shortest_edge, or height and "
+                         "width).")
+    if c.get("do_center_crop", False):
+      crop = c.get("crop_size", {})
+      if not ("height" in crop and "width" in crop):
+        raise ImageError(f"{path}: crop_size {crop} needs height and width.")
+      out["crop"] = (int(crop["height"]), int(crop["width"]))
+    if c.get("do_normalize", True):
+      out["mean"] = tuple(float(x) for x in c.get("image_mean", (0.5, 0.5, 0.5)))
+      out["std"] = tuple(float(x) for x in c.get("image_std", (0.5, 0.5, 0.5)))
+    return cls(resample=int(c.get("resample", Image.Resampling.BICUBIC)),
+               pad_to_square=pad_to_square, **out)
+
+  def __call__(self, image: Image.Image) -> np.ndarray:
+    """A PIL image -> uint8 pixels [h, w, 3], resized and cropped as the processor does."""
+    image = rgb(image)
+    if self.pad_to_square:
+      image = square(image, tuple(int(m * 255) for m in self.mean))
+    if self.shortest_edge:
+      image = image.resize(_shortest_edge(image.size, self.shortest_edge)[::-1], self.resample)
+    elif self.size:
+      image = image.resize(self.size[::-1], self.resample)
+    pixels = np.asarray(image, np.uint8)
+    return center_crop(pixels, self.crop) if self.crop else pixels
+
+  def normalized(self, pixels: np.ndarray) -> np.ndarray:
+    """uint8 pixels [h, w, 3] -> what the tower computes on: float32 [3, h, w], rescaled by
+    1/255 and normalised per channel (the processor's pixel_values)."""
+    x = pixels.astype(np.float32) / np.float32(255)
+    x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+    return np.moveaxis(x, -1, 0)
+
+
+def rgb(image: Image.Image) -> Image.Image:
+  """RGB, with any transparency composited onto white (as transformers converts)."""
+  if "A" in image.getbands() or image.info.get("transparency") is not None:
+    image = image.convert("RGBA")
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image).convert("RGB")
+  return image.convert("RGB")
+
+
+def square(image: Image.Image, fill: tuple[int, ...]) -> Image.Image:
+  """LLaVA's expand2square: the image centred on a square of its longer side."""
+  w, h = image.size
+  if w == h:
+    return image
+  out = Image.new(image.mode, (max(w, h),) * 2, fill)
+  out.paste(image, (0, (w - h) // 2) if w > h else ((h - w) // 2, 0))
+  return out
+
+
+def _shortest_edge(size_wh: tuple[int, int], edge: int) -> tuple[int, int]:
+  """(height, width) with the shorter side `edge`, the longer truncated as transformers does."""
+  w, h = size_wh
+  short, long = (w, h) if w <= h else (h, w)
+  new_long = int(edge * long / short)
+  return (new_long, edge) if w <= h else (edge, new_long)
+
+
+def center_crop(pixels: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
+  """The centre (height, width) of pixels [h, w, c], padded with zeros where it is smaller."""
+  h, w = pixels.shape[:2]
+  ch, cw = crop
+  if h < ch or w < cw:  # pad as transformers does: the image at ceil of half the margin
+    nh, nw = max(h, ch), max(w, cw)
+    top, left = -(-(nh - h) // 2), -(-(nw - w) // 2)
+    padded = np.zeros((nh, nw) + pixels.shape[2:], pixels.dtype)
+    padded[top:top + h, left:left + w] = pixels
+    pixels, h, w = padded, nh, nw
+  top, left = (h - ch) // 2, (w - cw) // 2
+  return pixels[top:top + ch, left:left + cw]
