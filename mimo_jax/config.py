@@ -14,7 +14,7 @@ SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (shar
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 POSITION_RESIZE = ("crop", "bicubic")  # patches.py
 ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
-TASKS = ("digits", "synthetic")
+TASKS = ("digits", "synthetic", "conversations")
 DIGITS_VOCAB = 17  # data/tokenizer.py
 
 
@@ -178,7 +178,9 @@ class TopologyConfig:
 @dataclasses.dataclass
 class DataConfig:
   # digits: the digits-captioning task (data/digits.py); synthetic: random VLM-shaped samples for
-  # benchmarks (data/synthetic.py), images of model.vision.image_size, text ids < vocab_size.
+  # benchmarks (data/synthetic.py), images of model.vision.image_size, text ids < vocab_size;
+  # conversations: LLaVA-style data converted by tools.convert into data.dir
+  # (data/conversations.py).
   task: str = "digits"
   seed: int = 0
   global_batch: int = 32
@@ -229,6 +231,14 @@ class DataConfig:
   # only within their image (cuDNN's packed attention on GPUs with model.attention=cudnn, else
   # XLA's masked attention); 0 = one image of image_size a slot.
   slot_patches: int = 0
+  # The token id of an image in the samples' token ids (conversations: the tokenizer's image
+  # token, as tools.convert reports it); -1 = the built-in tasks' <img> (id 3).
+  image_token: int = -1
+
+  @property
+  def placeholder(self) -> int:
+    """The image placeholder's token id."""
+    return self.image_token if self.image_token >= 0 else 3
 
   @property
   def pixel_max(self) -> float:

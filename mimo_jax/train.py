@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from mimo_jax import checkpoint, distributed, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
-from mimo_jax.data import loader
+from mimo_jax.data import conversations, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError
 from mimo_jax.optim import schedule
@@ -110,6 +110,8 @@ def run(cfg: Config) -> list[dict]:
   validate_backend(cfg, jax.default_backend())
   # What the layout needs of each device's memory, before anything is written or compiled.
   memory.check(cfg)
+  if cfg.data.task == "conversations":  # converted data that agrees with the run
+    conversations.paths(cfg)
   trainer = Step.build(cfg)
   lock = None
   if distributed.is_main():

@@ -87,9 +87,20 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
              f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
   else:
     require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
-             f"synthetic data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
+             f"{cfg.data.task} data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
     _positive(cfg.data, "data", ("text_len",))
     require(cfg.data.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
+  if cfg.data.task == "conversations":
+    require(bool(cfg.data.dir), "data.dir",
+             "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
+             "data.dir to it.")
+    require(0 <= cfg.data.image_token < lm.vocab_size, "data.image_token",
+             f"{cfg.data.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
+             "the image token id that tools.convert reports.")
+  else:
+    require(cfg.data.image_token == -1, "data.image_token",
+             f"applies to data.task=conversations only; the {cfg.data.task} task marks images "
+             "with its own <img>.")
   require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
            f"{v.patch_size} must divide image_size {v.image_size}.")
   require(v.downsample > 0 and (v.image_size // v.patch_size) % v.downsample == 0,

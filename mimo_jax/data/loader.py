@@ -24,12 +24,13 @@ import numpy as np
 from mimo_jax import encoders
 from mimo_jax.batch import Batch, stack
 from mimo_jax.config import Config, ConfigError, DataConfig
-from mimo_jax.data import digits, meta, reorder, synthetic
+from mimo_jax.data import conversations, digits, meta, reorder, synthetic
 from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_items
 from mimo_jax.data.tokenizer import Tokenizer
 
 
-DECODERS = {"digits": digits.decode, "synthetic": synthetic.decode}
+DECODERS = {"digits": digits.decode, "synthetic": synthetic.decode,
+            "conversations": conversations.decode}
 
 
 class DataError(ConfigError):
@@ -51,6 +52,8 @@ def read_record(read, path: str, index: int, decode) -> dict:
 def build_paths(cfg: Config, progress=None) -> dict[str, str]:
   """The task's train and eval shards, built on first use."""
   d, v = cfg.data, cfg.model.vision
+  if d.task == "conversations":
+    return conversations.paths(cfg)
   if d.task == "synthetic":
     return synthetic.build(d.dir, d.train_samples, d.eval_samples, d.probs(),
                            d.sizes(v.image_size), v.channels,

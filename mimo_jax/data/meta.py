@@ -39,14 +39,15 @@ class Meta:
   sizes: dict[str, tuple[tuple[int, ...], ...]]  # encoder -> each item's size
 
 
-def row(sample: dict, tok: Tokenizer) -> Meta:
-  """The metadata of a full sample, for every registered encoder whose items it lists."""
+def row(sample: dict, tok: Tokenizer, placeholders: dict[str, int] | None = None) -> Meta:
+  """The metadata of a full sample, for every registered encoder whose items it lists (each
+  marked by its placeholder, or by `placeholders[name]`)."""
   present = [e for e in encoders.REGISTRY.values() if e.sample_key in sample]
+  mark = {e.name: (placeholders or {}).get(e.name, e.placeholder) for e in present}
   sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
-  _, loss = sample_tokens(tok, sample, {e.placeholder: [1] * len(sizes[e.name])
+  _, loss = sample_tokens(tok, sample, {mark[e.name]: [1] * len(sizes[e.name])
                                         for e in present})
-  placeholders = tuple(e.placeholder for e in present)
-  return Meta(text_length(sample, tok, placeholders), int(loss.sum()), sizes)
+  return Meta(text_length(sample, tok, tuple(mark.values())), int(loss.sum()), sizes)
 
 
 def path_of(shard: str) -> str:

@@ -126,7 +126,7 @@ class Vision(encoders.Encoder):
 
   def slot_layout(self, cfg: Config, groups: int, slots: int) -> ImageSlots:
     v = cfg.model.vision
-    return ImageSlots(self.name, self.placeholder, groups, slots, slot_tokens(cfg),
+    return ImageSlots(self.name, cfg.data.placeholder, groups, slots, slot_tokens(cfg),
                       slot_images(cfg),
                       image_shape=(v.image_size, v.image_size, v.channels),
                       slot_patches=cfg.data.slot_patches, patch_size=v.patch_size,

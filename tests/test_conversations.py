@@ -1,0 +1,160 @@
+"""LLaVA-format conversations: `tools.convert` writes what the chat template and the image
+processor give (bad records skipped with their reasons, or the conversion refused and nothing
+written), and `data.task=conversations` trains on it."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mimo_jax import train
+from mimo_jax.config import ConfigError
+from mimo_jax.data import conversations
+from mimo_jax.data.chat import ChatTokenizer, messages
+from mimo_jax.data.images import ImageProcessor
+from tests.helpers import tiny_config
+from tools import convert
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+TOKENIZER = FIXTURES / "chat" / "llama3"
+PROCESSOR = FIXTURES / "images" / "siglip"  # 20 x 20
+GOOD = [
+    {"id": "text", "conversations": [{"from": "human", "value": "Hello, who are you?"},
+                                     {"from": "gpt", "value": "A careful assistant."}]},
+    {"id": "one", "image": "portrait.png",
+     "conversations": [{"from": "human", "value": "<image>\nWhat is in the picture?"},
+                       {"from": "gpt", "value": "Noise, mostly."}]},
+    {"id": "three", "image": ["landscape.png", "rgba.png", "grayscale.png"],
+     "conversations": [{"from": "system", "value": "Answer briefly."},
+                       {"from": "human", "value": "<image> <image> Are these the same?"},
+                       {"from": "gpt", "value": "No."},
+                       {"from": "human", "value": "And <image>?"},
+                       {"from": "gpt", "value": "Gray."}]},
+]
+BAD = {
+    "missing image": {"id": "gone", "image": "nowhere.png", "conversations": [
+        {"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}]},
+    "corrupt image": {"id": "broken", "image": "broken.png", "conversations": [
+        {"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}]},
+    "image count": {"id": "count", "image": ["tiny.png"], "conversations": [
+        {"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "x"}]},
+    "unknown role": {"id": "robot", "conversations": [
+        {"from": "robot", "value": "beep"}, {"from": "gpt", "value": "x"}]},
+    "too long": {"id": "long", "conversations": [
+        {"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "x"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  root = tmp_path_factory.mktemp("llava")
+  images = root / "images"
+  images.mkdir()
+  for f in (FIXTURES / "images").glob("*.png"):
+    shutil.copy(f, images)
+  (images / "broken.png").write_text("not an image")
+  good = [dict(r, id=f"{r['id']}-{k}") for k in range(4) for r in GOOD]
+  (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in good + list(BAD.values())))
+  return root
+
+
+def _args(source, out, *extra):
+  return ["--json", str(source / "data.jsonl"), "--images", str(source / "images"),
+          "--tokenizer", str(TOKENIZER), "--processor", str(PROCESSOR), "--out", str(out),
+          "--seq_len", "170", "--image_tokens", "25", "--eval", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+  out = tmp_path_factory.mktemp("converted") / "data"
+  assert convert.main(_args(source, out, "--workers", "2")) == 0
+  return out
+
+
+def test_the_converter_writes_the_template_and_processor_output(converted):
+  m = conversations.manifest(str(converted))
+  assert sum(m["samples"].values()) == 12 and m["samples"]["eval"] >= 2 and m["images"] == 16
+  assert m["skipped"] == {reason: 1 for reason in BAD}
+  assert m["image_size"] == [20, 20] and m["image_token"] == 5
+  tok, proc = ChatTokenizer.open(TOKENIZER), ImageProcessor.open(PROCESSOR)
+  seen = set()
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  for split in conversations.SPLITS:
+    path = converted / f"{split}.array_record"
+    reader = array_record_module.ArrayRecordReader(str(path))
+    for i in range(reader.num_records()):
+      got = conversations.decode(reader.read([i])[0], str(path), i)
+      match = [r for r in GOOD
+               if np.array_equal(tok.encode(messages(r["conversations"]))[0], got["tokens"])]
+      assert len(match) == 1
+      r = match[0]
+      ids, mask = tok.encode(messages(r["conversations"]))
+      np.testing.assert_array_equal(got["loss_mask"], mask)
+      files = [r["image"]] if isinstance(r.get("image"), str) else r.get("image", [])
+      assert int((got["tokens"] == 5).sum()) == len(files) == len(got["images"])
+      for f, pixels in zip(files, got["images"]):
+        np.testing.assert_array_equal(pixels, proc(Image.open(FIXTURES / "images" / f)))
+      seen.add(r["id"])
+      # Token 3, the built-in tasks' <img>, is ordinary text here (<|end_header_id|>): the image
+      # placeholder is the tokenizer's own image token.
+      assert (got["tokens"] == 3).any()
+  assert seen == {r["id"] for r in GOOD}
+
+
+def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys):
+  assert convert.main(_args(source, tmp_path / "out", "--workers", "1")) == 0
+  err = capsys.readouterr().err
+  for reason, record in BAD.items():
+    line = next(ln for ln in err.splitlines() if f"(id {record['id']!r})" in ln)
+    assert line.startswith("skipped: ") and "data.jsonl: record " in line, line
+  assert "nowhere.png not found" in err and "broken.png cannot be read" in err
+  assert "unknown role 'robot'" in err and "exceed --seq_len 170" in err
+
+
+def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(source, tmp_path, capsys):
+  out = tmp_path / "out"
+  assert convert.main(_args(source, out, "--on_error", "fail", "--workers", "1")) == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.startswith("convert: error: ") and "(id 'gone')" in last and "nowhere.png" in last
+  assert not out.exists()
+
+
+def test_an_existing_conversion_is_refused(converted, source, capsys):
+  assert convert.main(_args(source, converted)) == 2
+  assert "holds a conversion already" in capsys.readouterr().err
+
+
+def _train_config(converted, workdir):
+  cfg = tiny_config(str(converted), vision=(0, 2, 1), language=(2, 2, 1))
+  d, v = cfg.data, cfg.model.vision
+  d.task, d.image_token, d.seq_len, d.max_images = "conversations", 5, 170, 3
+  d.global_batch, d.microbatches = 8, 2
+  v.image_size, v.channels = 20, 3
+  cfg.model.language.vocab_size = 300
+  cfg.eval.samples, cfg.eval.batch = 2, 2
+  cfg.train.steps, cfg.run.workdir, cfg.run.log_every = 3, str(workdir), 1
+  return cfg
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_a_run_trains_on_converted_conversations(converted, tmp_path, layout):
+  cfg = _train_config(converted, tmp_path / "run")
+  if layout == "packed":  # packing, cost-balanced ranks and slot and row buckets
+    d = cfg.data
+    d.pack_rows, d.reorder, d.slot_buckets, d.row_buckets = 4, "balance", 2, 2
+  records = train.run(cfg)
+  losses = [r["loss"] for r in records if "loss" in r]
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  assert all(r["images"] > 0 for r in records if "images" in r)
+  assert np.isfinite([r["eval_loss"] for r in records if "eval_loss" in r]).all()
+
+
+def test_a_run_that_disagrees_with_the_manifest_is_refused(converted, tmp_path):
+  cfg = _train_config(converted, tmp_path / "run")
+  cfg.data.image_token = 7
+  with pytest.raises(ConfigError, match="set data.image_token=5"):
+    train.run(cfg)
+  assert not (tmp_path / "run").exists()
