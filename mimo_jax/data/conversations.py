@@ -9,8 +9,8 @@ A converted directory (`data.dir`) holds:
   conversations.json                       the manifest: image token id, tokenizer, processor,
                                            image size, counts
 
-A record is a little-endian u32 header length, a JSON header (`tokens`, `loss_mask`, the shape of
-each image) and the images' uint8 bytes. Each `<image>` of the text is one token, the image token
+A record (records.py) is a JSON header (`tokens`, `loss_mask`, the shape of each image) and the
+images' uint8 bytes. Each `<image>` of the text is one token, the image token
 (`data.image_token`, checked against the manifest), which the layout expands to that image's
 tokens; the loss mask is 1 on every assistant token and its end-of-turn token.
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import struct
 
 import numpy as np
 
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import records
 
 MANIFEST = "conversations.json"
 SPLITS = ("train", "eval")
@@ -31,33 +31,21 @@ FORMAT_VERSION = 1
 
 
 def encode(sample: dict) -> bytes:
-  images = [np.ascontiguousarray(img, np.uint8) for img in sample["images"]]
-  header = json.dumps({"shapes": [list(img.shape) for img in images],
-                       "tokens": np.asarray(sample["tokens"]).tolist(),
-                       "loss_mask": np.asarray(sample["loss_mask"]).tolist()},
-                      separators=(",", ":")).encode()
-  return struct.pack("<I", len(header)) + header + b"".join(img.tobytes() for img in images)
+  return records.pack({"tokens": np.asarray(sample["tokens"]).tolist(),
+                       "loss_mask": np.asarray(sample["loss_mask"]).tolist()}, sample["images"])
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
   """Record -> {"images": [uint8 [h, w, c]], "tokens": int32 [n], "loss_mask": int32 [n]}; a bad
   record names the file and index."""
   try:
-    (size,) = struct.unpack_from("<I", record)
-    header = json.loads(record[4:4 + size])
-    images, offset = [], 4 + size
-    for shape in header["shapes"]:
-      count = int(np.prod(shape))
-      images.append(np.frombuffer(record, np.uint8, count, offset).reshape(shape))
-      offset += count
-    if offset != len(record):
-      raise ValueError(f"{len(record) - offset} bytes beyond the images")
+    header, images = records.unpack(record)
     tokens = np.asarray(header["tokens"], np.int32)
     mask = np.asarray(header["loss_mask"], np.int32)
     if tokens.shape != mask.shape:
       raise ValueError(f"{mask.size} loss mask entries for {tokens.size} tokens")
     return {"images": images, "tokens": tokens, "loss_mask": mask}
-  except (ValueError, KeyError, TypeError, struct.error) as e:
+  except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid conversation sample ({e}).") \
         from None
 

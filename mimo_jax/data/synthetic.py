@@ -14,16 +14,14 @@ Record format: a 4-byte little-endian header length, a JSON header {"shapes": [[
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import struct
 import tempfile
 
 import numpy as np
 from array_record.python import array_record_module
 
-from mimo_jax.data import meta
+from mimo_jax.data import meta, records
 from mimo_jax.data.tokenizer import IMG, SPECIALS, Tokenizer
 
 FORMAT_VERSION = 2
@@ -61,28 +59,16 @@ def make_samples(n: int, seed: int, probs: list[float], sizes: list[tuple[int, i
 
 
 def encode(sample: dict) -> bytes:
-  images = [np.ascontiguousarray(img, np.uint8) for img in sample["images"]]
-  header = json.dumps({"shapes": [list(img.shape) for img in images],
-                       "tokens": np.asarray(sample["tokens"]).tolist()},
-                      separators=(",", ":")).encode()
-  return struct.pack("<I", len(header)) + header + b"".join(img.tobytes() for img in images)
+  return records.pack({"tokens": np.asarray(sample["tokens"]).tolist()}, sample["images"])
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
   """Record -> {"images": [uint8 [h, w, c] each], "tokens": int32 [...]}; a bad record names the
   file and index."""
   try:
-    (size,) = struct.unpack_from("<I", record)
-    header = json.loads(record[4:4 + size])
-    images, offset = [], 4 + size
-    for shape in header["shapes"]:
-      count = int(np.prod(shape))
-      images.append(np.frombuffer(record, np.uint8, count, offset).reshape(shape))
-      offset += count
-    if offset != len(record):
-      raise ValueError(f"{len(record) - offset} bytes beyond the images")
+    header, images = records.unpack(record)
     return {"images": images, "tokens": np.asarray(header["tokens"], np.int32)}
-  except (ValueError, KeyError, TypeError, struct.error) as e:
+  except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid synthetic sample ({e}).") from None
 
 
