@@ -7,7 +7,9 @@ Each fixture is a directory as `save_pretrained` writes it (config.json, safeten
 sharded with an index) plus `reference.npz`: the inputs and transformers' float32 outputs on them
 (logits of language models and LLaVA, with LLaVA's loss; `last_hidden_state` of vision towers,
 also at image sizes off the position table's grid, `interpolate_pos_encoding=True`:
-`pixels_HxW`, `last_hidden_state_HxW`). Pixels are stored in [0, 1] (`pixels`, NHWC), each a byte
+`pixels_HxW`, `last_hidden_state_HxW`); beside each LLaVA, `generate.npz`: transformers' greedy
+`generate` for two left-padded prompts of different lengths with an image each (`--only generate`
+writes just these, from the saved LLaVAs). Pixels are stored in [0, 1] (`pixels`, NHWC), each a byte
 / 255 as a run's loader makes them, with the mean and std transformers' inputs were normalised with. Rerun after changing a fixture; the whole set stays well under a megabyte.
 """
 
@@ -156,6 +158,41 @@ def build(root: pathlib.Path) -> None:
   print(f"{root}: {total / 1e6:.2f} MB in all")
 
 
+GENERATE = 10  # new tokens of the greedy generation references
+
+
+def generations(root: pathlib.Path) -> None:
+  """`generate.npz` beside each LLaVA fixture: transformers' greedy `generate` of GENERATE tokens
+  (no end-of-sequence stop) for a batch of two prompts of different lengths, left-padded with an
+  attention mask, one image each; read from the saved fixture, so the weights stay as they are."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from transformers import LlavaForConditionalGeneration  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  norms = {"llava15": CLIP_NORM, "llava_siglip": SIGLIP_NORM}
+  for name, norm in norms.items():
+    model = LlavaForConditionalGeneration.from_pretrained(root / name).eval()
+    image = model.config.image_token_index
+    tokens = (IMAGE // PATCH) ** 2
+    rows = [[*rng.integers(4, VOCAB - 1, 3), *[image] * tokens, *rng.integers(4, VOCAB - 1, 4)],
+            [*rng.integers(4, VOCAB - 1, 1), *[image] * tokens, *rng.integers(4, VOCAB - 1, 2)]]
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int64)
+    mask = np.zeros((len(rows), width), np.int64)
+    for r, row in enumerate(rows):
+      ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+    pixels = _pixels(rng, len(rows))
+    with torch.no_grad():
+      out = model.generate(input_ids=torch.from_numpy(ids),
+                           attention_mask=torch.from_numpy(mask),
+                           pixel_values=_normalised(torch, pixels, norm), do_sample=False,
+                           max_new_tokens=GENERATE, min_new_tokens=GENERATE, eos_token_id=None,
+                           pad_token_id=0)
+    generated = out.numpy()[:, width:]
+    np.savez(root / name / "generate.npz", input_ids=ids, attention_mask=mask, pixels=pixels,
+             generated=generated)
+    print(f"{name}: generated {generated.tolist()}")
+
+
 def _preprocessor(out: pathlib.Path, norm) -> None:
   """The two fields of an image processor's config that the import reads."""
   (out / "preprocessor_config.json").write_text(json.dumps(
@@ -165,10 +202,14 @@ def _preprocessor(out: pathlib.Path, norm) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf"))
+  parser.add_argument("--only", choices=("all", "generate"), default="all",
+                      help="generate: only the generation references of the saved LLaVAs")
   args = parser.parse_args()
   root = pathlib.Path(args.out)
   root.mkdir(parents=True, exist_ok=True)
-  build(root)
+  if args.only == "all":
+    build(root)
+  generations(root)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,11 @@ class Module:
 
   def layer(self, params: Params, x: jax.Array, *side: jax.Array) -> jax.Array:
     """One block of the stack, from its slice of `params[BLOCKS]`."""
-    return self._bind(self.layer_ctor, params)(x, *side)
+    return self.bind_layer(params)(x, *side)
+
+  def bind_layer(self, params: Params) -> nnx.Module:
+    """One block of the stack as its NNX module, from its slice of `params[BLOCKS]`."""
+    return self._bind(self.layer_ctor, params)
 
   def abstract_params(self, seed: int = 0) -> Params:
     return jax.eval_shape(lambda: self.init(seed))

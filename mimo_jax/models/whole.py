@@ -48,6 +48,14 @@ def vlm_logits(cfg: Config, vision: dict, language: dict, ids_bl, images_nhwc,
                image_token: int) -> jax.Array:
   """LLaVA's forward: each run of `image_token` ids in [b, l] takes the next image's tokens (one
   image per run, in order) -> float32 logits [b, l, vocab]."""
+  x = merged_embeddings(cfg, vision, language, ids_bl, images_nhwc, image_token)
+  return language_logits(cfg, language, ids_bl, x)
+
+
+def merged_embeddings(cfg: Config, vision: dict, language: dict, ids_bl, images_nhwc,
+                      image_token: int) -> jax.Array:
+  """Token embeddings [b, l, d] with the images' tokens written over the `image_token` ids, the
+  next image's tokens at each run (in order)."""
   ids = np.asarray(ids_bl)
   tokens = vision_tokens(cfg, vision, images_nhwc)
   flat = tokens.reshape(-1, tokens.shape[-1])
@@ -57,8 +65,7 @@ def vlm_logits(cfg: Config, vision: dict, language: dict, ids_bl, images_nhwc,
   index = np.where(where, np.cumsum(where).reshape(ids.shape) - 1, 0)
   model = mimo.build_modules(cfg)["language"].bind(language)
   x = model.embed(jnp.asarray(ids))
-  x = jnp.where(jnp.asarray(where)[..., None], flat[jnp.asarray(index)].astype(x.dtype), x)
-  return language_logits(cfg, language, ids, x)
+  return jnp.where(jnp.asarray(where)[..., None], flat[jnp.asarray(index)].astype(x.dtype), x)
 
 
 def next_token_loss(logits_blv, labels_bl, ignore: int = -100) -> float:

@@ -1,0 +1,114 @@
+"""Generation with a key-value cache: greedy equals transformers' `generate` token for token on
+the LLaVA fixtures (a batch of left-padded prompts with images), sampling follows its seed and
+top-p, and `tools.generate` answers prompts from a workdir."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax import generate, hf
+from mimo_jax.config import Config
+from mimo_jax.models import whole
+from mimo_jax.validation import validate
+from tools import generate as generate_tool
+from tools import hf as hf_tool
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+
+
+def _fixture(name: str):
+  src = hf.Source.open(FIXTURES / name)
+  cfg = Config()
+  cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.model.language.vocab_size = 64
+  hf.configure(cfg, src)
+  validate(cfg)
+  ref = np.load(src.path / "generate.npz")
+  vision, language = hf.load(src, "vision", cfg), hf.load(src, "language", cfg)
+  embeds = whole.merged_embeddings(cfg, vision, language, ref["input_ids"], ref["pixels"],
+                                   src.config["image_token_index"])
+  return cfg, language, ref, embeds
+
+
+@pytest.mark.parametrize("name", ["llava15", "llava_siglip"])
+def test_greedy_generation_equals_transformers(name):
+  with jax.default_matmul_precision("highest"):
+    cfg, language, ref, embeds = _fixture(name)
+    got = generate.generate(cfg, language, ref["input_ids"], ref["attention_mask"],
+                            ref["generated"].shape[1], embeds_bld=embeds)
+  np.testing.assert_array_equal(got, ref["generated"])
+
+
+def test_sampling_follows_its_seed_and_top_p():
+  with jax.default_matmul_precision("highest"):
+    cfg, language, ref, embeds = _fixture("llava15")
+    run = lambda **kw: generate.generate(cfg, language, ref["input_ids"], ref["attention_mask"],
+                                         10, generate.Sampling(**kw), embeds)
+    hot = run(temperature=2.0, seed=1)
+    np.testing.assert_array_equal(hot, run(temperature=2.0, seed=1))
+    assert not np.array_equal(hot, run(temperature=2.0, seed=2))
+    assert not np.array_equal(hot, ref["generated"])
+    # A nucleus smaller than the likeliest token's mass keeps that token alone: greedy.
+    np.testing.assert_array_equal(run(temperature=2.0, top_p=1e-6, seed=3), ref["generated"])
+
+
+def test_a_row_stops_at_its_end_token():
+  with jax.default_matmul_precision("highest"):
+    cfg, language, ref, embeds = _fixture("llava15")
+    eos = int(ref["generated"][0, 2])  # row 0's third greedy token
+    got = generate.generate(cfg, language, ref["input_ids"], ref["attention_mask"], 10,
+                            embeds_bld=embeds, eos=eos)
+  np.testing.assert_array_equal(got[0, :3], ref["generated"][0, :3])
+  assert (got[0, 3:] == eos).all()
+  row = list(ref["generated"][1])
+  stop = row.index(eos) + 1 if eos in row else 10
+  np.testing.assert_array_equal(got[1, :stop], ref["generated"][1, :stop])
+
+
+WORDS = ["user", "assistant", ":", "what", "is", "in", "the", "picture", "hello", "there"]
+
+
+def _tokenizer(path: pathlib.Path) -> None:
+  """A word-level tokenizer of the fixture's 64 ids: `<image>` is 63, as in the LLaVA fixture."""
+  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+  for w in WORDS + [f"w{i}" for i in range(63 - 3 - len(WORDS))]:
+    vocab[w] = len(vocab)
+  vocab["<image>"] = 63
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["<s>", "</s>", "<image>"])
+  path.mkdir()
+  tok.save(str(path / "tokenizer.json"))
+  template = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+              "{% if add_generation_prompt %}<s> assistant : {% endif %}")
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+  (path / "preprocessor_config.json").write_text(json.dumps(
+      {"image_processor_type": "SiglipImageProcessor", "size": {"height": 16, "width": 16},
+       "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+
+
+def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
+  hf_tool.main(["import", "--hf", str(FIXTURES / "llava15"), "--out", str(tmp_path / "run")])
+  _tokenizer(tmp_path / "tok")
+  image = str(pathlib.Path(__file__).parent / "fixtures" / "images" / "landscape.png")
+  common = [str(tmp_path / "run"), "--tokenizer", str(tmp_path / "tok"), "--processor",
+            str(tmp_path / "tok"), "--image", image, "--max_new_tokens", "6"]
+  prompts = ["what is in the picture", "hello there"]
+  capsys.readouterr()
+  assert generate_tool.main(common + [a for p in prompts for a in ("--prompt", p)]) == 0
+  batch = capsys.readouterr().out.splitlines()
+  assert batch[0] == "> " + prompts[0] and batch[2] == "> " + prompts[1]
+  assert len(batch) == 4 and batch[1] and batch[3]  # six words each (a random model's)
+  for i, p in enumerate(prompts):
+    assert generate_tool.main(common + ["--prompt", p]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == batch[2 * i + 1]
+
+
+def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):
+  assert generate_tool.main([str(tmp_path), "--prompt", "hello"]) == 2
+  assert "no checkpoints/" in capsys.readouterr().err
