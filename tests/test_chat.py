@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from mimo_jax.data.chat import ChatError, ChatTokenizer, messages
+from mimo_jax.data.layout import sample_tokens
+from mimo_jax.data.tokenizer import Tokenizer
+from tools.chat_fixtures import IMAGE_TOKENS
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat"
 
@@ -27,6 +30,22 @@ def test_ids_and_loss_masks_match_transformers(family):
     images = [images] if isinstance(images, str) else images
     assert int((ids == image).sum()) == len(images), ref["id"]
     assert mask.sum() > 0 and not mask[ids == image].any()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_image_expansion_matches_the_llava_processor(family):
+  """The layout expands each image token of a converted sample to that image's tokens, where
+  transformers' LlavaProcessor expands `<image>` in the text: the same ids (the loss mask never
+  falls on an image's tokens)."""
+  tok = ChatTokenizer.open(FIXTURES / family)
+  image = tok.token_id("<image>")
+  for ref in json.loads((FIXTURES / family / "reference.json").read_text()):
+    ids, mask = tok.encode(messages(ref["conversations"]))
+    count = int((ids == image).sum())
+    sample = {"tokens": ids, "loss_mask": mask, "images": [None] * count}
+    words, loss = sample_tokens(Tokenizer(), sample, {image: [IMAGE_TOKENS] * count})
+    np.testing.assert_array_equal(words, ref["processor_ids"], err_msg=ref["id"])
+    assert not loss[np.asarray(words[1:]) == image].any()
 
 
 def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):

@@ -8,7 +8,9 @@ tokenizer is a byte-level BPE trained on a few sentences with the model family's
 and `<image>`; `tokenizer_config.json` holds the family's chat template as its instruct models
 ship it. `reference.json` lists LLaVA-format conversations (multi-turn, a system prompt, 0, 1 and
 3 images) with `apply_chat_template`'s ids and, from the same template with `{% generation %}`
-around each assistant turn's content and end-of-turn token, `return_assistant_tokens_mask`'s mask.
+around each assistant turn's content and end-of-turn token, `return_assistant_tokens_mask`'s mask,
+and `LlavaProcessor`'s ids for the rendered conversation and its images (each `<image>` expanded to
+IMAGE_TOKENS image tokens).
 """
 
 from __future__ import annotations
@@ -101,6 +103,29 @@ def _tokenizer(specials: list[str]):
   return tok
 
 
+IMAGE_TOKENS = 4  # an 8 x 8 image in patches of 4, every patch (the processor references)
+
+
+def _processor_ids(out: pathlib.Path, hf, msgs: list[dict], record: dict) -> list[int]:
+  """LlavaProcessor's ids for the rendered conversation and its images: each `<image>` expanded
+  to IMAGE_TOKENS image tokens."""
+  # pylint: disable=import-outside-toplevel
+  import numpy as np
+  from PIL import Image
+  from transformers import LlavaProcessor, SiglipImageProcessorPil
+  processor = LlavaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 8,
+                                                                           "width": 8}),
+                             tokenizer=hf, patch_size=4, vision_feature_select_strategy="full",
+                             num_additional_image_tokens=0, image_token="<image>")
+  files = record.get("image", [])
+  files = [files] if isinstance(files, str) else files
+  images = [Image.fromarray(np.full((11, 9, 3), 40 * i, np.uint8)) for i in range(len(files))]
+  text = hf.apply_chat_template(msgs, tokenize=False)
+  got = processor(text=text, images=images or None, add_special_tokens=False)
+  del out
+  return [int(i) for i in np.asarray(got["input_ids"]).reshape(-1)]
+
+
 def build(root: pathlib.Path) -> None:
   # pylint: disable-next=import-outside-toplevel
   from transformers import AutoTokenizer
@@ -124,7 +149,8 @@ def build(root: pathlib.Path) -> None:
                                       return_assistant_tokens_mask=True)
       if list(marked["input_ids"]) != list(ids):
         raise SystemExit(f"{name}: the marked template renders {record['id']} differently.")
-      refs.append(dict(record, input_ids=list(ids), loss_mask=list(marked["assistant_masks"])))
+      refs.append(dict(record, input_ids=list(ids), loss_mask=list(marked["assistant_masks"]),
+                       processor_ids=_processor_ids(out, hf, msgs, record)))
       print(f"{name} {record['id']}: {len(ids)} tokens, {sum(marked['assistant_masks'])} with loss")
     (out / "reference.json").write_text(json.dumps(refs, indent=1) + "\n")
 
