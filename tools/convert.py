@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 
@@ -192,6 +193,7 @@ def _convert(args) -> int:
   rows = {s: [] for s in conversations.SPLITS}
   skipped, images, size = collections.Counter(), 0, None
   items = [(i, r, str(source)) for i, r in enumerate(records)]
+  started = time.perf_counter()
   pool = None
   try:
     if args.workers > 1:
@@ -248,7 +250,9 @@ def _convert(args) -> int:
   part = out / (conversations.MANIFEST + ".tmp")
   part.write_text(json.dumps(manifest, indent=1))
   os.replace(part, out / conversations.MANIFEST)
-  print(f"converted {len(records)} records: {counts['train']} train and {counts['eval']} eval "
+  took = time.perf_counter() - started
+  print(f"converted {len(records)} records in {took:.1f} s ({len(records) / took:.1f} "
+        f"records/s, {args.workers} workers): {counts['train']} train and {counts['eval']} eval "
         f"samples, {images} images, {sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
