@@ -3,10 +3,12 @@
 For every module, per device: its parameters, optimizer state and gradient accumulators, exactly,
 from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp), and a lower
 bound on the activations its backward keeps (one microbatch's layer inputs, the MLP's hidden
-units unless `remat=full`, and the float32 logits; a pipelined module holds all its microbatches).
+units unless `remat=full`, the logits and their gradient in the compute dtype; a pipelined module
+holds all its microbatches).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
 and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
-buffers, the gathered layers under FSDP), so a layout that passes may still not fit.
+buffers, the optimizer update's, the gathered layers under FSDP), so a layout whose bound comes
+within WARN of the memory gets a warning line: it may not fit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mimo_jax.programs import Context
 from mimo_jax.sharding import AXES, Plan
 
 GiB = 1024**3
+WARN = 0.85  # a bound above this share of the device's memory is warned about
 
 
 def _bytes(tree) -> int:
@@ -50,7 +53,7 @@ def _activations(cfg: Config, name: str) -> int:
     tokens = rows * d.seq_len * chunks
     kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
     vocab = m.vocab_size or 17
-    return tokens * (layers * kept * width + 2 * 4 * vocab // t.tp)
+    return tokens * (layers * kept + 2 * vocab // t.tp) * width  # the logits and their gradient
   if name == "vision":
     v = cfg.model.vision
     per_slot = d.slot_patches or v.positions
@@ -110,14 +113,19 @@ def device_memory(cfg: Config) -> int | None:
   return stats.get("bytes_limit")
 
 
-def check(cfg: Config, limit: int | None = None) -> dict[str, dict[str, int]]:
+def check(cfg: Config, limit: int | None = None, warn=None) -> dict[str, dict[str, int]]:
   """Raises a ConfigError naming the module whose devices cannot hold what it needs (with the
-  modules it shares them with) in `limit` bytes (default `device_memory`); returns
-  `module_bytes`."""
+  modules it shares them with) in `limit` bytes (default `device_memory`); calls `warn(line)`
+  where the bound comes within WARN of it. Returns `module_bytes`."""
   need = module_bytes(cfg)
   limit = limit or device_memory(cfg)
   if not limit:
     return need
+  worst = per_device(cfg, need)
+  if WARN * limit < worst <= limit and warn is not None:
+    warn(f"warning: the layout needs at least {size(worst)} of a device's {size(limit)} "
+         f"({worst / limit:.0%}; mimo_jax/memory.py counts no temporaries): it may run out of "
+         "memory.")
   for names in _devices(cfg).values():
     total = sum(sum(need[n].values()) for n in names)
     if total <= limit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -109,7 +110,8 @@ def run(cfg: Config) -> list[dict]:
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
   # What the layout needs of each device's memory, before anything is written or compiled.
-  memory.check(cfg)
+  memory.check(cfg, warn=lambda line: print(line, file=sys.stderr) if distributed.is_main()
+               else None)
   if cfg.data.task == "conversations":  # converted data that agrees with the run
     conversations.paths(cfg)
   trainer = Step.build(cfg)

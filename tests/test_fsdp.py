@@ -188,3 +188,14 @@ def test_each_layer_is_gathered_for_its_forward_and_again_for_its_backward(data_
   gathers = len(re.findall(r"= [^=]*? all-gather(?:-start)?\(", hlo[0]))
   per_layer = len(jax.tree.leaves(state["language"].params["blocks"]))
   assert gathers >= 1.5 * cfg.model.language.layers * per_layer, gathers
+
+
+def test_a_layout_near_the_memory_is_warned_about(data_dir):
+  cfg = tiny_config(data_dir, vision=(0, 2, 1), language=(2, 4, 1))
+  need = memory.per_device(cfg, memory.module_bytes(cfg))
+  for limit, warned in ((int(need * 1.1), True), (int(need * 2), False)):
+    lines = []
+    memory.check(cfg, limit=limit, warn=lines.append)
+    assert len(lines) == int(warned), lines
+    if warned:
+      assert lines[0].startswith("warning: the layout needs at least ") and "may run out" in lines[0]

@@ -112,7 +112,7 @@ class Run:
     self.cfg = cfg
     # Refused before compiling where a device cannot hold it (run.device_memory_gb or the
     # device's own); the estimate is a lower bound to set beside the measured peak.
-    self.estimate_gib = memory.per_device(cfg, memory.check(cfg)) / 2**30
+    self.estimate_gib = memory.per_device(cfg, memory.check(cfg, warn=print)) / 2**30
     self.step = Step.build(cfg)
     self.topo = self.step.topo
     self.state = self.step.init_state(cfg.train.seed)
