@@ -3,22 +3,26 @@ processor give (bad records skipped with their reasons, or the conversion refuse
 written), and `data.task=conversations` trains on it."""
 
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from mimo_jax import train
-from mimo_jax.config import ConfigError
+from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.data import conversations
 from mimo_jax.data.chat import ChatTokenizer, messages
 from mimo_jax.data.images import ImageProcessor
 from tests.helpers import tiny_config
 from tools import convert
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 TOKENIZER = FIXTURES / "chat" / "llama3"
 PROCESSOR = FIXTURES / "images" / "siglip"  # 20 x 20
 GOOD = [
@@ -139,12 +143,14 @@ def _train_config(converted, workdir):
   return cfg
 
 
-@pytest.mark.parametrize("layout", ["plain", "packed"])
+@pytest.mark.parametrize("layout", ["plain", "packed", "dynamic"])
 def test_a_run_trains_on_converted_conversations(converted, tmp_path, layout):
   cfg = _train_config(converted, tmp_path / "run")
+  d = cfg.data
   if layout == "packed":  # packing, cost-balanced ranks and slot and row buckets
-    d = cfg.data
     d.pack_rows, d.reorder, d.slot_buckets, d.row_buckets = 4, "balance", 2, 2
+  if layout == "dynamic":  # images packed into slots of patches
+    d.slot_patches, d.image_slots = 50, 8
   records = train.run(cfg)
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 3 and all(np.isfinite(losses))
@@ -158,3 +164,29 @@ def test_a_run_that_disagrees_with_the_manifest_is_refused(converted, tmp_path):
   with pytest.raises(ConfigError, match="set data.image_token=5"):
     train.run(cfg)
   assert not (tmp_path / "run").exists()
+
+
+def test_two_processes_read_only_their_records_and_match_one(converted, tmp_path):
+  """Scalable reads on converted data: vision on process 0, the language model on process 1;
+  the losses are the one-process run's, and process 0 reads only the samples with images."""
+  layout = "vision=0/4/1,language=4/2/2"
+  sets = ["--config.data.task=conversations", f"--config.data.dir={converted}",
+          "--config.data.image_token=5", "--config.data.seq_len=170", "--config.data.max_images=3",
+          "--config.data.global_batch=8", "--config.model.vision.image_size=20",
+          "--config.model.vision.channels=3", "--config.model.language.vocab_size=300",
+          "--config.eval.samples=4", "--config.eval.batch=4", "--config.train.steps=3",
+          "--config.run.log_every=1"]
+  proc = subprocess.run(
+      [sys.executable, "-m", "tools.launch_local", "-n", "2", "--devices_per_process", "4", "--",
+       f"--config=tests/configs/tiny.py:{layout}", f"--config.run.workdir={tmp_path / 'two'}",
+       *sets], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+      text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+  two = [r for r in map(json.loads, lines) if "loss" in r]
+  cfg = _train_config(converted, tmp_path / "one")
+  set_layout(cfg, layout)
+  cfg.eval.samples = cfg.eval.batch = 4
+  one = [r for r in train.run(cfg) if "loss" in r]
+  np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-4)
+  assert sum(r["records_read"] for r in two) < sum(r["records_read"] for r in one)
