@@ -248,6 +248,13 @@ class Step:
   def abstract_state(self, canonical: bool = False) -> dict[str, dict]:
     return state.abstract_state(self.plan, canonical)
 
+  def fresh_opt_state(self, name: str, canonical_params):
+    """Module `name`'s optimizer state as its transform starts it, for parameters in the
+    checkpoint layout (a step saved with parameters only)."""
+    target = self.abstract_state(canonical=True)[name]["opt_state"]
+    return jax.jit(self.plan[name].tx.init,
+                   out_shardings=jax.tree.map(lambda a: a.sharding, target))(canonical_params)
+
   def canonical(self, state_: dict[str, ModuleState]) -> dict[str, ModuleState]:
     return state.canonical(self.plan, state_)
 

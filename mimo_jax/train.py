@@ -148,7 +148,8 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     start = found or 0
     if found is not None:
-      state, _ = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg)
+      state, _ = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
+                              trainer.fresh_opt_state)
       state = trainer.from_canonical(state)
     else:
       state = trainer.init_state(cfg.train.seed)

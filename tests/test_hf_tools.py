@@ -122,3 +122,26 @@ def test_a_tower_and_a_language_model_from_two_directories(tmp_path):
     for path, read in hf_tool.hf.leaves(src, module, cfg):
       np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
   assert flat(params["vision"])[("projector", "up", "kernel")].shape == (16, 24)  # the seed's
+
+
+def test_a_run_starts_from_the_imports_step_0(tmp_path):
+  """The import saves step 0 with the parameters only (a third of the bytes through the host);
+  a run on the workdir restores them and starts the optimizer fresh, as a run that reads the HF
+  directory itself does (init_from)."""
+  _import(FIXTURES / "llava15", tmp_path / "run")
+  from mimo_jax import checkpoint, train  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import from_dict  # pylint: disable=import-outside-toplevel
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path / "run")),
+                                 ["vision", "language"], read_only=True)
+  assert ckpt.read_meta(0).get("params_only") is True
+  cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+  cfg.data.dir, cfg.train.steps, cfg.run.log_every = str(tmp_path / "data"), 2, 1
+  cfg.eval.samples = cfg.eval.batch = 8
+  resumed = [r for r in train.run(cfg) if "loss" in r]
+  direct = tmp_path / "direct"
+  cfg.run.workdir = str(direct)
+  cfg.model.vision.init_from = cfg.model.language.init_from = str(FIXTURES / "llava15")
+  fresh = [r for r in train.run(cfg) if "loss" in r]
+  assert [r["step"] for r in resumed] == [1, 2]
+  for a, b in zip(resumed, fresh):
+    assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])

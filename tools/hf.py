@@ -132,7 +132,8 @@ def import_(args, extra: list[str]) -> None:
   out.mkdir(parents=True, exist_ok=True)
   # The save copies the state to the host a few GB at a time, not all at once.
   ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=SAVE_HOST_GB)
-  ckpt.save(0, step.canonical(state), cfg, force=True)
+  # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
+  ckpt.save(0, step.canonical(state), cfg, force=True, params_only=True)
   ckpt.close()
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
   (out / "config.py").write_text(CONFIG_PY.format(
