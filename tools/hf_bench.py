@@ -145,7 +145,7 @@ def _record(results: dict, args) -> None:
     rows.append(f"| import SigLIP + Llama (wall, incl. start-up and compile) | {i['seconds']:.0f} s |")
     rows.append(f"| import: peak host memory reading the tensors into the devices | "
                 f"{i['peak_read_gib']:.1f} GiB |")
-    rows.append(f"| import: peak host memory with the step-0 save (parameters and Adam state) | "
+    rows.append(f"| import: peak host memory with the step-0 save (the parameters) | "
                 f"{i['peak_gib']:.1f} GiB |")
   for k, line in c.items():
     rows.append(f"| check {k} | {line.split(': ', 1)[-1]} |")
