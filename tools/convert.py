@@ -191,7 +191,8 @@ def _convert(args) -> int:
   writers = {s: array_record_module.ArrayRecordWriter(str(p), "group_size:1")
              for s, p in tmp.items()}
   rows = {s: [] for s in conversations.SPLITS}
-  skipped, images, size = collections.Counter(), 0, None
+  skipped, images, sizes = collections.Counter(), 0, collections.Counter()
+  tok0 = Tokenizer()  # unused by samples with their own loss mask
   items = [(i, r, str(source)) for i, r in enumerate(records)]
   started = time.perf_counter()
   pool = None
@@ -213,9 +214,9 @@ def _convert(args) -> int:
         continue
       split = "eval" if index in eval_ids else "train"
       writers[split].write(conversations.encode(sample))
-      rows[split].append(meta.row(sample, Tokenizer(), placeholders))
+      rows[split].append(meta.row(sample, tok0, placeholders))
       images += len(sample["images"])
-      size = size or next((p.shape[:2] for p in sample["images"]), None)
+      sizes.update(tuple(int(v) for v in p.shape[:2]) for p in sample["images"])
     if pool is not None:
       pool.close()
   except BaseException:  # nothing of this conversion stays behind
@@ -234,8 +235,10 @@ def _convert(args) -> int:
     for p in tmp.values():
       p.unlink(missing_ok=True)
     raise ConfigError(f"{source}: no record could be converted ({dict(skipped)}).")
-  if size is None:  # text only: the processor's own size
-    size = proc.crop or proc.size or (proc.shortest_edge,) * 2
+  # The most common image size (every one, with a crop or a square resize); text only: the
+  # processor's own.
+  size = (sizes.most_common(1)[0][0] if sizes else
+          proc.crop or proc.size or (proc.shortest_edge,) * 2)
   for s in conversations.SPLITS:  # each shard complete before its name appears
     final = out / f"{s}.array_record"
     meta.save(str(final), rows[s])
@@ -243,6 +246,7 @@ def _convert(args) -> int:
   vocab = tok.tokenizer.get_vocab_size()
   manifest = {"format": conversations.FORMAT_VERSION, "image_token": image_id,
               "image_token_text": args.image_token, "image_size": [int(v) for v in size],
+              "image_sizes": sorted([list(k) for k in sizes]),
               "vocab_size": vocab, "tokenizer": str(args.tokenizer),
               "processor": str(args.processor or args.tokenizer), "source": str(source),
               "samples": counts, "images": images, "skipped": dict(skipped),

@@ -7,7 +7,7 @@ A converted directory (`data.dir`) holds:
   train.array_record, eval.array_record   one record a sample (`encode`)
   <shard>.meta.npz                         the per-record sidecar of scalable reads (meta.py)
   conversations.json                       the manifest: image token id, tokenizer, processor,
-                                           image size, counts
+                                           image sizes, counts
 
 A record (records.py) is a JSON header (`tokens`, `loss_mask`, the shape of each image) and the
 images' uint8 bytes. Each `<image>` of the text is one token, the image token
@@ -78,6 +78,11 @@ def paths(cfg: Config) -> dict[str, str]:
   if not d.slot_patches and (h, w) != (v.image_size, v.image_size):
     raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {d.dir} holds "
                       f"{h}x{w} images; set model.vision.image_size={h}, or data.slot_patches.")
+  others = [f"{a}x{b}" for a, b in m.get("image_sizes", []) if (a, b) != (h, w)]
+  if others and not d.slot_patches:
+    raise ConfigError(f"config.data.slot_patches: {d.dir} holds images of several sizes "
+                      f"({h}x{w}, {', '.join(others[:3])}), which need dynamic resolution; set "
+                      "data.slot_patches, or convert with a processor that crops.")
   vocab = cfg.model.language.vocab_size
   if vocab < m["vocab_size"]:
     raise ConfigError(f"config.model.language.vocab_size: {vocab} is less than the tokenizer's "
