@@ -20,10 +20,10 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from mimo_jax import encoders
-from mimo_jax.config import Config, ConfigError
+from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError
 from mimo_jax.models.mimo import build_modules
 from mimo_jax.programs import Context
-from mimo_jax.sharding import AXES, Plan
+from mimo_jax.sharding import AXES, Plan, with_shardings
 
 GiB = 1024**3
 WARN = 0.85  # a bound above this share of the device's memory is warned about
@@ -33,11 +33,6 @@ def _bytes(tree) -> int:
   """Bytes of the largest shard of every array in `tree` (ShapeDtypeStructs with shardings)."""
   return sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
              for a in jax.tree.leaves(tree) if hasattr(a, "sharding"))
-
-
-def _abstract(shapes, shardings):
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                      shardings)
 
 
 def _activations(cfg: Config, name: str) -> int:
@@ -52,7 +47,7 @@ def _activations(cfg: Config, name: str) -> int:
     rows = (d.pack_rows or d.micro_batch) // t.dp
     tokens = rows * d.seq_len * chunks
     kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
-    vocab = m.vocab_size or 17
+    vocab = m.vocab_size or DIGITS_VOCAB
     return tokens * (layers * kept + 2 * vocab // t.tp) * width  # the logits and their gradient
   if name == "vision":
     v = cfg.model.vision
@@ -80,11 +75,11 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
     acc_sh = p.per_rank_sh if per_rank else p.param_sh
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
                                                          a.dtype), p.abstract_params)
-    grads = _bytes(_abstract(shapes, acc_sh))
+    grads = _bytes(with_shardings(shapes, acc_sh))
     if per_rank:  # the step's sum is made beside the per-rank accumulators
-      grads += _bytes(_abstract(p.abstract_params, p.grad_sh))
+      grads += _bytes(with_shardings(p.abstract_params, p.grad_sh))
     out[name] = {"parameters": _bytes(p.abstract_params),
-                 "optimizer state": _bytes(_abstract(p.opt_shapes, p.opt_sh)),
+                 "optimizer state": _bytes(with_shardings(p.opt_shapes, p.opt_sh)),
                  "gradients": grads if p.trainable else 0,
                  "activations": _activations(cfg, name)}
   return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -47,6 +49,20 @@ def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Step, 
     state, metrics = step.train_step(state, batch)
     out.append(jax.device_get(metrics))
   return out, step, state, init
+
+
+def language_step_hlo(step: Step, state: dict, batch) -> list[str]:
+  """Trains `batch` as one step of `step`; returns the compiled HLO of each of its language-step
+  calls (one a microbatch, or one for a pipelined model)."""
+  hlo = []
+  program = step.programs.language_step
+
+  def capture(*args):
+    hlo.append(program.lower(*args).compile().as_text())
+    return program(*args)
+  step.programs = dataclasses.replace(step.programs, language_step=capture)
+  step.train_step(state, batch)
+  return hlo
 
 
 def assert_close_trajectory(ref: list[dict], got: list[dict], rtol: float) -> None:

@@ -1,7 +1,6 @@
 """State sharded over data-parallel ranks (`topology.<module>.shard`): ZeRO-1 and FSDP keep the
 single-device trajectory, shrink what each device holds, and checkpoints move between them."""
 
-import dataclasses
 import os
 import pathlib
 import re
@@ -16,7 +15,7 @@ import pytest
 from mimo_jax import memory, train
 from mimo_jax.data import loader
 from mimo_jax.step import Probe, Step
-from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+from tests.helpers import assert_close_trajectory, language_step_hlo, run_steps, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -176,15 +175,8 @@ def test_each_layer_is_gathered_for_its_forward_and_again_for_its_backward(data_
   cfg.topology.language.remat, cfg.topology.language.unroll = "none", True
   step = Step.build(cfg)
   state = step.init_state(cfg.train.seed)
-  hlo = []
-  program = step.programs.language_step
-
-  def capture(*args):
-    hlo.append(program.lower(*args).compile().as_text())
-    return program(*args)
-  step.programs = dataclasses.replace(step.programs, language_step=capture)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
-  step.train_step(state, ds[0])
+  hlo = language_step_hlo(step, state, ds[0])
   gathers = len(re.findall(r"= [^=]*? all-gather(?:-start)?\(", hlo[0]))
   per_layer = len(jax.tree.leaves(state["language"].params["blocks"]))
   assert gathers >= 1.5 * cfg.model.language.layers * per_layer, gathers

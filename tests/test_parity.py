@@ -1,6 +1,5 @@
 """The core property: every topology gives the single-device loss trajectory."""
 
-import dataclasses
 import math
 import re
 
@@ -14,7 +13,7 @@ from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import Tokenizer
 from mimo_jax.step import Step
-from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+from tests.helpers import assert_close_trajectory, language_step_hlo, run_steps, tiny_config
 
 STEPS = 4
 SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
@@ -114,15 +113,8 @@ def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
   parameter count, and whether the layout defers the gradient sum."""
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=language)
   _, stepper, state, _ = run_steps(cfg, 1)
-  hlo = []
-  step = stepper.programs.language_step
-
-  def capture(*args):
-    hlo.append(step.lower(*args).compile().as_text())
-    return step(*args)
-  stepper.programs = dataclasses.replace(stepper.programs, language_step=capture)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], language[1])
-  stepper.train_step(state, ds[1])
+  hlo = language_step_hlo(stepper, state, ds[1])
   assert len(hlo) == cfg.data.microbatches > 1
   params = sum(a.size for a in jax.tree.leaves(state["language"].params))
   return hlo, params, stepper.ctx.defer_reduce
