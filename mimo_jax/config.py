@@ -241,11 +241,6 @@ class DataConfig:
     return self.image_token if self.image_token >= 0 else 3
 
   @property
-  def pixel_max(self) -> float:
-    """The largest pixel value (images travel as uint8 and are scaled to [0, 1] on device)."""
-    return 16.0 if self.task == "digits" else 255.0
-
-  @property
   def micro_batch(self) -> int:
     return self.global_batch // self.microbatches
 

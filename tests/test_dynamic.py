@@ -160,7 +160,7 @@ def test_bicubic_positions_packed_match_each_image_alone(synth_dir):
   got = packed.reshape(-1, packed.shape[-1])
   start = 0
   for im in images:
-    x = model.patches(jnp.asarray(im, jnp.float32)[None] / cfg.data.pixel_max)
+    x = model.patches(jnp.asarray(im, jnp.float32)[None] / 255.0)
     alone = np.asarray(model.finish(whole.blocks(stepper.modules["vision"], params, x)))[0]
     np.testing.assert_allclose(got[start:start + len(alone)], alone, rtol=1e-5, atol=1e-5)
     start += len(alone)

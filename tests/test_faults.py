@@ -177,7 +177,7 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   # A damaged shard names itself and how to rebuild it.
   broken = tmp_path / "data"
   shutil.copytree(data_dir, broken)
-  shard = next(broken.glob("*-n2000-*-train.array_record"))  # the one this run reads
+  shard = next(broken.glob("digits-*-n2000-*/train.array_record"))  # the one this run reads
   shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
   proc = _run(_args(broken, tmp_path / "shard", "--config.train.steps=3"))
   _one_line_error(proc, 2, str(shard), "delete it")

@@ -102,7 +102,8 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
   capsys.readouterr()
   assert generate_tool.main(common + [a for p in prompts for a in ("--prompt", p)]) == 0
   batch = capsys.readouterr().out.splitlines()
-  assert batch[0] == "> " + prompts[0] and batch[2] == "> " + prompts[1]
+  assert batch[0] == "> [landscape.png] " + prompts[0]
+  assert batch[2] == "> [landscape.png] " + prompts[1]
   assert len(batch) == 4 and batch[1] and batch[3]  # six words each (a random model's)
   for i, p in enumerate(prompts):
     assert generate_tool.main(common + ["--prompt", p]) == 0

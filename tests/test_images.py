@@ -66,3 +66,20 @@ def test_unsupported_processor_configs_are_one_error(tmp_path, change, words):
   assert str(path) in str(e.value)
   with pytest.raises(ImageError, match="not found"):
     ImageProcessor.open(tmp_path)
+
+
+def test_without_rgb_conversion_a_grayscale_image_keeps_one_channel(tmp_path):
+  """`do_convert_rgb: false` (the digits task's processor) keeps a grayscale image's one band
+  through the resize, and refuses a mode it cannot keep rather than converting it."""
+  shutil.copytree(FIXTURES / "siglip", tmp_path / "p")
+  path = tmp_path / "p" / images.FILE
+  path.write_text(json.dumps(dict(json.loads(path.read_text()), do_convert_rgb=False)))
+  proc = ImageProcessor.open(tmp_path / "p")
+  gray = Image.open(FIXTURES / "grayscale.png").convert("L")
+  want = np.asarray(gray.resize((20, 20), Image.Resampling.BICUBIC))
+  got = proc(gray)
+  assert got.shape == (20, 20, 1)
+  np.testing.assert_array_equal(got[..., 0], want)
+  assert proc(gray.convert("RGB")).shape == (20, 20, 3)
+  with pytest.raises(ValueError, match="RGBA image"):
+    proc(Image.open(FIXTURES / "rgba.png").convert("RGBA"))

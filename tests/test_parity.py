@@ -54,7 +54,7 @@ def _mixed_batches(cfg):
   mixed = digits.make_samples(tr_x, tr_y, micro, [0.4, 0.2, 0.2, 0.2], seed=7)
   images = digits.make_samples(tr_x, tr_y, micro, [0.0, 0.0, 0.0, 1.0], seed=8)
   text = digits.make_samples(tr_x, tr_y, micro, [1.0, 0.0, 0.0, 0.0], seed=9)
-  assert any(not s["images"] for s in mixed) and any(s["images"] for s in mixed)
+  assert any(not len(s["images"]) for s in mixed) and any(len(s["images"]) for s in mixed)
   steps = [[mixed, text], [text, images], [images, mixed], [mixed, mixed]]
   tok = Tokenizer()
 

@@ -8,7 +8,8 @@ Steps, as transformers' PIL backend runs them (`CLIPImageProcessorPil`, `SiglipI
 the processors without torchvision):
 
 1. RGB: an image with transparency is composited onto white, grayscale and palette images become
-   RGB.
+   RGB. With `do_convert_rgb: false` an image keeps its bands: a grayscale image stays one channel
+   ([h, w, 1]; the digits task's tower reads one channel).
 2. Optionally LLaVA's pad to square (`pad_to_square`, LLaVA-1.5's `image_aspect_ratio=pad`): the
    image centred on a square of its longer side filled with the mean colour.
 3. Resize with Pillow's filter (`resample`; bicubic for CLIP and SigLIP): the shortest edge to
@@ -50,6 +51,7 @@ class ImageProcessor:
   mean: tuple[float, ...] = (0.0, 0.0, 0.0)  # normalisation (on the device)
   std: tuple[float, ...] = (1.0, 1.0, 1.0)
   pad_to_square: bool = False  # LLaVA's pad to a square of the mean colour first
+  convert_rgb: bool = True  # False: keep the image's bands (grayscale stays one channel)
 
   @classmethod
   def open(cls, directory, pad_to_square: bool = False) -> "ImageProcessor":
@@ -69,9 +71,7 @@ class ImageProcessor:
     if c.get("do_rescale", True) and abs(c.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-12:
       raise ImageError(f"{path}: rescale_factor {c['rescale_factor']} is not supported (1/255, "
                        "which the vision tower applies).")
-    if not c.get("do_convert_rgb", True):
-      raise ImageError(f"{path}: do_convert_rgb=false is not supported (images become RGB).")
-    size, out = c.get("size", {}), {}
+    size, out = c.get("size", {}), {"convert_rgb": bool(c.get("do_convert_rgb", True))}
     if c.get("do_resize", True):
       if "shortest_edge" in size:
         out["shortest_edge"] = int(size["shortest_edge"])
@@ -92,15 +92,23 @@ class ImageProcessor:
                pad_to_square=pad_to_square, **out)
 
   def __call__(self, image: Image.Image) -> np.ndarray:
-    """A PIL image -> uint8 pixels [h, w, 3], resized and cropped as the processor does."""
-    image = rgb(image)
+    """A PIL image -> uint8 pixels [h, w, 3] ([h, w, bands] without RGB conversion), resized and
+    cropped as the processor does."""
+    if self.convert_rgb:
+      image = rgb(image)
+    elif image.mode not in ("L", "RGB"):
+      raise ValueError(f"a {image.mode} image where the processor keeps bands (do_convert_rgb "
+                       "false) and reads L (grayscale) or RGB images")
     if self.pad_to_square:
-      image = square(image, tuple(int(m * 255) for m in self.mean))
+      fill = tuple(int(m * 255) for m in self.mean)
+      image = square(image, fill if image.mode == "RGB" else fill[0])
     if self.shortest_edge:
       image = image.resize(_shortest_edge(image.size, self.shortest_edge)[::-1], self.resample)
     elif self.size:
       image = image.resize(self.size[::-1], self.resample)
     pixels = np.asarray(image, np.uint8)
+    if pixels.ndim == 2:
+      pixels = pixels[..., None]
     return center_crop(pixels, self.crop) if self.crop else pixels
 
   def normalized(self, pixels: np.ndarray) -> np.ndarray:
@@ -120,7 +128,7 @@ def rgb(image: Image.Image) -> Image.Image:
   return image.convert("RGB")
 
 
-def square(image: Image.Image, fill: tuple[int, ...]) -> Image.Image:
+def square(image: Image.Image, fill) -> Image.Image:
   """LLaVA's expand2square: the image centred on a square of its longer side."""
   w, h = image.size
   if w == h:

@@ -29,7 +29,7 @@ from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_ite
 from mimo_jax.data.tokenizer import Tokenizer
 
 
-DECODERS = {"digits": digits.decode, "synthetic": synthetic.decode,
+DECODERS = {"digits": conversations.decode, "synthetic": synthetic.decode,
             "conversations": conversations.decode}
 
 
@@ -59,7 +59,8 @@ def build_paths(cfg: Config, progress=None) -> dict[str, str]:
                            d.sizes(v.image_size), v.channels,
                            v.patch_size * v.downsample, d.seq_len, d.text_len,
                            d.text_len_sigma, cfg.model.language.vocab_size, progress)
-  return digits.build(d.dir, d.train_samples, d.eval_samples, d.probs())
+  return conversations.paths(cfg, digits.build(d.dir, d.train_samples, d.eval_samples,
+                                                d.probs()))
 
 
 def make_layout(cfg: Config, groups: int, eval_batch: int = 0) -> Layout:
@@ -82,7 +83,7 @@ class _Decode(grain.transforms.Map):
     return index, read_record(lambda: record, self._path, index, self._decode)
 
 
-def _source(path: str, task: str = "digits") -> grain.MapDataset:
+def _source(path: str, task: str) -> grain.MapDataset:
   src = grain.sources.ArrayRecordDataSource([path])
   if len(src) == 0:
     raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")

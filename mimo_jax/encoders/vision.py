@@ -26,6 +26,7 @@ from mimo_jax.data.tokenizer import IMG
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
 PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
+PIXEL_MAX = 255.0
 
 
 def image_sizes(sample: dict) -> list[tuple[int, int]]:
@@ -136,7 +137,7 @@ class Vision(encoders.Encoder):
     return eval_batch * cfg.data.max_images if eval_batch else cfg.data.slots()
 
   def prepare(self, cfg: Config, inputs: dict) -> dict:
-    return {k: v.astype(jnp.float32) / cfg.data.pixel_max if k in PIXELS else v
+    return {k: v.astype(jnp.float32) / PIXEL_MAX if k in PIXELS else v
             for k, v in inputs.items()}
 
   def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
