@@ -164,8 +164,9 @@ class Checkpointer:
 
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
                read_only: bool = False, host_gb: int | None = None):
-    """`host_gb`: at most this many GB of arrays copied to the host at a time by a save (orbax's
-    default: 96)."""
+    """`host_gb`: at most this many GB of arrays copied off the devices and being written at a
+    time by a save (orbax's defaults: no limit on the copies, 96 GB being written); a checkpointer
+    with a limit saves only (`tools.hf import`'s step 0)."""
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder
@@ -182,8 +183,13 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only, cleanup_tmp_directories=not read_only)
-    limit = {} if host_gb is None else {"save_concurrent_gb": host_gb}
-    handlers = {n: ocp.StandardCheckpointHandler(**limit) for n in self.modules}
+    if host_gb is None:
+      handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
+    else:  # the standard handler limits the bytes being written, not those copied to the host
+      handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=host_gb,
+                                                 save_device_host_concurrent_gb=host_gb)
+                  for n in self.modules}
+    self._save_args = (ocp.args.StandardSave if host_gb is None else ocp.args.PyTreeSave)
     handlers[META] = ocp.JsonCheckpointHandler()
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 
@@ -235,7 +241,7 @@ class Checkpointer:
     if jax.process_count() > 1:
       trees = {n: _to_global(t) for n, t in trees.items()}
       _settle(trees)
-    items = {n: ocp.args.StandardSave(t) for n, t in trees.items()}
+    items = {n: self._save_args(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
 

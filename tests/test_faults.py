@@ -13,6 +13,8 @@ import sys
 import time
 
 from mimo_jax.checkpoint import complete_steps
+from mimo_jax.config import Config
+from mimo_jax.data import digits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--config.data.train_samples=2000", "--config.data.eval_samples=200",
@@ -177,7 +179,8 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   # A damaged shard names itself and how to rebuild it.
   broken = tmp_path / "data"
   shutil.copytree(data_dir, broken)
-  shard = next(broken.glob("digits-*-n2000-*/train.array_record"))  # the one this run reads
+  probs = [float(x) for x in Config().data.image_probs.split(",")]  # the one this run reads
+  shard = digits.directory(str(broken), 2000, 200, probs) / "train.array_record"
   shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
   proc = _run(_args(broken, tmp_path / "shard", "--config.train.steps=3"))
   _one_line_error(proc, 2, str(shard), "delete it")

@@ -122,7 +122,7 @@ def import_(args, extra: list[str]) -> None:
   from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
   from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
   validate(cfg, len(jax.devices()))
-  started = time.time()
+  started, base = time.time(), _peak_gib()  # the process with its backend, before any tensor
   for module, path in taken.items():
     print(f"importing model.{module} from {path}", flush=True)
   step = Step.build(cfg)
@@ -144,7 +144,8 @@ def import_(args, extra: list[str]) -> None:
       indent=2) + "\n")
   counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
   print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
-        f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save; train "
+        f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
+        f"({base:.2f} GiB before reading); train "
         f"with: python -m mimo_jax.launch --config={out / 'config.py'}")
 
 
