@@ -9,7 +9,7 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
-REMAT = ("none", "full", "dots")  # activation rematerialisation policies (pipeline.py)
+REMAT = ("none", "full", "dots", "dots_attention")  # activation rematerialisation policies (pipeline.py)
 SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (sharding.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 POSITION_RESIZE = ("crop", "bicubic")  # patches.py
@@ -141,7 +141,7 @@ class ModuleTopology:
   # smaller, v times more stage-to-stage sends).
   virtual: int = 1
   # What each layer's backward keeps: none (everything), full (its input only, recompute the
-  # rest), dots (matmul outputs).
+  # rest), dots (matmul outputs), dots_attention (matmul outputs and cuDNN attention's outputs).
   remat: str = "none"
   # State sharded over the module's dp ranks: none (replicated), optimizer (ZeRO-1: optimizer
   # state and summed gradients), full (FSDP: parameters too, each layer gathered when it runs).

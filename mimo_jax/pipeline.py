@@ -35,11 +35,19 @@ from jax.sharding import PartitionSpec as P
 PP = "pp"
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
 
+def _dots_and_attention(prim, *args, **params) -> bool:
+  """Matmul outputs and fused attention's outputs (cuDNN's: the output and its softmax
+  statistics, which its backward reads); elsewhere (XLA's attention) as `dots`."""
+  return (prim.name.startswith("dot_product_attention_fwd") or
+          jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+
+
 # Activation rematerialisation per layer: what the backward pass keeps from the forward.
 REMAT_POLICIES = {
     "none": None,  # keep everything (no recomputation)
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "dots_attention": _dots_and_attention,  # and fused attention's outputs
 }
 
 
