@@ -124,6 +124,19 @@ def test_a_tower_and_a_language_model_from_two_directories(tmp_path):
   assert flat(params["vision"])[("projector", "up", "kernel")].shape == (16, 24)  # the seed's
 
 
+def test_the_step_0_save_takes_arrays_larger_than_its_host_limit(tmp_path, monkeypatch):
+  """The save copies a few GB to the host at a time and orbax refuses an array larger than
+  that: the import raises the limit to its largest array (here every array is larger than a
+  limit of 1 kB)."""
+  monkeypatch.setattr(hf_tool, "SAVE_HOST_GB", 1e-6)
+  _import(FIXTURES / "llama3", tmp_path / "run")
+  src = hf_tool.hf.Source.open(FIXTURES / "llama3")
+  cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+  got = dict(hf_tool.hf.flatten(_params(tmp_path / "run")["language"]))
+  for path, read in hf_tool.hf.leaves(src, "language", cfg):
+    np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
+
+
 def test_a_run_starts_from_the_imports_step_0(tmp_path):
   """The import saves step 0 with the parameters only (a third of the bytes through the host);
   a run on the workdir restores them and starts the optimizer fresh, as a run that reads the HF

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import resource
@@ -45,7 +46,7 @@ from mimo_jax.config import Config, ConfigError, from_dict
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "configs/vlm.py"
 SHARD_BYTES = 5 * 1024**3
-SAVE_HOST_GB = 2
+SAVE_HOST_GB = 2  # GB a save copies to the host at a time, raised to the largest array's size
 
 
 def _fail(message: str) -> None:
@@ -130,10 +131,14 @@ def import_(args, extra: list[str]) -> None:
   jax.block_until_ready(state)
   read_peak = _peak_gib()
   out.mkdir(parents=True, exist_ok=True)
-  # The save copies the state to the host a few GB at a time, not all at once.
-  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=SAVE_HOST_GB)
   # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
-  ckpt.save(0, step.canonical(state), cfg, force=True, params_only=True)
+  canonical = step.canonical(state)
+  # The save copies the state to the host a few GB at a time, not all at once; orbax refuses an
+  # array larger than that limit (an 8B model's stacked MLP kernels are 7.5 GB in float32).
+  largest = max(x.nbytes for m in canonical.values() for x in jax.tree.leaves(m.params))
+  limit = max(SAVE_HOST_GB, math.ceil(largest / 1e9))
+  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=limit)
+  ckpt.save(0, canonical, cfg, force=True, params_only=True)
   ckpt.close()
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
   (out / "config.py").write_text(CONFIG_PY.format(

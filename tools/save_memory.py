@@ -10,6 +10,8 @@ every 5 ms, and prints the increase over the memory held before the save:
   `save_device_host_concurrent_gb=2` (also limits bytes copied off the device; what
   `tools.hf import` saves step 0 with, mimo_jax/checkpoint.py);
 * `pytree_zarr`: the same without OCDBT;
+* `pytree_raw`: the same as `pytree` without compression;
+* `pytree_1gb`: the same as `pytree` with 1 GB limits;
 * `numpy`: every array copied to the host first, then saved as numpy arrays.
 """
 
@@ -52,9 +54,11 @@ def one(variant: str, gib: int) -> None:
   peak[0] = base
   if variant == "standard":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave
-  elif variant in ("pytree", "pytree_zarr"):
-    handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=2, save_device_host_concurrent_gb=2,
-                                          use_ocdbt=variant == "pytree")
+  elif variant.startswith("pytree"):
+    gb = 1 if variant == "pytree_1gb" else 2
+    handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, save_device_host_concurrent_gb=gb,
+                                          use_ocdbt=variant != "pytree_zarr",
+                                          use_compression=variant != "pytree_raw")
     args = ocp.args.PyTreeSave
   elif variant == "numpy":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave
