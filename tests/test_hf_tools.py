@@ -137,11 +137,9 @@ def test_the_step_0_save_takes_arrays_larger_than_its_host_limit(tmp_path, monke
     np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
 
 
-def test_a_run_starts_from_the_imports_step_0(tmp_path):
-  """The import saves step 0 with the parameters only (a third of the bytes through the host);
-  a run on the workdir restores them and starts the optimizer fresh, as a run that reads the HF
-  directory itself does (init_from)."""
-  _import(FIXTURES / "llava15", tmp_path / "run")
+def _run_equals_init_from(hf_dir, tmp_path):
+  """Two steps from the import's step 0 (restored, the optimizer fresh) equal two steps of a run
+  that reads the HF directory itself (init_from)."""
   from mimo_jax import checkpoint, train  # pylint: disable=import-outside-toplevel
   from mimo_jax.config import from_dict  # pylint: disable=import-outside-toplevel
   ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path / "run")),
@@ -153,8 +151,49 @@ def test_a_run_starts_from_the_imports_step_0(tmp_path):
   resumed = [r for r in train.run(cfg) if "loss" in r]
   direct = tmp_path / "direct"
   cfg.run.workdir = str(direct)
-  cfg.model.vision.init_from = cfg.model.language.init_from = str(FIXTURES / "llava15")
+  cfg.model.vision.init_from = cfg.model.language.init_from = str(hf_dir)
   fresh = [r for r in train.run(cfg) if "loss" in r]
   assert [r["step"] for r in resumed] == [1, 2]
   for a, b in zip(resumed, fresh):
     assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+
+
+def test_a_run_starts_from_the_imports_step_0(tmp_path):
+  """The import saves step 0 with the parameters only (a third of the bytes through the host);
+  a run on the workdir restores them and starts the optimizer fresh, as a run that reads the HF
+  directory itself does (init_from)."""
+  _import(FIXTURES / "llava15", tmp_path / "run")
+  _run_equals_init_from(FIXTURES / "llava15", tmp_path)
+
+
+def test_bfloat16_weights_are_stored_as_bfloat16_and_read_back_exactly(tmp_path, capsys):
+  """Weights whose values are bfloat16 values (a checkpoint saved in bfloat16) are stored as
+  bfloat16 in step 0, half the bytes; every reader gets the same float32 values back: the
+  parameters bitwise, `tools.ckpt check` against the fingerprints, and a run restoring them."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  from tools import ckpt  # pylint: disable=import-outside-toplevel
+  src = tmp_path / "llava_bf16"
+  shutil.copytree(FIXTURES / "llava15", src)
+  for f in src.glob("*.safetensors"):
+    tensors = load_file(str(f))
+    save_file({k: v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.dtype == np.float32
+               else v for k, v in tensors.items()}, str(f), metadata={"format": "pt"})
+  _import(src, tmp_path / "run")
+  mngr, _ = ckpt._manager(str(tmp_path / "run"))  # pylint: disable=protected-access
+  stored = {}
+  for m in ("vision", "language"):
+    stored.update(ckpt._params_metadata(mngr, 0, m))  # pylint: disable=protected-access
+  dtypes = {str(v.dtype) for v in stored.values()}
+  assert "bfloat16" in dtypes, dtypes
+  params = _params(tmp_path / "run")
+  cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+  for module in ("vision", "language"):
+    got = dict(hf_tool.hf.flatten(params[module]))
+    for path, read in hf_tool.hf.leaves(hf_tool.hf.Source.open(src), module, cfg):
+      assert got[path].dtype == np.float32
+      np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
+  capsys.readouterr()
+  ckpt.main(["check", str(tmp_path / "run")])  # exits 2 on a mismatch
+  out = capsys.readouterr().out
+  assert "step 0: " in out and "arrays restored, ok" in out, out
+  _run_equals_init_from(src, tmp_path)

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax.checkpoint import complete_steps
+from mimo_jax.checkpoint import complete_steps, params_restore_dtype
 
 
 def _fail(message: str) -> None:
@@ -80,7 +80,8 @@ def _read_params(mngr, step: int, modules: list[str]) -> dict[str, np.ndarray]:
   args = {}
   for m in modules:
     tree = getattr(mngr.item_metadata(step)[m], "tree", mngr.item_metadata(step)[m])
-    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])
+    restore = jax.tree.map(lambda x: ocp.RestoreArgs(
+        restore_type=np.ndarray, dtype=params_restore_dtype(x.dtype)), tree["params"])
     args[m] = ocp.args.PyTreeRestore(item={"params": tree["params"]},
                                      restore_args={"params": restore}, partial_restore=True)
   restored = mngr.restore(step, args=ocp.args.Composite(**args))
@@ -136,6 +137,8 @@ def _read_module(mngr, step: int, module: str) -> dict:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   tree = getattr(mngr.item_metadata(step)[module], "tree", mngr.item_metadata(step)[module])
   restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restore["params"] = jax.tree.map(lambda x: ocp.RestoreArgs(
+      restore_type=np.ndarray, dtype=params_restore_dtype(x.dtype)), tree["params"])
   return mngr.restore(step, args=ocp.args.Composite(**{module: ocp.args.PyTreeRestore(
       item=tree, restore_args=restore)}))[module]
 
