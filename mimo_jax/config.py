@@ -9,7 +9,8 @@ the field and the fix, before anything is compiled.
 import dataclasses
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
-REMAT = ("none", "full", "dots", "dots_attention")  # activation rematerialisation policies (pipeline.py)
+# Activation rematerialisation policies (pipeline.py).
+REMAT = ("none", "full", "dots", "dots_attention")
 SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (sharding.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 POSITION_RESIZE = ("crop", "bicubic")  # patches.py

@@ -11,7 +11,6 @@ every 5 ms, and prints the increase over the memory held before the save:
   `tools.hf import` saves step 0 with, mimo_jax/checkpoint.py);
 * `pytree_zarr`: the same without OCDBT;
 * `pytree_raw`: the same as `pytree` without compression;
-* `pytree_1gb`: the same as `pytree` with 1 GB limits;
 * `numpy`: every array copied to the host first, then saved as numpy arrays.
 """
 
@@ -55,8 +54,7 @@ def one(variant: str, gib: int) -> None:
   if variant == "standard":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave
   elif variant.startswith("pytree"):
-    gb = 1 if variant == "pytree_1gb" else 2
-    handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, save_device_host_concurrent_gb=gb,
+    handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=2, save_device_host_concurrent_gb=2,
                                           use_ocdbt=variant != "pytree_zarr",
                                           use_compression=variant != "pytree_raw")
     args = ocp.args.PyTreeSave

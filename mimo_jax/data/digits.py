@@ -108,8 +108,8 @@ def write_tokenizer(directory: pathlib.Path) -> None:
 
 
 def _write_source(root: pathlib.Path, train_samples: int, eval_samples: int,
-                  probs: list[float]) -> int:
-  """The LLaVA-format source of the task under root/source; returns the train record count."""
+                  probs: list[float]) -> None:
+  """The LLaVA-format source of the task under root/source: train records first, then eval."""
   # pylint: disable-next=import-outside-toplevel
   from PIL import Image
   src = root / "source"
@@ -129,7 +129,6 @@ def _write_source(root: pathlib.Path, train_samples: int, eval_samples: int,
                                         {"from": "gpt", "value": answer}]})
   with open(src / "conversations.jsonl", "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-  return train_samples
 
 
 def directory(root: str, train_samples: int, eval_samples: int, probs: list[float]) -> pathlib.Path:
@@ -155,13 +154,13 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
   final.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
   try:
-    train = _write_source(tmp, train_samples, eval_samples, probs)
+    _write_source(tmp, train_samples, eval_samples, probs)
     src = tmp / "source"
+    workers = min(os.cpu_count() or 1, 4) if train_samples > 4000 else 1
     opts = conversations.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
-                                 image_token=IMAGE_TOKEN, on_error="fail",
-                                 workers=min(os.cpu_count() or 1, 4) if train > 4000 else 1)
-    conversations.convert(src / "conversations.jsonl", tmp, opts,
-                          eval_ids=range(train, train + eval_samples), progress=False)
+                                 image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
+    evals = range(train_samples, train_samples + eval_samples)  # the records after train's
+    conversations.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
     if final.exists() and not complete(final):
       shutil.rmtree(final)
     try:
