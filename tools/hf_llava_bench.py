@@ -1,0 +1,93 @@
+"""The peer baseline: a training step of HF transformers' LLaVA in PyTorch at configs/vlm.py's
+sizes, on a GPU (needs torch and transformers: `pip install -e '.[hf]'`).
+
+  python -m tools.hf_llava_bench [--compile] [--mb 8] [--micro 4] [--steps 5]
+
+The model: a CLIP ViT-L/14 at 336 px (24 layers of width 1024; LLaVA's features from layer -2,
+class token dropped: 576 tokens an image), LLaVA's two-layer GELU projector and a Llama decoder of
+16 layers of width 2048 (32 heads, 8 key-value heads, SwiGLU 8192, vocabulary 32000), randomly
+initialised. A step is `--micro` microbatches of `--mb` samples, each sample `--images` images
+and text filling it to 2048 tokens, with the loss on every text token; float32 weights, bfloat16
+autocast, SDPA attention, fused AdamW, gradients accumulated over the microbatches. `--compile`
+runs the model under `torch.compile`. Prints s/step (median of `--steps` after `--warmup`),
+tokens/s and peak memory: the figure mimo_jax's `tools.bench` is set beside (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SEQ, IMAGE_TOKENS, VOCAB = 2048, 576, 32_000
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tools.hf_llava_bench", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--mb", type=int, default=8, help="samples a microbatch")
+  parser.add_argument("--micro", type=int, default=4, help="microbatches a step")
+  parser.add_argument("--images", type=int, default=3, help="images a sample")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  args = parser.parse_args(argv)
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                            LlavaForConditionalGeneration)
+  image_token = VOCAB - 1
+  vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                            num_attention_heads=16, image_size=336, patch_size=14)
+  text = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=VOCAB,
+                     rope_theta=500_000.0, max_position_embeddings=4096,
+                     tie_word_embeddings=False)
+  config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                       projector_hidden_act="gelu", vision_feature_layer=-2,
+                       vision_feature_select_strategy="default",
+                       image_seq_length=IMAGE_TOKENS)
+  for c in (config, vision, text):
+    c._attn_implementation = "sdpa"  # pylint: disable=protected-access
+  torch.manual_seed(0)
+  model = LlavaForConditionalGeneration(config).cuda()
+  params = sum(p.numel() for p in model.parameters())
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+  forward = torch.compile(model) if args.compile else model
+
+  text_len = SEQ - args.images * IMAGE_TOKENS
+  if text_len < 2:
+    raise SystemExit(f"hf_llava_bench: {args.images} images leave no text in {SEQ} tokens")
+  ids = torch.randint(0, VOCAB - 1, (args.mb, SEQ), device="cuda")
+  ids[:, :args.images * IMAGE_TOKENS] = image_token
+  labels = ids.clone()
+  labels[:, :args.images * IMAGE_TOKENS] = -100  # no loss on image positions
+  pixels = torch.randn(args.mb * args.images, 3, 336, 336, device="cuda")
+
+  def step() -> float:
+    for _ in range(args.micro):
+      with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = forward(input_ids=ids, pixel_values=pixels, labels=labels).loss / args.micro
+      loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach().item()
+
+  for _ in range(args.warmup):
+    step()
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  times = []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    loss = step()  # .item() waits for the step
+    times.append(time.perf_counter() - start)
+  seconds = statistics.median(times)
+  tokens = args.mb * args.micro * SEQ
+  print(f"hf_llava compile={args.compile}: {params / 1e9:.3f} B parameters, {seconds:.3f} s/step, "
+        f"{tokens / seconds:,.0f} tokens/s, loss {loss:.3f}, peak "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+  main()
