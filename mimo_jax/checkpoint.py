@@ -71,7 +71,7 @@ def _collect() -> None:
     gc.collect()
 
 
-def _drop_closed_loop_reports():
+def drop_closed_loop_reports():
   """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
   closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
   read until its checkpointer is closed those reports, and only those, are dropped; returns the
@@ -303,7 +303,7 @@ class Checkpointer:
     """Raises the error for a step that cannot be read, once the failed read is released (outside
     the `except` block, whose exception holds it)."""
     if self._hook is None:
-      self._hook = _drop_closed_loop_reports()
+      self._hook = drop_closed_loop_reports()
     older = [s for s in complete_steps(self.path) if s < step]
     fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
            if older else f"move {self.path}/{step} away to start from scratch")

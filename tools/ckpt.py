@@ -20,11 +20,17 @@ import sys
 
 import numpy as np
 
-from mimo_jax.checkpoint import complete_steps, params_restore_dtype
+from mimo_jax.checkpoint import drop_closed_loop_reports, complete_steps, params_restore_dtype
 
 
 def _fail(message: str) -> None:
-  print(f"tools.ckpt: error: {message}", file=sys.stderr)
+  """The error as the last line of stderr: reads that orbax leaves behind after a failed one may
+  still report on their way out, so stderr is closed once the line is out."""
+  sys.stdout.flush()
+  print(f"tools.ckpt: error: {message}", file=sys.stderr, flush=True)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
   sys.exit(2)
 
 
@@ -164,6 +170,7 @@ def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
       tree = _read_module(mngr, step, module)
     except Exception as e:  # pylint: disable=broad-except
       problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
+      drop_closed_loop_reports()  # the failed read's leftovers would report it on their way out
       continue
     arrays = fingerprint.paths(tree)
     params = len(fingerprint.paths(tree.get("params", {})))
@@ -195,6 +202,7 @@ def check(args) -> None:
     else:
       print(f"step {step}: {params} arrays restored, ok (and {opt} optimizer-state arrays; "
             "metadata digest, every array's fingerprint, all values finite)")
+  mngr.close()
   if bad:
     _fail(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {path} failed the "
           "check (above); resume from a step that passed with "
