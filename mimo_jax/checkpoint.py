@@ -86,6 +86,31 @@ def drop_closed_loop_reports():
   return previous
 
 
+def _batched_array_registry():
+  """orbax's handlers for a save that copies arrays off the devices and writes them a batch at a
+  time (at most `save_device_host_concurrent_gb` a batch), so that the host holds one batch, not
+  the whole tree: orbax applies that limit only to arrays its transfer callback defers, and its
+  default callback defers none. Only jax arrays (the parameters a save-only checkpointer writes).
+  None where this orbax has no such callback."""
+  try:
+    # pylint: disable-next=import-outside-toplevel
+    from orbax.checkpoint._src.serialization import types as serialization_types
+    priority = serialization_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+    base = serialization_types.DefaultSerializationStatusCallback
+  except (ImportError, AttributeError):
+    return None
+
+  class Deferred(base):
+    def key_priority(self, _):
+      return priority
+
+  try:
+    handler = ocp.type_handlers.ArrayHandler(callback=Deferred())
+  except TypeError:
+    return None
+  return ocp.type_handlers.create_type_handler_registry((jax.Array, handler))
+
+
 def directory(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
@@ -185,12 +210,16 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only, cleanup_tmp_directories=not read_only)
+    self.host_batched = False  # whether a save copies `host_gb` at a time (else all at once)
     if host_gb is None:
       handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
     else:  # the standard handler limits the bytes being written, not those copied to the host
-      handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=host_gb,
-                                                 save_device_host_concurrent_gb=host_gb)
-                  for n in self.modules}
+      registry = _batched_array_registry()
+      self.host_batched = registry is not None
+      handlers = {n: ocp.PyTreeCheckpointHandler(
+          save_concurrent_gb=host_gb, save_device_host_concurrent_gb=host_gb,
+          enable_pinned_host_transfer=False,
+          **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self._save_args = (ocp.args.StandardSave if host_gb is None else ocp.args.PyTreeSave)
     handlers[META] = ocp.JsonCheckpointHandler()
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)

@@ -138,6 +138,9 @@ def import_(args, extra: list[str]) -> None:
   largest = max(x.nbytes for m in canonical.values() for x in jax.tree.leaves(m.params))
   limit = max(SAVE_HOST_GB, math.ceil(largest / 1e9))
   ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=limit)
+  if not ckpt.host_batched:
+    print("note: this orbax version has no transfer callback to batch the save: it copies all "
+          "parameters to the host at once (about their size in host memory)", flush=True)
   # Weights read from bfloat16 tensors are stored as bfloat16: half the bytes to copy and write.
   ckpt.save(0, canonical, cfg, force=True, params_only=True, compact=True)
   ckpt.close()

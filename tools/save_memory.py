@@ -54,9 +54,20 @@ def one(variant: str, gib: int) -> None:
   if variant == "standard":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave
   elif variant.startswith("pytree"):
+    kw = {}
+    if variant.startswith("pytree_batched"):
+      from orbax.checkpoint._src.serialization import types as st
+
+      class Batched(st.DefaultSerializationStatusCallback):
+        def key_priority(self, _):
+          return st.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+      kw["type_handler_registry"] = ocp.type_handlers.create_type_handler_registry(
+          (jax.Array, ocp.type_handlers.ArrayHandler(callback=Batched())))
+      if variant.endswith("unpinned"):
+        kw["enable_pinned_host_transfer"] = False
     handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=2, save_device_host_concurrent_gb=2,
                                           use_ocdbt=variant != "pytree_zarr",
-                                          use_compression=variant != "pytree_raw")
+                                          use_compression=variant != "pytree_raw", **kw)
     args = ocp.args.PyTreeSave
   elif variant == "numpy":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave
