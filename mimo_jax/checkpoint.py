@@ -218,7 +218,6 @@ class Checkpointer:
       self.host_batched = registry is not None
       handlers = {n: ocp.PyTreeCheckpointHandler(
           save_concurrent_gb=host_gb, save_device_host_concurrent_gb=host_gb,
-          enable_pinned_host_transfer=False,
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self._save_args = (ocp.args.StandardSave if host_gb is None else ocp.args.PyTreeSave)
     handlers[META] = ocp.JsonCheckpointHandler()
