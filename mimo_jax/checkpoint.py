@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -86,6 +87,12 @@ def drop_closed_loop_reports():
   return previous
 
 
+def _all_deferred(record) -> bool:
+  """A log filter: orbax warns on every batched save that no array is prioritized, which is the
+  point of it."""
+  return "No prioritized params found" not in record.getMessage()
+
+
 def _batched_array_registry():
   """orbax's handlers for a save that copies arrays off the devices and writes them a batch at a
   time (at most `save_device_host_concurrent_gb` a batch), so that the host holds one batch, not
@@ -108,6 +115,8 @@ def _batched_array_registry():
     handler = ocp.type_handlers.ArrayHandler(callback=Deferred())
   except TypeError:
     return None
+  if _all_deferred not in logging.getLogger("absl").filters:
+    logging.getLogger("absl").addFilter(_all_deferred)
   return ocp.type_handlers.create_type_handler_registry((jax.Array, handler))
 
 
@@ -218,6 +227,7 @@ class Checkpointer:
       self.host_batched = registry is not None
       handlers = {n: ocp.PyTreeCheckpointHandler(
           save_concurrent_gb=host_gb, save_device_host_concurrent_gb=host_gb,
+          enable_pinned_host_transfer=False,  # peak 11.0-11.3 GiB importing 1.65B, pinned 12.1-12.5
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self._save_args = (ocp.args.StandardSave if host_gb is None else ocp.args.PyTreeSave)
     handlers[META] = ocp.JsonCheckpointHandler()
@@ -355,6 +365,11 @@ def _bfloat16_if_exact(x: jax.Array) -> jax.Array:
     return x
   y = x.astype(jnp.bfloat16)
   return y if bool(jnp.all(y.astype(jnp.float32) == x)) else x
+
+
+def compact_nbytes(x: jax.Array) -> int:
+  """The bytes a `compact` save stores of `x`."""
+  return _bfloat16_if_exact(x).nbytes
 
 
 def params_restore_dtype(stored_dtype):

@@ -5,9 +5,13 @@ checkpoints hold. Where everything is placed is the plan's (sharding.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mimo_jax.sharding import Plan, optimizer_shardings, with_shardings, REPLICATED
 
@@ -18,9 +22,11 @@ class ModuleState:
   opt_state: Any
 
 
-def init_state(plan: Plan, modules: dict, seed: int, cfg=None) -> dict[str, ModuleState]:
+def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
+               optimizer: bool = True) -> dict[str, ModuleState]:
   """Parameters born sharded on their module's mesh; values depend only on the seed, except for
-  a module whose config names an HF directory to start from (`init_from`, with `cfg`)."""
+  a module whose config names an HF directory to start from (`init_from`, with `cfg`). Without
+  `optimizer` the optimizer state is None (a checkpoint of parameters only)."""
   state = {}
   for name, module in modules.items():
     p = plan[name]
@@ -31,14 +37,15 @@ def init_state(plan: Plan, modules: dict, seed: int, cfg=None) -> dict[str, Modu
     else:
       init = lambda seed, p=p, module=module: p.layout(module.init(seed))
       params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
-    opt_state = jax.jit(p.tx.init, out_shardings=p.opt_sh)(params)
+    opt_state = jax.jit(p.tx.init, out_shardings=p.opt_sh)(params) if optimizer else None
     state[name] = ModuleState(params, opt_state)
   return state
 
 
 def _from_hf(p, module, seed: int, cfg, name: str):
   """The seed's parameters with every leaf the HF directory has replaced, each read on the host
-  and placed straight into its sharding (one leaf in host memory at a time)."""
+  and placed straight into its sharding: one tensor in host memory at a time (a stacked leaf is
+  written into its device array layer by layer)."""
   from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   canonical_sh = jax.tree.map(lambda a: a.sharding, p.canonical_params)
   params = jax.jit(module.init, static_argnums=0, out_shardings=canonical_sh)(seed)
@@ -48,14 +55,32 @@ def _from_hf(p, module, seed: int, cfg, name: str):
     for k in path[:-1]:
       node, target = node[k], target[k]
     target = target[path[-1]]
-    x = read()
-    if x.shape != target.shape:
-      raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {x.shape} where model.{name} has "
+    shape = ((read.layers,) if read.layers else ()) + tuple(read.layer_shape)
+    if shape != tuple(target.shape):
+      raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {shape} where model.{name} has "
                        f"{target.shape}.")
-    node[path[-1]] = jax.make_array_from_callback(x.shape, target.sharding,
-                                                  lambda idx, x=x: x[idx])
-    del x
-  return jax.jit(p.layout, out_shardings=p.param_sh)(params)
+    node[path[-1]] = (_place_layers(read, target) if read.layers else
+                      _place(read.layer(0), target.sharding))
+  return jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(params)
+
+
+def _place(x, sharding):
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _place_layers(read, target):
+  """A stacked leaf [L, ...] built on its devices from one layer on the host at a time."""
+  sharding = target.sharding
+  layer_sh = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+  out = jax.jit(lambda: jnp.zeros(target.shape, target.dtype), out_shardings=sharding)()
+  for i in range(read.layers):
+    out = _set_layer(out, _place(read.layer(i), layer_sh), i)
+  return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked, x, i):
+  return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
 
 
 def abstract_state(plan: Plan, canonical: bool = False) -> dict[str, dict]:
@@ -90,7 +115,10 @@ def _convert(plan: Plan, state: dict[str, ModuleState], to_canonical: bool):
       out[name] = s
       continue
     fn = p.unlayout if to_canonical else p.layout
-    shardings = jax.tree.map(lambda a: a.sharding, target[name])
-    moved = jax.jit(fn, out_shardings=shardings)({"params": s.params, "opt_state": s.opt_state})
-    out[name] = ModuleState(moved["params"], moved["opt_state"])
+    tree = {"params": s.params, "opt_state": s.opt_state}
+    if s.opt_state is None:  # parameters only
+      tree = {"params": s.params}
+    shardings = jax.tree.map(lambda a: a.sharding, {k: target[name][k] for k in tree})
+    moved = jax.jit(fn, out_shardings=shardings)(tree)
+    out[name] = ModuleState(moved["params"], moved.get("opt_state"))
   return out

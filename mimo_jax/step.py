@@ -105,8 +105,8 @@ class Step:
   def encoders(self) -> list[str]:
     return self.plan.encoders
 
-  def init_state(self, seed: int) -> dict[str, ModuleState]:
-    return state.init_state(self.plan, self.modules, seed, self.cfg)
+  def init_state(self, seed: int, optimizer: bool = True) -> dict[str, ModuleState]:
+    return state.init_state(self.plan, self.modules, seed, self.cfg, optimizer)
 
   def place(self, batch: Batch) -> Batch:
     """A microbatch (or a whole eval batch) on device: text on the language mesh, each encoder's

@@ -109,21 +109,24 @@ def _llava_run_config(tmp_path) -> Config:
   return cfg
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param("", id="one-device"),
-    pytest.param("vision=0/2/1,language=2/2/1", id="fsdp-split"),  # each tensor placed split
+@pytest.mark.parametrize("layout,shard", [
+    pytest.param("", "none", id="one-device"),
+    pytest.param("vision=0/2/1,language=2/2/1", "full", id="fsdp-split"),  # each tensor split
+    # Stacked layers written layer by layer into arrays split over tp and pp.
+    pytest.param("vision=0/1/2,language=2/1/2/2", "none", id="tp-pp"),
 ])
-def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_path, layout):
+def test_a_run_starts_from_hf_weights_and_freeze_trains_only_the_projector(tmp_path, layout,
+                                                                           shard):
   cfg = _llava_run_config(tmp_path)
   cfg.optim.freeze = "vision,language"  # LLaVA's stage 1: the projector alone
   if layout:
     set_layout(cfg, layout)
-    cfg.topology.vision.shard = cfg.topology.language.shard = "full"
+    cfg.topology.vision.shard = cfg.topology.language.shard = shard
   src = hf.Source.open(cfg.model.vision.init_from)
   _, _, state, init = run_steps(cfg, 2)
   for module in ("vision", "language"):
     split = [a for a in jax.tree.leaves(state[module].params) if "dp" in a.sharding.spec]
-    assert bool(split) == bool(layout), module
+    assert bool(split) == (shard == "full"), module
     want = dict(hf.flatten(_params(src, cfg, module)))
     got = dict(hf.flatten(init[module]))
     assert set(got) == set(want)

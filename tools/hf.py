@@ -93,7 +93,7 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def import_(args, extra: list[str]) -> None:
-  from mimo_jax.checkpoint import Checkpointer, complete_steps, directory  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint import Checkpointer, compact_nbytes, complete_steps, directory  # pylint: disable=import-outside-toplevel
   sources = [hf.Source.open(d) for d in args.hf]
   cfg = _load_config(args.config)
   overrides = _overrides(extra)
@@ -123,19 +123,19 @@ def import_(args, extra: list[str]) -> None:
   from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
   from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
   validate(cfg, len(jax.devices()))
-  started, base = time.time(), _peak_gib()  # the process with its backend, before any tensor
+  started, base = time.time(), _rss_gib()  # the process with its backend, before any tensor
   for module, path in taken.items():
     print(f"importing model.{module} from {path}", flush=True)
   step = Step.build(cfg)
-  state = step.init_state(cfg.train.seed)
+  # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
+  state = step.init_state(cfg.train.seed, optimizer=False)
   jax.block_until_ready(state)
   read_peak = _peak_gib()
   out.mkdir(parents=True, exist_ok=True)
-  # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
   canonical = step.canonical(state)
-  # The save copies the state to the host a few GB at a time, not all at once; orbax refuses an
-  # array larger than that limit (an 8B model's stacked MLP kernels are 7.5 GB in float32).
-  largest = max(x.nbytes for m in canonical.values() for x in jax.tree.leaves(m.params))
+  # The save copies the parameters to the host a few GB at a time, not all at once; orbax refuses
+  # an array larger than that limit (an 8B model's stacked MLP kernels are 3.8 GB in bfloat16).
+  largest = max(compact_nbytes(x) for m in canonical.values() for x in jax.tree.leaves(m.params))
   limit = max(SAVE_HOST_GB, math.ceil(largest / 1e9))
   ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=limit)
   if not ckpt.host_batched:
@@ -156,6 +156,15 @@ def import_(args, extra: list[str]) -> None:
         f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
         f"({base:.2f} GiB before reading); train "
         f"with: python -m mimo_jax.launch --config={out / 'config.py'}")
+
+
+def _rss_gib() -> float:
+  """The process's resident memory now (GiB)."""
+  try:
+    with open("/proc/self/status", encoding="utf-8") as f:
+      return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024**2
+  except (OSError, StopIteration):
+    return _peak_gib()
 
 
 def _peak_gib() -> float:

@@ -4,7 +4,7 @@ shape, the layout map), for reading (`leaves`, `load`) and writing (export.py)."
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
@@ -42,6 +42,15 @@ class Tensor:
       d, c, p, _ = self.shape
       return x.reshape(p, p, c, d).transpose(3, 2, 0, 1)
     return x
+
+  def our_shape(self) -> tuple[int, ...]:
+    """The shape `to_ours` gives (of one layer)."""
+    if self.how == "T":
+      return tuple(reversed(self.shape))
+    if self.how == "conv":
+      d, c, p, _ = self.shape
+      return (p * p * c, d)
+    return tuple(self.shape)
 
   def names(self) -> list[str]:
     return [self.name.format(i=i) for i in range(self.layers)] if self.layers else [self.name]
@@ -125,25 +134,41 @@ def _full_name(src: Source, t: Tensor, name: str) -> str:
   return _find(src, t.part, name)
 
 
-Leaf = tuple[tuple[str, ...], Callable[[], np.ndarray]]  # (path in our tree, read it)
+class Reader:
+  """Reads one leaf of our tree from the checkpoint (float32, our layout): all of it (`read()`;
+  stacked layers [L, ...]) or, for a stacked leaf, one layer at a time (`layer(i)`, i < `layers`;
+  `layers` is 0 for a leaf that is not stacked)."""
+
+  def __init__(self, src: Source, t):
+    self._src, self._t = src, t
+    self._names = t.names()
+    self.layers = len(self._names) if t.layers else 0
+    self.layer_shape = t.our_shape()
+
+  def layer(self, i: int) -> np.ndarray:
+    return self._t.to_ours(self._src.read(_full_name(self._src, self._t, self._names[i]),
+                                          self._t.shape))
+
+  def __call__(self) -> np.ndarray:
+    if not self.layers:
+      return self.layer(0)
+    out = None
+    for i in range(self.layers):
+      x = self.layer(i)
+      if out is None:
+        out = np.empty((self.layers,) + x.shape, np.float32)
+      out[i] = x
+    return out
+
+
+Leaf = tuple[tuple[str, ...], Reader]  # (path in our tree, its reader)
 
 
 def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
-  """`module`'s leaves, each with a function that reads it (float32, our layout; stacked layers
-  [L, ...]): one leaf in host memory at a time."""
+  """`module`'s leaves, each with its reader: one leaf (or one layer of it) in host memory at a
+  time."""
   for t in tensors(src, module, cfg):
-    def read(t=t):
-      names = t.names()
-      out = None
-      for i, name in enumerate(names):
-        x = t.to_ours(src.read(_full_name(src, t, name), t.shape))
-        if not t.layers:
-          return x
-        if out is None:
-          out = np.empty((len(names),) + x.shape, np.float32)
-        out[i] = x
-      return out
-    yield t.path, read
+    yield t.path, Reader(src, t)
 
 
 def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
