@@ -12,10 +12,12 @@ when a run opens the folder, so that it neither counts as the latest step nor bl
 of that step. Resuming from an older step (`checkpoint.restore_step`) moves the newer steps aside
 as `<step>.replaced`, since the run will write its own.
 
-With several processes, orbax refuses arrays that live on the devices of one process only (a module
-whose mesh sits on one host). There every array is first gathered and copied, through the bridge,
-to one device of each process ("global" layout), which orbax saves like any replicated array;
-restore reverses the path onto the current topology.
+With several processes, a module whose mesh spans devices of every process is saved and restored as
+it is: each process writes and reads its own shards (an FSDP language model is never gathered).
+orbax refuses arrays that live on the devices of some processes only (a module whose mesh sits on
+one host): those are first gathered and copied, through the bridge, to one device of each process
+("global" layout), which orbax saves like any replicated array; restore reverses the path onto the
+current topology.
 """
 
 from __future__ import annotations
@@ -171,6 +173,13 @@ def _replicated(tree):
   return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
 
+def _spans_processes(tree) -> bool:
+  """Whether every array of `tree` (arrays or abstract ones) lives on devices of every process."""
+  every = set(range(jax.process_count()))
+  return all({d.process_index for d in a.sharding.device_set} == every
+             for a in jax.tree.leaves(tree))
+
+
 def _to_global(tree):
   report = distributed.report_sharding()
   return jax.tree.map(lambda a: bridge.transfer(a, report), _replicated(tree))
@@ -284,7 +293,7 @@ class Checkpointer:
       trees = {n: dict(t, params=jax.tree.map(_bfloat16_if_exact, t["params"]))
                for n, t in trees.items()}
     if jax.process_count() > 1:
-      trees = {n: _to_global(t) for n, t in trees.items()}
+      trees = {n: t if _spans_processes(t) else _to_global(t) for n, t in trees.items()}
       _settle(trees)
     items = {n: self._save_args(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
@@ -316,7 +325,8 @@ class Checkpointer:
                          "the optimizer's fresh state.")
       abstract = {n: {"params": a["params"]} for n, a in abstract.items()}
     multi = jax.process_count() > 1
-    targets = {n: _global_abstract(a) if multi else a for n, a in abstract.items()}
+    gathered = {n for n, a in abstract.items() if multi and not _spans_processes(a)}
+    targets = {n: _global_abstract(a) if n in gathered else a for n, a in abstract.items()}
     args = {n: ocp.args.StandardRestore(targets[n]) for n in abstract}
     try:
       restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
@@ -325,7 +335,8 @@ class Checkpointer:
     if restored is None:
       self._fail(step, failed)
     if multi:
-      restored = {n: _from_global(restored[n], abstract[n]) for n in abstract}
+      restored = {n: _from_global(restored[n], abstract[n]) if n in gathered else restored[n]
+                  for n in abstract}
       _settle(restored)
     saved = meta.get("fingerprints", {})
     bad = [m for n in abstract if n in saved for m in mismatches(saved[n], restored[n], n)]

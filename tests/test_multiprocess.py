@@ -78,16 +78,28 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
     assert read == want and sum(want.values()) < 4 * cfg.data.global_batch
 
 
-def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path):
+@pytest.mark.parametrize("topo,extra", [
+    pytest.param(FAN_IN, (), id="gathered"),  # modules on one process each: saved through both
+    # The language model's arrays split over both processes (FSDP): each writes its own shards.
+    pytest.param(SPANNING, ("--config.topology.language.shard=full",), id="sharded"),
+])
+def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, topo, extra):
   first = tmp_path / "first"
-  proc = _launch(*_args(data_dir, first, FAN_IN, "--config.checkpoint.every=2"))
+  proc = _launch(*_args(data_dir, first, topo, "--config.checkpoint.every=2", *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
   full = _train_records(first)
+  # How each module was saved: through one device of each process ("process" mesh), or as it
+  # is on its own mesh, each process writing its shards.
+  for module in ("vision", "language"):
+    saved = json.loads((first / "checkpoints" / "2" / module / "_sharding").read_text())
+    axes = {tuple(json.loads(v)["axis_names"]) for v in saved.values()}
+    spans = module == "language" and topo is SPANNING
+    assert axes == ({("pp", "dp", "tp")} if spans else {("process",)}), (module, axes)
   # Resume from step 2 with the same two processes: bitwise the same steps 3 and 4.
   again = tmp_path / "again"
   shutil.copytree(first / "checkpoints", again / "checkpoints")
   shutil.rmtree(again / "checkpoints" / "4")
-  proc = _launch(*_args(data_dir, again, FAN_IN, "--config.checkpoint.every=2"))
+  proc = _launch(*_args(data_dir, again, topo, "--config.checkpoint.every=2", *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert f"resumed from {again / 'checkpoints'} step 2" in proc.stdout
   resumed = _train_records(again)
