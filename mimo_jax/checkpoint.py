@@ -95,7 +95,7 @@ def _all_deferred(record) -> bool:
   return "No prioritized params found" not in record.getMessage()
 
 
-def _batched_array_registry():
+def batched_array_registry():
   """orbax's handlers for a save that copies arrays off the devices and writes them a batch at a
   time (at most `save_device_host_concurrent_gb` a batch), so that the host holds one batch, not
   the whole tree: orbax applies that limit only to arrays its transfer callback defers, and its
@@ -232,7 +232,7 @@ class Checkpointer:
     if host_gb is None:
       handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
     else:  # the standard handler limits the bytes being written, not those copied to the host
-      registry = _batched_array_registry()
+      registry = batched_array_registry()
       self.host_batched = registry is not None
       handlers = {n: ocp.PyTreeCheckpointHandler(
           save_concurrent_gb=host_gb, save_device_host_concurrent_gb=host_gb,

@@ -1,5 +1,5 @@
 """Host memory of an orbax save of device arrays, per handler option (run on a GPU host):
-`python -m tools.save_memory [--gib 6] [--variants standard,pytree,pytree_zarr,numpy]`.
+`python -m tools.save_memory [--gib 6] [--variants standard,pytree,pytree_batched,numpy]`.
 
 Each variant runs in its own process: it makes `--gib` GiB of float32 arrays on the first device,
 then saves them with orbax (synchronously) while a thread samples the process's resident memory
@@ -7,8 +7,11 @@ every 5 ms, and prints the increase over the memory held before the save:
 
 * `standard`: `StandardCheckpointHandler(save_concurrent_gb=2)` (limits bytes being written);
 * `pytree`: `PyTreeCheckpointHandler` with `save_concurrent_gb=2` and
-  `save_device_host_concurrent_gb=2` (also limits bytes copied off the device; what
-  `tools.hf import` saves step 0 with, mimo_jax/checkpoint.py);
+  `save_device_host_concurrent_gb=2` (orbax applies that limit only to arrays its transfer
+  callback defers; its default defers none);
+* `pytree_batched`: the same with every array deferred, so the arrays are copied off the device
+  and written 2 GB at a time (what `tools.hf import` saves step 0 with, mimo_jax/checkpoint.py,
+  there with `enable_pinned_host_transfer=False`, which is `pytree_batched_unpinned`);
 * `pytree_zarr`: the same without OCDBT;
 * `pytree_raw`: the same as `pytree` without compression;
 * `numpy`: every array copied to the host first, then saved as numpy arrays.
@@ -56,13 +59,8 @@ def one(variant: str, gib: int) -> None:
   elif variant.startswith("pytree"):
     kw = {}
     if variant.startswith("pytree_batched"):
-      from orbax.checkpoint._src.serialization import types as st
-
-      class Batched(st.DefaultSerializationStatusCallback):
-        def key_priority(self, _):
-          return st.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
-      kw["type_handler_registry"] = ocp.type_handlers.create_type_handler_registry(
-          (jax.Array, ocp.type_handlers.ArrayHandler(callback=Batched())))
+      from mimo_jax.checkpoint import batched_array_registry
+      kw["type_handler_registry"] = batched_array_registry()
       if variant.endswith("unpinned"):
         kw["enable_pinned_host_transfer"] = False
     handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=2, save_device_host_concurrent_gb=2,
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tools.save_memory", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--gib", type=int, default=6, help="GiB of float32 arrays (1 GiB each)")
-  parser.add_argument("--variants", default="standard,pytree,pytree_zarr,numpy")
+  parser.add_argument("--variants", default="standard,pytree,pytree_batched,numpy")
   parser.add_argument("--one", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.one:
