@@ -4,8 +4,8 @@
 
 Needs torch and transformers (`pip install -e '.[hf]'`). `make` saves two randomly initialised
 models with `save_pretrained` in bfloat16: a Llama of Llama-3.2-1B's shape (1.24 B parameters,
-tied embeddings, llama3 RoPE scaling) and a SigLIP tower of so400m's shape (0.43 B; 384 px,
-patches of 14). `import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host
+tied embeddings, llama3 RoPE scaling; `--llama 8b`: Llama-3.1-8B's, 8.03 B, for the import's
+host memory at that size) and a SigLIP tower of so400m's shape (0.43 B; 384 px, patches of 14). `import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host
 memory), `check` runs `tools.hf check` on each in bfloat16 and float32, `train` trains from the
 imported step 0 for `--steps` steps on synthetic data. The figures go to docs/benchmarks.md.
 """
@@ -29,6 +29,10 @@ LLAMA = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192})
+# Llama-3.1-8B's shape (8.03 B parameters; `--llama 8b`): for the import's host memory at 7-8B.
+LLAMA_8B = dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                tie_word_embeddings=False,
+                rope_parameters=dict(LLAMA["rope_parameters"], factor=8.0))
 SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
               num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False)
 RUN = ["--config=configs/vlm.py", "--config.data.max_images=1", "--config.data.image_probs=0,1",
@@ -42,17 +46,19 @@ TINY = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_s
              image_size=48, patch_size=14))
 
 
-def make(work: pathlib.Path, tiny: bool = False) -> dict:
+def make(work: pathlib.Path, tiny: bool = False, llama_shape: dict = LLAMA) -> dict:
   # pylint: disable=import-outside-toplevel
   import torch
   from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
   out = {}
   torch.manual_seed(0)
-  llama, siglip = ({**LLAMA, **TINY[0]}, {**SIGLIP, **TINY[1]}) if tiny else (LLAMA, SIGLIP)
+  torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: half the host memory and time
+  llama, siglip = ({**llama_shape, **TINY[0]}, {**SIGLIP, **TINY[1]}) if tiny else (llama_shape,
+                                                                                      SIGLIP)
   for name, build in (("llama", lambda: LlamaForCausalLM(LlamaConfig(**llama))),
                       ("siglip", lambda: SiglipVisionModel(SiglipVisionConfig(**siglip)))):
     t = time.time()
-    model = build().to(torch.bfloat16)
+    model = build()
     model.save_pretrained(work / name, max_shard_size="1GB")
     n = sum(p.numel() for p in model.parameters())
     out[name] = {"parameters": n, "seconds": time.time() - t}
@@ -82,6 +88,8 @@ def main() -> None:
   parser.add_argument("--results", default=None,
                       help="where the figures are kept (default WORK/results.json)")
   parser.add_argument("--check_dtypes", default="bfloat16,float32")
+  parser.add_argument("--llama", choices=("1b", "8b"), default="1b",
+                      help="the Llama's shape: Llama-3.2-1B's or Llama-3.1-8B's (make)")
   parser.add_argument("--tiny", action="store_true",
                       help="small shapes on one CPU: a smoke test of the phases")
   args = parser.parse_args()
@@ -99,7 +107,7 @@ def main() -> None:
     results["device"] = f"{len(names)} x {names[0]}" if names else "CPU"
   save = lambda: results_file.write_text(json.dumps(results, indent=2))
   if "make" in phases:
-    results["make"] = make(work, args.tiny)
+    results["make"] = make(work, args.tiny, LLAMA_8B if args.llama == "8b" else LLAMA)
     save()
   run = work / "run"
   if "import" in phases:
