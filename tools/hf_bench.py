@@ -5,8 +5,8 @@
 Needs torch and transformers (`pip install -e '.[hf]'`). `make` saves two randomly initialised
 models with `save_pretrained` in bfloat16: a Llama of Llama-3.2-1B's shape (1.24 B parameters,
 tied embeddings, llama3 RoPE scaling; `--llama 8b`: Llama-3.1-8B's, 8.03 B, for the import's
-host memory at that size) and a SigLIP tower of so400m's shape (0.43 B; 384 px, patches of 14). `import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host
-memory), `check` runs `tools.hf check` on each in bfloat16 and float32, `train` trains from the
+host memory at that size) and a SigLIP tower of so400m's shape (0.43 B; 384 px, patches of 14).
+`import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host memory), `check` runs `tools.hf check` on each in bfloat16 and float32, `train` trains from the
 imported step 0 for `--steps` steps on synthetic data. The figures go to docs/benchmarks.md.
 """
 
@@ -52,13 +52,12 @@ def make(work: pathlib.Path, tiny: bool = False, llama_shape: dict = LLAMA) -> d
   from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
   out = {}
   torch.manual_seed(0)
-  torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: half the host memory and time
   llama, siglip = ({**llama_shape, **TINY[0]}, {**SIGLIP, **TINY[1]}) if tiny else (llama_shape,
                                                                                       SIGLIP)
   for name, build in (("llama", lambda: LlamaForCausalLM(LlamaConfig(**llama))),
                       ("siglip", lambda: SiglipVisionModel(SiglipVisionConfig(**siglip)))):
     t = time.time()
-    model = build()
+    model = build().to(torch.bfloat16)
     model.save_pretrained(work / name, max_shard_size="1GB")
     n = sum(p.numel() for p in model.parameters())
     out[name] = {"parameters": n, "seconds": time.time() - t}
