@@ -6,8 +6,9 @@ Needs torch and transformers (`pip install -e '.[hf]'`). `make` saves two random
 models with `save_pretrained` in bfloat16: a Llama of Llama-3.2-1B's shape (1.24 B parameters,
 tied embeddings, llama3 RoPE scaling; `--llama 8b`: Llama-3.1-8B's, 8.03 B, for the import's
 host memory at that size) and a SigLIP tower of so400m's shape (0.43 B; 384 px, patches of 14).
-`import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host memory), `check` runs `tools.hf check` on each in bfloat16 and float32, `train` trains from the
-imported step 0 for `--steps` steps on synthetic data. The figures go to docs/benchmarks.md.
+`import` runs `tools.hf import --hf SIGLIP --hf LLAMA` (wall time and peak host memory), `check`
+runs `tools.hf check` on each in bfloat16 and float32, `train` trains from the imported step 0 for
+`--steps` steps on synthetic data. The figures go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
