@@ -15,14 +15,15 @@ as `<step>.replaced`, since the run will write its own.
 With several processes, a module whose mesh spans devices of every process is saved and restored as
 it is: each process writes and reads its own shards (an FSDP language model is never gathered).
 orbax refuses arrays that live on the devices of some processes only (a module whose mesh sits on
-one host): those are first gathered and copied, through the bridge, to one device of each process
-("global" layout), which orbax saves like any replicated array; restore reverses the path onto the
-current topology.
+one host): those are first moved, through the bridge, to a layout over every process ("global"):
+split on the first axis over every device where it divides evenly, else on one device of each
+process; restore reverses the path onto the current topology.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -167,10 +168,26 @@ def _flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def _replicated(tree):
-  """The tree replicated over its own module mesh (one jit)."""
-  shardings = jax.tree.map(lambda a: NamedSharding(a.sharding.mesh, P()), tree)
-  return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+def _rows(mesh, shape) -> NamedSharding:
+  """Split on the first axis over every device of `mesh` where that axis divides evenly, else
+  replicated: the layouts the bridge moves between meshes."""
+  split = shape and shape[0] % mesh.devices.size == 0
+  return NamedSharding(mesh, P(tuple(mesh.axis_names)) if split else P())
+
+
+@functools.lru_cache(maxsize=1)
+def _every_device() -> jax.sharding.Mesh:
+  return jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+
+
+def _global_sharding(shape) -> NamedSharding:
+  """Where an array of a module on some processes only is saved from and restored to (the
+  "global" layout): split on its first axis over every device of every process, each holding a
+  1/N part, where that axis divides evenly; else on one device of each process."""
+  every = _every_device()
+  if shape and shape[0] % every.devices.size == 0:
+    return _rows(every, shape)
+  return distributed.report_sharding()
 
 
 def _spans_processes(tree) -> bool:
@@ -181,8 +198,11 @@ def _spans_processes(tree) -> bool:
 
 
 def _to_global(tree):
-  report = distributed.report_sharding()
-  return jax.tree.map(lambda a: bridge.transfer(a, report), _replicated(tree))
+  """A module's arrays in the global layout: split by rows over its own mesh (one jit), then
+  moved device to device by the bridge."""
+  rows = jax.tree.map(lambda a: _rows(a.sharding.mesh, a.shape), tree)
+  tree = jax.jit(lambda t: t, out_shardings=rows)(tree)
+  return jax.tree.map(lambda a: bridge.transfer(a, _global_sharding(a.shape)), tree)
 
 
 def _settle(tree) -> None:
@@ -193,15 +213,17 @@ def _settle(tree) -> None:
 
 
 def _from_global(tree, abstract):
-  """Arrays in the global layout -> the shardings of `abstract` (this run's topology)."""
-  moved = jax.tree.map(lambda a, t: bridge.transfer(a, NamedSharding(t.sharding.mesh, P())),
+  """Arrays in the global layout -> the shardings of `abstract` (this run's topology): moved by
+  rows onto the module's mesh, then resharded there (one jit)."""
+  moved = jax.tree.map(lambda a, t: bridge.transfer(a, _rows(t.sharding.mesh, t.shape)),
                        tree, abstract)
   return jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda t: t.sharding, abstract))(moved)
 
 
 def _global_abstract(abstract):
-  report = distributed.report_sharding()
-  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=report), abstract)
+  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype,
+                                                     sharding=_global_sharding(t.shape)),
+                      abstract)
 
 
 class Checkpointer:

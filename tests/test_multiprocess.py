@@ -88,13 +88,18 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, topo, extra
   proc = _launch(*_args(data_dir, first, topo, "--config.checkpoint.every=2", *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
   full = _train_records(first)
-  # How each module was saved: through one device of each process ("process" mesh), or as it
-  # is on its own mesh, each process writing its shards.
+  # How each module was saved: as it is on its own mesh, each process writing its shards, or
+  # moved to the global layout: split by rows over every device ("all") where the rows divide
+  # evenly, else on one device of each process ("process").
   for module in ("vision", "language"):
     saved = json.loads((first / "checkpoints" / "2" / module / "_sharding").read_text())
-    axes = {tuple(json.loads(v)["axis_names"]) for v in saved.values()}
-    spans = module == "language" and topo is SPANNING
-    assert axes == ({("pp", "dp", "tp")} if spans else {("process",)}), (module, axes)
+    saved = [json.loads(v) for v in saved.values()]
+    axes = {tuple(s["axis_names"]) for s in saved}
+    if module == "language" and topo is SPANNING:
+      assert axes == {("pp", "dp", "tp")}, axes
+    else:
+      assert axes == {("all",), ("process",)}, (module, axes)
+      assert all(s["partition_spec"] == ["all"] for s in saved if s["axis_names"] == ["all"])
   # Resume from step 2 with the same two processes: bitwise the same steps 3 and 4.
   again = tmp_path / "again"
   shutil.copytree(first / "checkpoints", again / "checkpoints")
