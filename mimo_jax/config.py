@@ -217,6 +217,10 @@ class DataConfig:
   # k > 0 = only those its ranks fill, rounded up to one of k evenly spaced sizes (one compiled
   # language step per size used). Less language work on padding rows.
   row_buckets: int = 0
+  # Which samples of a step go in which microbatch: "stream" (consecutive samples), or "pack":
+  # assigned so that the microbatches send fewer padded rows (row_buckets) and image slots
+  # (slot_buckets), each microbatch's samples laid out longest first. Loss unchanged.
+  microbatch_fill: str = "stream"
   # Order of a step's microbatches: "stream", or "pipeline" (inter-microbatch reorder, DistTrain
   # §5.3): Johnson's rule on each microbatch's encoder and language cost (the cost model above,
   # slots sent for the encoder), for the fewest bubbles between the modules. Loss unchanged.

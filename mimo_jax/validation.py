@@ -132,6 +132,15 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(d.row_buckets >= 0, "data.row_buckets", "must be >= 0 (0 = send every row).")
   require(d.row_buckets == 0 or d.pack_rows > 0, "data.row_buckets",
            "trims packed rows; set data.pack_rows too (without packing every row holds a sample).")
+  require(d.microbatch_fill in ("stream", "pack"), "data.microbatch_fill",
+           f"must be stream or pack, got {d.microbatch_fill!r}.")
+  if d.microbatch_fill == "pack":
+    require(d.row_buckets > 0 or d.slot_buckets > 0, "data.microbatch_fill",
+            "pack lowers the rows and slots microbatches send, which only data.row_buckets (with "
+            "data.pack_rows) and data.slot_buckets trim; set one of them.")
+    require(all(t.pp == 1 for t in cfg.topology.modules().values()), "data.microbatch_fill",
+            "pack: a pipelined module (pp > 1) takes every microbatch at the step's most rows "
+            "and slots, which pack does not lower; use stream.")
   require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
            f"must be stream or pipeline, got {d.microbatch_order!r}.")
   require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",

@@ -40,6 +40,8 @@ CASES = [
     ("topology.vision.pp", 3, "topology.vision.pp"),  # 2 layers do not split into 3 stages
     ("model.language.kv_heads", 1, "topology.language.tp"),  # tp=2 cannot split 1 kv head
     ("topology.vision.offset", 7, "topology.vision.offset"),  # past 8 devices
+    ("data.microbatch_fill", "best", "data.microbatch_fill"),
+    ("data.microbatch_fill", "pack", "data.microbatch_fill"),  # no row or slot buckets to trim
 ]
 
 
@@ -58,6 +60,15 @@ def test_bad_value_names_its_field(path, value, field):
   with pytest.raises(ConfigError, match=rf"^config\.{field.replace('.', r'[.]')}: ") as e:
     validate(cfg, num_devices=8)
   assert "\n" not in str(e.value)
+
+
+def test_microbatch_fill_pack_refuses_a_pipelined_module():
+  cfg = digits.get_config()
+  cfg.data.microbatch_fill, cfg.data.slot_buckets = "pack", 2
+  validate(cfg, num_devices=8)
+  cfg.topology.language.tp, cfg.topology.language.pp = 1, 2
+  with pytest.raises(ConfigError, match=r"^config\.data\.microbatch_fill: pack: a pipelined"):
+    validate(cfg, num_devices=8)
 
 
 def test_default_config_is_valid():

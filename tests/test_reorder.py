@@ -2,6 +2,7 @@
 a step's microbatches (Johnson's rule, slot buckets)."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -107,3 +108,93 @@ def test_slot_buckets_hold_the_used_slots_and_split_over_vision_dp():
 def test_balance_rejects_groups_that_do_not_divide_the_samples():
   with pytest.raises(ValueError, match="do not split evenly over 3 groups"):
     reorder.balance([1.0] * 8, 3)
+
+
+def test_pack_keeps_microbatch_sizes_and_lowers_the_cost():
+  """Samples of lengths that stream order packs badly: pack swaps them into fuller microbatches,
+  each still of n / m samples, never breaking `fits`."""
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    lengths = list(rng.integers(5, 40, size=16))
+
+    def evaluate(members, lengths=lengths):
+      rows = loader.first_fit(sorted((lengths[i] for i in members), reverse=True), 48)
+      return float(rows), rows <= 3
+
+    stream = [tuple(range(k * 4, (k + 1) * 4)) for k in range(4)]
+    if not all(evaluate(g)[1] for g in stream):
+      continue
+    perm = reorder.pack(16, 4, evaluate)
+    assert sorted(perm) == list(range(16)), trial
+    groups = [tuple(perm[k * 4:(k + 1) * 4]) for k in range(4)]
+    assert all(evaluate(g)[1] for g in groups), trial
+    assert sum(evaluate(g)[0] for g in groups) <= sum(evaluate(g)[0] for g in stream), trial
+  lengths = [40, 40, 8, 8, 40, 40, 8, 8]  # stream: 3 + 3 rows; best: 2 + 2 (a 40 and an 8 a row)
+  evaluate = lambda g: (float(loader.first_fit(sorted((lengths[i] for i in g), reverse=True),
+                                               48)), True)
+  perm = reorder.pack(8, 2, evaluate)
+  assert sum(evaluate(tuple(perm[k * 4:(k + 1) * 4]))[0] for k in range(2)) == 4
+
+
+def _packed_config(data_dir, fill, **topo):
+  cfg = tiny_config(data_dir, **topo)
+  cfg.data.seq_len, cfg.data.pack_rows, cfg.data.row_buckets = 48, 10, 10
+  cfg.data.slot_buckets, cfg.data.microbatches = 4, 4
+  cfg.data.microbatch_fill = fill
+  return cfg
+
+
+@pytest.mark.parametrize("topo", [pytest.param({"vision": (0, 1, 1), "language": (0, 1, 1)},
+                                               id="single"),
+                                  pytest.param(FAN_IN, id="fan-in-tp")])
+def test_microbatch_fill_pack_sends_less_padding_with_the_same_samples(data_dir, topo):
+  """Each step holds the same samples (each with the same tokens and images) in stream and pack
+  order; pack fits in the fewest rows and slots that check_capacity accepts for it, and sends
+  less padded work (rows and slots, the cost model's tokens) over the run."""
+  G, steps, least = topo["language"][1], 6, {}
+  for fill in ("stream", "pack"):
+    cfg = _packed_config(data_dir, fill, **topo)
+    path = loader.build_paths(cfg)["train"]
+    cfg.data.pack_rows = cfg.data.image_slots = G  # then the fewest check_capacity accepts
+    for _ in range(2):
+      try:
+        loader.check_capacity(cfg, path, G, 0, steps)
+      except loader.CapacityError as e:
+        field, value = re.search(r"set data\.(\w+)=(\d+)", str(e)).groups()
+        setattr(cfg.data, field, int(value))
+    assert cfg.data.pack_rows > G and cfg.data.image_slots > G
+    assert loader.check_capacity(cfg, path, G, 0, steps)
+    least[fill] = (cfg.data.pack_rows, cfg.data.image_slots)
+    cfg.data.pack_rows -= G
+    with pytest.raises(loader.CapacityError, match="data.pack_rows"):
+      loader.check_capacity(cfg, path, G, 0, steps)
+  batches, work = {}, {}
+  for fill in ("stream", "pack"):
+    cfg = _packed_config(data_dir, fill, **topo)
+    cfg.data.pack_rows, cfg.data.image_slots = least[fill]
+    ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], G)
+    batches[fill] = [ds[s] for s in range(steps)]  # a rank whose rows or slots overflow raises
+    # The same capacity for both, to compare the padding they send.
+    cfg.data.pack_rows, cfg.data.image_slots = (max(v) for v in zip(*least.values()))
+    ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], G)
+    slot_tokens = loader.make_layout(cfg, G).encoder("vision").slot_tokens
+    work[fill] = sum(int(b.text.rows_sent.sum()) * cfg.data.seq_len +
+                     int(b.slots["vision"].sent.sum()) * slot_tokens
+                     for b in (ds[s] for s in range(steps)))
+  for a, b in zip(batches["stream"], batches["pack"]):
+    ids = lambda x: sorted(int(s) for s in x.samples.ids_b.ravel() if s >= 0)
+    assert ids(a) == ids(b)
+    tokens = lambda x: {int(s): x.samples.tokens_b[m][i] for m in range(x.microbatches)
+                        for i, s in enumerate(x.samples.ids_b[m]) if s >= 0}
+    assert tokens(a) == tokens(b)
+  assert work["pack"] < work["stream"], work
+
+
+@pytest.mark.parametrize("topo", [pytest.param({"vision": (0, 1, 1), "language": (0, 1, 1)},
+                                               id="single"),
+                                  pytest.param(FAN_IN, id="fan-in-tp")])
+def test_microbatch_fill_pack_keeps_the_loss_trajectory(data_dir, topo):
+  ref = run_steps(_packed_config(data_dir, "stream", vision=(0, 1, 1), language=(0, 1, 1)),
+                  4)[0]
+  assert_close_trajectory(ref, run_steps(_packed_config(data_dir, "pack", **topo), 4)[0],
+                          rtol=1e-4)

@@ -163,22 +163,66 @@ class _Records:
     return read_record(lambda: self.source[index], self.path, index, self._decode)
 
 
-def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
-                  records: _Records, where: Locality) -> Batch:
-  """Lays out one microbatch of (stream position, record index) pairs: reorders its samples over
-  language dp ranks if configured, and reads only the records `where` needs."""
+def _order(lengths: list[int], costs: list[float], groups: int, data: DataConfig,
+           packed: bool) -> list[int]:
+  """The order a microbatch's samples are laid out in, rank after rank (as many each): with
+  data.reorder=balance, over the ranks by cost. With `packed` (data.microbatch_fill=pack) each
+  rank's samples come longest first, so that its first fit of rows and slots is first fit
+  decreasing, and without balance the samples are dealt to the ranks longest first, back and
+  forth (0, 1, .., G-1, G-1, .., 0, ..)."""
+  order = list(range(len(lengths)))
+  if packed:
+    order.sort(key=lambda b: (-lengths[b], b))
+  if data.reorder == "balance":
+    return [order[i] for i in reorder.balance([costs[b] for b in order], groups)]
+  if packed and groups > 1:
+    ranks = [[] for _ in range(groups)]
+    for k, b in enumerate(order):
+      g = k % groups
+      ranks[g if (k // groups) % 2 == 0 else groups - 1 - g].append(b)
+    order = [b for rank in ranks for b in rank]
+  return order
+
+
+def _needs(order: list[int], items: list[dict], lengths: list[int],
+           layout: Layout) -> tuple[int, dict[str, int]]:
+  """The packed rows and each encoder's slots that the fullest rank of a microbatch laid out in
+  `order` needs (`items[b]`: encoder -> item tokens of sample b)."""
+  per = len(order) // layout.groups
+  rows, slots = 0, {e.name: 0 for e in layout.encoders}
+  for g in range(layout.groups):
+    mine = order[g * per:(g + 1) * per]
+    for e in layout.encoders:
+      slots[e.name] = max(slots[e.name], first_fit([t for b in mine for t in items[b][e.name]],
+                                                   e.slot_tokens, e.slot_items))
+    if layout.pack_rows:
+      rows = max(rows, first_fit([lengths[b] for b in mine], layout.seq_len))
+  return rows, slots
+
+
+def _plan(elements, layout: Layout, data: DataConfig, records: "_Records", id_of):
+  """Metadata of a list of (stream position, record index) pairs: stubs, sample ids, each
+  sample's item tokens per encoder, its length in positions and its cost."""
   stubs = [{"meta": records.meta[index]} for _, index in elements]
   ids = [id_of(pos) for pos, _ in elements]
-  item_tokens = {e.name: [[e.item_tokens(size, sid) for size in e.sizes(stub)]
-                          for stub, sid in zip(stubs, ids)] for e in layout.encoders}
-  costs = [reorder.sample_cost(sum(sum(t[b]) for t in item_tokens.values()),
-                               stub["meta"].text_tokens, data.image_token_cost,
-                               data.text_token_cost) for b, stub in enumerate(stubs)]
-  order = list(range(len(elements)))
-  if data.reorder == "balance":
-    order = reorder.balance(costs, layout.groups)
+  items = [{e.name: [e.item_tokens(size, sid) for size in e.sizes(stub)]
+            for e in layout.encoders} for stub, sid in zip(stubs, ids)]
+  lengths = [stub["meta"].text_tokens + sum(sum(t) for t in it.values()) - 1
+             for stub, it in zip(stubs, items)]
+  costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), stub["meta"].text_tokens,
+                               data.image_token_cost, data.text_token_cost)
+           for stub, it in zip(stubs, items)]
+  return stubs, ids, items, lengths, costs
+
+
+def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
+                  records: _Records, where: Locality) -> Batch:
+  """Lays out one microbatch of (stream position, record index) pairs: orders its samples
+  (`_order`) and reads only the records `where` needs."""
+  stubs, ids, items, lengths, costs = _plan(elements, layout, data, records, id_of)
+  order = _order(lengths, costs, layout.groups, data, data.microbatch_fill == "pack")
   elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
-  item_tokens = {n: [t[i] for i in order] for n, t in item_tokens.items()}
+  item_tokens = {e.name: [items[i][e.name] for i in order] for e in layout.encoders}
   per_group = len(elements) // layout.groups
   places = {e.name: place_items(item_tokens[e.name], ids, e) for e in layout.encoders}
   samples = [records.read(index)
@@ -190,6 +234,44 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
   out.stats.cost_spread_in_order = np.float32(
       reorder.spread(costs, list(range(len(costs))), layout.groups))
   return out
+
+
+def _pack_step(elements, cfg: Config, layout: Layout, records: "_Records", id_of,
+               lay_out) -> Batch:
+  """A step with data.microbatch_fill=pack: its samples assigned to microbatches
+  (`reorder.pack`) to lower the rows and slots they send, each microbatch then laid out by
+  `lay_out` (longest first). No microbatch needs more rows or slots than the fullest of the
+  step's stream-order microbatches laid out that way, which is what check_capacity checks."""
+  d, G = cfg.data, layout.groups
+  _, _, items, lengths, costs = _plan(elements, layout, d, records, id_of)
+  n, m = len(elements), d.microbatches
+  per = n // m
+
+  def needs(members):
+    order = _order([lengths[i] for i in members], [costs[i] for i in members], G, d, True)
+    return _needs([members[k] for k in order], items, lengths, layout)
+
+  stream = [needs(tuple(range(k * per, (k + 1) * per))) for k in range(m)]
+  most_rows = max(r for r, _ in stream)
+  most_slots = {e.name: max(s[e.name] for _, s in stream) for e in layout.encoders}
+  row_count = layout.pack_rows // G if layout.pack_rows else per // G
+
+  def evaluate(members):
+    rows, slots = needs(members)
+    fits = rows <= most_rows and all(slots[k] <= most_slots[k] for k in slots)
+    rows = (reorder.bucket(rows, row_count, d.row_buckets, G) if d.row_buckets and
+            layout.pack_rows else row_count)
+    work = rows * G * layout.seq_len * d.text_token_cost
+    for e in layout.encoders:
+      sent = (reorder.bucket(slots[e.name], e.slots_per_group, d.slot_buckets, G,
+                             cfg.topology.module(e.name).dp) if d.slot_buckets else
+              e.slots_per_group)
+      work += sent * G * e.slot_tokens * d.image_token_cost
+    return work, fits
+
+  perm = reorder.pack(n, m, evaluate)
+  return _step_batch([lay_out([elements[i] for i in perm[k * per:(k + 1) * per]])
+                      for k in range(m)], cfg=cfg, layout=layout)
 
 
 class CapacityError(ValueError):
@@ -228,12 +310,12 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
     items = [tokens_of[index][0] for index in indices]
     lengths = [text + sum(sum(t) for t in it.values()) - 1
                for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
-    ranks = list(range(micro))
-    if d.reorder == "balance":
-      costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
-                                   d.image_token_cost, d.text_token_cost)
-               for it, x in zip(items, indices)]
-      ranks = reorder.balance(costs, G)
+    costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
+                                 d.image_token_cost, d.text_token_cost)
+             for it, x in zip(items, indices)]
+    # With microbatch_fill=pack: stream order's microbatches laid out as pack lays them out, the
+    # bound that pack's microbatches keep to (_pack_step).
+    ranks = _order(lengths, costs, G, d, d.microbatch_fill == "pack")
     where = f"step {mb // d.microbatches + 1}, microbatch {mb % d.microbatches}"
     for g in range(G):
       mine = ranks[g * per:(g + 1) * per]
@@ -283,9 +365,13 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
   ds = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, index: (pos, index))
+  id_of = lambda pos: pos % (2**31 - 1)
   batch_fn = functools.partial(_layout_batch, layout=layout, tok=Tokenizer(),
-                               id_of=lambda pos: pos % (2**31 - 1), data=d, records=records,
+                               id_of=id_of, data=d, records=records,
                                where=where or Locality())
+  if d.microbatch_fill == "pack":
+    return ds.batch(d.global_batch, batch_fn=functools.partial(
+        _pack_step, cfg=cfg, layout=layout, records=records, id_of=id_of, lay_out=batch_fn))
   ds = ds.batch(d.micro_batch, batch_fn=batch_fn)
   return ds.batch(d.microbatches, batch_fn=functools.partial(_step_batch, cfg=cfg, layout=layout))
 

@@ -1,5 +1,6 @@
-"""Reordering by cost: samples over language dp ranks (intra-microbatch), and a step's
-microbatches (inter-microbatch, with `data.slot_buckets` / `data.row_buckets`).
+"""Reordering by cost: samples over language dp ranks (intra-microbatch), a step's samples over
+its microbatches (`pack`), and a step's microbatches (inter-microbatch, with `data.slot_buckets` /
+`data.row_buckets`).
 
 A microbatch's samples are split over the G language dp ranks, b = B / G each. Taking them in
 stream order can give one rank most of the images: its image slots overflow (or `data.image_slots`
@@ -34,6 +35,42 @@ def balance(costs: list[float], groups: int) -> list[int]:
     members[g].append(i)
     load[g] += costs[i]
   return [i for g in members for i in sorted(g)]
+
+
+def pack(n: int, microbatches: int, evaluate, passes: int = 4) -> list[int]:
+  """A permutation of a step's n samples, microbatch after microbatch (n / microbatches each),
+  that lowers the step's padded work. `evaluate(members)` gives a microbatch's (cost, fits) for
+  its members as a sorted tuple (the order inside a microbatch is the layout's). From stream
+  order, a swap of two samples between two microbatches is kept when it lowers the summed cost of
+  the two and both still fit; pass after pass over every pair, until a pass keeps none (at most
+  `passes`)."""
+  per = n // microbatches
+  groups = [list(range(k * per, (k + 1) * per)) for k in range(microbatches)]
+  memo = {}
+
+  def of(members):
+    key = tuple(sorted(members))
+    if key not in memo:
+      memo[key] = evaluate(key)
+    return memo[key]
+
+  for _ in range(passes):
+    kept = False
+    for a in range(microbatches):
+      for b in range(a + 1, microbatches):
+        ga, gb = groups[a], groups[b]
+        for i in range(per):
+          for j in range(per):
+            before = of(ga)[0] + of(gb)[0]
+            ga[i], gb[j] = gb[j], ga[i]
+            (ca, fa), (cb, fb) = of(ga), of(gb)
+            if fa and fb and ca + cb < before - 1e-9:
+              kept = True
+            else:
+              ga[i], gb[j] = gb[j], ga[i]
+    if not kept:
+      break
+  return [i for g in groups for i in sorted(g)]
 
 
 def spread(costs: list[float], order: list[int], groups: int) -> float:
