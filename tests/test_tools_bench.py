@@ -2,6 +2,7 @@
 never asserted here)."""
 
 import json
+import re
 import types
 
 import numpy as np
@@ -205,3 +206,18 @@ def test_planner_leaves_out_layouts_that_cannot_fit():
   sharded = plan.candidates(spec, ["topology.language.shard=full", "topology.vision.shard=full"],
                             4, max_tp=2, memory_gb=budget)
   assert len(sharded) > len(kept)  # sharding the state lets more layouts fit
+
+
+def test_data_bench_tables_padding_sent_with_pack(data_dir, capsys):
+  """tools.data_bench on the tiny config with packed rows and buckets: its fifth table gives the
+  row and image fill sent in stream and pack order."""
+  from tools import data_bench  # pylint: disable=import-outside-toplevel
+  data_bench.main(["--config=tests/configs/tiny.py", f"--set=data.dir={data_dir}",
+                   "--set=data.seq_len=48", "--set=data.pack_rows=10", "--set=data.row_buckets=10",
+                   "--set=data.slot_buckets=4", "--set=data.microbatches=4", "--workers=0",
+                   "--dps=2", "--steps=1", "--fill_steps=6"])
+  out = capsys.readouterr().out
+  fill = {m.group(1): (float(m.group(2)), float(m.group(3)))
+          for m in re.finditer(r"^\| (stream|pack) \| ([\d.]+)% \| ([\d.]+)% \|", out, re.M)}
+  assert set(fill) == {"stream", "pack"}, out
+  assert fill["pack"][0] > fill["stream"][0], fill

@@ -16,6 +16,10 @@ Prints four tables:
 4. **padding efficiency**: real image tokens / image slot tokens, where the slots per rank are the
    fewest that hold every measured microbatch, in stream order and after the reorder (with one
    image a slot: real images / slots; with dynamic resolution the slots are packed).
+5. **padding sent** (with `data.row_buckets` or `data.slot_buckets` set, one language rank):
+   real text tokens / the packed rows' positions the microbatches send (row fill) and real image
+   tokens / the image slots' tokens they send (image fill), with `data.microbatch_fill` stream
+   and pack, over `--fill_steps` steps, and the loader's time a step for each (one thread).
 
 Tables 3 and 4 need only the per-record metadata (data/meta.py), so they read no record at all.
 `--set field=value` overrides config fields; `--record` appends the tables to docs/benchmarks.md.
@@ -77,6 +81,24 @@ def balance_stats(cfg, path: str, dp: int, steps: int) -> dict:
   return out
 
 
+def fill_stats(cfg, path: str, steps: int) -> dict:
+  """Row fill and image fill of what the microbatches send, and the loader's seconds a step."""
+  ds = loader.train_dataset(cfg, path, 1, loader.Locality(groups=frozenset(), slots={}))
+  layout = loader.make_layout(cfg, 1)
+  tokens = rows = items = slots = 0
+  start = time.perf_counter()
+  for s in range(steps):
+    b = ds[s]
+    tokens += int(b.stats.tokens.sum())
+    rows += int(b.text.rows_sent.sum() if cfg.data.pack_rows else
+                b.text.tokens_rl.shape[0] * b.text.tokens_rl.shape[1]) * cfg.data.seq_len
+    for e in layout.encoders:
+      items += int(b.stats.item_tokens[e.name].sum())
+      slots += int(b.slots[e.name].sent.sum()) * e.slot_tokens
+  return {"row_fill": tokens / max(rows, 1), "image_fill": items / max(slots, 1),
+          "seconds": (time.perf_counter() - start) / steps}
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=4, help="steps per measurement")
   parser.add_argument("--balance_batch", type=int, default=64,
                       help="microbatch size for tables 3-4 (several samples a rank)")
+  parser.add_argument("--fill_steps", type=int, default=60, help="steps for table 5")
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   args = parser.parse_args(argv)
 
@@ -106,13 +129,19 @@ def main(argv: list[str] | None = None) -> None:
   tables.append("| worker processes | read threads each | samples/s |\n|---:|---:|---:|\n" +
                 "\n".join(rows))
   rows, spread, padding = [], [], []
-  for dp in _ints(args.dps):
+  def unpacked():  # tables 2-4 count records and slots: one sample a row, every dp fits
     c = config()
+    c.data.pack_rows = c.data.row_buckets = 0
+    c.data.microbatch_fill = "stream"
+    return c
+
+  for dp in _ints(args.dps):
+    c = unpacked()
     c.data.global_batch = c.data.microbatches * max(c.data.micro_batch, dp)
     c.data.image_slots = 0  # every dp fits (the table counts records, not slots)
     whole, share = reads(c, path, dp, args.steps)
     rows.append(f"| {dp} | {whole:.0f} | {share:.1f} | {whole / dp:.1f} |")
-    c = config()
+    c = unpacked()
     c.data.global_batch = c.data.microbatches * args.balance_batch
     c.data.image_slots = 0  # as many as could be needed: the table measures how many are
     st = balance_stats(c, path, dp, args.steps)
@@ -126,6 +155,16 @@ def main(argv: list[str] | None = None) -> None:
                 "|---:|---:|---:|---:|\n" + "\n".join(spread))
   tables.append("| dp | slots a rank, in order | padding efficiency | slots a rank, balanced | "
                 "padding efficiency |\n|---:|---:|---:|---:|---:|\n" + "\n".join(padding))
+  if cfg.data.row_buckets or cfg.data.slot_buckets:
+    rows = []
+    for fill in ("stream", "pack"):
+      c = config()
+      c.data.microbatch_fill = fill
+      f = fill_stats(c, path, args.fill_steps)
+      rows.append(f"| {fill} | {f['row_fill']:.1%} | {f['image_fill']:.1%} | "
+                  f"{f['seconds'] * 1e3:.0f} |")
+    tables.append("| data.microbatch_fill | row fill | image fill | loader ms a step |\n"
+                  "|---|---:|---:|---:|\n" + "\n".join(rows))
   text = "\n\n".join(tables)
   print(text)
   if args.record:
