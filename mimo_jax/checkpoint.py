@@ -168,26 +168,29 @@ def _flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def _rows(mesh, shape) -> NamedSharding:
-  """Split on the first axis over every device of `mesh` where that axis divides evenly, else
-  replicated: the layouts the bridge moves between meshes."""
-  split = shape and shape[0] % mesh.devices.size == 0
-  return NamedSharding(mesh, P(tuple(mesh.axis_names)) if split else P())
-
-
 @functools.lru_cache(maxsize=1)
 def _every_device() -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
 
 
+def _split(shape) -> bool:
+  """Whether an array of this shape is split by rows in the global layout: where its first axis
+  divides evenly over every device of every process."""
+  return bool(shape) and shape[0] % _every_device().devices.size == 0
+
+
+def _rows(mesh, shape) -> NamedSharding:
+  """On `mesh`: split by rows over all its devices for an array `_split` splits (where they
+  divide), else replicated; the layouts the bridge moves between meshes."""
+  split = _split(shape) and shape[0] % mesh.devices.size == 0
+  return NamedSharding(mesh, P(tuple(mesh.axis_names)) if split else P())
+
+
 def _global_sharding(shape) -> NamedSharding:
   """Where an array of a module on some processes only is saved from and restored to (the
-  "global" layout): split on its first axis over every device of every process, each holding a
-  1/N part, where that axis divides evenly; else on one device of each process."""
-  every = _every_device()
-  if shape and shape[0] % every.devices.size == 0:
-    return _rows(every, shape)
-  return distributed.report_sharding()
+  "global" layout): split by rows over every device of every process, each holding a 1/N part,
+  where its first axis divides evenly; else on one device of each process."""
+  return _rows(_every_device(), shape) if _split(shape) else distributed.report_sharding()
 
 
 def _spans_processes(tree) -> bool:
