@@ -146,10 +146,10 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   for anything else, which is a bug and keeps its traceback."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import train, workdir
-  from mimo_jax.data import loader
+  from mimo_jax.data import capacity
   from mimo_jax.metrics import NonFiniteError
   for x in _chain(e):
-    if isinstance(x, (ConfigError, loader.CapacityError)):
+    if isinstance(x, (ConfigError, capacity.CapacityError)):
       return str(x), 2
     if isinstance(x, (train.NonFiniteStepError, NonFiniteError)):
       return str(x), 1

@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from mimo_jax import checkpoint, distributed, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
-from mimo_jax.data import conversations, loader
+from mimo_jax.data import capacity, conversations, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError
 from mimo_jax.optim import schedule
@@ -154,9 +154,9 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
     else:
       state = trainer.init_state(cfg.train.seed)
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
-    loader.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
-                          progress=print if distributed.is_main() else None,
-                          stop=early.requested)
+    capacity.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
+                            progress=print if distributed.is_main() else None,
+                            stop=early.requested)
     evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
     eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
     # The whole LR table once: evaluating the schedule per step would queue behind the step's

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from mimo_jax.data import loader, reorder
+from mimo_jax.data import capacity, loader, reorder
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 FAN_IN = {"vision": (0, 4, 1), "language": (4, 2, 2)}
@@ -158,16 +158,16 @@ def test_microbatch_fill_pack_sends_less_padding_with_the_same_samples(data_dir,
     cfg.data.pack_rows = cfg.data.image_slots = G  # then the fewest check_capacity accepts
     for _ in range(2):
       try:
-        loader.check_capacity(cfg, path, G, 0, steps)
-      except loader.CapacityError as e:
+        capacity.check_capacity(cfg, path, G, 0, steps)
+      except capacity.CapacityError as e:
         field, value = re.search(r"set data\.(\w+)=(\d+)", str(e)).groups()
         setattr(cfg.data, field, int(value))
     assert cfg.data.pack_rows > G and cfg.data.image_slots > G
-    assert loader.check_capacity(cfg, path, G, 0, steps)
+    assert capacity.check_capacity(cfg, path, G, 0, steps)
     least[fill] = (cfg.data.pack_rows, cfg.data.image_slots)
     cfg.data.pack_rows -= G
-    with pytest.raises(loader.CapacityError, match="data.pack_rows"):
-      loader.check_capacity(cfg, path, G, 0, steps)
+    with pytest.raises(capacity.CapacityError, match="data.pack_rows"):
+      capacity.check_capacity(cfg, path, G, 0, steps)
   batches, work = {}, {}
   for fill in ("stream", "pack"):
     cfg = _packed_config(data_dir, fill, **topo)

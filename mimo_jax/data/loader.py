@@ -142,7 +142,7 @@ def locality(topo, slots: dict[str, int]) -> Locality:
                   None if everything else ranges)
 
 
-class _Records:
+class Records:
   """Random access to a shard's records and their metadata; decodes on demand."""
 
   def __init__(self, path: str, task: str, names=("vision",)):
@@ -163,7 +163,7 @@ class _Records:
     return read_record(lambda: self.source[index], self.path, index, self._decode)
 
 
-def _order(lengths: list[int], costs: list[float], groups: int, data: DataConfig,
+def sample_order(lengths: list[int], costs: list[float], groups: int, data: DataConfig,
            packed: bool) -> list[int]:
   """The order a microbatch's samples are laid out in, rank after rank (as many each): with
   data.reorder=balance, over the ranks by cost. With `packed` (data.microbatch_fill=pack) each
@@ -200,7 +200,7 @@ def _needs(order: list[int], items: list[dict], lengths: list[int],
   return rows, slots
 
 
-def _plan(elements, layout: Layout, data: DataConfig, records: "_Records", id_of):
+def _plan(elements, layout: Layout, data: DataConfig, records: "Records", id_of):
   """Metadata of a list of (stream position, record index) pairs: stubs, sample ids, each
   sample's item tokens per encoder, its length in positions and its cost."""
   stubs = [{"meta": records.meta[index]} for _, index in elements]
@@ -216,11 +216,11 @@ def _plan(elements, layout: Layout, data: DataConfig, records: "_Records", id_of
 
 
 def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
-                  records: _Records, where: Locality) -> Batch:
+                  records: Records, where: Locality) -> Batch:
   """Lays out one microbatch of (stream position, record index) pairs: orders its samples
   (`_order`) and reads only the records `where` needs."""
   stubs, ids, items, lengths, costs = _plan(elements, layout, data, records, id_of)
-  order = _order(lengths, costs, layout.groups, data, data.microbatch_fill == "pack")
+  order = sample_order(lengths, costs, layout.groups, data, data.microbatch_fill == "pack")
   elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
   item_tokens = {e.name: [items[i][e.name] for i in order] for e in layout.encoders}
   per_group = len(elements) // layout.groups
@@ -236,19 +236,19 @@ def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataCon
   return out
 
 
-def _pack_step(elements, cfg: Config, layout: Layout, records: "_Records", id_of,
+def _pack_step(elements, cfg: Config, layout: Layout, records: "Records", id_of,
                lay_out) -> Batch:
   """A step with data.microbatch_fill=pack: its samples assigned to microbatches
   (`reorder.pack`) to lower the rows and slots they send, each microbatch then laid out by
   `lay_out` (longest first). No microbatch needs more rows or slots than the fullest of the
-  step's stream-order microbatches laid out that way, which is what check_capacity checks."""
+  step's stream-order microbatches laid out that way, which is what capacity.py checks."""
   d, G = cfg.data, layout.groups
   _, _, items, lengths, costs = _plan(elements, layout, d, records, id_of)
   n, m = len(elements), d.microbatches
   per = n // m
 
   def needs(members):
-    order = _order([lengths[i] for i in members], [costs[i] for i in members], G, d, True)
+    order = sample_order([lengths[i] for i in members], [costs[i] for i in members], G, d, True)
     return _needs([members[k] for k in order], items, lengths, layout)
 
   stream = [needs(tuple(range(k * per, (k + 1) * per))) for k in range(m)]
@@ -274,94 +274,13 @@ def _pack_step(elements, cfg: Config, layout: Layout, records: "_Records", id_of
                       for k in range(m)], cfg=cfg, layout=layout)
 
 
-class CapacityError(ValueError):
-  """The configured slots or packed rows cannot hold some microbatch of the run."""
-
-
-def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
-                   progress=None, stop=None) -> bool:
-  """Raises CapacityError, before anything compiles, if some microbatch of steps start+1..steps
-  needs more slots of an encoder, or more packed rows, than configured, or holds a sample longer
-  than data.seq_len; the error gives the value that works for the whole run. Reads only the
-  metadata sidecar (the sample order is the loader's). Returns False if `stop()` turned true
-  (a signal) before it finished."""
-  d = cfg.data
-  layout = make_layout(cfg, lang_dp)
-  records = _Records(path, d.task, tuple(e.name for e in layout.encoders))
-  order = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
-  G, micro = layout.groups, d.micro_batch
-  per = micro // G
-  tokens_of = {}  # record -> ({encoder: [item tokens]}, text tokens); computed once a record
-  need = {e.name: (0, None) for e in layout.encoders}  # most slots a rank needs, and where
-  rows_need, worst_len = (0, None), (0, None)
-  first, last = start * d.microbatches, steps * d.microbatches
-  for mb in range(first, last):
-    if stop is not None and (mb - first) % 1000 == 0 and stop():
-      return False
-    if progress and mb > first and (mb - first) % 20000 == 0:
-      progress(f"checking capacity: microbatch {mb - first}/{last - first}")
-    ids = [mb * micro + j for j in range(micro)]
-    indices = [order[i] for i in ids]
-    for i, index in zip(ids, indices):
-      if index not in tokens_of:
-        m = records.meta[index]
-        tokens_of[index] = ({e.name: [e.item_tokens(size, i) for size in e.sizes({"meta": m})]
-                             for e in layout.encoders}, m.text_tokens)
-    items = [tokens_of[index][0] for index in indices]
-    lengths = [text + sum(sum(t) for t in it.values()) - 1
-               for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
-    costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
-                                 d.image_token_cost, d.text_token_cost)
-             for it, x in zip(items, indices)]
-    # With microbatch_fill=pack: stream order's microbatches laid out as pack lays them out, the
-    # bound that pack's microbatches keep to (_pack_step).
-    ranks = _order(lengths, costs, G, d, d.microbatch_fill == "pack")
-    where = f"step {mb // d.microbatches + 1}, microbatch {mb % d.microbatches}"
-    for g in range(G):
-      mine = ranks[g * per:(g + 1) * per]
-      for e in layout.encoders:
-        sizes = [t for b in mine for t in items[b][e.name]]
-        too_big = [t for t in sizes if t > e.slot_tokens]
-        if too_big:
-          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} tokens does not fit a slot "
-                              f"of {e.slot_tokens}; raise data.slot_patches.")
-        n = first_fit(sizes, e.slot_tokens, e.slot_items)
-        if n > need[e.name][0]:
-          need[e.name] = (n, f"{where}, language dp rank {g}")
-      if layout.pack_rows:
-        n = first_fit([lengths[b] for b in mine], layout.seq_len)
-        if n > rows_need[0]:
-          rows_need = (n, f"{where}, language dp rank {g}")
-    longest = max(lengths)
-    if longest > worst_len[0]:
-      worst_len = (longest, f"{where}, sample {ids[lengths.index(longest)]}")
-  if worst_len[0] > layout.seq_len:
-    raise CapacityError(f"{worst_len[1]} needs {worst_len[0]} tokens but data.seq_len is "
-                        f"{layout.seq_len}; raise data.seq_len to {worst_len[0]}.")
-  for e in layout.encoders:
-    n, at = need[e.name]
-    if n > e.slots_per_group:
-      field = e.slots_field or f"the slots of encoder {e.name}"
-      raise CapacityError(
-          f"{field}={e.slots} is too small for this run: {at} needs {n} {e.noun} slots, "
-          f"{e.slots_per_group} a rank are configured; set {field}={n * G} (enough for every "
-          f"microbatch of steps {start + 1}-{steps}).")
-  if layout.pack_rows and rows_need[0] > layout.pack_rows // G:
-    raise CapacityError(
-        f"data.pack_rows={layout.pack_rows} is too small for this run: {rows_need[1]} needs "
-        f"{rows_need[0]} rows, {layout.pack_rows // G} a rank are configured; set "
-        f"data.pack_rows={rows_need[0] * G} (enough for every microbatch of steps "
-        f"{start + 1}-{steps}).")
-  return True
-
-
 def train_dataset(cfg: Config, path: str, lang_dp: int,
                   where: Locality | None = None) -> grain.MapDataset:
   """Element s = step s's batch: arrays with a leading [microbatches] axis. `where` limits the
   records read to this process's share (default: read everything)."""
   d = cfg.data
   layout = make_layout(cfg, lang_dp)
-  records = _Records(path, d.task, tuple(e.name for e in layout.encoders))
+  records = Records(path, d.task, tuple(e.name for e in layout.encoders))
   ds = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, index: (pos, index))
@@ -445,7 +364,7 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   n, bsz = cfg.eval.samples, cfg.eval.batch
   layout = make_layout(cfg, lang_dp, eval_batch=bsz)
   tok = Tokenizer()
-  records = _Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
+  records = Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
   if n > len(records):
     raise ValueError(f"eval.samples={n} but {path} holds only {len(records)} samples; lower "
                      "eval.samples or raise data.eval_samples.")

@@ -1,0 +1,94 @@
+"""The capacity check before anything compiles: every microbatch of a run fits the configured
+image slots and packed rows, and every sample fits data.seq_len. It reads only the metadata sidecar
+and follows the loader's sample order and layout (data/loader.py), so that a run never meets a
+microbatch it cannot lay out.
+"""
+
+from __future__ import annotations
+
+import grain
+
+from mimo_jax.config import Config
+from mimo_jax.data import loader, reorder
+from mimo_jax.data.layout import first_fit
+
+
+class CapacityError(ValueError):
+  """The configured slots or packed rows cannot hold some microbatch of the run."""
+
+
+def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
+                   progress=None, stop=None) -> bool:
+  """Raises CapacityError, before anything compiles, if some microbatch of steps start+1..steps
+  needs more slots of an encoder, or more packed rows, than configured, or holds a sample longer
+  than data.seq_len; the error gives the value that works for the whole run. Reads only the
+  metadata sidecar (the sample order is the loader's). Returns False if `stop()` turned true
+  (a signal) before it finished."""
+  d = cfg.data
+  layout = loader.make_layout(cfg, lang_dp)
+  records = loader.Records(path, d.task, tuple(e.name for e in layout.encoders))
+  order = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
+  G, micro = layout.groups, d.micro_batch
+  per = micro // G
+  tokens_of = {}  # record -> ({encoder: [item tokens]}, text tokens); computed once a record
+  need = {e.name: (0, None) for e in layout.encoders}  # most slots a rank needs, and where
+  rows_need, worst_len = (0, None), (0, None)
+  first, last = start * d.microbatches, steps * d.microbatches
+  for mb in range(first, last):
+    if stop is not None and (mb - first) % 1000 == 0 and stop():
+      return False
+    if progress and mb > first and (mb - first) % 20000 == 0:
+      progress(f"checking capacity: microbatch {mb - first}/{last - first}")
+    ids = [mb * micro + j for j in range(micro)]
+    indices = [order[i] for i in ids]
+    for i, index in zip(ids, indices):
+      if index not in tokens_of:
+        m = records.meta[index]
+        tokens_of[index] = ({e.name: [e.item_tokens(size, i) for size in e.sizes({"meta": m})]
+                             for e in layout.encoders}, m.text_tokens)
+    items = [tokens_of[index][0] for index in indices]
+    lengths = [text + sum(sum(t) for t in it.values()) - 1
+               for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
+    costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
+                                 d.image_token_cost, d.text_token_cost)
+             for it, x in zip(items, indices)]
+    # With microbatch_fill=pack: stream order's microbatches laid out as pack lays them out, the
+    # bound that pack's microbatches keep to (loader._pack_step).
+    ranks = loader.sample_order(lengths, costs, G, d, d.microbatch_fill == "pack")
+    where = f"step {mb // d.microbatches + 1}, microbatch {mb % d.microbatches}"
+    for g in range(G):
+      mine = ranks[g * per:(g + 1) * per]
+      for e in layout.encoders:
+        sizes = [t for b in mine for t in items[b][e.name]]
+        too_big = [t for t in sizes if t > e.slot_tokens]
+        if too_big:
+          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} tokens does not fit a slot "
+                              f"of {e.slot_tokens}; raise data.slot_patches.")
+        n = first_fit(sizes, e.slot_tokens, e.slot_items)
+        if n > need[e.name][0]:
+          need[e.name] = (n, f"{where}, language dp rank {g}")
+      if layout.pack_rows:
+        n = first_fit([lengths[b] for b in mine], layout.seq_len)
+        if n > rows_need[0]:
+          rows_need = (n, f"{where}, language dp rank {g}")
+    longest = max(lengths)
+    if longest > worst_len[0]:
+      worst_len = (longest, f"{where}, sample {ids[lengths.index(longest)]}")
+  if worst_len[0] > layout.seq_len:
+    raise CapacityError(f"{worst_len[1]} needs {worst_len[0]} tokens but data.seq_len is "
+                        f"{layout.seq_len}; raise data.seq_len to {worst_len[0]}.")
+  for e in layout.encoders:
+    n, at = need[e.name]
+    if n > e.slots_per_group:
+      field = e.slots_field or f"the slots of encoder {e.name}"
+      raise CapacityError(
+          f"{field}={e.slots} is too small for this run: {at} needs {n} {e.noun} slots, "
+          f"{e.slots_per_group} a rank are configured; set {field}={n * G} (enough for every "
+          f"microbatch of steps {start + 1}-{steps}).")
+  if layout.pack_rows and rows_need[0] > layout.pack_rows // G:
+    raise CapacityError(
+        f"data.pack_rows={layout.pack_rows} is too small for this run: {rows_need[1]} needs "
+        f"{rows_need[0]} rows, {layout.pack_rows // G} a rank are configured; set "
+        f"data.pack_rows={rows_need[0] * G} (enough for every microbatch of steps "
+        f"{start + 1}-{steps}).")
+  return True
