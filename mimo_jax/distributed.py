@@ -21,6 +21,17 @@ from mimo_jax import bridge, compat
 CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
+def silence_stderr() -> None:
+  """Closes stderr after a process's last error line: library threads still failing on their way
+  out (orbax's writers after a failed save, its reads left behind by a failed one) must not
+  follow it."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
+
+
 def cluster_detected() -> bool:
   return any(int(os.environ.get(k, "1")) > 1 for k in CLUSTER_ENV)
 

@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
       message = f"{type(e).__name__}: {e} (the traceback above shows where)"
     if jax.process_count() == 1:
       print(f"mimo_jax: error: {message}", file=sys.stderr, flush=True)
-      _silence_stderr()  # library threads still failing on their way out must not follow it
+      distributed.silence_stderr()  # nothing may follow the error line
       sys.exit(status)
     # Every process reports its own failure, tagged, so a multi-host log says who failed.
     print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
@@ -124,14 +124,6 @@ def _unraisable_once(unraisable) -> None:
     _UNRAISABLE_SEEN.add(key)
     print(f"mimo_jax: note: ignored {key[0]}: {key[1]} (--debug shows its traceback)",
           file=sys.stderr, flush=True)
-
-
-def _silence_stderr() -> None:
-  sys.stdout.flush()
-  sys.stderr.flush()
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 2)
-  os.close(devnull)
 
 
 def _chain(e: BaseException):

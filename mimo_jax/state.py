@@ -72,7 +72,7 @@ def _place_layers(read, target):
   """A stacked leaf [L, ...] built on its devices from one layer on the host at a time."""
   sharding = target.sharding
   layer_sh = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
-  out = jax.jit(lambda: jnp.zeros(target.shape, target.dtype), out_shardings=sharding)()
+  out = jnp.zeros(target.shape, target.dtype, device=sharding)
   for i in range(read.layers):
     out = _set_layer(out, _place(read.layer(i), layer_sh), i)
   return out

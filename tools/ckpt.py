@@ -24,14 +24,23 @@ from mimo_jax.checkpoint import drop_closed_loop_reports, complete_steps, params
 
 
 def _fail(message: str) -> None:
-  """The error as the last line of stderr: reads that orbax leaves behind after a failed one may
-  still report on their way out, so stderr is closed once the line is out."""
+  """The error as the last line of stderr (reads that orbax leaves behind after a failed one may
+  still report on their way out)."""
+  from mimo_jax import distributed  # pylint: disable=import-outside-toplevel
   sys.stdout.flush()
   print(f"tools.ckpt: error: {message}", file=sys.stderr, flush=True)
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 2)
-  os.close(devnull)
+  distributed.silence_stderr()
   sys.exit(2)
+
+
+_DROPPING = []
+
+
+def _drop_closed_loop_reports_once() -> None:
+  """After a failed read its leftovers report "Event loop is closed" on their way out: from then
+  on those reports are dropped (the check goes on with the other items)."""
+  if not _DROPPING:
+    _DROPPING.append(drop_closed_loop_reports())
 
 
 def _manager(path: str):
@@ -170,7 +179,7 @@ def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
       tree = _read_module(mngr, step, module)
     except Exception as e:  # pylint: disable=broad-except
       problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
-      drop_closed_loop_reports()  # the failed read's leftovers would report it on their way out
+      _drop_closed_loop_reports_once()
       continue
     arrays = fingerprint.paths(tree)
     params = len(fingerprint.paths(tree.get("params", {})))
