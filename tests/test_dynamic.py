@@ -231,7 +231,7 @@ def test_scalable_reads_with_packed_slots(synth_dir):
 
 def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir):
   path = loader.build_paths(_config(synth_dir))["train"]
-  records = loader._Records(path, "synthetic")  # pylint: disable=protected-access
+  records = loader.Records(path, "synthetic")
   sizes = set()
   for i in range(len(records)):
     got, images = records.meta[i].sizes["vision"], records.read(i)["images"]
@@ -240,7 +240,7 @@ def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir)
   assert sizes == {(8, 8), (16, 16), (8, 16), (16, 8)}
   want = [records.meta[i] for i in range(len(records))]
   np.savez(meta.path_of(path), text_tokens=records.meta.text_tokens)  # an older format
-  got = loader._Records(path, "synthetic")  # pylint: disable=protected-access
+  got = loader.Records(path, "synthetic")
   assert [got.meta[i] for i in range(len(got))] == want
 
 

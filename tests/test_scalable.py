@@ -88,7 +88,7 @@ def test_locality_follows_the_topology(data_dir):
 
 def test_metadata_sidecar_matches_the_records(setup):
   cfg, path, _ = setup
-  records = loader._Records(path, "digits")  # pylint: disable=protected-access
+  records = loader.Records(path, "digits")
   from mimo_jax.data.tokenizer import Tokenizer
   tok = Tokenizer()
   for i in range(0, len(records), 97):
