@@ -45,36 +45,62 @@ def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
 def _from_hf(p, module, seed: int, cfg, name: str):
   """The seed's parameters with every leaf the HF directory has replaced, each read on the host
   and placed straight into its sharding: one tensor in host memory at a time (a stacked leaf is
-  written into its device array layer by layer)."""
+  written into its device array layer by layer). On a terminal a bar counts the tensors, with
+  the host memory."""
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   canonical_sh = jax.tree.map(lambda a: a.sharding, p.canonical_params)
   params = jax.jit(module.init, static_argnums=0, out_shardings=canonical_sh)(seed)
   src = hf.Source.open(cfg.model.module(name).init_from)
-  for path, read in hf.leaves(src, name, cfg):
-    node, target = params, p.canonical_params
-    for k in path[:-1]:
-      node, target = node[k], target[k]
-    target = target[path[-1]]
-    shape = ((read.layers,) if read.layers else ()) + tuple(read.layer_shape)
-    if shape != tuple(target.shape):
-      raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {shape} where model.{name} has "
-                       f"{target.shape}.")
-    node[path[-1]] = (_place_layers(read, target) if read.layers else
-                      _place(read.layer(0), target.sharding))
+  leaves = list(hf.leaves(src, name, cfg))
+  bar = tqdm(total=sum(max(read.layers, 1) for _, read in leaves), unit="tensor",
+             desc=f"model.{name}", leave=False,
+             disable=None if jax.process_index() == 0 else True)  # None: on a terminal only
+  with bar:
+    for path, read in leaves:
+      _read_leaf(params, p, path, read, bar, src, name)
   return jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(params)
+
+
+def _read_leaf(params, p, path, read, bar, src, name):
+  """Places one leaf the HF directory holds into `params` (the canonical layout)."""
+  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
+  node, target = params, p.canonical_params
+  for k in path[:-1]:
+    node, target = node[k], target[k]
+  target = target[path[-1]]
+  shape = ((read.layers,) if read.layers else ()) + tuple(read.layer_shape)
+  if shape != tuple(target.shape):
+    raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {shape} where model.{name} has "
+                     f"{target.shape}.")
+  node[path[-1]] = (_place_layers(read, target, bar) if read.layers else
+                    _place(read.layer(0), target.sharding))
+  bar.update(0 if read.layers else 1)
+  bar.set_postfix_str(f"host {host_gib():.1f} GiB", refresh=False)
+
+
+def host_gib() -> float:
+  """This process's resident host memory now, GiB (0 where /proc is not there)."""
+  try:
+    with open("/proc/self/status", encoding="utf-8") as f:
+      return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024**2
+  except (OSError, StopIteration):
+    return 0.0
 
 
 def _place(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _place_layers(read, target):
+def _place_layers(read, target, bar=None):
   """A stacked leaf [L, ...] built on its devices from one layer on the host at a time."""
   sharding = target.sharding
   layer_sh = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
   out = jnp.zeros(target.shape, target.dtype, device=sharding)
   for i in range(read.layers):
     out = _set_layer(out, _place(read.layer(i), layer_sh), i)
+    if bar is not None:
+      bar.update(1)
   return out
 
 

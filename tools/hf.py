@@ -120,10 +120,11 @@ def import_(args, extra: list[str]) -> None:
   if os.path.isdir(ckpts) and complete_steps(ckpts):
     _fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")
   import jax  # pylint: disable=import-outside-toplevel
+  from mimo_jax.state import host_gib  # pylint: disable=import-outside-toplevel
   from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
   from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
   validate(cfg, len(jax.devices()))
-  started, base = time.time(), _rss_gib()  # the process with its backend, before any tensor
+  started, base = time.time(), host_gib()  # the process with its backend, before any tensor
   for module, path in taken.items():
     print(f"importing model.{module} from {path}", flush=True)
   step = Step.build(cfg)
@@ -156,15 +157,6 @@ def import_(args, extra: list[str]) -> None:
         f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
         f"({base:.2f} GiB before reading); train "
         f"with: python -m mimo_jax.launch --config={out / 'config.py'}")
-
-
-def _rss_gib() -> float:
-  """The process's resident memory now (GiB)."""
-  try:
-    with open("/proc/self/status", encoding="utf-8") as f:
-      return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024**2
-  except (OSError, StopIteration):
-    return _peak_gib()
 
 
 def _peak_gib() -> float:
