@@ -248,10 +248,12 @@ def measure(cfg: Config, layout: str, args) -> dict:
   if ahead:
     print(f"[{layout}] {ahead} more steps compiled the shapes of the steps to come", flush=True)
   timed = run.steps(args.steps)
-  print(f"[{layout}] {timed['step_s']:.3f} s/step", flush=True)
+  gpus = len(run.devices)
+  print(f"[{layout}] {timed['step_s']:.3f} s/step, {timed['tokens'] / timed['step_s']:,.0f} "
+        f"tokens/s, MFU {timed['flops_total'] / timed['step_s'] / (gpus * args.peak):.1%}; "
+        "the profile next", flush=True)
   prof = run.profile(args.profile_steps)
   decoupled = run.without_bridge(args.steps) if prof["bridge_bytes"] else timed["step_s"]
-  gpus = len(run.devices)
   row = {"layout": layout, "gpus": gpus, **timed, **prof, "decoupled_step_s": decoupled,
          "estimate_gib": run.estimate_gib}
   row["tokens_per_s"] = timed["tokens"] / timed["step_s"]
