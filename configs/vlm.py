@@ -17,6 +17,12 @@ Variants (the argument after the colon):
                  microbatch (data.slot_patches) instead of being resized to one size; samples are
                  balanced over language ranks by cost so that no rank's slots overflow; the
                  ViT's layers keep only their inputs for the backward pass (remat full)
+  tuned          the default's model and data with the settings that measured fastest on one H200
+                 (docs/benchmarks.md, 46% MFU): 2 microbatches of 16 samples, samples assigned
+                 to microbatches to send less padding (data.microbatch_fill=pack) in 16 packed
+                 rows with 16 row buckets and 8 image-slot buckets, the ViT's layer loop unrolled
+                 and its attention forward kept for the backward (remat dots_attention); about
+                 79 GiB a GPU, more than an 80 GB H100 leaves free
   llm8b          an 8B-class Llama-3-shaped language model (32 layers of width 4096, 32 heads /
                  8 key-value heads, SwiGLU 14336, vocabulary 128256: 8.0 B parameters) with the
                  ViT-L, one image a sample; both modules shard their state over their dp ranks
@@ -69,6 +75,10 @@ def get_config(arg: str | None = None) -> Config:
     d.image_sizes = "224,336,448,224x448,448x224"
     d.slot_patches, d.image_slots, d.reorder = 2048, 8, "balance"
     cfg.topology.vision.remat = "full"  # masked attention over 2048-patch slots is memory-hungry
+  elif arg == "tuned":
+    d.microbatches = 2  # 16 samples a microbatch
+    d.microbatch_fill, d.pack_rows, d.row_buckets, d.slot_buckets = "pack", 16, 16, 8
+    cfg.topology.vision.unroll, cfg.topology.vision.remat = True, "dots_attention"
   elif arg == "llm8b":
     lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = 4096, 32, 32, 8, 14336
     lm.vocab_size = 128_256
@@ -78,5 +88,5 @@ def get_config(arg: str | None = None) -> Config:
       t.remat, t.unroll, t.shard = "full", False, "full"
   else:
     raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy, "
-                     "dynamic or llm8b.")
+                     "dynamic, tuned or llm8b.")
   return cfg

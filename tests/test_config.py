@@ -2,7 +2,7 @@
 
 import pytest
 
-from configs import digits
+from configs import digits, vlm
 from mimo_jax import topology
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.validation import validate
@@ -74,6 +74,16 @@ def test_microbatch_fill_pack_refuses_a_pipelined_module():
 def test_default_config_is_valid():
   validate(digits.get_config(), num_devices=8)
   validate(digits.get_config("single"), num_devices=1)
+
+
+@pytest.mark.parametrize("variant", ["default", "encoder_heavy", "dynamic", "tuned", "llm8b"])
+def test_vlm_variants_are_valid(variant):
+  validate(vlm.get_config(variant), num_devices=1)
+
+
+def test_vlm_unknown_variant_names_them():
+  with pytest.raises(ValueError, match="use default, encoder_heavy, dynamic, tuned or llm8b"):
+    vlm.get_config("fast")
 
 
 @pytest.mark.parametrize("vision,language,ok", [
