@@ -60,6 +60,9 @@ class VisionConfig:
   # weights a run starts from instead of the seed's; not read on resume. The fields above must
   # match its config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error).
   init_from: str = ""
+  # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
+  # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
+  fp8: bool = False
 
   @property
   def patches(self) -> int:
@@ -106,6 +109,8 @@ class LanguageConfig:
   # starts from instead of the seed's; not read on resume. The fields above must match its
   # config.json.
   init_from: str = ""
+  # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py).
+  fp8: bool = False
 
   def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
     """(factor, low_freq_factor, high_freq_factor, original_positions), or None."""

@@ -74,6 +74,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
            f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
   v, lm = cfg.model.vision, cfg.model.language
+  for name, section in (("vision", v), ("language", lm)):
+    require(not section.fp8 or cfg.model.dtype == "bfloat16", f"model.{name}.fp8",
+             "FP8 matmuls stand in for bfloat16 ones; set model.dtype=bfloat16 as well.")
   _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
                                 "mlp_dim", "projector_hidden"))
   _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax import compat
+from mimo_jax.models import fp8 as fp8_ops
 
 def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
   """`n` layers built by `make(rngs)`, parameters stacked on a new leading axis (one key each), so
@@ -24,10 +25,12 @@ def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool = False,
-           std: float | None = None) -> nnx.Linear:
+           std: float | None = None, fp8: bool = False) -> nnx.Linear:
+  """`fp8`: its matmul in FP8 (models/fp8.py); the parameters are the same."""
   init = nnx.initializers.normal(std if std is not None else d_in**-0.5)
+  extra = {"dot_general": fp8_ops.dot_general} if fp8 else {}
   return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=init, rngs=rngs)
+                    kernel_init=init, rngs=rngs, **extra)
 
 
 class RMSNorm(nnx.Module):
@@ -143,19 +146,19 @@ class Attention(nnx.Module):
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
                bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
                implementation: str = "xla", max_segments: int = 0, o_bias: bool | None = None,
-               rope_scaling: tuple | None = None):
+               rope_scaling: tuple | None = None, fp8: bool = False):
     """`bias`: on q, k, v and (unless `o_bias` says otherwise) o. `rope_scaling`: see
-    `rope_frequencies`."""
+    `rope_frequencies`. `fp8`: the four projections in FP8."""
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling
     self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
     self.max_segments = max_segments
-    self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias)
-    self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
-    self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias)
+    self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias, fp8=fp8)
+    self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
+    self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
     self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
-                    std=out_std)
+                    std=out_std, fp8=fp8)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
                causal: bool = False, segment_ids_bl: jax.Array | None = None) -> jax.Array:
@@ -182,10 +185,10 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, dim: int, hidden: int, dtype: jnp.dtype,
-               out_std: float | None = None):
-    self.gate = linear(rngs, dim, hidden, dtype)
-    self.up = linear(rngs, dim, hidden, dtype)
-    self.down = linear(rngs, hidden, dim, dtype, std=out_std)
+               out_std: float | None = None, fp8: bool = False):
+    self.gate = linear(rngs, dim, hidden, dtype, fp8=fp8)
+    self.up = linear(rngs, dim, hidden, dtype, fp8=fp8)
+    self.down = linear(rngs, hidden, dim, dtype, std=out_std, fp8=fp8)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -195,9 +198,9 @@ class GeluMLP(nnx.Module):
   """up, activation (`ACTIVATIONS`: GELU's tanh approximation by default), down; with biases."""
 
   def __init__(self, rngs: nnx.Rngs, dim: int, hidden: int, dtype: jnp.dtype,
-               d_out: int | None = None, activation: str = "gelu_tanh"):
-    self.up = linear(rngs, dim, hidden, dtype, bias=True)
-    self.down = linear(rngs, hidden, d_out or dim, dtype, bias=True)
+               d_out: int | None = None, activation: str = "gelu_tanh", fp8: bool = False):
+    self.up = linear(rngs, dim, hidden, dtype, bias=True, fp8=fp8)
+    self.down = linear(rngs, hidden, d_out or dim, dtype, bias=True, fp8=fp8)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:

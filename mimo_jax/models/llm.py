@@ -21,9 +21,9 @@ class DecoderBlock(nnx.Module):
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype, bias=cfg.qkv_bias,
                           rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention,
                           max_segments=max_segments, o_bias=False,
-                          rope_scaling=cfg.rope_scaling_params())
+                          rope_scaling=cfg.rope_scaling_params(), fp8=cfg.fp8)
     self.norm2 = RMSNorm(cfg.dim, cfg.norm_eps)
-    self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std)
+    self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std, fp8=cfg.fp8)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array,
                segment_ids_bl: jax.Array | None = None) -> jax.Array:

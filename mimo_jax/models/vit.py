@@ -17,9 +17,9 @@ class ViTBlock(nnx.Module):
                max_segments: int = 0):
     self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
-                          implementation=attention, max_segments=max_segments)
+                          implementation=attention, max_segments=max_segments, fp8=cfg.fp8)
     self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
-    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation)
+    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8)
 
   def __call__(self, x_npd: jax.Array, segment_ids_np: jax.Array | None = None) -> jax.Array:
     """With `segment_ids_np` (images packed into rows) a patch attends only to its own image's."""
