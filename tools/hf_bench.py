@@ -165,10 +165,12 @@ def _record(results: dict, args) -> None:
     rows.append(f"| train {args.steps} steps from the import (wall, incl. compile) | "
                 f"{t['seconds']:.0f} s; loss by step {losses} |")
   record("Hugging Face import, check and training at pretrained sizes", "hf_bench",
-         ["--phases", "make,import,check,train", f"--steps={args.steps}"], "\n".join(rows),
+         ["--phases", "make,import,check,train", f"--steps={args.steps}",
+          *(["--llama", args.llama] if args.llama != "1b" else [])], "\n".join(rows),
          notes=(f"device: {results.get('device')}",
-                "random weights of Llama-3.2-1B's and SigLIP-so400m's shapes, saved by "
-                "transformers; check runs transformers on the CPU"), device=False)
+                f"random weights of {'Llama-3.1-8B' if args.llama == '8b' else 'Llama-3.2-1B'}'s "
+                "and SigLIP-so400m's shapes, saved by transformers; check runs transformers on "
+                "the CPU"), device=False)
 
 
 if __name__ == "__main__":
