@@ -10,8 +10,8 @@ every 5 ms, and prints the increase over the memory held before the save:
   `save_device_host_concurrent_gb=2` (orbax applies that limit only to arrays its transfer
   callback defers; its default defers none);
 * `pytree_batched`: the same with every array deferred, so the arrays are copied off the device
-  and written 2 GB at a time (what `tools.hf import` saves step 0 with, mimo_jax/checkpoint.py,
-  there with `enable_pinned_host_transfer=False`, which is `pytree_batched_unpinned`);
+  2 GB at a time (`pytree_batched_unpinned`: into pageable memory; `tools.hf import` saves step 0
+  that way and without compression, mimo_jax/checkpoint.py);
 * `pytree_zarr`: the same without OCDBT;
 * `pytree_raw`: the same as `pytree` without compression;
 * `numpy`: every array copied to the host first, then saved as numpy arrays.
