@@ -76,14 +76,16 @@ def _read_leaf(params, p, path, read, bar, src, name):
   node[path[-1]] = (_place_layers(read, target, bar) if read.layers else
                     _place(read.layer(0), target.sharding))
   bar.update(0 if read.layers else 1)
-  bar.set_postfix_str(f"host {host_gib():.1f} GiB", refresh=False)
+  if not bar.disable:
+    bar.set_postfix_str(f"host {host_gib():.1f} GiB", refresh=False)
 
 
-def host_gib() -> float:
-  """This process's resident host memory now, GiB (0 where /proc is not there)."""
+def host_gib(field: str = "VmRSS") -> float:
+  """This process's host memory from /proc/self/status, GiB: resident now (VmRSS) or its peak
+  (VmHWM); 0 where /proc is not there."""
   try:
     with open("/proc/self/status", encoding="utf-8") as f:
-      return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024**2
+      return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024**2
   except (OSError, StopIteration):
     return 0.0
 

@@ -162,11 +162,8 @@ def import_(args, extra: list[str]) -> None:
 def _peak_gib() -> float:
   """The most resident host memory this process has held (GiB): VmHWM, which starts afresh with
   the program (ru_maxrss carries over a parent's peak through fork and exec)."""
-  try:
-    with open("/proc/self/status", encoding="utf-8") as f:
-      return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024**2
-  except (OSError, StopIteration):
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+  from mimo_jax.state import host_gib  # pylint: disable=import-outside-toplevel
+  return host_gib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 CONFIG_PY = '''"""The config of this workdir, written by `python -m tools.hf import --hf {source}`.

@@ -28,31 +28,24 @@ import threading
 import time
 
 
-def _rss_gib() -> float:
-  with open("/proc/self/status", encoding="utf-8") as f:
-    for line in f:
-      if line.startswith("VmRSS"):
-        return int(line.split()[1]) / 2**20
-  return 0.0
-
-
 def one(variant: str, gib: int) -> None:
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
+  from mimo_jax.state import host_gib
   peak = [0.0]
 
   def sample():
     while True:
-      peak[0] = max(peak[0], _rss_gib())
+      peak[0] = max(peak[0], host_gib())
       time.sleep(0.005)
 
   threading.Thread(target=sample, daemon=True).start()
   tree = {f"w{i}": jax.random.normal(jax.random.key(i), (16, 2048, 8192)) for i in range(gib)}
   jax.block_until_ready(tree)
   time.sleep(0.3)
-  base = _rss_gib()
+  base = host_gib()
   peak[0] = base
   if variant == "standard":
     handler, args = ocp.StandardCheckpointHandler(save_concurrent_gb=2), ocp.args.StandardSave

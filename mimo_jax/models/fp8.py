@@ -66,10 +66,13 @@ _matmul.defvjp(_forward, _backward)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                **unused):
-  """`nnx.Linear`'s matmul (inputs [..., k] · kernel [k, n]) in FP8; any other contraction is an
-  error. `precision` does not apply to FP8 products."""
-  del precision, unused
+                out_sharding=None):
+  """`nnx.Linear`'s matmul (inputs [..., k] · kernel [k, n]) in FP8; any other contraction, or an
+  explicit `out_sharding`, is an error. `precision` does not apply to FP8 products."""
+  del precision
+  if out_sharding is not None:
+    raise ValueError(f"fp8.dot_general: out_sharding {out_sharding} is not supported; the result "
+                     "takes the sharding its operands imply.")
   (contract_l, contract_r), (batch_l, batch_r) = dimension_numbers
   if (tuple(contract_l) != (lhs.ndim - 1,) or tuple(contract_r) != (0,) or batch_l or batch_r
       or rhs.ndim != 2):
