@@ -32,21 +32,32 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mimo_jax.models import fp8
+
 PP = "pp"
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
 
+_fp8_operands = jax.checkpoint_policies.save_only_these_names(fp8.OPERAND)
+
+
+def _dots(prim, *args, **params) -> bool:
+  """Matmul outputs, and an FP8 matmul's quantized operands (models/fp8.py), which its backward
+  reads: without them the backward pass would quantize the inputs again."""
+  return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params) or
+          _fp8_operands(prim, *args, **params))
+
+
 def _dots_and_attention(prim, *args, **params) -> bool:
-  """Matmul outputs and fused attention's outputs (cuDNN's: the output and its softmax
-  statistics, which its backward reads); elsewhere (XLA's attention) as `dots`."""
-  return (prim.name.startswith("dot_product_attention_fwd") or
-          jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+  """As `_dots`, and fused attention's outputs (cuDNN's: the output and its softmax statistics,
+  which its backward reads); elsewhere (XLA's attention) as `dots`."""
+  return prim.name.startswith("dot_product_attention_fwd") or _dots(prim, *args, **params)
 
 
 # Activation rematerialisation per layer: what the backward pass keeps from the forward.
 REMAT_POLICIES = {
     "none": None,  # keep everything (no recomputation)
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "dots": _dots,  # keep matmul outputs
     "dots_attention": _dots_and_attention,  # and fused attention's outputs
 }
 

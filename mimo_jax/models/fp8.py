@@ -1,68 +1,102 @@
 """FP8 matmuls for the blocks' linear layers (`model.<module>.fp8`), with current scaling.
 
-Each operand of a matmul is scaled by its own absolute maximum at the call, so that it spans the
-FP8 range, and cast: the inputs and the kernel to float8_e4m3fn (3 mantissa bits, up to 448) in the
-forward pass, the incoming gradient to float8_e5m2 (2 mantissa bits, up to 57344: the wider range
-gradients need) in the backward pass. The products run in FP8 with bfloat16 results, multiplied
-back by the two scales. Current scaling keeps no state (no amax history as delayed scaling does):
-parameters, optimizer state and checkpoints are those of a bfloat16 run. The matmuls keep their
-FP8 operands for the backward pass, half the bytes of bfloat16 ones.
+Each operand of a matmul is scaled by a power of two taken from its own absolute maximum at the
+call, so that it spans the FP8 range, and cast: the inputs and the kernel to float8_e4m3fn (3
+mantissa bits, up to 448) in the forward pass, the incoming gradient to float8_e5m2 (2 mantissa
+bits, up to 57344: the wider range gradients need) in the backward pass. Current scaling keeps no
+state (no amax history as delayed scaling does): parameters, optimizer state and checkpoints are
+those of a bfloat16 run. A power-of-two scale is exact in every float type, so scaling and
+unscaling add no rounding of their own.
 
-On Hopper GPUs XLA runs a dot of FP8 operands as an FP8 GEMM (twice bfloat16's peak); elsewhere it
-computes the same values at higher precision. A matmul's result differs from the bfloat16 one by
-the FP8 rounding of its operands: about 4% (relative, over a whole product of random data) with
-e4m3 operands, 6% for the gradients with e5m2 ones (tests/test_fp8.py).
+The products are written as XLA's FP8 pattern, `dot(convert(q_a) · scale_a, convert(q_b) ·
+scale_b)` in the result's type: on Hopper GPUs XLA runs that as one cuBLASLt FP8 GEMM (twice
+bfloat16's peak) that applies both scales and writes the result in bfloat16; elsewhere it computes
+the same values at higher precision. Matmuls that share an input (attention's q, k and v; SwiGLU's
+gate and up) quantize it once (`linears`). The matmuls keep their FP8 operands for the backward
+pass, half the bytes of bfloat16 ones; a remat policy that keeps matmul outputs keeps them too
+(their checkpoint name is `OPERAND`), so the backward pass does not quantize an input again.
+
+A matmul's result differs from the bfloat16 one by the FP8 rounding of its operands: about 4%
+(relative, over a whole product of random data) with e4m3 operands, 6% for the gradients with e5m2
+ones (tests/test_fp8.py).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
+OPERAND = "fp8_operand"  # checkpoint name of the quantized operands a matmul keeps
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """`x` in `dtype` scaled by its absolute maximum, and the float32 scale that undoes it."""
+  """`x` in `dtype`, divided by the float32 power of two `scale` that brings its absolute maximum
+  into [max/2, max) of `dtype`; `q · scale` is `x` rounded to `dtype`'s mantissa."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   top = float(jnp.finfo(dtype).max)
-  scale = jnp.where(amax > 0, amax / top, 1.0)
-  # Clipped: a value the scaling rounds past the largest finite one would become NaN.
+  _, exponent = jnp.frexp(amax / top)  # amax / top = m · 2^exponent, m in [1/2, 1)
+  scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exponent), 1.0)  # exact, unlike exp2
+  # Clipped: a value rounded past the largest finite one would become NaN.
   q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
   return q, scale
 
 
-def _dot(a, b, dims, out_dtype):
+def _product(a, sa, b, sb, dims, out_dtype):
+  """dot(a · sa, b · sb) of FP8 operands `a`, `b` in XLA's dequantize pattern, in `out_dtype`."""
+  a = a.astype(out_dtype) * sa.astype(out_dtype)
+  b = b.astype(out_dtype) * sb.astype(out_dtype)
   return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
 
 
+def _keep(q, s):
+  return checkpoint_name(q, OPERAND), checkpoint_name(s, OPERAND)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x, w, dtypes):
-  return _forward(x, w, dtypes)[0]
+def _matmuls(x, ws, dtypes):
+  return _forward(x, ws, dtypes)[0]
 
 
-def _forward(x, w, dtypes):
-  """`dtypes`: the names of the result's, x's and w's dtypes (static)."""
-  qx, sx = quantize(x, FORWARD)
-  qw, sw = quantize(w, FORWARD)
-  y = _dot(qx, qw, (((x.ndim - 1,), (0,)), ((), ())), jnp.float32) * (sx * sw)
-  return y.astype(dtypes[0]), (qx, sx, qw, sw)
+def _forward(x, ws, dtypes):
+  """x [..., k] · each w [k, n_i]; `dtypes`: the names of the results', x's and the ws' dtypes."""
+  qx, sx = _keep(*quantize(x, FORWARD))
+  qws = [_keep(*quantize(w, FORWARD)) for w in ws]
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  ys = tuple(_product(qx, sx, qw, sw, dims, dtypes[0]) for qw, sw in qws)
+  return ys, (qx, sx, qws)
 
 
-def _backward(dtypes, res, g):
-  qx, sx, qw, sw = res
-  qg, sg = quantize(g, BACKWARD)
+def _backward(dtypes, res, gs):
+  qx, sx, qws = res
   n = qx.ndim - 1
-  # dx [..., k] = g [..., n] · w [k, n]ᵀ;  dw [k, n] = x [..., k]ᵀ · g [..., n]
-  dx = _dot(qg, qw, (((n,), (1,)), ((), ())), jnp.float32) * (sg * sw)
   lead = tuple(range(n))
-  dw = _dot(qx, qg, ((lead, lead), ((), ())), jnp.float32) * (sx * sg)
-  return dx.astype(dtypes[1]), dw.astype(dtypes[2])
+  dx, dws = None, []
+  for (qw, sw), g in zip(qws, gs):
+    qg, sg = quantize(g, BACKWARD)
+    # dx [..., k] += g [..., n] · w [k, n]ᵀ;  dw [k, n] = x [..., k]ᵀ · g [..., n]
+    d = _product(qg, sg, qw, sw, (((n,), (1,)), ((), ())), dtypes[1])
+    dx = d if dx is None else dx + d
+    dws.append(_product(qx, sx, qg, sg, ((lead, lead), ((), ())), dtypes[2]))
+  return dx, dws
 
 
-_matmul.defvjp(_forward, _backward)
+_matmuls.defvjp(_forward, _backward)
+
+
+def matmuls(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
+  """x [..., k] · w [k, n] for each w, x quantized once; results in `out_dtype` (x's dtype)."""
+  if not ws or any(w.ndim != 2 or w.shape[0] != x.shape[-1] for w in ws):
+    raise ValueError(f"fp8.matmuls: kernels [k, n] with k = {x.shape[-1]} (the input's last "
+                     f"axis), got {[w.shape for w in ws]}")
+  if len({w.dtype for w in ws}) != 1:
+    raise ValueError(f"fp8.matmuls: kernels of one dtype, got {[w.dtype.name for w in ws]}")
+  out = jnp.dtype(out_dtype or x.dtype)
+  return _matmuls(x, list(ws), (out.name, x.dtype.name, ws[0].dtype.name))
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -78,5 +112,15 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
       or rhs.ndim != 2):
     raise ValueError(f"fp8.dot_general: only inputs [..., k] times a kernel [k, n], got "
                      f"{lhs.shape} and {rhs.shape} with {dimension_numbers}")
-  out = jnp.dtype(preferred_element_type or lhs.dtype)
-  return _matmul(lhs, rhs, (out.name, lhs.dtype.name, rhs.dtype.name))
+  return matmuls(lhs, [rhs], preferred_element_type)[0]
+
+
+def linears(x: jax.Array, layers: Sequence) -> list[jax.Array]:
+  """`layer(x)` for each `nnx.Linear` of `layers` (built with `dot_general` above), x quantized
+  once: attention's q, k and v, SwiGLU's gate and up."""
+  dtype = layers[0].dtype or x.dtype
+  x = x.astype(dtype)
+  ws = [layer.kernel[...].astype(dtype) for layer in layers]
+  ys = matmuls(x, ws, dtype)
+  return [y if layer.bias is None else y + layer.bias[...].astype(dtype)
+          for y, layer in zip(ys, layers)]

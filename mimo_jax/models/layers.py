@@ -33,6 +33,11 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool =
                     kernel_init=init, rngs=rngs, **extra)
 
 
+def _apply(x: jax.Array, layers, fp8: bool) -> list[jax.Array]:
+  """Each linear layer of `layers` on the same input; in FP8 the input is quantized once."""
+  return fp8_ops.linears(x, layers) if fp8 else [layer(x) for layer in layers]
+
+
 class RMSNorm(nnx.Module):
   """RMSNorm computed in float32."""
 
@@ -159,13 +164,15 @@ class Attention(nnx.Module):
     self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
     self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
                     std=out_std, fp8=fp8)
+    self.fp8 = fp8
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
                causal: bool = False, segment_ids_bl: jax.Array | None = None) -> jax.Array:
     b, l, _ = x_bld.shape
-    q = self.q(x_bld).reshape(b, l, self.heads, self.head_dim)
-    k = self.k(x_bld).reshape(b, l, self.kv_heads, self.head_dim)
-    v = self.v(x_bld).reshape(b, l, self.kv_heads, self.head_dim)
+    q, k, v = _apply(x_bld, (self.q, self.k, self.v), self.fp8)
+    q = q.reshape(b, l, self.heads, self.head_dim)
+    k = k.reshape(b, l, self.kv_heads, self.head_dim)
+    v = v.reshape(b, l, self.kv_heads, self.head_dim)
     if self.rope_theta is not None:
       freq = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
       q = rope(q, positions_bl, freq)
@@ -189,9 +196,11 @@ class SwiGLU(nnx.Module):
     self.gate = linear(rngs, dim, hidden, dtype, fp8=fp8)
     self.up = linear(rngs, dim, hidden, dtype, fp8=fp8)
     self.down = linear(rngs, hidden, dim, dtype, std=out_std, fp8=fp8)
+    self.fp8 = fp8
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gate, up = _apply(x, (self.gate, self.up), self.fp8)
+    return self.down(jax.nn.silu(gate) * up)
 
 
 class GeluMLP(nnx.Module):
