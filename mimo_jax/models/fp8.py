@@ -8,13 +8,16 @@ state (no amax history as delayed scaling does): parameters, optimizer state and
 those of a bfloat16 run. A power-of-two scale is exact in every float type, so scaling and
 unscaling add no rounding of their own.
 
-The products are written as XLA's FP8 pattern, `dot(convert(q_a) · scale_a, convert(q_b) ·
-scale_b)` in the result's type: on Hopper GPUs XLA runs that as one cuBLASLt FP8 GEMM (twice
-bfloat16's peak) that applies both scales and writes the result in bfloat16; elsewhere it computes
-the same values at higher precision. Matmuls that share an input (attention's q, k and v; SwiGLU's
-gate and up) quantize it once (`linears`). The matmuls keep their FP8 operands for the backward
-pass, half the bytes of bfloat16 ones; a remat policy that keeps matmul outputs keeps them too
-(their checkpoint name is `OPERAND`), so the backward pass does not quantize an input again.
+A product is a dot of the FP8 operands with a bfloat16 result, scaled afterwards (exactly, the
+scales being powers of two; XLA fuses the scaling into what reads the result): on Hopper GPUs XLA
+runs it as a cuBLASLt FP8 GEMM (twice bfloat16's peak) that writes bfloat16; elsewhere it computes
+the same values at higher precision. (Written as XLA's dequantize pattern instead, `dot(convert(q_a)
+· scale_a, convert(q_b) · scale_b)`, the dots ran as bfloat16 GEMMs with jax 0.11.2 on an H200.)
+
+Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) quantize it once
+(`linears`). The matmuls keep their FP8 operands for the backward pass, half the bytes of bfloat16
+ones; a remat policy that keeps matmul outputs keeps them too (their checkpoint name is
+`OPERAND`), so the backward pass does not quantize an input again.
 
 A matmul's result differs from the bfloat16 one by the FP8 rounding of its operands: about 4%
 (relative, over a whole product of random data) with e4m3 operands, 6% for the gradients with e5m2
@@ -47,10 +50,10 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _product(a, sa, b, sb, dims, out_dtype):
-  """dot(a · sa, b · sb) of FP8 operands `a`, `b` in XLA's dequantize pattern, in `out_dtype`."""
-  a = a.astype(out_dtype) * sa.astype(out_dtype)
-  b = b.astype(out_dtype) * sb.astype(out_dtype)
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+  """dot(a · sa, b · sb) of FP8 operands `a`, `b`, in `out_dtype`: the product of the FP8 operands
+  rounded to `out_dtype`, then scaled, which is exact as the scales are powers of two."""
+  y = jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+  return y * (sa * sb).astype(out_dtype)
 
 
 def _keep(q, s):
