@@ -97,3 +97,62 @@ def test_the_language_step_holds_fp8_dots(data_dir):
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
   hlo = "\n".join(language_step_hlo(step, state, ds[1]))
   assert hlo and "f8e4m3fn" in hlo and "f8e5m2" in hlo
+
+
+def test_linears_on_a_shared_input_match_each_layer_and_its_gradients():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from mimo_jax.models.layers import linear  # pylint: disable=import-outside-toplevel
+  rngs = nnx.Rngs(params=0)
+  layers = [linear(rngs, 256, n, jnp.bfloat16, bias=b, fp8=True)
+            for n, b in ((128, True), (64, False), (64, True))]
+  for layer in layers:
+    if layer.bias is not None:
+      layer.bias[...] = jax.random.normal(jax.random.key(3), layer.bias.shape)
+  x = jax.random.normal(jax.random.key(0), (2, 16, 256), jnp.bfloat16)
+  gs = [jax.random.normal(jax.random.key(4 + i), (2, 16, l.out_features)) for i, l in
+        enumerate(layers)]
+  shared = fp8.linears(x, layers)
+  each = [layer(x) for layer in layers]
+  for a, b in zip(shared, each):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+  graph, params = nnx.split(nnx.List(layers))
+
+  def loss(shared):
+    def f(x, params):
+      ls = list(nnx.merge(graph, params))
+      ys = fp8.linears(x, ls) if shared else [layer(x) for layer in ls]
+      return sum(jnp.sum(y.astype(jnp.float32) * g) for y, g in zip(ys, gs))
+    return f
+  got = jax.grad(loss(True), (0, 1))(x, params)
+  want = jax.grad(loss(False), (0, 1))(x, params)
+  # The kernels' gradients are the same products; x's sums three in bfloat16, in either order.
+  assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                             rtol=2**-7, atol=2**-7 * float(jnp.max(jnp.abs(want[0]))))
+
+
+@pytest.mark.parametrize("remat", ["dots", "dots_attention"])
+def test_remat_keeps_fp8_operands_not_float32_products(remat, capsys):
+  from mimo_jax.pipeline import REMAT_POLICIES  # pylint: disable=import-outside-toplevel
+  w1 = jax.random.normal(jax.random.key(1), (64, 128), jnp.bfloat16)
+  w2 = jax.random.normal(jax.random.key(2), (128, 64), jnp.bfloat16)
+
+  def mlp(x, w1, w2):
+    h = jax.nn.gelu(fp8.dot_general(x, w1, DN))
+    return fp8.dot_general(h, w2, DN)
+
+  f = jax.checkpoint(mlp, policy=REMAT_POLICIES[remat])
+  jax.ad_checkpoint.print_saved_residuals(
+      lambda x, w1, w2: jnp.sum(f(x, w1, w2).astype(jnp.float32)),
+      jnp.ones((2, 16, 64), jnp.bfloat16), w1, w2)
+  saved = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+  kept = [line for line in saved if "named 'fp8_operand'" in line]
+  # Both matmuls' FP8 inputs and kernels with their scales, and the first one's bfloat16 output.
+  assert sum(line.startswith("f8_e4m3fn[") for line in kept) == 4, saved
+  assert sum(line.startswith("f32[]") for line in kept) == 4, saved
+  assert sum(line.startswith("bf16[2,16,128] output of dot_general") for line in saved) == 1
+  assert not [line for line in saved if line.startswith("f32[2,")], saved
