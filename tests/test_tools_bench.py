@@ -221,3 +221,28 @@ def test_data_bench_tables_padding_sent_with_pack(data_dir, capsys):
           for m in re.finditer(r"^\| (stream|pack) \| ([\d.]+)% \| ([\d.]+)% \|", out, re.M)}
   assert set(fill) == {"stream", "pack"}, out
   assert fill["pack"][0] > fill["stream"][0], fill
+
+
+def test_fp8_check_tables_runs_against_the_bfloat16_spread(tmp_path):
+  from tools import fp8_check  # pylint: disable=import-outside-toplevel
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text(
+      '{"step": 10, "loss": 2.0}\n{"step": 20, "loss": 1.5}\n{"step": 20, "eval_loss": 1.25, '
+      '"eval_accuracy": 0.5}\n')
+  assert fp8_check.last_metrics(run) == {"loss": 1.5, "eval_loss": 1.25, "eval_accuracy": 0.5}
+  rows = {"bfloat16": [(0, {"loss": 1.0, "eval_loss": 1.0, "eval_accuracy": 0.5}),
+                       (1, {"loss": 3.0, "eval_loss": 1.0, "eval_accuracy": 0.7})],
+          "fp8": [(0, {"loss": 4.0, "eval_loss": 1.5, "eval_accuracy": 0.6}),
+                  (1, {"loss": 4.0, "eval_loss": 1.5, "eval_accuracy": 0.6})]}
+  table = fp8_check.summary(rows).splitlines()
+  assert table[4] == ("| bfloat16 | mean ± sd | 2.0000 ± 1.4142 | 1.0000 ± 0.0000 | "
+                      "0.6000 ± 0.1414 |")
+  # loss: (4 − 2) / 1.4142; eval_loss: no bfloat16 spread; eval_accuracy: equal means.
+  assert table[-1] == "| fp8 − bfloat16 | in bfloat16 sd | +1.41 | – | +0.00 |"
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "x").write_text("")
+  with pytest.raises(SystemExit):
+    fp8_check.main(["--out", str(tmp_path / "out")])
+  with pytest.raises(SystemExit):
+    fp8_check.main(["--seeds", "0", "--out", str(tmp_path / "new")])
