@@ -16,8 +16,10 @@ the same values at higher precision. (Written as XLA's dequantize pattern instea
 
 Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) quantize it once
 (`linears`). The matmuls keep their FP8 operands for the backward pass, half the bytes of bfloat16
-ones; a remat policy that keeps matmul outputs keeps them too (their checkpoint name is
-`OPERAND`), so the backward pass does not quantize an input again.
+ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their checkpoint
+name is `OPERAND`), so the backward pass does not quantize an input again; the kernels are
+quantized again instead, which costs little and keeps no gathered copy of a sharded (FSDP) kernel
+across the layers.
 
 A matmul's result differs from the bfloat16 one by the FP8 rounding of its operands: about 4%
 (relative, over a whole product of random data) with e4m3 operands, 6% for the gradients with e5m2
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
-OPERAND = "fp8_operand"  # checkpoint name of the quantized operands a matmul keeps
+OPERAND = "fp8_operand"  # checkpoint name of a matmul's quantized input (not its kernel)
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +70,7 @@ def _matmuls(x, ws, dtypes):
 def _forward(x, ws, dtypes):
   """x [..., k] · each w [k, n_i]; `dtypes`: the names of the results', x's and the ws' dtypes."""
   qx, sx = _keep(*quantize(x, FORWARD))
-  qws = [_keep(*quantize(w, FORWARD)) for w in ws]
+  qws = [quantize(w, FORWARD) for w in ws]
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   ys = tuple(_product(qx, sx, qw, sw, dims, dtypes[0]) for qw, sw in qws)
   return ys, (qx, sx, qws)
