@@ -79,10 +79,18 @@ def bf16_losses(data_dir):
   return np.array([float(m["loss"]) for m in run_steps(_bf16(data_dir, False), STEPS)[0]])
 
 
-@pytest.mark.parametrize("topo", [SINGLE, {"vision": (0, 4, 1), "language": (4, 2, 2)}],
-                         ids=["single", "fan_in_tp"])
-def test_training_in_fp8_tracks_bfloat16(data_dir, bf16_losses, topo):
-  got, step, state, _ = run_steps(_bf16(data_dir, True, **topo), STEPS)
+@pytest.mark.parametrize("topo,settings", [
+    (SINGLE, {}),
+    ({"vision": (0, 4, 1), "language": (4, 2, 2)}, {}),
+    # FSDP with the remat policy that keeps FP8 inputs (and re-gathers and re-quantizes kernels).
+    ({"vision": (0, 2, 1), "language": (2, 2, 1)}, {"shard": "full", "remat": "dots"}),
+], ids=["single", "fan_in_tp", "fsdp_remat_dots"])
+def test_training_in_fp8_tracks_bfloat16(data_dir, bf16_losses, topo, settings):
+  cfg = _bf16(data_dir, True, **topo)
+  for name in ("vision", "language"):
+    for field, value in settings.items():
+      setattr(cfg.topology.module(name), field, value)
+  got, step, state, _ = run_steps(cfg, STEPS)
   assert all(p.dtype == np.float32 for s in state.values() for p in jax.tree.leaves(s.params))
   losses = np.array([float(m["loss"]) for m in got])
   assert not np.array_equal(losses, bf16_losses)  # really computed in FP8
@@ -151,9 +159,36 @@ def test_remat_keeps_fp8_operands_not_float32_products(remat, capsys):
       jnp.ones((2, 16, 64), jnp.bfloat16), w1, w2)
   saved = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
   kept = [line for line in saved if "named 'fp8_operand'" in line]
-  # Both matmuls' FP8 inputs with their scales (not the kernels: an FSDP kernel would stay
-  # gathered), and the first one's bfloat16 output.
+  # Both matmuls' FP8 inputs (as their bytes) with their scales, not the kernels (an FSDP kernel
+  # would stay gathered), and the first one's bfloat16 output.
   assert sorted(line.split(" ")[0] for line in kept) == [
-      "f32[]", "f32[]", "f8_e4m3fn[2,16,128]", "f8_e4m3fn[2,16,64]"], saved
+      "f32[]", "f32[]", "u8[2,16,128]", "u8[2,16,64]"], saved
   assert sum(line.startswith("bf16[2,16,128] output of dot_general") for line in saved) == 1
   assert not [line for line in saved if line.startswith("f32[2,")], saved
+
+
+@pytest.mark.parametrize("remat", ["dots", "dots_attention", "full", "everything"])
+def test_remat_computes_what_no_remat_does(remat):
+  """jax.checkpoint passes saved floating residuals through reduce_precision, which for
+  float8_e4m3fn means IEEE e4m3 (up to 240, then infinity): FP8 residuals are kept as bytes."""
+  from mimo_jax.pipeline import REMAT_POLICIES  # pylint: disable=import-outside-toplevel
+  policy = (jax.checkpoint_policies.everything_saveable if remat == "everything"
+            else REMAT_POLICIES[remat])
+  x = jax.random.normal(jax.random.key(0), (2, 16, 64), jnp.bfloat16) * 4
+  w1 = jax.random.normal(jax.random.key(1), (64, 128), jnp.bfloat16)
+  w2 = jax.random.normal(jax.random.key(2), (128, 64), jnp.bfloat16)
+
+  def mlp(x, w1, w2):
+    return fp8.dot_general(jax.nn.gelu(fp8.dot_general(x, w1, DN)), w2, DN)
+
+  def value_and_grads(f):
+    loss = lambda x, w1, w2: jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
+    return jax.tree.leaves(jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2))
+
+  want = value_and_grads(mlp)
+  got = value_and_grads(jax.checkpoint(mlp, policy=policy))
+  # Quantized values reach the top of e4m3fn's range, past IEEE e4m3's 240.
+  assert float(jnp.max(jnp.abs(fp8.quantize(x, fp8.FORWARD)[0].astype(jnp.float32)))) > 240
+  for a, b in zip(got, want):
+    assert bool(jnp.all(jnp.isfinite(a)))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -58,8 +58,16 @@ def _product(a, sa, b, sb, dims, out_dtype):
   return y * (sa * sb).astype(out_dtype)
 
 
-def _keep(q, s):
-  return checkpoint_name(q, OPERAND), checkpoint_name(s, OPERAND)
+def _stored(q: jax.Array) -> jax.Array:
+  """An FP8 residual as its bytes. `jax.checkpoint` passes each floating residual it saves through
+  `reduce_precision` to its type's exponent and mantissa widths, which for float8_e4m3fn (no
+  infinities, up to 448) means IEEE e4m3 (up to 240): on CPUs a value above 240 became NaN.
+  Integers are passed through unchanged."""
+  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _loaded(u: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(u, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -69,19 +77,22 @@ def _matmuls(x, ws, dtypes):
 
 def _forward(x, ws, dtypes):
   """x [..., k] · each w [k, n_i]; `dtypes`: the names of the results', x's and the ws' dtypes."""
-  qx, sx = _keep(*quantize(x, FORWARD))
+  qx, sx = quantize(x, FORWARD)
   qws = [quantize(w, FORWARD) for w in ws]
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   ys = tuple(_product(qx, sx, qw, sw, dims, dtypes[0]) for qw, sw in qws)
-  return ys, (qx, sx, qws)
+  kept_x = (checkpoint_name(_stored(qx), OPERAND), checkpoint_name(sx, OPERAND))
+  return ys, (kept_x, [(_stored(qw), sw) for qw, sw in qws])
 
 
 def _backward(dtypes, res, gs):
-  qx, sx, qws = res
+  (qx, sx), qws = res
+  qx = _loaded(qx, FORWARD)
   n = qx.ndim - 1
   lead = tuple(range(n))
   dx, dws = None, []
   for (qw, sw), g in zip(qws, gs):
+    qw = _loaded(qw, FORWARD)
     qg, sg = quantize(g, BACKWARD)
     # dx [..., k] += g [..., n] · w [k, n]ᵀ;  dw [k, n] = x [..., k]ᵀ · g [..., n]
     d = _product(qg, sg, qw, sw, (((n,), (1,)), ((), ())), dtypes[1])
