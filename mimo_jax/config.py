@@ -109,7 +109,8 @@ class LanguageConfig:
   # starts from instead of the seed's; not read on resume. The fields above must match its
   # config.json.
   init_from: str = ""
-  # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py).
+  # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py); needs
+  # model.dtype=bfloat16.
   fp8: bool = False
 
   def rope_scaling_params(self) -> tuple[float, float, float, int] | None:

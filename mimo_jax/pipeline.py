@@ -41,8 +41,8 @@ _fp8_operands = jax.checkpoint_policies.save_only_these_names(fp8.OPERAND)
 
 
 def _dots(prim, *args, **params) -> bool:
-  """Matmul outputs, and an FP8 matmul's quantized operands (models/fp8.py), which its backward
-  reads: without them the backward pass would quantize the inputs again."""
+  """Matmul outputs, and an FP8 matmul's quantized input (models/fp8.py), which its backward
+  reads: without it the backward pass would quantize the input again."""
   return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params) or
           _fp8_operands(prim, *args, **params))
 

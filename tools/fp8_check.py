@@ -1,7 +1,7 @@
 """FP8 against bfloat16 training: does `model.<module>.fp8` stay within bfloat16's seed-to-seed spread?
 
   python -m tools.fp8_check [--config configs/digits.py:single] [--seeds 0,1,2,3,4]
-      [--set config.field=value ...] [--out /tmp/fp8_check]
+      [--set field=value ...] [--out /tmp/fp8_check]
 
 Trains the config once per seed (`train.seed` and `data.seed` both set to it) in bfloat16 and once
 with both modules' matmuls in FP8, each a `python -m mimo_jax.launch` run in its own workdir under
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -51,7 +50,8 @@ def train(config: str, seed: int, fp8: bool, sets: list[str], workdir: pathlib.P
   return last_metrics(workdir)
 
 
-def summary(rows: dict[str, list[dict]]) -> str:
+def summary(rows: dict[str, list[tuple[int, dict]]]) -> str:
+  """`rows`: per precision, (seed, last metrics) of each run."""
   lines = ["| run | seed | " + " | ".join(COLUMNS) + " |", "|---|---:|" + "---:|" * len(COLUMNS)]
   stats = {}
   for name, runs in rows.items():
@@ -103,5 +103,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("PYTHONUNBUFFERED", "1")
   main()

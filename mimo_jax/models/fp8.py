@@ -61,8 +61,8 @@ def _product(a, sa, b, sb, dims, out_dtype):
 def _stored(q: jax.Array) -> jax.Array:
   """An FP8 residual as its bytes. `jax.checkpoint` passes each floating residual it saves through
   `reduce_precision` to its type's exponent and mantissa widths, which for float8_e4m3fn (no
-  infinities, up to 448) means IEEE e4m3 (up to 240): on CPUs a value above 240 became NaN.
-  Integers are passed through unchanged."""
+  infinities, up to 448) means IEEE e4m3 (up to 240): on CPUs a value above 240 became NaN. It
+  leaves integer residuals alone."""
   return jax.lax.bitcast_convert_type(q, jnp.uint8)
 
 
