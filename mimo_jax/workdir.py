@@ -63,8 +63,11 @@ def _alive(pid: int) -> bool:
 class Lock:
   """The workdir's lock, held from `acquire()` to `release()`."""
 
-  def __init__(self, path: str):
-    self.file = os.path.join(path, LOCK)
+  def __init__(self, path: str, name: str = LOCK, busy: str | None = None):
+    """The lock file `name` in directory `path`; `busy` starts the error when another process
+    holds it (default: the workdir is in use by another run)."""
+    self.file = os.path.join(path, name)
+    self.busy = busy
     self.note = None  # set when a stale lock was taken over
     self._held = False
 
@@ -81,11 +84,14 @@ class Lock:
                        f"{holder.get('started', '?')}), which is no longer running")
           os.remove(self.file)
           continue
+        who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+               f"{holder.get('started', '?')}")
+        if self.busy is not None:
+          raise WorkdirError(f"{self.busy} ({who}); wait for it or choose another output. If "
+                             f"that process is gone, delete {self.file}.") from None
         raise WorkdirError(
-            f"{os.path.dirname(self.file)} is in use by another run (host "
-            f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
-            f"{holder.get('started', '?')}); stop it or choose another run.workdir. If that run "
-            f"is gone, delete {self.file}.") from None
+            f"{os.path.dirname(self.file)} is in use by another run ({who}); stop it or choose "
+            f"another run.workdir. If that run is gone, delete {self.file}.") from None
       with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(me, f)
       self._held = True
@@ -106,3 +112,16 @@ class Lock:
         os.remove(self.file)
       except OSError:
         pass
+
+
+def live_run(path: str) -> dict | None:
+  """The holder (host, pid, started) of `path`'s run lock while a run may be using the workdir;
+  None when no lock is there or its process (on this host) is gone. Read-only tools use it to
+  read only committed steps and to say that steps may come and go under them."""
+  lock = Lock(path)
+  if not os.path.exists(lock.file):
+    return None
+  holder = lock._holder()  # pylint: disable=protected-access
+  if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+    return None
+  return holder

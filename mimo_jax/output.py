@@ -1,0 +1,208 @@
+"""How every tool that writes an output directory writes it: locked, staged, published at once.
+
+  with output.staged(args.out, what="conversion", flag="--out") as tmp:
+    ...  # write everything into `tmp`, the marker file (manifest, config.json) last
+  # `args.out` now holds the complete output; on any failure nothing of it was left behind
+
+- **Lock**: `<parent>/.<name>.lock` (host, pid, start time), taken with O_EXCL before anything
+  is written; a second writer of the same output stops with an error naming the first. A lock
+  whose process is gone (same host) is taken over.
+- **Staging**: the output is written into `<parent>/.<name>.partial-<pid>`, a fresh directory
+  beside the final one (same file system), and renamed onto the final name when complete: the
+  output appears whole or not at all. Partial directories left by killed writers are removed by
+  the next writer (it holds the lock, so none of them is in use).
+- **Cleanup that cannot fail**: on any exception or signal the staging directory is removed with
+  errors ignored, and the original exception propagates.
+- **Free space**: `check_space(path, nbytes, what)` before long work whose size is known.
+- **Signals**: `interrupts_as_exceptions()` turns SIGTERM (and SIGHUP) into `Interrupted`, so a
+  killed tool unwinds through its cleanup like Ctrl-C does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import shutil
+import signal
+import sys
+from typing import Iterator
+
+from mimo_jax import workdir as workdir_lib
+from mimo_jax.config import ConfigError
+
+PARTIAL = ".partial-"
+
+
+class OutputError(ConfigError):
+  """An output cannot be written; the message names it and the fix."""
+
+
+class Interrupted(KeyboardInterrupt):
+  """SIGTERM or SIGHUP, raised where the program was so that cleanup runs."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts_as_exceptions() -> Iterator[None]:
+  """SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block runs."""
+  def handle(signum, frame):  # pylint: disable=unused-argument
+    raise Interrupted(signum)
+  kept = {}
+  for s in (signal.SIGTERM, signal.SIGHUP):
+    try:
+      kept[s] = signal.signal(s, handle)
+    except ValueError:  # not the main thread: signals stay as they are
+      pass
+  try:
+    yield
+  finally:
+    for s, h in kept.items():
+      signal.signal(s, h)
+
+
+def _paths(out: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path, str]:
+  final = pathlib.Path(os.path.abspath(out))
+  return final, final.parent, final.name
+
+
+def lock(out: str | os.PathLike, flag: str = "--out") -> workdir_lib.Lock:
+  """The lock of output `out`, acquired (an error naming its holder if another process has it)."""
+  final, parent, name = _paths(out)
+  try:
+    parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+  try:
+    return workdir_lib.Lock(str(parent), name=f".{name}.lock",
+                            busy=f"{flag}={str(out)!r} is being written by another process"
+                            ).acquire()
+  except workdir_lib.WorkdirError as e:
+    raise OutputError(str(e)) from None
+
+
+def remove(path: str | os.PathLike) -> None:
+  """Removes a file or directory tree; never raises (cleanup must not hide the real error)."""
+  try:
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.unlink(path)
+  except OSError:
+    pass
+
+
+def partials(out: str | os.PathLike) -> list[pathlib.Path]:
+  """Staging directories of `out` left by writers that did not finish."""
+  _, parent, name = _paths(out)
+  try:
+    return sorted(p for p in parent.iterdir() if p.name.startswith(f".{name}{PARTIAL}"))
+  except OSError:
+    return []
+
+
+def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
+                 complete: str | None = None, replace: bool = False) -> None:
+  """An error unless `out` is absent or an empty directory (or, with `replace`, a complete output:
+  one holding the marker file `complete`)."""
+  final = pathlib.Path(out)
+  if not os.path.lexists(final):
+    return
+  if not final.is_dir():
+    raise OutputError(f"{flag}={str(out)!r} is a file, not a directory; choose another {flag}.")
+  try:
+    entries = sorted(p.name for p in final.iterdir())
+  except OSError as e:
+    raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+  if not entries:
+    return
+  if complete is not None and complete in entries:
+    if replace:
+      return
+    raise OutputError(f"{flag}={str(out)!r} holds a {what} already ({complete}); choose another "
+                      f"{flag} or delete it.")
+  shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+  raise OutputError(f"{flag}={str(out)!r} is not empty ({shown}) and is not a complete {what}; "
+                    f"choose a new {flag} or remove it.")
+
+
+def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
+  """An error if the file system of `path` has less than `nbytes` (plus 1%) free."""
+  probe = pathlib.Path(os.path.abspath(path))
+  while not probe.exists() and probe != probe.parent:
+    probe = probe.parent
+  try:
+    free = shutil.disk_usage(probe).free
+  except OSError:
+    return  # no figure to check against; the write itself will say
+  if free < nbytes * 1.01:
+    raise OutputError(f"{what} needs about {nbytes / 1e9:.2f} GB at {path}, where "
+                      f"{free / 1e9:.2f} GB are free; free space or choose another place.")
+
+
+@contextlib.contextmanager
+def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str | None = None,
+           replace: bool = False) -> Iterator[pathlib.Path]:
+  """Yields an empty staging directory for output `out` and publishes it as `out` when the block
+  ends without an exception; removes it otherwise. `complete` names the file whose presence
+  marks a complete output (refused unless `replace`, then replaced in one rename)."""
+  final, parent, name = _paths(out)
+  check_target(final, what, flag, complete, replace)
+  held = lock(final, flag)
+  tmp = parent / f".{name}{PARTIAL}{os.getpid()}"
+  try:
+    for p in partials(final):
+      remove(p)
+    check_target(final, what, flag, complete, replace)  # again, under the lock
+    try:
+      tmp.mkdir()
+    except OSError as e:
+      raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+    yield tmp
+    _publish(tmp, final, parent, name)
+  except BaseException:
+    remove(tmp)
+    raise
+  finally:
+    held.release()
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
+  """Renames `tmp` onto `final`: an empty directory is replaced, a complete older output is moved
+  aside first and removed after (so some complete output is always at `final` or beside it)."""
+  old = None
+  if os.path.lexists(final):
+    try:
+      final.rmdir()  # empty
+    except OSError as e:
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        raise
+      old = parent / f".{name}{PARTIAL}replaced-{os.getpid()}"
+      os.rename(final, old)
+  os.rename(tmp, final)
+  _fsync_dir(parent)
+  if old is not None:
+    remove(old)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def fail(tool: str, message: str, code: int = 2) -> None:
+  """The one line a tool prints for a bad input, then its exit."""
+  print(f"{tool}: error: {message}", file=sys.stderr)
+  sys.exit(code)

@@ -1,0 +1,36 @@
+import os, pathlib, signal, subprocess, sys, pytest
+from mimo_jax import output
+
+def test_staged_publishes_whole_or_nothing(tmp_path):
+  out = tmp_path / "o"
+  with output.staged(out, what="thing", complete="done.json") as tmp:
+    assert not out.exists() and tmp.is_dir()
+    (tmp / "a").write_text("1"); (tmp / "done.json").write_text("{}")
+  assert sorted(p.name for p in out.iterdir()) == ["a", "done.json"]
+  assert not list(tmp_path.glob(".o*"))
+  with pytest.raises(output.OutputError, match="holds a thing already"):
+    with output.staged(out, what="thing", complete="done.json"):
+      pass
+  with pytest.raises(RuntimeError):
+    with output.staged(out, what="thing", complete="done.json", replace=True) as tmp:
+      (tmp / "b").write_text("2"); raise RuntimeError("x")
+  assert sorted(p.name for p in out.iterdir()) == ["a", "done.json"]
+  with output.staged(out, what="thing", complete="done.json", replace=True) as tmp:
+    (tmp / "done.json").write_text("{}")
+  assert sorted(p.name for p in out.iterdir()) == ["done.json"]
+  assert not list(tmp_path.glob(".o*"))
+
+def test_lock_and_targets(tmp_path):
+  out = tmp_path / "o"
+  held = output.lock(out)
+  with pytest.raises(output.OutputError, match="being written by another process"):
+    output.lock(out)
+  held.release()
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(output.OutputError, match="is a file"):
+    output.check_target(tmp_path / "f", "thing")
+  (tmp_path / "d").mkdir(); (tmp_path / "d" / "x").write_text("")
+  with pytest.raises(output.OutputError, match="not empty"):
+    output.check_target(tmp_path / "d", "thing", complete="done.json")
+  with pytest.raises(output.OutputError, match="needs about"):
+    output.check_space(tmp_path, 10**18, "a conversion")
