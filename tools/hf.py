@@ -114,6 +114,17 @@ def import_(args, extra: list[str]) -> None:
       section.init_from = str(src.path.resolve())
   if contradictions:
     _fail(f"the HF config.json contradicts {'; '.join(contradictions)}; drop those overrides.")
+  if len(taken) == 2 and not any(s.kind == "llava" for s in sources):
+    # A tower beside a language model is read as LLaVA reads one (a LlavaForConditionalGeneration
+    # on export): its last layer's hidden states without a post-layernorm, into a projector as
+    # wide as the language model.
+    v = cfg.model.vision
+    if "model.vision.final_norm" not in overrides:
+      v.final_norm = False
+    if "model.vision.projector_hidden" not in overrides:
+      v.projector_hidden = cfg.model.language.dim
+    print(f"model.vision: read as LLaVA reads a tower: final_norm={str(v.final_norm).lower()} "
+          f"(no post_layernorm), projector_hidden={v.projector_hidden}", flush=True)
   out = pathlib.Path(args.out).resolve()
   cfg.run.workdir = str(out)
   ckpts = directory(str(out))
@@ -149,9 +160,11 @@ def import_(args, extra: list[str]) -> None:
   (out / "config.py").write_text(CONFIG_PY.format(
       source=" --hf ".join(str(s.path) for s in sources)))
   token = next((s.config.get("image_token_index") for s in sources if s.kind == "llava"), None)
+  context = next((hf.text_config(s).get("max_position_embeddings") for s in sources
+                  if "language" in s.modules), None)  # the export writes it back
   (out / "hf_import.json").write_text(json.dumps(
-      {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token},
-      indent=2) + "\n")
+      {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token,
+       "max_position_embeddings": context}, indent=2) + "\n")
   counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
   print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
         f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
