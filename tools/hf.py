@@ -34,6 +34,7 @@ import math
 import os
 import pathlib
 import resource
+import shutil
 import sys
 import time
 
@@ -223,34 +224,164 @@ def _read_checkpoint(workdir: str, step: int | None) -> tuple[Config, dict, int,
 
 def export(args) -> None:
   from absl import logging  # pylint: disable=import-outside-toplevel
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # orbax's notes on opening a checkpoint read-only
+  try:
+    with output.interrupts_as_exceptions():
+      _export(args)
+  except KeyboardInterrupt:
+    print(f"tools.hf: export interrupted; nothing was written to {args.out}", file=sys.stderr)
+    sys.exit(130)
+
+
+def _run_data(cfg: Config) -> dict:
+  """What the run's converted data (data.task conversations or digits: its manifest) says of the
+  tokenizer, the image processor, the image token and pad to square; {} without one."""
+  from mimo_jax.data import conversations, digits  # pylint: disable=import-outside-toplevel
+  d = cfg.data
+  if d.task == "conversations":
+    directory = pathlib.Path(d.dir)
+  elif d.task == "digits":
+    directory = digits.directory(d.dir, d.train_samples, d.eval_samples, d.probs())
+  else:
+    return {}
+  if not (directory / conversations.MANIFEST).is_file():
+    return {}
+  m = conversations.manifest(str(directory))
+  return {"tokenizer": conversations.source_path(str(directory), m["tokenizer"]),
+          "processor": conversations.source_path(str(directory), m["processor"]),
+          "image_token": m.get("image_token"), "pad_to_square": bool(m.get("pad_to_square")),
+          "where": str(directory / conversations.MANIFEST)}
+
+
+def _sources(cfg: Config, record: dict, module: str) -> list[str]:
+  """The HF directories `module` came from: the import's record, the config's init_from."""
+  found = [record.get("sources", {}).get(module), cfg.model.module(module).init_from]
+  return [p for i, p in enumerate(found) if p and p not in found[:i]]
+
+
+def _context(cfg: Config, record: dict) -> int | None:
+  """The language model's max_position_embeddings: the import's record, else its source's."""
+  if record.get("max_position_embeddings"):
+    return int(record["max_position_embeddings"])
+  for path in _sources(cfg, record, "language"):
+    try:
+      c = json.loads((pathlib.Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+      continue
+    c = c.get("text_config", {}) if c.get("model_type") == "llava" else c
+    if isinstance(c.get("max_position_embeddings"), int):
+      return c["max_position_embeddings"]
+  return None
+
+
+def _image_processor(cfg: Config, record: dict, data: dict) -> tuple[dict | None, str]:
+  """The image processor config the run's images were prepared with, and its file: the data's,
+  else the tower's source directory's (preprocessor_config.json, or processor_config.json's
+  image_processor as transformers 5 writes it)."""
+  for path in ([data["processor"]] if data.get("processor") else []) + _sources(
+      cfg, record, "vision"):
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json",
+                                                           "image_processor")):
+      f = pathlib.Path(path) / name
+      if f.is_file():
+        try:
+          c = json.loads(f.read_text())
+        except ValueError as e:
+          _fail(f"{f}: not JSON ({e}).")
+        c = c.get(key) if key else c
+        if isinstance(c, dict) and "image_processor_type" in c:
+          return c, str(f)
+  return None, ""
+
+
+def _tokenizer(args, cfg: Config, record: dict, data: dict) -> "hf_export.Tokenizer":
+  """The tokenizer the run used: --tokenizer, the data's, else the language model's source's."""
+  if args.tokenizer:
+    return hf_export.Tokenizer(args.tokenizer)
+  for path in ([data["tokenizer"]] if data.get("tokenizer") else []) + _sources(
+      cfg, record, "language"):
+    if (pathlib.Path(path) / "tokenizer.json").is_file():
+      return hf_export.Tokenizer(path)
+  _fail(f"{args.workdir}: neither its run's data nor an import names a directory with the "
+        "tokenizer's tokenizer.json; pass --tokenizer DIR (the tokenizer the model was trained "
+        "with).")
+
+
+def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int, str]:
+  """LLaVA's image token (id, text): --image_token_index, the run's data (data.image_token), the
+  import's record (a LLaVA's image_token_index), else the tokenizer's <image>."""
+  if args.image_token_index is not None:
+    token, where = args.image_token_index, "--image_token_index"
+  elif cfg.data.task in ("conversations", "digits"):
+    token, where = cfg.data.placeholder, f"config.data.image_token ({data.get('where', 'run')})"
+  elif record.get("image_token_index") is not None:
+    token, where = int(record["image_token_index"]), "hf_import.json's image_token_index"
+  else:
+    token, where = tok.tokenizer.token_to_id("<image>"), f"{tok.path}'s <image>"
+    if token is None:
+      _fail(f"LLaVA needs the id of its image token and {tok.path / 'tokenizer.json'} has no "
+            "<image> token: pass --image_token_index ID.")
+  text = tok.tokenizer.id_to_token(token)
+  if text is None or token >= cfg.model.language.vocab_size:
+    _fail(f"image token {token} (from {where}) is not a token of {tok.path / 'tokenizer.json'} "
+          f"and of the model's {cfg.model.language.vocab_size}; pass --image_token_index ID.")
+  return token, text
+
+
+def _export(args) -> None:
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(args.out)
+  if (out / "config.json").is_file() and not args.overwrite:
+    _fail(f"--out={args.out} holds an export already (config.json); pass --overwrite to replace "
+          "it, or choose another --out.")
+  output.check_target(out, "HF export", "--out", complete="config.json", replace=args.overwrite)
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
+  data = _run_data(cfg)
+  tok = _tokenizer(args, cfg, record, data) if kind != "tower" else None
+  if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
+    _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
+          f"vocabulary of {cfg.model.language.vocab_size}; pass the run's --tokenizer DIR.")
+  context = _context(cfg, record)
+  files: dict[str, dict] = {}
   if kind == "llava":
-    token = args.image_token_index if args.image_token_index is not None else record.get(
-        "image_token_index")
-    if token is None:
-      _fail("LLaVA needs the id of its image token: pass --image_token_index (the tokenizer's "
-            "<image> id).")
-    config = hf_export.llava_config_json(cfg, int(token))
+    token, text = _image_token(args, cfg, record, data, tok)
+    config = hf_export.llava_config_json(cfg, token, context)
+    files["processor_config.json"] = hf_export.llava_processor_json(cfg.model.vision, text)
   elif kind == "tower":
     config = hf_export.vision_config_json(cfg.model.vision)
   else:
-    config = hf_export.language_config_json(cfg.model.language)
-  out = pathlib.Path(args.out)
-  if out.exists() and any(out.iterdir()):
-    _fail(f"{out} exists and is not empty; choose a new --out.")
-  tensors = dict(hf_export.export_tensors(kind, cfg, params))
-  out.mkdir(parents=True, exist_ok=True)
-  _write_safetensors(out, tensors)
-  (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = hf_export.language_config_json(cfg.model.language, context)
   if kind != "language":
-    pre = hf_export.preprocessor_json(cfg.model.vision)
-    if pre is not None:
-      (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+    base, where = _image_processor(cfg, record, data)
+    files["preprocessor_config.json"] = hf_export.preprocessor_json(
+        cfg.model.vision, base, data.get("pad_to_square", False), where)
+  if tok is not None:
+    files["tokenizer_config.json"] = tok.config_json("LlavaProcessor" if kind == "llava" else None)
+    files["generation_config.json"] = hf_export.generation_json(tok)
+  tensors = dict(hf_export.export_tensors(kind, cfg, params))
+  bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
+  if bad:
+    _fail(f"{args.workdir} step {step}: {len(bad)} tensors hold NaN or Inf ({', '.join(bad[:3])}"
+          f"{', ...' if len(bad) > 3 else ''}); export an earlier step with --step N.")
   total = sum(x.nbytes for x in tensors.values())
+  output.check_space(out, total + sum(f.stat().st_size for f in (tok.files if tok else [])),
+                     "the export")
+  with output.staged(out, "HF export", "--out", complete="config.json",
+                     replace=args.overwrite) as tmp:
+    _write_safetensors(tmp, tensors)
+    for f in tok.files if tok else []:
+      if f.name not in files:
+        shutil.copyfile(f, tmp / f.name)
+    for name, content in files.items():
+      (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: complete
+  extra = f"; tokenizer from {tok.path}" if tok else ""
+  if kind == "llava":
+    extra += f"; image token {token} ({text})"
   print(f"wrote {out}: {config['architectures'][0]} from step {step}, {len(tensors)} tensors, "
-        f"{total / 1e6:.1f} MB")
+        f"{total / 1e6:.1f} MB{extra}")
 
 
 def _write_safetensors(out: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
@@ -296,7 +427,13 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--module", choices=("vision", "language"), default=None,
                  help="one module alone (default: the whole model as LLaVA)")
   p.add_argument("--image_token_index", type=int, default=None,
-                 help="LLaVA's image token id (default: the imported checkpoint's)")
+                 help="LLaVA's image token id (default: the run's data.image_token, else the "
+                 "imported LLaVA's, else the tokenizer's <image>)")
+  p.add_argument("--tokenizer", default="",
+                 help="the tokenizer directory to copy (default: the run's data's, else the "
+                 "language model's source)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace --out if it holds a complete export")
   p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs")
   p.add_argument("--hf", required=True)
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
