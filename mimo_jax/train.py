@@ -19,12 +19,12 @@ from jax.experimental import multihost_utils
 from mimo_jax import checkpoint, distributed, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
-from mimo_jax.data import capacity, conversations, loader
+from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
-from mimo_jax.validation import validate, validate_backend
+from mimo_jax.validation import validate, validate_backend, validate_data
 
 
 class BridgeMismatchError(RuntimeError):
@@ -112,8 +112,7 @@ def run(cfg: Config) -> list[dict]:
   # What the layout needs of each device's memory, before anything is written or compiled.
   memory.check(cfg, warn=lambda line: print(line, file=sys.stderr) if distributed.is_main()
                else None)
-  if cfg.data.task == "conversations":  # converted data that agrees with the run
-    conversations.paths(cfg)
+  validate_data(cfg)  # converted data that agrees with the run (manifest, eval split, token ids)
   trainer = Step.build(cfg)
   lock = None
   if distributed.is_main():

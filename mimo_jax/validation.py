@@ -1,5 +1,11 @@
 """Config validation: every bad value becomes one `ConfigError` that names the field and the fix,
-before anything is compiled."""
+before anything is compiled. `validate` checks the config alone (and the HF directories it names);
+`validate_data` checks it against the run's data, before anything is written."""
+
+import dataclasses
+import math
+import os
+import pathlib
 
 from mimo_jax import encoders
 from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, POSITION_RESIZE, REMAT, ROPE_SCALINGS,
@@ -11,6 +17,65 @@ def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
   for name in names:
     value = getattr(cfg, name)
     require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
+
+
+# Bytes a row position takes on the host in every text array the loader builds (data/layout.py:
+# tokens, targets, loss mask, positions, segment ids, token samples), and per encoder (pos_rl).
+TEXT_BYTES, ENCODER_BYTES = 6 * 4, 4
+
+
+def _finite(obj: object, prefix: str) -> None:
+  """Every float field of a config section (nested sections and further encoders' included) is a
+  finite number: NaN and infinity pass most range checks and surface as NaN losses."""
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      _finite(value, f"{prefix}{f.name}.")
+    elif isinstance(value, dict):  # model.extra, topology.extra: model.<name>, topology.<name>
+      for name, section in value.items():
+        if dataclasses.is_dataclass(section):
+          _finite(section, f"{prefix}{name}.")
+    elif isinstance(value, float):
+      require(math.isfinite(value), f"{prefix}{f.name}", f"must be a finite number, got {value}.")
+
+
+def host_memory() -> int | None:
+  """Bytes of memory this machine has (its cgroup's limit where lower), or None if unknown."""
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+  try:
+    limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+  except OSError:
+    limit = ""
+  return min(total, int(limit)) if limit.isdigit() else total
+
+
+def text_rows(cfg: Config) -> tuple[int, int]:
+  """Rows of data.seq_len positions the loader holds at least: the eval set (built whole, in
+  batches of eval.batch) and one training step (its microbatches' rows)."""
+  d = cfg.data
+  return (-(-cfg.eval.samples // cfg.eval.batch) * cfg.eval.batch,
+          d.microbatches * (d.pack_rows or d.micro_batch))
+
+
+def _seq_len_fits(cfg: Config) -> None:
+  """data.seq_len against host memory: the loader's text arrays alone (a lower bound on what a
+  run needs) must fit the machine, or the run dies of a MemoryError after its start-up."""
+  memory = host_memory()
+  if not memory:
+    return
+  per_position = TEXT_BYTES + ENCODER_BYTES * len(cfg.topology.encoders())
+  eval_rows, step_rows = text_rows(cfg)
+  need = (eval_rows + step_rows) * cfg.data.seq_len * per_position
+  gib = 1024**3
+  most = memory // ((eval_rows + step_rows) * per_position)
+  require(need <= memory, "data.seq_len",
+          f"{cfg.data.seq_len} positions a row make the loader's text arrays alone "
+          f"{need / gib:,.0f} GiB ({eval_rows} eval rows, {step_rows} a step, {per_position} "
+          f"bytes a position), more than this machine's {memory / gib:.0f} GiB; lower it to what "
+          f"the longest sample needs (at most {most} fit).")
 
 
 def _variants(cfg: Config) -> None:
@@ -33,6 +98,9 @@ def _variants(cfg: Config) -> None:
     require(len(mean) == len(std) == v.channels, "model.vision.pixel_mean",
             f"pixel_mean ({v.pixel_mean!r}) and pixel_std ({v.pixel_std!r}) need one value per "
             f"channel ({v.channels}).")
+    for field, values in (("pixel_mean", mean), ("pixel_std", std)):
+      require(all(math.isfinite(x) for x in values), f"model.vision.{field}",
+              f"{getattr(v, field)!r}: values must be finite numbers.")
     require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
   rows = cfg.data.slot_patches or v.positions
   require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
@@ -69,6 +137,7 @@ def _init_from(cfg: Config, name: str) -> None:
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:
   """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
+  _finite(cfg, "")
   require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",
            f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
   require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
@@ -182,22 +251,29 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(d.seq_len >= min_len, "data.seq_len",
            f"{d.seq_len} cannot hold {d.max_images} images of {v.tokens_per_image} tokens plus "
            f"their answer; use >= {min_len}.")
+  _seq_len_fits(cfg)
 
   o = cfg.optim
-  require(o.lr > 0, "optim.lr", "must be > 0.")
+  require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}.")
   require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")
   require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1].")
-  require(o.clip_norm > 0, "optim.clip_norm", "must be > 0.")
+  for name in ("b1", "b2"):  # at 1 AdamW's bias correction 1 - b^t divides by zero
+    require(0 <= getattr(o, name) < 1, f"optim.{name}",
+            f"must be in [0, 1), got {getattr(o, name)} (AdamW's usual: b1=0.9, b2=0.95 to 0.999).")
+  require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}.")
+  require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}.")
   parse_freeze(o.freeze)
-  parse_lr_mult(o.lr_mult)
+  for group, mult in parse_lr_mult(o.lr_mult).items():
+    require(math.isfinite(mult), "optim.lr_mult", f"multiplier for {group} must be finite.")
 
   require(cfg.train.steps > 0, "train.steps", "must be > 0.")
   require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
   require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
   require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
-  require(cfg.eval.samples <= d.eval_samples, "eval.samples",
+  # Converted data has the eval split tools.convert made (--eval), which validate_data checks.
+  require(d.task == "conversations" or cfg.eval.samples <= d.eval_samples, "eval.samples",
            f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
-           "(data.eval_samples).")
+           f"(data.eval_samples); lower eval.samples or raise data.eval_samples.")
   require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
   require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
   require(cfg.checkpoint.restore_step >= 0, "checkpoint.restore_step",
@@ -218,6 +294,39 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   for encoder in encoders.of(cfg).values():
     encoder.validate(cfg)
   validate_topology(cfg, num_devices)
+
+
+def validate_data(cfg: Config) -> None:
+  """The config against the run's data, before anything is written: converted data
+  (data.task=conversations) must agree with its manifest (conversations.paths), hold an eval split
+  of at least eval.samples, and hold no token id the model's vocabulary lacks (each shard's
+  metadata sidecar records its records' largest id; data/meta.py). The built-in tasks make their
+  data from the config (synthetic ids are drawn below vocab_size), which `validate` checks."""
+  if cfg.data.task != "conversations":
+    return
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import conversations, loader
+  paths = conversations.paths(cfg)
+  n = cfg.eval.samples
+  held_out = len(loader.open_shard(paths["eval"]))
+  require(held_out > 0, "data.dir",
+          f"{paths['eval']} holds no held-out samples (tools.convert's default --eval 0) and a "
+          f"run evaluates eval.samples={n}; convert the data again with --eval {n} (or more) "
+          "to hold some out.")
+  short = loader.eval_shortfall(cfg, paths["eval"], held_out)
+  if short:
+    raise ConfigError(short)
+  vocab = cfg.model.language.vocab_size
+  names = tuple(encoders.of(cfg))
+  for path in paths.values():
+    top = loader.Records(path, cfg.data.task, names).meta.max_token
+    if top is None:  # a sidecar older than the column: conversations.paths checked the manifest
+      continue
+    worst = int(top.argmax())
+    require(int(top[worst]) < vocab, "model.language.vocab_size",
+            f"{vocab}, but record {worst} of {path} holds token id {int(top[worst])}, which the "
+            f"model's embedding lacks (NaN losses); set it to {int(top[worst]) + 1} or more (the "
+            "model's own), or convert the data with the model's tokenizer.")
 
 
 def validate_backend(cfg: Config, backend: str) -> None:

@@ -6,6 +6,7 @@ from configs import digits, vlm
 from mimo_jax import topology
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.validation import validate
+from tests.configs import tiny
 
 CASES = [
     ("model.dtype", "float16", "model.dtype"),
@@ -42,6 +43,11 @@ CASES = [
     ("topology.vision.offset", 7, "topology.vision.offset"),  # past 8 devices
     ("data.microbatch_fill", "best", "data.microbatch_fill"),
     ("data.microbatch_fill", "pack", "data.microbatch_fill"),  # no row or slot buckets to trim
+    ("optim.b1", 1.0, "optim.b1"),  # AdamW's bias correction 1 - b1^t would divide by zero
+    ("optim.b2", 1.0, "optim.b2"),
+    ("optim.b2", -0.5, "optim.b2"),
+    ("optim.weight_decay", -5.0, "optim.weight_decay"),
+    ("optim.lr_mult", "vision=inf", "optim.lr_mult"),
 ]
 
 
@@ -60,6 +66,54 @@ def test_bad_value_names_its_field(path, value, field):
   with pytest.raises(ConfigError, match=rf"^config\.{field.replace('.', r'[.]')}: ") as e:
     validate(cfg, num_devices=8)
   assert "\n" not in str(e.value)
+
+
+NON_FINITE = [("optim.lr", "inf"), ("optim.lr", "nan"), ("optim.lr", "-inf"),
+              ("optim.clip_norm", "inf"), ("optim.clip_norm", "nan"), ("optim.b2", "nan"),
+              ("optim.min_lr_ratio", "nan"), ("model.language.rope_theta", "inf"),
+              ("model.vision.norm_eps", "inf"), ("data.image_token_cost", "inf"),
+              ("run.device_memory_gb", "nan")]
+
+
+@pytest.mark.parametrize("path,value", NON_FINITE, ids=[f"{p}={v}" for p, v in NON_FINITE])
+def test_non_finite_floats_name_their_field(path, value):
+  """NaN and infinity pass checks like `lr > 0` (inf) or come back as the wrong complaint (nan):
+  any float field of the config is refused as not finite, first."""
+  cfg = digits.get_config()
+  _set(cfg, path, float(value))
+  with pytest.raises(ConfigError, match=rf"^config\.{path.replace('.', '[.]')}: must be a finite "
+                     rf"number, got {value}\.$"):
+    validate(cfg, num_devices=8)
+
+
+@pytest.mark.parametrize("mean,std,field", [("nan", "0.5", "pixel_mean"),
+                                             ("0.5", "inf", "pixel_std")])
+def test_non_finite_pixel_norm_names_its_field(mean, std, field):
+  cfg = digits.get_config()
+  cfg.model.vision.pixel_mean, cfg.model.vision.pixel_std = mean, std
+  with pytest.raises(ConfigError, match=rf"^config\.model\.vision\.{field}: '(nan|inf)': values "
+                     "must be finite numbers"):
+    validate(cfg, num_devices=8)
+
+
+def test_seq_len_past_host_memory_names_it(monkeypatch):
+  """Rows the machine cannot hold are refused up front, not after start-up with a MemoryError:
+  the eval set (48 rows of the digits config: 3 batches of 16) and a step (32 rows) at 28 bytes
+  a position."""
+  from mimo_jax import validation  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(validation, "host_memory", lambda: 16 * 1024**3)
+  cfg = tiny.get_config()
+  validate(cfg, num_devices=8)
+  cfg.data.seq_len = 10**9
+  with pytest.raises(ConfigError, match=r"^config\.data\.seq_len: 1000000000 positions a row make "
+                     r"the loader's text arrays alone 2,086 GiB \(48 eval rows, 32 a step, 28 bytes "
+                     r"a position\), more than this machine's 16 GiB"):
+    validate(cfg, num_devices=8)
+  cfg.data.seq_len = 16 * 1024**3 // (80 * 28)  # exactly what fits
+  validate(cfg, num_devices=8)
+  cfg.data.seq_len += 1
+  with pytest.raises(ConfigError, match=r"^config\.data\.seq_len: "):
+    validate(cfg, num_devices=8)
 
 
 def test_microbatch_fill_pack_refuses_a_pipelined_module():

@@ -83,10 +83,43 @@ class _Decode(grain.transforms.Map):
     return index, read_record(lambda: record, self._path, index, self._decode)
 
 
+def open_shard(path: str) -> grain.sources.ArrayRecordDataSource:
+  """A shard's records by index (its length is read from the file, no record is); a file that is
+  not a shard is a DataError."""
+  try:
+    return grain.sources.ArrayRecordDataSource([path])
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f"{path} cannot be opened as a shard ({str(e).splitlines()[0]}); delete "
+                    "it and run again to rebuild it, or check data.dir.") from None
+
+
+def empty_shard(path: str, task: str) -> str:
+  """What to do about a shard without records: converted data is made again by tools.convert
+  (an empty eval shard is what `--eval 0` writes), the built-in tasks' shards are rebuilt."""
+  if task == "conversations":
+    return (f"{path} holds no samples; convert the data again with `python -m tools.convert`"
+            + (" and --eval N (N held-out records for eval.samples)" if
+               path.endswith("eval.array_record") else "") + ".")
+  return f"{path} holds no samples; delete it and run again to rebuild it, or check data.dir."
+
+
+def eval_shortfall(cfg: Config, path: str, count: int) -> str | None:
+  """Why `count` records in the eval shard `path` cannot give eval.samples, or None if they
+  can; the advice fits the task (converted data: tools.convert's --eval made the split)."""
+  n = cfg.eval.samples
+  if n <= count:
+    return None
+  if cfg.data.task == "conversations":
+    return (f"config.eval.samples: {n} but {path} holds {count} held-out samples; lower "
+            f"eval.samples to {count}, or convert the data again with --eval {n} or more.")
+  return (f"config.eval.samples: {n} but {path} holds {count} held-out samples; lower "
+          f"eval.samples to {count}, or raise data.eval_samples to {n} (the shards are rebuilt).")
+
+
 def _source(path: str, task: str) -> grain.MapDataset:
   src = grain.sources.ArrayRecordDataSource([path])
   if len(src) == 0:
-    raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
+    raise DataError(empty_shard(path, task))
   ds = grain.MapDataset.source(src)
   return ds.map_with_index(lambda i, r: (i, r)).map(_Decode(path, task))
 
@@ -147,13 +180,9 @@ class Records:
 
   def __init__(self, path: str, task: str, names=("vision",)):
     self.path, self._decode = path, DECODERS[task]
-    try:
-      self.source = grain.sources.ArrayRecordDataSource([path])
-    except Exception as e:  # pylint: disable=broad-except
-      raise DataError(f"{path} cannot be opened as a shard ({str(e).splitlines()[0]}); delete "
-                      "it and run again to rebuild it, or check data.dir.") from None
+    self.source = open_shard(path)
     if len(self.source) == 0:
-      raise ValueError(f"{path} holds no samples; delete it to rebuild, or check data.dir.")
+      raise DataError(empty_shard(path, task))
     self.meta = meta.load(path, len(self.source), self.read, names)
 
   def __len__(self) -> int:
@@ -365,9 +394,9 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   layout = make_layout(cfg, lang_dp, eval_batch=bsz)
   tok = Tokenizer()
   records = Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
-  if n > len(records):
-    raise ValueError(f"eval.samples={n} but {path} holds only {len(records)} samples; lower "
-                     "eval.samples or raise data.eval_samples.")
+  short = eval_shortfall(cfg, path, len(records))
+  if short:  # validation.validate_data refuses this before a run starts
+    raise DataError(short)
   out = []
   for start in range(0, n, bsz):
     stop = min(start + bsz, n)

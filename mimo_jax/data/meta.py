@@ -9,12 +9,16 @@ records:
 
   text_tokens     int32 [R]           tokens other than placeholders, bos and eos included
   loss_tokens     int32 [R]           target tokens that carry loss (placeholders excluded)
+  max_token       int32 [R]           the largest token id of the record, placeholders included
+                                      (-1: none); absent from sidecars written before it
   <name>.count    int32 [R]           items of encoder <name> (0 where a sample has none)
   <name>.sizes    int32 [R, K, F]     their sizes (K: the most items of a sample; F: the
                                       encoder's size fields)
 
 Shards are built with their sidecar; a shard without one, or with one that lacks an encoder the run
-uses, gets it on first use (one full scan).
+uses, gets it on first use (one full scan). `max_token` lets validation check the data's token ids
+against the model's vocabulary without reading a record; an older sidecar without it stays valid
+(no rescan of a large dataset), and then only the manifest's vocabulary is checked.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Meta:
   text_tokens: int
   loss_tokens: int
   sizes: dict[str, tuple[tuple[int, ...], ...]]  # encoder -> each item's size
+  max_token: int = -1  # the largest token id (-1: none, or a sidecar without the column)
 
 
 def row(sample: dict, tok: Tokenizer, placeholders: dict[str, int] | None = None) -> Meta:
@@ -47,7 +52,9 @@ def row(sample: dict, tok: Tokenizer, placeholders: dict[str, int] | None = None
   sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
   _, loss = sample_tokens(tok, sample, {mark[e.name]: [1] * len(sizes[e.name])
                                         for e in present})
-  return Meta(text_length(sample, tok, tuple(mark.values())), int(loss.sum()), sizes)
+  ids = tok.encode(sample["text"]) if "text" in sample else sample["tokens"]
+  return Meta(text_length(sample, tok, tuple(mark.values())), int(loss.sum()), sizes,
+              int(np.max(ids, initial=-1)))
 
 
 def path_of(shard: str) -> str:
@@ -63,7 +70,8 @@ def write(shard: str, samples) -> None:
 def save(shard: str, rows: list[Meta]) -> None:
   arrays = {"format": np.int32(FORMAT),
             "text_tokens": np.asarray([r.text_tokens for r in rows], np.int32).reshape(-1),
-            "loss_tokens": np.asarray([r.loss_tokens for r in rows], np.int32).reshape(-1)}
+            "loss_tokens": np.asarray([r.loss_tokens for r in rows], np.int32).reshape(-1),
+            "max_token": np.asarray([r.max_token for r in rows], np.int32).reshape(-1)}
   for e in encoders.REGISTRY.values():
     sizes = [r.sizes.get(e.name, ()) for r in rows]
     k = max((len(s) for s in sizes), default=0)
@@ -84,6 +92,7 @@ class Table:
 
   def __init__(self, arrays: dict[str, np.ndarray]):
     self.text_tokens, self.loss_tokens = arrays["text_tokens"], arrays["loss_tokens"]
+    self.max_token = arrays.get("max_token")  # None in a sidecar written before the column
     self.names = tuple(k[:-len(".count")] for k in arrays if k.endswith(".count"))
     self.count = {n: arrays[f"{n}.count"] for n in self.names}
     self.sizes = {n: arrays[f"{n}.sizes"] for n in self.names}
@@ -94,7 +103,8 @@ class Table:
   def __getitem__(self, i: int) -> Meta:
     return Meta(int(self.text_tokens[i]), int(self.loss_tokens[i]),
                 {n: tuple(tuple(int(v) for v in s) for s in self.sizes[n][i, :self.count[n][i]])
-                 for n in self.names})
+                 for n in self.names},
+                -1 if self.max_token is None else int(self.max_token[i]))
 
 
 def _read(path: str, count: int, names) -> Table | None:
