@@ -1,10 +1,11 @@
 """LLaVA-format conversations -> the shards `data.task=conversations` trains on.
 
   python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
-      --out data/llava [--processor DIR] [--eval 1000] [--seq_len 2048] [--image_tokens 576] \\
-      [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N]
+      --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
+      [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N] \\
+      [--allow_outside_images]
 
-Input: a JSON list or JSONL file of records `{"id", "image": path | [paths] | absent,
+Input: a JSON list or JSONL file (UTF-8) of records `{"id", "image": path | [paths] | absent,
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}`, image paths
 relative to `--images`. Each record is rendered with the language model's chat template
 (`--tokenizer`: tokenizer.json and tokenizer_config.json; mimo_jax/data/chat.py), each `<image>`
@@ -13,18 +14,39 @@ vision tower's processor (`--processor`, default the tokenizer's directory:
 preprocessor_config.json; mimo_jax/data/images.py) and stored decoded, as uint8 pixels at the
 processor's size (no decoding while training).
 
-Output in `--out`: `train.array_record` and `eval.array_record` (`--eval` records drawn at random
-go to eval) with their metadata sidecars, and `conversations.json` (the manifest: image token id,
-image size, vocabulary, counts). Records are converted in parallel (`--workers` processes, default
-every core) with a progress bar; each shard is written under a temporary name and renamed when
-complete, and the manifest last, so an interrupted run leaves no shard behind. An existing
-conversion in `--out` is refused.
+Output in `--out`: `train.array_record` and `eval.array_record` with their metadata sidecars, and
+`conversations.json` (the manifest: image token id, image size, vocabulary, counts, and the
+tokenizer, processor and source as absolute paths, so tools read them from any directory). Eval
+holds `--eval` records drawn at random (default: 1% of the records, at least 10 and at most 1000,
+and at most a tenth of them); every record of one id goes to the same side, so that no eval
+conversation is trained on. `--eval` below 1 (training evaluates on the eval split) or not below
+the record count is refused. Records are converted in parallel (`--workers` processes, default
+every core) with a progress bar.
 
-Bad records (a missing or corrupt image file, an `<image>` count other than the images listed, a
-sample longer than `--seq_len` once each image takes `--image_tokens`, an unknown role, no
-assistant turn) are skipped and counted by reason, each reported with its record id and file
-(`--on_error skip`, the default), or stop the conversion with that message and exit status 2,
-writing nothing (`--on_error fail`). The last lines give the counts and the flags to train with.
+`--out` is written as a whole or not at all: a lock beside it (`.<name>.lock`) stops a second
+conversion into it, everything is written into a staging directory beside it that is renamed into
+place when complete, and an interrupted or failed conversion (Ctrl-C: exit status 130, SIGTERM:
+143) leaves nothing behind; a staging directory left by a killed one is removed by the next. The
+output's size (each image at the processor's size) is checked against the free space first, and a
+failed write (a full disk, a quota, a file size limit) stops the conversion at once with the
+reason. An `--out` that is a file, a non-empty folder that holds no conversion, a folder with a
+conversion, or a place that cannot be written is refused.
+
+Bad records (a missing, corrupt or too large image, an image field that is not a path or a list of
+paths, an image path leading out of `--images` by `..`, an absolute path or a symbolic link, an
+`<image>` count other than the images listed, turns that are not objects with text values, a word
+the tokenizer cannot encode, a sample longer than `--seq_len` once each image takes
+`--image_tokens`, an unknown role, no assistant turn) are skipped and counted by reason, each
+reported with its record id and file (`--on_error skip`, the default), or stop the conversion
+with that message and exit status 2, writing nothing (`--on_error fail`).
+`--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
+template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
+one error line, exit status 2.
+
+The last lines give the counts and a launch line with the flags to train with: data.task,
+data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
+each image taking `--image_tokens`), data.max_images, eval.samples (the eval split), and the
+image size, channels and vocabulary the model needs.
 """
 
 from __future__ import annotations
@@ -32,8 +54,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 
+from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations
 
@@ -41,14 +65,18 @@ from mimo_jax.data import conversations
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file")
+  parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
   parser.add_argument("--images", required=True, help="the folder image paths are relative to")
   parser.add_argument("--tokenizer", required=True, help="HF directory: tokenizer.json and "
                       "tokenizer_config.json with the chat template")
   parser.add_argument("--processor", default="", help="HF directory with the vision tower's "
                       "preprocessor_config.json (default: --tokenizer)")
-  parser.add_argument("--out", required=True, help="folder for the shards and manifest")
-  parser.add_argument("--eval", type=int, default=0, help="records held out for eval")
+  parser.add_argument("--out", required=True, help="folder for the shards and manifest (absent "
+                      "or empty)")
+  parser.add_argument("--eval", type=int, default=None,
+                      help="records held out for eval, at least 1 (default: 1%% of the records, "
+                      f"at least {conversations.EVAL_MIN} and at most {conversations.EVAL_MAX}, "
+                      "at most a tenth)")
   parser.add_argument("--seq_len", type=int, default=0, help="longest sample in tokens "
                       "(0 = no limit)")
   parser.add_argument("--image_tokens", type=int, default=1,
@@ -60,28 +88,65 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--on_error", choices=("skip", "fail"), default="skip")
   parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--seed", type=int, default=0, help="seed of the eval draw")
+  parser.add_argument("--allow_outside_images", action="store_true",
+                      help="read image paths that lead out of --images (.., absolute paths, "
+                      "symbolic links); without it such records are skipped")
   args = parser.parse_args(argv)
+  if args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0:
+    return _error("--workers and --image_tokens must be at least 1, --seq_len at least 0.")
   opts = conversations.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
-      image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers)
-  out = pathlib.Path(args.out)
+      image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
+      allow_outside_images=args.allow_outside_images)
+  out = pathlib.Path(os.path.abspath(args.out))
   try:
-    m = conversations.convert(pathlib.Path(args.json), out, opts, args.eval, args.seed)
+    with output.interrupts_as_exceptions():
+      with output.staged(out, what="conversion", flag="--out",
+                         complete=conversations.MANIFEST) as tmp:
+        m = conversations.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed)
   except ConfigError as e:
-    print(f"convert: error: {e}", file=sys.stderr)
-    return 2
+    return _error(str(e))
+  except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
+          f"{args.out}.", file=sys.stderr)
+    return 128 + signum
   counts, skipped, took = m["samples"], m["skipped"], m["seconds"]
-  print(f"converted {m['records']} records in {took:.1f} s ({m['records'] / took:.1f} "
+  if m["shared_ids"]:
+    shown = ", ".join(repr(i) for i in m["shared_ids"][:3])
+    print(f"note: {len(m['shared_ids'])} ids are shared by several records ({shown}"
+          f"{' ...' if len(m['shared_ids']) > 3 else ''}); each id's records went to one side "
+          "of the train/eval split.", file=sys.stderr)
+  print(f"converted {m['records']} records in {took:.1f} s ({m['records'] / max(took, 1e-9):.1f} "
         f"records/s, {args.workers} workers): {counts['train']} train and {counts['eval']} eval "
         f"samples, {m['images']} images, {sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
-  print(f"train with: --config.data.task=conversations --config.data.dir={out} "
-        f"--config.data.image_token={m['image_token']} "
-        f"--config.model.vision.image_size={m['image_size'][0]} "
-        f"--config.model.language.vocab_size={m['vocab_size']} (or the model's larger vocabulary)")
+  print("train with (MODEL_CONFIG: the model's config file; a model with a larger vocabulary "
+        "than the tokenizer's keeps its own vocab_size):\n  "
+        + " ".join(["python -m mimo_jax.launch --config=MODEL_CONFIG"]
+                   + launch_flags(out, m, args.seq_len)))
   return 0
+
+
+def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
+  """The launch flags that train on conversion `out` with manifest `m`."""
+  flags = {"data.task": "conversations", "data.dir": str(out),
+           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
+  if m["max_images"]:
+    flags["data.max_images"] = m["max_images"]
+  flags["eval.samples"] = m["samples"]["eval"]
+  if m["images"]:
+    flags["model.vision.image_size"] = m["image_size"][0]
+    flags["model.vision.channels"] = m["channels"]
+  flags["model.language.vocab_size"] = m["vocab_size"]
+  return [f"--config.{k}={v}" for k, v in flags.items()]
+
+
+def _error(message: str) -> int:
+  print(f"convert: error: {message}", file=sys.stderr)
+  return 2
 
 
 if __name__ == "__main__":

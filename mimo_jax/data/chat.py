@@ -33,14 +33,26 @@ class ChatError(ValueError):
   """A tokenizer directory or a conversation that cannot be encoded; the message names it."""
 
 
+class TokenizeError(ChatError):
+  """A rendered conversation the tokenizer cannot encode (a word outside a vocabulary that has no
+  unknown token)."""
+
+
 def messages(conversation: list[dict], where: str = "") -> list[dict]:
-  """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown role is an error."""
+  """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown role, a turn that is
+  not an object or a value that is not text is an error."""
   out = []
   for i, turn in enumerate(conversation):
+    if not isinstance(turn, dict):
+      raise ChatError(f"{where}turn {i} is a {type(turn).__name__}, not an object with \"from\" "
+                      "and \"value\".")
     who = turn.get("from", turn.get("role"))
-    if who not in ROLES:
+    if not isinstance(who, str) or who not in ROLES:
       raise ChatError(f"{where}turn {i}: unknown role {who!r}; known: {', '.join(ROLES)}.")
-    out.append({"role": ROLES[who], "content": turn.get("value", turn.get("content", ""))})
+    text = turn.get("value", turn.get("content", ""))
+    if not isinstance(text, str):
+      raise ChatError(f"{where}turn {i}: its value is a {type(text).__name__}, not text.")
+    out.append({"role": ROLES[who], "content": text})
   return out
 
 
@@ -113,11 +125,20 @@ class ChatTokenizer:
     return cls(path, tokenizer, template, specials)
 
   def token_id(self, text: str) -> int:
-    """The id of a token given by its text (e.g. `<image>`); an error if it is not one token."""
+    """The id of a token given by its text (e.g. `<image>`); an error if it is not one token, or
+    if the tokenizer splits it inside text (then it is no special token)."""
     i = self.tokenizer.token_to_id(text)
-    if i is None:
-      raise ChatError(f"{self.path / 'tokenizer.json'}: {text!r} is not a token of the "
-                      "vocabulary; add it as a special token.")
+    inside = []
+    for probe in (f"a {text} a", text):  # a word-level vocabulary may lack "a"
+      try:
+        inside = self.tokenizer.encode(probe, add_special_tokens=False).ids
+        break
+      except Exception:  # pylint: disable=broad-except
+        continue
+    if i is None or inside.count(i) != 1:
+      raise ChatError(f"{self.path / 'tokenizer.json'}: {text!r} is not one token of the "
+                      "vocabulary; give the image token the tokenizer has (e.g. <image>), or add "
+                      "it as a special token.")
     return i
 
   def render(self, msgs: list[dict], add_generation_prompt: bool = False) -> str:
@@ -141,7 +162,10 @@ class ChatTokenizer:
                         "after the conversation before it (no prefix); its loss cannot be "
                         "located.")
       spans.append((len(before), len(upto.rstrip())))
-    enc = self.tokenizer.encode(text, add_special_tokens=False)
+    try:
+      enc = self.tokenizer.encode(text, add_special_tokens=False)
+    except Exception as e:  # pylint: disable=broad-except
+      raise TokenizeError(f"{self.path / 'tokenizer.json'} cannot encode it ({e}).") from None
     ids = np.asarray(enc.ids, np.int32)
     offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
     start, end = offsets[:, :1], offsets[:, 1:]

@@ -25,17 +25,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import multiprocessing
 import os
 import pathlib
+import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import records
+from mimo_jax.workdir import describe_os_error
 
 MANIFEST = "conversations.json"
 SPLITS = ("train", "eval")
@@ -99,7 +103,7 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
   vocab = cfg.model.language.vocab_size or m["vocab_size"]
   if vocab < m["vocab_size"]:
     raise ConfigError(f"config.model.language.vocab_size: {vocab} is less than the tokenizer's "
-                      f"{m['vocab_size']} ({m['tokenizer']}).")
+                      f"{m['vocab_size']} ({source_path(directory, m['tokenizer'])}).")
   out = {}
   for split in SPLITS:
     path = pathlib.Path(directory) / f"{split}.array_record"
@@ -110,11 +114,26 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
 
 
 def source_path(directory: str, path: str) -> str:
-  """A manifest's path (tokenizer, processor, source) as a path to open."""
-  return str(pathlib.Path(directory) / path) if not pathlib.Path(path).is_absolute() else path
+  """A manifest's path (tokenizer, processor, source) as a path to open from any working
+  directory. Conversions store absolute paths, or paths inside the directory relative to it;
+  older ones stored paths relative to where the converter ran, so a relative path that is not in
+  the directory is tried against the working directory too."""
+  if not path or pathlib.Path(path).is_absolute():
+    return path
+  inside = pathlib.Path(directory) / path
+  if inside.exists() or not pathlib.Path(path).exists():
+    return str(inside.absolute())
+  return str(pathlib.Path(path).absolute())
 
 
 # Conversion.
+
+# What an ArrayRecord writer may hold before its file grows (it writes 16 MiB at a time): a file
+# that has not grown while this much more was given to it has failed.
+WRITE_LAG = 64 << 20
+# A default eval split: 1% of the records, at least 10 and at most 1000, at most a tenth of them.
+EVAL_FRACTION, EVAL_MIN, EVAL_MAX = 0.01, 10, 1000
+
 
 class RecordError(ValueError):
   """A record that cannot be converted: the reason (a short key) and the message."""
@@ -136,45 +155,160 @@ class Options:
   image_tokens: int = 1  # positions an image takes, for seq_len
   on_error: str = "skip"  # or "fail"
   workers: int = 1  # processes; 1 = in this process
+  allow_outside_images: bool = False  # read image paths that lead out of `images`
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
-  """The records of a LLaVA-format JSON list or JSONL file."""
+  """The records of a LLaVA-format JSON list or JSONL file (UTF-8)."""
   try:
-    text = path.read_text()
+    data = pathlib.Path(path).read_bytes()
   except OSError as e:
-    raise ConfigError(f"{path}: unreadable ({e}).") from None
+    raise ConfigError(f"--json {path}: unreadable ({os.strerror(e.errno) if e.errno else e}).") \
+        from None
   try:
-    if text.lstrip().startswith("["):
+    text = data.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"--json {path}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                      "JSON is UTF-8: save the file as UTF-8.") from None
+  if text.lstrip().startswith("["):
+    try:
       out = json.loads(text)
-    else:
-      out = [json.loads(line) for line in text.splitlines() if line.strip()]
-  except ValueError as e:
-    raise ConfigError(f"{path}: not JSON or JSONL ({e}).") from None
-  if not isinstance(out, list) or not all(isinstance(r, dict) for r in out):
-    raise ConfigError(f"{path}: every record must be an object with an id and conversations.")
+    except ValueError as e:
+      raise ConfigError(f"--json {path}: not JSON ({e}).") from None
+  else:
+    out = []
+    for k, line in enumerate(text.splitlines()):
+      if line.strip():
+        try:
+          out.append(json.loads(line))
+        except ValueError as e:
+          raise ConfigError(f"--json {path}: line {k + 1} is not JSON ({e}); JSONL holds one "
+                            "record a line.") from None
+  if not isinstance(out, list):
+    raise ConfigError(f"--json {path}: a {type(out).__name__}, not a list of records.")
+  bad = next((i for i, r in enumerate(out) if not isinstance(r, dict)), None)
+  if bad is not None:
+    raise ConfigError(f"--json {path}: record {bad} is a {type(out[bad]).__name__}, not an object "
+                      "with an id and conversations.")
+  if not out:
+    raise ConfigError(f"--json {path}: no records.")
   return out
+
+
+def default_eval(records: int) -> int:
+  """The eval split's size when none is given (EVAL_FRACTION, EVAL_MIN, EVAL_MAX)."""
+  return max(1, min(EVAL_MAX, max(EVAL_MIN, round(records * EVAL_FRACTION)), records // 10))
+
+
+def eval_split(records: list[dict], count: int, seed: int) -> tuple[set[int], list]:
+  """The indices of about `count` records drawn for eval with `seed`, every record of one id on
+  the same side (records without an id stand alone), and the ids several records share."""
+  n = len(records)
+  if count < 1:
+    raise ConfigError(f"--eval {count}: a run evaluates on the eval split (eval.samples > 0); "
+                      f"hold out at least 1 record (without --eval: {default_eval(n)}).")
+  if count >= n:
+    raise ConfigError(f"--eval {count}: --json holds {n} records, and training needs some; hold "
+                      f"out fewer (without --eval: {default_eval(n)}).")
+  groups: dict[str, list[int]] = {}
+  for i, r in enumerate(records):
+    key = r.get("id")
+    groups.setdefault(f"i{i}" if key is None else "k" + json.dumps(key, sort_keys=True),
+                      []).append(i)
+  members = list(groups.values())
+  chosen: set[int] = set()
+  for g in np.random.default_rng(seed).permutation(len(members)):
+    if len(chosen) >= count:
+      break
+    chosen.update(members[g])
+  if len(chosen) >= n:
+    raise ConfigError(f"--eval {count}: the records share ids so that none would be left to "
+                      "train on (each id's records stay on one side); hold out fewer.")
+  shared = [records[g[0]].get("id") for g in members if len(g) > 1]
+  return chosen, shared
+
+
+def estimate_bytes(records: list[dict], proc) -> int:
+  """About the bytes a conversion writes: each listed image at the processor's size (a lower
+  bound where the processor keeps the aspect ratio) and a header a record."""
+  h, w = proc.crop or proc.size or (proc.shortest_edge,) * 2
+  images = 0
+  for r in records:
+    f = r.get("image")
+    images += 1 if isinstance(f, str) else len(f) if isinstance(f, list) else 0
+  return images * h * w * (3 if proc.convert_rgb else 1) + len(records) * 256
 
 
 _WORKER = {}
 
 
 def _init(opts: Options) -> None:
+  """The tokenizer, processor and image token of `opts`; one error naming the flag if unusable."""
   # pylint: disable=import-outside-toplevel
-  from mimo_jax.data.chat import ChatTokenizer
+  from mimo_jax.data.chat import ChatError, ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
-  tok = ChatTokenizer.open(opts.tokenizer)
-  _WORKER.update(opts=opts, tok=tok, images=pathlib.Path(opts.images),
+  try:
+    tok = ChatTokenizer.open(opts.tokenizer)
+  except ChatError as e:
+    raise ConfigError(f"--tokenizer {opts.tokenizer}: {e}") from None
+  try:
+    image_id = tok.token_id(opts.image_token)
+  except ChatError as e:
+    raise ConfigError(f"--image_token {opts.image_token!r}: {e}") from None
+  images = pathlib.Path(opts.images)
+  _WORKER.update(opts=opts, tok=tok, images=images, root=os.path.realpath(images),
                  proc=ImageProcessor.open(opts.processor or opts.tokenizer,
                                           pad_to_square=opts.pad_to_square),
-                 image_id=tok.token_id(opts.image_token))
+                 image_id=image_id)
+
+
+def _pool_init(opts: Options) -> None:
+  # Ctrl-C reaches the whole process group: the parent alone unwinds and terminates workers.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  _init(opts)
+
+
+def _image_files(record: dict, where: str) -> list[str]:
+  files = record.get("image")
+  if files is None:
+    return []
+  if isinstance(files, str):
+    return [files]
+  if isinstance(files, list) and all(isinstance(f, str) for f in files):
+    return files
+  raise RecordError("bad image field", f"{where}: \"image\" is {json.dumps(files)[:60]}, not a "
+                    "path or a list of paths.")
+
+
+def _read_image(f: str, where: str):
+  """The processor's pixels of image file `f` (relative to --images)."""
+  # pylint: disable=import-outside-toplevel
+  from PIL import Image
+  w = _WORKER
+  path = w["images"] / f
+  real = os.path.realpath(path)
+  if not w["opts"].allow_outside_images and os.path.commonpath([real, w["root"]]) != w["root"]:
+    raise RecordError("outside --images", f"{where}: image {f!r} leads out of --images "
+                      f"({real}); --allow_outside_images reads it.")
+  try:
+    with warnings.catch_warnings():
+      # Past MAX_IMAGE_PIXELS Pillow only warns; such an image would take a worker's memory.
+      warnings.simplefilter("error", Image.DecompressionBombWarning)
+      with Image.open(path) as image:
+        return w["proc"](image)
+  except FileNotFoundError:
+    raise RecordError("missing image", f"{where}: image {path} not found.") from None
+  except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    raise RecordError("image too large", f"{where}: image {path} is too large to decode ({e}).") \
+        from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 
 
 def convert_record(record: dict, where: str) -> dict:
   """One record -> a sample (`tokens`, `loss_mask`, `images`), or RecordError (after `_init`)."""
   # pylint: disable=import-outside-toplevel
-  from PIL import Image, UnidentifiedImageError
-  from mimo_jax.data.chat import ChatError, messages
+  from mimo_jax.data.chat import ChatError, TokenizeError, messages
   w, opts = _WORKER, _WORKER["opts"]
   turns = record.get("conversations")
   if not isinstance(turns, list) or not turns:
@@ -182,26 +316,18 @@ def convert_record(record: dict, where: str) -> dict:
   try:
     msgs = messages(turns, f"{where}: ")
   except ChatError as e:
-    raise RecordError("unknown role", str(e)) from None
-  files = record.get("image", [])
-  files = [files] if isinstance(files, str) else list(files)
-  marks = sum(str(m["content"]).count(opts.image_token) for m in msgs)
+    reason = "unknown role" if "unknown role" in str(e) else "bad conversation"
+    raise RecordError(reason, str(e)) from None
+  files = _image_files(record, where)
+  marks = sum(m["content"].count(opts.image_token) for m in msgs)
   if marks != len(files):
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
                       f"lists {len(files)} images.")
-  pixels = []
-  for f in files:
-    path = w["images"] / f
-    try:
-      with Image.open(path) as image:
-        pixels.append(w["proc"](image))
-    except FileNotFoundError:
-      raise RecordError("missing image", f"{where}: image {path} not found.") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-      raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") \
-          from None
+  pixels = [_read_image(f, where) for f in files]
   try:
     ids, mask = w["tok"].encode(msgs)
+  except TokenizeError as e:
+    raise RecordError("untokenizable", f"{where}: {e}") from None
   except ChatError as e:
     raise RecordError("template", f"{where}: {e}") from None
   found = int((ids == w["image_id"]).sum())
@@ -211,12 +337,17 @@ def convert_record(record: dict, where: str) -> dict:
                       "tokenizer?).")
   if not mask.any():
     raise RecordError("no assistant turn", f"{where}: no assistant turn to learn from.")
-  # Positions it takes in a row: every token but the last is an input (as the layout counts).
-  length = len(ids) - 1 + len(files) * (opts.image_tokens - 1)
+  length = positions(len(ids), len(files), opts.image_tokens)
   if opts.seq_len and length > opts.seq_len:
     raise RecordError("too long", f"{where}: {length} tokens ({len(files)} images of "
                       f"{opts.image_tokens}) exceed --seq_len {opts.seq_len}.")
   return {"tokens": ids, "loss_mask": mask, "images": pixels}
+
+
+def positions(tokens: int, images: int, image_tokens: int) -> int:
+  """Positions a sample takes in a row: every token but the last is an input (as the layout
+  counts), each image `image_tokens` of them."""
+  return tokens - 1 + images * (image_tokens - 1)
 
 
 def _work(item):
@@ -226,49 +357,118 @@ def _work(item):
     return index, convert_record(record, where), None
   except RecordError as e:
     return index, None, (e.reason, str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever else one record raises is that record's fault: skipped like the others.
+    return index, None, ("error", f"{where}: {type(e).__name__}: {e}")
 
 
-def _relative(path: str, out: pathlib.Path) -> str:
+def _stored(path: str, out: pathlib.Path) -> str:
+  """A path as the manifest keeps it: relative to `out` when inside it (the directory may move),
+  else absolute and resolved (tools read it from any working directory)."""
   p = pathlib.Path(path).resolve()
-  return str(p.relative_to(out.resolve())) if p.is_relative_to(out.resolve()) else str(path)
+  return str(p.relative_to(out.resolve())) if p.is_relative_to(out.resolve()) else str(p)
 
 
-def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int = 0,
+def _os_error(e: RuntimeError, path: pathlib.Path) -> OSError:
+  """The OSError an ArrayRecord writer's message describes (it reports none of its own)."""
+  text = str(e)
+  for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EIO):
+    if os.strerror(code) in text:
+      return OSError(code, os.strerror(code), str(path))
+  return OSError(f"{path}: {text}")
+
+
+class _Shard:
+  """One split's ArrayRecord file being written. The writer reports a failed write only when it
+  is closed, so a file that stops growing while records keep coming is closed at once to say
+  why."""
+
+  def __init__(self, path: pathlib.Path):
+    # pylint: disable-next=import-outside-toplevel
+    from array_record.python import array_record_module
+    self.path, self.given, self.size, self.grown_at = path, 0, 0, 0
+    self.writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+
+  def write(self, record: bytes) -> None:
+    self.writer.write(record)
+    self.given += len(record)
+    if self.given - self.grown_at > WRITE_LAG:
+      size = os.path.getsize(self.path)
+      if size <= self.size:
+        self.close()
+        raise OSError(errno.EIO, f"{self.path} stopped growing")
+      self.size, self.grown_at = size, self.given
+
+  def close(self) -> None:
+    """Closes the file; an OSError if any of its writes failed."""
+    w, self.writer = self.writer, None
+    if w is not None:
+      try:
+        w.close()
+      except RuntimeError as e:
+        raise _os_error(e, self.path) from None
+
+  def abandon(self) -> None:
+    """Closes the file, never raising (its writes failed or are not wanted)."""
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
+def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int | None = None,
             seed: int = 0, eval_ids=None, progress: bool = True) -> dict:
-  """Converts the LLaVA-format records of `source` into `out` (shards, sidecars, manifest) and
-  returns the manifest, with the seconds it took under `seconds`. Eval takes `eval_count`
-  records drawn with `seed`, or the record indices `eval_ids`. Bad records are skipped and
-  counted (`on_error="skip"`, each reported on stderr) or raise ConfigError with nothing written;
-  any failure removes what this conversion wrote."""
+  """Converts the LLaVA-format records of `source` into directory `out` (shards, sidecars,
+  manifest) and returns the manifest, with the seconds it took under `seconds`, the records read
+  under `records` and the ids several records share under `shared_ids`. Eval takes `eval_count`
+  records (None: `default_eval`) drawn with `seed`, every record of an id on one side, or the
+  record indices `eval_ids`. Bad records are skipped and counted (`on_error="skip"`, each reported
+  on stderr) or raise ConfigError with nothing written; a failed write is a ConfigError naming the
+  file system's reason; any failure or interrupt removes what this conversion wrote. Callers that
+  publish `out` as a whole (tools.convert) pass a fresh staging directory."""
   # pylint: disable=import-outside-toplevel
-  from array_record.python import array_record_module
   from tqdm import tqdm
+  from mimo_jax import output
   from mimo_jax.data import meta
   from mimo_jax.data.tokenizer import Tokenizer
   source, out = pathlib.Path(source), pathlib.Path(out)
   if (out / MANIFEST).exists():
     raise ConfigError(f"{out}: holds a conversion already ({MANIFEST}); choose another --out or "
                       "delete it.")
+  if not pathlib.Path(opts.images).is_dir():
+    raise ConfigError(f"--images {opts.images}: not a directory; give the folder the records' "
+                      "image paths are relative to.")
   records = read_records(source)
   _init(opts)  # here first: a bad tokenizer or processor is one error before any work
   tok, proc, image_id = _WORKER["tok"], _WORKER["proc"], _WORKER["image_id"]
+  shared = []
   if eval_ids is None:
-    eval_ids = np.random.default_rng(seed).permutation(len(records))[:eval_count].tolist()
+    eval_ids, shared = eval_split(records, default_eval(len(records)) if eval_count is None
+                                  else eval_count, seed)
   eval_ids = set(eval_ids)
+  output.check_space(out, estimate_bytes(records, proc), f"converting {source}")
   made = not out.exists()
-  out.mkdir(parents=True, exist_ok=True)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(describe_os_error(e, str(out))) from None
   tmp = {s: out / f".{s}.array_record.tmp" for s in SPLITS}
-  writers = {s: array_record_module.ArrayRecordWriter(str(p), "group_size:1")
-             for s, p in tmp.items()}
+  shards = {}
   rows = {s: [] for s in SPLITS}
   skipped, images, sizes = collections.Counter(), 0, collections.Counter()
+  channels, longest, most_images = collections.Counter(), 0, 0
   tok0 = Tokenizer()  # unused by samples with their own loss mask
   items = [(i, r, str(source)) for i, r in enumerate(records)]
   started = time.perf_counter()
   pool = None
+  done = 0
   try:
+    try:
+      shards.update({s: _Shard(p) for s, p in tmp.items()})
+    except (OSError, ValueError, RuntimeError) as e:
+      raise ConfigError(f"{out}: cannot create the shards ({e}).") from None
     if opts.workers > 1:
-      pool = multiprocessing.get_context("spawn").Pool(opts.workers, _init, (opts,))
+      pool = multiprocessing.get_context("spawn").Pool(opts.workers, _pool_init, (opts,))
       results = pool.imap(_work, items, chunksize=16)
     else:
       results = map(_work, items)
@@ -276,6 +476,7 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
     for index, sample, error in tqdm(results, total=len(items), desc="converting",
                                      unit="record", file=sys.stderr, mininterval=1.0,
                                      disable=not progress):
+      done += 1
       if error is not None:
         reason, message = error
         if opts.on_error == "fail":
@@ -284,48 +485,75 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
         tqdm.write(f"skipped: {message}", file=sys.stderr)
         continue
       split = "eval" if index in eval_ids else "train"
-      writers[split].write(encode(sample))
+      try:
+        shards[split].write(encode(sample))
+      except OSError as e:
+        raise ConfigError(describe_os_error(e, f"writing {tmp[split]} (record {done} of "
+                                            f"{len(items)})")) from None
       rows[split].append(meta.row(sample, tok0, placeholders))
       images += len(sample["images"])
       sizes.update(tuple(int(v) for v in p.shape[:2]) for p in sample["images"])
+      channels.update(int(p.shape[2]) for p in sample["images"])
+      longest = max(longest, positions(len(sample["tokens"]), len(sample["images"]),
+                                       opts.image_tokens))
+      most_images = max(most_images, len(sample["images"]))
     if pool is not None:
       pool.close()
-    for s in SPLITS:
-      writers.pop(s).close()
     counts = {s: len(r) for s, r in rows.items()}
     if not counts["train"]:
-      raise ConfigError(f"{source}: no record could be converted ({dict(skipped)}).")
+      raise ConfigError(f"--json {source}: no record could be converted for train "
+                        f"({dict(skipped) or 'every record was drawn for eval'}).")
+    if not counts["eval"]:
+      raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
+                        f"({dict(skipped)}); hold out more with --eval, or fix the records.")
     # The most common image size (every one, with a crop or a square resize); text only: the
     # processor's own.
     size = (sizes.most_common(1)[0][0] if sizes else
             proc.crop or proc.size or (proc.shortest_edge,) * 2)
-    for s in SPLITS:  # each shard complete before its name appears
-      final = out / f"{s}.array_record"
-      meta.save(str(final), rows[s])
-      os.replace(tmp[s], final)
     manifest_ = {"format": FORMAT_VERSION, "image_token": image_id,
                  "image_token_text": opts.image_token, "image_size": [int(v) for v in size],
                  "image_sizes": sorted([list(k) for k in sizes]),
+                 "channels": channels.most_common(1)[0][0] if channels else
+                 (3 if proc.convert_rgb else 1),
                  "vocab_size": tok.tokenizer.get_vocab_size(),
-                 "tokenizer": _relative(opts.tokenizer, out),
-                 "processor": _relative(opts.processor or opts.tokenizer, out),
-                 "source": _relative(str(source), out),
+                 "tokenizer": _stored(opts.tokenizer, out),
+                 "processor": _stored(opts.processor or opts.tokenizer, out),
+                 "source": _stored(str(source), out),
                  "samples": counts, "images": images, "skipped": dict(skipped),
+                 "longest": longest, "max_images": most_images,
                  "pad_to_square": opts.pad_to_square}
-    part = out / (MANIFEST + ".tmp")
-    part.write_text(json.dumps(manifest_, indent=1))
-    os.replace(part, out / MANIFEST)
-  except BaseException:  # nothing of this conversion stays behind
+    try:
+      for s in SPLITS:  # each shard complete before its name appears
+        shards[s].close()
+        final = out / f"{s}.array_record"
+        meta.save(str(final), rows[s])
+        os.replace(tmp[s], final)
+      part = out / (MANIFEST + ".tmp")
+      part.write_text(json.dumps(manifest_, indent=1))
+      os.replace(part, out / MANIFEST)
+    except OSError as e:
+      raise ConfigError(describe_os_error(e, f"writing {getattr(e, 'filename', None) or out}")) \
+          from None
+  except BaseException:  # nothing of this conversion stays behind; this cleanup cannot fail
     if pool is not None:
-      pool.terminate()
-    for w in writers.values():
-      w.close()
+      try:
+        pool.terminate()
+        pool.join()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    for shard in shards.values():
+      shard.abandon()
     if not (out / MANIFEST).exists():
       for s in SPLITS:
         final = out / f"{s}.array_record"
-        for p in (tmp[s], final, pathlib.Path(meta.path_of(str(final)))):
-          p.unlink(missing_ok=True)
-    if made and out.exists() and not any(out.iterdir()):
-      out.rmdir()
+        for p in (tmp[s], final, pathlib.Path(meta.path_of(str(final))),
+                  out / (MANIFEST + ".tmp")):
+          output.remove(p)
+    if made:
+      try:
+        out.rmdir()  # only if empty
+      except OSError:
+        pass
     raise
-  return dict(manifest_, seconds=time.perf_counter() - started, records=len(records))
+  return dict(manifest_, seconds=time.perf_counter() - started, records=len(records),
+              shared_ids=shared)
