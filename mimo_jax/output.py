@@ -83,6 +83,8 @@ def lock(out: str | os.PathLike, flag: str = "--out") -> workdir_lib.Lock:
                             ).acquire()
   except workdir_lib.WorkdirError as e:
     raise OutputError(str(e)) from None
+  except OSError as e:  # the lock file cannot be created: an unwritable place
+    raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
 
 
 def remove(path: str | os.PathLike) -> None:
