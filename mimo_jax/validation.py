@@ -75,7 +75,7 @@ def _seq_len_fits(cfg: Config) -> None:
           f"{cfg.data.seq_len} positions a row make the loader's text arrays alone "
           f"{need / gib:,.0f} GiB ({eval_rows} eval rows, {step_rows} a step, {per_position} "
           f"bytes a position), more than this machine's {memory / gib:.0f} GiB; lower it to what "
-          f"the longest sample needs (at most {most} fit).")
+          f"the longest sample needs (these arrays alone cap it at {most:,}).")
 
 
 def _variants(cfg: Config) -> None:
@@ -310,9 +310,9 @@ def validate_data(cfg: Config) -> None:
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"]))
   require(held_out > 0, "data.dir",
-          f"{paths['eval']} holds no held-out samples (tools.convert's default --eval 0) and a "
-          f"run evaluates eval.samples={n}; convert the data again with --eval {n} (or more) "
-          "to hold some out.")
+          f"{paths['eval']} holds no held-out samples (converted with --eval 0) and a run "
+          f"evaluates eval.samples={n} of them; convert the data again with --eval {n} (or "
+          "more) to hold some out.")
   short = loader.eval_shortfall(cfg, paths["eval"], held_out)
   if short:
     raise ConfigError(short)

@@ -1,5 +1,5 @@
 """Config against data, refused before anything is written: an eval split smaller than
-eval.samples, an empty eval split (tools.convert's default --eval 0) and token ids the model's
+eval.samples, an empty eval split (an older conversion with --eval 0) and token ids the model's
 vocabulary lacks each end in one `ConfigError` naming the field and a fix that applies."""
 
 import json
@@ -15,7 +15,7 @@ from array_record.python import array_record_module
 
 from mimo_jax import train
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import conversations, loader
+from mimo_jax.data import conversations, loader, meta
 from mimo_jax.validation import validate, validate_data
 from tests.configs import tiny
 from tools import convert
@@ -33,17 +33,23 @@ RECORDS = [r for k in range(2) for r in (
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[int, pathlib.Path]:
-  """The four records converted with --eval 2 and with the default --eval 0."""
+  """The four records converted with --eval 2, and that conversion with its eval split emptied
+  (as converters that allowed --eval 0 left it)."""
   root = tmp_path_factory.mktemp("validation")
   (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
-  out = {}
-  for held_out in (2, 0):
-    out[held_out] = root / f"eval{held_out}"
-    assert convert.main([
-        "--json", str(root / "data.jsonl"), "--images", str(FIXTURES / "images"),
-        "--tokenizer", str(FIXTURES / "chat" / "llama3"),
-        "--processor", str(FIXTURES / "images" / "siglip"), "--out", str(out[held_out]),
-        "--eval", str(held_out), "--workers", "1"]) == 0
+  out = {2: root / "eval2", 0: root / "eval0"}
+  assert convert.main([
+      "--json", str(root / "data.jsonl"), "--images", str(FIXTURES / "images"),
+      "--tokenizer", str(FIXTURES / "chat" / "llama3"),
+      "--processor", str(FIXTURES / "images" / "siglip"), "--out", str(out[2]),
+      "--eval", "2", "--workers", "1"]) == 0
+  shutil.copytree(out[2], out[0])
+  shard = out[0] / "eval.array_record"
+  array_record_module.ArrayRecordWriter(str(shard), "group_size:1").close()
+  meta.save(str(shard), [])
+  manifest = json.loads((out[0] / conversations.MANIFEST).read_text())
+  manifest["samples"] = {"train": manifest["samples"]["train"], "eval": 0}
+  (out[0] / conversations.MANIFEST).write_text(json.dumps(manifest))
   return out
 
 
@@ -92,8 +98,8 @@ def test_an_empty_eval_split_names_the_conversion_that_fills_it(converted, tmp_p
   workdir = tmp_path / "run"
   cfg = _config(converted[0], workdir)
   with pytest.raises(ConfigError, match=r"^config\.data\.dir: .*eval\.array_record holds no "
-                     r"held-out samples \(tools\.convert's default --eval 0\) and a run evaluates "
-                     r"eval\.samples=2; convert the data again with --eval 2 \(or more\)"):
+                     r"held-out samples \(converted with --eval 0\) and a run evaluates "
+                     r"eval\.samples=2 of them; convert the data again with --eval 2 \(or more\)"):
     train.run(cfg)
   assert not workdir.exists()
   # Reached some other way, the loader says the same, not to delete the shard to rebuild it.
