@@ -5,10 +5,18 @@
   python -m tools.ckpt check   RUN_OR_CHECKPOINT_DIR [--step N]
 
 `export` writes every module's parameters into one safetensors file (keys `module/path/to/param`,
-the config in its metadata): loadable with `safetensors.numpy.load_file`, no mimo_jax needed.
+the config in its metadata): loadable with `safetensors.numpy.load_file`, no mimo_jax needed. The
+file is written beside `--out` under a temporary name and renamed into place when complete (a
+lock `.<name>.lock` keeps a second export of the same file out); an existing `--out` is refused.
 `check` reads every step back, each item on its own: the metadata against its digest, and every
 array of every module (parameters and optimizer state) against the fingerprint saved with it and
-for non-finite values. It exits non-zero naming each step and item that fails.
+for non-finite values. It exits non-zero naming each step and item that fails, and which step to
+resume from.
+
+All three only read, and work beside a run that is using the workdir (its `run.lock`): they read
+committed steps only (orbax's `commit_success.txt`), say on stderr that a run holds the workdir
+and that newer steps may appear, and treat a step removed while being read (the run rotating old
+steps away: `checkpoint.keep`) as gone, not damaged.
 """
 
 from __future__ import annotations
@@ -17,10 +25,39 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
-from mimo_jax.checkpoint import drop_closed_loop_reports, complete_steps, params_restore_dtype
+from mimo_jax import output, workdir as workdir_lib
+from mimo_jax.checkpoint import (_reason, complete_steps, drop_closed_loop_reports,
+                                 params_restore_dtype)
+from mimo_jax.config import ConfigError
+
+ROTATED = "the run rotates old steps: checkpoint.keep"
+# How long a failed read of a step waits for the step to vanish while a run is live (its rotation
+# deletes a step's files one by one; a read can fail before the folder is gone).
+SETTLE_S = 3.0
+
+
+class CkptError(ConfigError):
+  """A checkpoint that cannot be read as asked; the message names it and the fix."""
+
+
+class StepGone(CkptError):
+  """A step that was removed while being read (a live run's `keep` rotated it away)."""
+
+  def __init__(self, step: int):
+    super().__init__(f"step {step} was removed while being read ({ROTATED})")
+    self.step = step
+
+
+class Unreadable(CkptError):
+  """A step that is there but cannot be read: its files are damaged."""
+
+  def __init__(self, step: int, reason: str):
+    super().__init__(f"step {step}: unreadable ({reason})")
+    self.step, self.reason = step, reason
 
 
 def _fail(message: str) -> None:
@@ -43,22 +80,160 @@ def _drop_closed_loop_reports_once() -> None:
     _DROPPING.append(drop_closed_loop_reports())
 
 
+def _who(holder: dict) -> str:
+  return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+          f"{holder.get('started', '?')}")
+
+
+class Reader:
+  """A checkpoint folder's committed steps, read-only and beside a run that may be saving into
+  it: a step removed under a read raises StepGone, a damaged one Unreadable."""
+
+  def __init__(self, path: str):
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+      path = os.path.join(path, "checkpoints")
+    if not os.path.isdir(path):
+      raise CkptError(f"{path} is not a directory; give a run's workdir or its checkpoints/ "
+                      "folder.")
+    self.path = os.path.abspath(path)
+    self.workdir = os.path.dirname(self.path)
+    self.live = workdir_lib.live_run(self.workdir)
+    steps = self.steps()
+    if not steps:
+      raise CkptError(f"{self.path} holds no finished checkpoint" + (
+          f" yet; a run ({_who(self.live)}) is using {self.workdir}: wait for its first save."
+          if self.live else "."))
+    handlers = {n: (ocp.JsonCheckpointHandler() if n == "meta" else ocp.PyTreeCheckpointHandler())
+                for n in self._items(steps)}
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    self.mngr = ocp.CheckpointManager(self.path, options=options, item_handlers=handlers)
+
+  def _items(self, steps: list[int]) -> list[str]:
+    """The item names (modules and meta) of the newest step that is still there."""
+    for step in reversed(steps):
+      try:
+        folder = os.path.join(self.path, str(step))
+        return [d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
+      except FileNotFoundError:
+        continue
+    raise CkptError(f"every step of {self.path} was removed while being read ({ROTATED}); run "
+                    "again.")
+
+  def steps(self) -> list[int]:
+    return complete_steps(self.path)
+
+  def note(self, tool: str) -> None:
+    """Says on stderr that a live run holds the workdir, if one does."""
+    if self.live:
+      print(f"{tool}: note: a run ({_who(self.live)}) is using {self.workdir}: reading its "
+            f"committed steps ({', '.join(map(str, self.steps()))}); newer steps may appear and "
+            "old ones be rotated away.", file=sys.stderr, flush=True)
+
+  def pick(self, step: int | None) -> int:
+    """`step`, or the newest committed step; an error naming the steps there are."""
+    steps = self.steps()
+    if not steps:
+      raise CkptError(f"{self.path} holds no finished checkpoint any more"
+                      + (f" ({ROTATED})." if self.live else "."))
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CkptError(f"no step {step}; the checkpoint holds steps {', '.join(map(str, steps))}.")
+    return step
+
+  def gone(self, step: int) -> bool:
+    """Whether `step` is no longer a committed step; while a run is live, a step still there is
+    given a moment (its deletion may be under way)."""
+    committed = lambda: os.path.exists(os.path.join(self.path, str(step), "commit_success.txt"))
+    deadline = time.monotonic() + (SETTLE_S if self.live else 0)
+    while committed():
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.1)
+    return True
+
+  def read(self, step: int, fn):
+    """fn() reading `step`: StepGone if the step vanished under it, Unreadable if the step is
+    still there (after one more try while a run is live)."""
+    for _ in range(2 if self.live else 1):
+      try:
+        return fn()
+      except Exception as e:  # pylint: disable=broad-except
+        reason = _reason(e)
+      _drop_closed_loop_reports_once()
+      if self.gone(step):
+        raise StepGone(step)
+    raise Unreadable(step, reason)
+
+  def meta(self, step: int) -> dict:
+    return self.read(step, lambda: _meta(self.mngr, step))
+
+  def tree(self, step: int, module: str) -> dict:
+    """One module's params metadata tree (shapes and dtypes)."""
+    def get():
+      tree = self.mngr.item_metadata(step)[module]
+      return getattr(tree, "tree", tree)
+    return self.read(step, get)
+
+  def params_nbytes(self, step: int, modules: list[str]) -> int:
+    """The bytes the parameters of `modules` take once read (float32 where stored compact)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    total = 0
+    for m in modules:
+      for x in jax.tree.leaves(self.tree(step, m)["params"]):
+        dtype = params_restore_dtype(x.dtype) or x.dtype
+        total += int(np.prod(x.shape)) * np.dtype(dtype).itemsize
+    return total
+
+  def params(self, step: int, modules: list[str]) -> dict[str, np.ndarray]:
+    """Every parameter of `modules`, flat (`module/path/to/param`), as host arrays."""
+    return self.read(step, lambda: _read_params(self.mngr, step, modules))
+
+  def params_tree(self, step: int, modules: list[str]) -> dict:
+    """The parameters by module, nested as the model holds them."""
+    out: dict = {}
+    for key, x in self.params(step, modules).items():
+      module, *path = key.split("/")
+      node = out.setdefault(module, {})
+      for k in path[:-1]:
+        node = node.setdefault(k, {})
+      node[path[-1]] = x
+    return out
+
+  def module(self, step: int, module: str) -> dict:
+    return self.read(step, lambda: _read_module(self.mngr, step, module))
+
+  def close(self) -> None:
+    self.mngr.close()
+
+
+def newest(reader: Reader, step: int | None, fn, tool: str = "tools.ckpt"):
+  """(step, fn(step)) for `step`, or for the newest step: one that a live run's rotation removes
+  under the read is followed by the newest again (with a note); a given `step` removed is an
+  error naming the steps there are now."""
+  for _ in range(5):
+    s = reader.pick(step)
+    try:
+      return s, fn(s)
+    except StepGone as e:
+      if step is not None:
+        now = reader.steps()
+        raise CkptError(f"{e}; the checkpoint holds steps {', '.join(map(str, now)) or 'none'} "
+                        "now: give one of them with --step.") from None
+      print(f"{tool}: note: {e}; reading the newest step again.", file=sys.stderr, flush=True)
+  raise CkptError(f"the newest step of {reader.path} was removed under every read ({ROTATED}); "
+                  "run again, or give an older --step.")
+
+
+# The manager-level reads (tools.hf reads a workdir through them too).
+
 def _manager(path: str):
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    path = os.path.join(path, "checkpoints")
-  if not os.path.isdir(path):
-    _fail(f"{path} is not a directory.")
-  path = os.path.abspath(path)
-  steps = complete_steps(path)
-  if not steps:
-    _fail(f"{path} holds no finished checkpoint.")
-  items = [d for d in os.listdir(os.path.join(path, str(steps[-1])))
-           if os.path.isdir(os.path.join(path, str(steps[-1]), d))]
-  handlers = {n: (ocp.JsonCheckpointHandler() if n == "meta" else ocp.PyTreeCheckpointHandler())
-              for n in items}
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-  return ocp.CheckpointManager(path, options=options, item_handlers=handlers), path
+  try:
+    reader = Reader(path)
+  except CkptError as e:
+    _fail(str(e))
+  return reader.mngr, reader.path
 
 
 def _pick_step(mngr, step: int | None) -> int:
@@ -106,46 +281,6 @@ def _read_params(mngr, step: int, modules: list[str]) -> dict[str, np.ndarray]:
   return out
 
 
-def inspect(args) -> None:
-  mngr, path = _manager(args.dir)
-  step = _pick_step(mngr, args.step)
-  meta = _meta(mngr, step)
-  print(f"checkpoint: {path}")
-  print(f"steps: {', '.join(map(str, complete_steps(path)))} (showing {step})")
-  data = meta["data"]
-  print(f"data position: {data['steps_done']} steps done, {data['samples_consumed']} samples "
-        f"consumed (data.seed={data['seed']}, global_batch={data['global_batch']})")
-  print(f"rng: train.seed={meta['rng']['train_seed']} data.seed={meta['rng']['data_seed']}")
-  total = 0
-  for module in meta["modules"]:
-    params = _params_metadata(mngr, step, module)
-    count = sum(int(np.prod(p.shape)) for p in params.values())
-    total += count
-    topo = meta["config"]["topology"][module]
-    print(f"module {module}: {count:,} parameters, {len(params)} arrays, saved with "
-          f"dp={topo['dp']} tp={topo['tp']} offset={topo['offset']}")
-    if args.params:
-      for name, p in params.items():
-        print(f"  {name:60s} {str(tuple(p.shape)):16s} {p.dtype}")
-  print(f"total: {total:,} parameters")
-  print("config: " + json.dumps(meta["config"], sort_keys=True))
-
-
-def export(args) -> None:
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  mngr, _ = _manager(args.dir)
-  step = _pick_step(mngr, args.step)
-  meta = _meta(mngr, step)
-  tensors = _read_params(mngr, step, meta["modules"])
-  out_dir = os.path.dirname(os.path.abspath(args.out))
-  if not os.path.isdir(out_dir):
-    _fail(f"--out: folder {out_dir} does not exist.")
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, args.out,
-            metadata={"step": str(step), "config": json.dumps(meta["config"])})
-  size = sum(v.nbytes for v in tensors.values())
-  print(f"wrote {len(tensors)} tensors ({size / 2**20:.1f} MiB) of step {step} to {args.out}")
-
-
 def _read_module(mngr, step: int, module: str) -> dict:
   """One module's whole saved tree (parameters and optimizer state) as host arrays."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -158,16 +293,92 @@ def _read_module(mngr, step: int, module: str) -> dict:
       item=tree, restore_args=restore)}))[module]
 
 
-def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
+# The commands.
+
+def inspect(args) -> None:
+  reader = Reader(args.dir)
+  reader.note("tools.ckpt")
+
+  def read(step):
+    meta = reader.meta(step)
+    return meta, {m: _flat(reader.tree(step, m)["params"], f"{m}/") for m in meta["modules"]}
+  step, (meta, modules) = newest(reader, args.step, read)
+  print(f"checkpoint: {reader.path}")
+  print(f"steps: {', '.join(map(str, reader.steps()))} (showing {step})")
+  data = meta["data"]
+  print(f"data position: {data['steps_done']} steps done, {data['samples_consumed']} samples "
+        f"consumed (data.seed={data['seed']}, global_batch={data['global_batch']})")
+  print(f"rng: train.seed={meta['rng']['train_seed']} data.seed={meta['rng']['data_seed']}")
+  total = 0
+  for module, params in modules.items():
+    count = sum(int(np.prod(p.shape)) for p in params.values())
+    total += count
+    topo = meta["config"]["topology"][module]
+    print(f"module {module}: {count:,} parameters, {len(params)} arrays, saved with "
+          f"dp={topo['dp']} tp={topo['tp']} offset={topo['offset']}")
+    if args.params:
+      for name, p in params.items():
+        print(f"  {name:60s} {str(tuple(p.shape)):16s} {p.dtype}")
+  print(f"total: {total:,} parameters")
+  print("config: " + json.dumps(meta["config"], sort_keys=True))
+  reader.close()
+
+
+def export(args) -> None:
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  final = os.path.abspath(args.out)
+  parent, name = os.path.dirname(final), os.path.basename(final)
+  if not os.path.isdir(parent):
+    raise CkptError(f"--out: folder {parent} does not exist; create it or choose another --out.")
+
+  def refuse_existing() -> None:
+    if os.path.isdir(final):
+      raise CkptError(f"--out={args.out!r} is a directory; give a file name such as "
+                      "model.safetensors.")
+    if os.path.lexists(final):
+      raise CkptError(f"--out={args.out!r} exists; choose another --out or delete it.")
+  refuse_existing()
+  reader = Reader(args.dir)
+  reader.note("tools.ckpt")
+  held = output.lock(final, "--out")
+  tmp = os.path.join(parent, f".{name}{output.PARTIAL}{os.getpid()}")
+  try:
+    for p in output.partials(final):  # of writers killed before they finished
+      output.remove(p)
+    refuse_existing()  # again, under the lock
+
+    def read(step):
+      meta = reader.meta(step)
+      size = reader.params_nbytes(step, meta["modules"])
+      output.check_space(final, size, f"exporting step {step}")
+      return meta, reader.params(step, meta["modules"])
+    step, (meta, tensors) = newest(reader, args.step, read)
+    reader.close()
+    try:
+      save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
+                metadata={"step": str(step), "config": json.dumps(meta["config"])})
+      os.replace(tmp, final)
+    except OSError as e:
+      raise output.OutputError(workdir_lib.describe_os_error(e, f"--out={args.out!r}")) from None
+  except BaseException:
+    output.remove(tmp)
+    raise
+  finally:
+    held.release()
+  size = sum(v.nbytes for v in tensors.values())
+  print(f"wrote {len(tensors)} tensors ({size / 2**20:.1f} MiB) of step {step} to {args.out}")
+
+
+def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int]:
   """What is wrong with one step (its metadata, and every array of every module against its
   fingerprint and for non-finite values; [] if nothing), and the parameter and optimizer-state
-  arrays read."""
+  arrays read. StepGone if the step is removed under the check."""
   from mimo_jax import fingerprint  # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import _digest  # pylint: disable=import-outside-toplevel
   try:
-    meta = _meta(mngr, step)
-  except Exception as e:  # pylint: disable=broad-except
-    return [f"meta: unreadable ({str(e).splitlines()[0]})"], 0, 0
+    meta = reader.meta(step)
+  except Unreadable as e:
+    return [f"meta: unreadable ({e.reason})"], 0, 0
   problems, counts = [], [0, 0]
   if meta.get("digest", _digest(meta)) != _digest(meta):
     problems.append("meta: does not match its digest")
@@ -176,10 +387,9 @@ def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
     problems.append("meta: no fingerprints (written before they were kept); values not verified")
   for module in meta.get("modules", []):
     try:
-      tree = _read_module(mngr, step, module)
-    except Exception as e:  # pylint: disable=broad-except
-      problems.append(f"{module}: unreadable ({str(e).splitlines()[0]})")
-      _drop_closed_loop_reports_once()
+      tree = reader.module(step, module)
+    except Unreadable as e:
+      problems.append(f"{module}: unreadable ({e.reason})")
       continue
     arrays = fingerprint.paths(tree)
     params = len(fingerprint.paths(tree.get("params", {})))
@@ -194,31 +404,64 @@ def _check_step(mngr, step: int) -> tuple[list[str], int, int]:
     problems += [f"{module} {k}: non-finite values" for k, v in arrays.items()
                  if np.issubdtype(np.asarray(v).dtype, np.floating) and
                  not np.all(np.isfinite(v))]
+  if problems and reader.gone(step):  # files deleted under the reads, not damaged ones
+    raise StepGone(step)
   return problems, counts[0], counts[1]
 
 
+def _advice(reader: Reader, checked: list[int], passed: list[int], bad: list[int],
+            whole: bool) -> str:
+  """What to do about failed steps: never to move good steps aside, and nothing while a run is
+  live (it writes its next step itself; a resume would fight it)."""
+  if reader.live:
+    return (f"a run ({_who(reader.live)}) is using {reader.workdir}: leave its steps as they are "
+            "while it runs (it resumes from its newest step, and saves new ones); check again "
+            "once it has stopped.")
+  if not whole:
+    return "check every step (without --step) to find one to resume from."
+  if passed and passed[-1] == checked[-1]:
+    return (f"the newest step {passed[-1]} passed, and a resume reads it: nothing to do (the "
+            "failed steps are never read; delete them or let checkpoint.keep rotate them away).")
+  if passed:
+    newer = [s for s in bad if s > passed[-1]]
+    return (f"resume from step {passed[-1]}, the newest that passed, with "
+            f"--config.checkpoint.restore_step={passed[-1]} (it moves the failed step"
+            f"{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} aside).")
+  return "no step passed: start in a new run.workdir (or from the weights it started from)."
+
+
 def check(args) -> None:
-  mngr, path = _manager(args.dir)
-  steps = [_pick_step(mngr, args.step)] if args.step is not None else complete_steps(path)
-  bad = []
+  reader = Reader(args.dir)
+  reader.note("tools.ckpt")
+  steps = [reader.pick(args.step)] if args.step is not None else reader.steps()
+  bad, passed, checked = [], [], []
   for step in steps:
-    problems, params, opt = _check_step(mngr, step)
+    try:
+      problems, params, opt = _check_step(reader, step)
+    except StepGone as e:
+      print(f"{e}: gone, not damaged")
+      continue
+    checked.append(step)
     if problems:
       bad.append(step)
       shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
                                          else "")
       print(f"step {step}: FAILED: {shown}")
     else:
+      passed.append(step)
       print(f"step {step}: {params} arrays restored, ok (and {opt} optimizer-state arrays; "
             "metadata digest, every array's fingerprint, all values finite)")
-  mngr.close()
+  reader.close()
   if bad:
-    _fail(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {path} failed the "
-          "check (above); resume from a step that passed with "
-          "--config.checkpoint.restore_step=N.")
+    raise CkptError(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of "
+                    f"{reader.path} failed the check (above); "
+                    + _advice(reader, checked, passed, bad, args.step is None))
+  if not checked:
+    raise CkptError(f"every step of {reader.path} was removed while being read ({ROTATED}); "
+                    "check again.")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m tools.ckpt", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -229,14 +472,31 @@ def main(argv: list[str] | None = None) -> None:
     if name == "inspect":
       p.add_argument("--params", action="store_true", help="list every parameter")
     if name == "export":
-      p.add_argument("--out", required=True, help="output .safetensors file")
+      p.add_argument("--out", required=True,
+                     help="output .safetensors file (must not exist; written whole or not at all)")
     p.set_defaults(fn=fn)
   args = parser.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # orbax warns about read-only managers
-  args.fn(args)
+  try:
+    with output.interrupts_as_exceptions():
+      args.fn(args)
+  except ConfigError as e:
+    sys.stdout.flush()
+    print(f"tools.ckpt: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except KeyboardInterrupt as e:
+    sys.stdout.flush()
+    print(f"tools.ckpt: interrupted ({e or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
+          flush=True)
+    return 130
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  code = main()
+  if code:
+    from mimo_jax import distributed  # pylint: disable=import-outside-toplevel
+    distributed.silence_stderr()  # reads orbax left behind must not follow the error line
+  sys.exit(code)

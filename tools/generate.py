@@ -9,13 +9,23 @@ Loads WORKDIR's newest checkpoint (or `--step N`: ours or a `tools.hf import`'s 
 device, renders each prompt as a user turn with the language model's chat template and the
 generation prompt (`--tokenizer`: tokenizer.json and tokenizer_config.json), every `--image`
 given to every prompt (as `<image>` lines before its text unless the prompt places them itself),
-prepared by the tower's processor (`--processor`: preprocessor_config.json) and expanded to the
-tower's image tokens. Defaults for `--tokenizer`, `--processor` and `--image_token`: those of the
-run's converted data (data.task=conversations or digits: the manifest in its data directory), else
-the directories `tools.hf import` read. The prompts run as one batch, left-padded, with a key-value cache
-(mimo_jax/generate.py): greedy by default, or sampled at `--temperature` among the `--top_p`
-mass, until the tokenizer's end-of-turn token or `--max_new_tokens`. Each answer is printed after
-its prompt.
+prepared as the run's data was (`--processor`: preprocessor_config.json; padded to a square of the
+mean colour first where the run's converted data was, `--pad_to_square`) and expanded to the
+tower's image tokens. Defaults for `--tokenizer`, `--processor`, `--image_token` and
+`--pad_to_square`: those of the run's converted data (data.task=conversations or digits: the
+manifest in its data directory), else the directories `tools.hf import` read. A relative path in
+those records is looked for beside the record, in the workdir, in the directory the run was
+launched from, then in the current directory.
+
+The prompts run as one batch, left-padded, with a key-value cache (mimo_jax/generate.py): greedy
+by default, or sampled at `--temperature` among the `--top_p` mass, until the tokenizer's
+end-of-turn token or `--max_new_tokens`. A prompt and its new tokens fit in the model's context:
+its HF config's max_position_embeddings (an import, or a run started from one), else the run's
+data.seq_len (the positions it trained on); `--max_new_tokens` defaults to 64 or what fits. Each
+answer is printed after its prompt.
+
+Beside a run that is saving into WORKDIR (its run.lock), only committed steps are read; a step
+the run rotates away while it is read is followed by the newest one.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import pathlib
 import sys
 
@@ -30,33 +42,169 @@ import numpy as np
 
 from mimo_jax.config import ConfigError
 
+TOOL = "tools.generate"
+DEFAULT_NEW_TOKENS = 64
 
-def defaults(workdir: str, cfg) -> dict[str, str]:
-  """`tokenizer`, `processor` and `image_token`: those of the run's conversation data, else of the
-  import that made the workdir, else of the digits task's build."""
+
+def launch_dir(workdir: str, cfg) -> pathlib.Path | None:
+  """The directory the run was launched from, where its run.workdir was relative: the given
+  workdir's path without that relative tail (None where that cannot be told)."""
+  rel = pathlib.PurePath(os.path.normpath(cfg.run.workdir)) if cfg.run.workdir else None
+  given = pathlib.Path(os.path.abspath(workdir))
+  if rel is None or rel.is_absolute() or ".." in rel.parts:
+    return None
+  n = len(rel.parts)
+  return pathlib.Path(*given.parts[:-n]) if given.parts[-n:] == rel.parts else None
+
+
+def _bases(*dirs) -> list[pathlib.Path]:
+  """Where a relative path of a record is looked for, in order, each once."""
+  out = []
+  for d in [*dirs, pathlib.Path.cwd()]:
+    if d is not None and pathlib.Path(d).resolve() not in [b.resolve() for b in out]:
+      out.append(pathlib.Path(d))
+  return out
+
+
+def resolve(path: str, wanted: str, bases: list[pathlib.Path]) -> str:
+  """A record's directory `path` holding the file `wanted` (or, with "", existing): itself if
+  absolute, else the first of `bases`/path that does ("" if none does)."""
+  if not path:
+    return ""
+  p = pathlib.Path(path)
+  for candidate in [p] if p.is_absolute() else [b / p for b in bases]:
+    if (candidate / wanted).is_file() if wanted else candidate.is_dir():
+      return str(candidate)
+  return ""
+
+
+def defaults(workdir: str, cfg) -> dict:
+  """`tokenizer`, `processor`, `image_token`, `pad_to_square`, `vocab` (the data's tokenizer's
+  size), `context` (an import's max_position_embeddings), `record` (the file they come from) and
+  `named` (the paths it names): those of the run's conversation data, else of the import that made
+  the workdir, else of the digits task's build."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.data import conversations, digits
-  d = cfg.data
-  record = pathlib.Path(workdir) / "hf_import.json"
+  d, work = cfg.data, pathlib.Path(workdir)
+  launched = launch_dir(workdir, cfg)
+  record = work / "hf_import.json"
+  out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
+         "vocab": None, "record": "", "named": {}, "context": None}
   if d.task != "conversations" and record.is_file():
-    sources = json.loads(record.read_text()).get("sources", {})
-    return {"tokenizer": sources.get("language", ""), "processor": sources.get("vision", ""),
-            "image_token": "<image>"}
-  directory = (pathlib.Path(d.dir) if d.task == "conversations" else
-               digits.directory(d.dir, d.train_samples, d.eval_samples, d.probs()))
-  if d.task == "synthetic" or not (directory / conversations.MANIFEST).is_file():
-    return {"tokenizer": "", "processor": "", "image_token": "<image>"}
+    try:
+      imported = json.loads(record.read_text())
+      sources = imported.get("sources", {})
+    except ValueError as e:
+      raise ConfigError(f"{record}: not JSON ({e}); give --tokenizer DIR and --processor DIR.") \
+          from None
+    bases = _bases(work, launched)
+    return dict(out, tokenizer=resolve(sources.get("language", ""), "tokenizer.json", bases),
+                processor=resolve(sources.get("vision", ""), "preprocessor_config.json", bases),
+                record=str(record), context=imported.get("max_position_embeddings"),
+                named={"tokenizer": sources.get("language", ""),
+                       "processor": sources.get("vision", "")})
+  if d.task == "synthetic":
+    return out
+  bases = _bases(launched, work)
+  if d.task == "conversations":
+    directory = resolve(d.dir, conversations.MANIFEST, bases)
+  else:  # the digits build: under data.dir (or the default folder)
+    root = resolve(d.dir, "", bases) if d.dir else ""
+    directory = str(digits.directory(root, d.train_samples, d.eval_samples, d.probs())) \
+        if root or not d.dir else ""
+  if not directory:
+    return out
+  directory = pathlib.Path(directory)
+  if not (directory / conversations.MANIFEST).is_file():
+    return out
   m = conversations.manifest(str(directory))
-  return {"tokenizer": conversations.source_path(str(directory), m["tokenizer"]),
-          "processor": conversations.source_path(str(directory), m["processor"]),
-          "image_token": m.get("image_token_text", "<image>")}
+  bases = _bases(directory, work, launched)
+  return dict(out, tokenizer=resolve(m["tokenizer"], "tokenizer.json", bases),
+              processor=resolve(m["processor"], "preprocessor_config.json", bases),
+              image_token=m.get("image_token_text", "<image>"),
+              pad_to_square=bool(m.get("pad_to_square", False)), vocab=m.get("vocab_size"),
+              record=str(directory / conversations.MANIFEST),
+              named={"tokenizer": m["tokenizer"], "processor": m["processor"]})
 
 
-def _default_dir(path: str, wanted: str, flag: str, workdir: str) -> str:
-  if path and (pathlib.Path(path) / wanted).is_file():
-    return path
+def _default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) -> str:
+  if found[key]:
+    return found[key]
+  named = found["named"].get(key)
+  if named:
+    raise ConfigError(f"{found['record']} names the {key} {named!r}, which holds no {wanted} "
+                      "(looked for beside it, in the workdir, where the run was launched and in "
+                      f"the current directory); give {flag} DIR.")
   raise ConfigError(f"{workdir}: neither its run's data nor an import names a directory with "
                     f"{wanted}; give {flag} DIR.")
+
+
+def context(workdir: str, cfg, found: dict) -> tuple[int, str]:
+  """The positions the language model is for, and where that figure comes from: its HF config's
+  max_position_embeddings (an import, or a run started from one), else the positions of the rows
+  its run trained on (data.seq_len)."""
+  if found["context"]:
+    return int(found["context"]), f"max_position_embeddings of {found['record']}"
+  init = cfg.model.language.init_from
+  if init:
+    config = pathlib.Path(init) / "config.json"
+    try:
+      c = json.loads(config.read_text())
+      n = c.get("text_config", c).get("max_position_embeddings")
+      if isinstance(n, int) and n > 0:
+        return n, f"max_position_embeddings of {config}"
+    except (OSError, ValueError):
+      pass
+  return cfg.data.seq_len, f"data.seq_len of the run in {workdir}: the positions it trained on"
+
+
+def check_flags(args) -> None:
+  """The sampling and length flags' values, before anything is read."""
+  if not 0 < args.top_p <= 1:  # nan fails too
+    raise ConfigError(f"--top_p {args.top_p}: give the probability mass to sample from, more "
+                      "than 0 and at most 1 (1: every token).")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise ConfigError(f"--temperature {args.temperature}: give 0 (greedy) or a positive finite "
+                      "number.")
+  if args.max_new_tokens is not None and args.max_new_tokens < 1:
+    raise ConfigError(f"--max_new_tokens {args.max_new_tokens}: give at least 1.")
+
+
+def _count(text: str) -> int:
+  """An integer flag that also takes integral floats (1e3)."""
+  try:
+    return int(text)
+  except ValueError:
+    pass
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+  if not value.is_integer():
+    raise argparse.ArgumentTypeError(f"invalid integer {text!r}")
+  return int(value)
+
+
+def check_vocab(tok, cfg, found: dict, given: bool) -> None:
+  """The tokenizer's vocabulary against the model's and the run's data's: another model's
+  tokenizer reads and writes other ids (answers of nothing, or of other words)."""
+  from mimo_jax.data.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  # The model's rows: vocab_size, or (0) the built-in tokenizer's, as models/mimo.py sizes them.
+  vocab = tok.tokenizer.get_vocab_size()
+  model = cfg.model.language.vocab_size or Tokenizer().vocab_size
+  where = f"--tokenizer {tok.path}" if given else f"the tokenizer {tok.path} ({found['record']})"
+  if found["vocab"] is not None and vocab != found["vocab"]:
+    raise ConfigError(f"{where} has {vocab} tokens where the run's data was tokenized with "
+                      f"{found['vocab']} ({found['record']}); give the run's tokenizer with "
+                      "--tokenizer DIR.")
+  if vocab > model:
+    raise ConfigError(f"{where} has {vocab} tokens, more than the model's {model} "
+                      "(model.language.vocab_size): it is another model's; give this model's "
+                      "tokenizer with --tokenizer DIR.")
+  if vocab < model / 1.01:  # padding rows, not over 1% of the model's ids
+    raise ConfigError(f"{where} has {vocab} tokens where the model has {model} "
+                      "(model.language.vocab_size): it is another model's; give this model's "
+                      "tokenizer with --tokenizer DIR.")
 
 
 def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: int) -> list[int]:
@@ -69,10 +217,36 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
                       f"{images} --image files.")
   rendered = tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
   image_id = tok.token_id(image_token) if images else None
+  try:
+    encoded = tok.tokenizer.encode(rendered, add_special_tokens=False).ids
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f"the prompt {text!r}: the tokenizer {tok.path} cannot encode it ({e}); "
+                      "use words of its vocabulary.") from None
   out = []
-  for i in tok.tokenizer.encode(rendered, add_special_tokens=False).ids:
+  for i in encoded:
     out.extend([i] * (tokens_per_image if i == image_id else 1))
   return out
+
+
+def load_images(files: list[str], proc, cfg) -> list[np.ndarray]:
+  """Each image file as the processor prepares it (uint8 [h, w, c]), of the tower's shape."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  pixels = []
+  for f in files:
+    try:
+      with Image.open(f) as image:
+        pixels.append(proc(image))
+    except Image.DecompressionBombError as e:
+      raise ConfigError(f"{f}: refused as a possible decompression bomb ({e}); give a smaller "
+                        "image.") from None
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"{f}: cannot be read as an image ({e}).") from None
+  size, channels = cfg.model.vision.image_size, cfg.model.vision.channels
+  for f, p in zip(files, pixels):
+    if p.shape != (size, size, channels):
+      raise ConfigError(f"{f}: the processor makes it {'x'.join(map(str, p.shape))} (height x "
+                        f"width x channels) where the model reads {size}x{size}x{channels}.")
+  return pixels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +260,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="", help="default: the data's, else <image>")
-  parser.add_argument("--max_new_tokens", type=int, default=64)
+  parser.add_argument("--pad_to_square", action=argparse.BooleanOptionalAction, default=None,
+                      help="pad images to a square of the mean colour before the processor "
+                      "(default: as the run's converted data was, else not)")
+  parser.add_argument("--max_new_tokens", type=_count, default=None,
+                      help=f"at least 1 (default: {DEFAULT_NEW_TOKENS}, or what fits in the "
+                      "model's context after the longest prompt)")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   if not args.prompt:
@@ -96,65 +275,99 @@ def main(argv: list[str] | None = None) -> int:
       parser.error("give --prompt TEXT, or --image FILE")
     args.prompt = [""]
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on reading a checkpoint
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax import output
   try:
-    answers = run(args)
+    check_flags(args)
+    with output.interrupts_as_exceptions():
+      answers = run(args)
   except (ConfigError, ValueError) as e:
-    print(f"generate: error: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    print(f"{TOOL}: error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt as e:
+    sys.stdout.flush()
+    print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}).", file=sys.stderr)
+    return 130
   shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image)
   for prompt, answer in zip(args.prompt, answers):
     print(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}")
   return 0
 
 
+def prepare(args, cfg, workdir: str) -> dict:
+  """Everything a generation needs but the parameters, checked: tokenizer, prompt rows, pixels,
+  new tokens. Errors name the flag or file to fix."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.chat import ChatTokenizer
+  from mimo_jax.data.images import ImageProcessor
+  found = defaults(workdir, cfg)
+  image_token = args.image_token or found["image_token"]
+  tok = ChatTokenizer.open(args.tokenizer or _default_dir(found, "tokenizer", "tokenizer.json",
+                                                          "--tokenizer", workdir))
+  check_vocab(tok, cfg, found, bool(args.tokenizer))
+  pixels = None
+  if args.image:
+    pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
+    proc = ImageProcessor.open(args.processor or _default_dir(
+        found, "processor", "preprocessor_config.json", "--processor", workdir),
+                               pad_to_square=pad)
+    pixels = load_images(args.image, proc, cfg)
+  per_image = cfg.model.vision.tokens_per_image
+  rows = [prompt_ids(tok, p, len(args.image), image_token, per_image) for p in args.prompt]
+  positions, source = context(workdir, cfg, found)
+  longest = max(range(len(rows)), key=lambda r: len(rows[r]))
+  width = len(rows[longest])
+  if width >= positions:
+    images = f", {len(args.image)} images of {per_image} tokens" if args.image else ""
+    raise ConfigError(f"the prompt {args.prompt[longest][:60]!r} is {width} tokens{images}, which "
+                      f"leaves no room for an answer in the model's {positions} positions "
+                      f"({source}); shorten it.")
+  room = positions - width
+  steps = args.max_new_tokens
+  if steps is None:
+    steps = min(DEFAULT_NEW_TOKENS, room)
+  elif steps > room:
+    raise ConfigError(f"--max_new_tokens {steps}: the longest prompt takes {width} of the "
+                      f"model's {positions} positions ({source}), which leaves {room}; give at "
+                      "most that.")
+  return {"tok": tok, "rows": rows, "pixels": pixels, "image_token": image_token, "steps": steps}
+
+
 def run(args) -> list[str]:
   # pylint: disable=import-outside-toplevel
   import jax
-  from PIL import Image
   from mimo_jax import generate
-  from mimo_jax.data.chat import ChatTokenizer
-  from mimo_jax.data.images import ImageProcessor
+  from mimo_jax.config import from_dict
   from mimo_jax.models import whole
-  from tools.hf import _read_checkpoint  # pylint: disable=protected-access
+  from tools import ckpt
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
-  cfg, params, _, _ = _read_checkpoint(args.workdir, args.step)
-  found = defaults(args.workdir, cfg)
-  image_token = args.image_token or found["image_token"]
-  tok = ChatTokenizer.open(args.tokenizer or _default_dir(found["tokenizer"], "tokenizer.json",
-                                                          "--tokenizer", args.workdir))
-  pixels = None
-  if args.image:
-    proc = ImageProcessor.open(args.processor or _default_dir(
-        found["processor"], "preprocessor_config.json", "--processor", args.workdir))
-    pixels = []
-    for f in args.image:
-      try:
-        with Image.open(f) as image:
-          pixels.append(proc(image))
-      except OSError as e:
-        raise ConfigError(f"{f}: cannot be read as an image ({e}).") from None
-    size, channels = cfg.model.vision.image_size, cfg.model.vision.channels
-    for f, p in zip(args.image, pixels):
-      if p.shape != (size, size, channels):
-        raise ConfigError(f"{f}: the processor makes it {'x'.join(map(str, p.shape))} (height x "
-                          f"width x channels) where the model reads {size}x{size}x{channels}.")
-  per_image = cfg.model.vision.tokens_per_image
-  rows = [prompt_ids(tok, p, len(args.image), image_token, per_image) for p in args.prompt]
+  reader = ckpt.Reader(args.workdir)
+  reader.note(TOOL)
+
+  def load(step: int):
+    meta = reader.meta(step)
+    cfg = from_dict(meta["config"])
+    ready = prepare(args, cfg, args.workdir)  # before the parameters: errors come first
+    return cfg, ready, reader.params_tree(step, meta["modules"])
+  _, (cfg, ready, params) = ckpt.newest(reader, args.step, load, tool=TOOL)
+  reader.close()
+  tok, rows = ready["tok"], ready["rows"]
   width = max(map(len, rows))
   ids = np.zeros((len(rows), width), np.int32)
   mask = np.zeros((len(rows), width), np.int32)
   for r, row in enumerate(rows):
     ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
   embeds = None
-  if pixels is not None:
-    images = np.stack([p for _ in rows for p in pixels]).astype(np.float32) / 255
+  if ready["pixels"] is not None:
+    images = np.stack([p for _ in rows for p in ready["pixels"]]).astype(np.float32) / 255
     embeds = whole.merged_embeddings(cfg, params["vision"], params["language"], ids, images,
-                                     tok.token_id(image_token))
+                                     tok.token_id(ready["image_token"]))
   eos = tok.specials.get("eos_token")
   print(f"{args.workdir}: {len(rows)} prompts of up to {width} tokens on {jax.devices()[0]}",
         file=sys.stderr)
-  out = generate.generate(cfg, params["language"], ids, mask, args.max_new_tokens,
+  out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
                           generate.Sampling(args.temperature, args.top_p, args.seed),
                           embeds, eos=tok.token_id(eos) if eos else None)
   return [tok.tokenizer.decode([int(t) for t in row], skip_special_tokens=True).strip()

@@ -1,0 +1,280 @@
+"""The read-only tools beside a live run and under bad input, in-process: `tools.ckpt`
+check/inspect/export and `tools.generate` read committed steps only, take a step rotated away
+under them for gone (not damaged) and say that a run holds the workdir; `export` writes its file
+staged; `generate` refuses bad flags, another model's tokenizer, unencodable words, oversized
+images and prompts past the context in one line, prepares images as the run's data was and finds
+a run's older relative paths from any directory."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import struct
+import zlib
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from mimo_jax import hf
+from mimo_jax.checkpoint import Checkpointer, complete_steps
+from mimo_jax.config import Config
+from mimo_jax.data import conversations
+from mimo_jax.state import ModuleState
+from mimo_jax.validation import validate
+from tests.test_generate import _tokenizer
+from tools import ckpt
+from tools import generate as generate_tool
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+IMAGE = FIXTURES / "images" / "landscape.png"  # 64x27: padding to a square changes it
+STEPS = (10, 20, 30)
+SEQ_LEN = 48  # the run's rows: the context of a model trained from scratch
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> pathlib.Path:
+  """A run's launch directory, as an older version left it: tok/ (tokenizer and processor),
+  data/ (a record converted with pad_to_square, train and eval, its manifest naming tok/ relative to this
+  directory), run/ (steps 10, 20, 30 of the LLaVA fixture's weights, saved by a run whose
+  run.workdir and data.dir were relative)."""
+  root = tmp_path_factory.mktemp("launch")
+  _tokenizer(root / "tok")
+  (root / "records.json").write_text(json.dumps([{
+      "id": i, "image": IMAGE.name, "conversations": [
+          {"from": "human", "value": "<image>\nwhat is in the picture"},
+          {"from": "gpt", "value": "hello there"}]} for i in ("a", "b")]))
+  conversations.convert(root / "records.json", root / "data", conversations.Options(
+      tokenizer=str(root / "tok"), images=str(IMAGE.parent), pad_to_square=True),
+                        eval_ids=[1], progress=False)
+  manifest = json.loads((root / "data" / conversations.MANIFEST).read_text())
+  manifest.update(tokenizer="tok", processor="tok")  # relative to the converter's directory
+  (root / "data" / conversations.MANIFEST).write_text(json.dumps(manifest))
+  src = hf.Source.open(FIXTURES / "hf" / "llava15")
+  cfg = Config()
+  cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.model.language.vocab_size = 64
+  hf.configure(cfg, src)
+  validate(cfg)
+  params = {m: jax.device_put(hf.load(src, m, cfg)) for m in ("vision", "language")}
+  cfg.data.task, cfg.data.dir, cfg.run.workdir, cfg.data.seq_len = (
+      "conversations", "data", "run", SEQ_LEN)
+  saver = Checkpointer(str(root / "run" / "checkpoints"), list(params), async_save=False)
+  for step in STEPS:
+    saver.save(step, {m: ModuleState(p, None) for m, p in params.items()}, cfg, force=True,
+               params_only=True)
+  saver.close()
+  (root / "elsewhere").mkdir()
+  return root
+
+
+@pytest.fixture
+def run(launch, tmp_path, monkeypatch) -> pathlib.Path:
+  """A copy of the launch directory for one test: its run's workdir, with the current directory
+  elsewhere."""
+  shutil.copytree(launch, tmp_path / "launch")
+  monkeypatch.chdir(tmp_path / "launch" / "elsewhere")
+  monkeypatch.setattr(ckpt, "SETTLE_S", 0.0, raising=False)
+  return tmp_path / "launch" / "run"
+
+
+def _live(work: pathlib.Path) -> None:
+  """A run.lock of a process that is running (this one)."""
+  (work / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                             "started": "2026-11-24 10:00:00"}))
+
+
+def _removed_when_read(monkeypatch, work: pathlib.Path, step: int, reader: str) -> None:
+  """The step folder disappears as `reader` (a tools.ckpt read) starts on it: the run's
+  rotation (checkpoint.keep) deleting it between the listing and the read."""
+  real = getattr(ckpt, reader)
+
+  def read(mngr, s, *rest):
+    if s == step and (work / "checkpoints" / str(step)).exists():
+      shutil.rmtree(work / "checkpoints" / str(step))
+    return real(mngr, s, *rest)
+  monkeypatch.setattr(ckpt, reader, read)
+
+
+def _damage(work: pathlib.Path, step: int) -> None:
+  """Flipped bytes in the largest array file of each module of `step`."""
+  for module in ("vision", "language"):
+    files = sorted((work / "checkpoints" / str(step) / module).rglob("d/*"),
+                   key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    for i in range(64):
+      data[len(data) // 3 + 5 * i] ^= 0xA5
+    files[-1].write_bytes(bytes(data))
+
+
+def _error(capsys, tool: str, *words: str) -> str:
+  """The last line of stderr: one error sentence of `tool` with `words`; no traceback."""
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith(f"{tool}: error: "), err
+  for w in words:
+    assert w in last, (w, last)
+  return last
+
+
+# tools.ckpt beside a live run.
+
+def test_check_beside_a_live_run_takes_a_rotated_step_for_gone(run, monkeypatch, capsys):
+  _live(run)
+  _removed_when_read(monkeypatch, run, 10, "_read_module")
+  assert ckpt.main(["check", str(run)]) == 0
+  out, err = capsys.readouterr()
+  assert ("step 10 was removed while being read (the run rotates old steps: checkpoint.keep)"
+          in out), out
+  assert "FAILED" not in out and "step 20: " in out and "step 30: " in out
+  assert f"pid {os.getpid()}" in err and "newer steps may appear" in err
+
+
+def test_check_fails_only_damaged_steps_and_never_advises_moving_good_ones(run, capsys):
+  _damage(run, 20)  # a middle step: the newest passes, a resume reads it
+  assert ckpt.main(["check", str(run)]) == 2
+  last = _error(capsys, "tools.ckpt", "step 20", "newest step 30 passed")
+  assert "restore_step" not in last
+  _damage(run, 30)  # now the newest: resume from the newest that passed
+  assert ckpt.main(["check", str(run)]) == 2
+  _error(capsys, "tools.ckpt", "steps 20, 30", "--config.checkpoint.restore_step=10")
+  _live(run)  # a live run writes its next step itself: no resume advice while it runs
+  assert ckpt.main(["check", str(run)]) == 2
+  out, err = capsys.readouterr()
+  assert "step 30: FAILED" in out and "step 10: " in out
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("tools.ckpt: error: ") and "Traceback" not in err
+  assert "restore_step" not in last and f"pid {os.getpid()}" in last
+
+
+def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkeypatch, capsys):
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  _live(run)
+  _removed_when_read(monkeypatch, run, 30, "_meta")
+  out = run.parent / "out" / "model.safetensors"
+  out.parent.mkdir()
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 0
+  stdout, err = capsys.readouterr()
+  assert "step 30 was removed while being read" in err and "of step 20" in stdout
+  assert set(load_file(str(out))) and os.listdir(out.parent) == ["model.safetensors"]
+  # A given step that is removed names the steps there are now.
+  _removed_when_read(monkeypatch, run, 20, "_meta")
+  assert ckpt.main(["inspect", str(run), "--step", "20"]) == 2
+  _error(capsys, "tools.ckpt", "step 20 was removed while being read", "steps 10 now")
+
+
+def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, monkeypatch,
+                                                                         capsys):
+  import safetensors.numpy  # pylint: disable=import-outside-toplevel
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
+  out = run.parent / "out" / "model.safetensors"
+  out.parent.mkdir()
+  out.write_bytes(b"an earlier export")
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", f"--out={str(out)!r} exists")
+  assert out.read_bytes() == b"an earlier export"
+  out.unlink()
+  real = output.shutil.disk_usage
+  monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", "GB at", "free space")
+  monkeypatch.setattr(output.shutil, "disk_usage", real)
+
+  def full(tensors, path, metadata=None):  # pylint: disable=unused-argument
+    pathlib.Path(path).write_bytes(b"half a file")
+    raise OSError(28, os.strerror(28))
+  monkeypatch.setattr(safetensors.numpy, "save_file", full)
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", "refused the write")
+  assert os.listdir(out.parent) == []  # no partial file, no lock
+
+
+# tools.generate.
+
+def test_generate_beside_a_live_run_answers_from_the_newest_step(run, monkeypatch, capsys):
+  _live(run)
+  _removed_when_read(monkeypatch, run, 30, "_meta")
+  assert generate_tool.main([str(run), "--prompt", "hello there", "--max_new_tokens", "2"]) == 0
+  out, err = capsys.readouterr()
+  assert out.splitlines()[0] == "> hello there" and len(out.splitlines()) == 2
+  assert f"pid {os.getpid()}" in err and "step 30 was removed while being read" in err
+  assert complete_steps(run / "checkpoints") == [10, 20]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--top_p", "0"], ["--top_p 0.0"]),
+    (["--top_p", "-0.5"], ["--top_p -0.5"]),
+    (["--temperature", "nan"], ["--temperature nan"]),
+    (["--temperature", "-1"], ["--temperature -1.0"]),
+    (["--max_new_tokens", "-3"], ["--max_new_tokens -3", "at least 1"]),
+    (["--max_new_tokens", "1e8"], ["--max_new_tokens 100000000", f"{SEQ_LEN} positions",
+                                   "data.seq_len"]),
+    (["--prompt", " ".join(["hello"] * SEQ_LEN)], ["'hello hello", f"is {SEQ_LEN + 7} tokens",
+                                                   f"{SEQ_LEN} positions"]),
+])
+def test_generate_refuses_bad_flags_in_one_line(run, capsys, flags, words):
+  assert generate_tool.main([str(run), "--prompt", "hello", *flags]) == 2
+  _error(capsys, "tools.generate", *words)
+
+
+def _variant(launch: pathlib.Path, name: str, edit) -> pathlib.Path:
+  """A copy of tok/ whose tokenizer.json `edit` changed."""
+  out = launch / name
+  shutil.copytree(launch / "tok", out)
+  tok = json.loads((out / "tokenizer.json").read_text())
+  edit(tok["model"])
+  (out / "tokenizer.json").write_text(json.dumps(tok))
+  return out
+
+
+def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, capsys):
+  launch = run.parent
+  bigger = _variant(launch, "tok_bigger", lambda m: m["vocab"].update(
+      {f"x{i}": 64 + i for i in range(36)}))
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(bigger)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "100 tokens", "64")
+  strict = _variant(launch, "tok_strict", lambda m: m.update(unk_token="<none>"))
+  manifest = json.loads((launch / "data" / conversations.MANIFEST).read_text())
+  assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \
+      == 2 and manifest["vocab_size"] == 64
+  _error(capsys, "tools.generate", "'hello zebra'", "cannot encode")
+  # A PNG whose header claims 20000x20000 pixels: Pillow's decompression bomb limit.
+  small = launch / "small.png"
+  Image.new("RGB", (1, 1)).save(small)
+  data = bytearray(small.read_bytes())
+  data[16:24] = struct.pack(">II", 20000, 20000)
+  data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+  (launch / "bomb.png").write_bytes(bytes(data))
+  assert generate_tool.main([str(run), "--image", str(launch / "bomb.png")]) == 2
+  _error(capsys, "tools.generate", "bomb.png", "decompression bomb")
+
+
+class _Prepared(Exception):
+  """Raised with the images generate hands to the model, to stop before the generation."""
+
+
+def test_generate_prepares_images_as_the_runs_data_from_another_directory(run, monkeypatch):
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.images import ImageProcessor  # pylint: disable=import-outside-toplevel
+  from mimo_jax.models import whole  # pylint: disable=import-outside-toplevel
+
+  def merged(cfg, vision, language, ids, images, image_id):  # pylint: disable=unused-argument
+    raise _Prepared(images)
+  monkeypatch.setattr(whole, "merged_embeddings", merged)
+  launch = run.parent
+  assert pathlib.Path.cwd() == launch / "elsewhere"  # the manifest's paths: relative to launch/
+  with pytest.raises(_Prepared) as got:
+    generate_tool.main([str(run), "--image", str(IMAGE), "--prompt", "what is in the picture"])
+  prepared = got.value.args[0][0]
+  path = launch / "data" / "train.array_record"
+  record = array_record_module.ArrayRecordReader(str(path)).read([0])[0]
+  converted = conversations.decode(record, str(path), 0)["images"][0]
+  np.testing.assert_array_equal(np.rint(prepared * 255).astype(np.uint8), converted)
+  unpadded = ImageProcessor.open(launch / "tok")(Image.open(IMAGE))
+  assert not np.array_equal(unpadded, converted)  # the padding shows
+  with pytest.raises(_Prepared) as got:
+    generate_tool.main([str(run), "--image", str(IMAGE), "--no-pad_to_square"])
+  np.testing.assert_array_equal(np.rint(got.value.args[0][0] * 255).astype(np.uint8), unpadded)
