@@ -379,9 +379,9 @@ def _os_error(e: RuntimeError, path: pathlib.Path) -> OSError:
 
 
 class _Shard:
-  """One split's ArrayRecord file being written. The writer reports a failed write only when it
-  is closed, so a file that stops growing while records keep coming is closed at once to say
-  why."""
+  """One split's ArrayRecord file being written. The writer reports a failed write late (a later
+  record's write, or only its close), so a file that stops growing while records keep coming is
+  closed at once to say why."""
 
   def __init__(self, path: pathlib.Path):
     # pylint: disable-next=import-outside-toplevel
@@ -390,7 +390,11 @@ class _Shard:
     self.writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
 
   def write(self, record: bytes) -> None:
-    self.writer.write(record)
+    try:
+      self.writer.write(record)
+    except RuntimeError as e:  # a failed flush, seen by a later record's
+      self.abandon()
+      raise _os_error(e, self.path) from None
     self.given += len(record)
     if self.given - self.grown_at > WRITE_LAG:
       size = os.path.getsize(self.path)
@@ -503,7 +507,7 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
     if not counts["train"]:
       raise ConfigError(f"--json {source}: no record could be converted for train "
                         f"({dict(skipped) or 'every record was drawn for eval'}).")
-    if not counts["eval"]:
+    if eval_ids and not counts["eval"]:
       raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
                         f"({dict(skipped)}); hold out more with --eval, or fix the records.")
     # The most common image size (every one, with a crop or a square resize); text only: the

@@ -1,0 +1,380 @@
+"""tools.convert under faults and bad input: two writers of one --out, a full disk, signals,
+split sizes, bad records, bad flags and files, image paths out of --images, paths that work from
+any directory, and the launch line it ends with."""
+
+import json
+import os
+import pathlib
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mimo_jax import output, validation
+from mimo_jax.data import conversations, digits
+from mimo_jax.data.chat import ChatTokenizer
+from tests.helpers import tiny_config
+from tools import convert
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+TOKENIZER = FIXTURES / "chat" / "llama3"
+PROCESSOR = FIXTURES / "images" / "siglip"  # 20 x 20
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _record(i, image="portrait.png", text="What is it?", rid=None):
+  r = {"id": f"r{i}" if rid is None else rid,
+       "conversations": [{"from": "human", "value": f"<image>\n{text}" if image else text},
+                         {"from": "gpt", "value": f"Answer {i}."}]}
+  if image:
+    r["image"] = image
+  return r
+
+
+def _write(path, records):
+  path.write_text("\n".join(json.dumps(r) for r in records))
+  return path
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+  """images/ (the fixtures' PNGs), a.jsonl (30 one-image records), mid.jsonl (300) and big.jsonl
+  (6000, never converted to the end)."""
+  root = tmp_path_factory.mktemp("faults")
+  (root / "images").mkdir()
+  for f in (FIXTURES / "images").glob("*.png"):
+    shutil.copy(f, root / "images")
+  _write(root / "a.jsonl", [_record(i) for i in range(30)])
+  _write(root / "mid.jsonl", [_record(i) for i in range(300)])
+  _write(root / "big.jsonl", [_record(i) for i in range(6000)])
+  return root
+
+
+def _args(src, out, *extra, data="a.jsonl", workers="1"):
+  return ["--json", str(src / data), "--images", str(src / "images"), "--tokenizer",
+          str(TOKENIZER), "--processor", str(PROCESSOR), "--out", str(out), "--workers", workers,
+          *extra]
+
+
+def _main(args, capsys):
+  """convert.main in this process: (exit status, stderr, stdout)."""
+  try:
+    rc = convert.main(args)
+  except SystemExit as e:
+    rc = e.code
+  got = capsys.readouterr()
+  return rc, got.err, got.out
+
+
+def _one_line_error(rc, err, *words):
+  assert rc == 2, err
+  lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+  assert lines[-1].startswith("convert: error: ") and "Traceback" not in err, err
+  for w in words:
+    assert w in lines[-1], lines[-1]
+
+
+def _counts(out):
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  return {s: array_record_module.ArrayRecordReader(str(out / f"{s}.array_record")).num_records()
+          for s in conversations.SPLITS}
+
+
+def _leftovers(parent, keep=()):
+  return sorted(p.name for p in parent.iterdir() if p.name not in keep)
+
+
+def _spawn(args, **kw):
+  return subprocess.Popen([sys.executable, "-m", "tools.convert", *args], cwd=ROOT, env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for(predicate, proc, timeout=60):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    assert proc.poll() is None, proc.communicate()
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+
+
+# Two writers, a full disk, signals.
+
+def test_a_second_conversion_into_the_same_out_is_refused_while_the_first_runs(src, tmp_path,
+                                                                               capsys):
+  out = tmp_path / "out"
+  first = _spawn(_args(src, out, data="mid.jsonl"))
+  try:  # the first is stopped once it writes, so the second surely overlaps it
+    _wait_for(lambda: (tmp_path / ".out.lock").exists() or (out / ".train.array_record.tmp")
+              .exists(), first)
+    first.send_signal(signal.SIGSTOP)
+    rc, err, _ = _main(_args(src, out), capsys)
+    _one_line_error(rc, err, "being written by another process", f"pid {first.pid}")
+  finally:
+    first.send_signal(signal.SIGCONT)
+  _, err = first.communicate(timeout=120)
+  assert first.returncode == 0, err
+  m = conversations.manifest(str(out))
+  assert _counts(out) == m["samples"] and sum(m["samples"].values()) == 300
+  assert _leftovers(tmp_path) == ["out"]
+
+
+def test_a_full_disk_stops_the_conversion_at_once_and_leaves_nothing(src, tmp_path):
+  """A file size limit (RLIMIT_FSIZE, as a full disk does) refuses the shard's writes: the
+  conversion stops within a few records of it, with the reason, and removes what it wrote."""
+  proc_dir = tmp_path / "proc"
+  proc_dir.mkdir()
+  cfg = json.loads((PROCESSOR / "preprocessor_config.json").read_text())
+  cfg["size"] = {"height": 512, "width": 512}  # 0.8 MB a record
+  (proc_dir / "preprocessor_config.json").write_text(json.dumps(cfg))
+  _write(tmp_path / "d.jsonl", [_record(i) for i in range(100)])
+  args = _args(src, tmp_path / "out", "--processor", str(proc_dir), "--eval", "1",
+               data=str(tmp_path / "d.jsonl"))
+  limit = 4 << 20
+  proc = subprocess.run(
+      [sys.executable, "-m", "tools.convert", *args], cwd=ROOT, env=ENV, capture_output=True,
+      text=True, timeout=120,
+      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+  _one_line_error(proc.returncode, proc.stderr, "File too large", "train.array_record")
+  done = int(proc.stderr.strip().splitlines()[-1].split("(record ")[1].split(" of ")[0])
+  assert done < 90, proc.stderr  # soon after the limit, not after every record
+  assert _leftovers(tmp_path, {"proc", "d.jsonl"}) == []
+
+
+def test_too_little_free_space_is_refused_before_converting(src, tmp_path, capsys, monkeypatch):
+  free = shutil.disk_usage(tmp_path).free
+  monkeypatch.setattr(conversations, "estimate_bytes", lambda records, proc: free * 2)
+  rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
+  _one_line_error(rc, err, "GB are free")
+  assert "converting:" not in err and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig):
+  """SIGTERM to the converter, or Ctrl-C (SIGINT to its process group, workers included): one
+  line, exit 128 + the signal, no worker tracebacks, nothing written."""
+  proc = _spawn(_args(src, tmp_path / "out", data="big.jsonl", workers="2"),
+                start_new_session=True)
+  _wait_for(lambda: any(p.glob("*.array_record.tmp")
+                        for p in tmp_path.glob(f".out{output.PARTIAL}*")), proc)
+  time.sleep(0.3)  # records on their way from the workers
+  if sig == signal.SIGINT:
+    os.killpg(proc.pid, sig)
+  else:
+    proc.send_signal(sig)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + sig, err
+  assert "Traceback" not in err and "Error" not in err, err
+  assert err.strip().splitlines()[-1].endswith(f"convert: interrupted ({sig.name}); nothing "
+                                               f"was written to {tmp_path / 'out'}.")
+  assert _leftovers(tmp_path) == []
+
+
+def test_a_rerun_after_a_kill_converts(src, tmp_path, capsys):
+  proc = _spawn(_args(src, tmp_path / "out", data="big.jsonl"))
+  _wait_for(lambda: any(tmp_path.glob(f".out{output.PARTIAL}*/*.tmp")), proc)
+  proc.kill()
+  proc.communicate()
+  assert _leftovers(tmp_path)  # its lock and staging directory stay behind
+  rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
+  assert rc == 0, err
+  assert _leftovers(tmp_path) == ["out"] and sum(_counts(tmp_path / "out").values()) == 30
+
+
+# Split sizes.
+
+@pytest.mark.parametrize("n", ["-1", "0", "30", "31"])
+def test_an_eval_size_that_leaves_no_split_is_refused(src, tmp_path, capsys, n):
+  rc, err, _ = _main(_args(src, tmp_path / "out", "--eval", n), capsys)
+  _one_line_error(rc, err, f"--eval {n}")
+  assert _leftovers(tmp_path) == []
+
+
+def test_the_default_eval_split_is_not_empty(src, tmp_path, capsys):
+  rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
+  assert rc == 0, err
+  assert _counts(tmp_path / "out") == {"train": 27, "eval": 3}  # a tenth of 30
+  assert [conversations.default_eval(n) for n in (1, 30, 200, 5000, 10 ** 6)] == [1, 3, 10, 50,
+                                                                                   1000]
+
+
+def test_records_of_one_id_stay_on_one_side(src, tmp_path, capsys):
+  ids = [f"id{k % 4}" for k in range(10)] + [f"solo{k}" for k in range(10)]
+  _write(tmp_path / "d.jsonl", [_record(i, image=None, text=f"question of {rid}", rid=rid)
+                                for i, rid in enumerate(ids)])
+  rc, err, _ = _main(_args(src, tmp_path / "out", "--eval", "6", data=tmp_path / "d.jsonl"),
+                     capsys)
+  assert rc == 0, err
+  assert "4 ids are shared by several records" in err
+  tok = ChatTokenizer.open(TOKENIZER)
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  seen = {}
+  for split in conversations.SPLITS:
+    path = tmp_path / "out" / f"{split}.array_record"
+    reader = array_record_module.ArrayRecordReader(str(path))
+    for i in range(reader.num_records()):
+      text = tok.tokenizer.decode(conversations.decode(reader.read([i])[0], str(path), i)
+                                  ["tokens"].tolist())
+      seen.setdefault(re.search(r"question of (id\d|solo\d)", text).group(1), set()).add(split)
+  assert len(seen) == 14 and all(len(sides) == 1 for sides in seen.values()), seen
+  assert sum(ids.count(r) for r, sides in seen.items() if "eval" in sides) >= 6
+
+
+# Bad records.
+
+@pytest.fixture(scope="module")
+def bad(src, tmp_path_factory):
+  """Records each bad in one way, with the reason they are skipped for; a word-level tokenizer
+  without an unknown token (digits') for the word it cannot encode."""
+  root = tmp_path_factory.mktemp("bad")
+  digits.write_tokenizer(root / "tok")
+  (root / "images").mkdir()
+  for name, side in (("small", 4), ("warn", 50), ("bomb", 100)):
+    Image.fromarray(np.full((side, side), 9, np.uint8), mode="L").save(root / "images" /
+                                                                        f"{name}.png")
+
+  def rec(i, text="<img> seven", image="small.png", **kw):
+    r = {"id": f"b{i}", "image": image,
+         "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "seven"}]}
+    r.update(kw)
+    return r
+  cases = {"image too large": [rec(0, image="warn.png"), rec(1, image="bomb.png")],
+           "bad image field": [rec(2, image=5)],
+           "bad conversation": [rec(3, conversations=["<img> seven", "seven"]),
+                                rec(4, conversations=[{"from": "human", "value": 7},
+                                                      {"from": "gpt", "value": "seven"}])],
+           "untokenizable": [rec(5, text="<img> zebra")]}
+  good = [rec(10 + k) for k in range(6)]
+  for reason, records in cases.items():
+    _write(root / f"{reason.replace(' ', '_')}.jsonl", records + good)
+  _write(root / "all.jsonl", good + [r for rs in cases.values() for r in rs])
+  return root, {k: len(v) for k, v in cases.items()}
+
+
+def _bad_args(root, out, data, *extra):
+  return ["--json", str(root / data), "--images", str(root / "images"), "--tokenizer",
+          str(root / "tok"), "--image_token", "<img>", "--out", str(out), "--workers", "1",
+          "--eval", "1", *extra]
+
+
+def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monkeypatch):
+  root, expected = bad
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # warn.png warns, bomb.png is refused
+  rc, err, _ = _main(_bad_args(root, tmp_path / "out", "all.jsonl", "--eval", "2"), capsys)
+  assert rc == 0, err
+  assert "Traceback" not in err
+  assert conversations.manifest(str(tmp_path / "out"))["skipped"] == expected
+  assert sum(_counts(tmp_path / "out").values()) == 6
+
+
+@pytest.mark.parametrize("reason", ["image too large", "bad image field", "bad conversation",
+                                    "untokenizable"])
+def test_a_bad_record_under_fail_is_one_line(bad, tmp_path, capsys, monkeypatch, reason):
+  root, _ = bad
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
+  data = f"{reason.replace(' ', '_')}.jsonl"
+  rc, err, _ = _main(_bad_args(root, tmp_path / "out", data, "--on_error", "fail"), capsys)
+  _one_line_error(rc, err, "(id 'b", "--on_error skip converts the rest")
+  assert _leftovers(tmp_path) == []
+
+
+def test_image_paths_out_of_images_are_refused_unless_allowed(src, tmp_path, capsys):
+  images = tmp_path / "images"
+  images.mkdir()
+  shutil.copy(src / "images" / "tiny.png", images / "in.png")
+  shutil.copy(src / "images" / "tiny.png", tmp_path / "secret.png")
+  (images / "link.png").symlink_to(tmp_path / "secret.png")
+  (images / "sub").mkdir()
+  records = [_record(0, image="../secret.png"), _record(1, image=str(tmp_path / "secret.png")),
+             _record(2, image="link.png"), _record(3, image="sub/../in.png")]
+  records += [_record(10 + k, image="in.png") for k in range(4)]
+  _write(tmp_path / "d.jsonl", records)
+  args = ["--json", str(tmp_path / "d.jsonl"), "--images", str(images), "--tokenizer",
+          str(TOKENIZER), "--processor", str(PROCESSOR), "--workers", "1", "--eval", "2"]
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "strict")], capsys)
+  assert rc == 0, err
+  assert conversations.manifest(str(tmp_path / "strict"))["skipped"] == {"outside --images": 3}
+  assert err.count("leads out of --images") == 3
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "loose"), "--allow_outside_images"], capsys)
+  assert rc == 0, err
+  assert conversations.manifest(str(tmp_path / "loose"))["skipped"] == {}
+
+
+# Bad flags and files: one line, exit 2, nothing written.
+
+def test_bad_flags_and_files_are_one_line_and_write_nothing(src, tmp_path, capsys):
+  plain = tmp_path / "plain"  # a tokenizer without a chat template
+  plain.mkdir()
+  shutil.copy(TOKENIZER / "tokenizer.json", plain)
+  config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+  del config["chat_template"]
+  (plain / "tokenizer_config.json").write_text(json.dumps(config))
+  (tmp_path / "latin1.json").write_bytes('[{"id": "caf\u00e9"}]'.encode("latin-1"))
+  (tmp_path / "file").write_text("keep")
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "notes.txt").write_text("keep")
+  out = tmp_path / "out"
+  cases = [
+      (["--tokenizer", str(plain), "--processor", str(PROCESSOR)], "no chat_template"),
+      (["--image_token", "<picture>"], "--image_token '<picture>'"),
+      (["--image_token", "Hello"], "is not one token"),
+      (["--json", str(tmp_path / "latin1.json")], "not UTF-8 (byte 0xe9"),
+      (["--out", str(tmp_path / "file")], "is a file"),
+      (["--out", str(tmp_path / "full")], "is not empty (notes.txt)"),
+      (["--out", "/proc/mimo_convert_out"], "--out='/proc/mimo_convert_out'"),
+  ]
+  before = sorted(str(p) for p in tmp_path.rglob("*"))
+  for extra, words in cases:
+    rc, err, _ = _main(_args(src, out) + extra, capsys)
+    _one_line_error(rc, err, words)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before, extra
+  assert (tmp_path / "file").read_text() == "keep"
+
+
+# Paths that work from any directory, and the launch line.
+
+def test_manifest_paths_work_from_any_directory(src, tmp_path, capsys, monkeypatch):
+  work = tmp_path / "work"
+  shutil.copytree(TOKENIZER, work / "tok")
+  shutil.copytree(PROCESSOR, work / "proc")
+  shutil.copy(src / "a.jsonl", work / "a.jsonl")
+  monkeypatch.chdir(work)
+  rc, err, _ = _main(["--json", "a.jsonl", "--images", str(src / "images"), "--tokenizer", "tok",
+                      "--processor", "proc", "--out", "../out", "--workers", "1"], capsys)
+  assert rc == 0, err
+  m = conversations.manifest("../out")
+  for key, want in (("tokenizer", "tok"), ("processor", "proc"), ("source", "a.jsonl")):
+    assert m[key] == str(work / want)
+  monkeypatch.chdir(tmp_path)
+  old = tmp_path / "old"  # a conversion that stored paths relative to where it ran
+  old.mkdir()
+  assert conversations.source_path(str(old), "work/tok") == str(work / "tok")
+  (old / "tok").mkdir()  # a path inside the directory goes first
+  assert conversations.source_path(str(old), "tok") == str(old / "tok")
+
+
+def test_the_launch_line_trains_on_the_conversion(src, tmp_path, capsys):
+  rc, err, printed = _main(_args(src, tmp_path / "out", "--image_tokens", "4"), capsys)
+  assert rc == 0, err
+  line = printed.strip().splitlines()[-1].split()
+  assert line[:4] == ["python", "-m", "mimo_jax.launch", "--config=MODEL_CONFIG"]
+  flags = dict(f.removeprefix("--config.").split("=", 1) for f in line[4:])
+  assert flags["data.dir"] == str(tmp_path / "out") and flags["eval.samples"] == "3"
+  assert flags["data.seq_len"] == str(conversations.manifest(flags["data.dir"])["longest"])
+  cfg = tiny_config("", vision=(0, 1, 1), language=(0, 1, 1))
+  cfg.eval.batch = 1
+  for key, value in flags.items():
+    section, field = key.rsplit(".", 1)
+    parent = cfg
+    for name in section.split("."):
+      parent = getattr(parent, name)
+    setattr(parent, field, type(getattr(parent, field))(value))
+  validation.validate(cfg, 8)
+  validation.validate_data(cfg)
