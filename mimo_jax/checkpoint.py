@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 import re
 import sys
 import warnings
@@ -40,8 +41,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed, fingerprint
-from mimo_jax.config import Config, ConfigError
+from mimo_jax import bridge, distributed, fingerprint, optim
+from mimo_jax.config import Config, ConfigError, run_source
 from mimo_jax.state import ModuleState
 
 META = "meta"
@@ -50,9 +51,11 @@ META = "meta"
 DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", "max_images",
                "image_probs", "text_len", "text_len_sigma", "image_sizes")
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
-# Where a run started from (init_from) does not matter once a checkpoint exists.
-RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention", "model.vision.init_from",
-                        "model.language.init_from")
+# Where a run started from (init_from, of the model or a module) does not matter once a
+# checkpoint exists.
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention", "model.init_from",
+                        "model.vision.init_from", "model.language.init_from")
+ALLOW_DATA = "--config.checkpoint.allow_data_change=true"
 
 
 class CheckpointError(ConfigError):
@@ -94,6 +97,12 @@ def _all_deferred(record) -> bool:
   """A log filter: orbax warns on every batched save that no array is prioritized, which is the
   point of it."""
   return "No prioritized params found" not in record.getMessage()
+
+
+def _not_read_only_notice(record) -> bool:
+  """A log filter: orbax warns that a read-only manager is read-only, which is what was asked."""
+  message = record.getMessage()
+  return not ("read_only=True, setting" in message or "Given directory is read only" in message)
 
 
 def batched_array_registry():
@@ -152,10 +161,38 @@ def _digest(meta: dict) -> str:
 
 
 def mismatches(saved: dict, tree: dict, module: str) -> list[str]:
-  """The arrays of `tree` (one module's params and opt_state) whose fingerprints differ from
-  `saved`, as `module path`."""
+  """The arrays of `tree` (what was read of one module: params and opt_state, or some of them)
+  whose fingerprints differ from `saved`, as `module path`."""
   got = fingerprint.on_device(tree)
-  return [f"{module} {k}" for k in sorted(set(saved) | set(got)) if saved.get(k) != got.get(k)]
+  return [f"{module} {k}" for k in sorted(got) if saved.get(k) != got[k]]
+
+
+def _group(path: str) -> str:
+  """The parameter group of an optimizer-state path (`opt_state/inner_states/<group>/...`)."""
+  parts = path.split("/")
+  return parts[2] if len(parts) > 2 and parts[1] == "inner_states" else parts[-1]
+
+
+def _fill(tree, arrays: dict, keep_others: bool = False):
+  """`tree` with each leaf replaced by `arrays[path]` (fingerprint.paths names); with
+  `keep_others` a leaf `arrays` lacks stays as it is."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  named = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
+  return jax.tree_util.tree_unflatten(
+      treedef, [arrays.get(k, x) if keep_others else arrays[k]
+                for k, (_, x) in zip(named, leaves)])
+
+
+def _shape_differences(saved: dict, wanted: dict, module: str) -> list[str]:
+  """`module path: saved shape (this run: shape)` for each array of `wanted` the step holds with
+  another shape or dtype kind, or not at all."""
+  out = []
+  for k, a in wanted.items():
+    if k not in saved:
+      out.append(f"{module} {k}: not in the step")
+    elif tuple(saved[k].shape) != tuple(a.shape):
+      out.append(f"{module} {k}: {tuple(saved[k].shape)} (this run: {tuple(a.shape)})")
+  return out
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -254,8 +291,9 @@ class Checkpointer:
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only, cleanup_tmp_directories=not read_only)
     self.host_batched = False  # whether a save copies `host_gb` at a time (else all at once)
-    if host_gb is None:
-      handlers = {n: ocp.StandardCheckpointHandler() for n in self.modules}
+    if host_gb is None:  # a restore reads by the saved structure, with placeholders: PyTree
+      handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96)
+                  for n in self.modules}
     else:  # the standard handler limits the bytes being written, not those copied to the host
       registry = batched_array_registry()
       self.host_batched = registry is not None
@@ -264,8 +302,12 @@ class Checkpointer:
           enable_pinned_host_transfer=False,  # peak 11.0-11.3 GiB importing 1.65B, pinned 12.1-12.5
           use_compression=False,  # 8B import: peak 24.8 GiB, compressed 30.9-33.0
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
-    self._save_args = (ocp.args.StandardSave if host_gb is None else ocp.args.PyTreeSave)
+    self.source = None  # the config field naming this run when a new run starts from it
+    self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
+    self._data = {}  # the data fingerprint, computed once per run (data_fingerprint)
     handlers[META] = ocp.JsonCheckpointHandler()
+    if read_only and _not_read_only_notice not in logging.getLogger("absl").filters:
+      logging.getLogger("absl").addFilter(_not_read_only_notice)
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
@@ -302,9 +344,10 @@ class Checkpointer:
            params_only: bool = False, compact: bool = False):
     """Saves `step` (asynchronously unless the checkpointer says otherwise). `params_only`: the
     parameters alone (an import's step 0, whose optimizer state is its fresh one: restoring builds
-    it again), a third of the bytes to copy to the host. `compact` (one process): a parameter
-    whose float32 values are all bfloat16 values (weights imported from a bfloat16 checkpoint) is
-    stored as bfloat16, half the bytes; restoring reads it back as the same float32 values."""
+    it again), a third of the bytes to copy to the host; it pins no data (no fingerprint).
+    `compact` (one process): a parameter whose float32 values are all bfloat16 values (weights
+    imported from a bfloat16 checkpoint) is stored as bfloat16, half the bytes; restoring reads it
+    back as the same float32 values."""
     meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
                      **{k: getattr(cfg.data, k) for k in DATA_FIELDS}},
@@ -313,6 +356,8 @@ class Checkpointer:
              {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
     if params_only:
       meta["params_only"] = True
+    else:
+      meta["data"]["fingerprint"] = self.data_fingerprint(cfg)
     meta["fingerprints"] = {n: fingerprint.on_device(t) for n, t in trees.items()}
     meta["digest"] = _digest(meta)
     if compact and jax.process_count() == 1:
@@ -321,9 +366,16 @@ class Checkpointer:
     if jax.process_count() > 1:
       trees = {n: t if _spans_processes(t) else _to_global(t) for n, t in trees.items()}
       _settle(trees)
-    items = {n: self._save_args(t) for n, t in trees.items()}
+    items = {n: ocp.args.PyTreeSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def data_fingerprint(self, cfg: Config) -> dict:
+    """`data_fingerprint(cfg)`, computed once per data directory."""
+    key = (cfg.data.task, cfg.data.dir)
+    if key not in self._data:
+      self._data[key] = data_fingerprint(cfg)
+    return self._data[key]
 
   def read_meta(self, step: int) -> dict:
     try:
@@ -337,41 +389,99 @@ class Checkpointer:
       self._fail(step, failed)
     return meta
 
-  def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
-              fresh_opt_state=None) -> tuple[dict[str, ModuleState], dict]:
-    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first, and every
-    array against the fingerprint saved with it. A step saved without optimizer state
-    (`params_only`) gets `fresh_opt_state(module, params)`."""
-    meta = self.read_meta(step)
-    check_compatible(meta, cfg, self.path, step)
-    params_only = bool(meta.get("params_only"))
-    if params_only:
-      if fresh_opt_state is None:
-        raise ValueError(f"step {step} of {self.path} holds parameters only; restoring it needs "
-                         "the optimizer's fresh state.")
-      abstract = {n: {"params": a["params"]} for n, a in abstract.items()}
-    multi = jax.process_count() > 1
-    gathered = {n for n, a in abstract.items() if multi and not _spans_processes(a)}
-    targets = {n: _global_abstract(a) if n in gathered else a for n, a in abstract.items()}
-    args = {n: ocp.args.StandardRestore(targets[n]) for n in abstract}
+  def saved_arrays(self, step: int, modules: list[str]) -> dict[str, dict]:
+    """Each module's saved arrays by path (`params/...`, `opt_state/...`): their metadata, as
+    orbax recorded the tree it wrote."""
     try:
-      restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
+      items = self._mngr.item_metadata(step)
+      trees = {n: getattr(items[n], "tree", items[n]) for n in modules}
+      if any(t is None for t in trees.values()):
+        raise ValueError("no tree metadata")
     except Exception as e:  # pylint: disable=broad-except
-      restored, failed = None, f"could not be restored: {_reason(e)}"
-    if restored is None:
+      self._fail(step, f"could not be restored: {_reason(e)}")
+    return {n: fingerprint.paths(t) for n, t in trees.items()}
+
+  def read(self, step: int, wanted: dict[str, dict], meta: dict) -> dict[str, dict]:
+    """The arrays `wanted` names (per module: path -> abstract array with this run's sharding)
+    read from `step` by its saved structure, the rest of it left on disk (orbax placeholders);
+    each checked against its saved fingerprint. Per module: path -> array."""
+    multi = jax.process_count() > 1
+    gathered = {n for n, w in wanted.items() if multi and w and not _spans_processes(w)}
+    targets = {n: _global_abstract(w) if n in gathered else w for n, w in wanted.items()}
+    args = {}
+    try:
+      items = self._mngr.item_metadata(step)
+      for n, target in targets.items():
+        tree = getattr(items[n], "tree", items[n])
+        item = jax.tree_util.tree_map_with_path(
+            lambda p, x, t=target: t.get(jax.tree_util.keystr(p, simple=True, separator="/"),
+                                         ocp.PLACEHOLDER), tree)
+        restore_args = jax.tree.map(
+            lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
+                                           dtype=t.dtype)
+            if isinstance(t, jax.ShapeDtypeStruct) else ocp.RestoreArgs(), item)
+        args[n] = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+      restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
+      got = {n: {k: v for k, v in fingerprint.paths(restored[n]).items() if k in targets[n]}
+             for n in targets}
+      failed = None
+    except Exception as e:  # pylint: disable=broad-except
+      got, failed = None, f"could not be restored: {_reason(e)}"
+    if failed:
       self._fail(step, failed)
     if multi:
-      restored = {n: _from_global(restored[n], abstract[n]) if n in gathered else restored[n]
-                  for n in abstract}
-      _settle(restored)
+      got = {n: _from_global(got[n], wanted[n]) if n in gathered else got[n] for n in got}
+      _settle(got)
     saved = meta.get("fingerprints", {})
-    bad = [m for n in abstract if n in saved for m in mismatches(saved[n], restored[n], n)]
+    bad = [m for n in got if n in saved for m in mismatches(saved[n], got[n], n)]
     if bad:
       self._fail(step, f"does not match the fingerprints saved with it ({', '.join(bad[:3])}"
                  f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})")
-    state = {n: ModuleState(restored[n]["params"],
-                            fresh_opt_state(n, restored[n]["params"]) if params_only
-                            else restored[n]["opt_state"]) for n in abstract}
+    return got
+
+  def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
+              fresh_opt_state=None) -> tuple[dict[str, ModuleState], dict]:
+    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first, and every
+    array read against the fingerprint saved with it. Optimizer state is read by the saved
+    structure and mapped onto this run's group by group: a group the step has no state for
+    (trained now, frozen then; or a step saved with parameters only) gets its part of
+    `fresh_opt_state(module, params)`, a group frozen now leaves its state on disk."""
+    meta = self.read_meta(step)
+    self.notes += check_compatible(meta, cfg, self.path, step)
+    where = f"checkpoint {self.path} step {step}"
+    saved = self.saved_arrays(step, list(abstract))
+    wanted = {n: fingerprint.paths(a) for n, a in abstract.items()}
+    params = {n: {k: a for k, a in w.items() if k.startswith("params/")}
+              for n, w in wanted.items()}
+    differ = [d for n in abstract for d in _shape_differences(saved[n], params[n], n)]
+    if differ:
+      raise CheckpointError(
+          f"{where} holds other parameters than this run's model ({'; '.join(differ[:3])}"
+          f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''}); the model config matches, "
+          "so the model code differs: resume with the code that wrote it, or start a new "
+          "run.workdir.")
+    opt = {n: {k: a for k, a in w.items() if k.startswith("opt_state/")} for n, w in wanted.items()}
+    fresh = {n: [k for k, a in o.items() if k not in saved[n] or
+                 tuple(saved[n][k].shape) != tuple(a.shape)] for n, o in opt.items()}
+    if any(fresh.values()) and fresh_opt_state is None:
+      raise ValueError(f"step {step} of {self.path} lacks optimizer state this run has; "
+                       "restoring it needs the optimizer's fresh state.")
+    read = {n: {k: a for k, a in wanted[n].items() if k not in fresh[n]} for n in abstract}
+    arrays = self.read(step, read, meta)
+    state = {}
+    for n, tree in abstract.items():
+      module = _fill(tree["params"], {k[len("params/"):]: v for k, v in arrays[n].items()
+                                      if k.startswith("params/")})
+      saved_opt = {k[len("opt_state/"):]: v for k, v in arrays[n].items()
+                   if k.startswith("opt_state/")}
+      if fresh[n]:  # the new groups start afresh, at this step of the LR schedule
+        start = optim.at_step(fresh_opt_state(n, module), step)
+        opt_state = _fill(start, saved_opt, keep_others=True)
+      else:
+        opt_state = _fill(tree["opt_state"], saved_opt)
+      state[n] = ModuleState(module, opt_state)
+    if not meta.get("params_only"):
+      self.notes += _regrouped(meta, cfg, step, saved, fresh, opt)
     return state, meta
 
   def _fail(self, step: int, what: str):
@@ -380,10 +490,18 @@ class Checkpointer:
     if self._hook is None:
       self._hook = drop_closed_loop_reports()
     older = [s for s in complete_steps(self.path) if s < step]
-    fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
-           if older else f"move {self.path}/{step} away to start from scratch")
+    if older and older[-1] > 0:
+      fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}, "
+             "or start in a new run.workdir")
+    elif older:  # restore_step=0 means the newest: step 0 is resumed by moving this one away
+      fix = f"move {self.path}/{step} away to resume from step 0, or start in a new run.workdir"
+    else:
+      fix = f"move {self.path}/{step} away to start from scratch, or start in a new run.workdir"
+    if self.source is not None:  # a run a new one starts from (init_from)
+      fix = (f"choose another step with --config.{self.source}={os.path.dirname(self.path)}:N"
+             f"{f' (N = {older[-1]})' if older else ''}")
     raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
-                          f"incomplete: {fix}, or start in a new run.workdir.")
+                          f"incomplete: {fix}.")
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
@@ -415,26 +533,211 @@ def params_restore_dtype(stored_dtype):
   return np.float32 if np.dtype(stored_dtype) == jnp.bfloat16 else None
 
 
-def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> None:
-  """One error naming every model field, module or data field that differs."""
+def _model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> list[str]:
+  """`field=saved (this run: value)` for every model field under `only` that differs, runtime
+  fields aside. A field newer than the checkpoint had its default's behaviour when it was
+  written."""
+  saved = _flatten(saved_model, "model.")
+  current = _flatten(dataclasses.asdict(cfg.model), "model.")
+  default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
+  saved = {k: saved.get(k, default.get(k)) for k in current}
+  return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
+          if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and
+          not k.endswith(".init_from") and saved[k] != current[k]]
+
+
+def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]:
+  """One error naming every model field, module or data field that differs; a step saved with
+  parameters only pins no data. Returns notes for the run's log (data changes allowed by
+  checkpoint.allow_data_change)."""
   where = f"checkpoint {path} step {step}"
   missing = sorted(set(cfg.topology.modules()) - set(meta.get("modules", [])))
   if missing:
     raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
-                          f"{', '.join(meta.get('modules', []))}.")
-  saved = _flatten(meta["config"]["model"], "model.")
-  current = _flatten(dataclasses.asdict(cfg.model), "model.")
-  # A field newer than the checkpoint had its default's behaviour when it was written.
-  default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
-  saved = {k: saved.get(k, default.get(k)) for k in current}
-  diffs = [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
-           if k not in RUNTIME_MODEL_FIELDS and saved[k] != current[k]]
+                          f"{', '.join(meta.get('modules', []))}. Resume with the modules it "
+                          "holds, or start a new run.workdir.")
+  diffs = _model_differences(meta["config"]["model"], cfg)
   if diffs:
-    raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
-                          "Use the same model config or a new run.workdir.")
-  for k in DATA_FIELDS:
-    if k in meta["data"] and meta["data"][k] != getattr(cfg.data, k):
+    keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
+                    for d in diffs[:3])
+    raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. Keep "
+                          f"{keep} to resume it, or start a new run.workdir (the model config "
+                          "of a run started from it with --config.model.init_from must match "
+                          "too).")
+  if meta.get("params_only"):
+    return []  # an import's weights: no data was trained on
+  data = meta.get("data", {})
+  fields = [k for k in DATA_FIELDS if k in data and data[k] != getattr(cfg.data, k)]
+  content = _data_differences(data.get("fingerprint"), data_fingerprint(cfg))
+  if not fields and not content:
+    return []
+  changes = [f"data.{k}={data[k]!r} (this run: {getattr(cfg.data, k)!r})" for k in fields]
+  changes += content
+  if cfg.checkpoint.allow_data_change:
+    return [f"resuming {where} on other data (checkpoint.allow_data_change): "
+            f"{'; '.join(changes)}; the data position carries on at step {step}."]
+  keep = " ".join(f"--config.data.{k}={data[k]!r}" for k in fields)
+  raise CheckpointError(
+      f"{where} was trained on other data: {'; '.join(changes)}. Resuming would change the "
+      f"sample order or the eval set. Keep {keep or 'the data it was trained on'}, start a new "
+      "stage in a new run.workdir with --config.model.init_from=<this workdir>, or go on with "
+      f"this data on purpose with {ALLOW_DATA}.")
+
+
+def _sha256(path: pathlib.Path, ends: int | None = None) -> str | None:
+  """The SHA-256 of a file (with `ends`: of its size and its first and last `ends` bytes); None
+  where it cannot be read."""
+  digest = hashlib.sha256()
+  try:
+    with open(path, "rb") as f:
+      if ends is None:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+          digest.update(chunk)
+      else:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(str(size).encode() + f.read(ends))
+        f.seek(max(size - ends, 0))
+        digest.update(f.read(ends))
+  except OSError:
+    return None
+  return digest.hexdigest()
+
+
+def data_fingerprint(cfg: Config) -> dict:
+  """What identifies converted data (data.task=conversations) beyond the run's fields: digests
+  of its manifest, of each shard's sidecar with its size and first and last 64 KiB, and of the
+  tokenizer's files; {} for the built-in tasks, which their data fields define."""
+  if cfg.data.task != "conversations":
+    return {}
+  from mimo_jax.data import conversations, meta as data_meta  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(cfg.data.dir)
+  out = {"dir": str(root.resolve()), "manifest": _sha256(root / conversations.MANIFEST)}
+  for split in conversations.SPLITS:
+    shard = root / f"{split}.array_record"
+    out[split] = {"bytes": shard.stat().st_size if shard.exists() else None,
+                  "digest": _sha256(shard, ends=1 << 16),
+                  "sidecar": _sha256(pathlib.Path(data_meta.path_of(str(shard))))}
+  try:
+    tokenizer = pathlib.Path(conversations.source_path(
+        cfg.data.dir, conversations.manifest(cfg.data.dir)["tokenizer"]))
+  except (ConfigError, KeyError):
+    tokenizer = None
+  out["tokenizer"] = None if tokenizer is None else {
+      f: _sha256(tokenizer / f) for f in ("tokenizer.json", "tokenizer_config.json")}
+  return out
+
+
+def _data_differences(saved: dict | None, current: dict) -> list[str]:
+  """What differs between two data fingerprints (none where the step has none: a built-in task,
+  or written before fingerprints were kept)."""
+  if not saved or not current:
+    return []
+  where = f"data.dir={current['dir']!r}" + (
+      f" (the step's: {saved['dir']!r})" if saved.get("dir") != current["dir"] else "")
+  what = []
+  if saved.get("manifest") != current["manifest"]:
+    what.append("its manifest")
+  for split in ("train", "eval"):
+    a, b = saved.get(split, {}), current[split]
+    if a.get("bytes") != b["bytes"]:
+      what.append(f"its {split} shard ({a.get('bytes')} bytes, now {b['bytes']})")
+    elif a != b:
+      what.append(f"its {split} shard's records")
+  if saved.get("tokenizer") and current["tokenizer"] and any(
+      v and saved["tokenizer"].get(k) and v != saved["tokenizer"][k]
+      for k, v in current["tokenizer"].items()):
+    what.append("its tokenizer")
+  return [f"{where}: {', '.join(what)} differ{'s' if len(what) == 1 else ''}"] if what else []
+
+
+def _regrouped(meta: dict, cfg: Config, step: int, saved: dict, fresh: dict, opt: dict) -> list:
+  """The note of a restore that mapped the optimizer state onto other trained groups."""
+  new = sorted({_group(k) for keys in fresh.values() for k in keys})
+  dropped = sorted({_group(k) for n, arrays in saved.items() for k in arrays
+                    if k.startswith("opt_state/") and k not in opt[n]} - set(new))
+  if not new and not dropped:
+    return []
+  was = meta["config"].get("optim", {})
+  parts = []
+  if new:
+    parts.append(f"{', '.join(new)} start{'s' * (len(new) == 1)} with fresh optimizer state")
+  if dropped:
+    parts.append(f"{', '.join(dropped)} (now frozen) "
+                 f"{'drops its' if len(dropped) == 1 else 'drop theirs'}")
+  return [f"step {step} was trained with optim.freeze={was.get('freeze', '')!r}, this run has "
+          f"{cfg.optim.freeze!r}: {'; '.join(parts)}; the step and the data position carry on."]
+
+
+def init_sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:
+  """The modules a new run starts from a mimo_jax run (`model.init_from`, or the module's own
+  `init_from` naming `WORKDIR[:STEP]`; an HF directory is state.py's): module -> (config field,
+  checkpoints folder, step)."""
+  out = {}
+  for name in modules:
+    own = getattr(cfg.model.module(name), "init_from", "")
+    field, spec = (f"model.{name}.init_from", own) if own else ("model.init_from",
+                                                                 cfg.model.init_from)
+    source = run_source(spec)
+    if source is None:
+      if spec and field == "model.init_from":
+        raise CheckpointError(
+            f"config.model.init_from: {spec!r} is not a mimo_jax run; name a run's workdir (the "
+            "folder holding checkpoints/) or its checkpoints/ folder, optionally with :STEP.")
+      continue
+    path, step = source
+    steps = complete_steps(path)
+    if step is None and steps:
+      step = steps[-1]
+    if step not in steps:
       raise CheckpointError(
-          f"{where} was written with data.{k}={meta['data'][k]!r}; resuming with "
-          f"{getattr(cfg.data, k)!r} would change the sample order or the eval set. Keep "
-          f"--config.data.{k}={meta['data'][k]!r} or use a new run.workdir.")
+          f"config.{field}: {path} holds no complete step{f' {step}' if step is not None else ''}"
+          f"; it holds {', '.join(map(str, steps)) or 'none'}. Name one as "
+          f"{os.path.dirname(path)}:STEP.")
+    out[name] = (field, path, step)
+  return out
+
+
+def init_params(cfg: Config, abstract: dict, read: bool = True) -> dict:
+  """The parameters modules start from when the config names a mimo_jax run to start from
+  (`init_sources`), for `abstract` (module -> canonical abstract parameters with this run's
+  shardings): the step's parameters only (a step saved with parameters only works too), read
+  straight into those shardings; modules without such a source are not in the result. Each
+  source is checked first: it holds the module, was written for the same model (every model
+  field for model.init_from, the module's own for its init_from; runtime fields aside) and its
+  parameters have this run's shapes. With `read` false only the checks (before anything is
+  written)."""
+  runs = {}
+  for name, source in init_sources(cfg, list(abstract)).items():
+    runs.setdefault(source, []).append(name)
+  out = {}
+  for (field, path, step), names in runs.items():
+    ckpt = Checkpointer(path, names, read_only=True)
+    ckpt.source = field
+    try:
+      meta = ckpt.read_meta(step)
+      where = f"config.{field}: {path} step {step}"
+      missing = [n for n in names if n not in meta.get("modules", [])]
+      if missing:
+        raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
+                              f"{', '.join(meta.get('modules', []))}.")
+      only = "model." if field == "model.init_from" else f"model.{names[0]}."
+      diffs = _model_differences(meta["config"]["model"], cfg, only)
+      if diffs:
+        keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
+                        for d in diffs[:3])
+        raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
+                              f"Start from it with that run's model config ({keep}).")
+      saved = ckpt.saved_arrays(step, names)
+      wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()}
+                for n in names}
+      differ = [d for n in names for d in _shape_differences(saved[n], wanted[n], n)]
+      if differ:
+        raise CheckpointError(f"{where} holds parameters of other shapes than this run's model "
+                              f"({'; '.join(differ[:3])}); start from a run of this model.")
+      if read:
+        arrays = ckpt.read(step, wanted, meta)
+        for n in names:
+          out[n] = _fill(abstract[n], {k[len("params/"):]: v for k, v in arrays[n].items()})
+    finally:
+      ckpt.close()
+  return out

@@ -7,6 +7,7 @@ the field and the fix, before anything is compiled.
 
 
 import dataclasses
+import os
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
 # Activation rematerialisation policies (pipeline.py).
@@ -57,8 +58,9 @@ class VisionConfig:
   # to the image's grid as Hugging Face's towers do with interpolate_pos_encoding (patches.py).
   position_resize: str = "crop"
   # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
-  # weights a run starts from instead of the seed's; not read on resume. The fields above must
-  # match its config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error).
+  # weights a run starts from instead of the seed's, or a mimo_jax run, WORKDIR[:STEP] (this
+  # module's parameters of that step); not read on resume. The fields above must match its
+  # config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error) or the run's.
   init_from: str = ""
   # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
   # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
@@ -106,8 +108,8 @@ class LanguageConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_positions: int = 8192
   # An HF directory (Llama-3.x or Qwen2 language model, or a LLaVA checkpoint) whose weights a run
-  # starts from instead of the seed's; not read on resume. The fields above must match its
-  # config.json.
+  # starts from instead of the seed's, or a mimo_jax run, WORKDIR[:STEP]; not read on resume. The
+  # fields above must match its config.json or the run's.
   init_from: str = ""
   # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py); needs
   # model.dtype=bfloat16.
@@ -132,6 +134,10 @@ class ModelConfig:
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
   # Configs of further registered encoders by name (mimo_jax/encoders), beside `vision`.
   extra: dict = dataclasses.field(default_factory=dict)
+  # A mimo_jax run to start from, WORKDIR[:STEP] (default its newest step): every module's
+  # parameters, with a fresh optimizer at step 0 (a new training stage: its own data and
+  # schedule). Its model config must match; a module's own init_from takes precedence.
+  init_from: str = ""
 
   def module(self, name: str):
     """`model.<name>`: a module's config section."""
@@ -306,6 +312,9 @@ class CheckpointConfig:
   keep: int = 3  # checkpoints kept (the newest)
   # Step to resume from: 0 = the newest complete one; an older step moves the newer ones aside.
   restore_step: int = 0
+  # Resume although the data differs from the checkpoint's (data fields, or converted data's
+  # content): on purpose, e.g. a new data mix; the data position (step x global_batch) carries on.
+  allow_data_change: bool = False
 
 
 @dataclasses.dataclass
@@ -403,6 +412,24 @@ def parse_lr_mult(spec: str) -> dict[str, float]:
       raise ConfigError(f"config.optim.lr_mult: {value!r} for {group} is not a number.") from None
     require(out[group] >= 0, "optim.lr_mult", f"multiplier for {group} must be >= 0.")
   return out
+
+
+def run_source(spec: str) -> tuple[str, int | None] | None:
+  """An `init_from` that names a mimo_jax run, `WORKDIR[:STEP]` (a workdir or its checkpoints/
+  folder): (that checkpoints folder, STEP or None for the newest); None for anything else (an HF
+  directory, or "")."""
+  if not spec:
+    return None
+  path, step = spec, None
+  head, sep, tail = spec.rpartition(":")
+  if sep and head and tail.isdigit():
+    path, step = head, int(tail)
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return os.path.join(path, "checkpoints"), step
+  if os.path.basename(path) == "checkpoints" and os.path.isdir(path):
+    return path, step
+  return None
 
 
 def set_layout(cfg: Config, layout: str) -> None:

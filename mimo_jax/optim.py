@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mimo_jax.config import Config, parse_freeze, parse_lr_mult
@@ -58,3 +59,14 @@ def clip_factor(sq_norms: list[jax.Array], clip_norm: float) -> tuple[jax.Array,
   """Global norm from every module's squared norm (fixed order) and the clip scale."""
   norm = jnp.sqrt(sum(sq_norms[1:], sq_norms[0]))
   return norm, jnp.minimum(1.0, clip_norm / (norm + 1e-6))
+
+
+def at_step(opt_state, step: int):
+  """`opt_state` with every learning-rate schedule's count at `step`: a group's fresh state that
+  starts mid-run follows the run's schedule as the others do (Adam's own count, its bias
+  correction, stays at 0)."""
+  def at(x):
+    if isinstance(x, optax.ScaleByScheduleState):
+      return x._replace(count=jax.device_put(np.asarray(step, x.count.dtype), x.count.sharding))
+    return x
+  return jax.tree.map(at, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))

@@ -25,14 +25,21 @@ class ModuleState:
 def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
                optimizer: bool = True) -> dict[str, ModuleState]:
   """Parameters born sharded on their module's mesh; values depend only on the seed, except for
-  a module whose config names an HF directory to start from (`init_from`, with `cfg`). Without
-  `optimizer` the optimizer state is None (a checkpoint of parameters only)."""
+  a module whose config (`cfg`) names what to start from: a mimo_jax run (`model.init_from` or
+  the module's `init_from`, `WORKDIR[:STEP]`: that step's parameters) or an HF directory (the
+  module's `init_from`). The optimizer state is fresh (step 0); without `optimizer` it is None
+  (a checkpoint of parameters only)."""
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  runs = {} if cfg is None else checkpoint.init_params(
+      cfg, {n: plan[n].canonical_params for n in modules})
   state = {}
   for name, module in modules.items():
     p = plan[name]
     source = cfg.model.module(name).init_from if cfg is not None and name in (
         "vision", "language") else ""
-    if source:
+    if name in runs:
+      params = jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(runs.pop(name))
+    elif source:
       params = _from_hf(p, module, seed, cfg, name)
     else:
       init = lambda seed, p=p, module=module: p.layout(module.init(seed))

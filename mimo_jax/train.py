@@ -114,6 +114,11 @@ def run(cfg: Config) -> list[dict]:
                else None)
   validate_data(cfg)  # converted data that agrees with the run (manifest, eval split, token ids)
   trainer = Step.build(cfg)
+  if not checkpoint.complete_steps(checkpoint.directory(cfg.run.workdir)):
+    # A new run that starts from another (init_from): the source checked before anything is
+    # written.
+    checkpoint.init_params(cfg, {n: a["params"] for n, a in
+                                 trainer.abstract_state(canonical=True).items()}, read=False)
   lock = None
   if distributed.is_main():
     workdir.check(cfg.run.workdir)
@@ -152,6 +157,7 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
       state = trainer.from_canonical(state)
     else:
       state = trainer.init_state(cfg.train.seed)
+    started = {} if found is not None else checkpoint.init_sources(cfg, list(trainer.modules))
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
     capacity.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
                             progress=print if distributed.is_main() else None,
@@ -176,13 +182,21 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
     writer.say(f"topology: {topo.describe()}")
     if found is not None:
       writer.say(f"resumed from {ckpt.path} step {start}")
+    for note in ckpt.notes:
+      writer.say(note)
+    for (field, path, step) in sorted(set(started.values())):
+      names = [n for n, source in started.items() if source == (field, path, step)]
+      writer.say(f"{', '.join(names)} started from {path} step {step} ({field}): parameters "
+                 "only, a fresh optimizer at step 0")
     where = loader.locality(topo, loader.slot_counts(cfg))
     if not where.everything:
       writer.say("scalable data parallelism: this process reads only the records of its devices")
     batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start,
                                     where=where)
     pending = None
-    window = {"start": time.time(), "steps": 0, "tokens": 0}  # steps since the last record
+    # Steps since the last record; the first window starts when the run's first step is
+    # dispatched, its programs compiled (compilation is not step time).
+    window = {"start": None, "steps": 0, "tokens": 0}
     saved = start  # the newest step on disk (finite by construction)
 
     def flush() -> None:
@@ -190,6 +204,8 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
       step, metrics, info, dispatched = pending
       jax.block_until_ready(metrics)
       now = time.time()
+      if window["start"] is None:
+        window["start"] = dispatched
       window["steps"] += 1
       window["tokens"] += info["tokens"]
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
@@ -235,6 +251,8 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
           info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
           dispatched = time.time()
           state, metrics = trainer.train_step(state, batch)
+          if last is None:  # the run's first dispatch compiles the step: timed from its end
+            dispatched = time.time()
           last = (step, metrics)
           if pending is not None:
             flush()  # the previous step's metrics, now that this step is dispatched

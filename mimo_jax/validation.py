@@ -10,7 +10,7 @@ import pathlib
 from mimo_jax import encoders
 from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, POSITION_RESIZE, REMAT, ROPE_SCALINGS,
                              SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
-                             require)
+                             require, run_source)
 
 
 def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
@@ -123,7 +123,7 @@ def _variants(cfg: Config) -> None:
 def _init_from(cfg: Config, name: str) -> None:
   """model.<name>.init_from: a readable HF directory whose config.json agrees with the config."""
   section = cfg.model.module(name)
-  if not section.init_from:
+  if not section.init_from or run_source(section.init_from):  # a run: checkpoint.init_params
     return
   from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(section.init_from)
