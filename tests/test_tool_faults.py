@@ -192,6 +192,16 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, mo
   assert os.listdir(out.parent) == []  # no partial file, no lock
 
 
+def test_export_and_generate_refuse_a_damaged_step(run, capsys):
+  _damage(run, 30)
+  out = run.parent / "model.safetensors"
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", "step 30", "damaged", "--step")  # unreadable or not its values
+  assert not out.exists()
+  assert generate_tool.main([str(run), "--prompt", "hello"]) == 2
+  _error(capsys, "tools.generate", "step 30", "damaged", "--step")
+
+
 # tools.generate.
 
 def test_generate_beside_a_live_run_answers_from_the_newest_step(run, monkeypatch, capsys):

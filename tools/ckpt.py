@@ -35,6 +35,8 @@ from mimo_jax.checkpoint import (_reason, complete_steps, drop_closed_loop_repor
 from mimo_jax.config import ConfigError
 
 ROTATED = "the run rotates old steps: checkpoint.keep"
+DAMAGED = ("its files are damaged; `python -m tools.ckpt check` names the steps that pass: give "
+           "one with --step.")
 # How long a failed read of a step waits for the step to vanish while a run is live (its rotation
 # deletes a step's files one by one; a read can fail before the folder is gone).
 SETTLE_S = 3.0
@@ -55,8 +57,8 @@ class StepGone(CkptError):
 class Unreadable(CkptError):
   """A step that is there but cannot be read: its files are damaged."""
 
-  def __init__(self, step: int, reason: str):
-    super().__init__(f"step {step}: unreadable ({reason})")
+  def __init__(self, path: str, step: int, reason: str):
+    super().__init__(f"step {step} of {path} cannot be read ({reason}): {DAMAGED}")
     self.step, self.reason = step, reason
 
 
@@ -164,7 +166,7 @@ class Reader:
       _drop_closed_loop_reports_once()
       if self.gone(step):
         raise StepGone(step)
-    raise Unreadable(step, reason)
+    raise Unreadable(self.path, step, reason)
 
   def meta(self, step: int) -> dict:
     return self.read(step, lambda: _meta(self.mngr, step))
@@ -186,14 +188,30 @@ class Reader:
         total += int(np.prod(x.shape)) * np.dtype(dtype).itemsize
     return total
 
-  def params(self, step: int, modules: list[str]) -> dict[str, np.ndarray]:
-    """Every parameter of `modules`, flat (`module/path/to/param`), as host arrays."""
-    return self.read(step, lambda: _read_params(self.mngr, step, modules))
+  def params(self, step: int, meta: dict) -> dict[str, np.ndarray]:
+    """Every parameter of the step's modules, flat (`module/path/to/param`), as host arrays,
+    checked against the fingerprints saved with them (CkptError naming the damaged ones)."""
+    from mimo_jax import fingerprint  # pylint: disable=import-outside-toplevel
+    flat = self.read(step, lambda: _read_params(self.mngr, step, meta["modules"]))
+    saved = meta.get("fingerprints") or {}
+    bad = []
+    for key, x in flat.items():
+      module, path = key.split("/", 1)
+      want = saved.get(module, {}).get(f"params/{path}")
+      if want is not None and [int(v) for v in fingerprint.of(np.asarray(x))] != want:
+        bad.append(key)
+    if bad and not self.gone(step):
+      raise CkptError(f"step {step} of {self.path} does not match the fingerprints saved with it "
+                      f"({', '.join(bad[:3])}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}"
+                      f"): {DAMAGED}")
+    if bad:
+      raise StepGone(step)
+    return flat
 
-  def params_tree(self, step: int, modules: list[str]) -> dict:
-    """The parameters by module, nested as the model holds them."""
+  def params_tree(self, step: int, meta: dict) -> dict:
+    """The parameters by module, nested as the model holds them (checked as `params`)."""
     out: dict = {}
-    for key, x in self.params(step, modules).items():
+    for key, x in self.params(step, meta).items():
       module, *path = key.split("/")
       node = out.setdefault(module, {})
       for k in path[:-1]:
@@ -351,7 +369,7 @@ def export(args) -> None:
       meta = reader.meta(step)
       size = reader.params_nbytes(step, meta["modules"])
       output.check_space(final, size, f"exporting step {step}")
-      return meta, reader.params(step, meta["modules"])
+      return meta, reader.params(step, meta)
     step, (meta, tensors) = newest(reader, args.step, read)
     reader.close()
     try:

@@ -350,7 +350,7 @@ def run(args) -> list[str]:
     meta = reader.meta(step)
     cfg = from_dict(meta["config"])
     ready = prepare(args, cfg, args.workdir)  # before the parameters: errors come first
-    return cfg, ready, reader.params_tree(step, meta["modules"])
+    return cfg, ready, reader.params_tree(step, meta)
   _, (cfg, ready, params) = ckpt.newest(reader, args.step, load, tool=TOOL)
   reader.close()
   tok, rows = ready["tok"], ready["rows"]
