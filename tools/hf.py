@@ -27,6 +27,8 @@ logits (language models, LLaVA) or hidden states (towers).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -35,6 +37,7 @@ import os
 import pathlib
 import resource
 import shutil
+import signal
 import sys
 import time
 
@@ -46,6 +49,7 @@ from mimo_jax.config import Config, ConfigError, from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "configs/vlm.py"
+CPU_BASE = "configs/llava_cpu.py"  # the base for a run on CPUs
 SHARD_BYTES = 5 * 1024**3
 SAVE_HOST_GB = 2  # GB a save copies to the host at a time, raised to the largest array's size
 
@@ -59,11 +63,20 @@ def _load_config(spec: str) -> Config:
   path, _, arg = spec.partition(":")
   file = pathlib.Path(path) if pathlib.Path(path).is_file() else ROOT / path
   if not file.is_file():
-    _fail(f"--config: file {path!r} does not exist; try {DEFAULT_BASE}.")
-  module_spec = importlib.util.spec_from_file_location("hf_base_config", file)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+    _fail(f"--config: file {path!r} does not exist; try {DEFAULT_BASE} (GPU-sized) or "
+          f"{CPU_BASE} (CPU-sized).")
+  try:
+    module_spec = importlib.util.spec_from_file_location("hf_base_config", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cfg = module.get_config(arg or None)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(f"--config={spec}: {type(e).__name__}: {e}")
+  if not isinstance(cfg, Config):
+    _fail(f"--config={spec}: get_config returned {type(cfg).__name__}, not a Config.")
+  return cfg
 
 
 def _set(cfg: Config, name: str, value: str) -> object:
@@ -76,7 +89,12 @@ def _set(cfg: Config, name: str, value: str) -> object:
     _fail(f"--config.{name}: unknown config field.")
   kind = type(getattr(obj, last))
   try:
-    typed = (value.lower() in ("1", "true") if kind is bool else kind(value))
+    if kind is bool:
+      if value.lower() not in ("1", "true", "0", "false"):
+        raise ValueError(value)
+      typed = value.lower() in ("1", "true")
+    else:
+      typed = kind(value)
   except ValueError:
     _fail(f"--config.{name}={value}: not a {kind.__name__}.")
   setattr(obj, last, typed)
@@ -94,9 +112,27 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def import_(args, extra: list[str]) -> None:
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(args.out).resolve()
+  try:
+    with output.interrupts_as_exceptions():
+      _import(args, extra, out)
+  except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
+    print(f"tools.hf: import interrupted; nothing was written to {out}", file=sys.stderr)
+    sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+
+
+def _import(args, extra: list[str], out: pathlib.Path) -> None:
+  """The import into workdir `out`: checked before any tensor is read, written through a staging
+  directory that becomes `out` in one rename once config.py is in it."""
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import Checkpointer, compact_nbytes, complete_steps, directory  # pylint: disable=import-outside-toplevel
+  ckpts = directory(str(out))
+  if os.path.isdir(ckpts) and complete_steps(ckpts):
+    _fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")
+  output.check_target(out, "workdir", "--out")
   sources = [hf.Source.open(d) for d in args.hf]
-  cfg = _load_config(args.config)
+  cfg = _load_config(args.config or DEFAULT_BASE)
   overrides = _overrides(extra)
   for name, value in overrides.items():
     _set(cfg, name, value)
@@ -105,7 +141,7 @@ def import_(args, extra: list[str]) -> None:
     for module in src.modules:
       if module in taken:
         _fail(f"--hf {taken[module]} and --hf {src.path} both hold the {module} module; pass one.")
-      taken[module] = src.path
+      taken[module] = src.path.resolve()
       section = cfg.model.module(module)
       for k, v in hf.fields(src, module).items():
         given = overrides.get(f"model.{module}.{k}")
@@ -126,51 +162,117 @@ def import_(args, extra: list[str]) -> None:
       v.projector_hidden = cfg.model.language.dim
     print(f"model.vision: read as LLaVA reads a tower: final_norm={str(v.final_norm).lower()} "
           f"(no post_layernorm), projector_hidden={v.projector_hidden}", flush=True)
-  out = pathlib.Path(args.out).resolve()
   cfg.run.workdir = str(out)
-  ckpts = directory(str(out))
-  if os.path.isdir(ckpts) and complete_steps(ckpts):
-    _fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")
+  record = _record(sources, taken)
   import jax  # pylint: disable=import-outside-toplevel
   from mimo_jax.state import host_gib  # pylint: disable=import-outside-toplevel
   from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
   from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel
-  validate(cfg, len(jax.devices()))
-  started, base = time.time(), host_gib()  # the process with its backend, before any tensor
-  for module, path in taken.items():
-    print(f"importing model.{module} from {path}", flush=True)
-  step = Step.build(cfg)
-  # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
-  state = step.init_state(cfg.train.seed, optimizer=False)
-  jax.block_until_ready(state)
-  read_peak = _peak_gib()
-  out.mkdir(parents=True, exist_ok=True)
-  canonical = step.canonical(state)
-  # The save copies the parameters to the host a few GB at a time, not all at once; orbax refuses
-  # an array larger than that limit (an 8B model's stacked MLP kernels are 3.8 GB in bfloat16).
-  largest = max(compact_nbytes(x) for m in canonical.values() for x in jax.tree.leaves(m.params))
-  limit = max(SAVE_HOST_GB, math.ceil(largest / 1e9))
-  ckpt = Checkpointer(ckpts, list(step.modules), async_save=False, host_gb=limit)
-  if not ckpt.host_batched:
-    print("note: this orbax version has no transfer callback to batch the save: it copies all "
-          "parameters to the host at once (about their size in host memory)", flush=True)
-  # Weights read from bfloat16 tensors are stored as bfloat16: half the bytes to copy and write.
-  ckpt.save(0, canonical, cfg, force=True, params_only=True, compact=True)
-  ckpt.close()
-  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-  (out / "config.py").write_text(CONFIG_PY.format(
-      source=" --hf ".join(str(s.path) for s in sources)))
-  token = next((s.config.get("image_token_index") for s in sources if s.kind == "llava"), None)
-  context = next((hf.text_config(s).get("max_position_embeddings") for s in sources
-                  if "language" in s.modules), None)  # the export writes it back
-  (out / "hf_import.json").write_text(json.dumps(
-      {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token,
-       "max_position_embeddings": context}, indent=2) + "\n")
+  validate(_without_launch_fields(cfg), len(jax.devices()))
+  # What the save stores of the HF tensors (the seed's parameters come on top; checked again
+  # before the save, exactly).
+  output.check_space(out, sum(hf.stored_bytes(s, m, cfg) for s in sources for m in s.modules),
+                     "the import's step-0 checkpoint")
+  with output.staged(out, "workdir", "--out") as tmp:
+    started, base = time.time(), host_gib()  # the process with its backend, before any tensor
+    for module, path in taken.items():
+      print(f"importing model.{module} from {path}", flush=True)
+    step = Step.build(cfg)
+    # Parameters only: the optimizer's state at step 0 is its fresh one, built again on restore.
+    state = step.init_state(cfg.train.seed, optimizer=False)
+    jax.block_until_ready(state)
+    read_peak = _peak_gib()
+    canonical = step.canonical(state)
+    sizes = [compact_nbytes(x) for m in canonical.values() for x in jax.tree.leaves(m.params)]
+    output.check_space(tmp, sum(sizes), "the import's step-0 checkpoint")
+    # The save copies the parameters to the host a few GB at a time, not all at once; orbax
+    # refuses an array larger than that limit (an 8B model's stacked MLP kernels are 3.8 GB in
+    # bfloat16).
+    limit = max(SAVE_HOST_GB, math.ceil(max(sizes) / 1e9))
+    ckpt = Checkpointer(directory(str(tmp)), list(step.modules), async_save=False, host_gb=limit)
+    if not ckpt.host_batched:
+      print("note: this orbax version has no transfer callback to batch the save: it copies all "
+            "parameters to the host at once (about their size in host memory)", flush=True)
+    try:
+      # Weights read from bfloat16 tensors are stored as bfloat16: half the bytes to copy and
+      # write. The metadata names `out` (cfg.run.workdir), where the staging directory goes.
+      ckpt.save(0, canonical, cfg, force=True, params_only=True, compact=True)
+    except BaseException:
+      with contextlib.suppress(Exception):
+        ckpt.close()  # its writer threads stop before the staging directory is removed
+      raise
+    ckpt.close()
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    (tmp / "hf_import.json").write_text(json.dumps(record, indent=2) + "\n")
+    (tmp / "config.py").write_text(CONFIG_PY.format(  # last: the workdir is complete
+        source=" --hf ".join(dict.fromkeys(record["sources"].values()))))
   counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
   print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
         f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
-        f"({base:.2f} GiB before reading); train "
-        f"with: python -m mimo_jax.launch --config={out / 'config.py'}")
+        f"({base:.2f} GiB before reading)")
+  for line in _launch_lines(args, cfg, out, record):
+    print(line)
+
+
+def _record(sources: list, taken: dict) -> dict:
+  """hf_import.json: the directories (absolute: readers run elsewhere), the module each gave, and
+  what the export writes back (LLaVA's image token, the language model's context)."""
+  token = next((s.config.get("image_token_index") for s in sources if s.kind == "llava"), None)
+  if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
+    _fail(f"{next(s for s in sources if s.kind == 'llava').path / 'config.json'}: field "
+          f"image_token_index is {json.dumps(token)}; set it to the tokenizer's <image> id.")
+  context = next((hf.field(hf.text_config(s), "max_position_embeddings",
+                           str(s.path / "config.json"), int, None,
+                           "text_config" if s.kind == "llava" else "", nullable=True)
+                  for s in sources if "language" in s.modules), None)
+  return {"sources": {m: str(p) for m, p in taken.items()}, "image_token_index": token,
+          "max_position_embeddings": context}
+
+
+def _without_launch_fields(cfg: Config) -> Config:
+  """`cfg` to validate at import: converted data (data.task=conversations) is named at launch
+  (data.dir, data.image_token), so a base config without it (configs/llava_cpu.py) imports."""
+  if cfg.data.task != "conversations" or (cfg.data.dir and cfg.data.image_token >= 0):
+    return cfg
+  checked = copy.deepcopy(cfg)
+  checked.data.dir = checked.data.dir or "(named at launch)"
+  if checked.data.image_token < 0:
+    checked.data.image_token = 0
+  return checked
+
+
+def _launch_lines(args, cfg: Config, out: pathlib.Path, record: dict) -> list[str]:
+  """How to train from the workdir: the launch command with every field the workdir's config
+  leaves to the user (the data: a tools.convert directory and its image token), and a note when
+  the base config is the GPU-sized default and this machine has CPUs only."""
+  import jax  # pylint: disable=import-outside-toplevel
+  d, flags, notes = cfg.data, [f"--config={out / 'config.py'}"], []
+  if d.task != "conversations":
+    flags.append("--config.data.task=conversations")
+  if d.task != "conversations" or not d.dir:
+    flags.append("--config.data.dir=DATA")
+    notes.append("DATA: the directory `python -m tools.convert` wrote with this model's "
+                 "tokenizer")
+  if d.task != "conversations" or d.image_token < 0:
+    token = record["image_token_index"]
+    flags.append(f"--config.data.image_token={'ID' if token is None else token}")
+    notes.append("ID: the image token id tools.convert reports" if token is None else
+                 f"{token}: the image_token_index of {record['sources']['vision']}; "
+                 "tools.convert reports the same id for the same tokenizer")
+  lines = [f"train with: python -m mimo_jax.launch {' '.join(flags)}"]
+  lines += [f"  {n}" for n in notes]
+  if d.task != "conversations":
+    lines.append(f"  (without the data flags the run trains on the base config's data.task="
+                 f"{d.task})")
+  if args.config is None and jax.default_backend() == "cpu":
+    cpu = (f"; for a CPU run, import with --config={CPU_BASE} (float32, smaller rows and batches)"
+           if (ROOT / CPU_BASE).is_file() else "")
+    lines.append(
+        f"note: the fields config.json does not set came from {DEFAULT_BASE}, sized for GPUs "
+        f"(model.dtype={cfg.model.dtype}, data.seq_len={d.seq_len}, data.global_batch="
+        f"{d.global_batch}): on this machine's CPUs a step of it takes minutes{cpu}, or set "
+        "those fields at launch")
+  return lines
 
 
 def _peak_gib() -> float:
@@ -418,8 +520,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--hf", required=True, action="append",
                  help="an HF model directory; repeat for a tower and a language model")
   p.add_argument("--out", required=True, help="the workdir to write")
-  p.add_argument("--config", default=DEFAULT_BASE,
-                 help=f"config file for the fields config.json does not set (default {DEFAULT_BASE})")
+  p.add_argument("--config", default=None,
+                 help="config file[:variant] for the fields config.json does not set (default "
+                 f"{DEFAULT_BASE}, sized for GPUs; {CPU_BASE} for a run on CPUs)")
   p = verbs.add_parser("export", help="a checkpoint -> an HF directory")
   p.add_argument("workdir")
   p.add_argument("--step", type=int, default=None, help="default: the newest")

@@ -13,7 +13,9 @@ the caller can place each on its devices before the next is read (state.py, for 
 One table per module (`Tensor`: our leaf, the HF name and shape, the layout map) serves reading
 and writing (export.py).
 
-Every problem is one `HFError` naming the file or tensor and the fix.
+Every problem is one `HFError` naming the file or tensor and the fix: a config.json field that
+is missing, null or of another type (`field`), a tensor of the wrong shape or dtype, a tensor
+holding NaN or infinity (checked as it is read).
 
 source.py reads a directory, fields.py maps config.json to config fields, tensors.py maps tensors
 to parameters, export.py writes them back.
@@ -22,6 +24,6 @@ to parameters, export.py writes them back.
 from mimo_jax.hf.fields import (check_fields, configure, feature_layers, fields, language_fields,
                                 text_config, vision_config, vision_fields)
 from mimo_jax.hf.source import (ACTIVATIONS, HEADS, LANGUAGE_TYPES, MODULES, PREFIXES,
-                                VISION_TYPES, HFError, Source)
+                                VISION_TYPES, HFError, Source, field)
 from mimo_jax.hf.tensors import (Leaf, Tensor, flatten, language_tensors, leaves, load, nest,
-                                 tensors, vision_tensors)
+                                 stored_bytes, tensors, vision_tensors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -39,12 +40,49 @@ class HFError(ConfigError):
 
 def _json(path: pathlib.Path) -> dict:
   try:
-    return json.loads(path.read_text())
+    out = json.loads(path.read_text())
   except FileNotFoundError:
     raise HFError(f"{path}: not found; an HF model directory has a config.json (as "
                   "save_pretrained writes it).") from None
   except (OSError, ValueError) as e:
     raise HFError(f"{path}: cannot be read as JSON ({e}).") from None
+  if not isinstance(out, dict):
+    raise HFError(f"{path}: holds a JSON {type(out).__name__}, not an object of fields; write it "
+                  "again with save_pretrained.")
+  return out
+
+
+REQUIRED = object()  # `field`'s default: the field must be there
+_KINDS = {int: "a positive integer", float: "a finite number", bool: "true or false",
+          str: "a string", dict: "an object of fields", list: "a list"}
+
+
+def field(cfg: dict, key: str, where: str, kind: type, default: object = REQUIRED,
+          section: str = "", nullable: bool = False) -> object:
+  """Field `key` of a config.json object (`section`: its path in the file, e.g. text_config) as
+  `kind`: int (> 0), float (finite; an integer is one too), bool, str, dict or list. A missing
+  field takes `default`, and so does null where transformers reads None as its default
+  (`nullable`); a missing field without a default, a null or a value of another type is one
+  HFError naming the field and the file."""
+  name = f"{section}.{key}" if section else key
+  value = cfg.get(key)
+  if value is None:
+    if key in cfg and not nullable:
+      raise HFError(f"{where}: field {name} is null; set it to {_KINDS[kind]}.")
+    if default is REQUIRED:
+      raise HFError(f"{where}: field {name} is missing; set it to {_KINDS[kind]} (as "
+                    "save_pretrained writes it).")
+    return default
+  if kind is float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    value = float(value) if ok else value
+  elif kind is int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+  else:
+    ok = isinstance(value, kind)
+  if not ok:
+    raise HFError(f"{where}: field {name} is {json.dumps(value)}; set it to {_KINDS[kind]}.")
+  return value
 
 
 @dataclasses.dataclass
@@ -53,6 +91,7 @@ class Source:
   path: pathlib.Path
   config: dict
   files: dict[str, pathlib.Path]  # tensor name -> safetensors file
+  _dtypes: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
   @classmethod
   def open(cls, path: str | pathlib.Path) -> "Source":
@@ -64,8 +103,10 @@ class Source:
     index = path / "model.safetensors.index.json"
     if index.exists():
       weight_map = _json(index).get("weight_map")
-      if not isinstance(weight_map, dict):
-        raise HFError(f"{index}: has no weight_map; rewrite it with save_pretrained.")
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(v, str) for v in weight_map.values()):
+        raise HFError(f"{index}: has no weight_map of tensor names to file names; rewrite it "
+                      "with save_pretrained.")
       files = {k: path / v for k, v in weight_map.items()}
       for f in sorted(set(files.values())):
         if not f.is_file():
@@ -86,7 +127,7 @@ class Source:
   @property
   def kind(self) -> str:
     """llava, llama, qwen2, siglip or clip."""
-    t = self.config.get("model_type", "")
+    t = field(self.config, "model_type", str(self.path / "config.json"), str, "")
     if t == "llava":
       return "llava"
     if t in LANGUAGE_TYPES:
@@ -103,6 +144,16 @@ class Source:
 
   def has(self, name: str) -> bool:
     return name in self.files
+
+  def dtype(self, name: str) -> str:
+    """Tensor `name`'s dtype as its file's header names it (F32, BF16, ...; "" if absent), read
+    from the headers alone."""
+    if self._dtypes is None:
+      self._dtypes = {}
+      for f in sorted(set(self.files.values())):
+        self._dtypes.update({k: v.get("dtype", "") for k, v in _header(f).items()
+                             if isinstance(v, dict) and k != "__metadata__"})
+    return self._dtypes.get(name, "")
 
   def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name` as float32, checked against the `shape` config.json implies."""
@@ -125,7 +176,27 @@ class Source:
     if tuple(x.shape) != tuple(shape):
       raise HFError(f"{f}: tensor {name} has shape {tuple(x.shape)}, but config.json implies "
                     f"{tuple(shape)}.")
-    return np.asarray(x, np.float32)
+    x = np.asarray(x, np.float32)
+    bad = _nonfinite(x)
+    if bad:
+      raise HFError(f"{f}: tensor {name} holds NaN or infinite values ({bad}); the checkpoint is "
+                    "damaged or was saved from a diverged run: download it again or use another.")
+    return x
+
+
+FINITE_CHUNK = 1 << 22  # elements checked at a time: a 4 MB mask, however large the tensor
+
+
+def _nonfinite(x: np.ndarray) -> str:
+  """"" if every value of `x` is finite, else where the first NaN or infinity is (found chunk by
+  chunk while the tensor is in memory anyway: no second read, no mask the tensor's size)."""
+  flat = x.reshape(-1)
+  for start in range(0, flat.size, FINITE_CHUNK):
+    ok = np.isfinite(flat[start:start + FINITE_CHUNK])
+    if not ok.all():
+      i = start + int(np.argmin(ok))
+      return f"{flat[i]} at index {tuple(int(j) for j in np.unravel_index(i, x.shape))}"
+  return ""
 
 
 def _keys(f: pathlib.Path) -> list[str]:
@@ -135,6 +206,18 @@ def _keys(f: pathlib.Path) -> list[str]:
       return list(st.keys())
   except Exception as e:  # pylint: disable=broad-except
     raise HFError(f"{f}: cannot be read as safetensors ({e}).") from None
+
+
+def _header(f: pathlib.Path) -> dict:
+  """A safetensors file's header: each tensor's dtype, shape and data offsets."""
+  try:
+    with open(f, "rb") as fh:
+      header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+  except (OSError, ValueError, MemoryError) as e:
+    raise HFError(f"{f}: cannot be read as safetensors ({e}).") from None
+  if not isinstance(header, dict):
+    raise HFError(f"{f}: cannot be read as safetensors (its header is not an object).")
+  return header
 
 
 def _read_bf16(f: pathlib.Path, name: str) -> np.ndarray:
@@ -158,7 +241,5 @@ def _find(src: Source, part: str, suffix: str) -> str:
   return PREFIXES[part][0] + suffix  # missing: read() names it
 
 
-def _int(cfg: dict, key: str, where: str) -> int:
-  if not isinstance(cfg.get(key), int):
-    raise HFError(f"{where}: field {key} is missing or not an integer.")
-  return cfg[key]
+def _int(cfg: dict, key: str, where: str, section: str = "") -> int:
+  return field(cfg, key, where, int, section=section)

@@ -9,7 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from mimo_jax.hf.fields import text_config
-from mimo_jax.hf.source import HEADS, HFError, Source, _find
+from mimo_jax.hf.source import HEADS, HFError, Source, _find, _int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +124,20 @@ def tensors(src: Source, module: str, cfg) -> list[Tensor]:
   """`module`'s tensors ("vision" or "language") a directory holds, for a run config `cfg`."""
   if module == "language":
     return language_tensors(cfg.model.language)
-  return vision_tensors(cfg.model.vision,
-                        text_config(src)["hidden_size"] if src.kind == "llava" else None)
+  return vision_tensors(cfg.model.vision, _int(text_config(src), "hidden_size", str(
+      src.path / "config.json"), "text_config") if src.kind == "llava" else None)
+
+
+def stored_bytes(src: Source, module: str, cfg) -> int:
+  """Bytes a compact save (checkpoint.py) stores of `module`'s tensors from `src`, from the
+  files' headers: 2 an element of a bfloat16 tensor, 4 of any other (parameters the seed makes
+  come on top)."""
+  total = 0
+  for t in tensors(src, module, cfg):
+    n = int(np.prod(t.shape))
+    total += sum(n * (2 if src.dtype(_full_name(src, t, name)) == "BF16" else 4)
+                 for name in t.names())
+  return total
 
 
 def _full_name(src: Source, t: Tensor, name: str) -> str:
