@@ -45,8 +45,8 @@ one error line, exit status 2.
 
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
-each image taking `--image_tokens`), data.max_images (with as many data.image_probs, which
-converted data does not use), eval.samples (the eval split), and the image size, channels and
+each image taking `--image_tokens`), data.max_images (with max_images + 1 data.image_probs,
+which converted data does not use but validation checks), eval.samples (the eval split), and the image size, channels and
 vocabulary the model needs.
 """
 

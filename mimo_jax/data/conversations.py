@@ -17,8 +17,9 @@ tokens; the loss mask is 1 on every assistant token and its end-of-turn token.
 `convert` writes such a directory from LLaVA-format records (`tools.convert` is its command line;
 the digits task builds its shards with it too): each record rendered with the language model's
 chat template (chat.py), each image prepared by the vision tower's processor (images.py), in
-parallel worker processes. Paths in the manifest that lie inside the directory are stored relative
-to it (`source_path` resolves them).
+parallel worker processes. Paths in the manifest (tokenizer, processor, source) are absolute, or
+relative to the directory where they lie inside it; `source_path` resolves them, older relative
+ones against the directory, then the working directory.
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ def eval_split(records: list[dict], count: int, seed: int) -> tuple[set[int], li
   """The indices of about `count` records drawn for eval with `seed`, every record of one id on
   the same side (records without an id stand alone), and the ids several records share."""
   n = len(records)
+  if n < 2:
+    raise ConfigError(f"--json holds {n} record; a conversion needs at least 2 (one to train on, "
+                      "one to evaluate).")
   if count < 1:
     raise ConfigError(f"--eval {count}: a run evaluates on the eval split (eval.samples > 0); "
                       f"hold out at least 1 record (without --eval: {default_eval(n)}).")
