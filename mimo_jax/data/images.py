@@ -35,7 +35,7 @@ from PIL import Image
 from mimo_jax.config import ConfigError
 
 FILE = "preprocessor_config.json"
-PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
+PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor")
 
 
 class ImageError(ConfigError):
@@ -88,8 +88,9 @@ class ImageProcessor:
     if c.get("do_normalize", True):
       out["mean"] = tuple(float(x) for x in c.get("image_mean", (0.5, 0.5, 0.5)))
       out["std"] = tuple(float(x) for x in c.get("image_std", (0.5, 0.5, 0.5)))
+    # LlavaImageProcessor's do_pad is LLaVA's pad to square (tools.hf export writes it so).
     return cls(resample=int(c.get("resample", Image.Resampling.BICUBIC)),
-               pad_to_square=pad_to_square, **out)
+               pad_to_square=pad_to_square or bool(c.get("do_pad", False)), **out)
 
   def __call__(self, image: Image.Image) -> np.ndarray:
     """A PIL image -> uint8 pixels [h, w, 3] ([h, w, bands] without RGB conversion), resized and

@@ -106,14 +106,18 @@ RESAMPLE_BICUBIC = 3  # PIL's code, as preprocessor_config.json writes it
 
 
 def processor_output(p: dict) -> tuple[int, int] | None:
-  """(height, width) of the images an image processor config makes, or None when they keep
-  their aspect ratio (a shortest-edge resize without a crop)."""
+  """(height, width) of the images an image processor config (with its crop fields explicit)
+  makes, or None when they keep their aspect ratio (a shortest-edge resize without a crop)."""
   if p.get("do_center_crop") and "height" in p.get("crop_size", {}):
     return p["crop_size"]["height"], p["crop_size"]["width"]
   size = p.get("size", {})
   if p.get("do_resize", True) and "height" in size and "width" in size:
     return size["height"], size["width"]
   return None
+
+
+# Whether each class crops when its config does not say (transformers' defaults).
+CROPS = {"CLIPImageProcessor": True, "LlavaImageProcessor": True, "SiglipImageProcessor": False}
 
 
 def preprocessor_json(v, base: dict | None = None, pad_to_square: bool = False,
@@ -134,7 +138,11 @@ def preprocessor_json(v, base: dict | None = None, pad_to_square: bool = False,
     if clip:
       out["crop_size"] = {"height": size, "width": size}
   else:
-    out = {k: x for k, x in base.items() if k not in ("processor_class", "do_pad")}
+    out = {k: x for k, x in base.items() if k != "processor_class"}
+    kind = str(out.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
+    out["do_center_crop"] = bool(out.get("do_center_crop", CROPS.get(kind, False)))
+    if not out["do_center_crop"]:
+      out.pop("crop_size", None)
     made = processor_output(out)
     if made != (size, size):
       raise HFError(f"{where}: the image processor makes "

@@ -1,0 +1,273 @@
+"""tools.hf export writes a complete HF directory: on the recipe fixtures (tests/fixtures/recipe:
+a CLIP + Llama-3.1-style LLaVA, and a SigLIP tower + Qwen2 imported from two directories), the
+export holds the config (the source's context length), the image processor, LlavaProcessor's
+config, the tokenizer with its chat template and the generation config; mimo_jax's processor and
+greedy generation on the export's own import give transformers' references; the image token and
+the tokenizer of a run come from its data; the write is staged (a failure leaves nothing).
+
+With transformers installed, the export also loads as LlavaForConditionalGeneration with its
+AutoProcessor and generates what tools.generate does on the same workdir (skipped otherwise)."""
+
+import json
+import pathlib
+import shutil
+from unittest import mock
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mimo_jax import generate as generate_lib
+from mimo_jax.data.images import ImageProcessor
+from tools import generate as generate_tool
+from tools import hf as hf_tool
+
+RECIPE = pathlib.Path(__file__).parent / "fixtures" / "recipe"
+IMAGES = pathlib.Path(__file__).parent / "fixtures" / "images"
+REF = json.loads((RECIPE / "reference.json").read_text())
+PAIRS = {"llava": ["llava"], "siglip_qwen2": ["siglip", "qwen2"]}
+
+
+class Pairs:
+  """Each pair imported (tools.hf import with the references' flags) and exported, on first use."""
+
+  def __init__(self, root: pathlib.Path):
+    self.root, self.done = root, {}
+
+  def __call__(self, pair: str) -> tuple[pathlib.Path, pathlib.Path]:
+    if pair not in self.done:
+      run, out = self.root / pair / "run", self.root / pair / "export"
+      _import([RECIPE / d for d in PAIRS[pair]], run)
+      hf_tool.main(["export", str(run), "--out", str(out)])
+      self.done[pair] = run, out
+    return self.done[pair]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+  return Pairs(tmp_path_factory.mktemp("export"))
+
+
+def _import(dirs, out):
+  hf_tool.main(["import", *[a for d in dirs for a in ("--hf", str(d))], "--out", str(out),
+                *REF["import_flags"]])
+
+
+def _error(capsys, fn, *words):
+  """`fn` exits with status 2 and one line `tools.hf: error: ...` containing `words`."""
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    fn()
+  assert e.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
+  for w in words:
+    assert w in lines[0], (w, lines[0])
+
+
+def _json(path) -> dict:
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def _generated(workdir) -> list[int]:
+  """tools.generate's greedy tokens for the references' prompt and image on `workdir`."""
+  got = []
+  real = generate_lib.generate
+
+  def keep(*args, **kwargs):
+    out = real(*args, **kwargs)
+    got.append(np.asarray(out)[0].tolist())
+    return out
+  with mock.patch.object(generate_lib, "generate", keep):
+    assert generate_tool.main([str(workdir), "--image", str(IMAGES / REF["image"]), "--prompt",
+                               REF["prompt"], "--max_new_tokens",
+                               str(REF["max_new_tokens"])]) == 0
+  return got[0]
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_the_export_is_a_complete_hf_directory(pairs, pair):
+  _, out = pairs(pair)
+  config = _json(out / "config.json")
+  lm_source = _json(RECIPE / PAIRS[pair][-1] / "config.json")
+  lm_source = lm_source.get("text_config", lm_source)
+  clip = pair == "llava"
+  assert config["architectures"] == ["LlavaForConditionalGeneration"]
+  assert config["text_config"]["max_position_embeddings"] == lm_source[
+      "max_position_embeddings"] == (131072 if clip else 32768)
+  assert config["text_config"]["model_type"] == ("llama" if clip else "qwen2")
+  assert config["vision_config"]["model_type"] == ("clip_vision_model" if clip else
+                                                   "siglip_vision_model")
+  assert config["vision_feature_select_strategy"] == ("default" if clip else "full")
+  assert config["image_token_index"] == (5 if clip else 3)  # the tokenizers' <image>
+  # The image processor: the tower's class, size, crop and resample, as the source's.
+  pre = _json(out / "preprocessor_config.json")
+  source_pre = _json(RECIPE / PAIRS[pair][0] / "preprocessor_config.json")
+  for k in ("image_processor_type", "size", "crop_size", "resample", "image_mean", "image_std",
+            "do_convert_rgb", "rescale_factor"):
+    assert pre.get(k) == source_pre.get(k), k
+  assert pre["do_center_crop"] is clip  # said, not left to the class's default
+  assert pre["image_processor_type"] == ("CLIPImageProcessor" if clip else "SiglipImageProcessor")
+  processor = _json(out / "processor_config.json")
+  assert processor == {"processor_class": "LlavaProcessor", "image_token": "<image>",
+                       "patch_size": 4, "vision_feature_select_strategy": config[
+                           "vision_feature_select_strategy"],
+                       "num_additional_image_tokens": int(clip)}
+  # The tokenizer's files and chat template; generation with its bos, eos and pad.
+  tok_source = RECIPE / PAIRS[pair][-1]
+  assert (out / "tokenizer.json").read_bytes() == (tok_source / "tokenizer.json").read_bytes()
+  assert (out / "chat_template.jinja").read_text() == (
+      tok_source / "chat_template.jinja").read_text()
+  assert _json(out / "tokenizer_config.json")["processor_class"] == "LlavaProcessor"
+  generation = _json(out / "generation_config.json")
+  assert generation == ({"bos_token_id": 0, "eos_token_id": [4, 1], "pad_token_id": 1} if clip
+                        else {"eos_token_id": [2], "pad_token_id": 0})
+  # mimo_jax's processor reads the export's and prepares odd-sized images as transformers does.
+  proc = ImageProcessor.open(out)
+  pixels = np.load(RECIPE / "reference.npz")
+  for f in REF["images"]:
+    with Image.open(IMAGES / f) as image:
+      np.testing.assert_allclose(proc.normalized(proc(image)), pixels[f"{pair}/{f}"],
+                                 atol=1e-6, err_msg=f)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_generate_on_the_exports_import_gives_transformers_tokens(pairs, pair, tmp_path):
+  """Greedy tokens of tools.generate on the export, imported again (its tokenizer, processor
+  and weights), are transformers' on the export."""
+  _, out = pairs(pair)
+  _import([out], tmp_path / "again")
+  assert _generated(tmp_path / "again") == REF["generated"][pair]
+
+
+def _trained_run(pairs, tmp_path) -> pathlib.Path:
+  """The SigLIP + Qwen2 import as a run elsewhere would be (no hf_import.json, no init_from)
+  on converted conversation data padded to squares (data.image_token 3; a manifest naming a
+  tokenizer of its own, marked by model_max_length 40)."""
+  run, _ = pairs("siglip_qwen2")
+  tok = tmp_path / "tokenizer"
+  shutil.copytree(RECIPE / "qwen2", tok, ignore=shutil.ignore_patterns("*.safetensors"))
+  tok_config = _json(tok / "tokenizer_config.json")
+  (tok / "tokenizer_config.json").write_text(json.dumps(dict(tok_config, model_max_length=40)))
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "conversations.json").write_text(json.dumps(
+      {"format": 1, "image_token": 3, "image_token_text": "<image>", "tokenizer": str(tok),
+       "processor": str(RECIPE / "siglip"), "pad_to_square": True, "vocab_size": 300,
+       "image_size": [16, 16]}))
+  trained = tmp_path / "trained"
+  shutil.copytree(run, trained)
+  (trained / "hf_import.json").unlink()
+  meta_file = trained / "checkpoints" / "0" / "meta" / "metadata"
+  meta = _json(meta_file)
+  meta["config"]["data"].update(task="conversations", dir=str(data), image_token=3)
+  for module in ("vision", "language"):
+    meta["config"]["model"][module]["init_from"] = ""
+  meta_file.write_text(json.dumps(meta))
+  return trained
+
+
+def test_a_runs_export_takes_its_data_token_tokenizer_and_padding(pairs, tmp_path, capsys):
+  """A run on converted data: the image token is data.image_token, the tokenizer the
+  manifest's, and data padded to squares gives LLaVA's padding image processor; no
+  --image_token_index needed."""
+  trained = _trained_run(pairs, tmp_path)
+  data = tmp_path / "data"
+  hf_tool.main(["export", str(trained), "--out", str(tmp_path / "out")])
+  out = tmp_path / "out"
+  assert _json(out / "config.json")["image_token_index"] == 3
+  assert _json(out / "tokenizer_config.json")["model_max_length"] == 40  # the data's tokenizer
+  pre = _json(out / "preprocessor_config.json")
+  assert pre["image_processor_type"] == "LlavaImageProcessor" and pre["do_pad"] is True
+  # Without a tokenizer anywhere: one error naming the fix.
+  (data / "conversations.json").write_text(json.dumps(
+      {"format": 1, "image_token": 3, "tokenizer": str(tmp_path / "none"),
+       "processor": str(RECIPE / "siglip")}))
+  _error(capsys, lambda: hf_tool.main(["export", str(trained), "--out", str(tmp_path / "o2")]),
+         "--tokenizer DIR")
+  assert not (tmp_path / "o2").exists()
+
+
+def test_the_export_is_staged_refuses_what_it_would_overwrite_and_refuses_non_finite_weights(
+    pairs, tmp_path, capsys, monkeypatch):
+  run, _ = pairs("llava")
+  out = tmp_path / "out"
+  export = lambda *extra: hf_tool.main(["export", str(run), "--out", str(out), *extra])
+  # A write failing midway leaves nothing: no output, no staging directory, no lock.
+  real = hf_tool.shutil.copyfile
+  with mock.patch.object(hf_tool.shutil, "copyfile", side_effect=OSError("disk full")):
+    with pytest.raises(OSError):
+      export()
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  assert hf_tool.shutil.copyfile is real
+  export()  # a rerun works
+  assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+  # A complete export is refused without --overwrite, replaced with it; any other content is
+  # refused.
+  _error(capsys, export, "--overwrite")
+  (out / "model.safetensors").unlink()
+  export("--overwrite")
+  assert (out / "model.safetensors").is_file()
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.txt").write_text("mine")
+  _error(capsys, lambda: hf_tool.main(["export", str(run), "--out", str(other), "--overwrite"]),
+         "not empty", "notes.txt")
+  assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+  # A checkpoint with a NaN weight is refused, naming the tensor; nothing is written.
+  read = hf_tool._read_checkpoint
+
+  def with_nan(*args):
+    cfg, params, step, record = read(*args)
+    params["language"]["norm"]["scale"] = np.full_like(params["language"]["norm"]["scale"],
+                                                       np.nan)
+    return cfg, params, step, record
+  monkeypatch.setattr(hf_tool, "_read_checkpoint", with_nan)
+  _error(capsys, lambda: hf_tool.main(["export", str(run), "--out", str(tmp_path / "nan")]),
+         "language_model.model.norm.weight", "NaN or Inf", "--step")
+  assert not (tmp_path / "nan").exists()
+
+
+# transformers' side: the export as transformers loads it.
+
+def test_transformers_loads_the_export_and_generates_what_mimo_jax_does(pairs):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  pixels = np.load(RECIPE / "reference.npz")
+  for pair in PAIRS:
+    run, out = pairs(pair)
+    processor = transformers.AutoProcessor.from_pretrained(str(out))
+    assert type(processor).__name__ == "LlavaProcessor"
+    mimo = ImageProcessor.open(out)
+    for f in REF["images"]:
+      with Image.open(IMAGES / f) as image:
+        theirs = processor.image_processor(images=image, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(theirs, pixels[f"{pair}/{f}"], atol=1e-6, err_msg=f)
+        np.testing.assert_allclose(mimo.normalized(mimo(image)), theirs, atol=1e-6, err_msg=f)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(str(out)).eval()
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"<image>\n{REF['prompt']}"}], add_generation_prompt=True,
+        tokenize=False)
+    with Image.open(IMAGES / REF["image"]) as image:
+      inputs = processor(text=text, images=image.convert("RGB"), return_tensors="pt",
+                         add_special_tokens=False)
+    image_id = model.config.image_token_index
+    assert int((inputs["input_ids"] == image_id).sum()) == 16  # (16 / 4)^2 image tokens
+    with torch.no_grad():
+      seq = model.generate(**inputs, do_sample=False, max_new_tokens=REF["max_new_tokens"])
+    theirs = seq[0, inputs["input_ids"].shape[1]:].tolist()
+    assert theirs == REF["generated"][pair], pair
+    assert _generated(run) == theirs, pair
+
+
+def test_transformers_pads_images_to_squares_as_the_conversion_did(pairs, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  trained = _trained_run(pairs, tmp_path)
+  hf_tool.main(["export", str(trained), "--out", str(tmp_path / "out")])
+  theirs = transformers.AutoImageProcessor.from_pretrained(str(tmp_path / "out"))
+  mimo = ImageProcessor.open(tmp_path / "out")
+  assert mimo.pad_to_square
+  for f in REF["images"]:
+    with Image.open(IMAGES / f) as image:
+      np.testing.assert_allclose(theirs(images=image, return_tensors="np")["pixel_values"][0],
+                                 mimo.normalized(mimo(image)), atol=1e-6, err_msg=f)
