@@ -47,10 +47,21 @@ def _params(workdir, step=0):
   return params
 
 
+def _tokenizer(directory: pathlib.Path) -> str:
+  """A word-level tokenizer of the fixtures' 64 ids (an export copies the run's tokenizer; the
+  fixtures have none)."""
+  from tokenizers import Tokenizer, models  # pylint: disable=import-outside-toplevel
+  directory.mkdir()
+  Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(
+      str(directory / "tokenizer.json"))
+  return str(directory)
+
+
 def test_import_export_round_trip(tmp_path):
   _import(FIXTURES / "llava15", tmp_path / "a")
   assert (tmp_path / "a" / "config.py").is_file()
-  hf_tool.main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "hf")])
+  tok = _tokenizer(tmp_path / "tokenizer")
+  hf_tool.main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "hf"), "--tokenizer", tok])
   ours, theirs = _tensors(tmp_path / "hf"), _tensors(FIXTURES / "llava15")
   # LLaVA-1.5 reads layer -2: the tower's last layer is not part of the model.
   dropped = {k for k in theirs if ".layers.2." in k and k.startswith("vision_tower.")}
@@ -71,7 +82,7 @@ def test_import_export_round_trip(tmp_path):
       np.testing.assert_array_equal(a[path], b[path], err_msg="/".join(path))
   # One module alone: the language model as LlamaForCausalLM, with the fixture's names.
   hf_tool.main(["export", str(tmp_path / "a"), "--module", "language", "--out",
-                str(tmp_path / "lm")])
+                str(tmp_path / "lm"), "--tokenizer", tok])
   lm = _tensors(tmp_path / "lm")
   for k, x in lm.items():
     np.testing.assert_array_equal(x, theirs["language_model." + k if k.startswith("model.")
