@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -361,12 +362,13 @@ def test_manifest_paths_work_from_any_directory(src, tmp_path, capsys, monkeypat
 
 
 def test_the_launch_line_trains_on_the_conversion(src, tmp_path, capsys):
-  rc, err, printed = _main(_args(src, tmp_path / "out", "--image_tokens", "4"), capsys)
+  out = tmp_path / "a conversion"  # a space the shell must be told of
+  rc, err, printed = _main(_args(src, out, "--image_tokens", "4"), capsys)
   assert rc == 0, err
-  line = printed.strip().splitlines()[-1].split()
+  line = shlex.split(printed.strip().splitlines()[-1])
   assert line[:4] == ["python", "-m", "mimo_jax.launch", "--config=MODEL_CONFIG"]
   flags = dict(f.removeprefix("--config.").split("=", 1) for f in line[4:])
-  assert flags["data.dir"] == str(tmp_path / "out") and flags["eval.samples"] == "3"
+  assert flags["data.dir"] == str(out) and flags["eval.samples"] == "3"
   assert flags["data.seq_len"] == str(conversations.manifest(flags["data.dir"])["longest"])
   cfg = tiny_config("", vision=(0, 1, 1), language=(0, 1, 1))
   cfg.eval.batch = 1

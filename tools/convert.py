@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shlex
 import signal
 import sys
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
-  """The launch flags that train on conversion `out` with manifest `m`."""
+  """The launch flags that train on conversion `out` with manifest `m`, quoted for a shell."""
   flags = {"data.task": "conversations", "data.dir": str(out),
            "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
   if m["max_images"]:
@@ -145,7 +146,7 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
     flags["model.vision.image_size"] = m["image_size"][0]
     flags["model.vision.channels"] = m["channels"]
   flags["model.language.vocab_size"] = m["vocab_size"]
-  return [f"--config.{k}={v}" for k, v in flags.items()]
+  return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 
 
 def _error(message: str) -> int:
