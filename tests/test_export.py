@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mimo_jax import checkpoint
 from mimo_jax import generate as generate_lib
 from mimo_jax.data.images import ImageProcessor
 from tools import generate as generate_tool
@@ -163,6 +164,7 @@ def _trained_run(pairs, tmp_path) -> pathlib.Path:
   meta["config"]["data"].update(task="conversations", dir=str(data), image_token=3)
   for module in ("vision", "language"):
     meta["config"]["model"][module]["init_from"] = ""
+  meta["digest"] = checkpoint._digest(meta)  # pylint: disable=protected-access
   meta_file.write_text(json.dumps(meta))
   return trained
 
@@ -186,6 +188,28 @@ def test_a_runs_export_takes_its_data_token_tokenizer_and_padding(pairs, tmp_pat
   _error(capsys, lambda: hf_tool.main(["export", str(trained), "--out", str(tmp_path / "o2")]),
          "--tokenizer DIR")
   assert not (tmp_path / "o2").exists()
+
+
+def test_a_later_stage_finds_its_import_through_init_from(pairs, tmp_path):
+  """A run started from the import's workdir (model.init_from=WORKDIR, a training stage) in a
+  workdir of its own: the export finds the import's record and sources through it (context,
+  tokenizer, image processor)."""
+  run, _ = pairs("siglip_qwen2")
+  stage = tmp_path / "stage2"
+  shutil.copytree(run, stage)
+  (stage / "hf_import.json").unlink()
+  meta_file = stage / "checkpoints" / "0" / "meta" / "metadata"
+  meta = _json(meta_file)
+  meta["config"]["model"]["init_from"] = str(run)
+  for module in ("vision", "language"):
+    meta["config"]["model"][module]["init_from"] = ""
+  meta["digest"] = checkpoint._digest(meta)  # pylint: disable=protected-access
+  meta_file.write_text(json.dumps(meta))
+  hf_tool.main(["export", str(stage), "--out", str(tmp_path / "out")])
+  config = _json(tmp_path / "out" / "config.json")
+  assert config["text_config"]["max_position_embeddings"] == 32768
+  assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+      RECIPE / "qwen2" / "tokenizer.json").read_bytes()
 
 
 def test_the_export_is_staged_refuses_what_it_would_overwrite_and_refuses_non_finite_weights(

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
-  python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=configs/vlm.py[:ARG]] [--config.a.b=v ...]
+  python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=FILE[:ARG]] [--config.a.b=v ...]
   python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
@@ -8,11 +8,20 @@
 a SigLIP or CLIP vision tower, a Llama-3.x or Qwen2 language model, or a LLaVA checkpoint (both);
 `--hf` twice takes a tower and a language model from two directories.
 It takes the model fields of the modules it holds from config.json (and the pixel mean and std
-from preprocessor_config.json), the rest from `--config` (default configs/vlm.py) and the
-`--config.a.b=v` overrides, and writes WORKDIR/config.py (with WORKDIR/config.json) and a step-0
-checkpoint, each tensor streamed from its file into its devices. Train from it with
-`python -m mimo_jax.launch --config=WORKDIR/config.py`. An override that contradicts config.json
-is an error naming both values; so is a WORKDIR that already holds checkpoints.
+from preprocessor_config.json), the rest from `--config` (default configs/vlm.py, sized for GPUs;
+configs/llava_cpu.py for a run on CPUs) and the `--config.a.b=v` overrides, and writes
+WORKDIR/config.py (with WORKDIR/config.json, and hf_import.json with the directories' absolute
+paths) and a step-0 checkpoint, each tensor streamed from its file into its devices. It prints
+the launch command, with placeholders for the data the run still needs (data.dir, and
+data.image_token unless a LLaVA's config.json gives it), and a note when the default base is used
+on a machine with CPUs only.
+An override that contradicts config.json is an error naming both values; so is a config.json
+field that is missing, null or of another type, a tensor holding NaN or infinity (refused as it
+is read), an --out that is a file or a non-empty directory (a WORKDIR that holds checkpoints
+among them), or too little free space: each before anything is written. The workdir is written
+in a staging directory beside it that becomes WORKDIR in one rename with config.py in it; an
+import that fails, is interrupted (Ctrl-C) or killed (SIGTERM) leaves nothing (exit status
+130 or 143).
 
 `export` writes a checkpoint's weights as an HF directory that transformers loads with its own
 class: LlavaForConditionalGeneration for the whole model (the default), or one module:
@@ -356,17 +365,45 @@ def _run_data(cfg: Config) -> dict:
           "where": str(directory / conversations.MANIFEST)}
 
 
-def _sources(cfg: Config, record: dict, module: str) -> list[str]:
-  """The HF directories `module` came from: the import's record, the config's init_from."""
-  found = [record.get("sources", {}).get(module), cfg.model.module(module).init_from]
-  return [p for i, p in enumerate(found) if p and p not in found[:i]]
+def _history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, list[str]]]:
+  """The import record (hf_import.json) and the HF directories each module came from (nearest
+  first), of this run and of the runs it started from (init_from=WORKDIR: training stages)."""
+  from mimo_jax.checkpoint import Checkpointer, complete_steps  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import run_source  # pylint: disable=import-outside-toplevel
+  sources: dict[str, list[str]] = {"vision": [], "language": []}
+  todo, seen = [(pathlib.Path(workdir), cfg, record)], set()
+  while todo:
+    path, c, rec = todo.pop(0)
+    if path.resolve() in seen:
+      continue
+    seen.add(path.resolve())
+    record = record or rec
+    for module, p in rec.get("sources", {}).items():
+      sources.setdefault(module, []).append(p)
+    for module in ("vision", "language"):
+      spec = c.model.module(module).init_from or c.model.init_from
+      run = run_source(spec)
+      if run is None:
+        if spec:
+          sources[module].append(spec)
+        continue
+      try:  # an earlier stage: its config and record, if it can still be read
+        ckpt = Checkpointer(run[0], [], read_only=True)
+        meta = ckpt.read_meta(run[1] if run[1] is not None else max(complete_steps(run[0])))
+        earlier = pathlib.Path(run[0]).parent
+        rec_file = earlier / "hf_import.json"
+        todo.append((earlier, from_dict(meta["config"]),
+                     json.loads(rec_file.read_text()) if rec_file.is_file() else {}))
+      except Exception:  # pylint: disable=broad-except
+        continue
+  return record, {m: list(dict.fromkeys(p)) for m, p in sources.items()}
 
 
-def _context(cfg: Config, record: dict) -> int | None:
+def _context(record: dict, sources: dict[str, list[str]]) -> int | None:
   """The language model's max_position_embeddings: the import's record, else its source's."""
   if record.get("max_position_embeddings"):
     return int(record["max_position_embeddings"])
-  for path in _sources(cfg, record, "language"):
+  for path in sources["language"]:
     try:
       c = json.loads((pathlib.Path(path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -377,12 +414,11 @@ def _context(cfg: Config, record: dict) -> int | None:
   return None
 
 
-def _image_processor(cfg: Config, record: dict, data: dict) -> tuple[dict | None, str]:
+def _image_processor(sources: dict[str, list[str]], data: dict) -> tuple[dict | None, str]:
   """The image processor config the run's images were prepared with, and its file: the data's,
   else the tower's source directory's (preprocessor_config.json, or processor_config.json's
   image_processor as transformers 5 writes it)."""
-  for path in ([data["processor"]] if data.get("processor") else []) + _sources(
-      cfg, record, "vision"):
+  for path in ([data["processor"]] if data.get("processor") else []) + sources["vision"]:
     for name, key in (("preprocessor_config.json", None), ("processor_config.json",
                                                            "image_processor")):
       f = pathlib.Path(path) / name
@@ -397,12 +433,11 @@ def _image_processor(cfg: Config, record: dict, data: dict) -> tuple[dict | None
   return None, ""
 
 
-def _tokenizer(args, cfg: Config, record: dict, data: dict) -> "hf_export.Tokenizer":
+def _tokenizer(args, sources: dict[str, list[str]], data: dict) -> "hf_export.Tokenizer":
   """The tokenizer the run used: --tokenizer, the data's, else the language model's source's."""
   if args.tokenizer:
     return hf_export.Tokenizer(args.tokenizer)
-  for path in ([data["tokenizer"]] if data.get("tokenizer") else []) + _sources(
-      cfg, record, "language"):
+  for path in ([data["tokenizer"]] if data.get("tokenizer") else []) + sources["language"]:
     if (pathlib.Path(path) / "tokenizer.json").is_file():
       return hf_export.Tokenizer(path)
   _fail(f"{args.workdir}: neither its run's data nor an import names a directory with the "
@@ -441,11 +476,12 @@ def _export(args) -> None:
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
   data = _run_data(cfg)
-  tok = _tokenizer(args, cfg, record, data) if kind != "tower" else None
+  record, sources = _history(args.workdir, cfg, record)
+  tok = _tokenizer(args, sources, data) if kind != "tower" else None
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
           f"vocabulary of {cfg.model.language.vocab_size}; pass the run's --tokenizer DIR.")
-  context = _context(cfg, record)
+  context = _context(record, sources)
   files: dict[str, dict] = {}
   if kind == "llava":
     token, text = _image_token(args, cfg, record, data, tok)
@@ -456,7 +492,7 @@ def _export(args) -> None:
   else:
     config = hf_export.language_config_json(cfg.model.language, context)
   if kind != "language":
-    base, where = _image_processor(cfg, record, data)
+    base, where = _image_processor(sources, data)
     files["preprocessor_config.json"] = hf_export.preprocessor_json(
         cfg.model.vision, base, data.get("pad_to_square", False), where)
   if tok is not None:
@@ -519,7 +555,8 @@ def main(argv: list[str] | None = None) -> None:
   p = verbs.add_parser("import", help="an HF directory -> a workdir with a step-0 checkpoint")
   p.add_argument("--hf", required=True, action="append",
                  help="an HF model directory; repeat for a tower and a language model")
-  p.add_argument("--out", required=True, help="the workdir to write")
+  p.add_argument("--out", required=True,
+                 help="the workdir to write: absent or an empty directory")
   p.add_argument("--config", default=None,
                  help="config file[:variant] for the fields config.json does not set (default "
                  f"{DEFAULT_BASE}, sized for GPUs; {CPU_BASE} for a run on CPUs)")
