@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
   python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=FILE[:ARG]] [--config.a.b=v ...]
-  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language]
+  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language] [--tokenizer DIR] [--overwrite]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
 `import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
@@ -23,10 +23,19 @@ in a staging directory beside it that becomes WORKDIR in one rename with config.
 import that fails, is interrupted (Ctrl-C) or killed (SIGTERM) leaves nothing (exit status
 130 or 143).
 
-`export` writes a checkpoint's weights as an HF directory that transformers loads with its own
-class: LlavaForConditionalGeneration for the whole model (the default), or one module:
+`export` writes a checkpoint as a complete HF directory that transformers loads with its own
+classes: LlavaForConditionalGeneration for the whole model (the default), or one module:
 SiglipVisionModel / CLIPVisionModel (`--module vision`), LlamaForCausalLM / Qwen2ForCausalLM
-(`--module language`). Float32, sharded at 5 GB with an index.
+(`--module language`). Float32 weights, sharded at 5 GB with an index; config.json with the
+source's max_position_embeddings; the image processor the run's images were prepared with
+(preprocessor_config.json); LlavaProcessor's processor_config.json; the tokenizer's files with
+its chat template (the run's data's tokenizer, else the language model's source's, else
+`--tokenizer DIR`) and generation_config.json with its bos, eos and pad. The image token is
+`--image_token_index`, else the run's data.image_token, else the imported LLaVA's, else the
+tokenizer's <image>. A tower imported beside a language model (`--hf` twice) is read as LLaVA
+reads one (no final norm; a projector as wide as the language model), so it exports as LLaVA.
+Written staged and renamed into place; a non-empty --out is refused unless it holds a complete
+export and `--overwrite` is given; NaN or Inf weights are refused.
 
 `check` (needs torch and transformers: `pip install -e '.[hf]'`) runs the same random inputs
 through transformers and mimo_jax and prints the largest absolute and relative differences of the
