@@ -3,6 +3,7 @@ fields, an --out that cannot be written, a kill midway or after the save (nothin
 what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
 restores from the directory it was renamed to."""
 
+import collections
 import json
 import os
 import pathlib
@@ -84,8 +85,8 @@ def test_non_finite_weights_are_refused_as_each_tensor_is_read(tmp_path, capsys,
   assert names[-1] == bad and len(set(names)) == len(names)  # stopped there; nothing read twice
   assert _left(tmp_path) == []
   # Infinity in a bfloat16 tensor (read from its raw bits), named with its index.
-  tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(str(FIXTURES / "qwen2" /
-                                                                       "model.safetensors")).items()}
+  fixture = load_file(str(FIXTURES / "qwen2" / "model.safetensors"))
+  tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in fixture.items()}
   tensors["model.norm.weight"][7] = np.inf
   save_file(tensors, str(f), metadata={"format": "pt"})
   with pytest.raises(hf.HFError, match=r"model\.norm\.weight holds NaN or infinite values "
@@ -142,7 +143,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_tensor_is_read(tmp_
   (busy / "notes.txt").write_text("mine")
   _error(capsys, lambda: _import(FIXTURES / "qwen2", busy), "is not empty (notes.txt)")
   # Too little free space for the tensors' bytes (those of the files: 2 or 4 an element).
-  monkeypatch.setattr(output.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 1000))  # pylint: disable=protected-access
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(output.shutil, "disk_usage", lambda p: usage(1, 1, 1000))
   _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out"), "needs about",
          "0.00 GB are free")
   assert names == [] and _left(tmp_path) == ["out_busy", "out_file"]

@@ -134,15 +134,16 @@ def import_(args, extra: list[str]) -> None:
   out = pathlib.Path(args.out).resolve()
   try:
     with output.interrupts_as_exceptions():
-      _import(args, extra, out)
+      report = _import(args, extra, out)
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
     print(f"tools.hf: import interrupted; nothing was written to {out}", file=sys.stderr)
     sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+  print("\n".join(report), flush=True)  # once `out` is in place
 
 
-def _import(args, extra: list[str], out: pathlib.Path) -> None:
+def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
   """The import into workdir `out`: checked before any tensor is read, written through a staging
-  directory that becomes `out` in one rename once config.py is in it."""
+  directory that becomes `out` in one rename once config.py is in it. Returns what to print."""
   from mimo_jax import output  # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import Checkpointer, compact_nbytes, complete_steps, directory  # pylint: disable=import-outside-toplevel
   ckpts = directory(str(out))
@@ -220,16 +221,15 @@ def _import(args, extra: list[str], out: pathlib.Path) -> None:
         ckpt.close()  # its writer threads stop before the staging directory is removed
       raise
     ckpt.close()
+    counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
+    report = [f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
+              f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
+              f"({base:.2f} GiB before reading)"] + _launch_lines(args, cfg, out, record)
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     (tmp / "hf_import.json").write_text(json.dumps(record, indent=2) + "\n")
     (tmp / "config.py").write_text(CONFIG_PY.format(  # last: the workdir is complete
         source=" --hf ".join(dict.fromkeys(record["sources"].values()))))
-  counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
-  print(f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
-        f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
-        f"({base:.2f} GiB before reading)")
-  for line in _launch_lines(args, cfg, out, record):
-    print(line)
+  return report  # printed once `out` is in place: an interrupt until then leaves nothing
 
 
 def _record(sources: list, taken: dict) -> dict:
