@@ -711,7 +711,10 @@ def init_params(cfg: Config, abstract: dict, read: bool = True) -> dict:
     runs.setdefault(source, []).append(name)
   out = {}
   for (field, path, step), names in runs.items():
-    ckpt = Checkpointer(path, names, read_only=True)
+    # Every module the step holds has a handler (orbax warns of items it cannot restore).
+    held = [d for d in sorted(os.listdir(os.path.join(path, str(step))))
+            if d != META and os.path.isdir(os.path.join(path, str(step), d))]
+    ckpt = Checkpointer(path, sorted(set(held) | set(names)), read_only=True)
     ckpt.source = field
     try:
       meta = ckpt.read_meta(step)

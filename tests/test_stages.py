@@ -1,0 +1,191 @@
+"""Training stages (LLaVA's recipe on the digits model): a resume that trains other groups, a new
+run started from another run's weights (`model.init_from`), the errors of runs that do not match
+their checkpoint or source, and the step time of the first logged window."""
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax import checkpoint, fingerprint, train
+from mimo_jax.data import loader
+from mimo_jax.state import ModuleState
+from mimo_jax.step import Step
+from tests.helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 2  # of stage 1
+COMPILE_S = 3.0  # what stage 1's first dispatch takes on top (a stand-in for compilation)
+
+
+def _cfg(data_dir, workdir, freeze: str, steps: int):
+  """The tiny digits model on one device, float32, one layer a module (compiles fastest)."""
+  cfg = tiny_config(data_dir)
+  cfg.model.vision.layers = cfg.model.language.layers = 1
+  cfg.optim.freeze, cfg.train.steps = freeze, steps
+  cfg.run.workdir, cfg.run.log_every = str(workdir), 1
+  cfg.eval.samples, cfg.eval.batch = 16, 16
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def stage1(data_dir, tmp_path_factory):
+  """Stage 1: the projector alone trained for STEPS steps, logged once (at the last step); its
+  first dispatch takes COMPILE_S seconds longer, as a slow compilation would."""
+  workdir = tmp_path_factory.mktemp("stage1")
+  cfg = _cfg(data_dir, workdir, "vision,language", STEPS)
+  cfg.run.log_every = STEPS
+  dispatch, calls = Step.train_step, []
+
+  def slow_first(self, state, batch):
+    if not calls:
+      time.sleep(COMPILE_S)
+    calls.append(1)
+    return dispatch(self, state, batch)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(Step, "train_step", slow_first)
+    records = train.run(cfg)
+  return workdir, cfg, records
+
+
+def _copy(stage1_dir, workdir):
+  shutil.copytree(stage1_dir / "checkpoints", workdir / "checkpoints")
+
+
+def _restore(cfg, workdir, step):
+  """`step` of `workdir` restored for `cfg` (and the checkpointer's notes)."""
+  trainer = Step.build(cfg)
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(workdir)), list(trainer.modules),
+                                 read_only=True)
+  try:
+    state, _ = ckpt.restore(step, trainer.abstract_state(canonical=True), cfg,
+                            trainer.fresh_opt_state)
+  finally:
+    ckpt.close()
+  return state, ckpt.notes
+
+
+def _opt(state, module: str) -> dict:
+  return {k: np.asarray(v) for k, v in fingerprint.paths(state[module].opt_state).items()}
+
+
+def test_first_window_step_time_excludes_compilation(stage1):
+  """The first record averages the steps of its window from the end of the first dispatch, which
+  compiles the step: a slow compilation is not step time."""
+  _, _, records = stage1
+  record = [r for r in records if "loss" in r]
+  assert [r["step"] for r in record] == [STEPS]
+  assert record[0]["step_time_s"] < COMPILE_S / STEPS / 2, record[0]
+
+
+def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
+  """Stage 1 -> stage 2 in the same workdir: optim.freeze=vision,language then vision. The
+  language model starts with fresh Adam moments (and the LR schedule at the run's step), the
+  projector keeps its own, the step and the data position carry on."""
+  stage1_dir, _, _ = stage1
+  _copy(stage1_dir, tmp_path)
+  cfg = _cfg(data_dir, tmp_path, "vision", STEPS + 1)
+  state, notes = _restore(cfg, tmp_path, STEPS)
+  assert any("language starts with fresh optimizer state" in n for n in notes), notes
+  language, vision = _opt(state, "language"), _opt(state, "vision")
+  assert language, "the language model has optimizer state now"
+  for k, v in language.items():
+    if k.endswith("/0/count"):
+      assert v == 0, k  # Adam's bias correction starts afresh
+    elif k.endswith("count"):
+      assert v == STEPS, k  # the LR schedule at the run's step
+    else:
+      assert not v.any(), k  # fresh moments
+  moments = [v for k, v in vision.items() if "/mu/" in k]
+  assert moments and all(v.any() for v in moments)  # the projector's, carried on
+  assert {int(v) for k, v in vision.items() if k.endswith("count")} == {STEPS}
+  before = {n: jax.device_get(s.params) for n, s in state.items()}
+
+  records = train.run(cfg)
+  assert [r["step"] for r in records if "loss" in r] == [STEPS + 1]
+  assert "language starts with fresh optimizer state" in capsys.readouterr().out
+  after, _ = _restore(cfg, tmp_path, STEPS + 1)
+  changed = lambda n, part: any(
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before[n][part]),
+                                               jax.tree.leaves(after[n].params[part])))
+  assert changed("language", "blocks") and changed("vision", "projector")
+  assert not changed("vision", "blocks")  # still frozen
+
+
+def test_init_from_starts_a_new_stage(data_dir, stage1, tmp_path):
+  """Stage 2 as LLaVA runs it: a new workdir with model.init_from=STAGE1 and optim.freeze=vision.
+  Its first loss is the loss of stage 1's final weights on the same batch."""
+  stage1_dir, cfg1, _ = stage1
+  cfg = _cfg(data_dir, tmp_path / "stage2", "vision", 1)
+  cfg.model.init_from = str(stage1_dir)
+  records = train.run(cfg)
+  first = [r for r in records if "loss" in r]
+  assert [r["step"] for r in first] == [1]
+
+  # The reference: stage 1's step restored as it was saved, stage 2's step on its first batch.
+  ref_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=""))
+  trainer = Step.build(ref_cfg)
+  saved, _ = _restore(cfg1, stage1_dir, STEPS)
+  vision = jax.device_get(saved["vision"].params)
+  state = trainer.from_canonical({n: ModuleState(s.params, trainer.fresh_opt_state(n, s.params))
+                                  for n, s in saved.items()})
+  paths = loader.build_paths(ref_cfg)
+  batch = loader.train_dataset(ref_cfg, paths["train"], trainer.ctx.groups)[0]
+  _, metrics = trainer.train_step(state, batch)
+  np.testing.assert_allclose(first[0]["loss"], float(metrics["loss"]), rtol=1e-6)
+
+  # A module's init_from takes a run too (WORKDIR:STEP): that module's parameters, the others'
+  # from the seed.
+  cfg = _cfg(data_dir, tmp_path / "other", "", 1)
+  cfg.model.vision.init_from = f"{stage1_dir}:{STEPS}"
+  trainer = Step.build(cfg)
+  init = trainer.init_state(cfg.train.seed)
+  for a, b in zip(jax.tree.leaves(init["vision"].params), jax.tree.leaves(vision)):
+    np.testing.assert_array_equal(np.asarray(a), b)  # the trained projector too
+
+
+def test_init_from_another_model_is_one_error(data_dir, stage1, tmp_path):
+  """A source written for another model: one error naming the field, before anything is
+  written; a missing step names the steps there are."""
+  stage1_dir, _, _ = stage1
+  cfg = _cfg(data_dir, tmp_path / "stage2", "vision", 1)
+  cfg.model.init_from = str(stage1_dir)
+  cfg.model.language.mlp_dim = 64
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"config\.model\.init_from: .* was written for another model: "
+                           r"model\.language\.mlp_dim=128 \(this run: 64\)"):
+    train.run(cfg)
+  cfg = _cfg(data_dir, tmp_path / "stage2", "vision", 1)
+  cfg.model.init_from = f"{stage1_dir}:7"
+  with pytest.raises(checkpoint.CheckpointError, match=rf"no complete step 7; it holds {STEPS}"):
+    train.run(cfg)
+  assert not (tmp_path / "stage2").exists()
+
+
+def test_resume_of_another_model_is_a_mismatch_not_damage(data_dir, stage1, tmp_path):
+  """`python -m mimo_jax.launch` on a workdir whose checkpoint has another model field: one
+  line naming the field and the flag that keeps it, exit status 2; not called damaged."""
+  stage1_dir, _, _ = stage1
+  _copy(stage1_dir, tmp_path)
+  proc = subprocess.run(
+      [sys.executable, "-m", "mimo_jax.launch", "--config=tests/configs/tiny.py",
+       f"--config.run.workdir={tmp_path}", f"--config.data.dir={data_dir}",
+       "--config.optim.freeze=vision", f"--config.train.steps={STEPS + 1}",
+       "--config.model.vision.layers=1", "--config.model.language.layers=1",
+       "--config.model.language.mlp_dim=64"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert len(lines) == 1 and lines[0].startswith("mimo_jax: error: "), proc.stderr
+  assert "model.language.mlp_dim=128 (this run: 64)" in lines[0]
+  assert "--config.model.language.mlp_dim=128" in lines[0]
+  assert "damaged" not in lines[0]
+  assert not (tmp_path / "metrics.jsonl").exists()
