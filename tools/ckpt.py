@@ -355,8 +355,10 @@ def export(args) -> None:
                       "model.safetensors.")
     if os.path.lexists(final):
       raise CkptError(f"--out={args.out!r} exists; choose another --out or delete it.")
-  refuse_existing()
   reader = Reader(args.dir)
+  if args.step is not None:
+    reader.pick(args.step)  # a step that is not there first: the inputs in the order given
+  refuse_existing()
   reader.note("tools.ckpt")
   held = output.lock(final, "--out")
   tmp = os.path.join(parent, f".{name}{output.PARTIAL}{os.getpid()}")

@@ -78,31 +78,43 @@ def resolve(path: str, wanted: str, bases: list[pathlib.Path]) -> str:
   return ""
 
 
+def imported(workdir: str, cfg) -> tuple[dict, dict[str, list[str]]]:
+  """The import record (hf_import.json) and the HF directories each module came from (nearest
+  first), of this run and of the runs it started from: as `tools.hf export` reads them."""
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  record_file = pathlib.Path(workdir) / "hf_import.json"
+  try:
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+  except ValueError as e:
+    raise ConfigError(f"{record_file}: not JSON ({e}); give --tokenizer DIR and --processor "
+                      "DIR.") from None
+  return hf_tool._history(workdir, cfg, record)  # pylint: disable=protected-access
+
+
 def defaults(workdir: str, cfg) -> dict:
   """`tokenizer`, `processor`, `image_token`, `pad_to_square`, `vocab` (the data's tokenizer's
-  size), `context` (an import's max_position_embeddings), `record` (the file they come from) and
-  `named` (the paths it names): those of the run's conversation data, else of the import that made
-  the workdir, else of the digits task's build."""
+  size), `context` (the HF model's max_position_embeddings), `record` (where they come from) and
+  `named` (the paths it names): those of the run's conversation data, else of the HF directories
+  the model was imported or started from, else of the digits task's build."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.data import conversations, digits
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
   d, work = cfg.data, pathlib.Path(workdir)
   launched = launch_dir(workdir, cfg)
-  record = work / "hf_import.json"
+  record, sources = imported(workdir, cfg)
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
-         "vocab": None, "record": "", "named": {}, "context": None}
-  if d.task != "conversations" and record.is_file():
-    try:
-      imported = json.loads(record.read_text())
-      sources = imported.get("sources", {})
-    except ValueError as e:
-      raise ConfigError(f"{record}: not JSON ({e}); give --tokenizer DIR and --processor DIR.") \
-          from None
+         "vocab": None, "record": "", "named": {},
+         "context": hf_tool._context(record, sources)}  # pylint: disable=protected-access
+  if d.task != "conversations" and any(sources.values()):
     bases = _bases(work, launched)
-    return dict(out, tokenizer=resolve(sources.get("language", ""), "tokenizer.json", bases),
-                processor=resolve(sources.get("vision", ""), "preprocessor_config.json", bases),
-                record=str(record), context=imported.get("max_position_embeddings"),
-                named={"tokenizer": sources.get("language", ""),
-                       "processor": sources.get("vision", "")})
+    first = lambda paths, wanted: next(
+        (r for r in (resolve(p, wanted, bases) for p in paths) if r), "")
+    own = work / "hf_import.json"
+    return dict(out, tokenizer=first(sources["language"], "tokenizer.json"),
+                processor=first(sources["vision"], "preprocessor_config.json"),
+                record=str(own) if own.is_file() else f"the HF directories {workdir} came from",
+                named={"tokenizer": ", ".join(sources["language"]),
+                       "processor": ", ".join(sources["vision"])})
   if d.task == "synthetic":
     return out
   bases = _bases(launched, work)
@@ -144,17 +156,7 @@ def context(workdir: str, cfg, found: dict) -> tuple[int, str]:
   max_position_embeddings (an import, or a run started from one), else the positions of the rows
   its run trained on (data.seq_len)."""
   if found["context"]:
-    return int(found["context"]), f"max_position_embeddings of {found['record']}"
-  init = cfg.model.language.init_from
-  if init:
-    config = pathlib.Path(init) / "config.json"
-    try:
-      c = json.loads(config.read_text())
-      n = c.get("text_config", c).get("max_position_embeddings")
-      if isinstance(n, int) and n > 0:
-        return n, f"max_position_embeddings of {config}"
-    except (OSError, ValueError):
-      pass
+    return int(found["context"]), "max_position_embeddings of the HF model it comes from"
   return cfg.data.seq_len, f"data.seq_len of the run in {workdir}: the positions it trained on"
 
 
