@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,14 @@ class Sampling:
   temperature: float = 0.0  # 0 = greedy
   top_p: float = 1.0  # nucleus: sample among the most likely tokens whose mass reaches top_p
   seed: int = 0
+
+  def __post_init__(self):
+    # A nucleus of no mass keeps no token, a NaN temperature makes NaN logits: either samples
+    # garbage silently.
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p {self.top_p} is not in (0, 1].")
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature {self.temperature} is not 0 or a positive finite number.")
 
 
 def _attention_layer(module: mimo.Module, h, params, k_cache, v_cache, positions, start,
@@ -91,6 +100,8 @@ def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
   """New token ids [b, steps] after left-padded prompts `ids_bl` (`mask_bl` 1 on real tokens);
   `embeds_bld` replaces the prompt's embedding (images merged). A row that produced `eos` stops:
   its later entries are `eos`."""
+  if steps < 1:
+    raise ValueError(f"{steps} new tokens asked for; at least 1.")
   module = mimo.build_modules(cfg)["language"]
   ids_bl, mask = jnp.asarray(ids_bl), jnp.asarray(mask_bl, bool)
   b, length = ids_bl.shape

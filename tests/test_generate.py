@@ -55,6 +55,13 @@ def test_sampling_follows_its_seed_and_top_p():
     np.testing.assert_array_equal(run(temperature=2.0, top_p=1e-6, seed=3), ref["generated"])
 
 
+@pytest.mark.parametrize("kw", [dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.5),
+                                dict(temperature=float("nan")), dict(temperature=-1.0)])
+def test_sampling_refuses_settings_that_sample_garbage(kw):
+  with pytest.raises(ValueError):
+    generate.Sampling(**kw)
+
+
 def test_a_row_stops_at_its_end_token():
   with jax.default_matmul_precision("highest"):
     cfg, language, ref, embeds = _fixture("llava15")
