@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import struct
 import zlib
@@ -190,6 +191,14 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, mo
   assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
   _error(capsys, "tools.ckpt", "refused the write")
   assert os.listdir(out.parent) == []  # no partial file, no lock
+
+  def killed(tensors, path, metadata=None):  # pylint: disable=unused-argument
+    pathlib.Path(path).write_bytes(b"half a file")
+    raise output.Interrupted(signal.SIGTERM)
+  monkeypatch.setattr(safetensors.numpy, "save_file", killed)
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 143
+  assert "interrupted (SIGTERM)" in capsys.readouterr().err
+  assert os.listdir(out.parent) == []
 
 
 def test_export_and_generate_refuse_a_damaged_step(run, capsys):

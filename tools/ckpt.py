@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from mimo_jax.checkpoint import (_reason, complete_steps, drop_closed_loop_repor
                                  params_restore_dtype)
 from mimo_jax.config import ConfigError
 
+T = TypeVar("T")
 ROTATED = "the run rotates old steps: checkpoint.keep"
 DAMAGED = ("its files are damaged; `python -m tools.ckpt check` names the steps that pass: give "
            "one with --step.")
@@ -155,7 +157,7 @@ class Reader:
       time.sleep(0.1)
     return True
 
-  def read(self, step: int, fn):
+  def read(self, step: int, fn: Callable[[], T]) -> T:
     """fn() reading `step`: StepGone if the step vanished under it, Unreadable if the step is
     still there (after one more try while a run is live)."""
     for _ in range(2 if self.live else 1):
@@ -226,7 +228,8 @@ class Reader:
     self.mngr.close()
 
 
-def newest(reader: Reader, step: int | None, fn, tool: str = "tools.ckpt"):
+def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
+           tool: str = "tools.ckpt") -> tuple[int, T]:
   """(step, fn(step)) for `step`, or for the newest step: one that a live run's rotation removes
   under the read is followed by the newest again (with a note); a given `step` removed is an
   error naming the steps there are now."""
@@ -313,11 +316,11 @@ def _read_module(mngr, step: int, module: str) -> dict:
 
 # The commands.
 
-def inspect(args) -> None:
+def inspect(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
   reader.note("tools.ckpt")
 
-  def read(step):
+  def read(step: int) -> tuple[dict, dict]:
     meta = reader.meta(step)
     return meta, {m: _flat(reader.tree(step, m)["params"], f"{m}/") for m in meta["modules"]}
   step, (meta, modules) = newest(reader, args.step, read)
@@ -342,7 +345,7 @@ def inspect(args) -> None:
   reader.close()
 
 
-def export(args) -> None:
+def export(args: argparse.Namespace) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   final = os.path.abspath(args.out)
   parent, name = os.path.dirname(final), os.path.basename(final)
@@ -367,7 +370,7 @@ def export(args) -> None:
       output.remove(p)
     refuse_existing()  # again, under the lock
 
-    def read(step):
+    def read(step: int) -> tuple[dict, dict]:
       meta = reader.meta(step)
       size = reader.params_nbytes(step, meta["modules"])
       output.check_space(final, size, f"exporting step {step}")
@@ -450,7 +453,7 @@ def _advice(reader: Reader, checked: list[int], passed: list[int], bad: list[int
   return "no step passed: start in a new run.workdir (or from the weights it started from)."
 
 
-def check(args) -> None:
+def check(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
   reader.note("tools.ckpt")
   steps = [reader.pick(args.step)] if args.step is not None else reader.steps()
@@ -510,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     print(f"tools.ckpt: interrupted ({e or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
           flush=True)
-    return 130
+    return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   return 0
 
 

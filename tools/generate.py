@@ -40,13 +40,13 @@ import sys
 
 import numpy as np
 
-from mimo_jax.config import ConfigError
+from mimo_jax.config import Config, ConfigError
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
 
 
-def launch_dir(workdir: str, cfg) -> pathlib.Path | None:
+def launch_dir(workdir: str, cfg: Config) -> pathlib.Path | None:
   """The directory the run was launched from, where its run.workdir was relative: the given
   workdir's path without that relative tail (None where that cannot be told)."""
   rel = pathlib.PurePath(os.path.normpath(cfg.run.workdir)) if cfg.run.workdir else None
@@ -78,7 +78,7 @@ def resolve(path: str, wanted: str, bases: list[pathlib.Path]) -> str:
   return ""
 
 
-def imported(workdir: str, cfg) -> tuple[dict, dict[str, list[str]]]:
+def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
   """The import record (hf_import.json) and the HF directories each module came from (nearest
   first), of this run and of the runs it started from: as `tools.hf export` reads them."""
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
@@ -91,7 +91,7 @@ def imported(workdir: str, cfg) -> tuple[dict, dict[str, list[str]]]:
   return hf_tool._history(workdir, cfg, record)  # pylint: disable=protected-access
 
 
-def defaults(workdir: str, cfg) -> dict:
+def defaults(workdir: str, cfg: Config) -> dict:
   """`tokenizer`, `processor`, `image_token`, `pad_to_square`, `vocab` (the data's tokenizer's
   size), `context` (the HF model's max_position_embeddings), `record` (where they come from) and
   `named` (the paths it names): those of the run's conversation data, else of the HF directories
@@ -131,12 +131,12 @@ def defaults(workdir: str, cfg) -> dict:
     return out
   m = conversations.manifest(str(directory))
   bases = _bases(directory, work, launched)
-  return dict(out, tokenizer=resolve(m["tokenizer"], "tokenizer.json", bases),
-              processor=resolve(m["processor"], "preprocessor_config.json", bases),
+  return dict(out, tokenizer=resolve(m.get("tokenizer", ""), "tokenizer.json", bases),
+              processor=resolve(m.get("processor", ""), "preprocessor_config.json", bases),
               image_token=m.get("image_token_text", "<image>"),
               pad_to_square=bool(m.get("pad_to_square", False)), vocab=m.get("vocab_size"),
               record=str(directory / conversations.MANIFEST),
-              named={"tokenizer": m["tokenizer"], "processor": m["processor"]})
+              named={"tokenizer": m.get("tokenizer", ""), "processor": m.get("processor", "")})
 
 
 def _default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) -> str:
@@ -151,7 +151,7 @@ def _default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) ->
                     f"{wanted}; give {flag} DIR.")
 
 
-def context(workdir: str, cfg, found: dict) -> tuple[int, str]:
+def context(workdir: str, cfg: Config, found: dict) -> tuple[int, str]:
   """The positions the language model is for, and where that figure comes from: its HF config's
   max_position_embeddings (an import, or a run started from one), else the positions of the rows
   its run trained on (data.seq_len)."""
@@ -160,7 +160,7 @@ def context(workdir: str, cfg, found: dict) -> tuple[int, str]:
   return cfg.data.seq_len, f"data.seq_len of the run in {workdir}: the positions it trained on"
 
 
-def check_flags(args) -> None:
+def check_flags(args: argparse.Namespace) -> None:
   """The sampling and length flags' values, before anything is read."""
   if not 0 < args.top_p <= 1:  # nan fails too
     raise ConfigError(f"--top_p {args.top_p}: give the probability mass to sample from, more "
@@ -187,7 +187,7 @@ def _count(text: str) -> int:
   return int(value)
 
 
-def check_vocab(tok, cfg, found: dict, given: bool) -> None:
+def check_vocab(tok, cfg: Config, found: dict, given: bool) -> None:
   """The tokenizer's vocabulary against the model's and the run's data's: another model's
   tokenizer reads and writes other ids (answers of nothing, or of other words)."""
   from mimo_jax.data.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
@@ -230,7 +230,7 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
   return out
 
 
-def load_images(files: list[str], proc, cfg) -> list[np.ndarray]:
+def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
   """Each image file as the processor prepares it (uint8 [h, w, c]), of the tower's shape."""
   from PIL import Image  # pylint: disable=import-outside-toplevel
   pixels = []
@@ -290,14 +290,14 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt as e:
     sys.stdout.flush()
     print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}).", file=sys.stderr)
-    return 130
+    return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image)
   for prompt, answer in zip(args.prompt, answers):
     print(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}")
   return 0
 
 
-def prepare(args, cfg, workdir: str) -> dict:
+def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   """Everything a generation needs but the parameters, checked: tokenizer, prompt rows, pixels,
   new tokens. Errors name the flag or file to fix."""
   # pylint: disable=import-outside-toplevel
@@ -336,7 +336,7 @@ def prepare(args, cfg, workdir: str) -> dict:
   return {"tok": tok, "rows": rows, "pixels": pixels, "image_token": image_token, "steps": steps}
 
 
-def run(args) -> list[str]:
+def run(args: argparse.Namespace) -> list[str]:
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax import generate
@@ -348,7 +348,7 @@ def run(args) -> list[str]:
   reader = ckpt.Reader(args.workdir)
   reader.note(TOOL)
 
-  def load(step: int):
+  def load(step: int) -> tuple[Config, dict, dict]:
     meta = reader.meta(step)
     cfg = from_dict(meta["config"])
     ready = prepare(args, cfg, args.workdir)  # before the parameters: errors come first
