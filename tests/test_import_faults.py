@@ -131,6 +131,17 @@ def test_a_null_pixel_mean_names_preprocessor_config(tmp_path, capsys):
   _error(capsys, lambda: _import(src, tmp_path / "out"), str(pre), "field image_mean is null")
 
 
+def test_a_bad_base_config_or_override_is_one_line(tmp_path, capsys):
+  run = [a for a in RUN if not a.startswith("--config=")]
+  _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out",
+                                 "--config=configs/llava_cpu.py:big", run=run),
+         "--config=configs/llava_cpu.py:big: ValueError", "no variant 'big'")
+  _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out",
+                                 "--config.model.vision.final_norm=ture"),
+         "--config.model.vision.final_norm=ture: not a bool")
+  assert _left(tmp_path) == []
+
+
 def test_an_out_that_cannot_be_written_is_refused_before_any_tensor_is_read(tmp_path, capsys,
                                                                             monkeypatch):
   names = _reads(monkeypatch)
