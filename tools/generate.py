@@ -12,10 +12,11 @@ given to every prompt (as `<image>` lines before its text unless the prompt plac
 prepared as the run's data was (`--processor`: preprocessor_config.json; padded to a square of the
 mean colour first where the run's converted data was, `--pad_to_square`) and expanded to the
 tower's image tokens. Defaults for `--tokenizer`, `--processor`, `--image_token` and
-`--pad_to_square`: those of the run's converted data (data.task=conversations or digits: the
-manifest in its data directory), else the directories `tools.hf import` read. A relative path in
-those records is looked for beside the record, in the workdir, in the directory the run was
-launched from, then in the current directory.
+`--pad_to_square`: with data.task=conversations those of the run's converted data (the manifest
+in its data directory); otherwise those of the HF directories the model was imported or started
+from (`tools.hf import`, `init_from`), else of the digits task's build. A relative path in those
+records is looked for beside the record, in the workdir, in the directory the run was launched
+from, then in the current directory.
 
 The prompts run as one batch, left-padded, with a key-value cache (mimo_jax/generate.py): greedy
 by default, or sampled at `--temperature` among the `--top_p` mass, until the tokenizer's
