@@ -25,6 +25,7 @@ ones against the directory, then the working directory.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import json
@@ -33,8 +34,10 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 import warnings
+from typing import Iterator
 
 import numpy as np
 
@@ -272,6 +275,23 @@ def _pool_init(opts: Options) -> None:
   _init(opts)
 
 
+@contextlib.contextmanager
+def _workers_ignore_sigint() -> Iterator[None]:
+  """Processes started in the block ignore SIGINT from their start (before `_pool_init` runs, a
+  Ctrl-C would print their tracebacks); signals that reach this process meanwhile wait for the
+  block's end (blocked, not lost)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+  kept = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, kept)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _image_files(record: dict, where: str) -> list[str]:
   files = record.get("image")
   if files is None:
@@ -424,6 +444,29 @@ class _Shard:
       pass
 
 
+@contextlib.contextmanager
+def _caught_signals() -> Iterator[list[int]]:
+  """Records SIGINT, SIGTERM and SIGHUP (where Python handles them) as they raise
+  `output.Interrupted`: a handler's exception raised inside a garbage-collection callback is only
+  printed, so the conversion loop looks at the record too."""
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax import output
+  caught, kept = [], {}
+
+  def handle(signum, frame):  # pylint: disable=unused-argument
+    caught.append(signum)
+    raise output.Interrupted(signum)
+  if threading.current_thread() is threading.main_thread():
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      if callable(signal.getsignal(s)):
+        kept[s] = signal.signal(s, handle)
+  try:
+    yield caught
+  finally:
+    for s, h in kept.items():
+      signal.signal(s, h)
+
+
 def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int | None = None,
             seed: int = 0, eval_ids=None, progress: bool = True) -> dict:
   """Converts the LLaVA-format records of `source` into directory `out` (shards, sidecars,
@@ -434,12 +477,19 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   on stderr) or raise ConfigError with nothing written; a failed write is a ConfigError naming the
   file system's reason; any failure or interrupt removes what this conversion wrote. Callers that
   publish `out` as a whole (tools.convert) pass a fresh staging directory."""
+  with _caught_signals() as caught:  # from the start: a signal during the imports counts too
+    return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
+                    progress, caught)
+
+
+def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int | None,
+             seed: int, eval_ids, progress: bool, caught: list[int]) -> dict:
+  """`convert`, with the signals `_caught_signals` recorded in `caught`."""
   # pylint: disable=import-outside-toplevel
   from tqdm import tqdm
   from mimo_jax import output
   from mimo_jax.data import meta
   from mimo_jax.data.tokenizer import Tokenizer
-  source, out = pathlib.Path(source), pathlib.Path(out)
   if (out / MANIFEST).exists():
     raise ConfigError(f"{out}: holds a conversion already ({MANIFEST}); choose another --out or "
                       "delete it.")
@@ -476,7 +526,8 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
     except (OSError, ValueError, RuntimeError) as e:
       raise ConfigError(f"{out}: cannot create the shards ({e}).") from None
     if opts.workers > 1:
-      pool = multiprocessing.get_context("spawn").Pool(opts.workers, _pool_init, (opts,))
+      with _workers_ignore_sigint():
+        pool = multiprocessing.get_context("spawn").Pool(opts.workers, _pool_init, (opts,))
       results = pool.imap(_work, items, chunksize=16)
     else:
       results = map(_work, items)
@@ -485,6 +536,8 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
                                      unit="record", file=sys.stderr, mininterval=1.0,
                                      disable=not progress):
       done += 1
+      if caught:
+        raise output.Interrupted(caught[0])
       if error is not None:
         reason, message = error
         if opts.on_error == "fail":
@@ -505,8 +558,11 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
       longest = max(longest, positions(len(sample["tokens"]), len(sample["images"]),
                                        opts.image_tokens))
       most_images = max(most_images, len(sample["images"]))
+    if caught:  # after the last record
+      raise output.Interrupted(caught[0])
     if pool is not None:
       pool.close()
+      pool.join()
     counts = {s: len(r) for s, r in rows.items()}
     if not counts["train"]:
       raise ConfigError(f"--json {source}: no record could be converted for train "
