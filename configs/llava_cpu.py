@@ -2,8 +2,8 @@
 `tools.hf import` of a small HF model, on one device in float32.
 
 The model's fields come from the imported config.json; this file sets the rest: one CPU device,
-float32, 8 samples a step in one microbatch, rows of 512 tokens, 30 steps logged every step, an
-eval of 8 samples at the end. configs/vlm.py (the import's default base) is sized for GPUs
+float32, 8 samples a step in one microbatch, rows of 256 tokens holding one image at most, 30
+steps logged every step, an eval of 8 samples at the end. configs/vlm.py (the import's default base) is sized for GPUs
 (bfloat16, 2048-token rows, 32 samples a step) and takes minutes a step on a CPU.
 
   python -m tools.hf import --hf llava-tiny --out runs/llava0 --config=configs/llava_cpu.py
@@ -25,7 +25,8 @@ def get_config(arg: str | None = None) -> Config:
   d = cfg.data
   d.task = "conversations"
   d.global_batch, d.microbatches = 8, 1
-  d.seq_len = 512
+  d.seq_len = 256
+  d.max_images, d.image_probs = 1, "0.5,0.5"  # LLaVA's data: one image a record at most
   d.workers = 0
   cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 3
   cfg.train.steps = 30

@@ -674,9 +674,13 @@ def init_sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, i
   checkpoints folder, step)."""
   out = {}
   for name in modules:
+    # A module's own run wins over model.init_from, which wins over the module's own HF
+    # directory: a run's config carries the HF directories it was imported from (an import's
+    # config.py does), and a stage started from that run must start from its trained weights.
     own = getattr(cfg.model.module(name), "init_from", "")
-    field, spec = (f"model.{name}.init_from", own) if own else ("model.init_from",
-                                                                 cfg.model.init_from)
+    field, spec = ((f"model.{name}.init_from", own)
+                   if own and (run_source(own) is not None or not cfg.model.init_from)
+                   else ("model.init_from", cfg.model.init_from))
     source = run_source(spec)
     if source is None:
       if spec and field == "model.init_from":

@@ -136,7 +136,8 @@ class ModelConfig:
   extra: dict = dataclasses.field(default_factory=dict)
   # A mimo_jax run to start from, WORKDIR[:STEP] (default its newest step): every module's
   # parameters, with a fresh optimizer at step 0 (a new training stage: its own data and
-  # schedule). Its model config must match; a module's own init_from takes precedence.
+  # schedule). Its model config must match. A module's own init_from naming a run takes
+  # precedence; one naming an HF directory (as an import's config carries) gives way to it.
   init_from: str = ""
 
   def module(self, name: str):
