@@ -47,11 +47,25 @@ class Interrupted(KeyboardInterrupt):
     self.signum = signum
 
 
+_PENDING: list[int] = []  # signals taken while interrupts are exceptions, newest last
+
+
+def raise_if_interrupted() -> None:
+  """Raises `Interrupted` for a signal taken earlier whose exception was lost: one raised inside a
+  garbage-collection callback or a finalizer is only printed, and the program would go on."""
+  if _PENDING:
+    raise Interrupted(_PENDING[-1])
+
+
 @contextlib.contextmanager
 def interrupts_as_exceptions() -> Iterator[None]:
-  """SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block runs."""
+  """SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block runs (and are
+  recorded, so that `raise_if_interrupted` and `staged`'s publish see one whose exception was
+  lost)."""
   def handle(signum, frame):  # pylint: disable=unused-argument
+    _PENDING.append(signum)
     raise Interrupted(signum)
+  _PENDING.clear()
   kept = {}
   for s in (signal.SIGTERM, signal.SIGHUP):
     try:
@@ -63,6 +77,7 @@ def interrupts_as_exceptions() -> Iterator[None]:
   finally:
     for s, h in kept.items():
       signal.signal(s, h)
+    _PENDING.clear()
 
 
 def _paths(out: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path, str]:
@@ -165,6 +180,7 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     except OSError as e:
       raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
     yield tmp
+    raise_if_interrupted()  # a signal whose exception was lost still stops the publish
     _publish(tmp, final, parent, name)
   except BaseException:
     remove(tmp)

@@ -34,3 +34,16 @@ def test_lock_and_targets(tmp_path):
     output.check_target(tmp_path / "d", "thing", complete="done.json")
   with pytest.raises(output.OutputError, match="needs about"):
     output.check_space(tmp_path, 10**18, "a conversion")
+
+
+def test_a_signal_whose_exception_was_lost_stops_the_publish(tmp_path):
+  out = tmp_path / "o"
+  with output.interrupts_as_exceptions():
+    with pytest.raises(output.Interrupted):
+      with output.staged(out, what="thing") as tmp:
+        (tmp / "a").write_text("1")
+        try:  # as when the handler's exception is raised inside a callback that swallows it
+          os.kill(os.getpid(), signal.SIGTERM)
+        except output.Interrupted:
+          pass
+  assert not out.exists() and not list(tmp_path.glob(".o*"))
