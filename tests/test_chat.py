@@ -57,5 +57,5 @@ def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):
   with pytest.raises(ChatError, match=r"no chat_template"):
     ChatTokenizer.open(tmp_path)
   tok = ChatTokenizer.open(FIXTURES / "qwen2")
-  with pytest.raises(ChatError, match=r"'<video>' is not a token"):
+  with pytest.raises(ChatError, match=r"'<video>' is not one token"):
     tok.token_id("<video>")
