@@ -52,7 +52,7 @@ def reference(data_dir):
 
 
 @pytest.mark.parametrize("topo,extra", [
-    pytest.param(FAN_IN, (), id="fan-in"),
+    # Fan-in (process 0 -> process 1) is the checkpoint test's "gathered" layout, checked there.
     pytest.param(FAN_OUT, (), id="fan-out"),
     pytest.param(SPANNING, ("--config.checkpoint.every=2",), id="language-spans-processes"),
     pytest.param(ONE_MESH, (), id="colocated-one-program"),
@@ -62,7 +62,12 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
   assert proc.returncode == 0, proc.stdout[-3000:]
   # A normal end leaves the coordination service quietly (no lost-connection reports).
   assert not re.search("Connection refused|CANCELLED|WatchTasks", proc.stdout), proc.stdout[-3000:]
-  got = _train_records(tmp_path)
+  _check_two_process_run(proc, tmp_path, reference, topo, data_dir)
+
+
+def _check_two_process_run(proc, workdir, reference, topo, data_dir) -> None:
+  """A two-process run's 4 steps equal the single-process reference; only process 0 logs."""
+  got = _train_records(workdir)
   assert sorted(got) == [1, 2, 3, 4]
   for step, want in reference.items():
     np.testing.assert_allclose(got[step], want, rtol=1e-4, err_msg=f"step {step}")
@@ -72,7 +77,7 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
     # only the samples that have images.
     cfg = tiny_config(data_dir, **topo)
     ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], 2)
-    lines = (pathlib.Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
     read = {r["step"]: r["records_read"] for r in map(json.loads, lines) if "loss" in r}
     want = {step: int(np.sum(ds[step - 1].samples.items_b > 0)) for step in range(1, 5)}
     assert read == want and sum(want.values()) < 4 * cfg.data.global_batch
@@ -83,10 +88,12 @@ def test_two_processes_match_single_process(data_dir, tmp_path, reference, topo,
     # The language model's arrays split over both processes (FSDP): each writes its own shards.
     pytest.param(SPANNING, ("--config.topology.language.shard=full",), id="sharded"),
 ])
-def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, topo, extra):
+def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, reference, topo, extra):
   first = tmp_path / "first"
   proc = _launch(*_args(data_dir, first, topo, "--config.checkpoint.every=2", *extra))
   assert proc.returncode == 0, proc.stdout[-3000:]
+  assert not re.search("Connection refused|CANCELLED|WatchTasks", proc.stdout), proc.stdout[-3000:]
+  _check_two_process_run(proc, first, reference, topo, data_dir)
   full = _train_records(first)
   # How each module was saved: as it is on its own mesh, each process writing its shards, or
   # moved to the global layout: split by rows over every device ("all") where the rows divide
