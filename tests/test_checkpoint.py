@@ -232,3 +232,52 @@ def test_a_host_limited_save_copies_a_batch_at_a_time(tmp_path, caplog):
   for n in step.modules:
     for a, b in zip(jax.tree.leaves(restored[n].params), jax.tree.leaves(state[n].params)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _saved(tmp_path, cfg, params_only: bool):
+  """A checkpointer holding step 1 of `cfg`'s initial state (or its parameters only), and the
+  step that restores it."""
+  step = Step.build(cfg)
+  state = step.canonical(step.init_state(0, optimizer=not params_only))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"), list(step.modules), async_save=False)
+  ckpt.save(1, state, cfg, force=True, params_only=params_only)
+  return ckpt, step
+
+
+def test_a_params_only_step_pins_no_data(data_dir, tmp_path):
+  """An import's step (parameters only) resumes with any data: it was trained on none."""
+  cfg = tiny_config(data_dir)
+  cfg.data.task, cfg.data.seed = "synthetic", 5
+  ckpt, step = _saved(tmp_path, cfg, params_only=True)
+  cfg = tiny_config(data_dir)  # digits, seed 0
+  state, _ = ckpt.restore(1, step.abstract_state(canonical=True), cfg, step.fresh_opt_state)
+  ckpt.close()
+  assert set(state) == set(step.modules) and not ckpt.notes
+
+
+def test_other_converted_data_is_refused_unless_allowed(data_dir, tmp_path):
+  """Converted data (data.task=conversations) is fingerprinted in the meta: another data.dir
+  with other records is refused naming it and the flag, allowed with the flag; the same data
+  moved elsewhere resumes as it is."""
+  from mimo_jax.data import digits  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(data_dir)
+  first = digits.build(data_dir, cfg.data.train_samples, cfg.data.eval_samples, cfg.data.probs())
+  other = digits.build(str(tmp_path / "other"), 300, 50, cfg.data.probs())
+  cfg.data.task, cfg.data.dir, cfg.data.image_token = "conversations", first, 3
+  cfg.model.language.vocab_size = 32
+  ckpt, step = _saved(tmp_path, cfg, params_only=False)
+  abstract = step.abstract_state(canonical=True)
+  cfg.data.dir = other
+  with pytest.raises(checkpoint.CheckpointError) as err:
+    ckpt.restore(1, abstract, cfg, step.fresh_opt_state)
+  message = str(err.value)
+  assert f"data.dir={other!r} (the step's: {first!r})" in message
+  assert "its train shard" in message and "its eval shard" in message
+  assert "--config.checkpoint.allow_data_change=true" in message and "damaged" not in message
+  cfg.checkpoint.allow_data_change = True
+  ckpt.restore(1, abstract, cfg, step.fresh_opt_state)
+  assert "the data position carries on at step 1" in ckpt.notes[-1]
+  moved = shutil.copytree(first, tmp_path / "moved")
+  cfg.data.dir, cfg.checkpoint.allow_data_change = str(moved), False
+  ckpt.restore(1, abstract, cfg, step.fresh_opt_state)
+  ckpt.close()
