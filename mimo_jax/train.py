@@ -194,8 +194,8 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
     batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start,
                                     where=where)
     pending = None
-    # Steps since the last record; the first window starts when the run's first step is
-    # dispatched, its programs compiled (compilation is not step time).
+    # Steps since the last record. The run's first step compiles its programs: it is in no
+    # average (the first window starts when it completes); logged alone, its whole time is.
     window = {"start": None, "steps": 0, "tokens": 0}
     saved = start  # the newest step on disk (finite by construction)
 
@@ -205,17 +205,21 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
       jax.block_until_ready(metrics)
       now = time.time()
       if window["start"] is None:
-        window["start"] = dispatched
-      window["steps"] += 1
-      window["tokens"] += info["tokens"]
+        window["start"] = now
+      else:
+        window["steps"] += 1
+        window["tokens"] += info["tokens"]
       if step % cfg.run.log_every == 0 or step == cfg.train.steps:
         # Averaged over the steps since the last record: a single interval between completions
         # is noisy when metrics are fetched one step late. The last step has no successor whose
         # dispatch hides its start, so it is also timed from its own dispatch.
-        took = (now - window["start"]) / window["steps"]
+        if window["steps"]:
+          took = (now - window["start"]) / window["steps"]
+          info = dict(info, tokens=window["tokens"] / window["steps"])
+        else:  # the first step logged alone: from its dispatch, compilation included
+          took = now - dispatched
         if step == cfg.train.steps:
           took = max(took, now - dispatched)
-        info = dict(info, tokens=window["tokens"] / window["steps"])
         log(_record(step, metrics, info, took, float(lr_at[step - 1])))
         window.update(start=now, steps=0, tokens=0)
       writer.advance(1)
@@ -251,8 +255,6 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
           info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
           dispatched = time.time()
           state, metrics = trainer.train_step(state, batch)
-          if last is None:  # the run's first dispatch compiles the step: timed from its end
-            dispatched = time.time()
           last = (step, metrics)
           if pending is not None:
             flush()  # the previous step's metrics, now that this step is dispatched
