@@ -82,3 +82,16 @@ def image_layout(seq_len: int, tokens_per_image: int, groups: int, slots: int,
                                              image_shape=image_shape, slot_patches=slot_patches,
                                              patch_size=patch_size, downsample=downsample),),
                 pack_rows=pack_rows)
+
+
+def assert_hf_error(capsys, fn, *words) -> None:
+  """`fn` exits with status 2 and one line `tools.hf: error: ...` containing `words`."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    fn()
+  assert e.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
+  for w in words:
+    assert w in lines[0], (w, lines[0])

@@ -22,6 +22,7 @@ from mimo_jax import generate as generate_lib
 from mimo_jax.data.images import ImageProcessor
 from tools import generate as generate_tool
 from tools import hf as hf_tool
+from tests.helpers import assert_hf_error
 
 RECIPE = pathlib.Path(__file__).parent / "fixtures" / "recipe"
 IMAGES = pathlib.Path(__file__).parent / "fixtures" / "images"
@@ -54,16 +55,7 @@ def _import(dirs, out):
                 *REF["import_flags"]])
 
 
-def _error(capsys, fn, *words):
-  """`fn` exits with status 2 and one line `tools.hf: error: ...` containing `words`."""
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as e:
-    fn()
-  assert e.value.code == 2
-  lines = capsys.readouterr().err.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
-  for w in words:
-    assert w in lines[0], (w, lines[0])
+_error = assert_hf_error
 
 
 def _json(path) -> dict:

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tools import hf as hf_tool
+from tests.helpers import assert_hf_error
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 RUN = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
@@ -24,15 +25,7 @@ def _import(hf_dir, out, *extra):
                 *extra])
 
 
-def _error(capsys, fn, *words):
-  """`fn` exits with status 2 and one line `tools.hf: error: ...` containing `words`."""
-  with pytest.raises(SystemExit) as e:
-    fn()
-  assert e.value.code == 2
-  lines = capsys.readouterr().err.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
-  for w in words:
-    assert w in lines[0], (w, lines[0])
+_error = assert_hf_error
 
 
 def _tensors(directory) -> dict[str, np.ndarray]:
