@@ -11,6 +11,10 @@
   beside the final one (same file system), and renamed onto the final name when complete: the
   output appears whole or not at all. Partial directories left by killed writers are removed by
   the next writer (it holds the lock, so none of them is in use).
+- **What it is**: every published output holds `.mimo_jax_output.json` naming its kind; only an
+  output of the same kind is replaced (with the tool's flag to do so), never a folder that merely
+  looks like one. A complete output being replaced is moved aside first and put back by the next
+  writer if the replacing one dies between the two renames.
 - **Cleanup that cannot fail**: on any exception or signal the staging directory is removed with
   errors ignored, and the original exception propagates.
 - **Free space**: `check_space(path, nbytes, what)` before long work whose size is known.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import pathlib
 import shutil
@@ -33,6 +38,10 @@ from mimo_jax import workdir as workdir_lib
 from mimo_jax.config import ConfigError
 
 PARTIAL = ".partial-"
+OLD = ".replaced-"  # a complete output moved aside while its replacement is renamed into place
+# Every published output holds this file, naming what wrote it: only an output of the same kind
+# is ever replaced (a training workdir that happens to hold a config.json is not an export).
+MARKER = ".mimo_jax_output.json"
 
 
 class OutputError(ConfigError):
@@ -138,13 +147,38 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   if not entries:
     return
   if complete is not None and complete in entries:
-    if replace:
+    if replace and _written_as(final) == what:
       return
+    if replace:
+      raise OutputError(f"{flag}={str(out)!r} holds a {complete} but was not written as a {what} "
+                        f"by this tool ({MARKER} says otherwise or is missing), so it is not "
+                        f"replaced; choose another {flag} or remove it yourself.")
     raise OutputError(f"{flag}={str(out)!r} holds a {what} already ({complete}); choose another "
                       f"{flag} or delete it.")
   shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
   raise OutputError(f"{flag}={str(out)!r} is not empty ({shown}) and is not a complete {what}; "
                     f"choose a new {flag} or remove it.")
+
+
+def _written_as(path: pathlib.Path) -> str | None:
+  """What kind of output `path` was published as (its MARKER), or None."""
+  try:
+    return json.loads((path / MARKER).read_text(encoding="utf-8")).get("what")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _recover(final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
+  """Under the lock: a complete output moved aside by a writer killed before its replacement
+  took its place goes back; any other leftover of an earlier writer is removed."""
+  try:
+    old = sorted(p for p in parent.iterdir() if p.name.startswith(f".{name}{OLD}"))
+  except OSError:
+    old = []
+  if old and not os.path.lexists(final):
+    os.rename(old.pop(), final)
+  for p in old + partials(final):
+    remove(p)
 
 
 def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
@@ -172,14 +206,14 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
   held = lock(final, flag)
   tmp = parent / f".{name}{PARTIAL}{os.getpid()}"
   try:
-    for p in partials(final):
-      remove(p)
+    _recover(final, parent, name)
     check_target(final, what, flag, complete, replace)  # again, under the lock
     try:
       tmp.mkdir()
     except OSError as e:
       raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
     yield tmp
+    (tmp / MARKER).write_text(json.dumps({"what": what}) + "\n", encoding="utf-8")
     raise_if_interrupted()  # a signal whose exception was lost still stops the publish
     _publish(tmp, final, parent, name)
   except BaseException:
@@ -199,7 +233,7 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name:
     except OSError as e:
       if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
         raise
-      old = parent / f".{name}{PARTIAL}replaced-{os.getpid()}"
+      old = parent / f".{name}{OLD}{os.getpid()}"  # put back by the next writer if we die here
       os.rename(final, old)
   os.rename(tmp, final)
   _fsync_dir(parent)
@@ -218,6 +252,22 @@ def _fsync_dir(path: pathlib.Path) -> None:
     pass
   finally:
     os.close(fd)
+
+
+def run_main(main, *args) -> None:
+  """Runs a tool's `main` as the program (`if __name__ == "__main__"`) and exits with its status.
+  After an interrupt (a status above 128) the exit is immediate: the tool has cleaned up, and
+  threads of JAX or orbax still running can crash the interpreter's shutdown (a segfault,
+  status 139, instead of 130 or 143)."""
+  try:
+    status = main(*args)
+  except SystemExit as e:
+    status = e.code
+  if isinstance(status, int) and status > 128:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+  sys.exit(status)
 
 
 def fail(tool: str, message: str, code: int = 2) -> None:

@@ -6,7 +6,7 @@ def test_staged_publishes_whole_or_nothing(tmp_path):
   with output.staged(out, what="thing", complete="done.json") as tmp:
     assert not out.exists() and tmp.is_dir()
     (tmp / "a").write_text("1"); (tmp / "done.json").write_text("{}")
-  assert sorted(p.name for p in out.iterdir()) == ["a", "done.json"]
+  assert sorted(p.name for p in out.iterdir()) == [output.MARKER, "a", "done.json"]
   assert not list(tmp_path.glob(".o*"))
   with pytest.raises(output.OutputError, match="holds a thing already"):
     with output.staged(out, what="thing", complete="done.json"):
@@ -14,10 +14,10 @@ def test_staged_publishes_whole_or_nothing(tmp_path):
   with pytest.raises(RuntimeError):
     with output.staged(out, what="thing", complete="done.json", replace=True) as tmp:
       (tmp / "b").write_text("2"); raise RuntimeError("x")
-  assert sorted(p.name for p in out.iterdir()) == ["a", "done.json"]
+  assert sorted(p.name for p in out.iterdir()) == [output.MARKER, "a", "done.json"]
   with output.staged(out, what="thing", complete="done.json", replace=True) as tmp:
     (tmp / "done.json").write_text("{}")
-  assert sorted(p.name for p in out.iterdir()) == ["done.json"]
+  assert sorted(p.name for p in out.iterdir()) == [output.MARKER, "done.json"]
   assert not list(tmp_path.glob(".o*"))
 
 def test_lock_and_targets(tmp_path):
@@ -47,3 +47,31 @@ def test_a_signal_whose_exception_was_lost_stops_the_publish(tmp_path):
         except output.Interrupted:
           pass
   assert not out.exists() and not list(tmp_path.glob(".o*"))
+
+
+def test_only_an_output_of_the_same_kind_is_replaced(tmp_path):
+  run = tmp_path / "run"  # a folder that holds the marker file by chance: a run, not an export
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  with pytest.raises(output.OutputError, match="not replaced"):
+    with output.staged(run, what="export", complete="config.json", replace=True):
+      pass
+  assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]
+  with output.staged(tmp_path / "w", what="workdir", complete="config.json") as tmp:
+    (tmp / "config.json").write_text("{}")
+  with pytest.raises(output.OutputError, match="not replaced"):
+    with output.staged(tmp_path / "w", what="export", complete="config.json", replace=True):
+      pass
+
+
+def test_an_output_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
+  out = tmp_path / "o"
+  with output.staged(out, what="thing", complete="done.json") as tmp:
+    (tmp / "done.json").write_text("old")
+  os.rename(out, tmp_path / f".o{output.OLD}12345")  # killed between the two renames
+  (tmp_path / f".o{output.PARTIAL}12345").mkdir()  # its replacement, never published
+  with pytest.raises(output.OutputError, match="holds a thing already"):
+    with output.staged(out, what="thing", complete="done.json"):
+      pass
+  assert (out / "done.json").read_text() == "old"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]

@@ -522,4 +522,4 @@ if __name__ == "__main__":
   if code:
     from mimo_jax import distributed  # pylint: disable=import-outside-toplevel
     distributed.silence_stderr()  # reads orbax left behind must not follow the error line
-  sys.exit(code)
+  output.run_main(lambda: code)

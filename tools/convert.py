@@ -155,4 +155,4 @@ def _error(message: str) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main())  # a normal exit: its pool's resource tracker cleans up

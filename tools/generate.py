@@ -41,6 +41,7 @@ import sys
 
 import numpy as np
 
+from mimo_jax import output
 from mimo_jax.config import Config, ConfigError
 
 TOOL = "tools.generate"
@@ -378,4 +379,4 @@ def run(args: argparse.Namespace) -> list[str]:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  output.run_main(main)

@@ -61,7 +61,7 @@ import time
 
 import numpy as np
 
-from mimo_jax import hf
+from mimo_jax import hf, output
 from mimo_jax.hf import export as hf_export
 from mimo_jax.config import Config, ConfigError, from_dict
 
@@ -602,4 +602,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  output.run_main(main)
