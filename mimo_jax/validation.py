@@ -166,6 +166,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     require(bool(cfg.data.dir), "data.dir",
              "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
              "data.dir to it.")
+    require(cfg.data.image_token != -1, "data.image_token",
+             "is not set; set the image token id that tools.convert reports (its launch line "
+             f"and {cfg.data.dir}/conversations.json's image_token).")
     require(0 <= cfg.data.image_token < lm.vocab_size, "data.image_token",
              f"{cfg.data.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
              "the image token id that tools.convert reports.")

@@ -134,11 +134,12 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
   assert outputs[-1].strip(), "tools.generate answered nothing"
 
 
-def test_a_tower_and_a_language_model_from_two_directories_train_both_stages(tmp_path):
+def test_a_tower_and_a_language_model_from_two_directories_train_both_stages(tmp_path, capsys):
   """The recipe on a SigLIP tower + Qwen2 imported from two directories (in this process): the
   projector alone, then projector and language model from stage 1's weights, then the export."""
   # pylint: disable=import-outside-toplevel
   from tools import convert, hf, recipe_data
+  assert convert.tower_tokens(str(RECIPE / "llava"))[0] == 16  # a LLaVA's vision_config
   recipe_data.write(str(tmp_path / "data"), pretrain=24, instruct=24)
   hf.main(["import", "--hf", str(RECIPE / "siglip"), "--hf", str(RECIPE / "qwen2"),
            "--out", str(tmp_path / "pair0"), "--config=configs/llava_cpu.py"])
@@ -148,8 +149,9 @@ def test_a_tower_and_a_language_model_from_two_directories_train_both_stages(tmp
                          "--images", str(tmp_path / "data" / "images"),
                          "--tokenizer", str(RECIPE / "qwen2"),
                          "--processor", str(RECIPE / "siglip"), "--out", str(tmp_path / stage),
-                         "--eval", "8", "--seq_len", "256", "--image_tokens", "16",
-                         "--workers", "1"]) == 0
+                         "--eval", "8", "--seq_len", "256", "--workers", "1"]) == 0
+    # No --image_tokens: the tower's 4x4 patches of its config.json count in the launch line.
+    assert "an image takes 16 tokens (4x4 patches" in capsys.readouterr().err
     manifests[stage] = json.loads((tmp_path / stage / "conversations.json").read_text())
   token = manifests["pretrain"]["image_token"]
   stage1 = tmp_path / "pair0"

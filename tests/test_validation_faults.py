@@ -152,3 +152,11 @@ def test_a_sidecar_without_token_ids_still_loads(converted, tmp_path):
   records = loader.Records(str(shard), "conversations")
   assert records.meta.max_token is None and records.meta[0].max_token == -1
   assert "max_token" not in np.load(f"{shard}.meta.npz").files  # not rebuilt
+
+
+def test_an_unset_image_token_says_where_the_data_names_it(tmp_path):
+  cfg = _config(tmp_path / "data", tmp_path / "run")
+  cfg.data.image_token = -1
+  with pytest.raises(ConfigError, match=r"^config\.data\.image_token: is not set; set the image "
+                     r"token id that tools\.convert reports"):
+    validate(cfg)

@@ -53,6 +53,7 @@ vocabulary the model needs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shlex
@@ -62,6 +63,22 @@ import sys
 from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations
+
+
+def tower_tokens(directory: str) -> tuple[int | None, str]:
+  """The tokens an image of the tower in `directory` takes (its patches, as LLaVA uses them: the
+  class token dropped, every patch kept) and where that came from; (None, why) when the
+  directory's config.json names no tower."""
+  path = pathlib.Path(directory) / "config.json"
+  try:
+    config = json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return None, f"{path} is missing or not JSON, so the tower's patches are unknown"
+  tower = config.get("vision_config", config) if isinstance(config, dict) else {}
+  size, patch = tower.get("image_size"), tower.get("patch_size")
+  if not (isinstance(size, int) and isinstance(patch, int) and 0 < patch <= size):
+    return None, f"{path} names no vision tower with an image_size and a patch_size"
+  return (size // patch) ** 2, f"{size // patch}x{size // patch} patches of the tower in {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                       "at most a tenth)")
   parser.add_argument("--seq_len", type=int, default=0, help="longest sample in tokens "
                       "(0 = no limit)")
-  parser.add_argument("--image_tokens", type=int, default=1,
-                      help="tokens an image takes in the sequence, for --seq_len")
+  parser.add_argument("--image_tokens", type=int, default=None,
+                      help="tokens an image takes in the sequence, for --seq_len and the launch "
+                      "line's data.seq_len (default: the tower's patches, (image_size / "
+                      "patch_size)^2, from config.json in --processor's or --tokenizer's "
+                      "directory; 1, with a note, when it has none)")
   parser.add_argument("--image_token", default="<image>", help="the text that marks an image, "
                       "one special token of the tokenizer")
   parser.add_argument("--pad_to_square", action="store_true",
@@ -94,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                       help="read image paths that lead out of --images (.., absolute paths, "
                       "symbolic links); without it such records are skipped")
   args = parser.parse_args(argv)
+  if args.image_tokens is None:
+    args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
+    if args.image_tokens is None:
+      args.image_tokens = 1
+      print(f"note: {found}: an image counts as 1 token in --seq_len and in the launch line's "
+            "data.seq_len; give --image_tokens (e.g. 576 for LLaVA-1.5's CLIP at 336 px).",
+            file=sys.stderr)
+    else:
+      print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
+            file=sys.stderr)
   if args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0:
     return _error("--workers and --image_tokens must be at least 1, --seq_len at least 0.")
   opts = conversations.Options(
