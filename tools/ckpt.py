@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -54,6 +55,13 @@ class StepGone(CkptError):
   def __init__(self, step: int):
     super().__init__(f"step {step} was removed while being read ({ROTATED})")
     self.step = step
+    # Reads of the abandoned restore still in flight fail later and asyncio logs them, with a
+    # traceback, when their tasks are collected: the step is gone, which the tool has said.
+    logging.getLogger("asyncio").addFilter(_no_lost_task_reports)
+
+
+def _no_lost_task_reports(record) -> bool:
+  return "exception was never retrieved" not in record.getMessage()
 
 
 class Unreadable(CkptError):
