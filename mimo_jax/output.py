@@ -187,9 +187,13 @@ def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
   while not probe.exists() and probe != probe.parent:
     probe = probe.parent
   try:
-    free = shutil.disk_usage(probe).free
+    usage = shutil.disk_usage(probe)
   except OSError:
     return  # no figure to check against; the write itself will say
+  if usage.total == 0:  # /proc, /sys: nothing can be stored there
+    raise OutputError(f"{path} is on a file system that stores no files ({probe}); choose "
+                      "another place.")
+  free = usage.free
   if free < nbytes * 1.01:
     raise OutputError(f"{what} needs about {nbytes / 1e9:.2f} GB at {path}, where "
                       f"{free / 1e9:.2f} GB are free; free space or choose another place.")

@@ -23,13 +23,17 @@ class WorkdirError(ConfigError):
 
 
 def describe_os_error(e: OSError, what: str) -> str:
-  """One sentence for a failed write or read of `what`."""
+  """One sentence for a failed write or read of `what` (`run.workdir=...`, a tool's `--out=...`,
+  or a file): its advice names the setting that chooses the place."""
+  setting = what.split("=", 1)[0] if "=" in what and not what.startswith("writing ") else ""
+  run = "run.workdir" in what
   if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
     return (f"{what}: the file system refused the write ({os.strerror(e.errno)}); free space "
-            "(or raise the quota or file size limit) and run the same command again to resume.")
+            "(or raise the quota or file size limit) and run the same command again"
+            f"{' to resume' if run else ''}.")
   if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-    return (f"{what}: {os.strerror(e.errno)}; choose a writable run.workdir or fix its "
-            "permissions.")
+    return (f"{what}: {os.strerror(e.errno)}; choose a writable "
+            f"{setting or ('run.workdir' if run else 'place')} or fix its permissions.")
   return f"{what}: {os.strerror(e.errno) if e.errno else e}."
 
 

@@ -75,3 +75,17 @@ def test_an_output_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
       pass
   assert (out / "done.json").read_text() == "old"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_errors_name_the_setting_that_chooses_the_place():
+  import errno  # pylint: disable=import-outside-toplevel
+  from mimo_jax.workdir import describe_os_error  # pylint: disable=import-outside-toplevel
+  assert describe_os_error(OSError(errno.EACCES, "x"), "--out='/sys/x'").endswith(
+      "choose a writable --out or fix its permissions.")
+  assert describe_os_error(OSError(errno.EACCES, "x"), "run.workdir='/x'").endswith(
+      "choose a writable run.workdir or fix its permissions.")
+  assert describe_os_error(OSError(errno.ENOSPC, "x"), "writing /o/.t.tmp").endswith(
+      "run the same command again.")  # a conversion restarts; only a run resumes
+  if os.path.isdir("/proc"):
+    with pytest.raises(output.OutputError, match="stores no files"):
+      output.check_space("/proc/nope", 1, "an export")

@@ -72,16 +72,6 @@ class Unreadable(CkptError):
     self.step, self.reason = step, reason
 
 
-def _fail(message: str) -> None:
-  """The error as the last line of stderr (reads that orbax leaves behind after a failed one may
-  still report on their way out)."""
-  from mimo_jax import distributed  # pylint: disable=import-outside-toplevel
-  sys.stdout.flush()
-  print(f"tools.ckpt: error: {message}", file=sys.stderr, flush=True)
-  distributed.silence_stderr()
-  sys.exit(2)
-
-
 _DROPPING = []
 
 
@@ -258,10 +248,8 @@ def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
 # The manager-level reads (tools.hf reads a workdir through them too).
 
 def _manager(path: str):
-  try:
-    reader = Reader(path)
-  except CkptError as e:
-    _fail(str(e))
+  """The checkpoint manager of `path` (CkptError, which each tool prints as its own error)."""
+  reader = Reader(path)
   return reader.mngr, reader.path
 
 
@@ -270,7 +258,8 @@ def _pick_step(mngr, step: int | None) -> int:
   if step is None:
     return max(steps)
   if step not in steps:
-    _fail(f"no step {step}; the checkpoint holds steps {', '.join(map(str, steps))}.")
+    raise CkptError(f"no step {step}; the checkpoint holds steps "
+                    f"{', '.join(map(str, steps))}.")
   return step
 
 

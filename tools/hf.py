@@ -63,7 +63,7 @@ import numpy as np
 
 from mimo_jax import hf, output
 from mimo_jax.hf import export as hf_export
-from mimo_jax.config import Config, ConfigError, from_dict
+from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError, from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "configs/vlm.py"
@@ -483,6 +483,8 @@ def _export(args) -> None:
           "it, or choose another --out.")
   output.check_target(out, "HF export", "--out", complete="config.json", replace=args.overwrite)
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
+  if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
+    cfg.model.language.vocab_size = DIGITS_VOCAB
   kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
   data = _run_data(cfg)
   record, sources = _history(args.workdir, cfg, record)
