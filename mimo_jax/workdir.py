@@ -7,7 +7,9 @@ a lock left by a process that is gone (same host, pid no longer running) is take
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -64,6 +66,18 @@ def _alive(pid: int) -> bool:
   return True
 
 
+@contextlib.contextmanager
+def _directory_mutex(path: str):
+  """An exclusive flock on directory `path` (released on exit): one process at a time takes
+  over a stale lock in it."""
+  fd = os.open(path or ".", os.O_RDONLY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the flock
+
+
 class Lock:
   """The workdir's lock, held from `acquire()` to `release()`."""
 
@@ -86,7 +100,11 @@ class Lock:
         if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
           self.note = (f"took over {self.file} from process {holder.get('pid')} (started "
                        f"{holder.get('started', '?')}), which is no longer running")
-          os.remove(self.file)
+          with _directory_mutex(os.path.dirname(self.file)):
+            # Another process may have taken it over since it was read: remove only the lock
+            # of the process that is gone, never the new holder's.
+            if self._holder() == holder:
+              os.remove(self.file)
           continue
         who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
                f"{holder.get('started', '?')}")

@@ -1,4 +1,11 @@
-import os, pathlib, signal, subprocess, sys, pytest
+"""mimo_jax/output.py: locked, staged outputs published whole; workdir.Lock's takeover."""
+
+import json
+import os
+import signal
+
+import pytest
+
 from mimo_jax import output
 
 def test_staged_publishes_whole_or_nothing(tmp_path):
@@ -89,3 +96,27 @@ def test_errors_name_the_setting_that_chooses_the_place():
   if os.path.isdir("/proc"):
     with pytest.raises(output.OutputError, match="stores no files"):
       output.check_space("/proc/nope", 1, "an export")
+
+
+def test_a_stale_lock_is_taken_over_once(tmp_path, monkeypatch):
+  """Two writers that both read a dead process's lock: the second, coming after the first took
+  it over, finds the first's lock and stops (it removed the new holder's lock before)."""
+  from mimo_jax import workdir  # pylint: disable=import-outside-toplevel
+  lock = tmp_path / ".o.lock"
+  dead = {"host": workdir.socket.gethostname(), "pid": 2**22 + 12345, "started": "then"}
+  lock.write_text(json.dumps(dead))
+  first = workdir.Lock(str(tmp_path), name=".o.lock")
+  holder = first._holder  # pylint: disable=protected-access
+  calls = []
+
+  def stale_then_taken(self):  # the second writer read the stale holder, then lost the race
+    calls.append(1)
+    if len(calls) == 1:
+      first.acquire()
+      return dead
+    return holder()
+  second = workdir.Lock(str(tmp_path), name=".o.lock")
+  monkeypatch.setattr(workdir.Lock, "_holder", stale_then_taken)
+  with pytest.raises(workdir.WorkdirError, match="in use by another run"):
+    second.acquire()
+  assert json.loads(lock.read_text())["pid"] == os.getpid()
