@@ -297,3 +297,17 @@ def test_generate_prepares_images_as_the_runs_data_from_another_directory(run, m
   with pytest.raises(_Prepared) as got:
     generate_tool.main([str(run), "--image", str(IMAGE), "--no-pad_to_square"])
   np.testing.assert_array_equal(np.rint(got.value.args[0][0] * 255).astype(np.uint8), unpadded)
+
+
+def test_check_with_every_step_rotated_away_says_try_again_not_damaged(run, monkeypatch, capsys):
+  """Nothing could be checked (the run rotated each step away under its read): status 75, the
+  temporary failure, never 2, which means a damaged step."""
+  _live(run)
+  real = ckpt._read_module  # pylint: disable=protected-access
+
+  def read(mngr, s, *rest):
+    shutil.rmtree(run / "checkpoints" / str(s), ignore_errors=True)
+    return real(mngr, s, *rest)
+  monkeypatch.setattr(ckpt, "_read_module", read)
+  assert ckpt.main(["check", str(run)]) == 75
+  _error(capsys, "tools.ckpt", "was removed while being read", "check again")

@@ -64,6 +64,11 @@ def _no_lost_task_reports(record) -> bool:
   return "exception was never retrieved" not in record.getMessage()
 
 
+class TryAgain(CkptError):
+  """Nothing could be read because a live run rotated every step away under the reads: not a
+  verdict on the checkpoint. Exit status 75 (EX_TEMPFAIL), apart from damage's 2."""
+
+
 class Unreadable(CkptError):
   """A step that is there but cannot be read: its files are damaged."""
 
@@ -119,7 +124,7 @@ class Reader:
         return [d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
       except FileNotFoundError:
         continue
-    raise CkptError(f"every step of {self.path} was removed while being read ({ROTATED}); run "
+    raise TryAgain(f"every step of {self.path} was removed while being read ({ROTATED}); run "
                     "again.")
 
   def steps(self) -> list[int]:
@@ -241,7 +246,7 @@ def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
         raise CkptError(f"{e}; the checkpoint holds steps {', '.join(map(str, now)) or 'none'} "
                         "now: give one of them with --step.") from None
       print(f"{tool}: note: {e}; reading the newest step again.", file=sys.stderr, flush=True)
-  raise CkptError(f"the newest step of {reader.path} was removed under every read ({ROTATED}); "
+  raise TryAgain(f"the newest step of {reader.path} was removed under every read ({ROTATED}); "
                   "run again, or give an older --step.")
 
 
@@ -477,8 +482,8 @@ def check(args: argparse.Namespace) -> None:
                     f"{reader.path} failed the check (above); "
                     + _advice(reader, checked, passed, bad, args.step is None))
   if not checked:
-    raise CkptError(f"every step of {reader.path} was removed while being read ({ROTATED}); "
-                    "check again.")
+    raise TryAgain(f"every step of {reader.path} was removed while being read ({ROTATED}); "
+                   "check again.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
   except ConfigError as e:
     sys.stdout.flush()
     print(f"tools.ckpt: error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return 75 if isinstance(e, TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
     print(f"tools.ckpt: interrupted ({e or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
