@@ -245,6 +245,11 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name:
     remove(old)
 
 
+def fsync(path: str | os.PathLike) -> None:
+  """Flushes a file's or a directory's entries to disk; a file system that cannot is let be."""
+  _fsync_dir(pathlib.Path(path))
+
+
 def _fsync_dir(path: pathlib.Path) -> None:
   try:
     fd = os.open(path, os.O_RDONLY)

@@ -382,7 +382,9 @@ def export(args: argparse.Namespace) -> None:
     try:
       save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
                 metadata={"step": str(step), "config": json.dumps(meta["config"])})
+      output.fsync(tmp)  # the bytes on disk before the name points at them
       os.replace(tmp, final)
+      output.fsync(os.path.dirname(final) or ".")
     except OSError as e:
       raise output.OutputError(workdir_lib.describe_os_error(e, f"--out={args.out!r}")) from None
   except BaseException:
