@@ -287,6 +287,9 @@ class Checkpointer:
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
     async_save = async_save and jax.process_count() == 1 and not read_only
+    if read_only and _not_read_only_notice not in logging.getLogger("absl").filters:
+      # Before the options: their construction warns that a read-only manager is read-only.
+      logging.getLogger("absl").addFilter(_not_read_only_notice)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
         read_only=read_only, cleanup_tmp_directories=not read_only)
@@ -306,8 +309,6 @@ class Checkpointer:
     self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
     self._data = {}  # the data fingerprint, computed once per run (data_fingerprint)
     handlers[META] = ocp.JsonCheckpointHandler()
-    if read_only and _not_read_only_notice not in logging.getLogger("absl").filters:
-      logging.getLogger("absl").addFilter(_not_read_only_notice)
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
