@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import pathlib
 import re
 import sys
 import warnings
@@ -42,7 +41,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, distributed, fingerprint, optim
-from mimo_jax.config import Config, ConfigError, run_source
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 
 META = "meta"
@@ -173,7 +173,7 @@ def _group(path: str) -> str:
   return parts[2] if len(parts) > 2 and parts[1] == "inner_states" else parts[-1]
 
 
-def _fill(tree, arrays: dict, keep_others: bool = False):
+def fill(tree, arrays: dict, keep_others: bool = False):
   """`tree` with each leaf replaced by `arrays[path]` (fingerprint.paths names); with
   `keep_others` a leaf `arrays` lacks stays as it is."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -183,7 +183,7 @@ def _fill(tree, arrays: dict, keep_others: bool = False):
                 for k, (_, x) in zip(named, leaves)])
 
 
-def _shape_differences(saved: dict, wanted: dict, module: str) -> list[str]:
+def shape_differences(saved: dict, wanted: dict, module: str) -> list[str]:
   """`module path: saved shape (this run: shape)` for each array of `wanted` the step holds with
   another shape or dtype kind, or not at all."""
   out = []
@@ -307,7 +307,7 @@ class Checkpointer:
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self.source = None  # the config field naming this run when a new run starts from it
     self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
-    self._data = {}  # the data fingerprint, computed once per run (data_fingerprint)
+    self._data = {}  # the data fingerprint, computed once per run (data.identity.fingerprint)
     handlers[META] = ocp.JsonCheckpointHandler()
     self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 
@@ -372,10 +372,10 @@ class Checkpointer:
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
 
   def data_fingerprint(self, cfg: Config) -> dict:
-    """`data_fingerprint(cfg)`, computed once per data directory."""
+    """`data.identity.fingerprint(cfg)`, computed once per data directory."""
     key = (cfg.data.task, cfg.data.dir)
     if key not in self._data:
-      self._data[key] = data_fingerprint(cfg)
+      self._data[key] = identity.fingerprint(cfg)
     return self._data[key]
 
   def read_meta(self, step: int) -> dict:
@@ -454,7 +454,7 @@ class Checkpointer:
     wanted = {n: fingerprint.paths(a) for n, a in abstract.items()}
     params = {n: {k: a for k, a in w.items() if k.startswith("params/")}
               for n, w in wanted.items()}
-    differ = [d for n in abstract for d in _shape_differences(saved[n], params[n], n)]
+    differ = [d for n in abstract for d in shape_differences(saved[n], params[n], n)]
     if differ:
       raise CheckpointError(
           f"{where} holds other parameters than this run's model ({'; '.join(differ[:3])}"
@@ -471,15 +471,15 @@ class Checkpointer:
     arrays = self.read(step, read, meta)
     state = {}
     for n, tree in abstract.items():
-      module = _fill(tree["params"], {k[len("params/"):]: v for k, v in arrays[n].items()
+      module = fill(tree["params"], {k[len("params/"):]: v for k, v in arrays[n].items()
                                       if k.startswith("params/")})
       saved_opt = {k[len("opt_state/"):]: v for k, v in arrays[n].items()
                    if k.startswith("opt_state/")}
       if fresh[n]:  # the new groups start afresh, at this step of the LR schedule
         start = optim.at_step(fresh_opt_state(n, module), step)
-        opt_state = _fill(start, saved_opt, keep_others=True)
+        opt_state = fill(start, saved_opt, keep_others=True)
       else:
-        opt_state = _fill(tree["opt_state"], saved_opt)
+        opt_state = fill(tree["opt_state"], saved_opt)
       state[n] = ModuleState(module, opt_state)
     if not meta.get("params_only"):
       self.notes += _regrouped(meta, cfg, step, saved, fresh, opt)
@@ -534,7 +534,7 @@ def params_restore_dtype(stored_dtype):
   return np.float32 if np.dtype(stored_dtype) == jnp.bfloat16 else None
 
 
-def _model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> list[str]:
+def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> list[str]:
   """`field=saved (this run: value)` for every model field under `only` that differs, runtime
   fields aside. A field newer than the checkpoint had its default's behaviour when it was
   written."""
@@ -557,7 +557,7 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
     raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
                           f"{', '.join(meta.get('modules', []))}. Resume with the modules it "
                           "holds, or start a new run.workdir.")
-  diffs = _model_differences(meta["config"]["model"], cfg)
+  diffs = model_differences(meta["config"]["model"], cfg)
   if diffs:
     keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
                     for d in diffs[:3])
@@ -569,7 +569,7 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
     return []  # an import's weights: no data was trained on
   data = meta.get("data", {})
   fields = [k for k in DATA_FIELDS if k in data and data[k] != getattr(cfg.data, k)]
-  content = _data_differences(data.get("fingerprint"), data_fingerprint(cfg))
+  content = identity.differences(data.get("fingerprint"), identity.fingerprint(cfg))
   if not fields and not content:
     return []
   changes = [f"data.{k}={data[k]!r} (this run: {getattr(cfg.data, k)!r})" for k in fields]
@@ -583,72 +583,6 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
       f"sample order or the eval set. Keep {keep or 'the data it was trained on'}, start a new "
       "stage in a new run.workdir with --config.model.init_from=<this workdir>, or go on with "
       f"this data on purpose with {ALLOW_DATA}.")
-
-
-def _sha256(path: pathlib.Path, ends: int | None = None) -> str | None:
-  """The SHA-256 of a file (with `ends`: of its size and its first and last `ends` bytes); None
-  where it cannot be read."""
-  digest = hashlib.sha256()
-  try:
-    with open(path, "rb") as f:
-      if ends is None:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-          digest.update(chunk)
-      else:
-        size = os.fstat(f.fileno()).st_size
-        digest.update(str(size).encode() + f.read(ends))
-        f.seek(max(size - ends, 0))
-        digest.update(f.read(ends))
-  except OSError:
-    return None
-  return digest.hexdigest()
-
-
-def data_fingerprint(cfg: Config) -> dict:
-  """What identifies converted data (data.task=conversations) beyond the run's fields: digests
-  of its manifest, of each shard's sidecar with its size and first and last 64 KiB, and of the
-  tokenizer's files; {} for the built-in tasks, which their data fields define."""
-  if cfg.data.task != "conversations":
-    return {}
-  from mimo_jax.data import conversations, meta as data_meta  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(cfg.data.dir)
-  out = {"dir": str(root.resolve()), "manifest": _sha256(root / conversations.MANIFEST)}
-  for split in conversations.SPLITS:
-    shard = root / f"{split}.array_record"
-    out[split] = {"bytes": shard.stat().st_size if shard.exists() else None,
-                  "digest": _sha256(shard, ends=1 << 16),
-                  "sidecar": _sha256(pathlib.Path(data_meta.path_of(str(shard))))}
-  try:
-    tokenizer = pathlib.Path(conversations.source_path(
-        cfg.data.dir, conversations.manifest(cfg.data.dir)["tokenizer"]))
-  except (ConfigError, KeyError):
-    tokenizer = None
-  out["tokenizer"] = None if tokenizer is None else {
-      f: _sha256(tokenizer / f) for f in ("tokenizer.json", "tokenizer_config.json")}
-  return out
-
-
-def _data_differences(saved: dict | None, current: dict) -> list[str]:
-  """What differs between two data fingerprints (none where the step has none: a built-in task,
-  or written before fingerprints were kept)."""
-  if not saved or not current:
-    return []
-  where = f"data.dir={current['dir']!r}" + (
-      f" (the step's: {saved['dir']!r})" if saved.get("dir") != current["dir"] else "")
-  what = []
-  if saved.get("manifest") != current["manifest"]:
-    what.append("its manifest")
-  for split in ("train", "eval"):
-    a, b = saved.get(split, {}), current[split]
-    if a.get("bytes") != b["bytes"]:
-      what.append(f"its {split} shard ({a.get('bytes')} bytes, now {b['bytes']})")
-    elif a != b:
-      what.append(f"its {split} shard's records")
-  if saved.get("tokenizer") and current["tokenizer"] and any(
-      v and saved["tokenizer"].get(k) and v != saved["tokenizer"][k]
-      for k, v in current["tokenizer"].items()):
-    what.append("its tokenizer")
-  return [f"{where}: {', '.join(what)} differ{'s' if len(what) == 1 else ''}"] if what else []
 
 
 def _regrouped(meta: dict, cfg: Config, step: int, saved: dict, fresh: dict, opt: dict) -> list:
@@ -667,85 +601,3 @@ def _regrouped(meta: dict, cfg: Config, step: int, saved: dict, fresh: dict, opt
                  f"{'drops its' if len(dropped) == 1 else 'drop theirs'}")
   return [f"step {step} was trained with optim.freeze={was.get('freeze', '')!r}, this run has "
           f"{cfg.optim.freeze!r}: {'; '.join(parts)}; the step and the data position carry on."]
-
-
-def init_sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:
-  """The modules a new run starts from a mimo_jax run (`model.init_from`, or the module's own
-  `init_from` naming `WORKDIR[:STEP]`; an HF directory is state.py's): module -> (config field,
-  checkpoints folder, step)."""
-  out = {}
-  for name in modules:
-    # A module's own run wins over model.init_from, which wins over the module's own HF
-    # directory: a run's config carries the HF directories it was imported from (an import's
-    # config.py does), and a stage started from that run must start from its trained weights.
-    own = getattr(cfg.model.module(name), "init_from", "")
-    field, spec = ((f"model.{name}.init_from", own)
-                   if own and (run_source(own) is not None or not cfg.model.init_from)
-                   else ("model.init_from", cfg.model.init_from))
-    source = run_source(spec)
-    if source is None:
-      if spec and field == "model.init_from":
-        raise CheckpointError(
-            f"config.model.init_from: {spec!r} is not a mimo_jax run; name a run's workdir (the "
-            "folder holding checkpoints/) or its checkpoints/ folder, optionally with :STEP.")
-      continue
-    path, step = source
-    steps = complete_steps(path)
-    if step is None and steps:
-      step = steps[-1]
-    if step not in steps:
-      raise CheckpointError(
-          f"config.{field}: {path} holds no complete step{f' {step}' if step is not None else ''}"
-          f"; it holds {', '.join(map(str, steps)) or 'none'}. Name one as "
-          f"{os.path.dirname(path)}:STEP.")
-    out[name] = (field, path, step)
-  return out
-
-
-def init_params(cfg: Config, abstract: dict, read: bool = True) -> dict:
-  """The parameters modules start from when the config names a mimo_jax run to start from
-  (`init_sources`), for `abstract` (module -> canonical abstract parameters with this run's
-  shardings): the step's parameters only (a step saved with parameters only works too), read
-  straight into those shardings; modules without such a source are not in the result. Each
-  source is checked first: it holds the module, was written for the same model (every model
-  field for model.init_from, the module's own for its init_from; runtime fields aside) and its
-  parameters have this run's shapes. With `read` false only the checks (before anything is
-  written)."""
-  runs = {}
-  for name, source in init_sources(cfg, list(abstract)).items():
-    runs.setdefault(source, []).append(name)
-  out = {}
-  for (field, path, step), names in runs.items():
-    # Every module the step holds has a handler (orbax warns of items it cannot restore).
-    held = [d for d in sorted(os.listdir(os.path.join(path, str(step))))
-            if d != META and os.path.isdir(os.path.join(path, str(step), d))]
-    ckpt = Checkpointer(path, sorted(set(held) | set(names)), read_only=True)
-    ckpt.source = field
-    try:
-      meta = ckpt.read_meta(step)
-      where = f"config.{field}: {path} step {step}"
-      missing = [n for n in names if n not in meta.get("modules", [])]
-      if missing:
-        raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
-                              f"{', '.join(meta.get('modules', []))}.")
-      only = "model." if field == "model.init_from" else f"model.{names[0]}."
-      diffs = _model_differences(meta["config"]["model"], cfg, only)
-      if diffs:
-        keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
-                        for d in diffs[:3])
-        raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
-                              f"Start from it with that run's model config ({keep}).")
-      saved = ckpt.saved_arrays(step, names)
-      wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()}
-                for n in names}
-      differ = [d for n in names for d in _shape_differences(saved[n], wanted[n], n)]
-      if differ:
-        raise CheckpointError(f"{where} holds parameters of other shapes than this run's model "
-                              f"({'; '.join(differ[:3])}); start from a run of this model.")
-      if read:
-        arrays = ckpt.read(step, wanted, meta)
-        for n in names:
-          out[n] = _fill(abstract[n], {k[len("params/"):]: v for k, v in arrays[n].items()})
-    finally:
-      ckpt.close()
-  return out

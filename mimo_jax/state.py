@@ -29,8 +29,8 @@ def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
   the module's `init_from`, `WORKDIR[:STEP]`: that step's parameters) or an HF directory (the
   module's `init_from`). The optimizer state is fresh (step 0); without `optimizer` it is None
   (a checkpoint of parameters only)."""
-  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  runs = {} if cfg is None else checkpoint.init_params(
+  from mimo_jax import init_from  # pylint: disable=import-outside-toplevel  (it imports state)
+  runs = {} if cfg is None else init_from.params(
       cfg, {n: plan[n].canonical_params for n in modules})
   state = {}
   for name, module in modules.items():

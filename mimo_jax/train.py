@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import checkpoint, distributed, memory, workdir
+from mimo_jax import checkpoint, distributed, init_from, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
 from mimo_jax.data import capacity, loader
@@ -117,7 +117,7 @@ def run(cfg: Config) -> list[dict]:
   if not checkpoint.complete_steps(checkpoint.directory(cfg.run.workdir)):
     # A new run that starts from another (init_from): the source checked before anything is
     # written.
-    checkpoint.init_params(cfg, {n: a["params"] for n, a in
+    init_from.params(cfg, {n: a["params"] for n, a in
                                  trainer.abstract_state(canonical=True).items()}, read=False)
   lock = None
   if distributed.is_main():
@@ -157,7 +157,7 @@ def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dic
       state = trainer.from_canonical(state)
     else:
       state = trainer.init_state(cfg.train.seed)
-    started = {} if found is not None else checkpoint.init_sources(cfg, list(trainer.modules))
+    started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
     capacity.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
                             progress=print if distributed.is_main() else None,

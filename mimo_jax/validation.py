@@ -123,7 +123,7 @@ def _variants(cfg: Config) -> None:
 def _init_from(cfg: Config, name: str) -> None:
   """model.<name>.init_from: a readable HF directory whose config.json agrees with the config."""
   section = cfg.model.module(name)
-  if not section.init_from or run_source(section.init_from):  # a run: checkpoint.init_params
+  if not section.init_from or run_source(section.init_from):  # a run: init_from.params
     return
   from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(section.init_from)
