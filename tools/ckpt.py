@@ -250,22 +250,12 @@ def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
                   "run again, or give an older --step.")
 
 
-# The manager-level reads (tools.hf reads a workdir through them too).
+# The manager-level reads under the Reader.
 
 def _manager(path: str):
   """The checkpoint manager of `path` (CkptError, which each tool prints as its own error)."""
   reader = Reader(path)
   return reader.mngr, reader.path
-
-
-def _pick_step(mngr, step: int | None) -> int:
-  steps = complete_steps(str(mngr.directory))
-  if step is None:
-    return max(steps)
-  if step not in steps:
-    raise CkptError(f"no step {step}; the checkpoint holds steps "
-                    f"{', '.join(map(str, steps))}.")
-  return step
 
 
 def _meta(mngr, step: int) -> dict:

@@ -90,7 +90,7 @@ def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
   except ValueError as e:
     raise ConfigError(f"{record_file}: not JSON ({e}); give --tokenizer DIR and --processor "
                       "DIR.") from None
-  return hf_tool._history(workdir, cfg, record)  # pylint: disable=protected-access
+  return hf_tool.history(workdir, cfg, record)
 
 
 def defaults(workdir: str, cfg: Config) -> dict:
@@ -106,7 +106,7 @@ def defaults(workdir: str, cfg: Config) -> dict:
   record, sources = imported(workdir, cfg)
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
          "vocab": None, "record": "", "named": {},
-         "context": hf_tool._context(record, sources)}  # pylint: disable=protected-access
+         "context": hf_tool.source_context(record, sources)}
   if d.task != "conversations" and any(sources.values()):
     bases = _bases(work, launched)
     first = lambda paths, wanted: next(

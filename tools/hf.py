@@ -323,23 +323,23 @@ def _count(tree) -> int:
 
 
 def _read_checkpoint(workdir: str, step: int | None) -> tuple[Config, dict, int, dict]:
-  """(config, parameters by module on the host, step, import record) of a workdir's step."""
+  """(config, parameters by module on the host, step, import record) of a workdir's step, read
+  as tools.ckpt reads it: committed steps only, beside a live run, checked against the
+  fingerprints saved with it."""
   from tools import ckpt  # pylint: disable=import-outside-toplevel
-  mngr, _ = ckpt._manager(workdir)  # pylint: disable=protected-access
-  step = ckpt._pick_step(mngr, step)  # pylint: disable=protected-access
-  meta = ckpt._meta(mngr, step)  # pylint: disable=protected-access
-  cfg = from_dict(meta["config"])
-  flat = ckpt._read_params(mngr, step, meta["modules"])  # pylint: disable=protected-access
-  params: dict = {}
-  for key, x in flat.items():
-    module, *path = key.split("/")
-    node = params.setdefault(module, {})
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    node[path[-1]] = x
+  reader = ckpt.Reader(workdir)
+  reader.note("tools.hf")
+
+  def read(s: int) -> tuple[dict, dict]:
+    meta = reader.meta(s)
+    return meta, reader.params_tree(s, meta)
+  try:
+    step, (meta, params) = ckpt.newest(reader, step, read, tool="tools.hf")
+  finally:
+    reader.close()
   record_file = pathlib.Path(workdir) / "hf_import.json"
   record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-  return cfg, params, step, record
+  return from_dict(meta["config"]), params, step, record
 
 
 def export(args) -> None:
@@ -374,7 +374,7 @@ def _run_data(cfg: Config) -> dict:
           "where": str(directory / conversations.MANIFEST)}
 
 
-def _history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, list[str]]]:
+def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, list[str]]]:
   """The import record (hf_import.json) and the HF directories each module came from (nearest
   first), of this run and of the runs it started from (init_from=WORKDIR: training stages)."""
   from mimo_jax.checkpoint import Checkpointer, complete_steps  # pylint: disable=import-outside-toplevel
@@ -408,7 +408,7 @@ def _history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, l
   return record, {m: list(dict.fromkeys(p)) for m, p in sources.items()}
 
 
-def _context(record: dict, sources: dict[str, list[str]]) -> int | None:
+def source_context(record: dict, sources: dict[str, list[str]]) -> int | None:
   """The language model's max_position_embeddings: the import's record, else its source's."""
   if record.get("max_position_embeddings"):
     return int(record["max_position_embeddings"])
@@ -487,12 +487,12 @@ def _export(args) -> None:
     cfg.model.language.vocab_size = DIGITS_VOCAB
   kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
   data = _run_data(cfg)
-  record, sources = _history(args.workdir, cfg, record)
+  record, sources = history(args.workdir, cfg, record)
   tok = _tokenizer(args, sources, data) if kind != "tower" else None
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
           f"vocabulary of {cfg.model.language.vocab_size}; pass the run's --tokenizer DIR.")
-  context = _context(record, sources)
+  context = source_context(record, sources)
   files: dict[str, dict] = {}
   if kind == "llava":
     token, text = _image_token(args, cfg, record, data, tok)
