@@ -8,10 +8,12 @@ devices 0-3 feeds language dp2 x tp2 on devices 4-7 (a 4 -> 2 fan-in through the
 """
 
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   t = cfg.topology
   if arg in (None, "", "default"):
     t.vision.offset, t.vision.dp = 0, 4

@@ -15,10 +15,12 @@ Which groups train is given at launch (README, "The LLaVA recipe"): stage 1 the 
 """
 
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.model.dtype = "float32"
   cfg.topology.vision.offset = cfg.topology.language.offset = 0
   cfg.run.cpu_devices = 1

@@ -36,10 +36,12 @@ Topology fields are left at one device; benchmarks and runs set them with flags.
 """
 
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   v, lm, d = cfg.model.vision, cfg.model.language, cfg.data
   cfg.model.dtype = "bfloat16"
   v.image_size, v.channels, v.patch_size = 336, 3, 14

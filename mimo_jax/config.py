@@ -7,6 +7,7 @@ the field and the fix, before anything is compiled.
 
 
 import dataclasses
+import importlib
 import os
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
@@ -14,7 +15,6 @@ LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoder
 REMAT = ("none", "full", "dots", "dots_attention")
 SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (sharding.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
-POSITION_RESIZE = ("crop", "bicubic")  # patches.py
 ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
 TASKS = ("digits", "synthetic", "conversations")
 DIGITS_VOCAB = 17  # data/tokenizer.py
@@ -22,70 +22,6 @@ DIGITS_VOCAB = 17  # data/tokenizer.py
 
 class ConfigError(ValueError):
   """A bad configuration value; the message names the field and the fix."""
-
-
-@dataclasses.dataclass
-class VisionConfig:
-  image_size: int = 8
-  channels: int = 1
-  patch_size: int = 4
-  dim: int = 64
-  layers: int = 2
-  heads: int = 4
-  mlp_dim: int = 128
-  projector_hidden: int = 128
-  # Pixel shuffle before the projector: each s x s block of patches becomes one image token of
-  # s*s*dim features (InternVL's token compression); 1 = one token a patch.
-  downsample: int = 1
-  # Tower variants (tools.hf import sets them from an HF config.json). The defaults are SigLIP's
-  # layout; CLIP has a class token, no patch-embedding bias, a LayerNorm before the blocks and
-  # quick_gelu. The class token is dropped from the features the projector sees.
-  class_token: bool = False
-  patch_bias: bool = True
-  pre_norm: bool = False
-  # LayerNorm on the last block's output (SigLIP's post_layernorm); LLaVA reads hidden states
-  # without it.
-  final_norm: bool = True
-  norm_eps: float = 1e-6
-  activation: str = "gelu_tanh"  # of the ViT's MLP: gelu_tanh, gelu (exact) or quick_gelu
-  projector_activation: str = "gelu_tanh"  # of the projector's MLP (LLaVA: gelu)
-  # Per-channel mean and std the [0, 1] pixels are normalised with on device, comma-separated
-  # ("" = none); e.g. SigLIP's "0.5,0.5,0.5".
-  pixel_mean: str = ""
-  pixel_std: str = ""
-  # Positions of an image whose patch grid differs from the table's (image_size / patch_size a
-  # side; dynamic resolution): "crop" takes the table's top-left part, "bicubic" resizes the table
-  # to the image's grid as Hugging Face's towers do with interpolate_pos_encoding (patches.py).
-  position_resize: str = "crop"
-  # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
-  # weights a run starts from instead of the seed's, or a mimo_jax run, WORKDIR[:STEP] (this
-  # module's parameters of that step); not read on resume. The fields above must match its
-  # config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error) or the run's.
-  init_from: str = ""
-  # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
-  # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
-  fp8: bool = False
-
-  @property
-  def patches(self) -> int:
-    return (self.image_size // self.patch_size) ** 2
-
-  @property
-  def positions(self) -> int:
-    """Rows of the position table: the patches and the class token's."""
-    return self.patches + int(self.class_token)
-
-  def pixel_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """(mean, std) per channel, or None."""
-    if not self.pixel_mean and not self.pixel_std:
-      return None
-    return (tuple(float(x) for x in self.pixel_mean.split(",")),
-            tuple(float(x) for x in self.pixel_std.split(",")))
-
-  @property
-  def tokens_per_image(self) -> int:
-    """Image tokens the language model receives per image (after `downsample`)."""
-    return self.patches // self.downsample**2
 
 
 @dataclasses.dataclass
@@ -123,17 +59,37 @@ class LanguageConfig:
             self.rope_original_positions)
 
 
+class Modules:
+  """`encoders` by name, also read and written as attributes (`model.<name>`, `topology.<name>`,
+  as config files and command-line flags spell them)."""
+
+  def __getattr__(self, name: str):
+    if name.startswith("__") or name == "encoders":
+      raise AttributeError(name)
+    encoders = self.__dict__.get("encoders", {})
+    if name in encoders:
+      return encoders[name]
+    raise AttributeError(f"{type(self).__name__} has no field or encoder {name!r} (encoders: "
+                         f"{', '.join(encoders) or 'none'})")
+
+  def __setattr__(self, name: str, value) -> None:
+    if name in self.__dict__.get("encoders", {}):
+      self.encoders[name] = value
+    else:
+      super().__setattr__(name, value)
+
+
 @dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(Modules):
   dtype: str = "float32"
   # Attention kernel: xla, cudnn (fused flash attention, GPUs, bfloat16), or auto (cudnn where it
   # runs, else xla). Packed rows (data.pack_rows, data.slot_patches) use cuDNN's packed attention
   # with cudnn (Hopper GPUs and later), XLA's masked attention with xla.
   attention: str = "auto"
-  vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+  # Each encoder's config by registered name (mimo_jax/encoders), in dispatch order; `model.<name>`
+  # is short for `model.encoders.<name>`. A config file adds them with `Config.add_encoder`.
+  encoders: dict = dataclasses.field(default_factory=dict)
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
-  # Configs of further registered encoders by name (mimo_jax/encoders), beside `vision`.
-  extra: dict = dataclasses.field(default_factory=dict)
   # A mimo_jax run to start from, WORKDIR[:STEP] (default its newest step): every module's
   # parameters, with a fresh optimizer at step 0 (a new training stage: its own data and
   # schedule). Its model config must match. A module's own init_from naming a run takes
@@ -142,7 +98,7 @@ class ModelConfig:
 
   def module(self, name: str):
     """`model.<name>`: a module's config section."""
-    return self.extra[name] if name in self.extra else getattr(self, name)
+    return self.language if name == LANGUAGE else self.encoders[name]
 
 
 @dataclasses.dataclass
@@ -171,28 +127,29 @@ class ModuleTopology:
 
 
 @dataclasses.dataclass
-class TopologyConfig:
-  vision: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
+class TopologyConfig(Modules):
+  # Each encoder's placement by name, as model.encoders; `topology.<name>` is short for
+  # `topology.encoders.<name>`.
+  encoders: dict = dataclasses.field(default_factory=dict)
   language: ModuleTopology = dataclasses.field(default_factory=ModuleTopology)
-  # Further registered encoders by name (mimo_jax/encoders), each with its own mesh.
-  extra: dict = dataclasses.field(default_factory=dict)
 
-  def encoders(self) -> list[str]:
-    """The run's encoders in dispatch order: `vision`, then the others as added."""
-    return ["vision", *self.extra]
+  def names(self) -> list[str]:
+    """The run's encoders in dispatch order (as added)."""
+    return list(self.encoders)
 
   def modules(self) -> dict[str, ModuleTopology]:
     """Every module's topology: encoders first, the language model last."""
-    return {name: self.module(name) for name in [*self.encoders(), LANGUAGE]}
+    return {name: self.module(name) for name in [*self.names(), LANGUAGE]}
 
   def module(self, name: str) -> ModuleTopology:
-    return self.extra[name] if name in self.extra else getattr(self, name)
+    return self.language if name == LANGUAGE else self.encoders[name]
 
 
 @dataclasses.dataclass
 class DataConfig:
   # digits: the digits-captioning task (data/digits.py); synthetic: random VLM-shaped samples for
-  # benchmarks (data/synthetic.py), images of model.vision.image_size, text ids < vocab_size;
+  # benchmarks (data/synthetic.py), images of the image encoder's image_size, text ids <
+  # vocab_size;
   # conversations: LLaVA-style data converted by tools.convert into data.dir
   # (data/conversations.py).
   task: str = "digits"
@@ -242,7 +199,7 @@ class DataConfig:
   text_len: int = 128
   text_len_sigma: float = 0.5
   # Synthetic task: image sizes drawn uniformly per image, comma-separated "S" (S x S) or "HxW";
-  # "" = model.vision.image_size square. Several sizes need data.slot_patches > 0.
+  # "" = the image encoder's image_size, square. Several sizes need data.slot_patches > 0.
   image_sizes: str = ""
   # Dynamic resolution: each image slot is a row of this many ViT patches into which images of any
   # size (sides multiples of patch_size * downsample, at most image_size) are packed, attending
@@ -288,9 +245,10 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.98
   clip_norm: float = 1.0
-  # Comma-separated parameter groups to freeze: vision, vision_projector, language.
+  # Comma-separated parameter groups to freeze: each encoder's `<name>` (its tower) and
+  # `<name>_projector`, and `language`.
   freeze: str = ""
-  # Comma-separated group=multiplier pairs scaling the learning rate, e.g. "vision=0.1".
+  # Comma-separated group=multiplier pairs scaling the learning rate, e.g. "language=0.1".
   lr_mult: str = ""
 
 
@@ -340,22 +298,13 @@ class Config:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
-
-def slot_tokens(cfg: Config) -> int:
-  """Image tokens an image slot yields: one image's, or a packed slot's (data.slot_patches)."""
-  v = cfg.model.vision
-  return cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches else v.tokens_per_image
-
-
-def slot_images(cfg: Config) -> int:
-  """Most images a packed image slot holds (data.slot_patches): as many of the smallest of
-  data.image_sizes as fit; 0 without packed slots. The layout never packs more, so attention can
-  be sized for it (models/layers.packed_attention)."""
-  d, v = cfg.data, cfg.model.vision
-  if not d.slot_patches:
-    return 0
-  smallest = min(h * w for h, w in d.sizes(v.image_size)) // v.patch_size**2
-  return max(d.slot_patches // smallest, 1)
+  def add_encoder(self, name: str, config, topology: ModuleTopology | None = None) -> None:
+    """Adds a registered encoder (mimo_jax/encoders) as `model.<name>` and `topology.<name>`
+    (default: the language model's devices, dp 1), after those already added."""
+    if name == LANGUAGE:
+      raise ConfigError(f"config.model.{name}: the language model is not an encoder.")
+    self.model.encoders[name] = config
+    self.topology.encoders[name] = topology or ModuleTopology()
 
 
 def row_segments(cfg: Config) -> int:
@@ -364,26 +313,51 @@ def row_segments(cfg: Config) -> int:
   return cfg.data.micro_batch + 1 if cfg.data.pack_rows else 0
 
 
-PARAM_GROUPS = ("vision", "vision_projector", "language")
+ENCODER_CONFIGS: dict[str, type] = {}  # config class of each registered encoder (encoders.register)
 
 
 def from_dict(values: dict, cls=None, prefix: str = "config."):
   """A config from `dataclasses.asdict` output (a checkpoint's metadata, a workdir's
-  config.json); fields it lacks keep their defaults, fields the dataclasses lack are errors."""
+  config.json); fields it lacks keep their defaults, fields the dataclasses lack are errors.
+  Encoders are read back as their registered config classes (`ENCODER_CONFIGS`)."""
   cls = cls or Config
   obj = cls()
   known = {f.name: f for f in dataclasses.fields(cls)}
+  if issubclass(cls, Modules):
+    values = _encoders_section(values, known)
   for name, value in values.items():
     if name not in known:
       raise ConfigError(f"{prefix}{name}: unknown field (written by another mimo_jax version?).")
     current = getattr(obj, name)
-    if dataclasses.is_dataclass(current) and isinstance(value, dict):
+    if name == "encoders" and isinstance(obj, Modules):
+      value = {n: _encoder_from_dict(cls, n, v, f"{prefix}{name}.{n}.") for n, v in value.items()}
+    elif dataclasses.is_dataclass(current) and isinstance(value, dict):
       value = from_dict(value, type(current), f"{prefix}{name}.")
-    elif isinstance(current, dict) and value:
-      raise ConfigError(f"{prefix}{name}: further encoders cannot be read back from a dict; set "
-                        "them in a config file.")
     setattr(obj, name, value)
   return obj
+
+
+def _encoders_section(values: dict, known: dict) -> dict:
+  """Configs written before `encoders` existed kept each registered encoder as a field of its own
+  (`model.<name>`, `topology.<name>`) and the rest under `extra`: moved into `encoders`."""
+  values, moved = dict(values), dict(values.get("encoders", {}))
+  for name in [n for n in values if n not in known and n in ENCODER_CONFIGS]:
+    moved[name] = values.pop(name)
+  moved.update(values.pop("extra", None) or {})
+  return {**values, "encoders": moved} if moved else values
+
+
+def _encoder_from_dict(cls, name: str, values: dict, prefix: str):
+  if cls is TopologyConfig:
+    return from_dict(values, ModuleTopology, prefix)
+  if name not in ENCODER_CONFIGS:
+    # The registry imports this module, so it is found by name when a config names an encoder
+    # not yet registered; it imports the built-in encoders (mimo_jax/encoders).
+    importlib.import_module("mimo_jax.encoders").builtin()
+  if name not in ENCODER_CONFIGS:
+    raise ConfigError(f"{prefix[:-1]}: no encoder {name!r} is registered (mimo_jax/encoders); "
+                      f"registered: {', '.join(ENCODER_CONFIGS) or 'none'}.")
+  return from_dict(values, ENCODER_CONFIGS[name], prefix)
 
 
 def require(ok: bool, field: str, message: str) -> None:
@@ -392,21 +366,31 @@ def require(ok: bool, field: str, message: str) -> None:
     raise ConfigError(f"config.{field}: {message}")
 
 
-def parse_freeze(spec: str) -> tuple[str, ...]:
-  groups = tuple(g.strip() for g in spec.split(",") if g.strip())
+def param_groups(cfg: Config) -> tuple[str, ...]:
+  """The run's parameter groups (optim.freeze, optim.lr_mult): each encoder's tower and its
+  projector (`<name>`, `<name>_projector`), then `language`."""
+  return tuple(g for n in cfg.topology.names() for g in (n, f"{n}_projector")) + (LANGUAGE,)
+
+
+def parse_freeze(cfg: Config) -> tuple[str, ...]:
+  """`optim.freeze` as parameter groups."""
+  known = param_groups(cfg)
+  groups = tuple(g.strip() for g in cfg.optim.freeze.split(",") if g.strip())
   for g in groups:
-    require(g in PARAM_GROUPS, "optim.freeze",
-             f"unknown parameter group {g!r}; choose from {', '.join(PARAM_GROUPS)}.")
+    require(g in known, "optim.freeze",
+             f"unknown parameter group {g!r}; choose from {', '.join(known)}.")
   return groups
 
 
-def parse_lr_mult(spec: str) -> dict[str, float]:
+def parse_lr_mult(cfg: Config) -> dict[str, float]:
+  """`optim.lr_mult` as {parameter group: multiplier}."""
+  known, spec = param_groups(cfg), cfg.optim.lr_mult
   out = {}
   for item in (s.strip() for s in spec.split(",") if s.strip()):
     group, sep, value = item.partition("=")
-    require(bool(sep), "optim.lr_mult", f"{item!r} is not group=multiplier, e.g. vision=0.1.")
-    require(group in PARAM_GROUPS, "optim.lr_mult",
-             f"unknown parameter group {group!r}; choose from {', '.join(PARAM_GROUPS)}.")
+    require(bool(sep), "optim.lr_mult", f"{item!r} is not group=multiplier, e.g. language=0.1.")
+    require(group in known, "optim.lr_mult",
+             f"unknown parameter group {group!r}; choose from {', '.join(known)}.")
     try:
       out[group] = float(value)
     except ValueError:
@@ -435,7 +419,7 @@ def run_source(spec: str) -> tuple[str, int | None] | None:
 
 def set_layout(cfg: Config, layout: str) -> None:
   """Sets topology fields from `module=offset/dp/tp[/pp[/virtual]],...` (as tests and benchmark
-  tools write layouts), e.g. `vision=0/4/1,language=4/2/2`."""
+  tools write layouts), e.g. `language=4/2/2` (any module by name)."""
   for item in (s.strip() for s in layout.split(",") if s.strip()):
     name, _, spec = item.partition("=")
     modules = cfg.topology.modules()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import runpy
 import sys
 import traceback
 
@@ -161,7 +162,10 @@ def _config_fields(obj, prefix: str = "config.") -> list[str]:
   lines = []
   for f in dataclasses.fields(obj):
     value = getattr(obj, f.name)
-    if dataclasses.is_dataclass(value):
+    if f.name == "encoders":  # model.<name>, topology.<name> of each encoder
+      for name, section in value.items():
+        lines += _config_fields(section, f"{prefix}{name}.")
+    elif dataclasses.is_dataclass(value):
       lines += _config_fields(value, f"{prefix}{f.name}.")
     elif not isinstance(value, dict):
       lines.append(f"  --{prefix}{f.name}={value!r}  ({type(value).__name__})")
@@ -170,13 +174,12 @@ def _config_fields(obj, prefix: str = "config.") -> list[str]:
 
 def _help_full() -> None:
   """--helpfull: the flags, then every config field with its default; exits 0."""
-  from mimo_jax.config import Config  # pylint: disable=import-outside-toplevel
   print(__doc__.strip() + "\n")
   print(f"  --config: {_CONFIG_HELP}\n    (default: {DEFAULT_CONFIG!r})")
   print(flags.FLAGS.main_module_help().split("\n", 2)[-1])
-  print("\nconfig fields (defaults of the dataclasses; a config file sets its own; the README's "
+  print("\nconfig fields (defaults of configs/digits.py; a config file sets its own; the README's "
         "config table says what each does):")
-  print("\n".join(_config_fields(Config())))
+  print("\n".join(_config_fields(runpy.run_path(DEFAULT_CONFIG)["get_config"]())))
   sys.exit(0)
 
 

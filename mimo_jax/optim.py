@@ -38,7 +38,7 @@ def labels(groups_tree, frozen: tuple[str, ...]):
 def module_transform(cfg: Config, groups_tree) -> optax.GradientTransformation:
   """optax.multi_transform over this module's parameter groups (frozen -> set_to_zero)."""
   o = cfg.optim
-  frozen, mult = parse_freeze(o.freeze), parse_lr_mult(o.lr_mult)
+  frozen, mult = parse_freeze(cfg), parse_lr_mult(cfg)
   sched = schedule(cfg)
   transforms = {FROZEN: optax.set_to_zero()}
   for g in set(jax.tree.leaves(groups_tree)) - set(frozen):

@@ -229,7 +229,7 @@ class Plan:
 
   @classmethod
   def build(cls, cfg: Config, meshes: dict[str, Mesh], modules: dict) -> "Plan":
-    frozen = parse_freeze(cfg.optim.freeze)
+    frozen = parse_freeze(cfg)
     return cls({n: plan_module(cfg, n, meshes[n], m, frozen) for n, m in modules.items()})
 
   def __getitem__(self, name: str) -> ModulePlan:

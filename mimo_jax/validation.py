@@ -8,7 +8,8 @@ import os
 import pathlib
 
 from mimo_jax import encoders
-from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, POSITION_RESIZE, REMAT, ROPE_SCALINGS,
+from mimo_jax.models.vit import POSITION_RESIZE
+from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, REMAT, ROPE_SCALINGS,
                              SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
                              require, run_source)
 
@@ -66,7 +67,7 @@ def _seq_len_fits(cfg: Config) -> None:
   memory = host_memory()
   if not memory:
     return
-  per_position = TEXT_BYTES + ENCODER_BYTES * len(cfg.topology.encoders())
+  per_position = TEXT_BYTES + ENCODER_BYTES * len(cfg.topology.names())
   eval_rows, step_rows = text_rows(cfg)
   need = (eval_rows + step_rows) * cfg.data.seq_len * per_position
   gib = 1024**3
@@ -265,8 +266,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"must be in [0, 1), got {getattr(o, name)} (AdamW's usual: b1=0.9, b2=0.95 to 0.999).")
   require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}.")
   require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}.")
-  parse_freeze(o.freeze)
-  for group, mult in parse_lr_mult(o.lr_mult).items():
+  parse_freeze(cfg)
+  for group, mult in parse_lr_mult(cfg).items():
     require(math.isfinite(mult), "optim.lr_mult", f"multiplier for {group} must be finite.")
 
   require(cfg.train.steps > 0, "train.steps", "must be > 0.")
@@ -288,11 +289,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
            f"must be auto, bar or lines, got {cfg.run.progress!r}.")
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
-  for name in cfg.topology.extra:
-    require(name in cfg.model.extra, f"model.{name}",
+  for name in cfg.topology.encoders:
+    require(name in cfg.model.encoders, f"model.{name}",
              f"topology.{name} is set but model.{name} is not; give the encoder a config.")
-  for name in cfg.model.extra:
-    require(name in cfg.topology.extra, f"topology.{name}",
+  for name in cfg.model.encoders:
+    require(name in cfg.topology.encoders, f"topology.{name}",
              f"model.{name} is set but topology.{name} is not; place the encoder on devices.")
   for encoder in encoders.of(cfg).values():
     encoder.validate(cfg)

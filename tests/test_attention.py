@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax.config import row_segments, slot_images
+from mimo_jax.config import row_segments
+from mimo_jax.encoders.vision import slot_images
 from mimo_jax.data.layout import place_items
 from mimo_jax.models.layers import packed_attention, segment_runs
 from tests.helpers import image_layout

@@ -5,6 +5,7 @@ import pytest
 from configs import digits, vlm
 from mimo_jax import topology
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.validation import validate
 from tests.configs import tiny
 
@@ -149,6 +150,7 @@ def test_vlm_unknown_variant_names_them():
 ])
 def test_device_ranges(vision, language, ok):
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   for t, (offset, dp, tp) in ((cfg.topology.vision, vision), (cfg.topology.language, language)):
     t.offset, t.dp, t.tp = offset, dp, tp
   if ok:
@@ -177,6 +179,7 @@ def test_too_few_samples_for_one_batch():
 def test_layout_strings():
   from mimo_jax.config import set_layout
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   set_layout(cfg, "vision=0/4/1, language=4/1/2/2/2")
   assert (cfg.topology.vision.dp, cfg.topology.language.pp, cfg.topology.language.virtual) == (
       4, 2, 2)

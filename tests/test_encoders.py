@@ -31,8 +31,7 @@ def _registered():
 
 def _config(data_dir, vision, signal, language):
   cfg = tiny_config(data_dir, vision=vision, language=language)
-  cfg.model.extra["signal"] = toy_encoder.SignalConfig()
-  cfg.topology.extra["signal"] = ModuleTopology(*signal)
+  cfg.add_encoder("signal", toy_encoder.SignalConfig(), ModuleTopology(*signal))
   cfg.data.seq_len = 32  # room for 3 images and 2 signals of 4 tokens each
   return cfg
 
@@ -90,7 +89,7 @@ def test_three_meshes_match_single_device(data_dir):
 
 def test_unregistered_or_unplaced_encoders_are_config_errors(data_dir):
   cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
-  del cfg.topology.extra["signal"]
+  del cfg.topology.encoders["signal"]
   with pytest.raises(ConfigError, match="config.topology.signal"):
     validate(cfg, 8)
   cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))

@@ -11,6 +11,7 @@ import pytest
 
 from mimo_jax import generate, hf
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.models import whole
 from mimo_jax.validation import validate
 from tools import generate as generate_tool
@@ -22,6 +23,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 def _fixture(name: str):
   src = hf.Source.open(FIXTURES / name)
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
   cfg.model.language.vocab_size = 64
   hf.configure(cfg, src)

@@ -10,6 +10,7 @@ import pytest
 
 from mimo_jax import hf
 from mimo_jax.config import Config, ConfigError, set_layout
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import loader
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
@@ -25,6 +26,7 @@ LLAVA = ("llava15", "llava_siglip")
 
 def _config(src: hf.Source) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
   cfg.model.language.vocab_size = 64  # a lone tower's (unused) language model
   hf.configure(cfg, src)

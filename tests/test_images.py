@@ -30,7 +30,7 @@ def test_the_tower_normalises_as_the_processor():
   """What the shards hold (uint8) becomes the processor's pixel values on the device: the
   tower's own rescale and normalisation with the config's pixel_mean and pixel_std."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from mimo_jax.config import VisionConfig  # pylint: disable=import-outside-toplevel
+  from mimo_jax.encoders.vision import VisionConfig  # pylint: disable=import-outside-toplevel
   proc = ImageProcessor.open(FIXTURES / "clip")
   cfg = VisionConfig(pixel_mean=",".join(map(repr, proc.mean)),
                      pixel_std=",".join(map(repr, proc.std)))

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mimo_jax.config import LanguageConfig, VisionConfig
+from mimo_jax.config import LanguageConfig
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.models import layers, llm, vit
 
 

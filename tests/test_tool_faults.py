@@ -22,6 +22,7 @@ from PIL import Image
 from mimo_jax import hf
 from mimo_jax.checkpoint import Checkpointer, complete_steps
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import conversations
 from mimo_jax.state import ModuleState
 from mimo_jax.validation import validate
@@ -55,6 +56,7 @@ def launch(tmp_path_factory) -> pathlib.Path:
   (root / "data" / conversations.MANIFEST).write_text(json.dumps(manifest))
   src = hf.Source.open(FIXTURES / "hf" / "llava15")
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
   cfg.model.language.vocab_size = 64
   hf.configure(cfg, src)

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from mimo_jax.config import slot_tokens
+from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.validation import validate
 from tools.bench import load_config, set_field

@@ -14,6 +14,7 @@ import numpy as np
 
 from mimo_jax import hf
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.models import mimo, whole
 
 BATCH, SEQ = 2, 16
@@ -21,6 +22,7 @@ BATCH, SEQ = 2, 16
 
 def _config(src: hf.Source, dtype: str) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.model.dtype = dtype
   cfg.model.language.vocab_size = 32  # a lone tower's (unused) language model
   hf.configure(cfg, src)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import topology
 from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.models.layers import stacked
 from mimo_jax.models.llm import DecoderBlock
 from mimo_jax.models.mimo import build_modules
@@ -44,6 +45,7 @@ class Bench:
   def __init__(self, args):
     self.args = args
     cfg = Config()
+    cfg.add_encoder("vision", VisionConfig())
     lm = cfg.model.language
     lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = (
         args.dim, args.layers, args.heads, args.kv_heads, args.mlp_dim)

@@ -60,7 +60,8 @@ import sys
 import numpy as np
 
 from mimo_jax import memory
-from mimo_jax.config import ConfigError, set_layout, slot_tokens
+from mimo_jax.config import ConfigError, set_layout
+from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.validation import validate_topology
 from tools.bench import load_config, set_field

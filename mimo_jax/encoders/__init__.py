@@ -13,17 +13,23 @@ placeholders in the text. Everything the rest of the code needs of it is declare
 * its device forward (`encode`) and its FLOP model.
 
 Topology (`topology.<name>`) and model config (`model.<name>`) are keyed by registered names; the
-language model is the one module that is not an encoder. `vision` is registered here; a test
-registers a second, toy encoder (tests/toy_encoder.py) and trains the three modules on three meshes.
+language model is the one module that is not an encoder. Importing this registry registers
+nothing: each encoder's module ends with its own `register(...)` call, and the modules of this
+package (the built-in encoders) are imported the first time a name is looked up that is not yet
+registered. A test registers a second, toy encoder (tests/toy_encoder.py) and trains the three
+modules on three meshes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from typing import Any
 
 import numpy as np
 
+from mimo_jax import config as config_lib
 from mimo_jax.config import Config, ConfigError
 
 REGISTRY: dict[str, "Encoder"] = {}
@@ -77,6 +83,7 @@ class SlotLayout:
 class Encoder:
   """The plug-in: subclasses set `name`, `sample_key`, `seed_salt` and implement the methods."""
   name: str = ""
+  config_class: type | None = None  # the dataclass of `model.<name>`
   sample_key: str = ""  # the field of a sample that lists its items
   placeholder: int = -1  # the token id that marks each item in a sample's text
   size_fields: int = 1  # integers that give an item's size (an image's: h, w)
@@ -122,17 +129,29 @@ class Encoder:
 
 
 def register(encoder: Encoder) -> Encoder:
-  if not encoder.name or encoder.name == "language":
+  """Makes `encoder` available by its name (config files, checkpoints and flags name it)."""
+  if not encoder.name or encoder.name == config_lib.LANGUAGE:
     raise ValueError(f"an encoder needs a name other than 'language', got {encoder.name!r}")
   REGISTRY[encoder.name] = encoder
+  if encoder.config_class is not None:
+    config_lib.ENCODER_CONFIGS[encoder.name] = encoder.config_class
   return encoder
 
 
 def unregister(name: str) -> None:
   REGISTRY.pop(name, None)
+  config_lib.ENCODER_CONFIGS.pop(name, None)
+
+
+def builtin() -> None:
+  """Imports the built-in encoders (this package's modules), each of which registers itself."""
+  for info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{info.name}")
 
 
 def get(name: str) -> Encoder:
+  if name not in REGISTRY:
+    builtin()
   if name not in REGISTRY:
     raise ConfigError(f"topology.{name}: no encoder {name!r} is registered; registered: "
                       f"{', '.join(REGISTRY)}.")
@@ -141,8 +160,4 @@ def get(name: str) -> Encoder:
 
 def of(cfg: Config) -> dict[str, Encoder]:
   """The run's encoders, in dispatch order."""
-  return {n: get(n) for n in cfg.topology.encoders()}
-
-
-# pylint: disable-next=wrong-import-position,cyclic-import
-from mimo_jax.encoders import vision  # noqa: E402,F401  (registers `vision`)
+  return {n: get(n) for n in cfg.topology.names()}

@@ -12,8 +12,6 @@ grid), in place of `patch_pos_nq`. An image of gh x gw patches yields gh·gw/s²
 Sidecar fields: each image's (h, w).
 """
 
-from __future__ import annotations
-
 import dataclasses
 
 import jax
@@ -21,12 +19,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax import encoders
-from mimo_jax.config import Config, slot_images, slot_tokens
+from mimo_jax.config import Config
 from mimo_jax.data.tokenizer import IMG
+from mimo_jax.models.vit import ViTConfig
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
 PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
 PIXEL_MAX = 255.0
+
+
+@dataclasses.dataclass
+class VisionConfig(ViTConfig):
+  """`model.vision`: the tower (models/vit.py) and where its weights come from."""
+  # An HF directory (a SigLIP or CLIP tower, or a LLaVA checkpoint: tower and projector) whose
+  # weights a run starts from instead of the seed's, or a mimo_jax run, WORKDIR[:STEP] (this
+  # module's parameters of that step); not read on resume. The fields above must match its
+  # config.json (mimo_jax/hf/fields.py derives them; a contradiction is an error) or the run's.
+  init_from: str = ""
+
+
+def slot_tokens(cfg: Config) -> int:
+  """Image tokens an image slot yields: one image's, or a packed slot's (data.slot_patches)."""
+  v = cfg.model.vision
+  return cfg.data.slot_patches // v.downsample**2 if cfg.data.slot_patches else v.tokens_per_image
+
+
+def slot_images(cfg: Config) -> int:
+  """Most images a packed image slot holds (data.slot_patches): as many of the smallest of
+  data.image_sizes as fit; 0 without packed slots. The layout never packs more, so attention can
+  be sized for it (models/layers.packed_attention)."""
+  d, v = cfg.data, cfg.model.vision
+  if not d.slot_patches:
+    return 0
+  smallest = min(h * w for h, w in d.sizes(v.image_size)) // v.patch_size**2
+  return max(d.slot_patches // smallest, 1)
 
 
 def image_sizes(sample: dict) -> list[tuple[int, int]]:
@@ -106,6 +132,7 @@ class ImageSlots(encoders.SlotLayout):
 
 class Vision(encoders.Encoder):
   name, sample_key, placeholder, size_fields, seed_salt = "vision", "images", IMG, 2, 1
+  config_class = VisionConfig
 
   def item_sizes(self, sample: dict) -> list[tuple[int, int]]:
     return image_sizes(sample)

@@ -82,7 +82,7 @@ def language_tensors(lm) -> list[Tensor]:
 
 
 def vision_tensors(v, projector_out: int | None = None) -> list[Tensor]:
-  """Our vision parameters (a VisionConfig `v`) and their HF tensors: the tower, and with
+  """Our vision parameters (a models/vit.ViTConfig `v`) and their HF tensors: the tower, and with
   `projector_out` (the language width) LLaVA's projector."""
   d, f, p, c, L = v.dim, v.mlp_dim, v.patch_size, v.channels, v.layers
   one = lambda path, name, shape, how="copy": Tensor(path, "vision", name, shape, how)

@@ -1,19 +1,82 @@
 """Vision encoder: ViT (patch embedding, pre-norm blocks) followed by an MLP projector."""
 
-from __future__ import annotations
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mimo_jax.config import LanguageConfig, VisionConfig
+from mimo_jax.config import LanguageConfig
 from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
 
+POSITION_RESIZE = ("crop", "bicubic")  # patches.py
+
+
+@dataclasses.dataclass
+class ViTConfig:
+  """The tower's architecture: a ViT (patch embedding, pre-norm blocks) and its projector."""
+  image_size: int = 8
+  channels: int = 1
+  patch_size: int = 4
+  dim: int = 64
+  layers: int = 2
+  heads: int = 4
+  mlp_dim: int = 128
+  projector_hidden: int = 128
+  # Pixel shuffle before the projector: each s x s block of patches becomes one image token of
+  # s*s*dim features (InternVL's token compression); 1 = one token a patch.
+  downsample: int = 1
+  # Tower variants (tools.hf import sets them from an HF config.json). The defaults are SigLIP's
+  # layout; CLIP has a class token, no patch-embedding bias, a LayerNorm before the blocks and
+  # quick_gelu. The class token is dropped from the features the projector sees.
+  class_token: bool = False
+  patch_bias: bool = True
+  pre_norm: bool = False
+  # LayerNorm on the last block's output (SigLIP's post_layernorm); LLaVA reads hidden states
+  # without it.
+  final_norm: bool = True
+  norm_eps: float = 1e-6
+  activation: str = "gelu_tanh"  # of the ViT's MLP: one of config.ACTIVATIONS
+  projector_activation: str = "gelu_tanh"  # of the projector's MLP (LLaVA: gelu)
+  # Per-channel mean and std the [0, 1] pixels are normalised with on device, comma-separated
+  # ("" = none); e.g. SigLIP's "0.5,0.5,0.5".
+  pixel_mean: str = ""
+  pixel_std: str = ""
+  # Positions of an image whose patch grid differs from the table's (image_size / patch_size a
+  # side; dynamic resolution): "crop" takes the table's top-left part, "bicubic" resizes the table
+  # to the image's grid as Hugging Face's towers do with interpolate_pos_encoding (patches.py).
+  position_resize: str = "crop"
+  # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
+  # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
+  fp8: bool = False
+
+  @property
+  def patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+  @property
+  def positions(self) -> int:
+    """Rows of the position table: the patches and the class token's."""
+    return self.patches + int(self.class_token)
+
+  def pixel_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(mean, std) per channel, or None."""
+    if not self.pixel_mean and not self.pixel_std:
+      return None
+    return (tuple(float(x) for x in self.pixel_mean.split(",")),
+            tuple(float(x) for x in self.pixel_std.split(",")))
+
+  @property
+  def tokens_per_image(self) -> int:
+    """Image tokens the language model receives per image (after `downsample`)."""
+    return self.patches // self.downsample**2
+
+
 class ViTBlock(nnx.Module):
 
-  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, dtype: jnp.dtype, attention: str = "xla",
+  def __init__(self, rngs: nnx.Rngs, cfg: ViTConfig, dtype: jnp.dtype, attention: str = "xla",
                max_segments: int = 0):
     self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
@@ -39,7 +102,7 @@ class VisionEncoder(nnx.Module):
   (`class_token`, `pre_norm`, no patch bias) puts a class token first, position row 0, which
   `finish` drops; `final_norm` off gives the hidden states LLaVA reads."""
 
-  def __init__(self, rngs: nnx.Rngs, cfg: VisionConfig, lm: LanguageConfig, dtype: jnp.dtype,
+  def __init__(self, rngs: nnx.Rngs, cfg: ViTConfig, lm: LanguageConfig, dtype: jnp.dtype,
                attention: str = "xla", max_segments: int = 0):
     self.patch, self.downsample = cfg.patch_size, cfg.downsample
     self.grid, self.position_resize = cfg.image_size // cfg.patch_size, cfg.position_resize

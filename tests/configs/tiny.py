@@ -7,10 +7,12 @@ device 0.
 """
 
 from mimo_jax.config import Config, set_layout
+from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
   cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
   cfg.data.train_samples, cfg.data.eval_samples = 2_000, 200
   cfg.data.global_batch, cfg.data.microbatches = 32, 2
   cfg.model.vision.dim, cfg.model.vision.mlp_dim, cfg.model.vision.projector_hidden = 32, 64, 64
