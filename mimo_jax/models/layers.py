@@ -9,6 +9,7 @@ features, so each block needs one reduction. The split is declared by path rules
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,12 +141,48 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
   return compat.packed_attention(q, k, v, offsets, lengths, causal)
 
 
+class KVCache(NamedTuple):
+  """The keys and values of a batch's tokens so far, for generation: `k`, `v` [b, T, kv_heads,
+  head_dim] for one attention layer (a model stacks its layers' on a leading axis). The tokens
+  being run take slots `index`, `index` + 1, ...; a query sees the slots at or before its own
+  that `valid_bt` marks (a left-padded prompt's padding is not), later ones hold nothing yet."""
+  k: jax.Array
+  v: jax.Array
+  index: jax.Array  # int32 scalar: the slot of the first token being run
+  valid_bt: jax.Array
+
+
+def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
+                     cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """Attention of n new tokens over a key-value cache, after writing their keys and values at
+  `cache.index`: (output [b, n, heads, head_dim] in float32, the cache holding them). Scores and
+  softmax are float32, as transformers' eager attention computes them; masked scores take
+  float32's minimum (finite, as transformers masks: a padding query that sees no key stays
+  finite)."""
+  b, n, heads, head_dim = q_bnhd.shape
+  kv_heads = k_bnkd.shape[2]
+  at = (0, cache.index, 0, 0)
+  k = jax.lax.dynamic_update_slice(cache.k, k_bnkd.astype(cache.k.dtype), at)
+  v = jax.lax.dynamic_update_slice(cache.v, v_bnkd.astype(cache.v.dtype), at)
+  qg = q_bnhd.reshape(b, n, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
+  scores = jnp.einsum("bnkgd,btkd->bkgnt", qg, k.astype(jnp.float32)) * head_dim**-0.5
+  slot = jnp.arange(k.shape[1])
+  query = cache.index + jnp.arange(n)
+  causal = (slot[None, :] <= query[:, None])[None, None, None]
+  allowed = cache.valid_bt[:, None, None, None, :] & causal
+  scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgnt,btkd->bnkgd", probs, v.astype(jnp.float32))
+  return out.reshape(b, n, heads, head_dim), cache._replace(k=k, v=v)
+
+
 class Attention(nnx.Module):
   """Multi-head attention with grouped-query heads; optional RoPE and causal mask.
 
   Packed rows (segment ids) use XLA's masked attention, or cuDNN's packed attention when the
   implementation is "cudnn" and `max_segments` (most runs of equal ids in a row, padding
-  included) is set.
+  included) is set. Given a `KVCache` (generation), the tokens attend causally to the cache
+  instead (`cached_attention`); without one nothing of the cache is computed.
   """
 
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
@@ -167,16 +204,14 @@ class Attention(nnx.Module):
     self.fp8 = fp8
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
-               causal: bool = False, segment_ids_bl: jax.Array | None = None) -> jax.Array:
+               causal: bool = False, segment_ids_bl: jax.Array | None = None,
+               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+    """The output [b, l, dim]; with `cache`, (the output, the cache holding these tokens)."""
     b, l, _ = x_bld.shape
-    q, k, v = _apply(x_bld, (self.q, self.k, self.v), self.fp8)
-    q = q.reshape(b, l, self.heads, self.head_dim)
-    k = k.reshape(b, l, self.kv_heads, self.head_dim)
-    v = v.reshape(b, l, self.kv_heads, self.head_dim)
-    if self.rope_theta is not None:
-      freq = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-      q = rope(q, positions_bl, freq)
-      k = rope(k, positions_bl, freq)
+    q, k, v = self._qkv(x_bld, positions_bl)
+    if cache is not None:
+      out, cache = cached_attention(q, k, v, cache)
+      return self.o(out.reshape(b, l, self.heads * self.head_dim).astype(x_bld.dtype)), cache
     mask, implementation = None, self.implementation
     if segment_ids_bl is not None and implementation == "cudnn" and self.max_segments:
       out = packed_attention(q, k, v, segment_ids_bl, self.max_segments, causal)
@@ -187,6 +222,19 @@ class Attention(nnx.Module):
       out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                          implementation=implementation)
     return self.o(out.reshape(b, l, self.heads * self.head_dim))
+
+  def _qkv(self, x_bld: jax.Array, positions_bl: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Queries [b, l, heads, head_dim], keys and values [b, l, kv_heads, head_dim], RoPE applied."""
+    b, l, _ = x_bld.shape
+    q, k, v = _apply(x_bld, (self.q, self.k, self.v), self.fp8)
+    q = q.reshape(b, l, self.heads, self.head_dim)
+    k = k.reshape(b, l, self.kv_heads, self.head_dim)
+    v = v.reshape(b, l, self.kv_heads, self.head_dim)
+    if self.rope_theta is not None:
+      freq = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+      q = rope(q, positions_bl, freq)
+      k = rope(k, positions_bl, freq)
+    return q, k, v
 
 
 class SwiGLU(nnx.Module):

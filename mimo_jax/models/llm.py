@@ -1,6 +1,7 @@
 """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, an output head (or the
 embedding table, tied). The variants of Llama-3.x and Qwen2 (norm epsilon, q/k/v biases, RoPE
-scaling, tied embeddings) are config fields (LanguageConfig)."""
+scaling, tied embeddings) are config fields (LanguageConfig). Training runs the blocks as a
+`pipeline.Stack`; generation runs them with a key-value cache (`LanguageModel.decode`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig
-from mimo_jax.models.layers import Attention, RMSNorm, SwiGLU, linear, stacked
+from mimo_jax.models.layers import Attention, KVCache, RMSNorm, SwiGLU, linear, stacked
 
 
 class DecoderBlock(nnx.Module):
@@ -26,10 +27,18 @@ class DecoderBlock(nnx.Module):
     self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std, fp8=cfg.fp8)
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array,
-               segment_ids_bl: jax.Array | None = None) -> jax.Array:
-    x_bld = x_bld + self.attn(self.norm1(x_bld), positions_bl, causal=True,
-                              segment_ids_bl=segment_ids_bl)
-    return x_bld + self.mlp(self.norm2(x_bld))
+               segment_ids_bl: jax.Array | None = None,
+               cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+    """The block's output; with `cache` (generation), (the output, the cache holding these
+    tokens' keys and values)."""
+    if cache is None:
+      attended = self.attn(self.norm1(x_bld), positions_bl, causal=True,
+                           segment_ids_bl=segment_ids_bl)
+    else:
+      attended, cache = self.attn(self.norm1(x_bld), positions_bl, cache=cache)
+    x_bld = x_bld + attended
+    out = x_bld + self.mlp(self.norm2(x_bld))
+    return out if cache is None else (out, cache)
 
 
 class LanguageModel(nnx.Module):
@@ -46,6 +55,30 @@ class LanguageModel(nnx.Module):
     self.tied = cfg.tie_embeddings
     if not self.tied:
       self.head = linear(rngs, cfg.dim, vocab_size, dtype)
+
+  def init_cache(self, valid_bt: jax.Array, dtype: jnp.dtype) -> KVCache:
+    """An empty cache of every layer (stacked [layers, b, T, ...]) for rows of T slots, those
+    that will hold a token marked in `valid_bt` [b, T]."""
+    attn = self.blocks.attn
+    layers = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
+    b, slots = valid_bt.shape
+    zeros = jnp.zeros((layers, b, slots, attn.kv_heads, attn.head_dim), dtype)
+    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), valid_bt)
+
+  def decode(self, x_bnd: jax.Array, positions_bn: jax.Array,
+             cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """n tokens of each row [b, n, dim] (a prompt, then one token a step) through every block,
+    taking cache slots `cache.index`..: (the last block's output [b, n, dim], the cache holding
+    them, its index moved past them)."""
+    graphdef, blocks = nnx.split(self.blocks)
+
+    def layer(h_bnd, xs):
+      params, k, v = xs
+      block = nnx.merge(graphdef, params)
+      h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v))
+      return h_bnd, (kv.k, kv.v)
+    h_bnd, (k, v) = jax.lax.scan(layer, x_bnd, (blocks, cache.k, cache.v))
+    return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
