@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax.config import Config
-from mimo_jax.models import mimo
+from mimo_jax import modules
 from mimo_jax.models.llm import LanguageModel
 
 
@@ -99,7 +99,7 @@ def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
   `eos` stops: its later entries are `eos`."""
   if steps < 1:
     raise ValueError(f"{steps} new tokens asked for; at least 1.")
-  module = mimo.build_modules(cfg)["language"]
+  module = modules.build_modules(cfg)["language"]
 
   def run(params: dict, ids_bl: jax.Array, mask_bl: jax.Array, embeds_bld) -> jax.Array:
     model = module.bind(params)

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from mimo_jax import optim
 from mimo_jax.config import Config, parse_freeze
 from mimo_jax.pipeline import GATHERED, Schedule
+from mimo_jax.trees import path_str
 
 AXES = ("pp", "dp", "tp")
 BATCH = P("dp")  # arrays split on their first axis over data-parallel ranks
@@ -59,10 +60,6 @@ TP_RULES = (
     (r"(.*/)?(mlp|projector)/down/kernel$", ROW),
 )
 BLOCKS = "blocks"  # the stacked repeated layers of a module (models/layers.stacked)
-
-
-def path_str(path: tuple) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def param_specs(params, stage_spec: tuple = ("pp",)):

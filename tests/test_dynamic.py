@@ -10,7 +10,6 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
-from mimo_jax.models import whole
 from mimo_jax.models.mimo import slot_mismatches
 from mimo_jax.patches import grid_positions, patchify
 from mimo_jax.step import Step
@@ -161,7 +160,7 @@ def test_bicubic_positions_packed_match_each_image_alone(synth_dir):
   start = 0
   for im in images:
     x = model.patches(jnp.asarray(im, jnp.float32)[None] / 255.0)
-    alone = np.asarray(model.finish(whole.blocks(stepper.modules["vision"], params, x)))[0]
+    alone = np.asarray(model.finish(stepper.modules["vision"].apply_blocks(params, x)))[0]
     np.testing.assert_allclose(got[start:start + len(alone)], alone, rtol=1e-5, atol=1e-5)
     start += len(alone)
 

@@ -12,7 +12,8 @@ import pytest
 from mimo_jax import generate, hf
 from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
-from mimo_jax.models import whole
+from mimo_jax import whole
+from mimo_jax.encoders import vision as vision_encoder
 from mimo_jax.validation import validate
 from tools import generate as generate_tool
 from tools import hf as hf_tool
@@ -30,7 +31,8 @@ def _fixture(name: str):
   validate(cfg)
   ref = np.load(src.path / "generate.npz")
   vision, language = hf.load(src, "vision", cfg), hf.load(src, "language", cfg)
-  embeds = whole.merged_embeddings(cfg, vision, language, ref["input_ids"], ref["pixels"],
+  embeds = whole.merged_embeddings(cfg, language, ref["input_ids"],
+                                   vision_encoder.image_tokens(cfg, vision, ref["pixels"]),
                                    src.config["image_token_index"])
   return cfg, language, ref, embeds
 

@@ -14,7 +14,9 @@ from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import loader
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.tokenizer import IMG, Tokenizer
-from mimo_jax.models import mimo, whole
+from mimo_jax import modules
+from mimo_jax import whole
+from mimo_jax.encoders import vision as vision_encoder
 from mimo_jax.validation import validate
 from tests.helpers import run_steps
 
@@ -61,9 +63,9 @@ def test_vision_towers_match_transformers(name):
   ref = np.load(src.path / "reference.npz")
   cfg = _config(src)
   params = _params(src, cfg, "vision")
-  hidden = whole.vision_hidden(cfg, params, ref["pixels"])
+  hidden = vision_encoder.hidden_states(cfg, params, ref["pixels"])
   if cfg.model.vision.final_norm:  # SigLIP's last_hidden_state is after post_layernorm
-    hidden = mimo.build_modules(cfg)["vision"].bind(params).norm(hidden)
+    hidden = modules.build_modules(cfg)["vision"].bind(params).norm(hidden)
   _close(hidden, ref["last_hidden_state"])
 
 
@@ -76,11 +78,11 @@ def test_vision_towers_off_the_grid_match_transformers_interpolation(name):
   cfg = _config(src)
   assert cfg.model.vision.position_resize == "bicubic"
   params = _params(src, cfg, "vision")
-  model = mimo.build_modules(cfg)["vision"].bind(params)
+  model = modules.build_modules(cfg)["vision"].bind(params)
   sizes = sorted(k[len("pixels_"):] for k in ref.files if k.startswith("pixels_"))
   assert sizes == ["24x20", "8x12"]
   for size in sizes:
-    hidden = whole.vision_hidden(cfg, params, ref[f"pixels_{size}"])
+    hidden = vision_encoder.hidden_states(cfg, params, ref[f"pixels_{size}"])
     if cfg.model.vision.final_norm:
       hidden = model.norm(hidden)
     _close(hidden, ref[f"last_hidden_state_{size}"])
@@ -91,8 +93,9 @@ def test_llava_matches_transformers(name):
   src = hf.Source.open(FIXTURES / name)
   ref = np.load(src.path / "reference.npz")
   cfg = _config(src)
-  logits = whole.vlm_logits(cfg, _params(src, cfg, "vision"), _params(src, cfg, "language"),
-                            ref["input_ids"], ref["pixels"], src.config["image_token_index"])
+  tokens = vision_encoder.image_tokens(cfg, _params(src, cfg, "vision"), ref["pixels"])
+  logits = whole.merged_logits(cfg, _params(src, cfg, "language"), ref["input_ids"], tokens,
+                               src.config["image_token_index"])
   _close(logits, ref["logits"])
   np.testing.assert_allclose(whole.next_token_loss(logits, ref["labels"]), ref["loss"],
                              rtol=1e-5)

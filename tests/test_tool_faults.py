@@ -280,11 +280,11 @@ class _Prepared(Exception):
 def test_generate_prepares_images_as_the_runs_data_from_another_directory(run, monkeypatch):
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
   from mimo_jax.data.images import ImageProcessor  # pylint: disable=import-outside-toplevel
-  from mimo_jax.models import whole  # pylint: disable=import-outside-toplevel
+  from mimo_jax.encoders import vision as vision_encoder  # pylint: disable=import-outside-toplevel
 
-  def merged(cfg, vision, language, ids, images, image_id):  # pylint: disable=unused-argument
+  def tokens(cfg, params, images):  # pylint: disable=unused-argument
     raise _Prepared(images)
-  monkeypatch.setattr(whole, "merged_embeddings", merged)
+  monkeypatch.setattr(vision_encoder, "image_tokens", tokens)
   launch = run.parent
   assert pathlib.Path.cwd() == launch / "elsewhere"  # the manifest's paths: relative to launch/
   with pytest.raises(_Prepared) as got:

@@ -10,7 +10,7 @@ import pytest
 
 from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
-from mimo_jax.models.mimo import build_modules
+from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
 from tools import bench, encoder_bench, plan
 

@@ -343,7 +343,8 @@ def run(args: argparse.Namespace) -> list[str]:
   import jax
   from mimo_jax import generate
   from mimo_jax.config import from_dict
-  from mimo_jax.models import whole
+  from mimo_jax import whole
+  from mimo_jax.encoders import vision as vision_encoder
   from tools import ckpt
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
@@ -366,7 +367,8 @@ def run(args: argparse.Namespace) -> list[str]:
   embeds = None
   if ready["pixels"] is not None:
     images = np.stack([p for _ in rows for p in ready["pixels"]]).astype(np.float32) / 255
-    embeds = whole.merged_embeddings(cfg, params["vision"], params["language"], ids, images,
+    tokens = vision_encoder.image_tokens(cfg, params["vision"], images)
+    embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens,
                                      tok.token_id(ready["image_token"]))
   eos = tok.specials.get("eos_token")
   print(f"{args.workdir}: {len(rows)} prompts of up to {width} tokens on {jax.devices()[0]}",

@@ -15,7 +15,9 @@ import numpy as np
 from mimo_jax import hf
 from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
-from mimo_jax.models import mimo, whole
+from mimo_jax import modules
+from mimo_jax import whole
+from mimo_jax.encoders import vision as vision_encoder
 
 BATCH, SEQ = 2, 16
 
@@ -64,9 +66,9 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
     if src.kind in ("siglip", "clip"):
       theirs = model(pixel_values=torch_pixels).last_hidden_state.float().numpy()
       params = hf.load(src, "vision", cfg)
-      ours = whole.vision_hidden(cfg, params, pixels)
+      ours = vision_encoder.hidden_states(cfg, params, pixels)
       if v.final_norm:
-        ours = mimo.build_modules(cfg)["vision"].bind(params).norm(ours)
+        ours = modules.build_modules(cfg)["vision"].bind(params).norm(ours)
       return _report("last_hidden_state", ours, theirs)
     vocab = cfg.model.language.vocab_size
     if src.kind == "llava":
@@ -76,8 +78,8 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
       ids[:, 1:1 + v.tokens_per_image] = token
       theirs = model(input_ids=torch.from_numpy(ids),
                      pixel_values=torch_pixels).logits.float().numpy()
-      ours = whole.vlm_logits(cfg, hf.load(src, "vision", cfg), hf.load(src, "language", cfg),
-                              ids, pixels, token)
+      tokens = vision_encoder.image_tokens(cfg, hf.load(src, "vision", cfg), pixels)
+      ours = whole.merged_logits(cfg, hf.load(src, "language", cfg), ids, tokens, token)
     else:
       ids = rng.integers(0, vocab, (BATCH, SEQ))
       theirs = model(input_ids=torch.from_numpy(ids)).logits.float().numpy()

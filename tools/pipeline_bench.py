@@ -30,7 +30,7 @@ from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.models.layers import stacked
 from mimo_jax.models.llm import DecoderBlock
-from mimo_jax.models.mimo import build_modules
+from mimo_jax.modules import build_modules
 from mimo_jax.pipeline import Schedule, Stack
 from tools.common import median_time, record
 

@@ -199,4 +199,20 @@ class Vision(encoders.Encoder):
     return kernel_params(params) - projector, projector
 
 
-encoders.register(Vision())
+ENCODER = encoders.register(Vision())
+
+
+def hidden_states(cfg: Config, params: dict, images_nhwc) -> jax.Array:
+  """Images [n, h, w, c] in [0, 1] -> the last block's output [n, tokens, dim] (the class token
+  first if any; no final norm), patches in block order (row-major without a pixel shuffle), in
+  one piece on one device (checks against transformers' towers)."""
+  module = ENCODER.module(cfg)
+  model = module.bind(params)
+  return module.apply_blocks(params, model.patches(jnp.asarray(images_nhwc, jnp.float32)))
+
+
+def image_tokens(cfg: Config, params: dict, images_nhwc) -> jax.Array:
+  """Images [n, h, w, c] in [0, 1] -> projected image tokens [n, t, language dim], in one
+  piece on one device (mimo_jax/whole.py merges them into the text)."""
+  model = ENCODER.module(cfg).bind(params)
+  return model.finish(hidden_states(cfg, params, images_nhwc))

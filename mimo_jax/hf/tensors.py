@@ -200,8 +200,8 @@ def load(src: Source, module: str, cfg, base: dict | None = None) -> dict:
   checkpoint has replaced by it, all on the host (state.py places them leaf by leaf instead)."""
   if base is None:
     import jax  # pylint: disable=import-outside-toplevel
-    from mimo_jax.models import mimo  # pylint: disable=import-outside-toplevel,cyclic-import
-    base = jax.tree.map(np.asarray, mimo.build_modules(cfg)[module].init(0))
+    from mimo_jax import modules  # pylint: disable=import-outside-toplevel,cyclic-import
+    base = jax.tree.map(np.asarray, modules.build_modules(cfg)[module].init(0))
   flat = dict(flatten(base))
   for path, read in leaves(src, module, cfg):
     if path not in flat:

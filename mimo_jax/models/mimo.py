@@ -1,6 +1,6 @@
 """The multimodal model as separate modules (encoders by name + `language`) and the merge step.
 
-Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
+The run's modules are built from its config by mimo_jax/modules.py. Each module owns its parameters, kept as a plain nested dict of arrays so that optax, orbax and the
 shardings of the plan (sharding.py) all see the same simple pytree. `Module.bind` rebuilds the flax
 NNX object from such a dict inside a jitted function. A module's repeated blocks live under
 `blocks`, stacked on a leading layer axis; the step runs them through a `pipeline.Stack`
@@ -16,11 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mimo_jax import encoders
-from mimo_jax.config import Config, row_segments
-from mimo_jax.data.tokenizer import Tokenizer
-from mimo_jax.models.llm import DecoderBlock, LanguageModel
-from mimo_jax.sharding import path_str
+from mimo_jax.config import Config
+from mimo_jax.models.llm import LanguageModel
+from mimo_jax.trees import path_str
 
 Params = dict
 # (x [M, ...], per-microbatch side inputs, each [M, ...]) -> x after every block.
@@ -56,6 +54,14 @@ class Module:
     """One block of the stack as its NNX module, from its slice of `params[BLOCKS]`."""
     return self._bind(self.layer_ctor, params)
 
+  def apply_blocks(self, params: Params, x: jax.Array, *side: jax.Array) -> jax.Array:
+    """`params["blocks"]` (stacked [L, ...]) applied one layer after another, in one piece on
+    one device (what a check against another implementation runs; training uses a Stack)."""
+    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    for i in range(layers):
+      x = self.layer(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), x, *side)
+    return x
+
   def abstract_params(self, seed: int = 0) -> Params:
     return jax.eval_shape(lambda: self.init(seed))
 
@@ -67,20 +73,6 @@ class Module:
 
   def groups(self, params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)
-
-
-def build_modules(cfg: Config) -> dict[str, Module]:
-  """Encoders first (encoders.of), `language` last; the order is the dispatch order of the step."""
-  dtype = jnp.dtype(cfg.model.dtype)
-  vocab = cfg.model.language.vocab_size or Tokenizer().vocab_size
-  lm, att = cfg.model.language, attention_implementation(cfg)
-  # Runs of equal segment ids a packed language row can hold (packed attention is sized by
-  # them): a row's samples and its padding.
-  ls = row_segments(cfg)
-  out = {n: e.module(cfg) for n, e in encoders.of(cfg).items()}
-  out["language"] = Module("language", lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att, ls),
-                           lambda rngs: DecoderBlock(rngs, lm, dtype, att, ls), seed_salt=2)
-  return out
 
 
 def attention_implementation(cfg: Config, seq_len: int | None = None) -> str:
@@ -121,18 +113,21 @@ def slot_mismatches(image_owner_nt: jax.Array, img_pos_bl: jax.Array, token_samp
   return jnp.sum(bad.astype(jnp.int32))
 
 
+def embed_merged(model: LanguageModel, tokens_bl: jax.Array, embs: dict[str, jax.Array],
+                 img_pos: dict[str, jax.Array], groups: int) -> jax.Array:
+  """One microbatch's token embeddings [b, l, d] with every encoder's image tokens merged."""
+  x_bld = model.embed(tokens_bl)
+  for name, emb_ntd in embs.items():
+    x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
+  return x_bld
+
+
 def language_logits(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,
                     embs_m: dict[str, jax.Array], img_pos_m: dict[str, jax.Array], groups: int,
                     positions_m: jax.Array, segment_ids_m: jax.Array | None = None) -> jax.Array:
   """M microbatches of text [M, b, l] with every encoder's image tokens merged -> float32 logits
   [M, b, l, vocab]. With `segment_ids_m` (packed rows) a token attends only to earlier tokens of
   its own segment."""
-  def merged(tokens_bl, embs, img_pos):
-    x_bld = model.embed(tokens_bl)
-    for name, emb_ntd in embs.items():
-      x_bld = merge_images(x_bld, emb_ntd, img_pos[name], groups)
-    return x_bld
-
-  x_m = jax.vmap(merged)(tokens_m, embs_m, img_pos_m)
+  x_m = jax.vmap(lambda *a: embed_merged(model, *a, groups))(tokens_m, embs_m, img_pos_m)
   side = (positions_m,) if segment_ids_m is None else (positions_m, segment_ids_m)
   return jax.vmap(model.logits)(run_blocks(x_m, side))
