@@ -7,28 +7,33 @@ inside a `jax.shard_map` that is manual over `pp` only (dp and tp stay automatic
 parallelism inside a layer is unchanged), and activations move from stage to stage with
 `lax.ppermute`.
 
-Schedules, for M microbatches, p stages and v virtual stages (chunks) per stage:
+A schedule is a value (`Tasks`): for each stage, what it does at each time step, a `Task` (kind,
+microbatch, chunk) or None (idle). The layers form p·v chunks of L/(p·v) in model order; chunk c
+lives on stage c mod p (v chunks a stage). `Stack` builds the schedule's tasks for its
+microbatch count, checks them (`check`), lowers them to a table (`lower`) and scans over it; a new
+schedule is a new function building `Tasks`, entered in `SCHEDULES`. For M microbatches:
 
-* GPipe (v = 1): stage s holds layers [s·L/p, (s+1)·L/p). At time t stage s runs microbatch
-  t − s; M + p − 1 steps, a bubble of (p − 1) / (M + p − 1).
-* Circular (v > 1): the layers form p·v chunks of L/(p·v); chunk k lives on stage k mod p, so a
-  microbatch goes round the ring v times. Stage 0 parks what comes back from the last stage until
-  its next round (this needs M ≥ p). M·v + p − 1 steps of 1/v the work each: the bubble shrinks
-  by v.
+* `gpipe` (v = 1): at step t stage s runs microbatch t − s; M + p − 1 steps, a bubble of
+  (p − 1) / (M + p − 1).
+* `circular` (v > 1): a microbatch goes round the ring v times, round r at step r·M + m + s;
+  stage 0 parks what comes back from the last stage until that microbatch's next round (this
+  needs M ≥ p). M·v + p − 1 steps of 1/v the work each: the bubble shrinks by v.
 
 The backward pass is the transpose of the forward loop (ppermute's transpose sends the other way),
 so gradients flow through the same ring in reverse: all forwards, then all backwards, as in GPipe.
-Bubble steps compute on zeros and are masked out. Inputs and outputs are replicated over `pp`:
-every stage receives the microbatches and the last stage's outputs are broadcast by one `psum`.
+Bubble steps repeat a real task with their output masked out. Inputs and outputs are replicated
+over `pp`: every stage receives the microbatches and the last stage's outputs are broadcast by one
+`psum`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -62,10 +67,154 @@ REMAT_POLICIES = {
 }
 
 
+# ---- schedules as values ----------------------------------------------------------------------
+
+FORWARD = "forward"  # run a chunk's layers on a microbatch's activations
+KINDS = (FORWARD,)  # the task kinds the executor runs
+
+
+class Task(NamedTuple):
+  """One stage's work in one time step: `kind` on chunk `chunk` of microbatch `microbatch`.
+
+  Chunk c is layers [c·L/(p·v), (c+1)·L/(p·v)) and lives on stage c mod p, so the stage a task
+  runs on is implied by its chunk."""
+  kind: str
+  microbatch: int
+  chunk: int
+
+
+Tasks = tuple[tuple[Task | None, ...], ...]  # [stage][step]: a stage's work a step, None idle
+
+
+def gpipe(stages: int, microbatches: int, virtual: int = 1) -> Tasks:
+  """GPipe: stage s runs microbatch m at step m + s; M + p − 1 steps."""
+  if virtual != 1:
+    raise ValueError(f"gpipe runs one chunk a stage, got virtual={virtual}; use circular.")
+  steps = microbatches + stages - 1
+  return tuple(tuple(Task(FORWARD, t - s, s) if 0 <= t - s < microbatches else None
+                     for t in range(steps)) for s in range(stages))
+
+
+def circular(stages: int, microbatches: int, virtual: int) -> Tasks:
+  """Circular: microbatch m goes round the ring v times, round r (chunk r·p + s) on stage s at
+  step r·M + m + s. Round r + 1 starts M steps after round r on stage 0, and the microbatch comes
+  back from the last stage after p steps: M ≥ p."""
+  if virtual > 1 and microbatches < stages:
+    raise ValueError(f"the circular schedule needs at least as many microbatches as stages, got "
+                     f"{microbatches} for {stages} stages: a microbatch would start its next "
+                     f"round before it comes back; use at least {stages} microbatches.")
+  items = microbatches * virtual  # (round, microbatch) pairs, in the order every stage runs them
+
+  def task(s: int, i: int) -> Task | None:
+    if not 0 <= i < items:
+      return None
+    rnd, m = divmod(i, microbatches)
+    return Task(FORWARD, m, rnd * stages + s)
+  return tuple(tuple(task(s, t - s) for t in range(items + stages - 1)) for s in range(stages))
+
+
+# A schedule's name -> the function building its tasks from (stages, microbatches, virtual).
+SCHEDULES: dict[str, Callable[[int, int, int], Tasks]] = {"gpipe": gpipe, "circular": circular}
+
+
+def _steps(tasks: Tasks) -> dict[tuple[int, int], int]:
+  """(microbatch, chunk) -> the step its task runs at."""
+  return {(x.microbatch, x.chunk): t for row in tasks for t, x in enumerate(row) if x is not None}
+
+
+def _check_task(task: Task, s: int, t: int, stages: int, microbatches: int, chunks: int) -> None:
+  """Raises ValueError unless `task`, found at stage `s`, step `t`, is one the executor runs."""
+  where = f"the task at stage {s}, step {t} ({task})"
+  if task.kind not in KINDS:
+    raise ValueError(f"{where}: the pipeline runs only {', '.join(KINDS)} tasks.")
+  if not (0 <= task.microbatch < microbatches and 0 <= task.chunk < chunks):
+    raise ValueError(f"{where}: microbatches are 0..{microbatches - 1} and chunks "
+                     f"0..{chunks - 1}.")
+  if task.chunk % stages != s:
+    raise ValueError(f"{where}: chunk {task.chunk} lives on stage {task.chunk % stages}.")
+
+
+def check(tasks: Tasks, stages: int, microbatches: int, virtual: int) -> None:
+  """Raises ValueError unless `tasks` runs every chunk of every microbatch once, on the chunk's
+  stage, after the chunk before it: what the executor (`lower`, `Stack`) relies on."""
+  if min(stages, microbatches, virtual) < 1:
+    raise ValueError(f"a schedule needs stages, microbatches and virtual >= 1, got {stages}, "
+                     f"{microbatches} and {virtual}.")
+  if len(tasks) != stages or len({len(row) for row in tasks}) != 1:
+    raise ValueError(f"a schedule has one row of tasks per stage, all as long: got rows of "
+                     f"{[len(row) for row in tasks]} steps for {stages} stages.")
+  chunks = stages * virtual
+  for s, row in enumerate(tasks):
+    for t, task in enumerate(row):
+      if task is not None:
+        _check_task(task, s, t, stages, microbatches, chunks)
+  when = _steps(tasks)
+  if len(when) != sum(task is not None for row in tasks for task in row):
+    raise ValueError("the schedule runs a chunk of a microbatch twice; each runs once.")
+  for m in range(microbatches):
+    for c in range(chunks):
+      if (m, c) not in when:
+        raise ValueError(f"the schedule never runs chunk {c} of microbatch {m}; each runs once.")
+      if c and when[m, c] <= when[m, c - 1]:
+        raise ValueError(f"chunk {c} of microbatch {m} runs at step {when[m, c]}, before chunk "
+                         f"{c - 1}'s output reaches stage {c % stages} (step "
+                         f"{when[m, c - 1] + 1}).")
+
+
+# Columns of a lowered schedule (`lower`), and where a task's input comes from (SOURCE).
+MICRO, LOCAL, SOURCE, DONE, PARK = range(5)
+FROM_INPUT, FROM_PREVIOUS, FROM_PARKED = range(3)
+
+
+def lower(tasks: Tasks) -> np.ndarray:
+  """Checked `tasks` as the int32 table [steps, stages, 5] the executor scans over: each task's
+  MICRO (its microbatch), LOCAL (its chunk's index among the stage's chunks), SOURCE, DONE (its
+  output is the stack's) and PARK.
+
+  What a stage sends at step t arrives at the next stage for step t + 1. A task that runs then
+  reads it there (FROM_PREVIOUS); one that runs later reads it from the stage's buffer, one slot a
+  microbatch, where the arriving stage stored it at step t (PARK: the slot, -1 for none). The
+  first chunk reads the stack's input (FROM_INPUT). An idle step repeats the stage's nearest task
+  (its last, else its first) with DONE 0, so that it computes on real values and is masked out."""
+  stages, steps = len(tasks), len(tasks[0])
+  when = _steps(tasks)
+  last = max(c for _, c in when)
+  table = np.zeros((steps, stages, 5), np.int32)
+  table[:, :, PARK] = -1
+  for s, row in enumerate(tasks):
+    entries = {}
+    for t, task in enumerate(row):
+      if task is None:
+        continue
+      m, c = task.microbatch, task.chunk
+      source = (FROM_INPUT if c == 0 else
+                FROM_PREVIOUS if when[m, c - 1] == t - 1 else FROM_PARKED)
+      entries[t] = (m, c // stages, source, int(c == last))
+      if c < last and when[m, c + 1] > t + 1:
+        table[t, (s + 1) % stages, PARK] = m
+    for t in range(steps):
+      near = max((u for u in entries if u <= t), default=min(entries))
+      table[t, s, :PARK] = entries[near] if near == t else entries[near][:DONE] + (0,)
+  return table
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
+  """A pipeline: its layout (stages, chunks a stage) and the schedule that runs it."""
   stages: int = 1  # p: the size of the mesh's pp axis
-  virtual: int = 1  # v: chunks per stage; > 1 is the circular schedule
+  virtual: int = 1  # v: chunks per stage
+  name: str = ""  # a key of SCHEDULES; "" is gpipe for virtual 1, circular otherwise
+
+  def __post_init__(self):
+    if self.name and self.name not in SCHEDULES:
+      raise ValueError(f"unknown pipeline schedule {self.name!r}; one of {', '.join(SCHEDULES)}.")
+
+  def tasks(self, microbatches: int) -> Tasks:
+    """The schedule's tasks for `microbatches`, checked (`check`)."""
+    build = SCHEDULES[self.name or ("gpipe" if self.virtual == 1 else "circular")]
+    tasks = build(self.stages, microbatches, self.virtual)
+    check(tasks, self.stages, microbatches, self.virtual)
+    return tasks
 
   @property
   def pipelined(self) -> bool:
@@ -88,9 +237,10 @@ class Schedule:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
   def bubble(self, microbatches: int) -> float:
-    """Idle fraction of the ideal schedule: (p − 1) / (M·v + p − 1)."""
-    p, v = self.stages, self.virtual
-    return (p - 1) / (microbatches * v + p - 1)
+    """Idle fraction of the schedule's stage-steps: (p − 1) / (M·v + p − 1) for gpipe and
+    circular."""
+    slots = [task for row in self.tasks(microbatches) for task in row]
+    return slots.count(None) / len(slots)
 
 
 def _all_but_gathered(prim, *_, **params) -> bool:
@@ -124,10 +274,9 @@ def _at(tree, i):
 class Stack:
   """Runs `layer(params_i, x, *side) -> x` over stacked parameters for M microbatches at once.
 
-  `params` leaves are [L, ...] (GPipe) or [v, L/v, ...] (circular, `Schedule.to_layout`), split
-  over `pp` by `Schedule.stage_spec`; `x_m` is [M, ...] and each of `side_m` is [M, ...] (per-
-  microbatch inputs every layer sees, such as positions).
-  """
+  `params` leaves are [L, ...] (virtual 1) or [v, L/v, ...] (`Schedule.to_layout`), split over
+  `pp` by `Schedule.stage_spec`, and run in the order of the schedule's tasks; `x_m` is [M, ...]
+  and each of `side_m` is [M, ...] (per-microbatch inputs every layer sees, such as positions)."""
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
                unroll: bool = True, gather: Callable | None = None):
@@ -156,34 +305,35 @@ class Stack:
     return run(params, x_m, tuple(side_m))[:num]
 
   def _pipeline(self, params, x_m, side_m):
-    p, v = self.schedule.stages, self.schedule.virtual
-    num = x_m.shape[0]
-    items = num * v  # (round, microbatch) pairs each stage works through
+    """One stage's part of the schedule (inside shard_map over `pp`): a scan over the lowered
+    schedule's steps, each running this stage's task and sending its output to the next stage."""
+    p, num = self.schedule.stages, x_m.shape[0]
+    table = lower(self.schedule.tasks(num))
+    parks = bool((table[..., PARK] >= 0).any())  # no buffer where every input arrives in time
     stage = jax.lax.axis_index(PP)
     # This stage's chunks as [v, L/(p·v), ...] whichever layout they arrived in.
-    chunks = params if v > 1 else jax.tree.map(lambda a: a[None], params)
+    chunks = params if self.schedule.virtual > 1 else jax.tree.map(lambda a: a[None], params)
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def tick(carry, t):
+    def tick(carry, row):
       incoming, parked, outs = carry
-      i = t - stage  # the item this stage works on now
-      ic = jnp.clip(i, 0, items - 1)
-      rnd, m = ic // num, ic % num
-      first = jnp.where(rnd == 0, x_m[m], parked[m]) if v > 1 else x_m[m]
-      h = jnp.where(stage == 0, first, incoming)
-      h = _scan_layers(self.layer, _at(chunks, rnd), h, tuple(a[m] for a in side_m), self.unroll)
-      done = (stage == p - 1) & (rnd == v - 1) & (i >= 0) & (i < items)
-      outs = outs.at[m].set(jnp.where(done, h, outs[m]))
+      task = row[stage]
+      m, source, park = task[MICRO], task[SOURCE], task[PARK]
+      h = x_m[m]
+      if parks:
+        h = jnp.where(source == FROM_PARKED, parked[m], h)
+      h = jnp.where(source == FROM_PREVIOUS, incoming, h)
+      h = _scan_layers(self.layer, _at(chunks, task[LOCAL]), h, tuple(a[m] for a in side_m),
+                       self.unroll)
+      outs = outs.at[m].set(jnp.where(task[DONE] == 1, h, outs[m]))
       incoming = jax.lax.ppermute(h, PP, ring)
-      if v > 1:  # stage 0 parks what the last stage finished, until that microbatch's next round
-        j = t - (p - 1)
-        jc = jnp.clip(j, 0, items - 1)
-        keep = (stage == 0) & (j >= 0) & (j < num * (v - 1))
-        parked = parked.at[jc % num].set(jnp.where(keep, incoming, parked[jc % num]))
+      if parks:  # keep what arrived for a task that runs later than the next step
+        slot = jnp.maximum(park, 0)
+        parked = parked.at[slot].set(jnp.where(park >= 0, incoming, parked[slot]))
       return (incoming, parked, outs), None
 
-    init = jax.lax.pcast((jnp.zeros_like(x_m[0]), jnp.zeros_like(x_m) if v > 1 else
+    init = jax.lax.pcast((jnp.zeros_like(x_m[0]), jnp.zeros_like(x_m) if parks else
                           jnp.zeros((num, 0), x_m.dtype), jnp.zeros_like(x_m)), (PP,),
                          to="varying")
-    (_, _, outs), _ = jax.lax.scan(tick, init, jnp.arange(items + p - 1))
+    (_, _, outs), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
