@@ -130,199 +130,271 @@ def run(cfg: Config) -> list[dict]:
       lock.release()
 
 
-def _run(cfg: Config, trainer: Step, lock) -> list[dict]:
+def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None) -> list[dict]:
   # A signal during start-up (data, compilation, the capacity check) ends the run before its
   # first step, with nothing to save; the loop's own flag takes over from this one.
-  early = _StopFlag().__enter__()
-  try:
-    return _run_flagged(cfg, trainer, lock, early)
-  finally:
-    early.__exit__()
+  with _StopFlag() as early:
+    paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
+    loop = _Loop(cfg, trainer)
+    try:
+      loop.open(paths, lock, early)
+      return loop.run(early.signal)
+    finally:
+      loop.close()
 
 
-def _run_flagged(cfg: Config, trainer: Step, lock, early: _StopFlag) -> list[dict]:
-  paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
-  topo = trainer.topo
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir), list(trainer.modules),
-                                 keep=cfg.checkpoint.keep)
-  writer = None
-  records = []
-  batches = None
-  try:
+class _Window:
+  """The steps since the last record, whose average a record logs as its step time.
+
+  The run's first step compiles its programs: it is in no average (the first window starts when
+  it completes); logged alone, its whole time is.
+  """
+
+  def __init__(self):
+    self.start = None  # when the window's first step completed; None before the run's first
+    self.steps = 0
+    self.tokens = 0
+
+  def completed(self, now: float, tokens: int) -> None:
+    """Counts a step whose metrics have just been fetched."""
+    if self.start is None:
+      self.start = now
+    else:
+      self.steps += 1
+      self.tokens += tokens
+
+  def restart(self, now: float) -> None:
+    self.start, self.steps, self.tokens = now, 0, 0
+
+  def timing(self, now: float, dispatched: float, info: dict, last: bool) -> tuple[float, dict]:
+    """A record's step time, and its batch info with tokens averaged like it.
+
+    Averaged over the window: a single interval between completions is noisy when metrics are
+    fetched one step late. The last step has no successor whose dispatch hides its start, so it
+    is also timed from its own dispatch.
+    """
+    if self.steps:
+      took = (now - self.start) / self.steps
+      info = dict(info, tokens=self.tokens / self.steps)
+    else:  # the first step logged alone: from its dispatch, compilation included
+      took = now - dispatched
+    if last:
+      took = max(took, now - dispatched)
+    return took, info
+
+
+class _Loop:
+  """One run's training loop: its state, the step whose metrics are still on the devices, what
+  is saved and what is logged. `open`, then `run`; `close` always."""
+
+  def __init__(self, cfg: Config, trainer: Step):
+    self.cfg = cfg
+    self.trainer = trainer
+    self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
+                                        list(trainer.modules), keep=cfg.checkpoint.keep)
+    self.writer: MetricsWriter | None = None
+    self.batches = None  # the training data's iterator, from the step after `start`
+    self.records: list[dict] = []
+    # Set by `open`:
+    self.resumed = False  # whether the run resumed from a checkpoint of its workdir
+    self.start = 0  # the step the run starts after (its checkpoint's, or 0)
+    self.saved = 0  # the newest step on disk (finite by construction)
+    self.state = None  # module -> the state of the newest dispatched step
+    self.evaluator: Evaluator | None = None
+    self.eval_batches = None
+    self.lr_at = None  # the learning rate of every step (index step - 1)
+    # The loop's progress:
+    self.pending = None  # (step, metrics, info, dispatched) of a step not fetched yet
+    self.last = None  # (step, metrics) of the newest dispatched step
+    self.window = _Window()
+
+  def open(self, paths: dict, lock: workdir.Lock | None, early: _StopFlag) -> None:
+    """Restores (or initialises) the state, checks capacity, opens the outputs and the data."""
+    cfg, trainer, ckpt = self.cfg, self.trainer, self.ckpt
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
-    start = found or 0
+    self.resumed = found is not None
+    self.start = self.saved = found or 0
     if found is not None:
       state, _ = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
                               trainer.fresh_opt_state)
-      state = trainer.from_canonical(state)
+      self.state = trainer.from_canonical(state)
     else:
-      state = trainer.init_state(cfg.train.seed)
+      self.state = trainer.init_state(cfg.train.seed)
     started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
+    dp = trainer.topo.dp("language")
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
-    capacity.check_capacity(cfg, paths["train"], topo.dp("language"), start, cfg.train.steps,
+    capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
                             progress=print if distributed.is_main() else None,
                             stop=early.requested)
-    evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
-    eval_batches = loader.eval_batches(cfg, paths["eval"], topo.dp("language"))
+    self.evaluator = Evaluator(trainer, cfg.data.max_images, accuracy=cfg.data.task == "digits")
+    self.eval_batches = loader.eval_batches(cfg, paths["eval"], dp)
     # The whole LR table once: evaluating the schedule per step would queue behind the step's
     # work on device 0 and make the host wait there.
-    lr_at = np.asarray(jax.device_get(jax.jit(jax.vmap(schedule(cfg)))(
+    self.lr_at = np.asarray(jax.device_get(jax.jit(jax.vmap(schedule(cfg)))(
         np.arange(cfg.train.steps))))
-    writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
-                           resume_after=start, enabled=distributed.is_main())
+    self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
+                                resume_after=self.start, enabled=distributed.is_main())
+    self._announce(lock, started)
+    where = loader.locality(trainer.topo, loader.slot_counts(cfg))
+    if not where.everything:
+      self.writer.say("scalable data parallelism: this process reads only the records of its "
+                      "devices")
+    self.batches = loader.train_iterator(cfg, paths["train"], dp, start_step=self.start,
+                                         where=where)
 
-    def log(record: dict) -> None:
-      records.append(record)
-      writer.write(record)
-
+  def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
+    """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
+    say = self.writer.say
     if lock is not None and lock.note:
-      writer.say(lock.note)
-    for moved in ckpt.set_aside:
-      writer.say(f"moved {moved} aside (not a complete step of this run)")
-    writer.say(f"topology: {topo.describe()}")
-    if found is not None:
-      writer.say(f"resumed from {ckpt.path} step {start}")
-    for note in ckpt.notes:
-      writer.say(note)
+      say(lock.note)
+    for moved in self.ckpt.set_aside:
+      say(f"moved {moved} aside (not a complete step of this run)")
+    say(f"topology: {self.trainer.topo.describe()}")
+    if self.resumed:
+      say(f"resumed from {self.ckpt.path} step {self.start}")
+    for note in self.ckpt.notes:
+      say(note)
     for (field, path, step) in sorted(set(started.values())):
       names = [n for n, source in started.items() if source == (field, path, step)]
-      writer.say(f"{', '.join(names)} started from {path} step {step} ({field}): parameters "
-                 "only, a fresh optimizer at step 0")
-    where = loader.locality(topo, loader.slot_counts(cfg))
-    if not where.everything:
-      writer.say("scalable data parallelism: this process reads only the records of its devices")
-    batches = loader.train_iterator(cfg, paths["train"], topo.dp("language"), start_step=start,
-                                    where=where)
-    pending = None
-    # Steps since the last record. The run's first step compiles its programs: it is in no
-    # average (the first window starts when it completes); logged alone, its whole time is.
-    window = {"start": None, "steps": 0, "tokens": 0}
-    saved = start  # the newest step on disk (finite by construction)
+      say(f"{', '.join(names)} started from {path} step {step} ({field}): parameters only, a "
+          "fresh optimizer at step 0")
 
-    def flush() -> None:
-      nonlocal pending
-      step, metrics, info, dispatched = pending
-      jax.block_until_ready(metrics)
-      now = time.time()
-      if window["start"] is None:
-        window["start"] = now
-      else:
-        window["steps"] += 1
-        window["tokens"] += info["tokens"]
-      if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-        # Averaged over the steps since the last record: a single interval between completions
-        # is noisy when metrics are fetched one step late. The last step has no successor whose
-        # dispatch hides its start, so it is also timed from its own dispatch.
-        if window["steps"]:
-          took = (now - window["start"]) / window["steps"]
-          info = dict(info, tokens=window["tokens"] / window["steps"])
-        else:  # the first step logged alone: from its dispatch, compilation included
-          took = now - dispatched
-        if step == cfg.train.steps:
-          took = max(took, now - dispatched)
-        log(_record(step, metrics, info, took, float(lr_at[step - 1])))
-        window.update(start=now, steps=0, tokens=0)
-      writer.advance(1)
-      pending = None
-
-    def save(step: int, metrics, force: bool = False) -> None:
-      """Saves `state` (of `step`) if its loss and gradient norm are finite; else stops."""
-      nonlocal saved
-      ok, values = _finite(metrics)
-      if not ok:
-        ckpt.wait()
-        if saved == step - 1 and saved > start:
-          # The saved state of the step before led to this one: it is not kept as a step.
-          ckpt.set_aside_step(saved, "diverged")
-          saved = ckpt.latest_step() or 0
-        raise NonFiniteStepError(
-            f"step {step} is not finite ({values}); it was not saved. The newest checkpoint "
-            f"is step {saved} ({ckpt.path}); lower optim.lr (now {cfg.optim.lr}) and run again "
-            "to resume from it." if saved else
-            f"step {step} is not finite ({values}); nothing was saved; lower optim.lr (now "
-            f"{cfg.optim.lr}) and run again.")
-      ckpt.save(step, trainer.canonical(state), cfg, force=force)
-      saved = step
-
-    last = None  # (step, metrics) of the newest dispatched step
-    with _StopFlag(pending=early.signal) as stop:
+  def run(self, pending_signal: str | None) -> list[dict]:
+    """Trains to train.steps, saves the last step and evaluates it, under SIGTERM/SIGINT
+    handlers; returns the records written."""
+    with _StopFlag(pending=pending_signal) as stop:
       try:
-        for step in range(start + 1, cfg.train.steps + 1):
-          if stop.requested() and last is None:
-            break  # a signal before this run's first step: nothing new to save
-          waited = time.time()
-          batch = next(batches)
-          info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
-          dispatched = time.time()
-          state, metrics = trainer.train_step(state, batch)
-          last = (step, metrics)
-          if pending is not None:
-            flush()  # the previous step's metrics, now that this step is dispatched
-          pending = (step, metrics, info, dispatched)
-          if stop.should_stop(step):
-            flush()
-            save(step, metrics, force=True)
-            ckpt.wait()
-            writer.say(f"{stop.signal}: saved step {step} to {ckpt.path}; run the same command "
-                       "to resume.")
-            return records
-          if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            save(step, metrics)
-          if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-            flush()
-            log({"step": step, **evaluator(state, eval_batches)})
-            window.update(start=time.time(), steps=0, tokens=0)  # eval time is not step time
-        if pending is not None:
-          flush()
+        if self._train(stop):
+          return self.records
       except (NonFiniteStepError, NonFiniteError, BridgeMismatchError, KeyboardInterrupt):
         raise
       except Exception as e:
-        _emergency_save(e, last, saved, save, ckpt, writer)
+        self._emergency_save(e)
         raise
-      if stop.requested() and last is None:
-        writer.say(f"{stop.signal} before the first step: the newest checkpoint is step "
-                   f"{saved}; run the same command to resume." if found is not None else
-                   f"{stop.signal} before the first step: nothing to save.")
-        return records
-      if start >= cfg.train.steps:
-        writer.say(f"checkpoint step {start} >= train.steps={cfg.train.steps}: nothing to train.")
-      elif saved != cfg.train.steps:
-        save(cfg.train.steps, last[1], force=True)
-      if stop.requested():
-        ckpt.wait()
-        writer.say(f"{stop.signal}: saved step {cfg.train.steps} to {ckpt.path}; the final eval "
-                   "was skipped.")
-        return records
-      if cfg.train.steps in writer.evaluated:
-        return records  # this step's eval is on record already
-      result = evaluator(state, eval_batches,
-                         stop=None if jax.process_count() > 1 else stop.requested)
-      if result is None:
-        ckpt.wait()
-        writer.say(f"{stop.signal}: step {cfg.train.steps} is saved in {ckpt.path}; the final "
-                   "eval was cut short.")
-        return records
-      log({"step": cfg.train.steps, **result})
-  finally:
-    if batches is not None:
-      batches.close()  # stops grain's worker processes and threads
-    ckpt.close()
-    if writer is not None:
-      writer.close()
-  return records
+      self._finish(stop)
+    return self.records
 
+  def _train(self, stop: _StopFlag) -> bool:
+    """The steps, with their saves and evals; True when a signal stopped them (step saved)."""
+    cfg = self.cfg
+    for step in range(self.start + 1, cfg.train.steps + 1):
+      if stop.requested() and self.last is None:
+        break  # a signal before this run's first step: nothing new to save
+      metrics = self._dispatch(step)
+      if stop.should_stop(step):
+        self._flush()
+        self._save(step, metrics, force=True)
+        self.ckpt.wait()
+        self.writer.say(f"{stop.signal}: saved step {step} to {self.ckpt.path}; run the same "
+                        "command to resume.")
+        return True
+      if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+        self._save(step, metrics)
+      if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+        self._flush()
+        self._log({"step": step, **self.evaluator(self.state, self.eval_batches)})
+        self.window.restart(time.time())  # eval time is not step time
+    if self.pending is not None:
+      self._flush()
+    return False
 
-def _emergency_save(error: Exception, last, saved: int, save, ckpt, writer) -> None:
-  """After an exception in the loop, saves the newest dispatched step if it finished and is
-  finite, so that a rerun loses nothing; says what it did."""
-  if last is None or last[0] <= saved:
-    return
-  step, metrics = last
-  try:
-    save(step, metrics, force=True)
-    ckpt.wait()
-  except Exception as e:  # pylint: disable=broad-except
-    writer.say(f"after {type(error).__name__}: could not save step {step} ({type(e).__name__}: "
-               f"{e}); the newest checkpoint is step {saved}.")
-    return
-  writer.say(f"after {type(error).__name__}: saved step {step} to {ckpt.path}.")
+  def _dispatch(self, step: int):
+    """Dispatches `step`, then fetches the previous step's metrics; returns this step's."""
+    waited = time.time()
+    batch = next(self.batches)
+    info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
+    dispatched = time.time()
+    self.state, metrics = self.trainer.train_step(self.state, batch)
+    self.last = (step, metrics)
+    if self.pending is not None:
+      self._flush()  # the previous step's metrics, now that this step is dispatched
+    self.pending = (step, metrics, info, dispatched)
+    return metrics
+
+  def _flush(self) -> None:
+    """Waits for the pending step; logs its record if it is a step to log."""
+    step, metrics, info, dispatched = self.pending
+    jax.block_until_ready(metrics)
+    now = time.time()
+    self.window.completed(now, info["tokens"])
+    steps = self.cfg.train.steps
+    if step % self.cfg.run.log_every == 0 or step == steps:
+      took, info = self.window.timing(now, dispatched, info, last=step == steps)
+      self._log(_record(step, metrics, info, took, float(self.lr_at[step - 1])))
+      self.window.restart(now)
+    self.writer.advance(1)
+    self.pending = None
+
+  def _log(self, record: dict) -> None:
+    self.records.append(record)
+    self.writer.write(record)
+
+  def _save(self, step: int, metrics, force: bool = False) -> None:
+    """Saves the state (of `step`) if its loss and gradient norm are finite; else stops."""
+    ok, values = _finite(metrics)
+    if not ok:
+      self.ckpt.wait()
+      if self.saved == step - 1 and self.saved > self.start:
+        # The saved state of the step before led to this one: it is not kept as a step.
+        self.ckpt.set_aside_step(self.saved, "diverged")
+        self.saved = self.ckpt.latest_step() or 0
+      lr = self.cfg.optim.lr
+      raise NonFiniteStepError(
+          f"step {step} is not finite ({values}); it was not saved. The newest checkpoint is "
+          f"step {self.saved} ({self.ckpt.path}); lower optim.lr (now {lr}) and run again to "
+          "resume from it." if self.saved else
+          f"step {step} is not finite ({values}); nothing was saved; lower optim.lr (now {lr}) "
+          "and run again.")
+    self.ckpt.save(step, self.trainer.canonical(self.state), self.cfg, force=force)
+    self.saved = step
+
+  def _finish(self, stop: _StopFlag) -> None:
+    """After the steps: saves the last one and runs the final eval, unless a signal says not."""
+    steps, say = self.cfg.train.steps, self.writer.say
+    if stop.requested() and self.last is None:
+      say(f"{stop.signal} before the first step: the newest checkpoint is step {self.saved}; "
+          "run the same command to resume." if self.resumed else
+          f"{stop.signal} before the first step: nothing to save.")
+      return
+    if self.start >= steps:
+      say(f"checkpoint step {self.start} >= train.steps={steps}: nothing to train.")
+    elif self.saved != steps:
+      self._save(steps, self.last[1], force=True)
+    if stop.requested():
+      self.ckpt.wait()
+      say(f"{stop.signal}: saved step {steps} to {self.ckpt.path}; the final eval was skipped.")
+      return
+    if steps in self.writer.evaluated:
+      return  # this step's eval is on record already
+    result = self.evaluator(self.state, self.eval_batches,
+                            stop=None if jax.process_count() > 1 else stop.requested)
+    if result is None:
+      self.ckpt.wait()
+      say(f"{stop.signal}: step {steps} is saved in {self.ckpt.path}; the final eval was cut "
+          "short.")
+      return
+    self._log({"step": steps, **result})
+
+  def _emergency_save(self, error: Exception) -> None:
+    """After an exception in the loop, saves the newest dispatched step if it finished and is
+    finite, so that a rerun loses nothing; says what it did."""
+    if self.last is None or self.last[0] <= self.saved:
+      return
+    step, metrics = self.last
+    saved = self.saved
+    try:
+      self._save(step, metrics, force=True)
+      self.ckpt.wait()
+    except Exception as e:  # pylint: disable=broad-except
+      self.writer.say(f"after {type(error).__name__}: could not save step {step} "
+                      f"({type(e).__name__}: {e}); the newest checkpoint is step {saved}.")
+      return
+    self.writer.say(f"after {type(error).__name__}: saved step {step} to {self.ckpt.path}.")
+
+  def close(self) -> None:
+    """Stops the data's workers and closes the checkpoints and outputs."""
+    if self.batches is not None:
+      self.batches.close()  # stops grain's worker processes and threads
+    self.ckpt.close()
+    if self.writer is not None:
+      self.writer.close()
