@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mimo_jax import distributed
+
 
 def _words(x):
   """The bits of `x` as uint32 words (jnp or np, by `x`'s kind; 64-bit types as [..., 2])."""
@@ -72,7 +74,6 @@ def _device(leaves):
 
 def on_device(tree) -> dict[str, list[int]]:
   """Fingerprints of every leaf of a tree of device arrays, computed on their devices."""
-  from mimo_jax import distributed  # pylint: disable=import-outside-toplevel
   named = paths(tree)
   fps = distributed.fetch(_device(list(named.values())))
   return {k: [int(v[0]), int(v[1])] for k, v in zip(named, fps)}

@@ -1,16 +1,36 @@
 """Starting a run from another run's parameters: `model.init_from=WORKDIR[:STEP]` (every module)
 or a module's own `init_from` naming a run. The new run has a fresh optimizer at step 0 and its
-own data and schedule (a new training stage); an HF directory as a module's source is
-state.py's (`hf`)."""
+own data and schedule (a new training stage). A module's own `init_from` naming an HF directory
+is read through the module's mapping: an encoder's `load()` (mimo_jax/encoders), the language
+model's in mimo_jax/hf. `starts` gathers both for state.init_state."""
 
 from __future__ import annotations
 
 import os
 
-from mimo_jax import fingerprint
+from mimo_jax import encoders, fingerprint, hf
 from mimo_jax.checkpoint import (META, Checkpointer, CheckpointError, complete_steps, fill,
                                  model_differences, shape_differences)
-from mimo_jax.config import Config, run_source
+from mimo_jax.config import LANGUAGE, Config, run_source
+from mimo_jax.state import HFStart
+
+
+def starts(cfg: Config, abstract: dict) -> dict:
+  """What each module starts from instead of the seed, for state.init_state: canonical
+  parameters of a mimo_jax run (`params`), or an `HFStart` for a module whose own `init_from`
+  names an HF directory (and no run takes precedence); modules starting from the seed are not
+  in the result. `abstract`: module -> canonical abstract parameters with this run's
+  shardings."""
+  out = params(cfg, abstract)
+  for name in abstract:
+    own = getattr(cfg.model.module(name), "init_from", "")
+    if name in out or not own:
+      continue
+    if name == LANGUAGE:
+      out[name] = HFStart(own, list(hf.leaves(hf.Source.open(own), name, cfg)))
+    else:
+      out[name] = HFStart(own, list(encoders.get(name).load(own, cfg)))
+  return out
 
 
 def sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
+from mimo_jax.config import ConfigError
 from mimo_jax.sharding import Plan, optimizer_shardings, with_shardings, REPLICATED
 
 
@@ -22,25 +24,28 @@ class ModuleState:
   opt_state: Any
 
 
-def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
-               optimizer: bool = True) -> dict[str, ModuleState]:
+@dataclasses.dataclass(frozen=True)
+class HFStart:
+  """A module starting from an HF directory: its tensors as `(path, read)` leaves
+  (mimo_jax/hf's `Leaf`s; an encoder's `load()`, or the language model's mapping)."""
+  path: str  # the directory, for errors
+  leaves: list
+
+
+def init_state(plan: Plan, modules: dict, seed: int, optimizer: bool = True,
+               starts: dict | None = None) -> dict[str, ModuleState]:
   """Parameters born sharded on their module's mesh; values depend only on the seed, except for
-  a module whose config (`cfg`) names what to start from: a mimo_jax run (`model.init_from` or
-  the module's `init_from`, `WORKDIR[:STEP]`: that step's parameters) or an HF directory (the
-  module's `init_from`). The optimizer state is fresh (step 0); without `optimizer` it is None
-  (a checkpoint of parameters only)."""
-  from mimo_jax import init_from  # pylint: disable=import-outside-toplevel  (it imports state)
-  runs = {} if cfg is None else init_from.params(
-      cfg, {n: plan[n].canonical_params for n in modules})
+  a module in `starts` (init_from.starts: what the config names to start from): canonical
+  parameters of a mimo_jax run, or an `HFStart`. The optimizer state is fresh (step 0); without
+  `optimizer` it is None (a checkpoint of parameters only)."""
+  starts = dict(starts or {})
   state = {}
   for name, module in modules.items():
-    p = plan[name]
-    source = cfg.model.module(name).init_from if cfg is not None and name in (
-        "vision", "language") else ""
-    if name in runs:
-      params = jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(runs.pop(name))
-    elif source:
-      params = _from_hf(p, module, seed, cfg, name)
+    p, start = plan[name], starts.pop(name, None)
+    if isinstance(start, HFStart):
+      params = _from_hf(p, module, seed, start, name)
+    elif start is not None:
+      params = jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(start)
     else:
       init = lambda seed, p=p, module=module: p.layout(module.init(seed))
       params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
@@ -49,36 +54,31 @@ def init_state(plan: Plan, modules: dict, seed: int, cfg=None,
   return state
 
 
-def _from_hf(p, module, seed: int, cfg, name: str):
+def _from_hf(p, module, seed: int, start: HFStart, name: str):
   """The seed's parameters with every leaf the HF directory has replaced, each read on the host
   and placed straight into its sharding: one tensor in host memory at a time (a stacked leaf is
   written into its device array layer by layer). On a terminal a bar counts the tensors, with
   the host memory."""
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   canonical_sh = jax.tree.map(lambda a: a.sharding, p.canonical_params)
   params = jax.jit(module.init, static_argnums=0, out_shardings=canonical_sh)(seed)
-  src = hf.Source.open(cfg.model.module(name).init_from)
-  leaves = list(hf.leaves(src, name, cfg))
-  bar = tqdm(total=sum(max(read.layers, 1) for _, read in leaves), unit="tensor",
+  bar = tqdm(total=sum(max(read.layers, 1) for _, read in start.leaves), unit="tensor",
              desc=f"model.{name}", leave=False,
              disable=None if jax.process_index() == 0 else True)  # None: on a terminal only
   with bar:
-    for path, read in leaves:
-      _read_leaf(params, p, path, read, bar, src, name)
+    for path, read in start.leaves:
+      _read_leaf(params, p, path, read, bar, start.path, name)
   return jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(params)
 
 
-def _read_leaf(params, p, path, read, bar, src, name):
+def _read_leaf(params, p, path, read, bar, directory: str, name: str):
   """Places one leaf the HF directory holds into `params` (the canonical layout)."""
-  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   node, target = params, p.canonical_params
   for k in path[:-1]:
     node, target = node[k], target[k]
   target = target[path[-1]]
   shape = ((read.layers,) if read.layers else ()) + tuple(read.layer_shape)
   if shape != tuple(target.shape):
-    raise hf.HFError(f"{src.path}: {'/'.join(path)} has shape {shape} where model.{name} has "
+    raise ConfigError(f"{directory}: {'/'.join(path)} has shape {shape} where model.{name} has "
                      f"{target.shape}.")
   node[path[-1]] = (_place_layers(read, target, bar) if read.layers else
                     _place(read.layer(0), target.sharding))
