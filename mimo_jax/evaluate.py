@@ -1,35 +1,29 @@
-"""Held-out evaluation: teacher-forced loss and per-digit accuracy from greedy decoding."""
+"""Held-out evaluation: teacher-forced loss and per-digit accuracy from greedy decoding (the
+generation's own decoder, generate.decode)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from mimo_jax import distributed
+from mimo_jax import distributed, generate
 from mimo_jax.batch import Batch, Samples, Text
-from mimo_jax.data.tokenizer import PAD
+from mimo_jax.models.mimo import embed_merged
 from mimo_jax.programs import Context
 from mimo_jax.step import Step
 
 
-def _greedy_answers(logits_fn, tokens_rl, answer_b, steps: int) -> jax.Array:
-  """Greedily generates `steps` words after ':' (answers wiped first); returns them [b, steps]."""
-  b, l = tokens_rl.shape
-  rows = jnp.arange(b)
-  tokens_rl = jnp.where(jnp.arange(l)[None] > answer_b[:, None], PAD, tokens_rl)
-
-  def body(j, tokens_rl):
-    at = answer_b + j
-    pred = jnp.argmax(logits_fn(tokens_rl)[rows, jnp.minimum(at, l - 1)], axis=-1)
-    return tokens_rl.at[rows, at + 1].set(pred.astype(tokens_rl.dtype), mode="drop")
-
-  tokens_rl = jax.lax.fori_loop(0, steps, body, tokens_rl)
-  idx = jnp.minimum(answer_b[:, None] + 1 + jnp.arange(steps)[None], l - 1)
-  return jnp.take_along_axis(tokens_rl, idx, axis=1)
+def _prompts(x_bld: jax.Array, answer_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each row's embeddings up to its answer (through the ':' at `answer_b`) moved to the row's
+  end, left-padded as `generate.decode` takes prompts: (embeddings [b, l, d], mask [b, l])."""
+  l = x_bld.shape[1]
+  pad_b = l - 1 - answer_b
+  src_bl = (jnp.arange(l)[None] - pad_b[:, None]) % l
+  x_bld = jnp.take_along_axis(x_bld, src_bl[..., None], axis=1)
+  return x_bld, jnp.arange(l)[None] >= pad_b[:, None]
 
 
 def language_eval(ctx: Context, max_images: int, accuracy: bool, params, tokens: dict,
@@ -37,14 +31,14 @@ def language_eval(ctx: Context, max_images: int, accuracy: bool, params, tokens:
   """Loss sums of an eval batch (one sample a row) and, with `accuracy`, the digits named right by
   greedy decoding."""
   one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # a chunk of one microbatch
-  logits_fn = lambda tokens_rl: ctx.logits(
-      params, one(dataclasses.replace(text, tokens_rl=tokens_rl)), one(tokens), one(pos),
-      ctx.groups, packed=False)[0]
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits_fn(text.tokens_rl), text.targets_rl)
+  logits = ctx.logits(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)[0]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, text.targets_rl)
   out = {"loss_sum": jnp.sum(ce * text.loss_mask_rl), "tokens": jnp.sum(text.loss_mask_rl)}
   if not accuracy:
     return out
-  answers = _greedy_answers(logits_fn, text.tokens_rl, samples.answer_b, max_images)
+  model = ctx.bind("language", params)
+  x_bld = embed_merged(model, text.tokens_rl, tokens, pos, ctx.groups)
+  answers = generate.decode(model, *_prompts(x_bld, samples.answer_b), max_images)
   idx = jnp.minimum(samples.answer_b[:, None] + jnp.arange(max_images)[None],
                     text.targets_rl.shape[1] - 1)
   truth = jnp.take_along_axis(text.targets_rl, idx, axis=1)
