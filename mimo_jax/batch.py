@@ -16,6 +16,11 @@ Shape letters (every array's name ends in its axes; no letter means two things):
 The language model reads `Text` (its rows) and each encoder's `Slots.pos_rl`; each encoder reads its
 own `Slots.inputs`. `Stats` are counts over the whole microbatch (samples whose records other
 processes read included), computed once, by the layout.
+
+On device the step's programs (programs.py) take a placed microbatch as typed values: an
+encoder's forward takes `EncoderIn` (its inputs and owners, on its mesh), the language model's
+step `LanguageIn` (its `Text` and, per encoder, a `Merge`: the tokens, their owners and each
+placeholder's token, on its mesh), and a fused step's one program the placed `Slots` and `Text`.
 """
 
 from __future__ import annotations
@@ -96,6 +101,56 @@ class Batch:
   @property
   def microbatches(self) -> int:
     return self.text.tokens_rl.shape[0]
+
+
+@_pytree
+@dataclasses.dataclass
+class EncoderIn:
+  """One encoder's part of a placed microbatch where the encoder runs: what its forward takes."""
+  inputs: dict  # the encoder's device inputs, [n, ...] each (`Slots.inputs`)
+  owner_nt: jax.Array  # sample id owning each token of each slot (-1 = empty)
+
+  @classmethod
+  def of(cls, slots: Slots) -> "EncoderIn":
+    return cls(slots.inputs, slots.owner_nt)
+
+
+@_pytree
+@dataclasses.dataclass
+class Merge:
+  """One encoder's part of a placed microbatch where the language model runs: what it merges into
+  the rows. Tokens and owners arrive from the encoder's mesh (a `bridge.Parts` where the bridge
+  leaves a fan-in to its consumer); a fused step's encoders make the tokens in the same program
+  (None until then)."""
+  tokens_ntd: jax.Array | None  # the encoder's tokens for the language model
+  owner_nt: jax.Array  # sample id owning each token of each slot (-1 = empty)
+  pos_rl: jax.Array  # a placeholder's token in its rank's slots (`Slots.pos_rl`)
+
+
+@_pytree
+@dataclasses.dataclass
+class LanguageIn:
+  """A placed microbatch (or stacked microbatches) as the language model's programs take it."""
+  text: Text
+  merges: dict  # encoder name -> Merge
+
+  @property
+  def tokens(self) -> dict:
+    return {n: m.tokens_ntd for n, m in self.merges.items()}
+
+  @property
+  def positions(self) -> dict:
+    return {n: m.pos_rl for n, m in self.merges.items()}
+
+  def with_tokens(self, tokens: dict) -> "LanguageIn":
+    """The same microbatch with every encoder's tokens replaced by `tokens` (name -> tokens)."""
+    return dataclasses.replace(self, merges={
+        n: dataclasses.replace(m, tokens_ntd=tokens[n]) for n, m in self.merges.items()})
+
+  def without_owners(self) -> "LanguageIn":
+    """What the loss reads (the owners only check the merge: `programs.mismatches`)."""
+    return dataclasses.replace(self, merges={
+        n: dataclasses.replace(m, owner_nt=None) for n, m in self.merges.items()})
 
 
 def stack(microbatches: list[Batch]) -> Batch:

@@ -1,10 +1,11 @@
 """Device memory a layout needs, known before anything compiles.
 
 For every module, per device: its parameters, optimizer state and gradient accumulators, exactly,
-from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp), and a lower
-bound on the activations its backward keeps (one microbatch's layer inputs, the MLP's hidden
-units unless `remat=full`, the logits and their gradient in the compute dtype; a pipelined module
-holds all its microbatches).
+from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
+step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
+activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units unless
+`remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
+its microbatches).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
 and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
 buffers, the optimizer update's, the gathered layers under FSDP), so a layout whose bound comes
@@ -71,8 +72,8 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
   ctx = context(cfg)
   out = {}
   for name, p in ctx.plan.modules.items():
-    per_rank = (ctx.defer_reduce if name == "language" else False) or ctx.fused_per_rank
-    acc_sh = p.per_rank_sh if per_rank else p.param_sh
+    per_rank = ctx.mode.keeps_per_rank(name)  # as the training step keeps them (GradMode)
+    acc_sh = ctx.mode.acc_sh(name, p)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
                                                          a.dtype), p.abstract_params)
     grads = _bytes(with_shardings(shapes, acc_sh))

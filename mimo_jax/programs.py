@@ -2,14 +2,16 @@
 
 XLA compiles one SPMD program per mesh, so a training step is a few programs per module, chained by
 the host (step.py). Every function here takes a `Context` (the static part: config, plan, modules)
-first and arrays after it; `Programs` holds their jitted forms. Lists are chunks of microbatches
-(one, or a whole step for a pipelined module), dicts are keyed by module or encoder name.
+first and typed microbatches (batch.py: `EncoderIn`, `LanguageIn`, `Slots`) after it; `Programs`
+holds their jitted forms. Lists are chunks of microbatches (one, or a whole step for a pipelined
+module), dicts are keyed by module or encoder name. Which programs make the gradients, and where
+each module's are summed, is one value, `GradMode`, that the memory check reads too.
 
 Where the two dp sizes differ by a whole factor, the program that makes what crosses the bridge
 (an encoder's forward, the language model's backward) cuts it for the bridge and the one that
 takes it joins the pieces (`bridge.split`, `bridge.join`): the bridge itself only copies.
 
-**Gradients summed once a step.** Wherever the language model is dp only (`Context.defer_reduce`),
+**Gradients summed once a step.** Wherever the language model is dp only (`GradMode.per_rank`),
 its step runs in a `jax.shard_map` over its mesh (`each_rank`): each rank differentiates its own
 rows (a rank's rows index only its own tokens), the gradients come back per rank [dp, ...] split
 over dp and accumulate there, and `reduce` sums them once before the clip: one all-reduce a step.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +32,76 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, optim
-from mimo_jax.batch import Text
+from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
 from mimo_jax.config import Config
 from mimo_jax.encoders import Encoder
 from mimo_jax.models.mimo import Module, language_logits, slot_mismatches
 from mimo_jax.pipeline import Stack
-from mimo_jax.sharding import BLOCKS, REPLICATED, Plan
+from mimo_jax.sharding import BLOCKS, REPLICATED, ModulePlan, Plan
+
+
+def fusable(cfg: Config, plan: Plan) -> bool:
+  """Every encoder shares the language model's dp-only mesh (same devices, no pipeline): a step
+  can run as one program a microbatch."""
+  tops = cfg.topology.modules()
+  same = lambda a, b: (a.offset, a.pp, a.dp, a.tp) == (b.offset, b.pp, b.dp, b.tp)
+  return not plan["language"].schedule.pipelined and plan["language"].tp == 1 and all(
+      not plan[n].schedule.pipelined and same(tops[n], tops["language"]) for n in plan.encoders)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradMode:
+  """How a step makes its gradients: the programs (`fused`: every module in one program a
+  microbatch, `fused_step`; else split: each module's own programs, chained by the host) and the
+  modules whose gradients are kept per language dp rank [dp, ...] through the step and summed once
+  by `reduce` (`per_rank`; every other module's are summed over ranks in each microbatch's
+  program). Built once (`Context.build`); the programs and the memory check read it."""
+  fused: bool
+  per_rank: frozenset[str]
+
+  @classmethod
+  def build(cls, plan: Plan, fused: bool) -> "GradMode":
+    """The modules differentiated rank by rank in one `each_rank` (every module in the fused
+    program; the language model in the split ones, where it is dp only and not pipelined) keep
+    their gradients per rank: all of them, unless one is FSDP-sharded (full per-rank copies would
+    undo the sharding) or there is one rank (nothing to sum)."""
+    lang = plan["language"]
+    if fused:
+      each = list(plan.modules)
+    else:
+      each = [] if lang.schedule.pipelined or lang.tp > 1 else ["language"]
+    keep = lang.dp > 1 and not any(plan[n].sharded_params for n in each)
+    return cls(fused, frozenset(each if keep else ()))
+
+  def keeps_per_rank(self, name: str) -> bool:
+    return name in self.per_rank
+
+  def acc_sh(self, name: str, p: ModulePlan):
+    """Where module `name`'s gradient accumulators live (`p`: its plan)."""
+    return p.per_rank_sh if self.keeps_per_rank(name) else p.param_sh
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What the programs need besides their arrays."""
+  """What the programs need besides their arrays. `mode` is how a training step makes its
+  gradients; `split_mode` is the split programs' mode (the same unless `mode.fused`; a benchmark's
+  `Probe(fused=False)` runs them on a fusable layout)."""
   cfg: Config
   plan: Plan
   modules: dict[str, Module]
   encoders: dict[str, Encoder]
   stacks: dict[str, Stack]
+  mode: GradMode
+  split_mode: GradMode
 
   @classmethod
   def build(cls, cfg: Config, plan: Plan, modules: dict[str, Module], encoders: dict) -> "Context":
     tops = cfg.topology.modules()
     stacks = {n: Stack(m.layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll,
                        plan[n].gather) for n, m in modules.items()}
-    return cls(cfg, plan, modules, encoders, stacks)
+    mode = GradMode.build(plan, fused=fusable(cfg, plan))
+    split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
+    return cls(cfg, plan, modules, encoders, stacks, mode, split_mode)
 
   @property
   def groups(self) -> int:
@@ -65,29 +115,6 @@ class Context:
   def whole_step(self, name: str) -> bool:
     """Whether `name` takes all microbatches of a step in one call (a pipelined module)."""
     return self.plan[name].schedule.pipelined
-
-  @functools.cached_property
-  def defer_reduce(self) -> bool:
-    """The language model keeps per-rank gradients through the step (module docstring); not
-    under FSDP, where full per-rank copies would undo the sharding, nor on one rank, where there
-    is nothing to sum."""
-    lang = self.plan["language"]
-    return (not self.whole_step("language") and lang.tp == 1 and lang.dp > 1
-            and not lang.sharded_params)
-
-  @functools.cached_property
-  def fused(self) -> bool:
-    """Every encoder shares the language model's dp-only mesh: one program a microbatch."""
-    tops, lang = self.cfg.topology.modules(), self.plan["language"]
-    same = lambda a, b: (a.offset, a.pp, a.dp, a.tp) == (b.offset, b.pp, b.dp, b.tp)
-    return not self.whole_step("language") and lang.tp == 1 and all(
-        not self.whole_step(n) and same(tops[n], tops["language"]) for n in self.encoders)
-
-  @functools.cached_property
-  def fused_per_rank(self) -> bool:
-    """The fused program keeps every module's gradients per rank (none is FSDP-sharded)."""
-    return self.fused and self.groups > 1 and not any(
-        p.sharded_params for p in self.plan.modules.values())
 
   def bind(self, name: str, params):
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
@@ -112,12 +139,9 @@ class Context:
                            text.segment_ids_rl if packed else None)
 
 
-def _stacked(xs: list) -> jax.Array:
-  return jnp.stack(xs) if len(xs) > 1 else xs[0][None]
-
-
 def _stack(trees: list):
-  return jax.tree.map(lambda *xs: _stacked(list(xs)), *trees)
+  """Trees (one a microbatch) -> one tree of their arrays stacked on a leading axis [M, ...]."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs) if len(xs) > 1 else xs[0][None], *trees)
 
 
 def _tree_add(a, b):
@@ -143,12 +167,12 @@ def encoder_tokens(ctx: Context, name: str, params, inputs: list[dict]) -> list:
   return [_to_language(ctx, name, e) for e in encoder_apply(ctx, name, params, inputs)]
 
 
-def encoder_forward(ctx: Context, name: str, params, inputs: list[dict], owners: list):
+def encoder_forward(ctx: Context, name: str, params, xs: list[EncoderIn]):
   """The forward with its `jax.vjp` closure (a pytree of residuals, which `encoder_backward`
   consumes: no recomputation), the tokens and their owners cut for the language mesh."""
-  tokens, vjp = jax.vjp(lambda p: encoder_apply(ctx, name, p, inputs), params)
+  tokens, vjp = jax.vjp(lambda p: encoder_apply(ctx, name, p, [x.inputs for x in xs]), params)
   return ([_to_language(ctx, name, e) for e in tokens],
-          [_to_language(ctx, name, o) for o in owners], vjp)
+          [_to_language(ctx, name, x.owner_nt) for x in xs], vjp)
 
 
 def encoder_backward(vjp, d_tokens: list, acc):
@@ -159,18 +183,17 @@ def encoder_backward(vjp, d_tokens: list, acc):
 
 # ---- the language model ---------------------------------------------------------------------
 
-def language_loss(ctx: Context, params, tokens: dict, pos: dict, text: Text, inv_tokens,
-                  groups: int) -> jax.Array:
+def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) -> jax.Array:
   """The language model's share of the step's loss on stacked microbatches."""
-  logits = ctx.logits(params, text, tokens, pos, groups, ctx.packed)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, text.targets_rl)
-  return jnp.sum(ce * text.loss_mask_rl) * inv_tokens
+  logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
+  return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
 
 
-def mismatches(ctx: Context, owners: dict, pos: dict, text: Text) -> jax.Array:
+def mismatches(ctx: Context, x: LanguageIn) -> jax.Array:
   """Placeholders that received a token of another sample than their own (must be 0)."""
   return sum(jnp.sum(jax.vmap(slot_mismatches, in_axes=(0, 0, 0, None))(
-      owners[n], pos[n], text.token_sample_rl, ctx.groups)) for n in owners)
+      m.owner_nt, m.pos_rl, x.text.token_sample_rl, ctx.groups)) for m in x.merges.values())
 
 
 def each_rank(ctx: Context, fn, params, rows: tuple, inv_tokens, row_outputs: int = 0):
@@ -186,89 +209,81 @@ def each_rank(ctx: Context, fn, params, rows: tuple, inv_tokens, row_outputs: in
                        out_specs=(P(), P("dp")) + (split,) * row_outputs)(params, rows, inv_tokens)
 
 
-def _forward_backward(ctx: Context, params, tokens, pos, text, inv_tokens, groups):
+def _forward_backward(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int):
   """Stacked microbatches -> (loss, parameter gradients, the tokens' gradients)."""
-  loss_fn = lambda p, tokens: language_loss(ctx, p, tokens, pos, text, inv_tokens, groups)
-  loss, (g_params, g_tokens) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, tokens)
+  loss_fn = lambda p, tokens: language_loss(ctx, p, x.with_tokens(tokens), inv_tokens, groups)
+  loss, (g_params, g_tokens) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x.tokens)
   return loss, g_params, g_tokens
 
 
-def language_step(ctx: Context, params, acc: dict, tokens: dict, owners: dict, pos: dict,
-                  text: list[Text], inv_tokens):
+def _joined(x: LanguageIn) -> LanguageIn:
+  """x with the pieces of a fan-in (`bridge.Parts`) joined."""
+  join = lambda m: dataclasses.replace(m, tokens_ntd=bridge.join(m.tokens_ntd),
+                                       owner_nt=bridge.join(m.owner_nt))
+  return dataclasses.replace(x, merges={n: join(m) for n, m in x.merges.items()})
+
+
+def _accumulate(acc: dict, grads: dict, loss, mismatched) -> dict:
+  return {"grads": _tree_add(acc["grads"], grads), "loss": acc["loss"] + loss,
+          "mismatches": acc["mismatches"] + mismatched}
+
+
+def language_step(ctx: Context, params, acc: dict, xs: list[LanguageIn], inv_tokens):
   """A chunk of microbatches: loss, gradients and mismatches added to `acc`; returns it and the
-  tokens' gradients for each encoder, cut for the bridge where that is a fan-out. `tokens`,
-  `owners` and `pos` map encoder name -> one array (or bridge.Parts) a microbatch."""
-  x = _stack(text)
-  pos = {n: _stacked(v) for n, v in pos.items()}
-  owners = {n: _stacked([bridge.join(o) for o in v]) for n, v in owners.items()}
-  tokens = {n: _stacked([bridge.join(e) for e in v]) for n, v in tokens.items()}
-  if ctx.defer_reduce:
+  tokens' gradients for each encoder, cut for the bridge where that is a fan-out."""
+  x = _stack([_joined(x) for x in xs])
+  if ctx.split_mode.keeps_per_rank("language"):
     loss, g_params, g_tokens = each_rank(
-        ctx, lambda p, tokens, pos, x, inv: _forward_backward(ctx, p, tokens, pos, x, inv, 1),
-        params, (tokens, pos, x), inv_tokens, row_outputs=1)
+        ctx, lambda p, x, inv: _forward_backward(ctx, p, x, inv, 1), params,
+        (x.without_owners(),), inv_tokens, row_outputs=1)
   else:  # summed over ranks here (reduce-scattered under FSDP)
-    loss, g_params, g_tokens = _forward_backward(ctx, params, tokens, pos, x, inv_tokens,
-                                                 ctx.groups)
+    loss, g_params, g_tokens = _forward_backward(ctx, params, x, inv_tokens, ctx.groups)
     g_params = jax.lax.with_sharding_constraint(g_params, ctx.plan["language"].param_sh)
   lang = ctx.plan.sharding("language")
   g_tokens = {n: [bridge.split(g[i], lang, ctx.plan.sharding(n)) for i in range(len(g))]
               for n, g in g_tokens.items()}
-  acc = {"grads": _tree_add(acc["grads"], g_params), "loss": acc["loss"] + loss,
-         "mismatches": acc["mismatches"] + mismatches(ctx, owners, pos, x)}
-  return acc, g_tokens
+  return _accumulate(acc, {"language": g_params}, loss, mismatches(ctx, x)), g_tokens
 
 
-def fused_step(ctx: Context, params: dict, acc: dict, inputs: dict, owners: dict, pos: dict,
-               text: Text, inv_tokens):
-  """One microbatch through every module as one program (`Context.fused`): encoders forward,
-  merge, language forward and backward, encoders backward; every module's gradients per rank, or
-  with an FSDP module (`Context.fused_per_rank` false) summed over ranks here."""
-  x = jax.tree.map(lambda v: v[None], text)
-  pos = {n: v[None] for n, v in pos.items()}
-  inputs = jax.tree.map(lambda v: v[None], inputs)
+def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], text: Text,
+               inv_tokens):
+  """One placed microbatch through every module as one program (`GradMode.fused`): encoders
+  forward, merge, language forward and backward, encoders backward; every module's gradients per
+  rank, or with an FSDP module (`GradMode.per_rank` empty) summed over ranks here."""
+  one = lambda tree: jax.tree.map(lambda v: v[None], tree)  # a chunk of one microbatch
+  x = one(LanguageIn(text, {n: Merge(None, s.owner_nt, s.pos_rl) for n, s in slots.items()}))
+  inputs = one({n: s.inputs for n, s in slots.items()})
+  per_rank = bool(ctx.mode.per_rank)  # all modules or none: one `each_rank` differentiates all
+  groups = 1 if per_rank else ctx.groups
 
-  groups = 1 if ctx.fused_per_rank else ctx.groups
-
-  def loss_fn(params, inputs, pos, x, inv_tokens):
+  def loss_fn(params, inputs, x, inv_tokens):
     tokens = {}
     for n in ctx.encoders:
       e = ctx.encode(n, params[n], inputs[n])
       tokens[n] = e if ctx.plan[n].trainable else jax.lax.stop_gradient(e)
-    return language_loss(ctx, params["language"], tokens, pos, x, inv_tokens, groups)
-  if ctx.fused_per_rank:
-    loss, grads = each_rank(ctx, jax.value_and_grad(loss_fn), params, (inputs, pos, x),
-                            inv_tokens)
+    return language_loss(ctx, params["language"], x.with_tokens(tokens), inv_tokens, groups)
+  if per_rank:
+    loss, grads = each_rank(ctx, jax.value_and_grad(loss_fn), params,
+                            (inputs, x.without_owners()), inv_tokens)
   else:
-    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, pos, x, inv_tokens)
+    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, x.without_owners(), inv_tokens)
     grads = jax.lax.with_sharding_constraint(
         grads, {n: p.param_sh for n, p in ctx.plan.modules.items()})
-  owners = {n: v[None] for n, v in owners.items()}
-  return {"grads": _tree_add(acc["grads"], grads), "loss": acc["loss"] + loss,
-          "mismatches": acc["mismatches"] + mismatches(ctx, owners, pos, x)}
+  return _accumulate(acc, grads, loss, mismatches(ctx, x))
 
 
 # ---- accumulators and the update ------------------------------------------------------------
-
-def _acc0(grads) -> dict:
-  return {"grads": grads, "loss": jnp.zeros((), jnp.float32),
-          "mismatches": jnp.zeros((), jnp.int32)}
-
 
 def per_rank_zeros(dp: int, params):
   return jax.tree.map(lambda a: jnp.zeros((dp,) + a.shape, a.dtype), params)
 
 
-def language_accumulator(ctx: Context, params) -> dict:
-  """The language step's accumulator: gradients per rank where they are summed once a step."""
-  zeros = (per_rank_zeros(ctx.groups, params) if ctx.defer_reduce
-           else jax.tree.map(jnp.zeros_like, params))
-  return _acc0(zeros)
-
-
-def fused_accumulator(ctx: Context, params: dict) -> dict:
-  if not ctx.fused_per_rank:
-    return _acc0(zeros(params))
-  return _acc0({n: per_rank_zeros(ctx.groups, p) for n, p in params.items()})
+def accumulator(ctx: Context, mode: GradMode, params: dict) -> dict:
+  """What a step's microbatches add to: zero gradients of `params` (module name -> parameters;
+  per rank where `mode` keeps them so), loss and mismatch count."""
+  return {"grads": {n: per_rank_zeros(ctx.groups, p) if mode.keeps_per_rank(n) else zeros(p)
+                    for n, p in params.items()},
+          "loss": jnp.zeros((), jnp.float32), "mismatches": jnp.zeros((), jnp.int32)}
 
 
 def zeros(params):
@@ -296,14 +311,15 @@ def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-  """The jitted programs of a step, per module where they run on its mesh."""
+  """The jitted programs of a step, per module where they run on its mesh (the fused program and
+  its accumulator only where `Context.mode` is fused)."""
   encoder_forward: dict
   encoder_tokens: dict
   encoder_backward: dict
-  language_step: object
-  fused_step: object
-  language_accumulator: object
-  fused_accumulator: object
+  language_step: Callable
+  fused_step: Callable | None
+  language_accumulator: Callable  # {"language": parameters} -> accumulator
+  fused_accumulator: Callable | None  # every module's parameters -> accumulator
   zeros: dict
   reduce: dict
   sq_norm: dict
@@ -311,25 +327,21 @@ class Programs:
 
   @classmethod
   def build(cls, ctx: Context) -> "Programs":
-    plan, lang = ctx.plan, ctx.plan["language"]
+    plan, mode = ctx.plan, ctx.mode
     part = functools.partial
     scalar = lambda n: plan.sharding(n, REPLICATED)
     metrics = {"loss": scalar("language"), "mismatches": scalar("language")}
+    acc = lambda mode, names: jax.jit(part(accumulator, ctx, mode), out_shardings={
+        "grads": {n: mode.acc_sh(n, plan[n]) for n in names}, **metrics})
     return cls(
         encoder_forward={n: jax.jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
         encoder_tokens={n: jax.jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
         encoder_backward={n: jax.jit(encoder_backward, donate_argnums=(2,),
                                      out_shardings=plan[n].param_sh) for n in ctx.encoders},
         language_step=jax.jit(part(language_step, ctx), donate_argnums=(1,)),
-        fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)),
-        language_accumulator=jax.jit(
-            part(language_accumulator, ctx),
-            out_shardings={"grads": lang.per_rank_sh if ctx.defer_reduce else lang.param_sh,
-                           **metrics}),
-        fused_accumulator=jax.jit(
-            part(fused_accumulator, ctx),
-            out_shardings={"grads": {n: p.per_rank_sh if ctx.fused_per_rank else p.param_sh
-                                     for n, p in plan.modules.items()}, **metrics}),
+        fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)) if mode.fused else None,
+        language_accumulator=acc(ctx.split_mode, ["language"]),
+        fused_accumulator=acc(mode, list(plan.modules)) if mode.fused else None,
         zeros={n: jax.jit(zeros, out_shardings=p.param_sh) for n, p in plan.modules.items()},
         reduce={n: jax.jit(reduce, out_shardings=p.grad_sh) for n, p in plan.modules.items()},
         sq_norm={n: jax.jit(part(sq_norm, p.labels), out_shardings=scalar(n))

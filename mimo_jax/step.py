@@ -29,10 +29,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mimo_jax import bridge, encoders, state, topology
-from mimo_jax.batch import Batch
+from mimo_jax.batch import Batch, EncoderIn, LanguageIn, Merge
 from mimo_jax.config import Config
 from mimo_jax.models.mimo import build_modules
-from mimo_jax.programs import Context, Programs
+from mimo_jax.programs import Context, GradMode, Programs
 from mimo_jax.sharding import REPLICATED, Plan
 from mimo_jax.state import ModuleState
 
@@ -147,12 +147,12 @@ class Step:
   def dispatch(self, state_: dict[str, ModuleState], inputs: list[Batch], inv_tokens: jax.Array,
                probe: Probe = TRAINING):
     """The step on already-placed inputs: device work only, no host transfer."""
-    if self.ctx.fused and probe.fused:
+    if self.ctx.mode.fused and probe.fused:
       return self._dispatch_fused(state_, inputs, inv_tokens, probe)
     pr, plan = self.programs, self.plan
     num = len(inputs)
     acc = {n: pr.zeros[n](state_[n].params) for n in self.encoders}
-    lang_acc = pr.language_accumulator(state_["language"].params)
+    lang_acc = pr.language_accumulator({"language": state_["language"].params})
     chunks = {n: _chunks(num, self.ctx.whole_step(n)) for n in self.encoders}
     fwd = {n: [] for n in self.encoders}  # per encoder chunk: (tokens, owners, vjp or None)
     d_tokens = {n: {} for n in self.encoders}  # microbatch -> gradient on the encoder mesh
@@ -164,20 +164,19 @@ class Step:
       c = len(fwd[n])
       if c == len(chunks[n]):
         return
-      p, ms = state_[n].params, chunks[n][c]
-      xs, owners = [inputs[m].slots[n].inputs for m in ms], [inputs[m].slots[n].owner_nt
-                                                             for m in ms]
+      p, slots = state_[n].params, [inputs[m].slots[n] for m in chunks[n][c]]
       if plan[n].trainable:
-        fwd[n].append(pr.encoder_forward[n](p, xs, owners))
+        fwd[n].append(pr.encoder_forward[n](p, [EncoderIn.of(s) for s in slots]))
       else:
-        fwd[n].append((pr.encoder_tokens[n](p, xs), owners, None))
+        fwd[n].append((pr.encoder_tokens[n](p, [s.inputs for s in slots]),
+                       [s.owner_nt for s in slots], None))
       probe(n, fwd[n][-1][0])
       # Sent at once: a copy queued on the encoder's devices after its next backward would make
       # the language model wait for that backward too. Assembled on the language mesh only when
       # the language model takes it (`encoded`): a join of pieces there, queued now, would wait
       # for those copies ahead of the language model's earlier microbatches.
       sent = jax.tree.map(lambda x: probe.send(x, lang), fwd[n][-1][:2], is_leaf=bridge.is_array)
-      for i, m in enumerate(ms):
+      for i, m in enumerate(chunks[n][c]):
         delivered[n][m] = (sent[0][i], sent[1][i])
       if probe.phase is not None:
         probe("bridge", jax.tree.map(lambda get: get(), sent))
@@ -192,12 +191,9 @@ class Step:
       return tokens(), owners()
 
     for ms in _chunks(num, self.ctx.whole_step("language")):
-      got = [{n: encoded(n, m) for n in self.encoders} for m in ms]
-      lang_acc, grads_back = pr.language_step(
-          state_["language"].params, lang_acc, {n: [g[n][0] for g in got] for n in self.encoders},
-          {n: [g[n][1] for g in got] for n in self.encoders},
-          {n: [inputs[m].slots[n].pos_rl for m in ms] for n in self.encoders},
-          [inputs[m].text for m in ms], inv_tokens)
+      xs = [LanguageIn(inputs[m].text, {n: Merge(*encoded(n, m), inputs[m].slots[n].pos_rl)
+                                        for n in self.encoders}) for m in ms]
+      lang_acc, grads_back = pr.language_step(state_["language"].params, lang_acc, xs, inv_tokens)
       probe("language", lang_acc)
       for n in self.encoders:
         if not plan[n].trainable:
@@ -210,8 +206,7 @@ class Step:
             acc[n] = pr.encoder_backward[n](fwd[n][c][2], [d_tokens[n][m] for m in chunk], acc[n])
             fwd[n][c] = None
             probe(n, acc[n])
-    acc["language"] = (pr.reduce["language"](lang_acc["grads"]) if self.ctx.defer_reduce
-                       else lang_acc["grads"])
+    acc.update(self._summed(self.ctx.split_mode, lang_acc["grads"]))
     return self._apply(state_, acc, lang_acc, probe)
 
   def _dispatch_fused(self, state_, inputs: list[Batch], inv_tokens: jax.Array, probe: Probe):
@@ -221,13 +216,14 @@ class Step:
     params = {n: state_[n].params for n in self.plan.modules}
     acc = pr.fused_accumulator(params)
     for x in inputs:
-      acc = pr.fused_step(params, acc, {n: s.inputs for n, s in x.slots.items()},
-                          {n: s.owner_nt for n, s in x.slots.items()},
-                          {n: s.pos_rl for n, s in x.slots.items()}, x.text, inv_tokens)
+      acc = pr.fused_step(params, acc, x.slots, x.text, inv_tokens)
     probe("step", acc)
-    if self.ctx.fused_per_rank:
-      acc["grads"] = {n: pr.reduce[n](g) for n, g in acc["grads"].items()}
-    return self._apply(state_, acc["grads"], acc, probe)
+    return self._apply(state_, self._summed(self.ctx.mode, acc["grads"]), acc, probe)
+
+  def _summed(self, mode: GradMode, grads: dict) -> dict:
+    """Module name -> gradients, summed over ranks where `mode` kept them per rank (`reduce`)."""
+    return {n: self.programs.reduce[n](g) if mode.keeps_per_rank(n) else g
+            for n, g in grads.items()}
 
   def _apply(self, state_, grads, lang_acc, probe: Probe):
     pr = self.programs

@@ -70,12 +70,12 @@ def _batches(cfg):
 def test_three_meshes_match_single_device(data_dir):
   ref_cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
   ref, ref_step, ref_state, ref_init = run_steps(ref_cfg, STEPS, batches=_batches(ref_cfg))
-  assert ref_step.ctx.fused  # every module on device 0: one program a microbatch
+  assert ref_step.ctx.mode.fused  # every module on device 0: one program a microbatch
   assert ref[-1]["loss"] < ref[0]["loss"]
   cfg = _config(data_dir, (0, 2, 1), (2, 2, 1), (4, 2, 2))
   got, step, state, init = run_steps(cfg, STEPS, batches=_batches(cfg))
   assert list(step.plan.modules) == ["vision", "signal", "language"]
-  assert not step.ctx.fused
+  assert not step.ctx.mode.fused
   assert {d.id for d in step.plan["signal"].mesh.devices.flat} == {2, 3}
   assert_close_trajectory(ref, got, rtol=1e-4)
   # The signal encoder trained: its parameters moved, alike on both layouts.

@@ -117,7 +117,7 @@ def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
   hlo = language_step_hlo(stepper, state, ds[1])
   assert len(hlo) == cfg.data.microbatches > 1
   params = sum(a.size for a in jax.tree.leaves(state["language"].params))
-  return hlo, params, stepper.ctx.defer_reduce
+  return hlo, params, stepper.ctx.mode.keeps_per_rank("language")
 
 
 def test_language_gradients_summed_once_a_step(data_dir):
@@ -144,4 +144,4 @@ def test_colocated_dp_layouts_run_one_program_a_microbatch(data_dir, topo, fused
   """Encoders on the language model's own dp-only mesh run with it as one jit a microbatch (the
   parity tests above cover both paths: the single-device reference runs this way)."""
   cfg = tiny_config(data_dir, **topo)
-  assert Step.build(cfg).ctx.fused == fused
+  assert Step.build(cfg).ctx.mode.fused == fused

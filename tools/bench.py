@@ -13,7 +13,7 @@ bring (slot and row buckets make microbatches differ in shape), then:
   time / (GPUs used · 989 TFLOP/s).
 * **busy time per module**, from `--profile_steps` steps run phase by phase with the host waiting
   after each phase: how long each module's own work takes, unoverlapped. Encoders on the language
-  model's own mesh run with it as one program a microbatch in training (`Context.fused`); the
+  model's own mesh run with it as one program a microbatch in training (`GradMode.fused`); the
   profile runs them as separate calls, the way the other layouts do.
 * **bridge time**: every transfer of one step (image tokens, slot owners, gradients) replayed back
   to back through the bridge as the step calls it (a fan-out's pieces cut by the program that
@@ -193,12 +193,12 @@ class Run:
       phases[name] += now - last[0]
       last[0] = now
 
-    # Module by module: a colocated step that runs as one program a microbatch (Context.fused)
+    # Module by module: a colocated step that runs as one program a microbatch (GradMode.fused)
     # has no per-module phases, so the profile runs the modules' separate calls instead. Those
     # compile on first use: then one untimed pass over the same batches comes first.
     batches = [next(self.batches) for _ in range(n)]
     unfused = Probe(fused=False)
-    if self.step.ctx.fused:
+    if self.step.ctx.mode.fused:
       for batch in batches:
         self.state, metrics = self.step.dispatch(self.state, *self.step.place_step(batch),
                                                  unfused)
