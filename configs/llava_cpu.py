@@ -28,7 +28,8 @@ def get_config(arg: str | None = None) -> Config:
   d.task = "conversations"
   d.global_batch, d.microbatches = 8, 1
   d.seq_len = 256
-  d.max_images, d.image_probs = 1, "0.5,0.5"  # LLaVA's data: one image a record at most
+  # LLaVA's data: one image a record at most.
+  cfg.model.vision.max_images, d.image_probs = 1, "0.5,0.5"
   d.workers = 0
   cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 3
   cfg.train.steps = 30

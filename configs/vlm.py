@@ -14,9 +14,10 @@ Variants (the argument after the colon):
                  backward pass (remat full), as 88 image slots a microbatch would not fit otherwise
   dynamic        dynamic resolution: each image 224², 336², 448², 224x448 or 448x224 (64-256
                  tokens after a 2x2 pixel shuffle), packed into 8 slots of 2048 patches a
-                 microbatch (data.slot_patches) instead of being resized to one size; samples are
-                 balanced over language ranks by cost so that no rank's slots overflow; the
-                 ViT's layers keep only their inputs for the backward pass (remat full)
+                 microbatch (model.vision.slot_patches) instead of being resized to one size;
+                 samples are balanced over language ranks by cost so that no rank's slots
+                 overflow; the ViT's layers keep only their inputs for the backward pass (remat
+                 full)
   tuned          the default's model and data with the settings that measured fastest on one H200
                  (docs/benchmarks.md, 46% MFU): 2 microbatches of 16 samples, samples assigned
                  to microbatches to send less padding (data.microbatch_fill=pack) in 16 packed
@@ -52,7 +53,7 @@ def get_config(arg: str | None = None) -> Config:
   d.train_samples, d.eval_samples = 2_000, 64
   d.workers = 8
   d.seq_len = 2048
-  d.max_images, d.image_probs = 3, "0,0.4,0.3,0.3"
+  v.max_images, d.image_probs = 3, "0,0.4,0.3,0.3"
   d.global_batch, d.microbatches = 32, 4  # 8 samples a microbatch
   d.text_len, d.text_len_sigma = 256, 0.6
   # The language model's cost per sample grows with its tokens, the encoder's with its images.
@@ -70,12 +71,12 @@ def get_config(arg: str | None = None) -> Config:
   elif arg == "encoder_heavy":
     v.downsample = 2
     cfg.topology.vision.remat = "full"
-    d.max_images = 11
+    v.max_images = 11
     d.image_probs = ",".join(["0"] * 4 + ["0.125"] * 8)
   elif arg == "dynamic":
     v.image_size, v.downsample = 448, 2
     d.image_sizes = "224,336,448,224x448,448x224"
-    d.slot_patches, d.image_slots, d.reorder = 2048, 8, "balance"
+    v.slot_patches, v.image_slots, d.reorder = 2048, 8, "balance"
     cfg.topology.vision.remat = "full"  # masked attention over 2048-patch slots is memory-hungry
   elif arg == "tuned":
     d.microbatches = 2  # 16 samples a microbatch

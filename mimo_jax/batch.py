@@ -10,7 +10,7 @@ Shape letters (every array's name ends in its axes; no letter means two things):
   n  an encoder's item slots in a microbatch (every rank owns n / g of them)
   t  tokens a slot yields to the language model
   h, w, c  an image's height, width and channels
-  q  patches of a packed image slot (`data.slot_patches`)
+  q  patches of a packed image slot (the image encoder's `slot_patches`)
   k  values of one patch (patch_size² · channels)
 
 The language model reads `Text` (its rows) and each encoder's `Slots.pos_rl`; each encoder reads its

@@ -40,16 +40,17 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed, fingerprint, optim
+from mimo_jax import bridge, distributed, encoders, fingerprint, optim
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 
 META = "meta"
 # Data fields that must match for a resumed run to continue the same trajectory: each changes the
-# sample order or the eval set (checkpoints written before a field was listed are not checked on it).
-DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", "max_images",
-               "image_probs", "text_len", "text_len_sigma", "image_sizes")
+# sample order or the eval set (checkpoints written before a field was listed are not checked on
+# it); each encoder's own are beside them (`Encoder.data_fields`, `data_values`).
+DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", "image_probs",
+               "text_len", "text_len_sigma", "image_sizes")
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
 # Where a run started from (init_from, of the model or a module) does not matter once a
 # checkpoint exists.
@@ -351,7 +352,7 @@ class Checkpointer:
     back as the same float32 values."""
     meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
-                     **{k: getattr(cfg.data, k) for k in DATA_FIELDS}},
+                     **{k: v for k, (_, v) in data_values(cfg).items()}},
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
     trees = {n: {"params": s.params} if params_only else
              {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
@@ -543,11 +544,18 @@ def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> l
   default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
   saved = {k: saved.get(k, default.get(k)) for k in current}
   return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
-          if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and
+  settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
+          if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and k not in settings and
           not k.endswith(".init_from") and saved[k] != current[k]]
 
 
 def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]:
+def data_values(cfg: Config) -> dict[str, tuple[str, object]]:
+  """The data fields a checkpoint records, as its meta keys them -> (config path, value)."""
+  return {**{k: (f"data.{k}", getattr(cfg.data, k)) for k in DATA_FIELDS},
+          **encoders.data_values(cfg)}
+
+
   """One error naming every model field, module or data field that differs; a step saved with
   parameters only pins no data. Returns notes for the run's log (data changes allowed by
   checkpoint.allow_data_change)."""
@@ -567,17 +575,17 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
                           "too).")
   if meta.get("params_only"):
     return []  # an import's weights: no data was trained on
-  data = meta.get("data", {})
-  fields = [k for k in DATA_FIELDS if k in data and data[k] != getattr(cfg.data, k)]
+  data, values = meta.get("data", {}), data_values(cfg)
+  fields = [k for k, (_, v) in values.items() if k in data and data[k] != v]
   content = identity.differences(data.get("fingerprint"), identity.fingerprint(cfg))
   if not fields and not content:
     return []
-  changes = [f"data.{k}={data[k]!r} (this run: {getattr(cfg.data, k)!r})" for k in fields]
+  changes = [f"{values[k][0]}={data[k]!r} (this run: {values[k][1]!r})" for k in fields]
   changes += content
   if cfg.checkpoint.allow_data_change:
     return [f"resuming {where} on other data (checkpoint.allow_data_change): "
             f"{'; '.join(changes)}; the data position carries on at step {step}."]
-  keep = " ".join(f"--config.data.{k}={data[k]!r}" for k in fields)
+  keep = " ".join(f"--config.{values[k][0]}={data[k]!r}" for k in fields)
   raise CheckpointError(
       f"{where} was trained on other data: {'; '.join(changes)}. Resuming would change the "
       f"sample order or the eval set. Keep {keep or 'the data it was trained on'}, start a new "

@@ -83,8 +83,8 @@ class Modules:
 class ModelConfig(Modules):
   dtype: str = "float32"
   # Attention kernel: xla, cudnn (fused flash attention, GPUs, bfloat16), or auto (cudnn where it
-  # runs, else xla). Packed rows (data.pack_rows, data.slot_patches) use cuDNN's packed attention
-  # with cudnn (Hopper GPUs and later), XLA's masked attention with xla.
+  # runs, else xla). Packed rows (data.pack_rows, an encoder's packed slots) use cuDNN's packed
+  # attention with cudnn (Hopper GPUs and later), XLA's masked attention with xla.
   attention: str = "auto"
   # Each encoder's config by registered name (mimo_jax/encoders), in dispatch order; `model.<name>`
   # is short for `model.encoders.<name>`. A config file adds them with `Config.add_encoder`.
@@ -157,12 +157,8 @@ class DataConfig:
   global_batch: int = 32
   microbatches: int = 2
   seq_len: int = 24
-  max_images: int = 3
-  # Image slots per microbatch, split evenly over the language dp ranks; 0 = global_batch /
-  # microbatches * max_images (never overflows). Fewer slots waste less encoder compute, but a
-  # microbatch whose images do not fit its rank's slots is an error.
-  image_slots: int = 0
-  # Probability of a sample having 0, 1, ..., max_images images (comma-separated).
+  # Probability of a sample having 0, 1, ..., max_images images (comma-separated; the image
+  # encoder's max_images).
   image_probs: str = "0.1,0.3,0.3,0.3"
   train_samples: int = 20_000
   eval_samples: int = 1_000  # samples built from held-out images
@@ -179,7 +175,7 @@ class DataConfig:
   pack_rows: int = 0
   image_token_cost: float = 1.0
   text_token_cost: float = 1.0
-  # Image slots a microbatch sends to the encoder: 0 = all of image_slots; k > 0 = only those its
+  # Slots a microbatch sends to each encoder: 0 = all of its slots; k > 0 = only those its
   # ranks fill, rounded up to one of k evenly spaced sizes (one compiled encoder and language step
   # per size used). Less encoder work on padding; microbatches then differ in cost.
   slot_buckets: int = 0
@@ -199,13 +195,8 @@ class DataConfig:
   text_len: int = 128
   text_len_sigma: float = 0.5
   # Synthetic task: image sizes drawn uniformly per image, comma-separated "S" (S x S) or "HxW";
-  # "" = the image encoder's image_size, square. Several sizes need data.slot_patches > 0.
+  # "" = the image encoder's image_size, square. Several sizes need its slot_patches > 0.
   image_sizes: str = ""
-  # Dynamic resolution: each image slot is a row of this many ViT patches into which images of any
-  # size (sides multiples of patch_size * downsample, at most image_size) are packed, attending
-  # only within their image (cuDNN's packed attention on GPUs with model.attention=cudnn, else
-  # XLA's masked attention); 0 = one image of image_size a slot.
-  slot_patches: int = 0
   # The token id of an image in the samples' token ids (conversations: the tokenizer's image
   # token, as tools.convert reports it); -1 = the built-in tasks' <img> (id 3).
   image_token: int = -1
@@ -218,9 +209,6 @@ class DataConfig:
   @property
   def micro_batch(self) -> int:
     return self.global_batch // self.microbatches
-
-  def slots(self) -> int:
-    return self.image_slots or self.micro_batch * self.max_images
 
   def probs(self) -> list[float]:
     return [float(p) for p in self.image_probs.split(",")]
@@ -314,6 +302,9 @@ def row_segments(cfg: Config) -> int:
 
 
 ENCODER_CONFIGS: dict[str, type] = {}  # config class of each registered encoder (encoders.register)
+# Fields of `data` an encoder took over into `model.<name>` (encoders.Encoder.moved_data_fields):
+# configs written before the move still read.
+MOVED_DATA_FIELDS: dict[str, tuple[str, ...]] = {}
 
 
 def from_dict(values: dict, cls=None, prefix: str = "config."):
@@ -323,6 +314,8 @@ def from_dict(values: dict, cls=None, prefix: str = "config."):
   cls = cls or Config
   obj = cls()
   known = {f.name: f for f in dataclasses.fields(cls)}
+  if cls is Config:
+    values = _moved_data_fields(values)
   if issubclass(cls, Modules):
     values = _encoders_section(values, known)
   for name, value in values.items():
@@ -347,6 +340,31 @@ def _encoders_section(values: dict, known: dict) -> dict:
   return {**values, "encoders": moved} if moved else values
 
 
+def _moved_data_fields(values: dict) -> dict:
+  """Configs written before an encoder took over fields of `data` (MOVED_DATA_FIELDS) hold them
+  there: moved into that encoder's `model.<name>` section (however that section is written)."""
+  data = values.get("data")
+  known = {f.name for f in dataclasses.fields(DataConfig)}
+  if not isinstance(data, dict) or all(k in known for k in data):
+    return values
+  # The built-in encoders declare what they took over when they register (imported by name, as
+  # in _encoder_from_dict).
+  importlib.import_module("mimo_jax.encoders").builtin()
+  data, model = dict(data), dict(values.get("model", {}))
+  sections = dict(model.get("encoders", {}))
+  sections.update({n: v for n, v in model.items() if n in ENCODER_CONFIGS})
+  sections.update(model.get("extra") or {})
+  for name, section in sections.items():
+    moved = {f: data.pop(f) for f in MOVED_DATA_FIELDS.get(name, ()) if f in data}
+    if moved:
+      model.setdefault("encoders", {})
+      model["encoders"] = {**model["encoders"], name: {**section, **moved}}
+      model.pop(name, None)
+      if name in (model.get("extra") or {}):
+        model["extra"] = {k: v for k, v in model["extra"].items() if k != name}
+  return {**values, "data": data, "model": model}
+
+
 def _encoder_from_dict(cls, name: str, values: dict, prefix: str):
   if cls is TopologyConfig:
     return from_dict(values, ModuleTopology, prefix)
@@ -364,6 +382,13 @@ def require(ok: bool, field: str, message: str) -> None:
   """Raises ConfigError naming `field` (config.<field>) unless `ok`."""
   if not ok:
     raise ConfigError(f"config.{field}: {message}")
+
+
+def positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
+  """Raises ConfigError naming the first of the fields `names` of `section` that is not > 0."""
+  for name in names:
+    value = getattr(section, name)
+    require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
 
 
 def param_groups(cfg: Config) -> tuple[str, ...]:

@@ -3,12 +3,13 @@
 Per token, a forward and backward pass costs 6·N FLOPs for the N parameters of the matmuls it goes
 through, plus attention: QKᵀ and AV cost 4·s·d FLOPs a token and layer forward for s keys, so
 12·layers·s·d for forward and backward (PaLM, arXiv 2204.02311, appendix B). The language model's
-attention is causal, so a token sees (s + 1) / 2 keys on average; the ViT's is bidirectional.
-N excludes the embedding table (a gather, not a matmul) and includes the output head.
+attention is causal, so a token sees (s + 1) / 2 keys on average. N excludes the embedding table (a
+gather, not a matmul) and includes the output head. Each encoder counts its own FLOPs
+(`Encoder.flops`, from the work its slot layout counts: e.g. an image tower's patches, each
+image's attending within itself).
 
-Counted are useful tokens only: the text tokens of real samples (padding excluded) and the patches
-of real images (empty image slots excluded); with images of several sizes packed into a slot, the
-ViT's attention counts each image's patches against its own only.
+Counted are useful tokens only: the text tokens of real samples (padding excluded) and the items
+of real samples (empty slots excluded).
 MFU = FLOPs / step time / (GPUs · peak).
 """
 
@@ -51,11 +52,6 @@ class FlopModel:
   def encoder(self, name: str, work: dict[str, int]) -> float:
     """Encoder `name` on items whose FLOP-model counts are `work` (e.g. patches)."""
     return encoders.get(name).flops(self.cfg, self.params[name], work)
-
-  def vision(self, patches: int, patches_sq: int) -> float:
-    """Images of `patches` patches in all, whose squared patch counts sum to `patches_sq` (each
-    image attends within itself)."""
-    return self.encoder("vision", {"patches": patches, "patches_sq": patches_sq})
 
   def language_per_row(self, tokens: int) -> float:
     """A sample of `tokens` positions (its own segment when packed), attending causally."""

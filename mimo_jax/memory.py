@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from mimo_jax import encoders
-from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError
-from mimo_jax.models.mimo import build_modules
+from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, ConfigError
+from mimo_jax.modules import build_modules
 from mimo_jax.programs import Context
 from mimo_jax.sharding import AXES, Plan, with_shardings
 
@@ -43,20 +43,14 @@ def _activations(cfg: Config, name: str) -> int:
   width = np.dtype(cfg.model.dtype).itemsize
   chunks = d.microbatches if t.pp > 1 else 1  # a pipelined module holds a step's microbatches
   layers = cfg.model.module(name).layers // t.pp
-  if name == "language":
-    m = cfg.model.language
-    rows = (d.pack_rows or d.micro_batch) // t.dp
-    tokens = rows * d.seq_len * chunks
-    kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
-    vocab = m.vocab_size or DIGITS_VOCAB
-    return tokens * (layers * kept + 2 * vocab // t.tp) * width  # the logits and their gradient
-  if name == "vision":
-    v = cfg.model.vision
-    per_slot = d.slot_patches or v.positions
-    tokens = d.slots() // t.dp * per_slot * chunks
-    kept = v.dim + (0 if t.remat == "full" else v.mlp_dim // t.tp)
-    return tokens * layers * kept * width
-  return 0
+  if name != LANGUAGE:
+    return encoders.get(name).activation_bytes(cfg, t) * layers * chunks
+  m = cfg.model.language
+  rows = (d.pack_rows or d.micro_batch) // t.dp
+  tokens = rows * d.seq_len * chunks
+  kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
+  vocab = m.vocab_size or DIGITS_VOCAB
+  return tokens * (layers * kept + 2 * vocab // t.tp) * width  # the logits and their gradient
 
 
 def context(cfg: Config) -> Context:

@@ -8,16 +8,9 @@ import os
 import pathlib
 
 from mimo_jax import encoders
-from mimo_jax.models.vit import POSITION_RESIZE
-from mimo_jax.config import (ACTIVATIONS, DIGITS_VOCAB, REMAT, ROPE_SCALINGS,
-                             SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
-                             require, run_source)
-
-
-def _positive(cfg: object, prefix: str, names: tuple[str, ...]) -> None:
-  for name in names:
-    value = getattr(cfg, name)
-    require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
+from mimo_jax.config import (DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS, SHARD_MODES, TASKS,
+                             Config, ConfigError, parse_freeze, parse_lr_mult, positive, require,
+                             run_source)
 
 
 # Bytes a row position takes on the host in every text array the loader builds (data/layout.py:
@@ -79,43 +72,21 @@ def _seq_len_fits(cfg: Config) -> None:
           f"the longest sample needs (these arrays alone cap it at {most:,}).")
 
 
-def _variants(cfg: Config) -> None:
-  """The architecture variants of model.vision and model.language (Hugging Face towers)."""
-  v, lm = cfg.model.vision, cfg.model.language
-  for field in ("activation", "projector_activation"):
-    require(getattr(v, field) in ACTIVATIONS, f"model.vision.{field}",
-            f"must be one of {', '.join(ACTIVATIONS)}, got {getattr(v, field)!r}.")
-  require(v.norm_eps > 0, "model.vision.norm_eps", f"must be > 0, got {v.norm_eps}.")
-  require(v.position_resize in POSITION_RESIZE, "model.vision.position_resize",
-          f"must be one of {', '.join(POSITION_RESIZE)}, got {v.position_resize!r}.")
+def _language(cfg: Config) -> None:
+  """model.language: sizes, heads, and the architecture variants of Hugging Face models."""
+  lm = cfg.model.language
+  positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
+  require(lm.dim % lm.heads == 0, "model.language.heads", f"{lm.heads} must divide dim {lm.dim}.")
+  require((lm.dim // lm.heads) % 2 == 0, "model.language.dim",
+          "dim / heads must be even for rotary embeddings.")
+  require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
+          f"{lm.kv_heads} must divide heads {lm.heads}.")
   require(lm.norm_eps > 0, "model.language.norm_eps", f"must be > 0, got {lm.norm_eps}.")
-  try:
-    norm = v.pixel_norm()
-  except ValueError:
-    raise ConfigError(f"config.model.vision.pixel_mean: {v.pixel_mean!r} or pixel_std "
-                      f"{v.pixel_std!r} is not a comma-separated list of numbers.") from None
-  if norm is not None:
-    mean, std = norm
-    require(len(mean) == len(std) == v.channels, "model.vision.pixel_mean",
-            f"pixel_mean ({v.pixel_mean!r}) and pixel_std ({v.pixel_std!r}) need one value per "
-            f"channel ({v.channels}).")
-    for field, values in (("pixel_mean", mean), ("pixel_std", std)):
-      require(all(math.isfinite(x) for x in values), f"model.vision.{field}",
-              f"{getattr(v, field)!r}: values must be finite numbers.")
-    require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
-  rows = cfg.data.slot_patches or v.positions
-  require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
-          f"cuDNN's fused attention trains even sequence lengths only, and the vision tower's "
-          f"are {rows}; use auto (XLA's attention for the tower, cuDNN's elsewhere) or xla.")
-  require(not (v.class_token and cfg.data.slot_patches), "model.vision.class_token",
-          "a class token needs one image a slot; set data.slot_patches=0.")
   require(lm.rope_scaling in ROPE_SCALINGS, "model.language.rope_scaling",
           f"must be one of {', '.join(ROPE_SCALINGS)}, got {lm.rope_scaling!r}.")
-  for name in ("vision", "language"):
-    _init_from(cfg, name)
   if lm.rope_scaling == "llama3":
-    _positive(lm, "model.language", ("rope_factor", "rope_low_freq_factor",
-                                     "rope_high_freq_factor", "rope_original_positions"))
+    positive(lm, "model.language", ("rope_factor", "rope_low_freq_factor",
+                                    "rope_high_freq_factor", "rope_original_positions"))
     require(lm.rope_high_freq_factor > lm.rope_low_freq_factor,
             "model.language.rope_high_freq_factor",
             f"must exceed rope_low_freq_factor ({lm.rope_low_freq_factor}).")
@@ -139,77 +110,94 @@ def _init_from(cfg: Config, name: str) -> None:
 def validate(cfg: Config, num_devices: int | None = None) -> None:
   """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
   _finite(cfg, "")
+  _model(cfg)
+  _task(cfg)
+  _encoders(cfg)
+  _data(cfg)
+  _seq_len(cfg)
+  _optim(cfg)
+  _schedule_and_run(cfg)
+  validate_topology(cfg, num_devices)
+
+
+def _model(cfg: Config) -> None:
+  """The model section: dtype, attention kernel, FP8, the language model."""
   require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype",
-           f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
+          f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
   require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
-           f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
-  v, lm = cfg.model.vision, cfg.model.language
-  for name, section in (("vision", v), ("language", lm)):
-    require(not section.fp8 or cfg.model.dtype == "bfloat16", f"model.{name}.fp8",
-             "FP8 matmuls stand in for bfloat16 ones; set model.dtype=bfloat16 as well.")
-  _positive(v, "model.vision", ("image_size", "channels", "patch_size", "dim", "layers", "heads",
-                                "mlp_dim", "projector_hidden"))
-  _positive(lm, "model.language", ("dim", "layers", "heads", "kv_heads", "mlp_dim"))
-  require(cfg.data.task in TASKS, "data.task",
-           f"unknown task {cfg.data.task!r}; choose from {', '.join(TASKS)}.")
-  if cfg.data.task == "digits":
-    require((v.image_size, v.channels) == (8, 1), "model.vision.image_size",
-             "the digits task has 8x8 single-channel images; keep image_size=8, channels=1 "
-             "(or data.task=synthetic).")
+          f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
+  for name in [*cfg.model.encoders, LANGUAGE]:
+    section = cfg.model.module(name)
+    require(not getattr(section, "fp8", False) or cfg.model.dtype == "bfloat16",
+            f"model.{name}.fp8",
+            "FP8 matmuls stand in for bfloat16 ones; set model.dtype=bfloat16 as well.")
+  _language(cfg)
+
+
+def _task(cfg: Config) -> None:
+  """data.task and what it needs of the vocabulary, the text and the data directory."""
+  d, lm = cfg.data, cfg.model.language
+  require(d.task in TASKS, "data.task", f"unknown task {d.task!r}; choose from {', '.join(TASKS)}.")
+  if d.task == "digits":
     require(lm.vocab_size in (0, DIGITS_VOCAB), "model.language.vocab_size",
-             f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
+            f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
   else:
     require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
-             f"{cfg.data.task} data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
-    _positive(cfg.data, "data", ("text_len",))
-    require(cfg.data.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
-  if cfg.data.task == "conversations":
-    require(bool(cfg.data.dir), "data.dir",
-             "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
-             "data.dir to it.")
-    require(cfg.data.image_token != -1, "data.image_token",
-             "is not set; set the image token id that tools.convert reports (its launch line "
-             f"and {cfg.data.dir}/conversations.json's image_token).")
-    require(0 <= cfg.data.image_token < lm.vocab_size, "data.image_token",
-             f"{cfg.data.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
-             "the image token id that tools.convert reports.")
+            f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
+    positive(d, "data", ("text_len",))
+    require(d.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
+  if d.task == "conversations":
+    require(bool(d.dir), "data.dir",
+            "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
+            "data.dir to it.")
+    require(d.image_token != -1, "data.image_token",
+            "is not set; set the image token id that tools.convert reports (its launch line "
+            f"and {d.dir}/conversations.json's image_token).")
+    require(0 <= d.image_token < lm.vocab_size, "data.image_token",
+            f"{d.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
+            "the image token id that tools.convert reports.")
   else:
-    require(cfg.data.image_token == -1, "data.image_token",
-             f"applies to data.task=conversations only; the {cfg.data.task} task marks images "
-             "with its own <img>.")
-  require(v.image_size % v.patch_size == 0, "model.vision.patch_size",
-           f"{v.patch_size} must divide image_size {v.image_size}.")
-  require(v.downsample > 0 and (v.image_size // v.patch_size) % v.downsample == 0,
-           "model.vision.downsample",
-           f"{v.downsample} must divide the {v.image_size // v.patch_size} patches a side.")
-  require(v.dim % v.heads == 0, "model.vision.heads", f"{v.heads} must divide dim {v.dim}.")
-  require(lm.dim % lm.heads == 0, "model.language.heads", f"{lm.heads} must divide dim {lm.dim}.")
-  require((lm.dim // lm.heads) % 2 == 0, "model.language.dim",
-           "dim / heads must be even for rotary embeddings.")
-  require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
-           f"{lm.kv_heads} must divide heads {lm.heads}.")
-  _variants(cfg)
+    require(d.image_token == -1, "data.image_token",
+            f"applies to data.task=conversations only; the {d.task} task marks images "
+            "with its own <img>.")
 
+
+def _encoders(cfg: Config) -> None:
+  """Every encoder has a config and a placement, and passes its own checks; every module's
+  init_from names a readable source that agrees with the config."""
+  for name in cfg.topology.encoders:
+    require(name in cfg.model.encoders, f"model.{name}",
+            f"topology.{name} is set but model.{name} is not; give the encoder a config.")
+  for name in cfg.model.encoders:
+    require(name in cfg.topology.encoders, f"topology.{name}",
+            f"model.{name} is set but topology.{name} is not; place the encoder on devices.")
+  for encoder in encoders.of(cfg).values():
+    encoder.validate(cfg)
+  for name in cfg.topology.modules():
+    if getattr(cfg.model.module(name), "init_from", ""):
+      _init_from(cfg, name)
+
+
+def _data(cfg: Config) -> None:
+  """The data section's batch, loader, reorder and bucket settings."""
   d = cfg.data
-  _positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",
-                        "eval_samples"))
+  positive(d, "data", ("global_batch", "microbatches", "seq_len", "train_samples",
+                       "eval_samples"))
   require(d.train_samples >= d.global_batch, "data.train_samples",
-           f"{d.train_samples} samples cannot fill one global batch of {d.global_batch}; build "
-           "more samples or lower data.global_batch.")
-  require(d.max_images >= 1, "data.max_images", "must be >= 1 (samples may still have 0 images).")
+          f"{d.train_samples} samples cannot fill one global batch of {d.global_batch}; build "
+          "more samples or lower data.global_batch.")
   require(d.global_batch % d.microbatches == 0, "data.microbatches",
-           f"{d.microbatches} must divide global_batch {d.global_batch}.")
-  require(d.image_slots >= 0, "data.image_slots", "must be >= 0 (0 = worst case).")
+          f"{d.microbatches} must divide global_batch {d.global_batch}.")
   require(d.workers >= 0, "data.workers", "must be >= 0.")
   require(d.worker_processes >= 0, "data.worker_processes", "must be >= 0.")
   require(d.reorder in ("none", "balance"), "data.reorder",
-           f"must be none or balance, got {d.reorder!r}.")
+          f"must be none or balance, got {d.reorder!r}.")
   require(d.slot_buckets >= 0, "data.slot_buckets", "must be >= 0 (0 = send every slot).")
   require(d.row_buckets >= 0, "data.row_buckets", "must be >= 0 (0 = send every row).")
   require(d.row_buckets == 0 or d.pack_rows > 0, "data.row_buckets",
-           "trims packed rows; set data.pack_rows too (without packing every row holds a sample).")
+          "trims packed rows; set data.pack_rows too (without packing every row holds a sample).")
   require(d.microbatch_fill in ("stream", "pack"), "data.microbatch_fill",
-           f"must be stream or pack, got {d.microbatch_fill!r}.")
+          f"must be stream or pack, got {d.microbatch_fill!r}.")
   if d.microbatch_fill == "pack":
     require(d.row_buckets > 0 or d.slot_buckets > 0, "data.microbatch_fill",
             "pack lowers the rows and slots microbatches send, which only data.row_buckets (with "
@@ -218,45 +206,23 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             "pack: a pipelined module (pp > 1) takes every microbatch at the step's most rows "
             "and slots, which pack does not lower; use stream.")
   require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
-           f"must be stream or pipeline, got {d.microbatch_order!r}.")
+          f"must be stream or pipeline, got {d.microbatch_order!r}.")
   require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",
-           "costs must be >= 0.")
-  try:
-    probs = d.probs()
-  except ValueError:
-    raise ConfigError(f"config.data.image_probs: {d.image_probs!r} is not a comma-separated "
-                      "list of numbers.") from None
-  require(len(probs) == d.max_images + 1, "data.image_probs",
-           f"needs max_images + 1 = {d.max_images + 1} probabilities, got {len(probs)}.")
-  require(all(p >= 0 for p in probs) and abs(sum(probs) - 1) < 1e-6, "data.image_probs",
-           "probabilities must be >= 0 and sum to 1.")
-  try:
-    sizes = d.sizes(v.image_size)
-  except ValueError:
-    raise ConfigError(f"config.data.image_sizes: {d.image_sizes!r} is not a comma-separated list "
-                      "of sizes S or HxW.") from None
-  unit = v.patch_size * v.downsample
-  for h, w in sizes:
-    require(0 < h <= v.image_size and 0 < w <= v.image_size and h % unit == 0 and w % unit == 0,
-             "data.image_sizes", f"{h}x{w}: sides must be multiples of patch_size * downsample = "
-             f"{unit} and at most model.vision.image_size = {v.image_size}.")
-  require(d.slot_patches or sizes == [(v.image_size, v.image_size)], "data.image_sizes",
-           f"{d.image_sizes!r} differs from model.vision.image_size = {v.image_size}; set "
-           f"data.slot_patches (e.g. {v.patches}) to pack images of several sizes.")
-  require(not d.image_sizes or d.task == "synthetic", "data.image_sizes",
-           "applies to data.task=synthetic only (digits are 8x8).")
-  require(d.slot_patches >= 0, "data.slot_patches", "must be >= 0 (0 = one image a slot).")
-  require(d.slot_patches == 0 or (d.slot_patches >= v.patches and
-                                   d.slot_patches % v.downsample**2 == 0), "data.slot_patches",
-           f"{d.slot_patches} must hold the largest image ({v.patches} patches) and be a multiple "
-           f"of downsample² = {v.downsample**2}.")
-  # bos, the image placeholders, ':', one answer word per image and eos; the last is never input.
-  min_len = max(d.max_images * (v.tokens_per_image + 1) + 2, 5)
-  require(d.seq_len >= min_len, "data.seq_len",
-           f"{d.seq_len} cannot hold {d.max_images} images of {v.tokens_per_image} tokens plus "
-           f"their answer; use >= {min_len}.")
+          "costs must be >= 0.")
+
+
+def _seq_len(cfg: Config) -> None:
+  """data.seq_len holds a sample's most items with their answers, and fits host memory."""
+  # bos, each item's placeholders, ':', one answer word per item and eos; the last is never input.
+  most = [(e.max_items(cfg), e.tokens_per_item(cfg), e.noun) for e in encoders.of(cfg).values()]
+  min_len = max(sum(k * (t + 1) for k, t, _ in most) + 2, 5)
+  items = ", ".join(f"{k} {noun}s of {t} tokens" for k, t, noun in most) or "no items"
+  require(cfg.data.seq_len >= min_len, "data.seq_len",
+          f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {min_len}.")
   _seq_len_fits(cfg)
 
+
+def _optim(cfg: Config) -> None:
   o = cfg.optim
   require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}.")
   require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")
@@ -270,14 +236,18 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   for group, mult in parse_lr_mult(cfg).items():
     require(math.isfinite(mult), "optim.lr_mult", f"multiplier for {group} must be finite.")
 
+
+def _schedule_and_run(cfg: Config) -> None:
+  """train, eval, checkpoint and run."""
   require(cfg.train.steps > 0, "train.steps", "must be > 0.")
   require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
   require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
   require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
   # Converted data has the eval split tools.convert made (--eval), which validate_data checks.
+  d = cfg.data
   require(d.task == "conversations" or cfg.eval.samples <= d.eval_samples, "eval.samples",
-           f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
-           f"(data.eval_samples); lower eval.samples or raise data.eval_samples.")
+          f"{cfg.eval.samples} exceeds the {d.eval_samples} held-out samples built "
+          f"(data.eval_samples); lower eval.samples or raise data.eval_samples.")
   require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
   require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
   require(cfg.checkpoint.restore_step >= 0, "checkpoint.restore_step",
@@ -285,19 +255,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
   require(cfg.run.device_memory_gb >= 0, "run.device_memory_gb",
-           "must be >= 0 (0 = what the device reports).")
+          "must be >= 0 (0 = what the device reports).")
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",
-           f"must be auto, bar or lines, got {cfg.run.progress!r}.")
+          f"must be auto, bar or lines, got {cfg.run.progress!r}.")
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
-  for name in cfg.topology.encoders:
-    require(name in cfg.model.encoders, f"model.{name}",
-             f"topology.{name} is set but model.{name} is not; give the encoder a config.")
-  for name in cfg.model.encoders:
-    require(name in cfg.topology.encoders, f"topology.{name}",
-             f"model.{name} is set but topology.{name} is not; place the encoder on devices.")
-  for encoder in encoders.of(cfg).values():
-    encoder.validate(cfg)
-  validate_topology(cfg, num_devices)
 
 
 def validate_data(cfg: Config) -> None:
@@ -349,7 +310,7 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
   for name, t in cfg.topology.modules().items():
     f = f"topology.{name}"
     require(t.offset >= 0, f"{f}.offset", "must be >= 0.")
-    _positive(t, f, ("dp", "tp", "pp", "virtual"))
+    positive(t, f, ("dp", "tp", "pp", "virtual"))
     require(t.remat in REMAT, f"{f}.remat",
              f"unknown policy {t.remat!r}; choose from {', '.join(REMAT)}.")
     require(t.shard in SHARD_MODES, f"{f}.shard",
@@ -381,21 +342,19 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
       require(not overlap or (a0, a1) == (b0, b1), f"topology.{b}.offset",
                f"devices [{b0}, {b1}) partially overlap {a}'s [{a0}, {a1}); use identical "
                "ranges (colocated) or disjoint ones.")
-  vt, lt = cfg.topology.vision, cfg.topology.language
-  v = cfg.model.vision
-  require(v.heads % vt.tp == 0, "topology.vision.tp",
-           f"{vt.tp} must divide model.vision.heads {v.heads}.")
-  require(v.mlp_dim % vt.tp == 0, "topology.vision.tp",
-           f"{vt.tp} must divide model.vision.mlp_dim {v.mlp_dim}.")
+  for encoder in encoders.of(cfg).values():
+    encoder.validate_topology(cfg)
+  lt = cfg.topology.language
   require(lm.kv_heads % lt.tp == 0, "topology.language.tp",
-           f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
+          f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
   require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
-           f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
+          f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
   require(d.pack_rows >= 0, "data.pack_rows", "must be >= 0 (0 = no packing).")
   require(d.pack_rows % lt.dp == 0, "data.pack_rows",
-           f"{d.pack_rows} rows must split evenly over language dp {lt.dp}.")
-  slots = d.slots()
-  require(slots % lt.dp == 0, "data.image_slots",
-           f"{slots} slots must split evenly over language dp {lt.dp}.")
-  require(slots % vt.dp == 0, "data.image_slots",
-           f"{slots} slots must split evenly over vision dp {vt.dp}.")
+          f"{d.pack_rows} rows must split evenly over language dp {lt.dp}.")
+  for name, encoder in encoders.of(cfg).items():
+    slots, field = encoder.slots(cfg), encoder.slots_field or f"model.{name}"
+    require(slots % lt.dp == 0, field,
+            f"{slots} slots must split evenly over language dp {lt.dp}.")
+    require(slots % cfg.topology.module(name).dp == 0, field,
+            f"{slots} slots must split evenly over {name} dp {cfg.topology.module(name).dp}.")

@@ -58,7 +58,7 @@ def test_layout_never_packs_more_images_into_a_slot_than_the_bound():
   places = place_items([[1, 1, 1, 1], [1]], [7, 8], layout.encoders[0])  # five 1-token images
   slots = [slot for sample in places for slot, _ in sample]
   assert slots == [0, 0, 0, 1, 1]  # the fourth image goes to the next slot although slot 0 has room
-  with pytest.raises(ValueError, match="data.image_slots"):
+  with pytest.raises(ValueError, match="model.vision.image_slots"):
     place_items([[1] * 7], [9], layout.encoders[0])
 
 

@@ -134,7 +134,7 @@ def test_an_existing_conversion_is_refused(converted, source, capsys):
 def _train_config(converted, workdir):
   cfg = tiny_config(str(converted), vision=(0, 2, 1), language=(2, 2, 1))
   d, v = cfg.data, cfg.model.vision
-  d.task, d.image_token, d.seq_len, d.max_images = "conversations", 5, 170, 3
+  d.task, d.image_token, d.seq_len, v.max_images = "conversations", 5, 170, 3
   d.global_batch, d.microbatches = 8, 2
   v.image_size, v.channels = 20, 3
   cfg.model.language.vocab_size = 300
@@ -150,7 +150,7 @@ def test_a_run_trains_on_converted_conversations(converted, tmp_path, layout):
   if layout == "packed":  # packing, cost-balanced ranks and slot and row buckets
     d.pack_rows, d.reorder, d.slot_buckets, d.row_buckets = 4, "balance", 2, 2
   if layout == "dynamic":  # images packed into slots of patches
-    d.slot_patches, d.image_slots = 50, 8
+    cfg.model.vision.slot_patches, cfg.model.vision.image_slots = 50, 8
   records = train.run(cfg)
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 3 and all(np.isfinite(losses))
@@ -171,8 +171,9 @@ def test_two_processes_read_only_their_records_and_match_one(converted, tmp_path
   the losses are the one-process run's, and process 0 reads only the samples with images."""
   layout = "vision=0/4/1,language=4/2/2"
   sets = ["--config.data.task=conversations", f"--config.data.dir={converted}",
-          "--config.data.image_token=5", "--config.data.seq_len=170", "--config.data.max_images=3",
-          "--config.data.global_batch=8", "--config.model.vision.image_size=20",
+          "--config.data.image_token=5", "--config.data.seq_len=170",
+          "--config.model.vision.max_images=3", "--config.data.global_batch=8",
+          "--config.model.vision.image_size=20",
           "--config.model.vision.channels=3", "--config.model.language.vocab_size=300",
           "--config.eval.samples=4", "--config.eval.batch=4", "--config.train.steps=3",
           "--config.run.log_every=1"]

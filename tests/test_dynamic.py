@@ -1,11 +1,12 @@
-"""Dynamic resolution (data.slot_patches): images of several sizes packed into encoder slots, each
-attending only within itself, with token-granular split sizes through the bridge."""
+"""Dynamic resolution (model.vision.slot_patches): images of several sizes packed into encoder
+slots, each attending only within itself, with token-granular split sizes through the bridge."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mimo_jax import encoders
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, meta
 from mimo_jax.data.layout import layout_microbatch
@@ -22,9 +23,9 @@ P, S, C = 4, 2, 3  # patch size, pixel shuffle, channels
 
 def _config(tmp_dir, topo=None, **data):
   cfg = synthetic_config(tmp_dir, topo, variant="dynamic")
-  cfg.data.image_slots = 24
-  for k, v in data.items():
-    setattr(cfg.data, k, v)
+  cfg.model.vision.image_slots = 24
+  for k, v in data.items():  # data fields, or the image settings of model.vision
+    setattr(cfg.data if hasattr(cfg.data, k) else cfg.model.vision, k, v)
   return cfg
 
 
@@ -89,7 +90,8 @@ def test_layout_packs_images_of_several_sizes_at_token_granularity():
 
 def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
   samples = [{"images": [_image(16, 16, 0)], "tokens": np.array([IMG, 20], np.int32)}]
-  with pytest.raises(ValueError, match=r"sample 7 has an image of 4 tokens.*data\.slot_patches"):
+  with pytest.raises(ValueError,
+                     match=r"sample 7 has an image of 4 tokens.*model\.vision\.slot_patches"):
     layout_microbatch(samples, [7], _layout(groups=1, slots=1, slot_patches=8), Tokenizer())
   samples = [{"images": [_image(12, 16, 0)], "tokens": np.array([IMG, 20], np.int32)}]
   with pytest.raises(ValueError, match=r"sample 7 has a 12x16 image; sides must be multiples of"):
@@ -97,7 +99,7 @@ def test_an_image_too_large_for_a_slot_or_of_a_bad_size_is_an_error():
   fixed = image_layout(seq_len=40, tokens_per_image=4, groups=1, slots=1, image_shape=(16, 16, C),
                  patch_size=P, downsample=S)
   samples = [{"images": [_image(8, 8, 0)], "tokens": np.array([IMG, 20], np.int32)}]
-  with pytest.raises(ValueError, match=r"sample 7 has a 8x8 image.*data\.slot_patches"):
+  with pytest.raises(ValueError, match=r"sample 7 has a 8x8 image.*model\.vision\.slot_patches"):
     layout_microbatch(samples, [7], fixed, Tokenizer())
 
 
@@ -248,8 +250,8 @@ def test_metadata_holds_every_image_size_and_old_sidecars_are_rebuilt(synth_dir)
     ({"image_sizes": "8,32"}, "data.image_sizes"),  # beyond model.vision.image_size
     ({"image_sizes": "8,16", "slot_patches": 0}, "data.image_sizes"),  # several sizes, no packing
     ({"image_sizes": "8,a"}, "data.image_sizes"),
-    ({"slot_patches": 8}, "data.slot_patches"),  # smaller than the largest image
-    ({"slot_patches": 18}, "data.slot_patches"),  # not a multiple of 2x2
+    ({"slot_patches": 8}, "model.vision.slot_patches"),  # smaller than the largest image
+    ({"slot_patches": 18}, "model.vision.slot_patches"),  # not a multiple of 2x2
 ])
 def test_bad_dynamic_resolution_settings_name_the_field(synth_dir, data, field):
   with pytest.raises(ConfigError, match=rf"config\.{field}"):
@@ -285,7 +287,7 @@ def test_slot_and_row_buckets_and_pipeline_order_keep_the_trajectory(synth_dir, 
   path = loader.build_paths(cfg)["train"]
   plain = loader.train_dataset(_config(synth_dir, topo, **packing), path, 4)
   ds = loader.train_dataset(cfg, path, 4)
-  S, reordered = cfg.data.slots() // 4, 0
+  S, reordered = encoders.get("vision").slots(cfg) // 4, 0
   for step in range(3):
     a, b = plain[step], ds[step]
     assert sorted(a.samples.ids_b.ravel()) == sorted(b.samples.ids_b.ravel())

@@ -174,8 +174,10 @@ def test_sigterm_during_the_final_save_and_eval(data_dir, tmp_path):
 def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   # Too few image slots: refused before compiling, with the value that works.
   work = tmp_path / "slots"
-  proc = _run(_args(data_dir, work, "--config.train.steps=600", "--config.data.image_slots=8"))
-  _one_line_error(proc, 2, "data.image_slots=8 is too small", "set data.image_slots=")
+  proc = _run(_args(data_dir, work, "--config.train.steps=600",
+                    "--config.model.vision.image_slots=8"))
+  _one_line_error(proc, 2, "model.vision.image_slots=8 is too small",
+                  "set model.vision.image_slots=")
   assert "step 1 |" not in proc.stdout
   assert not complete_steps(work / "checkpoints")
   # A damaged shard names itself and how to rebuild it.

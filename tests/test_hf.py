@@ -29,7 +29,7 @@ LLAVA = ("llava15", "llava_siglip")
 def _config(src: hf.Source) -> Config:
   cfg = Config()
   cfg.add_encoder("vision", VisionConfig())
-  cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
   cfg.model.language.vocab_size = 64  # a lone tower's (unused) language model
   hf.configure(cfg, src)
   validate(cfg)
@@ -108,7 +108,8 @@ def _llava_run_config(tmp_path) -> Config:
   cfg.model.vision.init_from = cfg.model.language.init_from = str(src.path)
   d = cfg.data
   d.dir, d.train_samples, d.eval_samples, d.global_batch, d.microbatches = str(tmp_path), 64, 8, 8, 2
-  d.seq_len, d.text_len, d.max_images, d.image_probs = 40, 12, 1, "0.25,0.75"
+  d.seq_len, d.text_len, d.image_probs = 40, 12, "0.25,0.75"
+  cfg.model.vision.max_images = 1
   cfg.optim.warmup_steps, cfg.eval.samples, cfg.eval.batch = 1, 8, 8
   validate(cfg, len(jax.devices()))
   return cfg

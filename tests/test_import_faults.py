@@ -19,7 +19,7 @@ from tools import hf as hf_tool
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 RUN = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
-       "--config.data.max_images=1", "--config.data.image_probs=0.25,0.75",
+       "--config.model.vision.max_images=1", "--config.data.image_probs=0.25,0.75",
        "--config.data.seq_len=40", "--config.data.text_len=12", "--config.eval.samples=16"]
 
 

@@ -67,7 +67,7 @@ def test_mismatch_detected_when_slots_are_swapped():
 def test_capacity_overflow_names_the_sample():
   samples = [_sample(i, 3) for i in range(4)]
   layout = image_layout(seq_len=L, tokens_per_image=T, groups=2, slots=8)  # 4 slots a rank
-  with pytest.raises(ValueError, match=r"sample 21 needs 3 images.*data.image_slots"):
+  with pytest.raises(ValueError, match=r"sample 21 needs 3 images.*model.vision.image_slots"):
     layout_microbatch(samples, [20, 21, 22, 23], layout, Tokenizer())
 
 

@@ -62,13 +62,13 @@ def test_reorder_lets_fewer_slots_fit(data_dir):
   path = loader.build_paths(cfg)["train"]
 
   def fits(slots: int, mode: str) -> bool:
-    cfg.data.image_slots, cfg.data.reorder = slots, mode
+    cfg.model.vision.image_slots, cfg.data.reorder = slots, mode
     try:
       ds = loader.train_dataset(cfg, path, 2)
       for s in range(8):
         ds[s]
     except ValueError as e:
-      assert "raise data.image_slots" in str(e)
+      assert "raise model.vision.image_slots" in str(e)
       return False
     return True
 
@@ -155,27 +155,27 @@ def test_microbatch_fill_pack_sends_less_padding_with_the_same_samples(data_dir,
   for fill in ("stream", "pack"):
     cfg = _packed_config(data_dir, fill, **topo)
     path = loader.build_paths(cfg)["train"]
-    cfg.data.pack_rows = cfg.data.image_slots = G  # then the fewest check_capacity accepts
+    cfg.data.pack_rows = cfg.model.vision.image_slots = G  # then the fewest check_capacity accepts
     for _ in range(2):
       try:
         capacity.check_capacity(cfg, path, G, 0, steps)
       except capacity.CapacityError as e:
         field, value = re.search(r"set data\.(\w+)=(\d+)", str(e)).groups()
         setattr(cfg.data, field, int(value))
-    assert cfg.data.pack_rows > G and cfg.data.image_slots > G
+    assert cfg.data.pack_rows > G and cfg.model.vision.image_slots > G
     assert capacity.check_capacity(cfg, path, G, 0, steps)
-    least[fill] = (cfg.data.pack_rows, cfg.data.image_slots)
+    least[fill] = (cfg.data.pack_rows, cfg.model.vision.image_slots)
     cfg.data.pack_rows -= G
     with pytest.raises(capacity.CapacityError, match="data.pack_rows"):
       capacity.check_capacity(cfg, path, G, 0, steps)
   batches, work = {}, {}
   for fill in ("stream", "pack"):
     cfg = _packed_config(data_dir, fill, **topo)
-    cfg.data.pack_rows, cfg.data.image_slots = least[fill]
+    cfg.data.pack_rows, cfg.model.vision.image_slots = least[fill]
     ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], G)
     batches[fill] = [ds[s] for s in range(steps)]  # a rank whose rows or slots overflow raises
     # The same capacity for both, to compare the padding they send.
-    cfg.data.pack_rows, cfg.data.image_slots = (max(v) for v in zip(*least.values()))
+    cfg.data.pack_rows, cfg.model.vision.image_slots = (max(v) for v in zip(*least.values()))
     ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], G)
     slot_tokens = loader.make_layout(cfg, G).encoder("vision").slot_tokens
     work[fill] = sum(int(b.text.rows_sent.sum()) * cfg.data.seq_len +

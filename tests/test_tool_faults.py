@@ -57,7 +57,7 @@ def launch(tmp_path_factory) -> pathlib.Path:
   src = hf.Source.open(FIXTURES / "hf" / "llava15")
   cfg = Config()
   cfg.add_encoder("vision", VisionConfig())
-  cfg.data.task, cfg.data.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
   cfg.model.language.vocab_size = 64
   hf.configure(cfg, src)
   validate(cfg)

@@ -110,7 +110,7 @@ def test_planner_work_from_metadata_matches_the_loader(tmp_path, layout):
   cfg = tiny_vlm.get_config("dynamic")
   cfg.data.dir, cfg.data.slot_buckets, cfg.data.pack_rows, cfg.data.row_buckets = (
       str(tmp_path), 4, 4, 4)
-  cfg.data.image_slots = 16
+  cfg.model.vision.image_slots = 16
   from mimo_jax.config import set_layout  # pylint: disable=import-outside-toplevel
   from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
   set_layout(cfg, layout)

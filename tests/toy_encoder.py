@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from mimo_jax import encoders
-from mimo_jax.config import Config, require
+from mimo_jax.config import Config, ModuleTopology, require
 from mimo_jax.models.layers import GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.models.mimo import Module
 
@@ -87,6 +87,8 @@ class SignalSlots(encoders.SlotLayout):
 
 class Signal(encoders.Encoder):
   name, sample_key, placeholder, size_fields, seed_salt = "signal", "signals", PLACEHOLDER, 1, 3
+  noun, config_class, slots_field = "signal", SignalConfig, "model.signal.max_signals"
+  data_settings = data_fields = ("max_signals",)
 
   def item_sizes(self, sample: dict) -> list[tuple[int]]:
     return [(len(s),) for s in sample.get("signals", ())]
@@ -106,6 +108,18 @@ class Signal(encoders.Encoder):
 
   def slots(self, cfg: Config, eval_batch: int = 0) -> int:
     return (eval_batch or cfg.data.micro_batch) * self.config(cfg).max_signals
+
+  def max_items(self, cfg: Config) -> int:
+    return self.config(cfg).max_signals
+
+  def tokens_per_item(self, cfg: Config) -> int:
+    return self.config(cfg).tokens
+
+  def activation_bytes(self, cfg: Config, t: ModuleTopology) -> int:
+    """Each slot's tokens at the block's input and, unless remat=full, the MLP's hidden units."""
+    s = self.config(cfg)
+    kept = s.dim + (0 if t.remat == "full" else 2 * s.dim // t.tp)
+    return self.slots(cfg) // t.dp * s.tokens * kept * np.dtype(cfg.model.dtype).itemsize
 
   def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
     x = jax.vmap(model.embed_chunks)(inputs_m["signals_ns"])

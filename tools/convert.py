@@ -45,8 +45,8 @@ one error line, exit status 2.
 
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
-each image taking `--image_tokens`), data.max_images (with max_images + 1 data.image_probs,
-which converted data does not use but validation checks), eval.samples (the eval split), and the image size, channels and
+each image taking `--image_tokens`), model.vision.max_images (with max_images + 1
+data.image_probs, which converted data does not use but validation checks), eval.samples (the eval split), and the image size, channels and
 vocabulary the model needs.
 """
 
@@ -168,7 +168,7 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
            "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
   if m["max_images"]:
     k = m["max_images"]
-    flags["data.max_images"] = k
+    flags["model.vision.max_images"] = k
     # Unused by converted data, but validated to have max_images + 1 entries.
     flags["data.image_probs"] = ",".join([f"{1 / (k + 1):.8g}"] * (k + 1))
   flags["eval.samples"] = m["samples"]["eval"]

@@ -138,12 +138,12 @@ def main(argv: list[str] | None = None) -> None:
   for dp in _ints(args.dps):
     c = unpacked()
     c.data.global_batch = c.data.microbatches * max(c.data.micro_batch, dp)
-    c.data.image_slots = 0  # every dp fits (the table counts records, not slots)
+    c.model.vision.image_slots = 0  # every dp fits (the table counts records, not slots)
     whole, share = reads(c, path, dp, args.steps)
     rows.append(f"| {dp} | {whole:.0f} | {share:.1f} | {whole / dp:.1f} |")
     c = unpacked()
     c.data.global_batch = c.data.microbatches * args.balance_batch
-    c.data.image_slots = 0  # as many as could be needed: the table measures how many are
+    c.model.vision.image_slots = 0  # as many as could be needed: the table measures how many are
     st = balance_stats(c, path, dp, args.steps)
     spread.append(f"| {dp} | {args.balance_batch // dp} | {st['none']['spread']:.3f} | "
                   f"{st['balance']['spread']:.3f} |")

@@ -49,7 +49,8 @@ def measure(cfg, images: int, reps: int) -> dict:
   fused = jax.jit(lambda p, x, ct: jax.vjp(lambda p: forward(p, x), p)[1](ct)[0])
   patches = (v.image_size // v.patch_size) ** 2
   flops = FlopModel.build(cfg, {n: m.abstract_params() for n, m in step.modules.items()})
-  total = flops.vision(images * patches, images * patches**2)  # forward and backward
+  total = flops.encoder("vision", {"patches": images * patches,  # forward and backward
+                                  "patches_sq": images * patches**2})
   row = {"forward_s": median_time(lambda: fwd(params, x), reps),
          "split_s": median_time(lambda: bwd(fwd_vjp(params, x)[1], ct), reps),
          "fused_s": median_time(lambda: fused(params, x, ct), reps)}

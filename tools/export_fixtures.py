@@ -51,7 +51,7 @@ NEW_TOKENS = 8
 # How the tests import the fixtures: a float32 config small enough for CPU tests (the pair's
 # projector comes from this config's seed).
 IMPORT_FLAGS = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
-                "--config.data.max_images=1", "--config.data.image_probs=0.25,0.75",
+                "--config.model.vision.max_images=1", "--config.data.image_probs=0.25,0.75",
                 "--config.data.seq_len=40", "--config.data.text_len=12",
                 "--config.eval.samples=16"]
 PAIRS = {"llava": ("llava",), "siglip_qwen2": ("siglip", "qwen2")}

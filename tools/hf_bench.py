@@ -36,7 +36,8 @@ LLAMA_8B = dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_lay
                 rope_parameters=dict(LLAMA["rope_parameters"], factor=8.0))
 SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
               num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False)
-RUN = ["--config=configs/vlm.py", "--config.data.max_images=1", "--config.data.image_probs=0,1",
+RUN = ["--config=configs/vlm.py", "--config.model.vision.max_images=1",
+       "--config.data.image_probs=0,1",
        "--config.data.seq_len=1024", "--config.data.text_len=200",
        "--config.data.train_samples=1000", "--config.data.eval_samples=64",
        "--config.model.vision.projector_hidden=2048"]

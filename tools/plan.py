@@ -59,7 +59,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax import memory
+from mimo_jax import encoders, memory
 from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
@@ -199,7 +199,8 @@ def _colocated_dp_only(cfg) -> bool:
 def bridge_bytes(cfg) -> float:
   """Bytes through the bridge for one microbatch: image tokens forward, their gradients back."""
   itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
-  return 2.0 * cfg.data.slots() * slot_tokens(cfg) * cfg.model.language.dim * itemsize
+  slots = encoders.get("vision").slots(cfg)
+  return 2.0 * slots * slot_tokens(cfg) * cfg.model.language.dim * itemsize
 
 
 def predict(c: dict, t_v: float, t_l: float, microbatches: int, bridge_s: float) -> float:

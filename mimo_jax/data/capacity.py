@@ -63,7 +63,8 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
         too_big = [t for t in sizes if t > e.slot_tokens]
         if too_big:
           raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} tokens does not fit a slot "
-                              f"of {e.slot_tokens}; raise data.slot_patches.")
+                              f"of {e.slot_tokens}; raise "
+                              f"{e.tokens_field or f'the slot tokens of encoder {e.name}'}.")
         n = first_fit(sizes, e.slot_tokens, e.slot_items)
         if n > need[e.name][0]:
           need[e.name] = (n, f"{where}, language dp rank {g}")

@@ -96,14 +96,15 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
     raise ConfigError(f"config.data.image_token: {d.image_token} where {directory} marks images "
                       f"with token {m['image_token']}; set data.image_token={m['image_token']}.")
   h, w = m["image_size"]
-  if not d.slot_patches and (h, w) != (v.image_size, v.image_size):
+  if not v.slot_patches and (h, w) != (v.image_size, v.image_size):
     raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {directory} holds "
-                      f"{h}x{w} images; set model.vision.image_size={h}, or data.slot_patches.")
+                      f"{h}x{w} images; set model.vision.image_size={h}, or "
+                      "model.vision.slot_patches.")
   others = [f"{a}x{b}" for a, b in m.get("image_sizes", []) if (a, b) != (h, w)]
-  if others and not d.slot_patches:
-    raise ConfigError(f"config.data.slot_patches: {directory} holds images of several sizes "
-                      f"({h}x{w}, {', '.join(others[:3])}), which need dynamic resolution; set "
-                      "data.slot_patches, or convert with a processor that crops.")
+  if others and not v.slot_patches:
+    raise ConfigError(f"config.model.vision.slot_patches: {directory} holds images of several "
+                      f"sizes ({h}x{w}, {', '.join(others[:3])}), which need dynamic resolution; "
+                      "set model.vision.slot_patches, or convert with a processor that crops.")
   vocab = cfg.model.language.vocab_size or m["vocab_size"]
   if vocab < m["vocab_size"]:
     raise ConfigError(f"config.model.language.vocab_size: {vocab} is less than the tokenizer's "

@@ -3,7 +3,7 @@ its microbatches (`pack`), and a step's microbatches (inter-microbatch, with `da
 `data.row_buckets`).
 
 A microbatch's samples are split over the G language dp ranks, b = B / G each. Taking them in
-stream order can give one rank most of the images: its image slots overflow (or `data.image_slots`
+stream order can give one rank most of the images: its image slots overflow (or the encoder's slots
 must be sized for the worst rank, so the encoder computes mostly padding) and its rows hold the most
 work. `balance` assigns samples to ranks to minimise the largest per-rank cost under a linear cost
 model (image tokens and text tokens), greedily, largest cost first (LPT), each rank taking exactly b

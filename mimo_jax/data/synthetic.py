@@ -49,8 +49,8 @@ def make_samples(n: int, seed: int, probs: list[float], sizes: list[tuple[int, i
   if np.any(room < 1):
     worst = int(np.argmin(room))
     raise ValueError(f"{ks[worst]} images of {seq_len - 1 - room[worst]} tokens leave no room for "
-                     f"text in data.seq_len={seq_len}; raise data.seq_len or lower "
-                     "data.max_images.")
+                     f"text in data.seq_len={seq_len}; raise data.seq_len or lower the most "
+                     "images a sample has (data.image_probs).")
   lengths = text_lengths(rng, n, text_len, text_sigma, room)
   for k, which, length in zip(ks, drawn, lengths):
     images = [rng.integers(0, 256, size=sizes[i] + (channels,), dtype=np.uint8) for i in which]

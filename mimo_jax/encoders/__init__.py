@@ -3,14 +3,16 @@
 An encoder turns a sample's items (images, or any other input) into tokens that replace the item's
 placeholders in the text. Everything the rest of the code needs of it is declared here:
 
-* its config (`model.<name>`) and how it is validated,
+* its config (`model.<name>`: the module's fields and the data settings it owns, such as how many
+  items a sample may hold and its slots a microbatch) and how it is validated,
 * its module (models/mimo.Module: parameters, blocks, parameter groups) and a `load()` seam for
   external weights,
 * its host slot layout (`SlotLayout`: how many tokens an item yields, how items are written into
   the slots of a microbatch, the device inputs of those slots),
 * its sidecar fields (`item_sizes`: the size of each item, kept beside every shard so that the
   layout can place a record's items without reading it; data/meta.py),
-* its device forward (`encode`) and its FLOP model.
+* its device forward (`encode`), its FLOP model and its share of device memory (the activations
+  its backward keeps; memory.py).
 
 Topology (`topology.<name>`) and model config (`model.<name>`) are keyed by registered names; the
 language model is the one module that is not an encoder. Importing this registry registers
@@ -40,7 +42,8 @@ class SlotLayout:
   """An encoder's slots in one microbatch: n = `slots` in all, `slots // groups` a language rank,
   each yielding `slot_tokens` tokens and taking at most `slot_items` items (0 = as many as fit)."""
   noun = "item"  # what an item is called in errors ("image")
-  slots_field = ""  # the config field that sets `slots` ("data.image_slots"), for errors
+  slots_field = ""  # the config field that sets `slots` ("model.<name>.<field>"), for errors
+  tokens_field = ""  # the config field that sets `slot_tokens`, if any, for errors
   name: str
   placeholder: int  # the token id of this encoder's placeholders in the text
   groups: int
@@ -83,11 +86,22 @@ class SlotLayout:
 class Encoder:
   """The plug-in: subclasses set `name`, `sample_key`, `seed_salt` and implement the methods."""
   name: str = ""
+  noun: str = "item"  # what an item is called in errors ("image")
   config_class: type | None = None  # the dataclass of `model.<name>`
   sample_key: str = ""  # the field of a sample that lists its items
   placeholder: int = -1  # the token id that marks each item in a sample's text
   size_fields: int = 1  # integers that give an item's size (an image's: h, w)
   seed_salt: int = 0  # parameters depend on train.seed and this
+  slots_field: str = ""  # the field of `model.<name>` setting its slots a microbatch, for errors
+  # Fields of `model.<name>` that set the data and its slots, not the module's parameters: a
+  # resume may change them (checkpoint.model_differences skips them).
+  data_settings: tuple[str, ...] = ()
+  # Those of them that change the sample order or the eval set: a checkpoint records them, and a
+  # resume on other values is refused (checkpoint.py).
+  data_fields: tuple[str, ...] = ()
+  # Fields this encoder took over from `data` (`data.<field>` -> `model.<name>.<field>`): configs
+  # written before still read (config.from_dict), and checkpoints keep recording them as before.
+  moved_data_fields: tuple[str, ...] = ()
 
   def item_sizes(self, sample: dict) -> list[tuple[int, ...]]:
     """Each item's size (`size_fields` integers) of a full sample; kept in the shard's sidecar."""
@@ -97,7 +111,23 @@ class Encoder:
     return cfg.model.module(self.name)
 
   def validate(self, cfg: Config) -> None:
-    """Raises ConfigError for a bad field of `model.<name>`."""
+    """Raises ConfigError for a bad field of `model.<name>` (or a data field it reads)."""
+
+  def validate_topology(self, cfg: Config) -> None:
+    """Raises ConfigError where `topology.<name>` cannot split the module (e.g. tp over heads)."""
+
+  def max_items(self, cfg: Config) -> int:
+    """The most items a sample may hold."""
+    raise NotImplementedError
+
+  def tokens_per_item(self, cfg: Config) -> int:
+    """The most tokens one item takes in a sample's text."""
+    raise NotImplementedError
+
+  def activation_bytes(self, cfg: Config, t: config_lib.ModuleTopology) -> int:
+    """A lower bound on the bytes of activations one layer's backward keeps a device of `t` for
+    one microbatch (memory.py multiplies by the layers a stage holds and its microbatches)."""
+    raise NotImplementedError
 
   def module(self, cfg: Config):
     """The models/mimo.Module: parameters, blocks and parameter groups."""
@@ -135,12 +165,15 @@ def register(encoder: Encoder) -> Encoder:
   REGISTRY[encoder.name] = encoder
   if encoder.config_class is not None:
     config_lib.ENCODER_CONFIGS[encoder.name] = encoder.config_class
+  if encoder.moved_data_fields:
+    config_lib.MOVED_DATA_FIELDS[encoder.name] = encoder.moved_data_fields
   return encoder
 
 
 def unregister(name: str) -> None:
   REGISTRY.pop(name, None)
   config_lib.ENCODER_CONFIGS.pop(name, None)
+  config_lib.MOVED_DATA_FIELDS.pop(name, None)
 
 
 def builtin() -> None:
@@ -161,3 +194,28 @@ def get(name: str) -> Encoder:
 def of(cfg: Config) -> dict[str, Encoder]:
   """The run's encoders, in dispatch order."""
   return {n: get(n) for n in cfg.topology.names()}
+
+
+def max_items(cfg: Config) -> int:
+  """The most items of all encoders a sample may hold."""
+  return sum(e.max_items(cfg) for e in of(cfg).values())
+
+
+def data_settings(cfg: Config) -> set[str]:
+  """Every encoder's data settings as `dataclasses.asdict(cfg)` nests them
+  (`model.encoders.<name>.<field>`)."""
+  return {f"model.encoders.{n}.{f}" for n, e in of(cfg).items() for f in e.data_settings}
+
+
+def data_values(cfg: Config) -> dict[str, tuple[str, Any]]:
+  """Each encoder's data fields (`Encoder.data_fields`) as a checkpoint records them: key ->
+  (the field's config path, its value). A field taken over from `data` keeps its old key, bare,
+  so that checkpoints written before the move are still checked on it; others are
+  `<name>.<field>`."""
+  out = {}
+  for name, e in of(cfg).items():
+    section = e.config(cfg)
+    for field in e.data_fields:
+      key = field if field in e.moved_data_fields else f"{name}.{field}"
+      out[key] = (f"model.{name}.{field}", getattr(section, field))
+  return out

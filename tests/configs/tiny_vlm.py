@@ -15,7 +15,7 @@ def get_config(arg: str | None = None) -> Config:
   lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim, lm.vocab_size = 64, 2, 4, 2, 128, 64
   d.seq_len, d.text_len, d.train_samples, d.eval_samples, d.workers = 96, 8, 200, 16, 0
   if arg == "dynamic":  # 1, 2 or 4 tokens an image, two of the largest a slot
-    d.image_sizes, d.slot_patches = "8,16,8x16,16x8", 32
+    d.image_sizes, v.slot_patches = "8,16,8x16,16x8", 32
   cfg.model.dtype = "float32"
   cfg.eval.samples, cfg.eval.batch = 16, 8
   cfg.train.steps = 4
