@@ -28,10 +28,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mimo_jax import bridge, encoders, state, topology
+from mimo_jax import bridge, encoders, init_from, state, topology
 from mimo_jax.batch import Batch, EncoderIn, LanguageIn, Merge
 from mimo_jax.config import Config
-from mimo_jax.models.mimo import build_modules
+from mimo_jax.modules import build_modules
 from mimo_jax.programs import Context, GradMode, Programs
 from mimo_jax.sharding import REPLICATED, Plan
 from mimo_jax.state import ModuleState
@@ -106,7 +106,9 @@ class Step:
     return self.plan.encoders
 
   def init_state(self, seed: int, optimizer: bool = True) -> dict[str, ModuleState]:
-    return state.init_state(self.plan, self.modules, seed, self.cfg, optimizer)
+    abstract = {n: self.plan[n].canonical_params for n in self.modules}
+    return state.init_state(self.plan, self.modules, seed, optimizer,
+                            init_from.starts(self.cfg, abstract))
 
   def place(self, batch: Batch) -> Batch:
     """A microbatch (or a whole eval batch) on device: text on the language mesh, each encoder's
