@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import generate, hf
+from mimo_jax import generate, hf, modules
 from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax import whole
@@ -30,7 +30,8 @@ def _fixture(name: str):
   hf.configure(cfg, src)
   validate(cfg)
   ref = np.load(src.path / "generate.npz")
-  vision, language = hf.load(src, "vision", cfg), hf.load(src, "language", cfg)
+  built = modules.build_modules(cfg)
+  vision, language = (hf.load(src, m, cfg, built[m].init(0)) for m in ("vision", "language"))
   embeds = whole.merged_embeddings(cfg, language, ref["input_ids"],
                                    vision_encoder.image_tokens(cfg, vision, ref["pixels"]),
                                    src.config["image_token_index"])

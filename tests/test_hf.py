@@ -37,7 +37,7 @@ def _config(src: hf.Source) -> Config:
 
 
 def _params(src: hf.Source, cfg: Config, module: str) -> dict:
-  return hf.load(src, module, cfg)
+  return hf.load(src, module, cfg, modules.build_modules(cfg)[module].init(0))
 
 
 def _close(ours, theirs, rtol=1e-5):

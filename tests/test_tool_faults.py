@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from mimo_jax import hf
+from mimo_jax import modules
 from mimo_jax.checkpoint import Checkpointer, complete_steps
 from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
@@ -61,7 +62,9 @@ def launch(tmp_path_factory) -> pathlib.Path:
   cfg.model.language.vocab_size = 64
   hf.configure(cfg, src)
   validate(cfg)
-  params = {m: jax.device_put(hf.load(src, m, cfg)) for m in ("vision", "language")}
+  built = modules.build_modules(cfg)
+  params = {m: jax.device_put(hf.load(src, m, cfg, built[m].init(0)))
+            for m in ("vision", "language")}
   cfg.data.task, cfg.data.dir, cfg.run.workdir, cfg.data.seq_len = (
       "conversations", "data", "run", SEQ_LEN)
   saver = Checkpointer(str(root / "run" / "checkpoints"), list(params), async_save=False)

@@ -63,6 +63,7 @@ import numpy as np
 
 from mimo_jax import hf, output
 from mimo_jax.hf import export as hf_export
+from mimo_jax.hf import vision as hf_vision
 from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError, from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -496,20 +497,21 @@ def _export(args) -> None:
   files: dict[str, dict] = {}
   if kind == "llava":
     token, text = _image_token(args, cfg, record, data, tok)
-    config = hf_export.llava_config_json(cfg, token, context)
-    files["processor_config.json"] = hf_export.llava_processor_json(cfg.model.vision, text)
+    config = hf_vision.llava_config_json(cfg, token, context)
+    files["processor_config.json"] = hf_vision.llava_processor_json(cfg.model.vision, text)
   elif kind == "tower":
-    config = hf_export.vision_config_json(cfg.model.vision)
+    config = hf_vision.vision_config_json(cfg.model.vision)
   else:
     config = hf_export.language_config_json(cfg.model.language, context)
   if kind != "language":
     base, where = _image_processor(sources, data)
-    files["preprocessor_config.json"] = hf_export.preprocessor_json(
+    files["preprocessor_config.json"] = hf_vision.preprocessor_json(
         cfg.model.vision, base, data.get("pad_to_square", False), where)
   if tok is not None:
     files["tokenizer_config.json"] = tok.config_json("LlavaProcessor" if kind == "llava" else None)
     files["generation_config.json"] = hf_export.generation_json(tok)
-  tensors = dict(hf_export.export_tensors(kind, cfg, params))
+  modules = (args.module,) if args.module else ("vision", "language")
+  tensors = dict(hf_export.export_tensors(modules, cfg, params))
   bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
   if bad:
     _fail(f"{args.workdir} step {step}: {len(bad)} tensors hold NaN or Inf ({', '.join(bad[:3])}"

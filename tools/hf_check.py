@@ -48,6 +48,7 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
     raise SystemExit("tools.hf check needs torch and transformers: pip install -e '.[hf]'")
   src = hf.Source.open(path)
   cfg = _config(src, dtype)
+  init = lambda name: modules.build_modules(cfg)[name].init(0)  # what the checkpoint lacks
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   arch = src.config.get("architectures", [None])[0] or {
       "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "siglip": "SiglipVisionModel",
@@ -65,7 +66,7 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
   with torch.no_grad(), jax.default_matmul_precision(precision):
     if src.kind in ("siglip", "clip"):
       theirs = model(pixel_values=torch_pixels).last_hidden_state.float().numpy()
-      params = hf.load(src, "vision", cfg)
+      params = hf.load(src, "vision", cfg, init("vision"))
       ours = vision_encoder.hidden_states(cfg, params, pixels)
       if v.final_norm:
         ours = modules.build_modules(cfg)["vision"].bind(params).norm(ours)
@@ -78,10 +79,11 @@ def check(path: str, dtype: str = "float32") -> tuple[float, float]:
       ids[:, 1:1 + v.tokens_per_image] = token
       theirs = model(input_ids=torch.from_numpy(ids),
                      pixel_values=torch_pixels).logits.float().numpy()
-      tokens = vision_encoder.image_tokens(cfg, hf.load(src, "vision", cfg), pixels)
-      ours = whole.merged_logits(cfg, hf.load(src, "language", cfg), ids, tokens, token)
+      tokens = vision_encoder.image_tokens(cfg, hf.load(src, "vision", cfg, init("vision")), pixels)
+      ours = whole.merged_logits(cfg, hf.load(src, "language", cfg, init("language")), ids, tokens,
+                                 token)
     else:
       ids = rng.integers(0, vocab, (BATCH, SEQ))
       theirs = model(input_ids=torch.from_numpy(ids)).logits.float().numpy()
-      ours = whole.language_logits(cfg, hf.load(src, "language", cfg), ids)
+      ours = whole.language_logits(cfg, hf.load(src, "language", cfg, init("language")), ids)
   return _report("logits", ours, theirs)

@@ -1,11 +1,12 @@
 """Hugging Face checkpoints: config.json <-> our config fields, safetensors <-> our parameters.
 
-Supported: language models of the Llama (Llama-3, 3.1, 3.2) and Qwen2 (Qwen2, 2.5)
-architectures, SigLIP and CLIP vision towers, and LLaVA checkpoints (`LlavaForConditionalGeneration`:
-a tower, the projector and a language model). Names are matched after the prefixes that
-transformers' versions and the model classes put in front of them (`vision_model.`,
-`model.language_model.`, `language_model.model.`, ...), so files written by `save_pretrained` of
-any of those classes read alike.
+Supported: language models of the Llama (Llama-3, 3.1, 3.2) and Qwen2 (Qwen2, 2.5) architectures
+(this package's generic code), and each encoder's checkpoints through its mapping (mapping.py:
+hf/<name>.py for encoder <name>, found by module name), alone or combined with a language model
+(e.g. SigLIP and CLIP towers, and LLaVA: a tower, its projector and a language model). Names are
+matched after the prefixes that transformers' versions and the model classes put in front of them
+(`model.language_model.`, `language_model.model.`, an encoder's own, ...), so files written by
+`save_pretrained` of any of those classes read alike.
 
 Tensors are read one at a time (`safe_open`), converted to float32 and to our layout (kernels
 [in, out], a module's layers stacked on a leading axis); `leaves` yields them leaf by leaf, so
@@ -18,12 +19,13 @@ is missing, null or of another type (`field`), a tensor of the wrong shape or dt
 holding NaN or infinity (checked as it is read).
 
 source.py reads a directory, fields.py maps config.json to config fields, tensors.py maps tensors
-to parameters, export.py writes them back.
+to parameters, export.py writes them back; mapping.py is what an encoder's mapping provides.
 """
 
-from mimo_jax.hf.fields import (check_fields, configure, feature_layers, fields, language_fields,
-                                text_config, vision_config, vision_fields)
-from mimo_jax.hf.source import (ACTIVATIONS, HEADS, LANGUAGE_TYPES, MODULES, PREFIXES,
-                                VISION_TYPES, HFError, Source, field)
+from mimo_jax.hf.fields import (check_fields, config_section, configure, fields, language_fields,
+                                reader, text_config)
+from mimo_jax.hf.mapping import Mapping, mappings
+from mimo_jax.hf.source import (ACTIVATIONS, HEADS, LANGUAGE_PREFIXES, LANGUAGE_TYPES, HFError,
+                                Source, field)
 from mimo_jax.hf.tensors import (Leaf, Tensor, flatten, language_tensors, leaves, load, nest,
-                                 stored_bytes, tensors, vision_tensors)
+                                 prefixes, stored_bytes, tensors)

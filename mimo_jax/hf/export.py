@@ -1,10 +1,10 @@
-"""Our checkpoints as Hugging Face directories: config.json of transformers' own classes
-(LlavaForConditionalGeneration, SiglipVisionModel / CLIPVisionModel, LlamaForCausalLM /
-Qwen2ForCausalLM) and their tensors, named as save_pretrained names them, from the tables of
-mimo_jax/hf/tensors.py; the image processor's preprocessor_config.json, LlavaProcessor's
-processor_config.json, the tokenizer's files and generation_config.json beside them, so that
-transformers' Auto classes load the directory as a model with its processor (tools/hf.py export
-writes them)."""
+"""Our checkpoints as Hugging Face directories: the tensors of an export (the language model
+alone, an encoder alone, or both as the encoder mapping's combined class), named as
+save_pretrained names them, from the tables of tensors.py and each encoder's mapping; the
+language model's config.json (LlamaForCausalLM / Qwen2ForCausalLM), the tokenizer's files and
+generation_config.json beside them, so that transformers' Auto classes load the directory. An
+encoder's own files (its config.json, its combined class's, its processor's) are its mapping
+module's (tools/hf.py export writes them all)."""
 
 from __future__ import annotations
 
@@ -14,22 +14,21 @@ from typing import Iterator
 
 import numpy as np
 
+from mimo_jax.config import LANGUAGE
+from mimo_jax.hf import mapping
 from mimo_jax.hf.source import HFError
-from mimo_jax.hf.tensors import Tensor, flatten, language_tensors, vision_tensors
+from mimo_jax.hf.tensors import Tensor, flatten, language_tensors
 
 
-# Names `export` writes: those transformers' save_pretrained writes for each class.
-EXPORT_PREFIX = {
-    "tower": {"vision": "", "projector": None, "language": None, "head": None},
-    "language": {"vision": None, "projector": None, "language": "model.", "head": "lm_head.weight"},
-    "llava": {"vision": "vision_tower.", "projector": "multi_modal_projector.",
-              "language": "language_model.model.", "head": "language_model.lm_head.weight"},
-}
+# The prefixes `export` writes before the names of a language model's parts when it is alone
+# (transformers' save_pretrained of LlamaForCausalLM, Qwen2ForCausalLM; a head's is its name).
+LANGUAGE_NAMES = {LANGUAGE: "model.", "head": "lm_head.weight"}
 ACTIVATION_NAMES = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 
 
-def export_name(kind: str, t: Tensor, name: str) -> str:
-  prefix = EXPORT_PREFIX[kind][t.part]
+def export_name(names: dict[str, str], t: Tensor, name: str) -> str:
+  """`t`'s HF name `name` (one layer's) under the prefix `names` gives its part."""
+  prefix = names[t.part]
   return prefix if t.part == "head" else prefix + name
 
 
@@ -55,117 +54,6 @@ def language_config_json(lm, context: int | None = None) -> dict:
                            "high_freq_factor": lm.rope_high_freq_factor,
                            "original_max_position_embeddings": lm.rope_original_positions}
   return out
-
-
-def vision_config_json(v) -> dict:
-  """config.json of a SiglipVisionModel or CLIPVisionModel."""
-  clip = v.class_token
-  layout = (v.class_token, v.patch_bias, v.pre_norm)
-  if layout not in ((False, True, False), (True, False, True)):
-    raise HFError(f"model.vision: class_token={v.class_token}, patch_bias={v.patch_bias}, "
-                  f"pre_norm={v.pre_norm} is neither SigLIP's (false, true, false) nor CLIP's "
-                  "(true, false, true) layout; no HF class holds it.")
-  if v.downsample != 1:
-    raise HFError(f"model.vision.downsample={v.downsample}: HF towers have no pixel shuffle.")
-  out = {"architectures": ["CLIPVisionModel" if clip else "SiglipVisionModel"],
-         "model_type": "clip_vision_model" if clip else "siglip_vision_model",
-         "hidden_size": v.dim, "intermediate_size": v.mlp_dim, "num_hidden_layers": v.layers,
-         "num_attention_heads": v.heads, "image_size": v.image_size,
-         "patch_size": v.patch_size, "num_channels": v.channels, "layer_norm_eps": v.norm_eps,
-         "hidden_act": ACTIVATION_NAMES[v.activation], "torch_dtype": "float32"}
-  if not clip:
-    out["vision_use_head"] = False
-  return out
-
-
-def llava_config_json(cfg, image_token: int, context: int | None = None) -> dict:
-  v, lm = cfg.model.vision, cfg.model.language
-  if v.final_norm:
-    raise HFError("model.vision.final_norm=true: LLaVA reads the tower's hidden states without "
-                  "a final norm, so this model is not a LlavaForConditionalGeneration; export "
-                  "the modules alone (--module vision, --module language), or import the tower "
-                  "beside its language model (tools.hf import --hf TOWER --hf LM), which leaves "
-                  "the norm off.")
-  if v.projector_hidden != lm.dim:
-    raise HFError(f"model.vision.projector_hidden={v.projector_hidden}: LLaVA's projector is "
-                  f"as wide as the language model ({lm.dim}); export the modules alone.")
-  vision, text = vision_config_json(v), language_config_json(lm, context)
-  for c in (vision, text):
-    c.pop("architectures")
-    c.pop("torch_dtype")
-  return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-          "vision_config": vision, "text_config": text, "image_token_index": image_token,
-          "projector_hidden_act": ACTIVATION_NAMES[v.projector_activation],
-          "multimodal_projector_bias": True, "vision_feature_layer": -1,
-          "vision_feature_select_strategy": "default" if v.class_token else "full",
-          "image_seq_length": v.patches, "tie_word_embeddings": lm.tie_embeddings,
-          "torch_dtype": "float32"}
-
-
-RESAMPLE_BICUBIC = 3  # PIL's code, as preprocessor_config.json writes it
-
-
-def processor_output(p: dict) -> tuple[int, int] | None:
-  """(height, width) of the images an image processor config (with its crop fields explicit)
-  makes, or None when they keep their aspect ratio (a shortest-edge resize without a crop)."""
-  if p.get("do_center_crop") and "height" in p.get("crop_size", {}):
-    return p["crop_size"]["height"], p["crop_size"]["width"]
-  size = p.get("size", {})
-  if p.get("do_resize", True) and "height" in size and "width" in size:
-    return size["height"], size["width"]
-  return None
-
-
-# Whether each class crops when its config does not say (transformers' defaults).
-CROPS = {"CLIPImageProcessor": True, "LlavaImageProcessor": True, "SiglipImageProcessor": False}
-
-
-def preprocessor_json(v, base: dict | None = None, pad_to_square: bool = False,
-                      where: str = "") -> dict:
-  """preprocessor_config.json of the tower's image processor: `base` (the config of the processor
-  the run's images were prepared with, from `where`) or else the tower's own class
-  (CLIPImageProcessor: shortest edge and center crop; SiglipImageProcessor: a square resize;
-  bicubic), with the model's pixel mean and std. With `pad_to_square` (data converted with
-  --pad_to_square) it is LlavaImageProcessor with do_pad: transformers pads to a square of the
-  mean colour before resizing, as the conversion did."""
-  size = v.image_size
-  if base is None:
-    clip = v.class_token
-    out = {"image_processor_type": "CLIPImageProcessor" if clip else "SiglipImageProcessor",
-           "do_resize": True, "resample": RESAMPLE_BICUBIC,
-           "size": {"shortest_edge": size} if clip else {"height": size, "width": size},
-           "do_center_crop": clip, "do_rescale": True, "rescale_factor": 1 / 255}
-    if clip:
-      out["crop_size"] = {"height": size, "width": size}
-  else:
-    out = {k: x for k, x in base.items() if k != "processor_class"}
-    kind = str(out.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
-    out["do_center_crop"] = bool(out.get("do_center_crop", CROPS.get(kind, False)))
-    if not out["do_center_crop"]:
-      out.pop("crop_size", None)
-    made = processor_output(out)
-    if made != (size, size):
-      raise HFError(f"{where}: the image processor makes "
-                    f"{'x'.join(map(str, made)) if made else 'images of any aspect ratio'} "
-                    f"where the tower reads {size}x{size}; no LLaVA processor reproduces the "
-                    "run's images.")
-  norm = v.pixel_norm()
-  out["do_normalize"] = norm is not None
-  if norm is not None:
-    out["image_mean"], out["image_std"] = list(norm[0]), list(norm[1])
-  out["do_convert_rgb"] = v.channels == 3
-  if pad_to_square:
-    out.update(image_processor_type="LlavaImageProcessor", do_pad=True)
-  return dict(sorted(out.items()))
-
-
-def llava_processor_json(v, image_token: str) -> dict:
-  """processor_config.json of a LlavaProcessor: each `image_token` of a text becomes the tower's
-  image tokens ((size / patch)^2, CLIP's class token dropped by the "default" strategy)."""
-  return {"processor_class": "LlavaProcessor", "image_token": image_token,
-          "patch_size": v.patch_size,
-          "vision_feature_select_strategy": "default" if v.class_token else "full",
-          "num_additional_image_tokens": int(v.class_token)}
 
 
 # A tokenizer directory's files as save_pretrained writes them (fast and slow tokenizers).
@@ -237,24 +125,27 @@ def generation_json(tok: Tokenizer) -> dict:
   return out
 
 
-def export_tensors(kind: str, cfg, params: dict[str, dict]) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, float32 array) of every tensor of an export of `kind` (tower, language, llava)
-  from our parameters by module (host arrays)."""
-  v, lm = cfg.model.vision, cfg.model.language
-  parts = []
-  if kind in ("tower", "llava"):
-    parts.append(("vision", vision_tensors(v, lm.dim if kind == "llava" else None)))
-  if kind in ("language", "llava"):
-    parts.append(("language", language_tensors(lm)))
-  for module, specs in parts:
+def export_tensors(modules: tuple[str, ...], cfg,
+                   params: dict[str, dict]) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, float32 array) of every tensor of an export of `modules` from our parameters by
+  module (host arrays): ("language",), an encoder alone ((name,)), or an encoder with the
+  language model ((name, "language"), its mapping's combined class with the projector)."""
+  encoder = next((n for n in modules if n != LANGUAGE), None)
+  m = mapping.get(encoder) if encoder is not None else None
+  combined = m is not None and LANGUAGE in modules
+  names = LANGUAGE_NAMES if m is None else m.names["combined" if combined else "alone"]
+  lm = cfg.model.language
+  for module in modules:
+    if module == LANGUAGE:
+      specs, extra = language_tensors(lm), {}
+    else:
+      section = cfg.model.module(module)
+      specs, extra = m.tensors(section, lm.dim if combined else None), m.extra_tensors(section)
     flat = dict(flatten(params[module]))
     for t in specs:
       x = np.asarray(flat[t.path], np.float32)
       for i, name in enumerate(t.names()):
-        yield export_name(kind, t, name), np.ascontiguousarray(
+        yield export_name(names, t, name), np.ascontiguousarray(
             t.to_theirs(x[i] if t.layers else x))
-    if module == "vision":  # the HF classes have a post_layernorm; an identity where we have none
-      if not v.final_norm:
-        prefix = EXPORT_PREFIX[kind]["vision"]
-        yield prefix + "post_layernorm.weight", np.ones((v.dim,), np.float32)
-        yield prefix + "post_layernorm.bias", np.zeros((v.dim,), np.float32)
+    for name, x in extra.items():
+      yield names[module] + name, x

@@ -1,6 +1,7 @@
 """An HF model directory: config.json, where each tensor is, and reading one tensor (float32,
 checked against the shape config.json implies). Every problem is one `HFError` naming the file
-or tensor and the fix."""
+or tensor and the fix. Which modules a directory holds comes from the language model's types here
+and each encoder's mapping (mapping.py)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,17 @@ import pathlib
 
 import numpy as np
 
-from mimo_jax.config import ConfigError
+from mimo_jax.config import LANGUAGE, ConfigError
+from mimo_jax.hf.mapping import Mapping, mappings
 
 
 LANGUAGE_TYPES = ("llama", "qwen2")
-
-
-MODULES = {"llava": ("vision", "language"), "siglip": ("vision",), "clip": ("vision",),
-           "llama": ("language",), "qwen2": ("language",)}  # the modules of each kind
-VISION_TYPES = {"siglip_vision_model": "siglip", "siglip": "siglip",
-                "clip_vision_model": "clip", "clip": "clip"}
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
-               "quick_gelu": "quick_gelu"}
-# Name prefixes of each part, most specific first (transformers 4.x and 5.x, each model class).
-PREFIXES = {
-    "vision": ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
-               "model.vision_tower.", "vision_tower.", "vision_model.", ""),
-    "language": ("model.language_model.model.", "model.language_model.", "language_model.model.",
-                 "language_model.", "model.", ""),
-    "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
-}
+               "quick_gelu": "quick_gelu"}  # config.json hidden_act -> ours
+# The language model's name prefixes, most specific first (transformers 4.x and 5.x, each model
+# class, alone or inside a combined checkpoint); an encoder's are its mapping's.
+LANGUAGE_PREFIXES = ("model.language_model.model.", "model.language_model.",
+                     "language_model.model.", "language_model.", "model.", "")
 HEADS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
 
 
@@ -126,21 +118,43 @@ class Source:
 
   @property
   def kind(self) -> str:
-    """llava, llama, qwen2, siglip or clip."""
+    """A language model's model_type (llama, qwen2), a combined checkpoint's (an encoder's
+    mapping's `combined`, e.g. llava), or the kind of a checkpoint of an encoder alone (its
+    mapping's `types`, e.g. siglip, clip)."""
     t = field(self.config, "model_type", str(self.path / "config.json"), str, "")
-    if t == "llava":
-      return "llava"
     if t in LANGUAGE_TYPES:
       return t
-    if t in VISION_TYPES:
-      return VISION_TYPES[t]
+    for m in mappings().values():
+      if t == m.combined:
+        return t
+      if t in m.types:
+        return m.types[t]
+    kinds = ([m.combined for m in mappings().values()] + list(LANGUAGE_TYPES) +
+             [k for m in mappings().values() for k in dict.fromkeys(m.types.values())])
     raise HFError(f"{self.path / 'config.json'}: model_type {t!r} is not supported; supported: "
-                  f"llava, {', '.join(LANGUAGE_TYPES)}, siglip, clip.")
+                  f"{', '.join(kinds)}.")
+
+  @property
+  def mapping(self) -> Mapping | None:
+    """The mapping of the encoder the directory holds, if any (None for a language model)."""
+    kind = self.kind
+    return next((m for m in mappings().values()
+                 if kind == m.combined or kind in m.types.values()), None)
+
+  @property
+  def combined(self) -> bool:
+    """Whether the directory holds an encoder beside a language model (config.json's sections:
+    text_config and the encoder's)."""
+    m = self.mapping
+    return m is not None and self.kind == m.combined
 
   @property
   def modules(self) -> tuple[str, ...]:
-    """The modules the directory holds: vision, language or both."""
-    return MODULES[self.kind]
+    """The modules the directory holds: an encoder, the language model or both."""
+    m = self.mapping
+    if m is None:
+      return (LANGUAGE,)
+    return (m.name, LANGUAGE) if self.combined else (m.name,)
 
   def has(self, name: str) -> bool:
     return name in self.files
@@ -233,12 +247,12 @@ def _read_bf16(f: pathlib.Path, name: str) -> np.ndarray:
   return np.frombuffer(raw, ml_dtypes.bfloat16).reshape(info["shape"])
 
 
-def _find(src: Source, part: str, suffix: str) -> str:
-  """The full name of `suffix` under the first of `part`'s prefixes that has it."""
-  for p in PREFIXES[part]:
+def _find(src: Source, prefixes: tuple[str, ...], suffix: str) -> str:
+  """The full name of `suffix` under the first of `prefixes` that has it."""
+  for p in prefixes:
     if src.has(p + suffix):
       return p + suffix
-  return PREFIXES[part][0] + suffix  # missing: read() names it
+  return prefixes[0] + suffix  # missing: read() names it
 
 
 def _int(cfg: dict, key: str, where: str, section: str = "") -> int:

@@ -1,5 +1,6 @@
 """Our parameters and HF tensors, one table per module (`Tensor`: our leaf, the HF name and
-shape, the layout map), for reading (`leaves`, `load`) and writing (export.py)."""
+shape, the layout map), for reading (`leaves`, `load`) and writing (export.py): the language
+model's here, an encoder's from its mapping (mapping.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from typing import Iterator
 
 import numpy as np
 
+from mimo_jax.config import LANGUAGE
+from mimo_jax.hf import mapping
 from mimo_jax.hf.fields import text_config
-from mimo_jax.hf.source import HEADS, HFError, Source, _find, _int
+from mimo_jax.hf.source import HEADS, LANGUAGE_PREFIXES, HFError, Source, _find, _int
 
 
 @dataclasses.dataclass(frozen=True)
-
-
 class Tensor:
-  """One of our leaves and the HF tensor(s) it comes from: `name` under `part`'s prefixes, with
-  "{i}" for each of the `layers` stacked layers; `shape` is the HF tensor's; `how` maps it to ours:
+  """One of our leaves and the HF tensor(s) it comes from: `name` under the prefixes of `part`
+  (the language model's "language" and "head", or a part of an encoder's mapping), with "{i}"
+  for each of the `layers` stacked layers; `shape` is the HF tensor's; `how` maps it to ours:
   "copy", "T" (a linear weight [out, in] -> our kernel [in, out]) or "conv" (a patch-embedding
   convolution [d, c, p, p] -> our kernel [p*p*c, d], channels fastest)."""
   path: tuple[str, ...]
@@ -81,69 +83,37 @@ def language_tensors(lm) -> list[Tensor]:
   return out
 
 
-def vision_tensors(v, projector_out: int | None = None) -> list[Tensor]:
-  """Our vision parameters (a models/vit.ViTConfig `v`) and their HF tensors: the tower, and with
-  `projector_out` (the language width) LLaVA's projector."""
-  d, f, p, c, L = v.dim, v.mlp_dim, v.patch_size, v.channels, v.layers
-  one = lambda path, name, shape, how="copy": Tensor(path, "vision", name, shape, how)
-  block = lambda path, name, shape, how="copy": Tensor(("blocks",) + path, "vision",
-                                                       "encoder.layers.{i}." + name, shape, how, L)
-  norm = lambda ours, theirs: [one((ours, "scale"), f"{theirs}.weight", (d,)),
-                               one((ours, "bias"), f"{theirs}.bias", (d,))]
-  out = [one(("embed", "kernel"), "embeddings.patch_embedding.weight", (d, c, p, p), "conv")]
-  if v.patch_bias:
-    out.append(one(("embed", "bias"), "embeddings.patch_embedding.bias", (d,)))
-  if v.class_token:
-    out.append(one(("cls",), "embeddings.class_embedding", (d,)))
-  out.append(one(("pos",), "embeddings.position_embedding.weight", (v.positions, d)))
-  if v.pre_norm:
-    out += norm("pre_norm", "pre_layrnorm")
-  for ours, theirs in (("norm1", "layer_norm1"), ("norm2", "layer_norm2")):
-    out += [block((ours, "scale"), f"{theirs}.weight", (d,)),
-            block((ours, "bias"), f"{theirs}.bias", (d,))]
-  for n, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
-    out += [block(("attn", n, "kernel"), f"self_attn.{theirs}.weight", (d, d), "T"),
-            block(("attn", n, "bias"), f"self_attn.{theirs}.bias", (d,))]
-  out += [block(("mlp", "up", "kernel"), "mlp.fc1.weight", (f, d), "T"),
-          block(("mlp", "up", "bias"), "mlp.fc1.bias", (f,)),
-          block(("mlp", "down", "kernel"), "mlp.fc2.weight", (d, f), "T"),
-          block(("mlp", "down", "bias"), "mlp.fc2.bias", (d,))]
-  if v.final_norm:
-    out += norm("norm", "post_layernorm")
-  if projector_out is not None:
-    h = v.projector_hidden
-    for ours, theirs, n_in, n_out in (("up", "linear_1", d * v.downsample**2, h),
-                                      ("down", "linear_2", h, projector_out)):
-      out += [Tensor(("projector", ours, "kernel"), "projector", f"{theirs}.weight",
-                     (n_out, n_in), "T"),
-              Tensor(("projector", ours, "bias"), "projector", f"{theirs}.bias", (n_out,))]
-  return out
-
-
 def tensors(src: Source, module: str, cfg) -> list[Tensor]:
-  """`module`'s tensors ("vision" or "language") a directory holds, for a run config `cfg`."""
-  if module == "language":
+  """`module`'s tensors a directory holds, for a run config `cfg`; an encoder's projector with
+  them where the directory holds the language model too."""
+  if module == LANGUAGE:
     return language_tensors(cfg.model.language)
-  return vision_tensors(cfg.model.vision, _int(text_config(src), "hidden_size", str(
-      src.path / "config.json"), "text_config") if src.kind == "llava" else None)
+  width = _int(text_config(src), "hidden_size", str(src.path / "config.json"),
+               "text_config") if src.combined else None
+  return mapping.get(module).tensors(cfg.model.module(module), width)
+
+
+def prefixes(module: str) -> dict[str, tuple[str, ...]]:
+  """The name prefixes of each part of `module`'s table (a head's are HEADS, whole names)."""
+  return {LANGUAGE: LANGUAGE_PREFIXES} if module == LANGUAGE else mapping.get(module).prefixes
 
 
 def stored_bytes(src: Source, module: str, cfg) -> int:
   """Bytes a compact save (checkpoint.py) stores of `module`'s tensors from `src`, from the
   files' headers: 2 an element of a bfloat16 tensor, 4 of any other (parameters the seed makes
   come on top)."""
-  total = 0
+  total, table = 0, prefixes(module)
   for t in tensors(src, module, cfg):
     n = int(np.prod(t.shape))
-    total += sum(n * (2 if src.dtype(_full_name(src, t, name)) == "BF16" else 4)
+    total += sum(n * (2 if src.dtype(_full_name(src, table, t, name)) == "BF16" else 4)
                  for name in t.names())
   return total
 
 
-def _full_name(src: Source, t: Tensor, name: str) -> str:
+def _full_name(src: Source, table: dict[str, tuple[str, ...]], t: Tensor, name: str) -> str:
   if t.part == "head":
     return next((h for h in HEADS if src.has(h)), HEADS[0])
-  return _find(src, t.part, name)
+  return _find(src, table[t.part], name)
 
 
 class Reader:
@@ -151,15 +121,15 @@ class Reader:
   stacked layers [L, ...]) or, for a stacked leaf, one layer at a time (`layer(i)`, i < `layers`;
   `layers` is 0 for a leaf that is not stacked)."""
 
-  def __init__(self, src: Source, t):
-    self._src, self._t = src, t
+  def __init__(self, src: Source, t: Tensor, table: dict[str, tuple[str, ...]]):
+    self._src, self._t, self._table = src, t, table
     self._names = t.names()
     self.layers = len(self._names) if t.layers else 0
     self.layer_shape = t.our_shape()
 
   def layer(self, i: int) -> np.ndarray:
-    return self._t.to_ours(self._src.read(_full_name(self._src, self._t, self._names[i]),
-                                          self._t.shape))
+    name = _full_name(self._src, self._table, self._t, self._names[i])
+    return self._t.to_ours(self._src.read(name, self._t.shape))
 
   def __call__(self) -> np.ndarray:
     if not self.layers:
@@ -179,8 +149,9 @@ Leaf = tuple[tuple[str, ...], Reader]  # (path in our tree, its reader)
 def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
   """`module`'s leaves, each with its reader: one leaf (or one layer of it) in host memory at a
   time."""
+  table = prefixes(module)
   for t in tensors(src, module, cfg):
-    yield t.path, Reader(src, t)
+    yield t.path, Reader(src, t, table)
 
 
 def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
@@ -193,16 +164,12 @@ def nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
   return out
 
 
-
-
-def load(src: Source, module: str, cfg, base: dict | None = None) -> dict:
-  """`base` (our parameter tree of `module`; default its init from seed 0) with every leaf the
-  checkpoint has replaced by it, all on the host (state.py places them leaf by leaf instead)."""
-  if base is None:
-    import jax  # pylint: disable=import-outside-toplevel
-    from mimo_jax import modules  # pylint: disable=import-outside-toplevel,cyclic-import
-    base = jax.tree.map(np.asarray, modules.build_modules(cfg)[module].init(0))
-  flat = dict(flatten(base))
+def load(src: Source, module: str, cfg, base: dict) -> dict:
+  """`base` (our parameter tree of `module`, e.g. its init from seed 0: models/mimo.Module.init)
+  with every leaf the checkpoint has replaced by it, all on the host as numpy arrays (state.py
+  places them leaf by leaf instead). The caller builds `base`: this package reads checkpoints and
+  builds no model."""
+  flat = {path: np.asarray(x) for path, x in flatten(base)}
   for path, read in leaves(src, module, cfg):
     if path not in flat:
       raise HFError(f"{src.path}: {'/'.join(path)} has no place in model.{module} (a config "
