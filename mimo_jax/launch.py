@@ -6,15 +6,13 @@ Flags -> config -> validation -> `train.run`. Every config field is documented i
 from __future__ import annotations
 
 import os
-import pathlib
-import runpy
 import sys
 import traceback
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from mimo_jax.config import ConfigError
+from mimo_jax import configfile
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.validation import validate
 
 _COORDINATOR = flags.DEFINE_string(
@@ -28,9 +26,9 @@ _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout", 60, "Multi-host: seconds without a heartbeat after which the other "
     "processes declare a process dead and stop with an error.")
 
-DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "digits.py")
-_CONFIG = None
+DEFAULT_CONFIG = str(configfile.ROOT / "configs" / "digits.py")
 _CONFIG_HELP = "Config file (configs/NAME.py[:ARG]); override any field with --config.a.b=value."
+_CONFIG: list[Config] = []  # the run's config, read by `cli` before absl parses the other flags
 
 
 def _fail(message: str) -> None:
@@ -38,37 +36,20 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def _last_line(error: BaseException) -> str:
-  """ml_collections wraps config-file errors with a traceback; its last line is the cause."""
-  lines = [ln.strip() for ln in str(error.args[0] if error.args else error).splitlines()]
-  lines = [ln for ln in lines if ln]
-  first = lines[0] if lines else type(error).__name__
-  return first if len(lines) == 1 else f"{first.split(':')[0]}: {lines[-1]}"
-
-
 def _guarded(fn, *args):
-  """Runs flag definition or parsing, turning its errors into one line and exit code 2."""
+  """Runs flag parsing, turning its errors into one line and exit code 2."""
   try:
     return fn(*args)
-  except (KeyError, AttributeError) as e:  # an unknown --config.a.b path
-    _fail(f"unknown config field: {_last_line(e)}")
-  except Exception as e:  # pylint: disable=broad-except  # a bad value or config file
-    _fail(_last_line(e))
+  except Exception as e:  # pylint: disable=broad-except  # a bad flag or value
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    _fail(lines[0] if lines else type(e).__name__)
   return None
-
-
-def _check_config_file(argv: list[str]) -> None:
-  for i, arg in enumerate(argv):
-    value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
-        argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
-    if value is not None and not pathlib.Path(value.split(":")[0]).is_file():
-      _fail(f"--config: file {value.split(':')[0]!r} does not exist; try configs/digits.py.")
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     _fail(f"unexpected arguments {argv[1:]}; flags look like --config.train.steps=10.")
-  cfg = _CONFIG.value
+  cfg = _CONFIG[0]
   try:
     validate(cfg)  # device-independent checks, before JAX starts
   except ConfigError as e:
@@ -156,22 +137,6 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   return None, 1
 
 
-def _config_fields(obj, prefix: str = "config.") -> list[str]:
-  """`--config.a.b=default  (type)` for every field of the config dataclasses."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-  lines = []
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
-    if f.name == "encoders":  # model.<name>, topology.<name> of each encoder
-      for name, section in value.items():
-        lines += _config_fields(section, f"{prefix}{name}.")
-    elif dataclasses.is_dataclass(value):
-      lines += _config_fields(value, f"{prefix}{f.name}.")
-    elif not isinstance(value, dict):
-      lines.append(f"  --{prefix}{f.name}={value!r}  ({type(value).__name__})")
-  return lines
-
-
 def _help_full() -> None:
   """--helpfull: the flags, then every config field with its default; exits 0."""
   print(__doc__.strip() + "\n")
@@ -179,18 +144,22 @@ def _help_full() -> None:
   print(flags.FLAGS.main_module_help().split("\n", 2)[-1])
   print("\nconfig fields (defaults of configs/digits.py; a config file sets its own; the README's "
         "config table says what each does):")
-  print("\n".join(_config_fields(runpy.run_path(DEFAULT_CONFIG)["get_config"]())))
+  print("\n".join(configfile.field_flags(configfile.load_file(DEFAULT_CONFIG))))
   sys.exit(0)
 
 
 def cli() -> None:
-  global _CONFIG
-  if "--helpfull" in sys.argv[1:]:
+  """`--config` and its `--config.a.b=value` overrides are read here (mimo_jax/configfile.py, as
+  every tool reads them); absl parses the other flags."""
+  argv = _guarded(flags.FLAGS.read_flags_from_files, sys.argv, False)  # --flagfile=FILE
+  if "--helpfull" in argv[1:]:
     _help_full()
-  _check_config_file(sys.argv)
-  # ml_collections reads the --config.* overrides from sys.argv while defining the flag.
-  _CONFIG = _guarded(config_flags.DEFINE_config_file, "config", DEFAULT_CONFIG, _CONFIG_HELP)
-  app.run(main, flags_parser=lambda argv: _guarded(flags.FLAGS, argv))
+  spec, overrides, rest = configfile.split_args(argv)
+  try:
+    _CONFIG.append(configfile.load(DEFAULT_CONFIG if spec is None else spec, overrides))
+  except ConfigError as e:
+    _fail(str(e))
+  app.run(main, argv=rest, flags_parser=lambda args: _guarded(flags.FLAGS, args))
 
 
 if __name__ == "__main__":

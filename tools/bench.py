@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import importlib.util
 import json
 import pathlib
 import time
@@ -48,38 +47,14 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import bridge, compat, memory
+from mimo_jax import bridge, compat, configfile, memory
 from mimo_jax.batch import total
 from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.step import Probe, Step
 from mimo_jax.validation import validate, validate_backend
-from tools.common import ROOT, median_times, record
-
-
-
-def load_config(spec: str) -> Config:
-  path, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("bench_config", ROOT / path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
-
-
-def set_field(cfg: Config, assignment: str) -> None:
-  """`a.b.c=value`, converted to the field's current type."""
-  name, sep, value = assignment.partition("=")
-  if not sep:
-    raise SystemExit(f"--set {assignment!r}: expected field=value")
-  *parents, last = name.split(".")
-  obj = cfg
-  for p in parents:
-    obj = getattr(obj, p)
-  if not hasattr(obj, last):
-    raise SystemExit(f"--set {assignment!r}: config has no field {name}")
-  kind = type(getattr(obj, last))
-  setattr(obj, last, kind(value) if kind is not bool else value.lower() in ("1", "true"))
+from tools.common import median_times, record
 
 
 def moved_bytes(x, dst) -> int:
@@ -303,10 +278,8 @@ def main(argv: list[str] | None = None) -> None:
   compat.use_private_bridge(args.bridge == "private")
   rows = []
   for layout in [s.strip() for s in args.layouts.split(";") if s.strip()]:
-    cfg = load_config(args.config)
-    for assignment in args.set:
-      set_field(cfg, assignment)
     try:
+      cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
       rows.append(measure(cfg, layout, args))
     except ConfigError as e:
       raise SystemExit(f"bench: error: [{layout}] {e}") from None

@@ -32,10 +32,11 @@ import time
 
 import numpy as np
 
-from mimo_jax.encoders.vision import slot_tokens
+from mimo_jax import configfile
+from mimo_jax.config import ConfigError
 from mimo_jax.data import loader
+from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.validation import validate
-from tools.bench import load_config, set_field
 from tools.common import record
 
 
@@ -115,10 +116,10 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   def config():
-    cfg = load_config(args.config)
-    for s in args.set:
-      set_field(cfg, s)
-    return cfg
+    try:
+      return configfile.load(args.config, [f"--config.{s}" for s in args.set])
+    except ConfigError as e:
+      raise SystemExit(f"data_bench: error: {e}") from None
 
   cfg = config()
   validate(cfg)

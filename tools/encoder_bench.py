@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mimo_jax import configfile
 from mimo_jax.config import ConfigError
 from mimo_jax.flops import FlopModel
 from mimo_jax.step import Step
 from mimo_jax.validation import validate
-from tools.bench import load_config, set_field
 from tools.common import median_time, record
 
 
@@ -84,11 +84,9 @@ def main(argv: list[str] | None = None) -> None:
   lines = ["| remat | layers | forward s | TFLOP/s | split fwd+bwd s | TFLOP/s | fused fwd+bwd s "
            "| TFLOP/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
   for remat, unroll in itertools.product([r.strip() for r in args.remat.split(",")], unrolls):
-    cfg = load_config(args.config)
-    for assignment in args.set:
-      set_field(cfg, assignment)
-    cfg.topology.vision.remat, cfg.topology.vision.unroll = remat, unroll == "true"
     try:
+      cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
+      cfg.topology.vision.remat, cfg.topology.vision.unroll = remat, unroll == "true"
       r = measure(cfg, args.images, args.reps)
     except ConfigError as e:
       raise SystemExit(f"encoder_bench: error: {e}") from None

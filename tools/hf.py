@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -61,7 +60,7 @@ import time
 
 import numpy as np
 
-from mimo_jax import hf, output
+from mimo_jax import configfile, hf, output
 from mimo_jax.hf import export as hf_export
 from mimo_jax.hf import vision as hf_vision
 from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError, from_dict
@@ -76,58 +75,6 @@ SAVE_HOST_GB = 2  # GB a save copies to the host at a time, raised to the larges
 def _fail(message: str) -> None:
   print(f"tools.hf: error: {message}", file=sys.stderr)
   sys.exit(2)
-
-
-def _load_config(spec: str) -> Config:
-  path, _, arg = spec.partition(":")
-  file = pathlib.Path(path) if pathlib.Path(path).is_file() else ROOT / path
-  if not file.is_file():
-    _fail(f"--config: file {path!r} does not exist; try {DEFAULT_BASE} (GPU-sized) or "
-          f"{CPU_BASE} (CPU-sized).")
-  try:
-    module_spec = importlib.util.spec_from_file_location("hf_base_config", file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    cfg = module.get_config(arg or None)
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    _fail(f"--config={spec}: {type(e).__name__}: {e}")
-  if not isinstance(cfg, Config):
-    _fail(f"--config={spec}: get_config returned {type(cfg).__name__}, not a Config.")
-  return cfg
-
-
-def _set(cfg: Config, name: str, value: str) -> object:
-  """Sets config field `name` (a.b.c) from text, as the field's type; returns the value."""
-  *parents, last = name.split(".")
-  obj = cfg
-  for p in parents:
-    obj = getattr(obj, p, None)
-  if obj is None or not hasattr(obj, last) or dataclasses.is_dataclass(getattr(obj, last)):
-    _fail(f"--config.{name}: unknown config field.")
-  kind = type(getattr(obj, last))
-  try:
-    if kind is bool:
-      if value.lower() not in ("1", "true", "0", "false"):
-        raise ValueError(value)
-      typed = value.lower() in ("1", "true")
-    else:
-      typed = kind(value)
-  except ValueError:
-    _fail(f"--config.{name}={value}: not a {kind.__name__}.")
-  setattr(obj, last, typed)
-  return typed
-
-
-def _overrides(items: list[str]) -> dict[str, str]:
-  out = {}
-  for item in items:
-    if not item.startswith("--config.") or "=" not in item:
-      _fail(f"unexpected argument {item!r}; overrides look like --config.a.b=value.")
-    name, value = item[len("--config."):].split("=", 1)
-    out[name] = value
-  return out
 
 
 def import_(args, extra: list[str]) -> None:
@@ -152,10 +99,9 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
     _fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")
   output.check_target(out, "workdir", "--out")
   sources = [hf.Source.open(d) for d in args.hf]
-  cfg = _load_config(args.config or DEFAULT_BASE)
-  overrides = _overrides(extra)
-  for name, value in overrides.items():
-    _set(cfg, name, value)
+  overrides = dict(map(configfile.parse_override, extra))
+  cfg = configfile.load(args.config or DEFAULT_BASE, extra,
+                        hint=f"{DEFAULT_BASE} (GPU-sized) or {CPU_BASE} (CPU-sized)")
   contradictions, taken = [], {}
   for src in sources:
     for module in src.modules:

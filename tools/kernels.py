@@ -32,7 +32,9 @@ import time
 
 import jax
 
-from tools.bench import Run, load_config, set_field
+from mimo_jax import configfile
+from mimo_jax.config import set_layout
+from tools.bench import Run
 
 CATEGORIES = (
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective", re.I)),
@@ -125,11 +127,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", default="/tmp/mimo_jax_trace", help="where the trace is kept")
   parser.add_argument("--json", default="", help="write the summary to this file")
   args = parser.parse_args(argv)
-  # pylint: disable-next=import-outside-toplevel
-  from mimo_jax.config import set_layout
-  cfg = load_config(args.config)
-  for s in args.set:
-    set_field(cfg, s)
+  cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
   set_layout(cfg, args.layout)
   run = Run(cfg)
   print(f"{run.topo.describe()}; compiling and warming up", flush=True)

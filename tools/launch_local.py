@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "mimo_jax.launch", f"--coordinator=127.0.0.1:{port}",
            f"--num_processes={args.num_processes}", f"--process_id={i}"]
     extra = [] if args.gpus else [f"--config.run.cpu_devices={args.devices_per_process}"]
-    # After the user's flags: ml_collections needs --config before any --config.* override.
+    # After the user's flags: the last value of a field wins (mimo_jax/configfile.py).
     proc = subprocess.Popen(cmd + launch_args + extra, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     procs.append(proc)

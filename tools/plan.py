@@ -59,12 +59,11 @@ import sys
 
 import numpy as np
 
-from mimo_jax import encoders, memory
+from mimo_jax import configfile, memory
 from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.validation import validate_topology
-from tools.bench import load_config, set_field
 
 MODULES = ("vision", "language")
 
@@ -75,9 +74,10 @@ def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
 
 
 def _config(cfg_spec: str, sets: list[str], layout: str = ""):
-  cfg = load_config(cfg_spec)
-  for s in sets:
-    set_field(cfg, s)
+  try:
+    cfg = configfile.load(cfg_spec, [f"--config.{s}" for s in sets])
+  except ConfigError as e:
+    raise SystemExit(f"plan: error: {e}") from None
   if layout:
     set_layout(cfg, layout)
   return cfg

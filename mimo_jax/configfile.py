@@ -1,0 +1,200 @@
+"""Config files and `--config.a.b=value` overrides: the one loader of launch and of every tool.
+
+A config file (`configs/NAME.py`) defines `get_config(arg=None)` returning a `Config`;
+`configs/NAME.py:ARG` passes it ARG. A path is read as given (from the current directory), else
+from the repository's root, so a tool run from any directory finds `configs/...`.
+
+An override sets one field from text, typed by the field's annotation: int, float, str, or bool
+(true/false, t/f, 1/0; `--config.a.b` alone is true, `--noconfig.a.b` false). Overrides apply in
+order after the file (the last value of a field wins). Each encoder's sections are
+`model.<name>.field` and `topology.<name>.field` (`model.encoders.<name>.field` also works).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+import typing
+from collections.abc import Sequence
+
+from mimo_jax.config import Config, ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_HINT = "configs/digits.py"
+_OVERRIDE = re.compile(r"^--?(no)?config\.([A-Za-z_][A-Za-z0-9_.]*)(?:=(.*))?$", re.DOTALL)
+_SPEC = re.compile(r"^--?config(?:=(.*))?$", re.DOTALL)
+_TRUE, _FALSE = ("true", "t", "1"), ("false", "f", "0")
+
+
+def find(path: str) -> pathlib.Path | None:
+  """A config file: `path` from the current directory, else from the repository's root; None
+  where neither is a file."""
+  for candidate in (pathlib.Path(path), ROOT / path):
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+def load_file(spec: str, hint: str = DEFAULT_HINT) -> Config:
+  """The `Config` of `spec`, `FILE[:ARG]` (`get_config(ARG)`, or `get_config()` without `:`).
+  ConfigError, one line, for a missing file (suggesting `hint`), a file that fails to run, or a
+  `get_config` that returns something else; a ConfigError of the file's own passes as it is."""
+  path, sep, arg = spec.partition(":")
+  file = find(path)
+  if file is None:
+    raise ConfigError(f"--config: file {path!r} does not exist; try {hint}.")
+  try:
+    module_spec = importlib.util.spec_from_file_location("mimo_jax_config_file", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cfg = module.get_config(arg) if sep else module.get_config()
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # a user's file: any error, one line
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise ConfigError(f"--config={spec}: {type(e).__name__}: {first}") from e
+  if not isinstance(cfg, Config):
+    raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a Config.")
+  return cfg
+
+
+def parse_override(arg: str) -> tuple[str, str | None]:
+  """(field path `a.b`, its text) of `--config.a.b=value`; `--noconfig.a.b` gives "false" and
+  `--config.a.b` without a value None (true for a bool). ConfigError for anything else."""
+  m = _OVERRIDE.match(arg)
+  if not m:
+    raise ConfigError(f"unexpected argument {arg!r}; overrides look like --config.a.b=value.")
+  negated, name, text = m.groups()
+  if negated:
+    if text is not None:
+      raise ConfigError(f"{arg}: a --noconfig flag takes no value.")
+    return name, "false"
+  return name, text
+
+
+def apply(cfg: Config, overrides: Sequence[str]) -> Config:
+  """Applies `--config.a.b=value` overrides to `cfg` in order; returns it. ConfigError naming the
+  override and what is wrong with it."""
+  for arg in overrides:
+    name, text = parse_override(arg)
+    try:
+      set_field(cfg, name, text)
+    except ConfigError as e:
+      raise ConfigError(f"{arg}: {e}") from None
+  return cfg
+
+
+def load(spec: str, overrides: Sequence[str] = (), hint: str = DEFAULT_HINT) -> Config:
+  """A config file's `Config` (`load_file`) with `--config.a.b=value` overrides applied
+  (`apply`)."""
+  return apply(load_file(spec, hint), overrides)
+
+
+def split_args(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
+  """(the `--config` value or None, the `--config.a.b[=value]` overrides in order, every other
+  argument) of a command line; `--config FILE` may be two arguments."""
+  spec, overrides, rest = None, [], []
+  args = iter(argv)
+  for arg in args:
+    m = _SPEC.match(arg)
+    if m:
+      spec = m.group(1) if m.group(1) is not None else next(args, "")
+    elif _OVERRIDE.match(arg):
+      overrides.append(arg)
+    else:
+      rest.append(arg)
+  return spec, overrides, rest
+
+
+def set_field(cfg: Config, name: str, text: str | None) -> object:
+  """Sets field `name` (`a.b.c`) of `cfg` from `text`, typed by the field (None: a bool's bare
+  flag, true); returns the value. ConfigError saying what is wrong, without the flag."""
+  *parents, last = name.split(".")
+  obj = cfg
+  for i, part in enumerate(parents):
+    obj = _child(obj, part, ".".join(parents[:i]))
+  kind = _field_type(obj, last, ".".join(parents))
+  if kind is bool:
+    if text is None or text.lower() in _TRUE + _FALSE:
+      value = text is None or text.lower() in _TRUE
+    else:
+      raise ConfigError("not a bool (true or false).")
+  elif text is None:
+    raise ConfigError(f"needs a value: --config.{name}=VALUE.")
+  else:
+    try:
+      value = _int(text) if kind is int else kind(text)
+    except ValueError:
+      raise ConfigError(f"not {'an' if kind is int else 'a'} {kind.__name__}.") from None
+  setattr(obj, last, value)
+  return value
+
+
+def _int(text: str) -> int:
+  """An int as absl's flags read one: decimal, or 0x / 0o prefixed."""
+  base = {"0x": 16, "0o": 8}.get(text.strip()[:2].lower(), 10)
+  return int(text, base)
+
+
+def _fields(obj) -> list[str]:
+  """What a section holds: a dict's keys; a dataclass's fields, and its encoders by name."""
+  if isinstance(obj, dict):
+    return list(obj)
+  return [f.name for f in dataclasses.fields(obj)] + list(getattr(obj, "encoders", {}))
+
+
+def _unknown(obj, part: str, where: str) -> ConfigError:
+  section = f"config.{where}" if where else "config"
+  return ConfigError(f"unknown config field {part!r}; {section} has {', '.join(_fields(obj))}.")
+
+
+def _child(obj, part: str, where: str):
+  """The section `part` of `obj` (a dataclass, or the `encoders` dict)."""
+  if isinstance(obj, dict):
+    if part not in obj:
+      raise _unknown(obj, part, where)
+    return obj[part]
+  if part not in _fields(obj):
+    raise _unknown(obj, part, where)
+  child = getattr(obj, part)
+  if not (dataclasses.is_dataclass(child) or isinstance(child, dict)):
+    raise ConfigError(f"config.{where + '.' if where else ''}{part} is a field, not a section.")
+  return child
+
+
+def _field_type(obj, last: str, where: str) -> type:
+  """The type of field `last` of section `obj`: its annotation (where it names a plain type),
+  else its value's."""
+  if isinstance(obj, dict) or last not in _fields(obj):
+    raise _unknown(obj, last, where)
+  value = getattr(obj, last)
+  path = f"config.{where + '.' if where else ''}{last}"
+  if dataclasses.is_dataclass(value) or isinstance(value, dict):
+    raise ConfigError(f"{path} is a section; set one of its fields, --{path}.FIELD=value.")
+  try:
+    kind = typing.get_type_hints(type(obj)).get(last, type(value))
+  except Exception:  # pylint: disable=broad-except  # an annotation that does not resolve
+    kind = type(value)
+  if kind not in (int, float, str, bool):
+    kind = type(value)
+  if kind not in (int, float, str, bool):
+    raise ConfigError(f"{path} holds a {kind.__name__}, which no flag sets.")
+  return kind
+
+
+def field_flags(cfg: Config, prefix: str = "config.") -> list[str]:
+  """`--config.a.b=default  (type)` for every field of `cfg`, each encoder's as `model.<name>.x`
+  and `topology.<name>.x`."""
+  lines = []
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    if f.name == "encoders":
+      for name, section in value.items():
+        lines += field_flags(section, f"{prefix}{name}.")
+    elif dataclasses.is_dataclass(value):
+      lines += field_flags(value, f"{prefix}{f.name}.")
+    elif not isinstance(value, dict):
+      lines.append(f"  --{prefix}{f.name}={value!r}  ({type(value).__name__})")
+  return lines
