@@ -5,16 +5,18 @@ import functools
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import encoders
+from mimo_jax import encoders, memory, optim
 from mimo_jax.batch import stack
-from mimo_jax.config import ConfigError, ModuleTopology
+from mimo_jax.config import ConfigError, ModuleTopology, param_groups
 from mimo_jax.data import digits, loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.modules import build_modules
 from mimo_jax.validation import validate
 from tests import toy_encoder
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
@@ -132,3 +134,62 @@ def test_sidecar_and_scalable_reads_cover_every_encoder(data_dir, tmp_path):
                  lambda b: b.samples.answer_b, lambda b: b.stats.target_tokens,
                  lambda b: b.stats.items["signal"], lambda b: b.slots["vision"].used_g):
       np.testing.assert_array_equal(pick(got), pick(full))
+
+
+def _update(cfg, module, params) -> dict:
+  """The first optimizer update of a module's parameters for gradients of ones (one small
+  program)."""
+  tx = optim.module_transform(cfg, module.groups(params))
+  return jax.jit(lambda p: tx.update(jax.tree.map(jnp.ones_like, p), tx.init(p), p)[0])(params)
+
+
+def test_any_encoder_has_groups_to_freeze_and_scale_and_its_config_sizes_it(data_dir):
+  """The toy encoder's parameter groups (`signal`, `signal_projector`) take optim.freeze and
+  optim.lr_mult; its own config sets its items, slots and sizes, which validation and memory.py
+  count and check (nothing compiled)."""
+  cfg = _config(data_dir, (0, 2, 1), (2, 2, 1), (4, 2, 2))
+  assert param_groups(cfg) == ("vision", "vision_projector", "signal", "signal_projector",
+                               "language")
+  module = build_modules(cfg)["signal"]
+  params = jax.tree.map(lambda a: np.full(a.shape, 0.5, a.dtype), module.abstract_params())
+  groups = module.groups(params)
+  assert groups["projector"]["kernel"] == "signal_projector"
+  assert set(jax.tree.leaves(groups)) == {"signal", "signal_projector"}
+  cfg.optim.warmup_steps = 0  # the first update at the full learning rate
+  base = _update(cfg, module, params)
+  cfg.optim.lr_mult = "signal=0.5"
+  validate(cfg, 8)
+  half = _update(cfg, module, params)
+  cfg.optim.lr_mult, cfg.optim.freeze = "", "signal"
+  validate(cfg, 8)
+  frozen = _update(cfg, module, params)
+  for part in ("embed", "blocks", "projector"):
+    for b, h, f in zip(*(jax.tree.leaves(u[part]) for u in (base, half, frozen))):
+      assert np.abs(b).max() > 0
+      if part == "projector":  # its own group: neither scaled nor frozen
+        np.testing.assert_array_equal(h, b)
+        np.testing.assert_array_equal(f, b)
+      else:
+        np.testing.assert_allclose(h, 0.5 * b, rtol=1e-6)
+        assert not np.any(f)
+  # Memory: its activations from its own config (each slot's tokens at the block input and the
+  # MLP's hidden units, float32), gradients only for groups that train.
+  s, t = cfg.model.signal, cfg.topology.signal
+  need = memory.module_bytes(cfg)
+  assert need["signal"]["activations"] == (
+      s.layers * cfg.data.micro_batch * s.max_signals // t.dp * s.tokens * 3 * s.dim * 4)
+  assert need["signal"]["gradients"] > 0
+  cfg.optim.freeze = "signal,signal_projector"
+  assert memory.module_bytes(cfg)["signal"]["gradients"] == 0
+  # Devices that hold the other modules, and this one as it is; a wider tower is refused, named.
+  limit = max(sum(need[n].values()) for n in ("vision", "language")) + 1
+  assert sum(need["signal"].values()) < limit
+  s.dim = 512
+  with pytest.raises(ConfigError, match=r"^config\.topology\.signal\.shard: signal needs"):
+    memory.check(cfg, limit)
+  # Its items count towards data.seq_len, its slots are its own config's.
+  s.dim, s.max_signals = 32, 8
+  assert make_layout(cfg, 2).encoder("signal").slots == cfg.data.micro_batch * 8
+  with pytest.raises(ConfigError, match=r"^config\.data\.seq_len: 32 cannot hold 3 images of "
+                     r"\d+ tokens, 8 signals of 4 tokens plus their answer; use >= \d+\.$"):
+    validate(cfg, 8)

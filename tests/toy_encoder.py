@@ -1,9 +1,11 @@
-"""A tests-only second encoder over 1-D signals, registered beside `vision` (mimo_jax/encoders).
+"""A tests-only second encoder over 1-D signals, registered beside the built-in ones
+(mimo_jax/encoders).
 
 A signal is `length` float samples; each chunk of `chunk` samples becomes one token: a linear
 embedding, `layers` residual MLP blocks (stacked, so they pipeline like any module's) and a linear
-projector into the language model's width. A sample lists its signals under `signals`, and its
-text marks each with `PLACEHOLDER`.
+projector into the language model's width (its own parameter group, `signal_projector`, as every
+encoder's `projector` is). A sample lists its signals under `signals`, and its text marks each
+with `PLACEHOLDER`. Its data settings are its own config's (`max_signals`).
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ class SignalEncoder(nnx.Module):
     self.chunk = cfg.chunk
     self.embed = linear(rngs, cfg.chunk, cfg.dim, dtype, bias=True)
     self.blocks = stacked(lambda r: SignalBlock(r, cfg, dtype), cfg.layers, rngs)
-    self.out = linear(rngs, cfg.dim, lm_dim, dtype, bias=True)
+    self.projector = linear(rngs, cfg.dim, lm_dim, dtype, bias=True)
 
   def embed_chunks(self, x_ns: jax.Array) -> jax.Array:
     n, s = x_ns.shape
     return self.embed(x_ns.reshape(n, s // self.chunk, self.chunk))
 
   def finish(self, x_ntd: jax.Array) -> jax.Array:
-    return self.out(x_ntd)
+    return self.projector(x_ntd)
 
 
 @dataclasses.dataclass(frozen=True)
