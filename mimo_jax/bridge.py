@@ -53,7 +53,8 @@ def _rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], local: bool) 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
+class Piece:
+  """Rows [lo, hi) of the shard on `src` that the bridge copies to `dst` (`plan`)."""
   src: jax.Device
   lo: int  # rows [lo, hi) of the source shard
   hi: int
@@ -147,8 +148,9 @@ def is_array(x) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> dict:
-  """For every destination device (of every process), the source pieces it is built from.
+def plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding) -> dict:
+  """For every destination device (of every process), the source pieces it is built from (those
+  with `src == dst` stay where they are; the rest are what a transfer copies).
 
   The plan is computed identically on every process, so all of them make the same calls.
   A replica on the destination's own process is preferred; otherwise replicas take turns.
@@ -158,7 +160,7 @@ def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding
   for device, rows in sorted(_rows(src, shape, local=False).items(),
                              key=lambda kv: kv[0].id):
     replicas.setdefault(rows, []).append(device)
-  plan = {}
+  out = {}
   for k, (device, (lo, hi)) in enumerate(_rows(dst, shape, local=False).items()):
     pieces = []
     for a, b in sorted(replicas):
@@ -166,11 +168,11 @@ def _plan(src: jax.sharding.Sharding, shape: tuple[int, ...], dst: NamedSharding
         continue
       near = [d for d in replicas[(a, b)] if d.process_index == device.process_index]
       options = near or replicas[(a, b)]
-      pieces.append(_Piece(options[k % len(options)], max(lo, a) - a, min(hi, b) - a, device))
+      pieces.append(Piece(options[k % len(options)], max(lo, a) - a, min(hi, b) - a, device))
     if sum(p.hi - p.lo for p in pieces) != hi - lo:
       raise ValueError(f"source shards of {src} do not cover rows [{lo}, {hi})")
-    plan[device] = pieces
-  return plan
+    out[device] = pieces
+  return out
 
 
 def _shards(x: jax.Array) -> dict:
@@ -200,7 +202,7 @@ def _assemble(route: "_Route", sharding: jax.sharding.Sharding, arrays: list):
   return compat.assemble(route.shape, route.dtype, route.aval, sharding, arrays)
 
 
-def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
+def _send_across(pieces: list[Piece], cut: dict, x) -> dict:
   """Copies pieces between processes with `jax.device_put`, which pairs shard i of a source
   sharding with shard i of a destination sharding and needs every pair to cross processes. Pieces
   are sent in rounds of distinct devices and equal shapes, stacked on a new leading axis."""
@@ -230,9 +232,9 @@ def _send_across(pieces: list[_Piece], cut: dict, x) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _splitter(cuts: tuple[tuple[int, int], ...]):
+def _splitter(ranges: tuple[tuple[int, int], ...]):
   """One jitted call cutting every piece a source shard sends (one dispatch, not one a piece)."""
-  return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in cuts])
+  return jax.jit(lambda a: [jax.lax.slice_in_dim(a, lo, hi, axis=0) for lo, hi in ranges])
 
 
 def _sources(src: jax.sharding.Sharding, shape: tuple[int, ...], k: int, pieces) -> tuple:
@@ -266,9 +268,10 @@ def _take(x, whole: tuple, cut: dict) -> dict:
   return out
 
 
-def _cuts(x, pieces: list[_Piece]) -> dict:
-  """Piece -> its rows on its source device (pieces of this process's source devices): a shard
-  of `Parts` as it is; of an array, a whole shard as it is, else one cutting call a device."""
+def cuts(x, pieces: list[Piece]) -> dict:
+  """Piece -> its rows on its source device (pieces of this process's source devices), as a
+  transfer cuts them: a shard of `Parts` as it is; of an array, a whole shard as it is, else one
+  cutting call a device. Benchmarks copy these to time raw `jax.device_put` beside the bridge."""
   k = len(x.parts) if isinstance(x, Parts) else 0
   return _take(x, *_sources(x.sharding, tuple(x.shape), k, pieces))
 
@@ -306,19 +309,19 @@ def _route(src: jax.sharding.Sharding, shape: tuple[int, ...], dtype, k_in: int,
   """For an array (k_in = 0) or its `Parts` in k_in parts, split over `src`, sent to `dst`
   (`private`: which compat path the route was made for)."""
   del private  # part of the cache key only
-  plan = _plan(src, shape, dst)
-  pieces = [p for ps in plan.values() for p in ps]
+  by_dst = plan(src, shape, dst)
+  pieces = [p for ps in by_dst.values() for p in ps]
   here = set(src.addressable_devices)
   whole, cut = _sources(src, shape, k_in, [p for p in pieces if p.src in here])
   mine = _local_devices(dst, shape)
   k = fan_out(dst, shape, src) if parts else 1
   if k > 1:  # every destination device holds k whole pieces, in row order: part j is the j-th
-    arrays = tuple(tuple((plan[d][j],) for d in mine) for j in range(k))
+    arrays = tuple(tuple((by_dst[d][j],) for d in mine) for j in range(k))
     out_shape = (shape[0] // k,) + shape[1:]
   else:
-    arrays = (tuple(tuple(plan[d]) for d in mine),)
+    arrays = (tuple(tuple(by_dst[d]) for d in mine),)
     out_shape = shape
-  local = tuple(p for d in mine for p in plan[d] if not p.crosses)
+  local = tuple(p for d in mine for p in by_dst[d] if not p.crosses)
   targets, device_lists = compat.copy_targets(tuple(p.dst for p in local))
   return _Route(whole, cut, tuple(p for p in pieces if p.crosses), local, targets, device_lists,
                 k, arrays, out_shape, dtype, compat.aval(out_shape, dtype, dst))

@@ -63,7 +63,7 @@ class CheckpointError(ConfigError):
   """A checkpoint that cannot be restored into this run; the message says what differs."""
 
 
-def _reason(e: Exception) -> str:
+def read_failure(e: Exception) -> str:
   """The first line of a failed read's error, without the storage spec tensorstore appends."""
   return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
 
@@ -156,7 +156,8 @@ def _set_aside(path: str, step: int, why: str) -> str:
   return target
 
 
-def _digest(meta: dict) -> str:
+def digest(meta: dict) -> str:
+  """The digest a step's metadata holds of itself (`meta["digest"]`): sha256 of the rest."""
   body = {k: v for k, v in meta.items() if k != "digest"}
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -361,7 +362,7 @@ class Checkpointer:
     else:
       meta["data"]["fingerprint"] = self.data_fingerprint(cfg)
     meta["fingerprints"] = {n: fingerprint.on_device(t) for n, t in trees.items()}
-    meta["digest"] = _digest(meta)
+    meta["digest"] = digest(meta)
     if compact and jax.process_count() == 1:
       trees = {n: dict(t, params=jax.tree.map(_bfloat16_if_exact, t["params"]))
                for n, t in trees.items()}
@@ -383,10 +384,10 @@ class Checkpointer:
     try:
       meta = self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
-      failed = None if meta.get("digest", _digest(meta)) == _digest(meta) else (
+      failed = None if meta.get("digest", digest(meta)) == digest(meta) else (
           "has metadata that does not match its digest")
     except Exception as e:  # pylint: disable=broad-except
-      failed = f"has no readable metadata ({_reason(e)})"
+      failed = f"has no readable metadata ({read_failure(e)})"
     if failed:
       self._fail(step, failed)
     return meta
@@ -400,7 +401,7 @@ class Checkpointer:
       if any(t is None for t in trees.values()):
         raise ValueError("no tree metadata")
     except Exception as e:  # pylint: disable=broad-except
-      self._fail(step, f"could not be restored: {_reason(e)}")
+      self._fail(step, f"could not be restored: {read_failure(e)}")
     return {n: fingerprint.paths(t) for n, t in trees.items()}
 
   def read(self, step: int, wanted: dict[str, dict], meta: dict) -> dict[str, dict]:
@@ -428,7 +429,7 @@ class Checkpointer:
              for n in targets}
       failed = None
     except Exception as e:  # pylint: disable=broad-except
-      got, failed = None, f"could not be restored: {_reason(e)}"
+      got, failed = None, f"could not be restored: {read_failure(e)}"
     if failed:
       self._fail(step, failed)
     if multi:

@@ -16,6 +16,10 @@ from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tests.configs import tiny
 
+# Image tokens each `<image>` of tests/fixtures/chat's processor references expands to: an 8 x 8
+# image in patches of 4, every patch (tools/chat_fixtures.py writes the references with it).
+CHAT_IMAGE_TOKENS = 4
+
 
 def tiny_config(data_dir: str, **topo) -> Config:
   """tests/configs/tiny.py; `topo` maps module -> (offset, dp, tp[, pp[, virtual]])."""

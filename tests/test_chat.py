@@ -10,7 +10,7 @@ import pytest
 from mimo_jax.data.chat import ChatError, ChatTokenizer, messages
 from mimo_jax.data.layout import sample_tokens
 from mimo_jax.data.tokenizer import Tokenizer
-from tools.chat_fixtures import IMAGE_TOKENS
+from tests.helpers import CHAT_IMAGE_TOKENS
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat"
 
@@ -43,7 +43,7 @@ def test_image_expansion_matches_the_llava_processor(family):
     ids, mask = tok.encode(messages(ref["conversations"]))
     count = int((ids == image).sum())
     sample = {"tokens": ids, "loss_mask": mask, "images": [None] * count}
-    words, loss = sample_tokens(Tokenizer(), sample, {image: [IMAGE_TOKENS] * count})
+    words, loss = sample_tokens(Tokenizer(), sample, {image: [CHAT_IMAGE_TOKENS] * count})
     np.testing.assert_array_equal(words, ref["processor_ids"], err_msg=ref["id"])
     assert not loss[np.asarray(words[1:]) == image].any()
 

@@ -59,7 +59,7 @@ def test_digits_conversations_give_the_vocabulary_ids_and_loss(data_dir):
   cfg = tiny_config(data_dir)
   d = cfg.data
   paths = loader.build_paths(cfg)
-  tr_x, tr_y, ev_x, ev_y = digits._images()  # pylint: disable=protected-access
+  tr_x, tr_y, ev_x, ev_y = digits.split_images()
   tok = Tokenizer()
   for split, x, y, n, seed in (("train", tr_x, tr_y, d.train_samples, 1),
                                ("eval", ev_x, ev_y, d.eval_samples, 2)):

@@ -41,7 +41,7 @@ def _config(data_dir, vision, signal, language):
 def _samples(steps, micro, microbatches):
   """Samples with 0-3 images and 0-2 signals, given as token ids: items' placeholders first,
   then text ids the digits vocabulary has, never the signal placeholder."""
-  tr_x, _, _, _ = digits._images()  # pylint: disable=protected-access
+  tr_x, _, _, _ = digits.split_images()
   rng = np.random.default_rng(3)
 
   def sample(s, m, i):

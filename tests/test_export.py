@@ -154,9 +154,10 @@ def _trained_run(pairs, tmp_path) -> pathlib.Path:
   meta_file = trained / "checkpoints" / "0" / "meta" / "metadata"
   meta = _json(meta_file)
   meta["config"]["data"].update(task="conversations", dir=str(data), image_token=3)
-  for module in ("vision", "language"):
-    meta["config"]["model"][module]["init_from"] = ""
-  meta["digest"] = checkpoint._digest(meta)  # pylint: disable=protected-access
+  model = meta["config"]["model"]
+  for section in (model["encoders"]["vision"], model["language"]):
+    section["init_from"] = ""
+  meta["digest"] = checkpoint.digest(meta)
   meta_file.write_text(json.dumps(meta))
   return trained
 
@@ -193,9 +194,10 @@ def test_a_later_stage_finds_its_import_through_init_from(pairs, tmp_path):
   meta_file = stage / "checkpoints" / "0" / "meta" / "metadata"
   meta = _json(meta_file)
   meta["config"]["model"]["init_from"] = str(run)
-  for module in ("vision", "language"):
-    meta["config"]["model"][module]["init_from"] = ""
-  meta["digest"] = checkpoint._digest(meta)  # pylint: disable=protected-access
+  model = meta["config"]["model"]
+  for section in (model["encoders"]["vision"], model["language"]):
+    section["init_from"] = ""
+  meta["digest"] = checkpoint.digest(meta)
   meta_file.write_text(json.dumps(meta))
   hf_tool.main(["export", str(stage), "--out", str(tmp_path / "out")])
   config = _json(tmp_path / "out" / "config.json")

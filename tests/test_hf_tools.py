@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from mimo_jax import checkpoint_reader
 from tools import hf as hf_tool
 from tests.helpers import assert_hf_error
 
@@ -183,10 +184,9 @@ def test_bfloat16_weights_are_stored_as_bfloat16_and_read_back_exactly(tmp_path,
     save_file({k: v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.dtype == np.float32
                else v for k, v in tensors.items()}, str(f), metadata={"format": "pt"})
   _import(src, tmp_path / "run")
-  mngr, _ = ckpt._manager(str(tmp_path / "run"))  # pylint: disable=protected-access
-  stored = {}
-  for m in ("vision", "language"):
-    stored.update(ckpt._params_metadata(mngr, 0, m))  # pylint: disable=protected-access
+  reader = checkpoint_reader.Reader(str(tmp_path / "run"))
+  stored = reader.params_metadata(0, ["vision", "language"])
+  reader.close()
   dtypes = {str(v.dtype) for v in stored.values()}
   assert "bfloat16" in dtypes, dtypes
   params = _params(tmp_path / "run")

@@ -49,7 +49,7 @@ def test_topology_matches_single_device(data_dir, reference, topo):
 
 def _mixed_batches(cfg):
   """Step 0: text-only and 1..3-image samples mixed; step 1: a text-only microbatch."""
-  tr_x, tr_y, _, _ = digits._images()  # pylint: disable=protected-access
+  tr_x, tr_y, _, _ = digits.split_images()
   micro = cfg.data.micro_batch
   mixed = digits.make_samples(tr_x, tr_y, micro, [0.4, 0.2, 0.2, 0.2], seed=7)
   images = digits.make_samples(tr_x, tr_y, micro, [0.0, 0.0, 0.0, 1.0], seed=8)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mimo_jax import hf
+from mimo_jax import checkpoint_reader, hf
 from mimo_jax import modules
 from mimo_jax.checkpoint import Checkpointer, complete_steps
 from mimo_jax.config import Config
@@ -82,7 +82,7 @@ def run(launch, tmp_path, monkeypatch) -> pathlib.Path:
   elsewhere."""
   shutil.copytree(launch, tmp_path / "launch")
   monkeypatch.chdir(tmp_path / "launch" / "elsewhere")
-  monkeypatch.setattr(ckpt, "SETTLE_S", 0.0, raising=False)
+  monkeypatch.setattr(checkpoint_reader, "SETTLE_S", 0.0)
   return tmp_path / "launch" / "run"
 
 
@@ -93,15 +93,15 @@ def _live(work: pathlib.Path) -> None:
 
 
 def _removed_when_read(monkeypatch, work: pathlib.Path, step: int, reader: str) -> None:
-  """The step folder disappears as `reader` (a tools.ckpt read) starts on it: the run's
+  """The step folder disappears as `reader` (a checkpoint_reader read) starts on it: the run's
   rotation (checkpoint.keep) deleting it between the listing and the read."""
-  real = getattr(ckpt, reader)
+  real = getattr(checkpoint_reader, reader)
 
   def read(mngr, s, *rest):
     if s == step and (work / "checkpoints" / str(step)).exists():
       shutil.rmtree(work / "checkpoints" / str(step))
     return real(mngr, s, *rest)
-  monkeypatch.setattr(ckpt, reader, read)
+  monkeypatch.setattr(checkpoint_reader, reader, read)
 
 
 def _damage(work: pathlib.Path, step: int) -> None:
@@ -308,11 +308,11 @@ def test_check_with_every_step_rotated_away_says_try_again_not_damaged(run, monk
   """Nothing could be checked (the run rotated each step away under its read): status 75, the
   temporary failure, never 2, which means a damaged step."""
   _live(run)
-  real = ckpt._read_module  # pylint: disable=protected-access
+  real = checkpoint_reader._read_module  # pylint: disable=protected-access
 
   def read(mngr, s, *rest):
     shutil.rmtree(run / "checkpoints" / str(s), ignore_errors=True)
     return real(mngr, s, *rest)
-  monkeypatch.setattr(ckpt, "_read_module", read)
+  monkeypatch.setattr(checkpoint_reader, "_read_module", read)
   assert ckpt.main(["check", str(run)]) == 75
   _error(capsys, "tools.ckpt", "was removed while being read", "check again")

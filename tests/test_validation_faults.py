@@ -18,7 +18,6 @@ from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import conversations, loader, meta
 from mimo_jax.validation import validate, validate_data
 from tests.configs import tiny
-from tools import convert
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -38,11 +37,9 @@ def converted(tmp_path_factory) -> dict[int, pathlib.Path]:
   root = tmp_path_factory.mktemp("validation")
   (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
   out = {2: root / "eval2", 0: root / "eval0"}
-  assert convert.main([
-      "--json", str(root / "data.jsonl"), "--images", str(FIXTURES / "images"),
-      "--tokenizer", str(FIXTURES / "chat" / "llama3"),
-      "--processor", str(FIXTURES / "images" / "siglip"), "--out", str(out[2]),
-      "--eval", "2", "--workers", "1"]) == 0
+  conversations.convert(root / "data.jsonl", out[2], conversations.Options(
+      tokenizer=str(FIXTURES / "chat" / "llama3"), images=str(FIXTURES / "images"),
+      processor=str(FIXTURES / "images" / "siglip")), eval_count=2, progress=False)
   shutil.copytree(out[2], out[0])
   shard = out[0] / "eval.array_record"
   array_record_module.ArrayRecordWriter(str(shard), "group_size:1").close()

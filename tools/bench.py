@@ -62,7 +62,7 @@ def moved_bytes(x, dst) -> int:
   in place excluded)."""
   if x.sharding == dst:
     return 0
-  plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
+  plan = bridge.plan(x.sharding, tuple(x.shape), dst)
   row = x.nbytes // x.shape[0] if x.ndim else x.nbytes
   return sum((p.hi - p.lo) * row for pieces in plan.values() for p in pieces if p.src != p.dst)
 
@@ -72,9 +72,9 @@ def raw_pieces(x, dst) -> list[tuple[jax.Array, jax.Device]]:
   for `bridge.Parts`)."""
   if x.sharding == dst:
     return []
-  plan = bridge._plan(x.sharding, tuple(x.shape), dst)  # pylint: disable=protected-access
+  plan = bridge.plan(x.sharding, tuple(x.shape), dst)
   moving = [p for pieces in plan.values() for p in pieces if p.src != p.dst]
-  cut = bridge._cuts(x, moving)  # pylint: disable=protected-access
+  cut = bridge.cuts(x, moving)
   return [(jax.block_until_ready(cut[p]), p.dst) for p in moving]
 
 

@@ -20,6 +20,8 @@ import json
 import pathlib
 import shutil
 
+from tests.helpers import CHAT_IMAGE_TOKENS as IMAGE_TOKENS  # what tests/test_chat.py expects
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The chat templates of Meta-Llama-3-8B-Instruct and Qwen2-7B-Instruct (tokenizer_config.json).
@@ -101,9 +103,6 @@ def _tokenizer(specials: list[str]):
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(CORPUS, trainer)
   return tok
-
-
-IMAGE_TOKENS = 4  # an 8 x 8 image in patches of 4, every patch (the processor references)
 
 
 def _processor_ids(out: pathlib.Path, hf, msgs: list[dict], record: dict) -> list[int]:

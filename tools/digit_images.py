@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--scale", type=int, default=8)
   args = parser.parse_args(argv)
   from PIL import Image  # pylint: disable=import-outside-toplevel
-  _, _, images, labels = digits._images()  # pylint: disable=protected-access
+  _, _, images, labels = digits.split_images()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   for i in range(args.count):

@@ -41,7 +41,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax import output
+from mimo_jax import checkpoint_reader, output
 from mimo_jax.config import Config, ConfigError
 
 TOOL = "tools.generate"
@@ -279,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
       parser.error("give --prompt TEXT, or --image FILE")
     args.prompt = [""]
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on reading a checkpoint
-  # pylint: disable-next=import-outside-toplevel
-  from mimo_jax import output
   try:
     check_flags(args)
     with output.interrupts_as_exceptions():
@@ -345,10 +343,9 @@ def run(args: argparse.Namespace) -> list[str]:
   from mimo_jax.config import from_dict
   from mimo_jax import whole
   from mimo_jax.encoders import vision as vision_encoder
-  from tools import ckpt
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
-  reader = ckpt.Reader(args.workdir)
+  reader = checkpoint_reader.Reader(args.workdir)
   reader.note(TOOL)
 
   def load(step: int) -> tuple[Config, dict, dict]:
@@ -356,7 +353,7 @@ def run(args: argparse.Namespace) -> list[str]:
     cfg = from_dict(meta["config"])
     ready = prepare(args, cfg, args.workdir)  # before the parameters: errors come first
     return cfg, ready, reader.params_tree(step, meta)
-  _, (cfg, ready, params) = ckpt.newest(reader, args.step, load, tool=TOOL)
+  _, (cfg, ready, params) = checkpoint_reader.newest(reader, args.step, load, tool=TOOL)
   reader.close()
   tok, rows = ready["tok"], ready["rows"]
   width = max(map(len, rows))

@@ -60,7 +60,7 @@ import time
 
 import numpy as np
 
-from mimo_jax import configfile, hf, output
+from mimo_jax import checkpoint_reader, configfile, hf, output
 from mimo_jax.hf import export as hf_export
 from mimo_jax.hf import vision as hf_vision
 from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError, from_dict
@@ -78,7 +78,6 @@ def _fail(message: str) -> None:
 
 
 def import_(args, extra: list[str]) -> None:
-  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   out = pathlib.Path(args.out).resolve()
   try:
     with output.interrupts_as_exceptions():
@@ -92,7 +91,6 @@ def import_(args, extra: list[str]) -> None:
 def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
   """The import into workdir `out`: checked before any tensor is read, written through a staging
   directory that becomes `out` in one rename once config.py is in it. Returns what to print."""
-  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import Checkpointer, compact_nbytes, complete_steps, directory  # pylint: disable=import-outside-toplevel
   ckpts = directory(str(out))
   if os.path.isdir(ckpts) and complete_steps(ckpts):
@@ -273,15 +271,14 @@ def _read_checkpoint(workdir: str, step: int | None) -> tuple[Config, dict, int,
   """(config, parameters by module on the host, step, import record) of a workdir's step, read
   as tools.ckpt reads it: committed steps only, beside a live run, checked against the
   fingerprints saved with it."""
-  from tools import ckpt  # pylint: disable=import-outside-toplevel
-  reader = ckpt.Reader(workdir)
+  reader = checkpoint_reader.Reader(workdir)
   reader.note("tools.hf")
 
   def read(s: int) -> tuple[dict, dict]:
     meta = reader.meta(s)
     return meta, reader.params_tree(s, meta)
   try:
-    step, (meta, params) = ckpt.newest(reader, step, read, tool="tools.hf")
+    step, (meta, params) = checkpoint_reader.newest(reader, step, read, tool="tools.hf")
   finally:
     reader.close()
   record_file = pathlib.Path(workdir) / "hf_import.json"
@@ -291,7 +288,6 @@ def _read_checkpoint(workdir: str, step: int | None) -> tuple[Config, dict, int,
 
 def export(args) -> None:
   from absl import logging  # pylint: disable=import-outside-toplevel
-  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # orbax's notes on opening a checkpoint read-only
   try:
     with output.interrupts_as_exceptions():
@@ -423,7 +419,6 @@ def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int,
 
 
 def _export(args) -> None:
-  from mimo_jax import output  # pylint: disable=import-outside-toplevel
   out = pathlib.Path(args.out)
   if (out / "config.json").is_file() and not args.overwrite:
     _fail(f"--out={args.out} holds an export already (config.json); pass --overwrite to replace "

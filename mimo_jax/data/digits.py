@@ -48,7 +48,9 @@ def default_dir() -> str:
   return os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax", "digits")
 
 
-def _images() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def split_images() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The task's images (scikit-learn's 8x8 digits, values 0..16) and labels, split once with
+  SPLIT_SEED: train images, train labels, eval images (EVAL_IMAGES), eval labels."""
   from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
   digits = load_digits()
   images = digits.images.astype(np.uint8)  # values 0..16
@@ -114,7 +116,7 @@ def _write_source(root: pathlib.Path, train_samples: int, eval_samples: int,
   from PIL import Image
   src = root / "source"
   write_tokenizer(src / "tokenizer")
-  tr_x, tr_y, ev_x, ev_y = _images()
+  tr_x, tr_y, ev_x, ev_y = split_images()
   records = []
   for split, x, y, n, seed in (("train", tr_x, tr_y, train_samples, 1),
                                ("eval", ev_x, ev_y, eval_samples, 2)):

@@ -1,0 +1,289 @@
+"""Reading a run's checkpoints without the run: its committed steps, read-only, beside a live run.
+
+`Reader(path)` opens a workdir (or its checkpoints/ folder) and reads a step's metadata
+(`meta`), its parameters (`params` flat as `module/path/to/param`, `params_tree` nested, both
+checked against the fingerprints saved with them), their shapes and dtypes (`params_metadata`)
+and a module's whole saved tree (`module`). `newest(reader, step, fn)` runs `fn` on a step, or on
+the newest one again when a live run rotates it away mid-read. Only committed steps are read
+(orbax's `commit_success.txt`); a step removed while being read raises `StepGone`, a damaged one
+`Unreadable`, nothing left to read `TryAgain`: each a `CkptError`, one line naming the fix.
+tools.ckpt, tools.hf export and tools.generate read checkpoints through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Callable, TypeVar
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mimo_jax import fingerprint, workdir as workdir_lib
+from mimo_jax.checkpoint import (complete_steps, drop_closed_loop_reports, params_restore_dtype,
+                                 read_failure)
+from mimo_jax.config import ConfigError
+
+T = TypeVar("T")
+ROTATED = "the run rotates old steps: checkpoint.keep"
+DAMAGED = ("its files are damaged; `python -m tools.ckpt check` names the steps that pass: give "
+           "one with --step.")
+# How long a failed read of a step waits for the step to vanish while a run is live (its rotation
+# deletes a step's files one by one; a read can fail before the folder is gone).
+SETTLE_S = 3.0
+
+
+class CkptError(ConfigError):
+  """A checkpoint that cannot be read as asked; the message names it and the fix."""
+
+
+class StepGone(CkptError):
+  """A step that was removed while being read (a live run's `keep` rotated it away)."""
+
+  def __init__(self, step: int):
+    super().__init__(f"step {step} was removed while being read ({ROTATED})")
+    self.step = step
+    # Reads of the abandoned restore still in flight fail later and asyncio logs them, with a
+    # traceback, when their tasks are collected: the step is gone, which the tool has said.
+    logging.getLogger("asyncio").addFilter(_no_lost_task_reports)
+
+
+def _no_lost_task_reports(record) -> bool:
+  return "exception was never retrieved" not in record.getMessage()
+
+
+class TryAgain(CkptError):
+  """Nothing could be read because a live run rotated every step away under the reads: not a
+  verdict on the checkpoint. Tools exit with status 75 (EX_TEMPFAIL), apart from damage's 2."""
+
+
+class Unreadable(CkptError):
+  """A step that is there but cannot be read: its files are damaged."""
+
+  def __init__(self, path: str, step: int, reason: str):
+    super().__init__(f"step {step} of {path} cannot be read ({reason}): {DAMAGED}")
+    self.step, self.reason = step, reason
+
+
+_DROPPING = []
+
+
+def _drop_closed_loop_reports_once() -> None:
+  """After a failed read its leftovers report "Event loop is closed" on their way out: from then
+  on those reports are dropped (the check goes on with the other items)."""
+  if not _DROPPING:
+    _DROPPING.append(drop_closed_loop_reports())
+
+
+def who(holder: dict) -> str:
+  """The run holding a workdir, from its lock (`workdir.live_run`): host, pid, start time."""
+  return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+          f"{holder.get('started', '?')}")
+
+
+class Reader:
+  """A checkpoint folder's committed steps, read-only and beside a run that may be saving into
+  it: a step removed under a read raises StepGone, a damaged one Unreadable."""
+
+  def __init__(self, path: str):
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+      path = os.path.join(path, "checkpoints")
+    if not os.path.isdir(path):
+      raise CkptError(f"{path} is not a directory; give a run's workdir or its checkpoints/ "
+                      "folder.")
+    self.path = os.path.abspath(path)
+    self.workdir = os.path.dirname(self.path)
+    self.live = workdir_lib.live_run(self.workdir)  # the live run's lock, or None
+    steps = self.steps()
+    if not steps:
+      raise CkptError(f"{self.path} holds no finished checkpoint" + (
+          f" yet; a run ({who(self.live)}) is using {self.workdir}: wait for its first save."
+          if self.live else "."))
+    handlers = {n: (ocp.JsonCheckpointHandler() if n == "meta" else ocp.PyTreeCheckpointHandler())
+                for n in self._items(steps)}
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    self.mngr = ocp.CheckpointManager(self.path, options=options, item_handlers=handlers)
+
+  def _items(self, steps: list[int]) -> list[str]:
+    """The item names (modules and meta) of the newest step that is still there."""
+    for step in reversed(steps):
+      try:
+        folder = os.path.join(self.path, str(step))
+        return [d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
+      except FileNotFoundError:
+        continue
+    raise TryAgain(f"every step of {self.path} was removed while being read ({ROTATED}); run "
+                   "again.")
+
+  def steps(self) -> list[int]:
+    """The committed steps, oldest first."""
+    return complete_steps(self.path)
+
+  def note(self, tool: str) -> None:
+    """Says on stderr that a live run holds the workdir, if one does."""
+    if self.live:
+      print(f"{tool}: note: a run ({who(self.live)}) is using {self.workdir}: reading its "
+            f"committed steps ({', '.join(map(str, self.steps()))}); newer steps may appear and "
+            "old ones be rotated away.", file=sys.stderr, flush=True)
+
+  def pick(self, step: int | None) -> int:
+    """`step`, or the newest committed step; an error naming the steps there are."""
+    steps = self.steps()
+    if not steps:
+      raise CkptError(f"{self.path} holds no finished checkpoint any more"
+                      + (f" ({ROTATED})." if self.live else "."))
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CkptError(f"no step {step}; the checkpoint holds steps {', '.join(map(str, steps))}.")
+    return step
+
+  def gone(self, step: int) -> bool:
+    """Whether `step` is no longer a committed step; while a run is live, a step still there is
+    given a moment (its deletion may be under way)."""
+    committed = lambda: os.path.exists(os.path.join(self.path, str(step), "commit_success.txt"))
+    deadline = time.monotonic() + (SETTLE_S if self.live else 0)
+    while committed():
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.1)
+    return True
+
+  def read(self, step: int, fn: Callable[[], T]) -> T:
+    """fn() reading `step`: StepGone if the step vanished under it, Unreadable if the step is
+    still there (after one more try while a run is live)."""
+    for _ in range(2 if self.live else 1):
+      try:
+        return fn()
+      except Exception as e:  # pylint: disable=broad-except
+        reason = read_failure(e)
+      _drop_closed_loop_reports_once()
+      if self.gone(step):
+        raise StepGone(step)
+    raise Unreadable(self.path, step, reason)
+
+  def meta(self, step: int) -> dict:
+    """The step's metadata (checkpoint.py's `meta` item: config, data position, fingerprints)."""
+    return self.read(step, lambda: _meta(self.mngr, step))
+
+  def tree(self, step: int, module: str) -> dict:
+    """One module's saved metadata tree (shapes and dtypes as stored)."""
+    return self.read(step, lambda: _metadata_tree(self.mngr, step, module))
+
+  def params_metadata(self, step: int, modules: list[str]) -> dict:
+    """The parameters of `modules` as stored (shape and dtype, nothing read), flat:
+    `module/path/to/param`."""
+    out = {}
+    for m in modules:
+      out.update(_flat(self.tree(step, m)["params"], f"{m}/"))
+    return out
+
+  def params_nbytes(self, step: int, modules: list[str]) -> int:
+    """The bytes the parameters of `modules` take once read (float32 where stored compact)."""
+    total = 0
+    for x in self.params_metadata(step, modules).values():
+      dtype = params_restore_dtype(x.dtype) or x.dtype
+      total += int(np.prod(x.shape)) * np.dtype(dtype).itemsize
+    return total
+
+  def params(self, step: int, meta: dict) -> dict[str, np.ndarray]:
+    """Every parameter of the step's modules, flat (`module/path/to/param`), as host arrays,
+    checked against the fingerprints saved with them (CkptError naming the damaged ones)."""
+    flat = self.read(step, lambda: _read_params(self.mngr, step, meta["modules"]))
+    saved = meta.get("fingerprints") or {}
+    bad = []
+    for key, x in flat.items():
+      module, path = key.split("/", 1)
+      want = saved.get(module, {}).get(f"params/{path}")
+      if want is not None and [int(v) for v in fingerprint.of(np.asarray(x))] != want:
+        bad.append(key)
+    if bad and not self.gone(step):
+      raise CkptError(f"step {step} of {self.path} does not match the fingerprints saved with it "
+                      f"({', '.join(bad[:3])}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}"
+                      f"): {DAMAGED}")
+    if bad:
+      raise StepGone(step)
+    return flat
+
+  def params_tree(self, step: int, meta: dict) -> dict:
+    """The parameters by module, nested as the model holds them (checked as `params`)."""
+    out: dict = {}
+    for key, x in self.params(step, meta).items():
+      module, *path = key.split("/")
+      node = out.setdefault(module, {})
+      for k in path[:-1]:
+        node = node.setdefault(k, {})
+      node[path[-1]] = x
+    return out
+
+  def module(self, step: int, module: str) -> dict:
+    """One module's whole saved tree (parameters and optimizer state) as host arrays."""
+    return self.read(step, lambda: _read_module(self.mngr, step, module))
+
+  def close(self) -> None:
+    self.mngr.close()
+
+
+def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
+           tool: str = "tools.ckpt") -> tuple[int, T]:
+  """(step, fn(step)) for `step`, or for the newest step: one that a live run's rotation removes
+  under the read is followed by the newest again (with a note naming `tool`); a given `step`
+  removed is an error naming the steps there are now."""
+  for _ in range(5):
+    s = reader.pick(step)
+    try:
+      return s, fn(s)
+    except StepGone as e:
+      if step is not None:
+        now = reader.steps()
+        raise CkptError(f"{e}; the checkpoint holds steps {', '.join(map(str, now)) or 'none'} "
+                        "now: give one of them with --step.") from None
+      print(f"{tool}: note: {e}; reading the newest step again.", file=sys.stderr, flush=True)
+  raise TryAgain(f"the newest step of {reader.path} was removed under every read ({ROTATED}); "
+                 "run again, or give an older --step.")
+
+
+# The manager-level reads under the Reader.
+
+def _meta(mngr, step: int) -> dict:
+  return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _metadata_tree(mngr, step: int, module: str) -> dict:
+  tree = mngr.item_metadata(step)[module]
+  return getattr(tree, "tree", tree)
+
+
+def _flat(tree, prefix: str) -> dict[str, object]:
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    out[prefix + jax.tree_util.keystr(path, simple=True, separator="/")] = leaf
+  return out
+
+
+def _read_params(mngr, step: int, modules: list[str]) -> dict[str, np.ndarray]:
+  args = {}
+  for m in modules:
+    tree = _metadata_tree(mngr, step, m)
+    restore = jax.tree.map(lambda x: ocp.RestoreArgs(
+        restore_type=np.ndarray, dtype=params_restore_dtype(x.dtype)), tree["params"])
+    args[m] = ocp.args.PyTreeRestore(item={"params": tree["params"]},
+                                     restore_args={"params": restore}, partial_restore=True)
+  restored = mngr.restore(step, args=ocp.args.Composite(**args))
+  out = {}
+  for m in modules:
+    out.update(_flat(restored[m]["params"], f"{m}/"))
+  return out
+
+
+def _read_module(mngr, step: int, module: str) -> dict:
+  """One module's whole saved tree (parameters and optimizer state) as host arrays."""
+  tree = _metadata_tree(mngr, step, module)
+  restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restore["params"] = jax.tree.map(lambda x: ocp.RestoreArgs(
+      restore_type=np.ndarray, dtype=params_restore_dtype(x.dtype)), tree["params"])
+  return mngr.restore(step, args=ocp.args.Composite(**{module: ocp.args.PyTreeRestore(
+      item=tree, restore_args=restore)}))[module]
