@@ -342,7 +342,7 @@ def _encoders_section(values: dict, known: dict) -> dict:
 
 def _moved_data_fields(values: dict) -> dict:
   """Configs written before an encoder took over fields of `data` (MOVED_DATA_FIELDS) hold them
-  there: moved into that encoder's `model.<name>` section (however that section is written)."""
+  there: moved into that encoder's section, `model.encoders.<name>`."""
   data = values.get("data")
   known = {f.name for f in dataclasses.fields(DataConfig)}
   if not isinstance(data, dict) or all(k in known for k in data):
@@ -350,19 +350,13 @@ def _moved_data_fields(values: dict) -> dict:
   # The built-in encoders declare what they took over when they register (imported by name, as
   # in _encoder_from_dict).
   importlib.import_module("mimo_jax.encoders").builtin()
-  data, model = dict(data), dict(values.get("model", {}))
-  sections = dict(model.get("encoders", {}))
-  sections.update({n: v for n, v in model.items() if n in ENCODER_CONFIGS})
-  sections.update(model.get("extra") or {})
+  model = _encoders_section(dict(values.get("model", {})),
+                            {f.name for f in dataclasses.fields(ModelConfig)})
+  data, sections = dict(data), dict(model.get("encoders", {}))
   for name, section in sections.items():
     moved = {f: data.pop(f) for f in MOVED_DATA_FIELDS.get(name, ()) if f in data}
-    if moved:
-      model.setdefault("encoders", {})
-      model["encoders"] = {**model["encoders"], name: {**section, **moved}}
-      model.pop(name, None)
-      if name in (model.get("extra") or {}):
-        model["extra"] = {k: v for k, v in model["extra"].items() if k != name}
-  return {**values, "data": data, "model": model}
+    sections[name] = {**section, **moved}
+  return {**values, "data": data, "model": {**model, "encoders": sections}}
 
 
 def _encoder_from_dict(cls, name: str, values: dict, prefix: str):

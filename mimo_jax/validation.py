@@ -25,7 +25,7 @@ def _finite(obj: object, prefix: str) -> None:
     value = getattr(obj, f.name)
     if dataclasses.is_dataclass(value):
       _finite(value, f"{prefix}{f.name}.")
-    elif isinstance(value, dict):  # model.extra, topology.extra: model.<name>, topology.<name>
+    elif isinstance(value, dict):  # model.encoders, topology.encoders
       for name, section in value.items():
         if dataclasses.is_dataclass(section):
           _finite(section, f"{prefix}{name}.")

@@ -1,7 +1,9 @@
 """Encoders as plug-ins: a second, tests-only encoder (tests/toy_encoder.py) trains beside vision
 and the language model on three meshes, with the single-device float32 trajectory."""
 
+import dataclasses
 import functools
+import json
 import types
 
 import jax
@@ -9,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import encoders, memory, optim
+from mimo_jax import checkpoint, encoders, memory, optim
 from mimo_jax.batch import stack
-from mimo_jax.config import ConfigError, ModuleTopology, param_groups
+from mimo_jax.config import ConfigError, ModuleTopology, from_dict, param_groups
 from mimo_jax.data import digits, loader, meta
 from mimo_jax.data.layout import layout_microbatch
 from mimo_jax.data.loader import make_layout
@@ -193,3 +195,22 @@ def test_any_encoder_has_groups_to_freeze_and_scale_and_its_config_sizes_it(data
   with pytest.raises(ConfigError, match=r"^config\.data\.seq_len: 32 cannot hold 3 images of "
                      r"\d+ tokens, 8 signals of 4 tokens plus their answer; use >= \d+\.$"):
     validate(cfg, 8)
+
+
+def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before(data_dir):
+  """A config written when the image settings were data fields (data.max_images, image_slots,
+  slot_patches) reads back with them in model.vision; a checkpoint keeps max_images under its old
+  key, and the settings are no model field a resume must keep."""
+  cfg = tiny_config(data_dir)
+  v = cfg.model.vision
+  v.max_images, v.image_slots, cfg.data.image_probs = 2, 8, "0.2,0.4,0.4"
+  old = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  tower = old["model"].pop("encoders")["vision"]
+  old["data"].update({f: tower.pop(f) for f in ("max_images", "image_slots", "slot_patches")})
+  old["model"]["vision"] = tower
+  old["topology"]["vision"] = old["topology"].pop("encoders")["vision"]
+  assert from_dict(old) == cfg
+  assert checkpoint.data_values(cfg)["max_images"] == ("model.vision.max_images", 2)
+  saved = dataclasses.asdict(cfg)["model"]
+  v.image_slots, v.slot_patches, v.max_images, v.dim = 16, 4, 3, 48
+  assert checkpoint.model_differences(saved, cfg) == ["model.encoders.vision.dim=32 (this run: 48)"]
