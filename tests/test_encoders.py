@@ -109,7 +109,7 @@ def test_sidecar_and_scalable_reads_cover_every_encoder(data_dir, tmp_path):
   micro = cfg.data.micro_batch
   samples = _samples(1, 2 * micro, 1)[0][0]
   shard = str(tmp_path / "toy.array_record")
-  meta.write(shard, samples)
+  meta.write(shard, samples, Tokenizer())
   table = meta.load(shard, len(samples), samples.__getitem__, ("vision", "signal"))
   tok = Tokenizer()
   for i, sample in enumerate(samples):

@@ -1,7 +1,7 @@
-"""The capacity check before anything compiles: every microbatch of a run fits the configured
-image slots and packed rows, and every sample fits data.seq_len. It reads only the metadata sidecar
-and follows the loader's sample order and layout (data/loader.py), so that a run never meets a
-microbatch it cannot lay out.
+"""The capacity check before anything compiles: every microbatch of a run fits each encoder's
+configured slots and the packed rows, and every sample fits data.seq_len. It reads only the
+metadata sidecar and follows the loader's sample order and layout (data/loader.py), so that a run
+never meets a microbatch it cannot lay out.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LLaVA-style conversation data: records with a language model's own token ids, a loss mask on
-the assistant turns and images prepared by the vision tower's processor (`tools.convert` writes
+the assistant turns and images prepared by the image tower's processor (`tools.convert` writes
 them; `data.task=conversations` trains on them).
 
 A converted directory (`data.dir`) holds:
@@ -16,7 +16,7 @@ tokens; the loss mask is 1 on every assistant token and its end-of-turn token.
 
 `convert` writes such a directory from LLaVA-format records (`tools.convert` is its command line;
 the digits task builds its shards with it too): each record rendered with the language model's
-chat template (chat.py), each image prepared by the vision tower's processor (images.py), in
+chat template (chat.py), each image prepared by the image tower's processor (images.py), in
 parallel worker processes. Paths in the manifest (tokenizer, processor, source) are absolute, or
 relative to the directory where they lie inside it; `source_path` resolves them, older relative
 ones against the directory, then the working directory.
@@ -40,31 +40,40 @@ import warnings
 from typing import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
+from mimo_jax import encoders, output
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import records
+from mimo_jax.data import images, meta, records
+from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
+from mimo_jax.data.text import TokenIds
 from mimo_jax.workdir import describe_os_error
 
 MANIFEST = "conversations.json"
 SPLITS = ("train", "eval")
 FORMAT_VERSION = 1
+IMAGES = "images"  # the field of a sample that lists its images
+# The ids the layout writes around converted samples: only padding, as each sample has its loss
+# mask and the chat template's own bos and eos. Padding carries no loss and no sample's token
+# attends to it, so any id serves; 0.
+VOCABULARY = TokenIds(pad=0)
 
 
 def encode(sample: dict) -> bytes:
   return records.pack({"tokens": np.asarray(sample["tokens"]).tolist(),
-                       "loss_mask": np.asarray(sample["loss_mask"]).tolist()}, sample["images"])
+                       "loss_mask": np.asarray(sample["loss_mask"]).tolist()}, sample[IMAGES])
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
   """Record -> {"images": [uint8 [h, w, c]], "tokens": int32 [n], "loss_mask": int32 [n]}; a bad
   record names the file and index."""
   try:
-    header, images = records.unpack(record)
+    header, pixels = records.unpack(record)
     tokens = np.asarray(header["tokens"], np.int32)
     mask = np.asarray(header["loss_mask"], np.int32)
     if tokens.shape != mask.shape:
       raise ValueError(f"{mask.size} loss mask entries for {tokens.size} tokens")
-    return {"images": images, "tokens": tokens, "loss_mask": mask}
+    return {IMAGES: pixels, "tokens": tokens, "loss_mask": mask}
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid conversation sample ({e}).") \
         from None
@@ -89,22 +98,13 @@ def manifest(directory: str) -> dict:
 def paths(cfg: Config, directory: str = "") -> dict[str, str]:
   """The converted train and eval shards of `directory` (default `data.dir`), after checking that
   the run's fields agree with its manifest."""
-  d, v = cfg.data, cfg.model.vision
+  d = cfg.data
   directory = directory or d.dir
   m = manifest(directory)
   if d.placeholder != m["image_token"]:
     raise ConfigError(f"config.data.image_token: {d.image_token} where {directory} marks images "
                       f"with token {m['image_token']}; set data.image_token={m['image_token']}.")
-  h, w = m["image_size"]
-  if not v.slot_patches and (h, w) != (v.image_size, v.image_size):
-    raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {directory} holds "
-                      f"{h}x{w} images; set model.vision.image_size={h}, or "
-                      "model.vision.slot_patches.")
-  others = [f"{a}x{b}" for a, b in m.get("image_sizes", []) if (a, b) != (h, w)]
-  if others and not v.slot_patches:
-    raise ConfigError(f"config.model.vision.slot_patches: {directory} holds images of several "
-                      f"sizes ({h}x{w}, {', '.join(others[:3])}), which need dynamic resolution; "
-                      "set model.vision.slot_patches, or convert with a processor that crops.")
+  images.check_sizes(cfg, directory, m["image_size"], m.get("image_sizes", []))
   vocab = cfg.model.language.vocab_size or m["vocab_size"]
   if vocab < m["vocab_size"]:
     raise ConfigError(f"config.model.language.vocab_size: {vocab} is less than the tokenizer's "
@@ -236,15 +236,15 @@ def eval_split(records: list[dict], count: int, seed: int) -> tuple[set[int], li
   return chosen, shared
 
 
-def estimate_bytes(records: list[dict], proc) -> int:
+def estimate_bytes(records: list[dict], proc: images.ImageProcessor) -> int:
   """About the bytes a conversion writes: each listed image at the processor's size (a lower
   bound where the processor keeps the aspect ratio) and a header a record."""
-  h, w = proc.crop or proc.size or (proc.shortest_edge,) * 2
-  images = 0
+  h, w = proc.output_size
+  count = 0
   for r in records:
     f = r.get("image")
-    images += 1 if isinstance(f, str) else len(f) if isinstance(f, list) else 0
-  return images * h * w * (3 if proc.convert_rgb else 1) + len(records) * 256
+    count += 1 if isinstance(f, str) else len(f) if isinstance(f, list) else 0
+  return count * h * w * proc.channels + len(records) * 256
 
 
 _WORKER = {}
@@ -252,9 +252,6 @@ _WORKER = {}
 
 def _init(opts: Options) -> None:
   """The tokenizer, processor and image token of `opts`; one error naming the flag if unusable."""
-  # pylint: disable=import-outside-toplevel
-  from mimo_jax.data.chat import ChatError, ChatTokenizer
-  from mimo_jax.data.images import ImageProcessor
   try:
     tok = ChatTokenizer.open(opts.tokenizer)
   except ChatError as e:
@@ -263,10 +260,10 @@ def _init(opts: Options) -> None:
     image_id = tok.token_id(opts.image_token)
   except ChatError as e:
     raise ConfigError(f"--image_token {opts.image_token!r}: {e}") from None
-  images = pathlib.Path(opts.images)
-  _WORKER.update(opts=opts, tok=tok, images=images, root=os.path.realpath(images),
-                 proc=ImageProcessor.open(opts.processor or opts.tokenizer,
-                                          pad_to_square=opts.pad_to_square),
+  folder = pathlib.Path(opts.images)
+  _WORKER.update(opts=opts, tok=tok, images=folder, root=os.path.realpath(folder),
+                 proc=images.ImageProcessor.open(opts.processor or opts.tokenizer,
+                                                 pad_to_square=opts.pad_to_square),
                  image_id=image_id)
 
 
@@ -307,8 +304,6 @@ def _image_files(record: dict, where: str) -> list[str]:
 
 def _read_image(f: str, where: str):
   """The processor's pixels of image file `f` (relative to --images)."""
-  # pylint: disable=import-outside-toplevel
-  from PIL import Image
   w = _WORKER
   path = w["images"] / f
   real = os.path.realpath(path)
@@ -316,14 +311,10 @@ def _read_image(f: str, where: str):
     raise RecordError("outside --images", f"{where}: image {f!r} leads out of --images "
                       f"({real}); --allow_outside_images reads it.")
   try:
-    with warnings.catch_warnings():
-      # Past MAX_IMAGE_PIXELS Pillow only warns; such an image would take a worker's memory.
-      warnings.simplefilter("error", Image.DecompressionBombWarning)
-      with Image.open(path) as image:
-        return w["proc"](image)
+    return images.load(path, w["proc"])
   except FileNotFoundError:
     raise RecordError("missing image", f"{where}: image {path} not found.") from None
-  except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+  except images.TOO_LARGE as e:
     raise RecordError("image too large", f"{where}: image {path} is too large to decode ({e}).") \
         from None
   except Exception as e:  # pylint: disable=broad-except
@@ -332,8 +323,6 @@ def _read_image(f: str, where: str):
 
 def convert_record(record: dict, where: str) -> dict:
   """One record -> a sample (`tokens`, `loss_mask`, `images`), or RecordError (after `_init`)."""
-  # pylint: disable=import-outside-toplevel
-  from mimo_jax.data.chat import ChatError, TokenizeError, messages
   w, opts = _WORKER, _WORKER["opts"]
   turns = record.get("conversations")
   if not isinstance(turns, list) or not turns:
@@ -366,13 +355,13 @@ def convert_record(record: dict, where: str) -> dict:
   if opts.seq_len and length > opts.seq_len:
     raise RecordError("too long", f"{where}: {length} tokens ({len(files)} images of "
                       f"{opts.image_tokens}) exceed --seq_len {opts.seq_len}.")
-  return {"tokens": ids, "loss_mask": mask, "images": pixels}
+  return {"tokens": ids, "loss_mask": mask, IMAGES: pixels}
 
 
-def positions(tokens: int, images: int, image_tokens: int) -> int:
+def positions(tokens: int, image_count: int, image_tokens: int) -> int:
   """Positions a sample takes in a row: every token but the last is an input (as the layout
   counts), each image `image_tokens` of them."""
-  return tokens - 1 + images * (image_tokens - 1)
+  return tokens - 1 + image_count * (image_tokens - 1)
 
 
 def _work(item):
@@ -450,8 +439,6 @@ def _caught_signals() -> Iterator[list[int]]:
   """Records SIGINT, SIGTERM and SIGHUP (where Python handles them) as they raise
   `output.Interrupted`: a handler's exception raised inside a garbage-collection callback is only
   printed, so the conversion loop looks at the record too."""
-  # pylint: disable-next=import-outside-toplevel
-  from mimo_jax import output
   caught, kept = [], {}
 
   def handle(signum, frame):  # pylint: disable=unused-argument
@@ -478,7 +465,7 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   on stderr) or raise ConfigError with nothing written; a failed write is a ConfigError naming the
   file system's reason; any failure or interrupt removes what this conversion wrote. Callers that
   publish `out` as a whole (tools.convert) pass a fresh staging directory."""
-  with _caught_signals() as caught:  # from the start: a signal during the imports counts too
+  with _caught_signals() as caught:  # from the start: a signal at any point counts
     return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
                     progress, caught)
 
@@ -486,11 +473,40 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
 def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int | None,
              seed: int, eval_ids, progress: bool, caught: list[int]) -> dict:
   """`convert`, with the signals `_caught_signals` recorded in `caught`."""
-  # pylint: disable=import-outside-toplevel
-  from tqdm import tqdm
-  from mimo_jax import output
-  from mimo_jax.data import meta
-  from mimo_jax.data.tokenizer import Tokenizer
+  # The built-in encoders, whose items the sidecars list, registered before any file or worker
+  # exists: their imports take seconds.
+  encoders.builtin()
+  records = _prepare(source, out, opts)
+  shared = []
+  if eval_ids is None:
+    eval_ids, shared = eval_split(records, default_eval(len(records)) if eval_count is None
+                                  else eval_count, seed)
+  eval_ids = set(eval_ids)
+  output.check_space(out, estimate_bytes(records, _WORKER["proc"]), f"converting {source}")
+  made = not out.exists()
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(describe_os_error(e, str(out))) from None
+  files = _Files(out)
+  items = [(i, r, str(source)) for i, r in enumerate(records)]
+  started = time.perf_counter()
+  try:
+    files.open()
+    tally = _write(files, items, eval_ids, opts, progress, caught)
+    files.close_pool()
+    written = _manifest(source, out, opts, tally, bool(eval_ids))
+    files.publish(written, tally.rows)
+  except BaseException:  # nothing of this conversion stays behind; this cleanup cannot fail
+    files.remove(made)
+    raise
+  return dict(written, seconds=time.perf_counter() - started, records=len(records),
+              shared_ids=shared)
+
+
+def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dict]:
+  """The records of `source`, after checking `out` and --images, with the tokenizer and processor
+  open (`_init`): a bad flag is one error before any work."""
   if (out / MANIFEST).exists():
     raise ConfigError(f"{out}: holds a conversion already ({MANIFEST}); choose another --out or "
                       "delete it.")
@@ -498,127 +514,145 @@ def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count:
     raise ConfigError(f"--images {opts.images}: not a directory; give the folder the records' "
                       "image paths are relative to.")
   records = read_records(source)
-  _init(opts)  # here first: a bad tokenizer or processor is one error before any work
-  tok, proc, image_id = _WORKER["tok"], _WORKER["proc"], _WORKER["image_id"]
-  shared = []
-  if eval_ids is None:
-    eval_ids, shared = eval_split(records, default_eval(len(records)) if eval_count is None
-                                  else eval_count, seed)
-  eval_ids = set(eval_ids)
-  output.check_space(out, estimate_bytes(records, proc), f"converting {source}")
-  made = not out.exists()
-  try:
-    out.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(describe_os_error(e, str(out))) from None
-  tmp = {s: out / f".{s}.array_record.tmp" for s in SPLITS}
-  shards = {}
-  rows = {s: [] for s in SPLITS}
-  skipped, images, sizes = collections.Counter(), 0, collections.Counter()
-  channels, longest, most_images = collections.Counter(), 0, 0
-  tok0 = Tokenizer()  # unused by samples with their own loss mask
-  items = [(i, r, str(source)) for i, r in enumerate(records)]
-  started = time.perf_counter()
-  pool = None
-  done = 0
-  try:
-    try:
-      shards.update({s: _Shard(p) for s, p in tmp.items()})
-    except (OSError, ValueError, RuntimeError) as e:
-      raise ConfigError(f"{out}: cannot create the shards ({e}).") from None
-    if opts.workers > 1:
-      with _workers_ignore_sigint():
-        pool = multiprocessing.get_context("spawn").Pool(opts.workers, _pool_init, (opts,))
-      results = pool.imap(_work, items, chunksize=16)
-    else:
-      results = map(_work, items)
-    placeholders = {"vision": image_id}
-    for index, sample, error in tqdm(results, total=len(items), desc="converting",
-                                     unit="record", file=sys.stderr, mininterval=1.0,
-                                     disable=not progress):
-      done += 1
-      if caught:
-        raise output.Interrupted(caught[0])
-      if error is not None:
-        reason, message = error
-        if opts.on_error == "fail":
-          raise ConfigError(message + " (--on_error skip converts the rest)")
-        skipped[reason] += 1
-        tqdm.write(f"skipped: {message}", file=sys.stderr)
-        continue
-      split = "eval" if index in eval_ids else "train"
-      try:
-        shards[split].write(encode(sample))
-      except OSError as e:
-        raise ConfigError(describe_os_error(e, f"writing {tmp[split]} (record {done} of "
-                                            f"{len(items)})")) from None
-      rows[split].append(meta.row(sample, tok0, placeholders))
-      images += len(sample["images"])
-      sizes.update(tuple(int(v) for v in p.shape[:2]) for p in sample["images"])
-      channels.update(int(p.shape[2]) for p in sample["images"])
-      longest = max(longest, positions(len(sample["tokens"]), len(sample["images"]),
-                                       opts.image_tokens))
-      most_images = max(most_images, len(sample["images"]))
-    if caught:  # after the last record
+  _init(opts)
+  return records
+
+
+@dataclasses.dataclass
+class _Tally:
+  """What a conversion wrote, for its sidecars and manifest."""
+  rows: dict[str, list] = dataclasses.field(default_factory=lambda: {s: [] for s in SPLITS})
+  skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  image_stats: images.Tally = dataclasses.field(default_factory=images.Tally)
+  longest: int = 0  # positions of the longest sample
+
+
+def _marks(image_id: int) -> dict[str, int]:
+  """The registered encoders that read a sample's images, each with the image token as its
+  placeholder."""
+  return {e.name: image_id for e in encoders.REGISTRY.values() if e.sample_key == IMAGES}
+
+
+def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progress: bool,
+           caught: list[int]) -> _Tally:
+  """Converts `items` (index, record, source) in this process or `opts.workers` ones and writes
+  each sample to its split's shard as they come back, in order; a bad record is skipped and
+  reported, or with `on_error="fail"` a ConfigError; a caught signal is `output.Interrupted`."""
+  if opts.workers > 1:
+    with _workers_ignore_sigint():
+      files.pool = multiprocessing.get_context("spawn").Pool(opts.workers, _pool_init, (opts,))
+    results = files.pool.imap(_work, items, chunksize=16)
+  else:
+    results = map(_work, items)
+  tally, marks, done = _Tally(), _marks(_WORKER["image_id"]), 0
+  for index, sample, error in tqdm(results, total=len(items), desc="converting",
+                                   unit="record", file=sys.stderr, mininterval=1.0,
+                                   disable=not progress):
+    done += 1
+    if caught:
       raise output.Interrupted(caught[0])
-    if pool is not None:
-      pool.close()
-      pool.join()
-    counts = {s: len(r) for s, r in rows.items()}
-    if not counts["train"]:
-      raise ConfigError(f"--json {source}: no record could be converted for train "
-                        f"({dict(skipped) or 'every record was drawn for eval'}).")
-    if eval_ids and not counts["eval"]:
-      raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
-                        f"({dict(skipped)}); hold out more with --eval, or fix the records.")
-    # The most common image size (every one, with a crop or a square resize); text only: the
-    # processor's own.
-    size = (sizes.most_common(1)[0][0] if sizes else
-            proc.crop or proc.size or (proc.shortest_edge,) * 2)
-    manifest_ = {"format": FORMAT_VERSION, "image_token": image_id,
-                 "image_token_text": opts.image_token, "image_size": [int(v) for v in size],
-                 "image_sizes": sorted([list(k) for k in sizes]),
-                 "channels": channels.most_common(1)[0][0] if channels else
-                 (3 if proc.convert_rgb else 1),
-                 "vocab_size": tok.tokenizer.get_vocab_size(),
-                 "tokenizer": _stored(opts.tokenizer, out),
-                 "processor": _stored(opts.processor or opts.tokenizer, out),
-                 "source": _stored(str(source), out),
-                 "samples": counts, "images": images, "skipped": dict(skipped),
-                 "longest": longest, "max_images": most_images,
-                 "pad_to_square": opts.pad_to_square}
+    if error is not None:
+      reason, message = error
+      if opts.on_error == "fail":
+        raise ConfigError(message + " (--on_error skip converts the rest)")
+      tally.skipped[reason] += 1
+      tqdm.write(f"skipped: {message}", file=sys.stderr)
+      continue
+    split = "eval" if index in eval_ids else "train"
+    try:
+      files.shards[split].write(encode(sample))
+    except OSError as e:
+      raise ConfigError(describe_os_error(e, f"writing {files.tmp[split]} (record {done} of "
+                                          f"{len(items)})")) from None
+    tally.rows[split].append(meta.row(sample, VOCABULARY, marks))
+    tally.image_stats.add(sample[IMAGES])
+    tally.longest = max(tally.longest, positions(len(sample["tokens"]), len(sample[IMAGES]),
+                                                 opts.image_tokens))
+  if caught:  # after the last record
+    raise output.Interrupted(caught[0])
+  return tally
+
+
+def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Tally,
+              held_out: bool) -> dict:
+  """The manifest of a conversion that wrote `tally`; a ConfigError if train is left empty, or
+  eval while records were `held_out` for it."""
+  counts = {s: len(r) for s, r in tally.rows.items()}
+  if not counts["train"]:
+    raise ConfigError(f"--json {source}: no record could be converted for train "
+                      f"({dict(tally.skipped) or 'every record was drawn for eval'}).")
+  if held_out and not counts["eval"]:
+    raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
+                      f"({dict(tally.skipped)}); hold out more with --eval, or fix the records.")
+  proc, pictures = _WORKER["proc"], tally.image_stats
+  return {"format": FORMAT_VERSION, "image_token": _WORKER["image_id"],
+          "image_token_text": opts.image_token, "image_size": pictures.size(proc),
+          "image_sizes": sorted([list(k) for k in pictures.sizes]),
+          "channels": pictures.channel(proc),
+          "vocab_size": _WORKER["tok"].tokenizer.get_vocab_size(),
+          "tokenizer": _stored(opts.tokenizer, out),
+          "processor": _stored(opts.processor or opts.tokenizer, out),
+          "source": _stored(str(source), out),
+          "samples": counts, "images": pictures.count, "skipped": dict(tally.skipped),
+          "longest": tally.longest, "max_images": pictures.most,
+          "pad_to_square": opts.pad_to_square}
+
+
+class _Files:
+  """What a conversion writes into `out`: each split's shard under a temporary name until
+  `publish` names it, beside its sidecar, then the manifest; and the worker pool, if any."""
+
+  def __init__(self, out: pathlib.Path):
+    self.out, self.pool = out, None
+    self.tmp = {s: out / f".{s}.array_record.tmp" for s in SPLITS}
+    self.shards: dict[str, _Shard] = {}
+
+  def open(self) -> None:
+    try:
+      self.shards.update({s: _Shard(p) for s, p in self.tmp.items()})
+    except (OSError, ValueError, RuntimeError) as e:
+      raise ConfigError(f"{self.out}: cannot create the shards ({e}).") from None
+
+  def close_pool(self) -> None:
+    if self.pool is not None:
+      self.pool.close()
+      self.pool.join()
+
+  def publish(self, written: dict, rows: dict[str, list]) -> None:
+    """Closes each shard and gives it its name once its sidecar (`rows`) is written, then writes
+    the manifest `written`; a failed write is a ConfigError naming the file system's reason."""
     try:
       for s in SPLITS:  # each shard complete before its name appears
-        shards[s].close()
-        final = out / f"{s}.array_record"
+        self.shards[s].close()
+        final = self.out / f"{s}.array_record"
         meta.save(str(final), rows[s])
-        os.replace(tmp[s], final)
-      part = out / (MANIFEST + ".tmp")
-      part.write_text(json.dumps(manifest_, indent=1))
-      os.replace(part, out / MANIFEST)
+        os.replace(self.tmp[s], final)
+      part = self.out / (MANIFEST + ".tmp")
+      part.write_text(json.dumps(written, indent=1))
+      os.replace(part, self.out / MANIFEST)
     except OSError as e:
-      raise ConfigError(describe_os_error(e, f"writing {getattr(e, 'filename', None) or out}")) \
-          from None
-  except BaseException:  # nothing of this conversion stays behind; this cleanup cannot fail
-    if pool is not None:
+      where = getattr(e, "filename", None) or self.out
+      raise ConfigError(describe_os_error(e, f"writing {where}")) from None
+
+  def remove(self, made: bool) -> None:
+    """Stops the workers and removes every file of this conversion unless its manifest is
+    written (and `out` itself, if `made` by it and left empty); never raises."""
+    if self.pool is not None:
       try:
-        pool.terminate()
-        pool.join()
+        self.pool.terminate()
+        self.pool.join()
       except Exception:  # pylint: disable=broad-except
         pass
-    for shard in shards.values():
+    for shard in self.shards.values():
       shard.abandon()
-    if not (out / MANIFEST).exists():
+    if not (self.out / MANIFEST).exists():
       for s in SPLITS:
-        final = out / f"{s}.array_record"
-        for p in (tmp[s], final, pathlib.Path(meta.path_of(str(final))),
-                  out / (MANIFEST + ".tmp")):
+        final = self.out / f"{s}.array_record"
+        for p in (self.tmp[s], final, pathlib.Path(meta.path_of(str(final))),
+                  self.out / (MANIFEST + ".tmp")):
           output.remove(p)
     if made:
       try:
-        out.rmdir()  # only if empty
+        self.out.rmdir()  # only if empty
       except OSError:
         pass
-    raise
-  return dict(manifest_, seconds=time.perf_counter() - started, records=len(records),
-              shared_ids=shared)

@@ -21,18 +21,24 @@ The result stays uint8, which is what the data shards hold. Rescaling by 1/255 a
 mean and std are applied on the device, in one place: the vision tower divides by 255 and
 normalises with `model.vision.pixel_mean` / `pixel_std` (which `tools.hf import` takes from the
 same file); `normalized` does the same on the host for checks.
+
+The image side of the data tasks lives here too: an image file read through the processor (`load`),
+the images a conversion wrote (`Tally`, for its manifest) checked against the vision tower's config
+(`check_sizes`), and the images the synthetic task draws (`synthetic_shapes`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pathlib
+import warnings
 
 import numpy as np
 from PIL import Image
 
-from mimo_jax.config import ConfigError
+from mimo_jax.config import Config, ConfigError
 
 FILE = "preprocessor_config.json"
 PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor")
@@ -91,6 +97,17 @@ class ImageProcessor:
     # LlavaImageProcessor's do_pad is LLaVA's pad to square (tools.hf export writes it so).
     return cls(resample=int(c.get("resample", Image.Resampling.BICUBIC)),
                pad_to_square=pad_to_square or bool(c.get("do_pad", False)), **out)
+
+  @property
+  def output_size(self) -> tuple[int, int]:
+    """(height, width) of what it makes: its crop or its resize; with a shortest edge, a square of
+    that edge (a lower bound: the image keeps its aspect ratio)."""
+    return self.crop or self.size or (self.shortest_edge,) * 2
+
+  @property
+  def channels(self) -> int:
+    """Channels of what it makes: 3 with RGB conversion; else 1, the grayscale it reads."""
+    return 3 if self.convert_rgb else 1
 
   def __call__(self, image: Image.Image) -> np.ndarray:
     """A PIL image -> uint8 pixels [h, w, 3] ([h, w, bands] without RGB conversion), resized and
@@ -159,3 +176,68 @@ def center_crop(pixels: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
     pixels, h, w = padded, nh, nw
   top, left = (h - ch) // 2, (w - cw) // 2
   return pixels[top:top + ch, left:left + cw]
+
+
+# What Pillow raises for an image too large to decode safely (past Image.MAX_IMAGE_PIXELS it only
+# warns, and `load` makes the warning an error: such an image would take a worker's memory).
+TOO_LARGE = (Image.DecompressionBombError, Image.DecompressionBombWarning)
+
+
+def load(path, processor: ImageProcessor) -> np.ndarray:
+  """The processor's pixels of the image file at `path`; Pillow's errors as they are (TOO_LARGE
+  for one too large to decode)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+    with Image.open(path) as image:
+      return processor(image)
+
+
+@dataclasses.dataclass
+class Tally:
+  """The images of a conversion's samples, for its manifest."""
+  count: int = 0
+  most: int = 0  # in one sample
+  sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  channels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def add(self, pixels: list[np.ndarray]) -> None:
+    """Counts one sample's images (uint8 [h, w, c] each)."""
+    self.count += len(pixels)
+    self.sizes.update(tuple(int(v) for v in p.shape[:2]) for p in pixels)
+    self.channels.update(int(p.shape[2]) for p in pixels)
+    self.most = max(self.most, len(pixels))
+
+  def size(self, processor: ImageProcessor) -> list[int]:
+    """The most common image size (every one, with a crop or a square resize); without images,
+    the processor's own."""
+    return [int(v) for v in (self.sizes.most_common(1)[0][0] if self.sizes else
+                             processor.output_size)]
+
+  def channel(self, processor: ImageProcessor) -> int:
+    """The most common channel count; without images, the processor's."""
+    return self.channels.most_common(1)[0][0] if self.channels else processor.channels
+
+
+def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[int]]) -> None:
+  """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
+  most common `size` and all its `sizes`): one size equal to model.vision.image_size, or any
+  sizes with dynamic resolution (model.vision.slot_patches)."""
+  v = cfg.model.vision
+  h, w = size
+  if not v.slot_patches and (h, w) != (v.image_size, v.image_size):
+    raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {directory} holds "
+                      f"{h}x{w} images; set model.vision.image_size={h}, or "
+                      "model.vision.slot_patches.")
+  others = [f"{a}x{b}" for a, b in sizes if (a, b) != (h, w)]
+  if others and not v.slot_patches:
+    raise ConfigError(f"config.model.vision.slot_patches: {directory} holds images of several "
+                      f"sizes ({h}x{w}, {', '.join(others[:3])}), which need dynamic resolution; "
+                      "set model.vision.slot_patches, or convert with a processor that crops.")
+
+
+def synthetic_shapes(cfg: Config) -> tuple[list[tuple[int, int]], int, int]:
+  """The sizes the synthetic task draws its images from (data.image_sizes; default the vision
+  tower's image_size, square), their channels, and the pixels an image token covers on each side
+  (patch_size * downsample)."""
+  d, v = cfg.data, cfg.model.vision
+  return d.sizes(v.image_size), v.channels, v.patch_size * v.downsample

@@ -7,7 +7,7 @@ order, the rest stay empty. So an encoder's input array [G*S, ...] is already in
 language model needs: the encoder runs on it with any dp that divides G*S, and moving its output
 to the language mesh is a reshard of one array split on its first axis (fan-in and fan-out fall
 out of the shapes). How an item is written into a slot, and how many tokens it yields, is the
-encoder's (`encoders.SlotLayout`; images: encoders/vision.py, also for dynamic resolution).
+encoder's (`encoders.SlotLayout`, which each encoder's plug-in implements).
 
 For every text position that holds one of an encoder's placeholders, `Slots.pos_rl` gives the
 index of its token inside the rank's own slots (slot_local * t + token), or -1: the merge on the
@@ -16,8 +16,10 @@ each token of each slot (-1 = empty); it travels through the bridge beside the e
 the language side can verify that every placeholder receives a token of its own sample.
 
 The layout works in three jobs: where each sample's items go (`place_items`), where its text goes
-(`_Rows`, `sample_tokens`), and writing both (`layout_microbatch`), which also counts the
-microbatch's statistics, once (`batch.Stats`).
+(`_Rows`; its tokens: text.sample_tokens), and writing both (`layout_microbatch`), which also counts
+the microbatch's statistics, once (`batch.Stats`). The token ids it writes itself (padding, and bos
+and eos around samples without their own loss mask) are the task's (`text.Vocabulary`); each
+encoder's placeholder id is its slot layout's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from mimo_jax.batch import Batch, Samples, Slots, Stats, Text
-from mimo_jax.data.tokenizer import BOS, EOS, IMG, PAD, Tokenizer
+from mimo_jax.data.text import Vocabulary, sample_tokens
 from mimo_jax.encoders import SlotLayout
 
 
@@ -55,7 +57,8 @@ def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> l
       if t > cap:
         article = "an" if slots.noun[0] in "aeiou" else "a"
         raise ValueError(f"sample {sid} has {article} {slots.noun} of {t} tokens but a slot holds "
-                         f"{cap}; raise data.slot_patches.")
+                         f"{cap}; raise "
+                         f"{slots.tokens_field or f'the slot tokens of encoder {slots.name}'}.")
       slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= t and items[j] < most),
                   None)
       if slot is None:
@@ -84,51 +87,6 @@ def first_fit(sizes: list[int], capacity: int, most: int = 0) -> int:
     free[j] -= t
     items[j] += 1
   return len(free)
-
-
-def sample_tokens(tok: Tokenizer, sample: dict, item_tokens: dict[int, list[int]],
-                  nouns: dict[int, str] | None = None) -> tuple[list[int], np.ndarray]:
-  """The sample's token sequence, its i-th placeholder of each encoder expanded to that item's
-  tokens (`item_tokens` maps placeholder id -> tokens per item, `nouns` placeholder id -> what an
-  item is called, for errors), and the loss mask of its targets (float32, one per position but
-  the last: 1 where the next token carries loss).
-
-  Three forms: a digits sample (`text`) and a sample of token ids (`tokens`, items first, as
-  data/synthetic.py writes) get bos and eos around them and loss on the targets after ':' or after
-  the last placeholder (or bos); a sample with its own `loss_mask` (one 0/1 per token of `tokens`:
-  1 = the token is a target) is taken as it is, with loss on those tokens (never on an item's)."""
-  ids = tok.encode(sample["text"]) if "text" in sample else list(sample["tokens"])
-  own = "loss_mask" in sample
-  if own and len(sample["loss_mask"]) != len(ids):
-    raise ValueError(f"its loss_mask has {len(sample['loss_mask'])} entries for {len(ids)} "
-                     "tokens.")
-  for mark, counts in item_tokens.items():
-    if ids.count(mark) != len(counts):
-      word = "<img>" if mark == IMG else f"token {mark}"
-      noun = (nouns or {}).get(mark, "item")
-      raise ValueError(f"its text has {ids.count(mark)} {word} placeholders but it has "
-                       f"{len(counts)} {noun}s.")
-  words, items = ([] if own else [BOS]), {mark: iter(counts) for mark, counts in
-                                          item_tokens.items()}
-  marks = []  # with its own mask: the loss of each word as a target (none on an item's tokens)
-  for i, w in enumerate(ids):
-    n = next(items[w]) if w in items else 1
-    words.extend([w] * n)
-    if own:
-      marks.extend([0.0] * n if w in items else [float(sample["loss_mask"][i])])
-  if own:
-    return words, np.asarray(marks[1:], np.float32)
-  words.append(EOS)
-  loss = np.zeros(len(words) - 1, np.float32)
-  start = words.index(tok.colon) if "text" in sample else sum(sum(c) for c in item_tokens.values())
-  loss[start:] = 1.0
-  return words, loss
-
-
-def text_length(sample: dict, tok: Tokenizer, placeholders: tuple[int, ...]) -> int:
-  """Tokens of a sample other than its placeholders (bos and eos included)."""
-  ids = tok.encode(sample["text"]) if "text" in sample else sample["tokens"]
-  return 2 * ("loss_mask" not in sample) + sum(1 for w in ids if w not in placeholders)
 
 
 class _Rows:
@@ -166,9 +124,9 @@ class _Rows:
                        for g in range(G)], np.int32)
 
 
-def _empty_text(rows: int, L: int) -> Text:
-  return Text(tokens_rl=np.full((rows, L), PAD, np.int32),
-              targets_rl=np.full((rows, L), PAD, np.int32),
+def _empty_text(rows: int, L: int, pad: int) -> Text:
+  return Text(tokens_rl=np.full((rows, L), pad, np.int32),
+              targets_rl=np.full((rows, L), pad, np.int32),
               loss_mask_rl=np.zeros((rows, L), np.float32),
               positions_rl=np.broadcast_to(np.arange(L, dtype=np.int32), (rows, L)).copy(),
               segment_ids_rl=np.zeros((rows, L), np.int32),
@@ -194,17 +152,18 @@ def _used_slots(places: list[list[tuple]], slots: SlotLayout, per_group: int) ->
 
 
 def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout,
-                      tok: Tokenizer) -> Batch:
-  """Lays out one microbatch (see the module docstring). Empty samples (None) have id -1.
+                      tok: Vocabulary) -> Batch:
+  """Lays out one microbatch (see the module docstring). Empty samples (None) have id -1; `tok`
+  gives the ids the layout writes (`text.Vocabulary`).
 
   Rows (`_rl`) hold one sample each, or `pack_rows` rows hold several samples as segments (ids 1,
   2, ...; 0 = padding) whose positions restart at 0. Per-sample arrays (`_b`) keep one entry per
   sample in both cases.
 
   A sample given only as `{"meta": meta.Meta}` (text and loss tokens, its items' sizes;
-  data/meta.py)
-  takes its row and slots like the full sample would, but they stay empty: scalable data
-  parallelism passes such stubs for samples whose rows and slots live on other processes' devices.
+  data/meta.py) takes its row and slots like the full sample would, but they stay empty: scalable
+  data parallelism passes such stubs for samples whose rows and slots live on other processes'
+  devices.
   The statistics count the whole microbatch, stubs included.
   """
   bsz, L, G = len(samples), layout.seq_len, layout.groups
@@ -212,7 +171,7 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
     raise ValueError(f"microbatch of {bsz} samples does not split over {G} language dp ranks")
   per_group = bsz // G
   rows = _Rows(layout, bsz)
-  text = _empty_text(rows.count, L)
+  text = _empty_text(rows.count, L, tok.pad)
   samples_ = Samples(ids_b=np.full((bsz,), -1, np.int32), answer_b=np.zeros((bsz,), np.int32),
                      items_b=np.zeros((bsz,), np.int32), tokens_b=np.zeros((bsz,), np.int32))
   slots = {e.name: _empty_slots(e, rows.count, L) for e in layout.encoders}

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grain
+import jax
 import numpy as np
 
 from mimo_jax import encoders
@@ -26,11 +27,21 @@ from mimo_jax.batch import Batch, stack
 from mimo_jax.config import Config, ConfigError, DataConfig
 from mimo_jax.data import conversations, digits, meta, reorder, synthetic
 from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_items
-from mimo_jax.data.tokenizer import Tokenizer
+from mimo_jax.data.text import Vocabulary
 
 
-DECODERS = {"digits": conversations.decode, "synthetic": synthetic.decode,
-            "conversations": conversations.decode}
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """What the loader needs of a task (`data.task`): how a record of its shards decodes, and the
+  vocabulary whose ids the layout writes around its samples."""
+  decode: Callable[[bytes, str, int], dict]
+  vocabulary: Vocabulary
+
+
+# The digits task's shards are converted conversations (data/digits.py).
+TASKS = {"digits": Task(conversations.decode, conversations.VOCABULARY),
+         "synthetic": Task(synthetic.decode, synthetic.VOCABULARY),
+         "conversations": Task(conversations.decode, conversations.VOCABULARY)}
 
 
 class DataError(ConfigError):
@@ -51,14 +62,11 @@ def read_record(read, path: str, index: int, decode) -> dict:
 
 def build_paths(cfg: Config, progress=None) -> dict[str, str]:
   """The task's train and eval shards, built on first use."""
-  d, v = cfg.data, cfg.model.vision
+  d = cfg.data
   if d.task == "conversations":
     return conversations.paths(cfg)
   if d.task == "synthetic":
-    return synthetic.build(d.dir, d.train_samples, d.eval_samples, d.probs(),
-                           d.sizes(v.image_size), v.channels,
-                           v.patch_size * v.downsample, d.seq_len, d.text_len,
-                           d.text_len_sigma, cfg.model.language.vocab_size, progress)
+    return synthetic.paths(cfg, progress)
   return conversations.paths(cfg, digits.build(d.dir, d.train_samples, d.eval_samples,
                                                 d.probs()))
 
@@ -76,7 +84,7 @@ def make_layout(cfg: Config, groups: int, eval_batch: int = 0) -> Layout:
 class _Decode(grain.transforms.Map):
 
   def __init__(self, path: str, task: str):
-    self._path, self._decode = path, DECODERS[task]
+    self._path, self._decode = path, TASKS[task].decode
 
   def map(self, element):
     index, record = element
@@ -156,8 +164,6 @@ def locality(topo, slots: dict[str, int]) -> Locality:
   """The `Locality` of this process under `topo` (a topology.Topology) for `slots` (encoder ->
   slots a microbatch): the dp indices of its language devices and the slot ranges of each
   encoder's devices."""
-  import jax  # pylint: disable=import-outside-toplevel
-
   def local_dp(name):
     mesh = topo.meshes[name]
     dp_axis = mesh.axis_names.index("dp")
@@ -176,14 +182,19 @@ def locality(topo, slots: dict[str, int]) -> Locality:
 
 
 class Records:
-  """Random access to a shard's records and their metadata; decodes on demand."""
+  """Random access to a shard's records and their metadata (which must list the items of the
+  encoders in `names`; default: every registered one, the built-in ones included); decodes on
+  demand."""
 
-  def __init__(self, path: str, task: str, names=("vision",)):
-    self.path, self._decode = path, DECODERS[task]
+  def __init__(self, path: str, task: str, names: tuple[str, ...] | None = None):
+    self.path, self._decode = path, TASKS[task].decode
     self.source = open_shard(path)
     if len(self.source) == 0:
       raise DataError(empty_shard(path, task))
-    self.meta = meta.load(path, len(self.source), self.read, names)
+    if names is None:
+      encoders.builtin()
+      names = tuple(encoders.REGISTRY)
+    self.meta = meta.load(path, len(self.source), self.read, names, TASKS[task].vocabulary)
 
   def __len__(self) -> int:
     return len(self.source)
@@ -193,7 +204,7 @@ class Records:
 
 
 def sample_order(lengths: list[int], costs: list[float], groups: int, data: DataConfig,
-           packed: bool) -> list[int]:
+                 packed: bool) -> list[int]:
   """The order a microbatch's samples are laid out in, rank after rank (as many each): with
   data.reorder=balance, over the ranks by cost. With `packed` (data.microbatch_fill=pack) each
   rank's samples come longest first, so that its first fit of rows and slots is first fit
@@ -244,10 +255,10 @@ def _plan(elements, layout: Layout, data: DataConfig, records: "Records", id_of)
   return stubs, ids, items, lengths, costs
 
 
-def _layout_batch(elements, layout: Layout, tok: Tokenizer, id_of, data: DataConfig,
+def _layout_batch(elements, layout: Layout, tok: Vocabulary, id_of, data: DataConfig,
                   records: Records, where: Locality) -> Batch:
   """Lays out one microbatch of (stream position, record index) pairs: orders its samples
-  (`_order`) and reads only the records `where` needs."""
+  (`sample_order`) and reads only the records `where` needs."""
   stubs, ids, items, lengths, costs = _plan(elements, layout, data, records, id_of)
   order = sample_order(lengths, costs, layout.groups, data, data.microbatch_fill == "pack")
   elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
@@ -314,7 +325,7 @@ def train_dataset(cfg: Config, path: str, lang_dp: int,
   # Stream position = sample id: unique within a step, identical on every topology.
   ds = ds.map_with_index(lambda pos, index: (pos, index))
   id_of = lambda pos: pos % (2**31 - 1)
-  batch_fn = functools.partial(_layout_batch, layout=layout, tok=Tokenizer(),
+  batch_fn = functools.partial(_layout_batch, layout=layout, tok=TASKS[d.task].vocabulary,
                                id_of=id_of, data=d, records=records,
                                where=where or Locality())
   if d.microbatch_fill == "pack":
@@ -392,7 +403,7 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   """
   n, bsz = cfg.eval.samples, cfg.eval.batch
   layout = make_layout(cfg, lang_dp, eval_batch=bsz)
-  tok = Tokenizer()
+  tok = TASKS[cfg.data.task].vocabulary
   records = Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
   short = eval_shortfall(cfg, path, len(records))
   if short:  # validation.validate_data refuses this before a run starts

@@ -29,8 +29,7 @@ import os
 import numpy as np
 
 from mimo_jax import encoders
-from mimo_jax.data.layout import sample_tokens, text_length
-from mimo_jax.data.tokenizer import Tokenizer
+from mimo_jax.data.text import Vocabulary, sample_tokens, text_length
 
 FORMAT = 2
 
@@ -44,9 +43,11 @@ class Meta:
   max_token: int = -1  # the largest token id (-1: none, or a sidecar without the column)
 
 
-def row(sample: dict, tok: Tokenizer, placeholders: dict[str, int] | None = None) -> Meta:
+def row(sample: dict, tok: Vocabulary | None,
+        placeholders: dict[str, int] | None = None) -> Meta:
   """The metadata of a full sample, for every registered encoder whose items it lists (each
-  marked by its placeholder, or by `placeholders[name]`)."""
+  marked by its placeholder, or by `placeholders[name]`). `tok` is the task's vocabulary (None
+  for a sample with its own loss mask, which needs none)."""
   present = [e for e in encoders.REGISTRY.values() if e.sample_key in sample]
   mark = {e.name: (placeholders or {}).get(e.name, e.placeholder) for e in present}
   sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
@@ -61,9 +62,9 @@ def path_of(shard: str) -> str:
   return shard + ".meta.npz"
 
 
-def write(shard: str, samples) -> None:
-  """Writes the sidecar of `shard` from its samples (in record order), atomically."""
-  tok = Tokenizer()
+def write(shard: str, samples, tok: Vocabulary | None) -> None:
+  """Writes the sidecar of `shard` from its samples (in record order, of the task whose
+  vocabulary is `tok`), atomically."""
   save(shard, [row(s, tok) for s in samples])
 
 
@@ -122,15 +123,16 @@ def _read(path: str, count: int, names) -> Table | None:
   return table
 
 
-def load(shard: str, count: int, read, names=()) -> Table:
+def load(shard: str, count: int, read, names=(), tok: Vocabulary | None = None) -> Table:
   """The sidecar of `shard` (`count` records, items of the encoders in `names`); built by scanning
-  with `read(i)` if missing, stale or of another format."""
+  with `read(i)` if missing, stale or of another format (`tok`: the task's vocabulary, which
+  samples without their own loss mask need)."""
   path = path_of(shard)
   if os.path.exists(path):
     table = _read(path, count, names)
     if table is not None:
       return table
-  write(shard, (read(i) for i in range(count)))
+  write(shard, (read(i) for i in range(count)), tok)
   table = _read(path, count, names)
   if table is None:
     missing = [n for n in names if n not in encoders.REGISTRY]

@@ -1,12 +1,12 @@
 """Synthetic VLM-shaped samples in ArrayRecord shards, for benchmarks (`data.task=synthetic`).
 
 A sample is k images (k drawn from `data.image_probs`, so 0..max_images with any skew) of random
-uint8 pixels, each of a size drawn uniformly from `data.image_sizes` (default
-`model.vision.image_size` square) with `channels` channels, followed by a text of n random token ids
-(n log-normal around `data.text_len` with spread `data.text_len_sigma`, clipped so that the sample
-fits `data.seq_len` with its image tokens). The loss covers the text. Real files, real decoding and
-real grain workers, shaped like LLaVA training data; the content is noise, so only speed means
-anything.
+uint8 pixels, each of a size drawn uniformly from `data.image_sizes` (default the image tower's
+image_size, square; images.synthetic_shapes) with its channels, followed by a text of n random
+token ids (n log-normal around `data.text_len` with spread `data.text_len_sigma`, clipped so that
+the sample fits `data.seq_len` with its image tokens). The loss covers the text. Real files, real
+decoding and real grain workers, shaped like LLaVA training data; the content is noise, so only
+speed means anything.
 
 Record format: a 4-byte little-endian header length, a JSON header {"shapes": [[h, w, c], ...],
 "tokens"}, then the k images' raw bytes one after another.
@@ -21,11 +21,16 @@ import tempfile
 import numpy as np
 from array_record.python import array_record_module
 
-from mimo_jax.data import meta, records
-from mimo_jax.data.tokenizer import IMG, SPECIALS, Tokenizer
+from mimo_jax.config import Config
+from mimo_jax.data import images, meta, records
+from mimo_jax.data.text import TokenIds
+from mimo_jax.data.tokenizer import BOS, EOS, IMG, PAD, SPECIALS
 
 FORMAT_VERSION = 2
 FIRST_TEXT_ID = len(SPECIALS)  # text ids are drawn from [FIRST_TEXT_ID, vocab_size)
+# The built-in tasks' special ids (data/tokenizer.py): <img> marks an image, bos and eos go around
+# a sample (its text carries the loss).
+VOCABULARY = TokenIds(pad=PAD, bos=BOS, eos=EOS)
 
 
 def text_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float,
@@ -53,9 +58,9 @@ def make_samples(n: int, seed: int, probs: list[float], sizes: list[tuple[int, i
                      "images a sample has (data.image_probs).")
   lengths = text_lengths(rng, n, text_len, text_sigma, room)
   for k, which, length in zip(ks, drawn, lengths):
-    images = [rng.integers(0, 256, size=sizes[i] + (channels,), dtype=np.uint8) for i in which]
+    pixels = [rng.integers(0, 256, size=sizes[i] + (channels,), dtype=np.uint8) for i in which]
     text = rng.integers(FIRST_TEXT_ID, vocab_size, size=int(length), dtype=np.int32)
-    yield {"images": images, "tokens": np.concatenate([np.full(k, IMG, np.int32), text])}
+    yield {"images": pixels, "tokens": np.concatenate([np.full(k, IMG, np.int32), text])}
 
 
 def encode(sample: dict) -> bytes:
@@ -66,10 +71,18 @@ def decode(record: bytes, source: str, index: int) -> dict:
   """Record -> {"images": [uint8 [h, w, c] each], "tokens": int32 [...]}; a bad record names the
   file and index."""
   try:
-    header, images = records.unpack(record)
-    return {"images": images, "tokens": np.asarray(header["tokens"], np.int32)}
+    header, pixels = records.unpack(record)
+    return {"images": pixels, "tokens": np.asarray(header["tokens"], np.int32)}
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid synthetic sample ({e}).") from None
+
+
+def paths(cfg: Config, progress=None) -> dict[str, str]:
+  """The run's train and eval shards (`build` with its data fields and image shapes)."""
+  d = cfg.data
+  sizes, channels, token_pixels = images.synthetic_shapes(cfg)
+  return build(d.dir, d.train_samples, d.eval_samples, d.probs(), sizes, channels, token_pixels,
+               d.seq_len, d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress)
 
 
 def build(root: str, samples: int, eval_samples: int, probs: list[float],
@@ -95,11 +108,11 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
     writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
-    rows, tok = [], Tokenizer()
+    rows = []
     for i, sample in enumerate(make_samples(n, seed, probs, sizes, channels, image_tokens,
                                             seq_len, text_len, text_sigma, vocab_size)):
       writer.write(encode(sample))
-      rows.append(meta.row(sample, tok))
+      rows.append(meta.row(sample, VOCABULARY))
       if progress and (i + 1) % 1000 == 0:
         progress(f"{path.name}: {i + 1}/{n} samples")
     writer.close()

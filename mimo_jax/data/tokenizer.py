@@ -10,10 +10,12 @@ PAD, BOS, EOS, IMG = range(4)
 
 
 class Tokenizer:
-  """Maps whitespace-separated words to ids; unknown words are an error, never silently mapped."""
+  """Maps whitespace-separated words to ids; unknown words are an error, never silently mapped.
+  The digits task's vocabulary as the layout reads it (data/layout.Vocabulary)."""
 
   def __init__(self) -> None:
     self.vocab = SPECIALS + WORDS
+    self.pad, self.bos, self.eos = PAD, BOS, EOS
     self._ids = {w: i for i, w in enumerate(self.vocab)}
     self.colon = self._ids[":"]
     self.digit_ids = tuple(self._ids[w] for w in DIGIT_WORDS)
