@@ -210,7 +210,12 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
   old["model"]["vision"] = tower
   old["topology"]["vision"] = old["topology"].pop("encoders")["vision"]
   assert from_dict(old) == cfg
-  assert checkpoint.data_values(cfg)["max_images"] == ("model.vision.max_images", 2)
   saved = dataclasses.asdict(cfg)["model"]
+  # A step written before (max_images among the data fields) is checked on it as before.
+  meta = {"modules": list(cfg.topology.modules()), "config": {"model": saved},
+          "data": {"max_images": 3, "image_probs": cfg.data.image_probs}}
+  with pytest.raises(ConfigError, match=r"trained on other data: model\.vision\.max_images=3 "
+                     r"\(this run: 2\)\. .* Keep --config\.model\.vision\.max_images=3,"):
+    checkpoint.check_compatible(meta, cfg, "ckpt", 1)
   v.image_slots, v.slot_patches, v.max_images, v.dim = 16, 4, 3, 48
   assert checkpoint.model_differences(saved, cfg) == ["model.encoders.vision.dim=32 (this run: 48)"]
