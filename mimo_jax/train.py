@@ -90,16 +90,18 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
         "sample; the bridge or the slot layout is broken.")
   return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
-          "target_tokens": info["target_tokens"], "images": info["images"],
+          "target_tokens": info["target_tokens"], **info["items"],
           "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"],
           "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"]}
 
 
-def _batch_info(batch: Batch) -> dict:
-  """What a record logs of its step's batch."""
+def _batch_info(batch: Batch, cfg: Config) -> dict:
+  """What a record logs of its step's batch; each encoder's items under its sample key (e.g.
+  `images`)."""
   return {"tokens": total(batch, lambda s: s.tokens),
           "target_tokens": total(batch, lambda s: s.target_tokens),
-          "images": total(batch, lambda s: s.items.get("vision", 0)),
+          "items": {e.sample_key: total(batch, lambda s, n=n: s.items.get(n, 0))
+                    for n, e in encoders.of(cfg).items()},
           "records_read": total(batch, lambda s: s.records_read),
           "cost_spread": float(batch.stats.cost_spread.mean()),
           "cost_spread_in_order": float(batch.stats.cost_spread_in_order.mean())}
@@ -302,7 +304,7 @@ class _Loop:
     """Dispatches `step`, then fetches the previous step's metrics; returns this step's."""
     waited = time.time()
     batch = next(self.batches)
-    info = {"loader_wait_s": time.time() - waited, **_batch_info(batch)}
+    info = {"loader_wait_s": time.time() - waited, **_batch_info(batch, self.cfg)}
     dispatched = time.time()
     self.state, metrics = self.trainer.train_step(self.state, batch)
     self.last = (step, metrics)
