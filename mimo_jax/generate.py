@@ -14,14 +14,16 @@ produced its end token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from mimo_jax.config import Config
 from mimo_jax import modules
+from mimo_jax.config import Config
 from mimo_jax.models.llm import LanguageModel
 
 
@@ -57,16 +59,17 @@ def _pick(logits, key, sampling: Sampling):
 
 
 def decode(model: LanguageModel, x_bld: jax.Array, mask_bl: jax.Array, steps: int,
-           sampling: Sampling = Sampling(), eos: int | None = None) -> jax.Array:
+           sampling: Sampling = Sampling(), eos: int | None = None,
+           key: jax.Array | None = None) -> jax.Array:
   """New token ids [b, steps] (int32) after left-padded prompt embeddings `x_bld` (`mask_bl` true
   on real tokens); traceable, for a caller's jitted program. A row that produced `eos` stops: its
-  later entries are `eos`."""
+  later entries are `eos`. `key`: the sampling's random key, `sampling.seed`'s by default."""
   b = x_bld.shape[0]
   mask_bl = mask_bl.astype(bool)
   valid_bt = jnp.concatenate([mask_bl, jnp.ones((b, steps), bool)], axis=1)
   positions_bl = jnp.maximum(jnp.cumsum(mask_bl, axis=1) - 1, 0)
   h_bld, cache = model.decode(x_bld, positions_bl, model.init_cache(valid_bt, x_bld.dtype))
-  key = jax.random.key(sampling.seed)
+  key = jax.random.key(sampling.seed) if key is None else key
 
   def pick(i, logits_bv, done_b):
     token_b = _pick(logits_bv, jax.random.fold_in(key, i), sampling).astype(jnp.int32)
@@ -92,6 +95,17 @@ def decode(model: LanguageModel, x_bld: jax.Array, mask_bl: jax.Array, steps: in
   return jax.lax.while_loop(more, step, (jnp.int32(1), token_b, cache, out_bs, done_b))[3]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "sampling", "eos"))
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, ids_bl: jax.Array, mask_bl: jax.Array,
+              embeds_bld: jax.Array | None, key: jax.Array, *, steps: int, sampling: Sampling,
+              eos: int | None) -> jax.Array:
+  """`generate`'s program: compiled once for a model, shapes and settings (the key, which holds
+  the seed, is an input)."""
+  model = nnx.merge(graphdef, state)
+  x_bld = model.embed(ids_bl) if embeds_bld is None else embeds_bld
+  return decode(model, x_bld, mask_bl, steps, sampling, eos, key)
+
+
 def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
              sampling: Sampling = Sampling(), embeds_bld=None, eos: int | None = None) -> np.ndarray:
   """New token ids [b, steps] after left-padded prompts `ids_bl` (`mask_bl` 1 on real tokens), on
@@ -99,12 +113,8 @@ def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
   `eos` stops: its later entries are `eos`."""
   if steps < 1:
     raise ValueError(f"{steps} new tokens asked for; at least 1.")
-  module = modules.build_modules(cfg)["language"]
-
-  def run(params: dict, ids_bl: jax.Array, mask_bl: jax.Array, embeds_bld) -> jax.Array:
-    model = module.bind(params)
-    x_bld = model.embed(ids_bl) if embeds_bld is None else embeds_bld
-    return decode(model, x_bld, mask_bl, steps, sampling, eos)
+  graphdef, state = nnx.split(modules.build_modules(cfg)["language"].bind(language))
   embeds = None if embeds_bld is None else jnp.asarray(embeds_bld)
-  return np.asarray(jax.jit(run)(language, jnp.asarray(ids_bl), jnp.asarray(mask_bl, bool),
-                                 embeds))
+  return np.asarray(_generate(graphdef, state, jnp.asarray(ids_bl), jnp.asarray(mask_bl, bool),
+                              embeds, jax.random.key(sampling.seed), steps=steps,
+                              sampling=dataclasses.replace(sampling, seed=0), eos=eos))

@@ -6,14 +6,17 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from mimo_jax import generate, hf, modules
-from mimo_jax.config import Config
+from mimo_jax import evaluate, generate, hf, modules
+from mimo_jax.config import Config, LanguageConfig
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax import whole
 from mimo_jax.encoders import vision as vision_encoder
+from mimo_jax.models.llm import LanguageModel
 from mimo_jax.validation import validate
 from tools import generate as generate_tool
 from tools import hf as hf_tool
@@ -79,6 +82,67 @@ def test_a_row_stops_at_its_end_token():
   stop = row.index(eos) + 1 if eos in row else 10
   np.testing.assert_array_equal(got[1, :stop], ref["generated"][1, :stop])
 
+
+
+
+
+def _tiny_model() -> LanguageModel:
+  """Grouped-query heads (4 over 2), RoPE, float32; parameters drawn on the host (eagerly, each of
+  the model's small initialisers would compile alone)."""
+  cfg = LanguageConfig(dim=32, layers=2, heads=4, kv_heads=2, mlp_dim=64)
+  graphdef, state = nnx.split(nnx.eval_shape(
+      lambda: LanguageModel(nnx.Rngs(params=0), cfg, 17, jnp.float32)))
+  rng = np.random.default_rng(0)
+  return nnx.merge(graphdef, jax.tree.map(
+      lambda a: jnp.asarray(rng.normal(0.0, 0.5, a.shape), a.dtype), state))
+
+
+@nnx.jit
+def _logits_without_cache(model: LanguageModel, tokens_bl: jax.Array) -> jax.Array:
+  """Training's forward: every block over whole rows, no cache -> logits [b, l, vocab]."""
+  graphdef, blocks = nnx.split(model.blocks)
+  positions = jnp.broadcast_to(jnp.arange(tokens_bl.shape[1]), tokens_bl.shape)
+  run = lambda h, p: (nnx.merge(graphdef, p)(h, positions), None)
+  return model.logits(jax.lax.scan(run, model.embed(tokens_bl), blocks)[0])
+
+
+@nnx.jit
+def _logits_with_cache(model: LanguageModel, tokens_bl: jax.Array) -> jax.Array:
+  """The same rows as a prompt's prefill (all but the last token), then a one-token step."""
+  b, l = tokens_bl.shape
+  x, positions = model.embed(tokens_bl), jnp.broadcast_to(jnp.arange(l), (b, l))
+  cache = model.init_cache(jnp.ones((b, l), bool), jnp.float32)
+  h_prompt, cache = model.decode(x[:, :-1], positions[:, :-1], cache)
+  h_last, _ = model.decode(x[:, -1:], positions[:, -1:], cache)
+  return model.logits(jnp.concatenate([h_prompt, h_last], axis=1))
+
+
+def test_a_prefill_and_a_one_token_step_give_the_logits_of_whole_rows():
+  with jax.default_matmul_precision("highest"):
+    model = _tiny_model()
+    tokens = np.random.default_rng(1).integers(0, 17, (4, 12))
+    np.testing.assert_allclose(_logits_with_cache(model, tokens),
+                               _logits_without_cache(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_decodes_its_rows_as_greedy_recomputation_of_whole_rows():
+  """The eval's rows (one sample each from index 0, the answer after the ':' at answer_b, later
+  tokens not to be seen) through generate.decode name what whole rows recomputed without a cache
+  name, one greedy word at a time."""
+  steps, answer_b, rows = 3, np.asarray([3, 8, 5, 0]), np.arange(4)
+  answers = answer_b[:, None] + 1 + np.arange(steps)
+  with jax.default_matmul_precision("highest"):
+    model = _tiny_model()
+    tokens = np.random.default_rng(2).integers(0, 17, (4, 12))
+    ref = tokens.copy()
+    for j in range(steps):
+      logits = np.asarray(_logits_without_cache(model, ref))
+      ref[rows, answer_b + j + 1] = logits[rows, answer_b + j].argmax(axis=-1)
+    got = nnx.jit(lambda m, t: generate.decode(m, *evaluate._prompts(m.embed(t), answer_b),
+                                               steps))(model, tokens)
+  np.testing.assert_array_equal(got, ref[rows[:, None], answers])
+  # The answers were hidden: the rows held other words there.
+  assert not np.array_equal(ref[rows[:, None], answers], tokens[rows[:, None], answers])
 
 WORDS = ["user", "assistant", ":", "what", "is", "in", "the", "picture", "hello", "there"]
 
