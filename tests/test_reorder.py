@@ -160,8 +160,9 @@ def test_microbatch_fill_pack_sends_less_padding_with_the_same_samples(data_dir,
       try:
         capacity.check_capacity(cfg, path, G, 0, steps)
       except capacity.CapacityError as e:
-        field, value = re.search(r"set data\.(\w+)=(\d+)", str(e)).groups()
-        setattr(cfg.data, field, int(value))
+        section, field, value = re.search(r"set (data|model\.vision)\.(\w+)=(\d+)",
+                                          str(e)).groups()
+        setattr(cfg.data if section == "data" else cfg.model.vision, field, int(value))
     assert cfg.data.pack_rows > G and cfg.model.vision.image_slots > G
     assert capacity.check_capacity(cfg, path, G, 0, steps)
     least[fill] = (cfg.data.pack_rows, cfg.model.vision.image_slots)
