@@ -155,10 +155,10 @@ class KVCache(NamedTuple):
 def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
                      cache: KVCache) -> tuple[jax.Array, KVCache]:
   """Attention of n new tokens over a key-value cache, after writing their keys and values at
-  `cache.index`: (output [b, n, heads, head_dim] in float32, the cache holding them). Scores and
-  softmax are float32, as transformers' eager attention computes them; masked scores take
-  float32's minimum (finite, as transformers masks: a padding query that sees no key stays
-  finite)."""
+  `cache.index`: (output [b, n, heads, head_dim] in float32, the cache holding them, its index
+  left for the model to move once every layer has run). Scores and softmax are float32, as
+  transformers' eager attention computes them; masked scores take float32's minimum (finite, as
+  transformers masks: a padding query that sees no key stays finite)."""
   b, n, heads, head_dim = q_bnhd.shape
   kv_heads = k_bnkd.shape[2]
   at = (0, cache.index, 0, 0)

@@ -43,7 +43,8 @@ class DecoderBlock(nnx.Module):
 
 class LanguageModel(nnx.Module):
   """`embed` maps tokens to vectors (images are merged in between), the stacked `blocks` run as a
-  `pipeline.Stack`, `logits` maps the result to float32 logits."""
+  `pipeline.Stack` in training or with a key-value cache in generation (`decode`), `logits` maps
+  the result to float32 logits."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: LanguageConfig, vocab_size: int, dtype: jnp.dtype,
                attention: str = "xla", max_segments: int = 0):
