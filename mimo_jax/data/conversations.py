@@ -36,7 +36,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from typing import Iterator
 
 import numpy as np
