@@ -1,7 +1,7 @@
 """The modules applied in one piece on one device, without meshes, pipeline or slots: what a
 check against another implementation of the same architecture runs (tools.hf check, the tests
-against transformers' outputs). An encoder's own one-piece forward is its plug-in's (e.g.
-encoders/vision.image_tokens); its tokens are merged here."""
+against transformers' outputs). An encoder's own one-piece forward is its plug-in's (the image
+encoder's `image_tokens`); its tokens are merged here."""
 
 import jax
 import jax.numpy as jnp
