@@ -1,6 +1,10 @@
 """Command line: `python -m mimo_jax.launch [--config=configs/NAME.py[:ARG]] [--config.a.b=v ...]`.
 
 Flags -> config -> validation -> `train.run`. Every config field is documented in the README.
+
+The training modules (train, distributed, workdir, data.capacity, metrics) are imported inside
+`main` and `_explain`, once the config is valid and JAX's CPU device count is set: importing them
+imports JAX, which must not happen before that setting, and a bad flag answers without JAX.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def main(argv: list[str]) -> None:
     sys.unraisablehook = _unraisable_once
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)  # before the backend starts
-  from mimo_jax import distributed, train  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax import distributed, train  # after jax_num_cpu_devices (module docstring)
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            _HEARTBEAT.value)
@@ -118,7 +123,7 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   """One sentence and the exit status for errors a user can fix: 2 for input (config, data,
   checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
   for anything else, which is a bug and keeps its traceback."""
-  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
   from mimo_jax import train, workdir
   from mimo_jax.data import capacity
   from mimo_jax.metrics import NonFiniteError
