@@ -544,19 +544,19 @@ def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> l
   current = _flatten(dataclasses.asdict(cfg.model), "model.")
   default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
   saved = {k: saved.get(k, default.get(k)) for k in current}
-  return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
   settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
+  return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
           if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and k not in settings and
           not k.endswith(".init_from") and saved[k] != current[k]]
 
 
-def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]:
 def data_values(cfg: Config) -> dict[str, tuple[str, object]]:
   """The data fields a checkpoint records, as its meta keys them -> (config path, value)."""
   return {**{k: (f"data.{k}", getattr(cfg.data, k)) for k in DATA_FIELDS},
           **encoders.data_values(cfg)}
 
 
+def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]:
   """One error naming every model field, module or data field that differs; a step saved with
   parameters only pins no data. Returns notes for the run's log (data changes allowed by
   checkpoint.allow_data_change)."""

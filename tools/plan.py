@@ -59,7 +59,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax import configfile, memory
+from mimo_jax import configfile, encoders, memory
 from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mimo_jax import encoders
+from mimo_jax import encoders, hf
 from mimo_jax.config import ACTIVATIONS, Config, ConfigError, ModuleTopology, \
     positive, require
 from mimo_jax.data.tokenizer import IMG
@@ -170,6 +170,11 @@ class Vision(encoders.Encoder):
                        lambda rngs: vit.VisionEncoder(rngs, v, lm, dtype, att, segments),
                        lambda rngs: vit.ViTBlock(rngs, v, dtype, att, segments),
                        seed_salt=self.seed_salt)
+
+  def load(self, path: str, cfg: Config):
+    """The tower's tensors (and a LLaVA checkpoint's projector's) in the HF directory `path`,
+    as mimo_jax/hf leaves; init_from.starts calls it for `model.vision.init_from`."""
+    return hf.leaves(hf.Source.open(path), self.name, cfg)
 
   def slot_layout(self, cfg: Config, groups: int, slots: int) -> ImageSlots:
     v = cfg.model.vision
