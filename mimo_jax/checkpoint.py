@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, distributed, encoders, fingerprint, optim
-from mimo_jax.config import Config, ConfigError
+from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 
@@ -54,8 +54,7 @@ DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", 
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
 # Where a run started from (init_from, of the model or a module) does not matter once a
 # checkpoint exists.
-RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention", "model.init_from",
-                        "model.vision.init_from", "model.language.init_from")
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")  # and every `init_from`
 ALLOW_DATA = "--config.checkpoint.allow_data_change=true"
 
 
@@ -536,13 +535,28 @@ def params_restore_dtype(stored_dtype):
   return np.float32 if np.dtype(stored_dtype) == jnp.bfloat16 else None
 
 
+def model_fields(model: dict) -> dict:
+  """A model config as `dataclasses.asdict` nests it, flattened and keyed as flags spell the
+  fields (`model.<encoder>.<field>`, `model.language.<field>`, `model.dtype`)."""
+  model = dict(model)
+  out = _flatten({k: v for k, v in model.items() if k != "encoders"}, "model.")
+  for name, section in (model.get("encoders") or {}).items():
+    out.update(_flatten(section, f"model.{name}."))
+  return out
+
+
 def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> list[str]:
   """`field=saved (this run: value)` for every model field under `only` that differs, runtime
-  fields aside. A field newer than the checkpoint had its default's behaviour when it was
-  written."""
-  saved = _flatten(saved_model, "model.")
-  current = _flatten(dataclasses.asdict(cfg.model), "model.")
-  default = _flatten(dataclasses.asdict(type(cfg.model)()), "model.")
+  fields and encoders' data settings aside. A field newer than the checkpoint had its default's
+  behaviour when it was written; a config written before encoders had their own section reads as
+  it is now (config.from_dict)."""
+  try:
+    saved_model = dataclasses.asdict(from_dict(saved_model, ModelConfig, "model."))
+  except ConfigError:  # a field this version lacks: compared as written
+    pass
+  saved = model_fields(saved_model)
+  current = model_fields(dataclasses.asdict(cfg.model))
+  default = model_fields(dataclasses.asdict(type(cfg.model)()))
   saved = {k: saved.get(k, default.get(k)) for k in current}
   settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
   return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)

@@ -218,4 +218,6 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
                      r"\(this run: 2\)\. .* Keep --config\.model\.vision\.max_images=3,"):
     checkpoint.check_compatible(meta, cfg, "ckpt", 1)
   v.image_slots, v.slot_patches, v.max_images, v.dim = 16, 4, 3, 48
-  assert checkpoint.model_differences(saved, cfg) == ["model.encoders.vision.dim=32 (this run: 48)"]
+  assert checkpoint.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]
+  # A step written before encoders had their own section names the same field.
+  assert checkpoint.model_differences(old["model"], cfg) == ["model.vision.dim=32 (this run: 48)"]

@@ -202,9 +202,8 @@ def max_items(cfg: Config) -> int:
 
 
 def data_settings(cfg: Config) -> set[str]:
-  """Every encoder's data settings as `dataclasses.asdict(cfg)` nests them
-  (`model.encoders.<name>.<field>`)."""
-  return {f"model.encoders.{n}.{f}" for n, e in of(cfg).items() for f in e.data_settings}
+  """Every encoder's data settings as flags spell them (`model.<name>.<field>`)."""
+  return {f"model.{n}.{f}" for n, e in of(cfg).items() for f in e.data_settings}
 
 
 def data_values(cfg: Config) -> dict[str, tuple[str, Any]]:
