@@ -19,7 +19,7 @@ import re
 import typing
 from collections.abc import Sequence
 
-from mimo_jax.config import Config, ConfigError
+from mimo_jax.config import MOVED_DATA_FIELDS, Config, ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_HINT = "configs/digits.py"
@@ -147,6 +147,10 @@ def _fields(obj) -> list[str]:
 
 def _unknown(obj, part: str, where: str) -> ConfigError:
   section = f"config.{where}" if where else "config"
+  for name, fields in MOVED_DATA_FIELDS.items():
+    if where == "data" and part in fields:  # a field an encoder took over from data
+      return ConfigError(f"config.data.{part} is now model.{name}.{part} (the {name} encoder's "
+                         f"setting): set --config.model.{name}.{part}.")
   return ConfigError(f"unknown config field {part!r}; {section} has {', '.join(_fields(obj))}.")
 
 

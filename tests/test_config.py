@@ -186,3 +186,11 @@ def test_layout_strings():
   for bad in ("audio=0/1/1", "vision=0/1", "vision=a/b/c"):
     with pytest.raises(ConfigError, match=r"^config\.topology"):
       set_layout(cfg, bad)
+
+
+def test_a_data_field_an_encoder_took_over_names_its_new_place():
+  from configs import digits  # pylint: disable=import-outside-toplevel
+  from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match=r"config\.data\.max_images is now "
+                     r"model\.vision\.max_images .* --config\.model\.vision\.max_images"):
+    configfile.apply(digits.get_config(), ["--config.data.max_images=2"])
