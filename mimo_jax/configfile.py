@@ -94,17 +94,26 @@ def load(spec: str, overrides: Sequence[str] = (), hint: str = DEFAULT_HINT) -> 
 
 def split_args(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
   """(the `--config` value or None, the `--config.a.b[=value]` overrides in order, every other
-  argument) of a command line; `--config FILE` may be two arguments."""
+  argument) of a command line; `--config FILE` and `--config.a.b VALUE` may be two arguments
+  (a value never starts with `-`; a bool's bare flag followed by another flag means true)."""
   spec, overrides, rest = None, [], []
-  args = iter(argv)
-  for arg in args:
-    m = _SPEC.match(arg)
+  args = list(argv)
+  i = 0
+  while i < len(args):
+    arg, following = args[i], args[i + 1] if i + 1 < len(args) else None
+    m, o = _SPEC.match(arg), _OVERRIDE.match(arg)
+    takes_next = following is not None and not following.startswith("-")
     if m:
-      spec = m.group(1) if m.group(1) is not None else next(args, "")
-    elif _OVERRIDE.match(arg):
+      spec = m.group(1) if m.group(1) is not None else (following or "")
+      i += m.group(1) is None
+    elif o and o.group(1) is None and o.group(3) is None and takes_next:
+      overrides.append(f"{arg}={following}")
+      i += 1
+    elif o:
       overrides.append(arg)
     else:
       rest.append(arg)
+    i += 1
   return spec, overrides, rest
 
 

@@ -194,3 +194,15 @@ def test_a_data_field_an_encoder_took_over_names_its_new_place():
   with pytest.raises(ConfigError, match=r"config\.data\.max_images is now "
                      r"model\.vision\.max_images .* --config\.model\.vision\.max_images"):
     configfile.apply(digits.get_config(), ["--config.data.max_images=2"])
+
+
+def test_overrides_split_as_flags_are_written():
+  from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
+  spec, overrides, rest = configfile.split_args(
+      ["--config", "configs/digits.py:single", "--config.train.steps", "7", "--config.run.progress=lines",
+       "--config.model.vision.fp8", "--noconfig.topology.vision.unroll", "--debug"])
+  assert spec == "configs/digits.py:single" and rest == ["--debug"]
+  assert overrides == ["--config.train.steps=7", "--config.run.progress=lines",
+                       "--config.model.vision.fp8", "--noconfig.topology.vision.unroll"]
+  cfg = configfile.load(spec, overrides)
+  assert (cfg.train.steps, cfg.model.vision.fp8, cfg.topology.vision.unroll) == (7, True, False)
