@@ -18,6 +18,7 @@ ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
 TASKS = ("digits", "synthetic", "conversations")
 DIGITS_VOCAB = 17  # data/tokenizer.py
+BUILTIN_IMAGE_TOKEN = 3  # the built-in tasks' <img> (data/tokenizer.IMG)
 
 
 class ConfigError(ValueError):
@@ -204,7 +205,7 @@ class DataConfig:
   @property
   def placeholder(self) -> int:
     """The image placeholder's token id."""
-    return self.image_token if self.image_token >= 0 else 3
+    return self.image_token if self.image_token >= 0 else BUILTIN_IMAGE_TOKEN
 
   @property
   def micro_batch(self) -> int:

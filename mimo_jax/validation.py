@@ -7,7 +7,7 @@ import math
 import os
 import pathlib
 
-from mimo_jax import encoders
+from mimo_jax import encoders, hf
 from mimo_jax.config import (DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS, SHARD_MODES, TASKS,
                              Config, ConfigError, parse_freeze, parse_lr_mult, positive, require,
                              run_source)
@@ -97,7 +97,6 @@ def _init_from(cfg: Config, name: str) -> None:
   section = cfg.model.module(name)
   if not section.init_from or run_source(section.init_from):  # a run: init_from.params
     return
-  from mimo_jax import hf  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(section.init_from)
   require(name in src.modules, f"model.{name}.init_from",
           f"{section.init_from} holds a {src.kind} model, which has no {name} module.")
@@ -269,8 +268,8 @@ def validate_data(cfg: Config) -> None:
   data from the config (synthetic ids are drawn below vocab_size), which `validate` checks."""
   if cfg.data.task != "conversations":
     return
-  # pylint: disable=import-outside-toplevel
-  from mimo_jax.data import conversations, loader
+  # pylint: disable-next=import-outside-toplevel  (they import JAX and grain; launch validates
+  from mimo_jax.data import conversations, loader  # the flags before JAX is configured)
   paths = conversations.paths(cfg)
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"]))

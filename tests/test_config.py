@@ -206,3 +206,9 @@ def test_overrides_split_as_flags_are_written():
                        "--config.model.vision.fp8", "--noconfig.topology.vision.unroll"]
   cfg = configfile.load(spec, overrides)
   assert (cfg.train.steps, cfg.model.vision.fp8, cfg.topology.vision.unroll) == (7, True, False)
+
+
+def test_the_built_in_token_constants_are_the_digits_tokenizers():
+  from mimo_jax.config import BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.tokenizer import IMG, Tokenizer  # pylint: disable=import-outside-toplevel
+  assert (BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB) == (IMG, Tokenizer().vocab_size)

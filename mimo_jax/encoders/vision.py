@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax import encoders, hf
-from mimo_jax.config import ACTIVATIONS, Config, ConfigError, ModuleTopology, \
-    positive, require
-from mimo_jax.data.tokenizer import IMG
+from mimo_jax.config import (ACTIVATIONS, BUILTIN_IMAGE_TOKEN, Config, ConfigError,
+                             ModuleTopology, positive, require)
+from mimo_jax.flops import kernel_params
+from mimo_jax.models import mimo, vit
 from mimo_jax.models.vit import POSITION_RESIZE, ViTConfig
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
@@ -148,7 +149,8 @@ class ImageSlots(encoders.SlotLayout):
 
 
 class Vision(encoders.Encoder):
-  name, sample_key, placeholder, size_fields, seed_salt = "vision", "images", IMG, 2, 1
+  name, sample_key, size_fields, seed_salt = "vision", "images", 2, 1
+  placeholder = BUILTIN_IMAGE_TOKEN  # data.image_token sets another (DataConfig.placeholder)
   noun, config_class, slots_field = "image", VisionConfig, ImageSlots.slots_field
   data_settings = moved_data_fields = ("max_images", "image_slots", "slot_patches")
   data_fields = ("max_images",)  # image_probs beside it is a data field
@@ -157,8 +159,6 @@ class Vision(encoders.Encoder):
     return image_sizes(sample)
 
   def module(self, cfg: Config):
-    # pylint: disable-next=import-outside-toplevel,cyclic-import
-    from mimo_jax.models import mimo, vit
     v, lm = cfg.model.vision, cfg.model.language
     # A tower's rows: its patches (and class token), or a packed slot's patches.
     rows = v.slot_patches or v.positions
@@ -246,8 +246,6 @@ class Vision(encoders.Encoder):
   def matmul_params(self, params) -> tuple[int, int]:
     """Matmul parameters a patch goes through (embedding, blocks) and an image token goes through
     after the pixel shuffle (the projector)."""
-    # pylint: disable-next=import-outside-toplevel
-    from mimo_jax.flops import kernel_params
     projector = kernel_params(params, "projector")
     return kernel_params(params) - projector, projector
 
