@@ -44,6 +44,7 @@ from mimo_jax import bridge, distributed, encoders, fingerprint, optim
 from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
+from mimo_jax.trees import path_str
 
 META = "meta"
 # Data fields that must match for a resumed run to continue the same trajectory: each changes the
@@ -178,7 +179,7 @@ def fill(tree, arrays: dict, keep_others: bool = False):
   """`tree` with each leaf replaced by `arrays[path]` (fingerprint.paths names); with
   `keep_others` a leaf `arrays` lacks stays as it is."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  named = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
+  named = [path_str(p) for p, _ in leaves]
   return jax.tree_util.tree_unflatten(
       treedef, [arrays.get(k, x) if keep_others else arrays[k]
                 for k, (_, x) in zip(named, leaves)])
@@ -416,7 +417,7 @@ class Checkpointer:
       for n, target in targets.items():
         tree = getattr(items[n], "tree", items[n])
         item = jax.tree_util.tree_map_with_path(
-            lambda p, x, t=target: t.get(jax.tree_util.keystr(p, simple=True, separator="/"),
+            lambda p, x, t=target: t.get(path_str(p),
                                          ocp.PLACEHOLDER), tree)
         restore_args = jax.tree.map(
             lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,

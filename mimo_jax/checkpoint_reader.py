@@ -26,6 +26,7 @@ from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint import (complete_steps, drop_closed_loop_reports, params_restore_dtype,
                                  read_failure)
 from mimo_jax.config import ConfigError
+from mimo_jax.trees import path_str
 
 T = TypeVar("T")
 ROTATED = "the run rotates old steps: checkpoint.keep"
@@ -260,7 +261,7 @@ def _metadata_tree(mngr, step: int, module: str) -> dict:
 def _flat(tree, prefix: str) -> dict[str, object]:
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out[prefix + jax.tree_util.keystr(path, simple=True, separator="/")] = leaf
+    out[prefix + path_str(path)] = leaf
   return out
 
 

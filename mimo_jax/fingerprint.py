@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mimo_jax import distributed
+from mimo_jax import distributed, trees
 
 
 def _words(x):
@@ -60,11 +60,7 @@ def of(x) -> tuple:
     return (xp.sum(words, dtype=xp.uint32), xp.sum(weighted, dtype=xp.uint32))
 
 
-def paths(tree) -> dict[str, object]:
-  """Leaves by their path (`params/blocks/0/w`: keys, attributes and indices alike, so a tree read
-  back as plain dicts and lists names its leaves as the saved one did), in tree order."""
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): leaf
-          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+paths = trees.paths  # leaves by their path, as checkpoints name them
 
 
 @jax.jit

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, optim
+from mimo_jax import bridge, optim, trees
 from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
 from mimo_jax.config import Config
 from mimo_jax.encoders import Encoder
@@ -139,15 +139,6 @@ class Context:
                            text.segment_ids_rl if packed else None)
 
 
-def _stack(trees: list):
-  """Trees (one a microbatch) -> one tree of their arrays stacked on a leading axis [M, ...]."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs) if len(xs) > 1 else xs[0][None], *trees)
-
-
-def _tree_add(a, b):
-  return jax.tree.map(jnp.add, a, b)
-
-
 def _to_language(ctx: Context, name: str, x):
   """What goes to the language mesh leaves an encoder's program cut for it (a fan-out)."""
   return bridge.split(x, ctx.plan.sharding(name), ctx.plan.sharding("language"))
@@ -157,7 +148,7 @@ def _to_language(ctx: Context, name: str, x):
 
 def encoder_apply(ctx: Context, name: str, params, inputs: list[dict]) -> list[jax.Array]:
   """A chunk of microbatches' inputs -> their tokens, split over the encoder's dp."""
-  out = ctx.encode(name, params, _stack(inputs))
+  out = ctx.encode(name, params, trees.stack(inputs))
   return [jax.lax.with_sharding_constraint(out[i], ctx.plan.sharding(name))
           for i in range(len(inputs))]
 
@@ -178,7 +169,7 @@ def encoder_forward(ctx: Context, name: str, params, xs: list[EncoderIn]):
 def encoder_backward(vjp, d_tokens: list, acc):
   """The tokens' gradients (a fan-in's pieces joined here) through the forward's vjp, added to
   the accumulated parameter gradients."""
-  return _tree_add(acc, vjp([bridge.join(d) for d in d_tokens])[0])
+  return trees.add(acc, vjp([bridge.join(d) for d in d_tokens])[0])
 
 
 # ---- the language model ---------------------------------------------------------------------
@@ -224,14 +215,14 @@ def _joined(x: LanguageIn) -> LanguageIn:
 
 
 def _accumulate(acc: dict, grads: dict, loss, mismatched) -> dict:
-  return {"grads": _tree_add(acc["grads"], grads), "loss": acc["loss"] + loss,
+  return {"grads": trees.add(acc["grads"], grads), "loss": acc["loss"] + loss,
           "mismatches": acc["mismatches"] + mismatched}
 
 
 def language_step(ctx: Context, params, acc: dict, xs: list[LanguageIn], inv_tokens):
   """A chunk of microbatches: loss, gradients and mismatches added to `acc`; returns it and the
   tokens' gradients for each encoder, cut for the bridge where that is a fan-out."""
-  x = _stack([_joined(x) for x in xs])
+  x = trees.stack([_joined(x) for x in xs])
   if ctx.split_mode.keeps_per_rank("language"):
     loss, g_params, g_tokens = each_rank(
         ctx, lambda p, x, inv: _forward_backward(ctx, p, x, inv, 1), params,

@@ -1,6 +1,7 @@
 """Small utilities over pytrees of arrays (parameters, gradients, optimizer state)."""
 
 import jax
+import jax.numpy as jnp
 
 
 def path_str(path: tuple) -> str:
@@ -8,6 +9,17 @@ def path_str(path: tuple) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def paths(tree) -> dict[str, object]:
+  """Leaves by their path (`params/blocks/0/w`: keys, attributes and indices alike, so a tree read
+  back as plain dicts and lists names its leaves as the saved one did), in tree order."""
+  return {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def add(a, b):
   """Leafwise sum of two trees of the same structure."""
-  return jax.tree.map(lambda x, y: x + y, a, b)
+  return jax.tree.map(jnp.add, a, b)
+
+
+def stack(trees: list):
+  """Trees (one a microbatch) -> one tree of their arrays stacked on a leading axis [M, ...]."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs) if len(xs) > 1 else xs[0][None], *trees)
