@@ -1,13 +1,13 @@
 """Images as rows of patches, in the order the pixel shuffle needs.
 
 The ViT sees an image of gh x gw patches as a sequence. With a pixel shuffle of s
-(vision.downsample) each s x s block of neighbouring patches becomes one image token, so the
+(the tower's downsample) each s x s block of neighbouring patches becomes one image token, so the
 sequence lists the patches block by block: block (bi, bj) in row-major order, inside it (dy, dx) in
 row-major order. Attention does not care about the order (positions are added explicitly), and the
 shuffle is then a plain reshape of s*s consecutive patches, which also holds for several images
 packed into one row (dynamic resolution, data/layout.py). Works on numpy and jax arrays alike.
 
-An image whose patch grid differs from the position table's (model.vision.position_resize) takes
+An image whose patch grid differs from the position table's (the tower's position_resize) takes
 its positions either from the table's top-left part (`grid_positions`: ids into the table) or,
 as Hugging Face's towers do with `interpolate_pos_encoding`, from the table resized bicubically
 (`bicubic_taps`: 16 ids and weights a patch, torch's `interpolate(mode="bicubic",
