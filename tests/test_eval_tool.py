@@ -1,0 +1,137 @@
+"""tools.eval: a LLaVA JSON answered on the run's meshes (the same answers on two language dp
+ranks as on one, and as tools.generate gives each prompt alone), rows kept across a SIGTERM and
+resumed without duplicates, bad input refused with one clear error."""
+
+import json
+import os
+import pathlib
+import signal
+
+import pytest
+
+from tests.test_generate import FIXTURES, _tokenizer
+from tools import eval as eval_tool
+from tools import generate as generate_tool
+from tools import hf as hf_tool
+
+IMAGES = pathlib.Path(__file__).parent / "fixtures" / "images"
+FILES = ["landscape.png", "portrait.png", "tiny.png"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  """An imported LLaVA (float32), a word-level tokenizer and five records with 0-2 images."""
+  root = tmp_path_factory.mktemp("eval")
+  hf_tool.main(["import", "--hf", str(FIXTURES / "llava15"), "--out", str(root / "run"),
+                "--config=configs/llava_cpu.py"])
+  _tokenizer(root / "tok")
+  records = []
+  for i in range(5):
+    n = i % 3
+    records.append({"id": f"q{i}", "image": FILES[:n], "conversations": [
+        {"from": "human", "value": "<image>\n" * n + "what is in the picture" + " hello" * i},
+        {"from": "gpt", "value": "hello there"}]})
+  records[1]["answers"] = ["hello there"] * 3 + ["w4"] * 7
+  (root / "data.json").write_text(json.dumps(records))
+  return root
+
+
+def _eval(root, out, *extra):
+  return eval_tool.main([str(root / "run"), "--data", str(root / "data.json"), "--images",
+                         str(IMAGES), "--tokenizer", str(root / "tok"), "--processor",
+                         str(root / "tok"), "--max_new_tokens", "4", "--batch", "4",
+                         "--seq_len", "96", "--metric", "vqa", "--metric", "exact_match",
+                         "--out", str(out), *extra])
+
+
+def _rows(path):
+  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_device(setup):
+  assert _eval(setup, setup / "one.jsonl") == 0
+  return _rows(setup / "one.jsonl")
+
+
+def test_rows_answer_each_prompt_as_tools_generate_does(setup, one_device, capsys):
+  assert [r["id"] for r in one_device] == [f"q{i}" for i in range(5)]
+  assert one_device[1]["reference"] == ["hello there"] * 3 + ["w4"] * 7
+  for i in (0, 4):  # no image; one image
+    capsys.readouterr()
+    assert generate_tool.main([str(setup / "run"), "--tokenizer", str(setup / "tok"),
+                               "--processor", str(setup / "tok"), "--max_new_tokens", "4",
+                               *(["--image", str(IMAGES / FILES[0])] if i == 4 else []),
+                               "--prompt", "what is in the picture" + " hello" * i]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == one_device[i]["prediction"]
+  summary = json.loads((setup / "one.summary.json").read_text())
+  assert summary["samples"] == 5
+  assert summary["vqa"] == pytest.approx(sum(r["score"]["vqa"] for r in one_device) / 5)
+
+
+def test_two_language_dp_ranks_answer_as_one_device(setup, one_device):
+  assert _eval(setup, setup / "dp2.jsonl", "--layout", "language=0/2/1,vision=2/2/1") == 0
+  assert _rows(setup / "dp2.jsonl") == one_device
+  topology = json.loads((setup / "dp2.summary.json").read_text())["topology"]
+  assert "language: dp=2" in topology and "vision: dp=2" in topology
+
+
+def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup, one_device,
+                                                                           monkeypatch):
+  out = setup / "cut.jsonl"
+  append = eval_tool.Rows.append
+
+  def append_then_sigterm(self, rows):
+    append(self, rows)
+    os.kill(os.getpid(), signal.SIGTERM)  # after the first batch's rows
+  monkeypatch.setattr(eval_tool.Rows, "append", append_then_sigterm)
+  assert _eval(setup, out, "--batch", "2") == 128 + signal.SIGTERM
+  kept = _rows(out)
+  assert kept == one_device[:2]
+  assert not (setup / "cut.summary.json").exists()
+  monkeypatch.setattr(eval_tool.Rows, "append", append)
+  with open(out, "a", encoding="utf-8") as f:
+    f.write('{"id": "q2", "predic')  # a row cut by a crash
+  assert _eval(setup, out, "--batch", "2") == 0
+  assert _rows(out) == one_device
+  assert json.loads((setup / "cut.summary.json").read_text())["answered_now"] == 3
+  # Run again: everything is answered, nothing is appended.
+  assert _eval(setup, out) == 0
+  assert _rows(out) == one_device
+
+
+@pytest.mark.parametrize("change,message", [
+    (["--metric", "bleu"], "--metric bleu: no such metric; registered: contains"),
+    (["--data", "/nonexistent.json"], "--data /nonexistent.json: not found"),
+    (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
+])
+def test_bad_flags_are_refused(setup, capsys, change, message):
+  assert _eval(setup, setup / "bad.jsonl", *change) == 2
+  assert message in capsys.readouterr().err
+  assert not (setup / "bad.jsonl").exists()
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"id": 1, "conversations": [{"from": "human", "value": "hello"}]},
+     "no assistant turn and no \"answers\""),
+    ({"id": 1, "image": "missing.png", "conversations": [
+        {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]},
+     "missing.png not found"),
+    ({"id": 1, "answers": "yes", "conversations": [{"from": "human", "value": "hello"}]},
+     "\"answers\" is \"yes\", not a list of strings"),
+])
+def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
+  data = setup / "bad.json"
+  data.write_text(json.dumps([record]))
+  assert eval_tool.main([str(setup / "run"), "--data", str(data), "--tokenizer",
+                         str(setup / "tok"), "--processor", str(setup / "tok"),
+                         "--out", str(setup / "bad.jsonl")]) == 2
+  err = capsys.readouterr().err
+  assert "record 0 (id 1)" in err and message in err
+  assert not (setup / "bad.jsonl").exists()
+
+
+def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
+  assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
+  assert "holds rows of another eval" in capsys.readouterr().err
+  assert _rows(setup / "one.jsonl") == one_device

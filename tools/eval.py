@@ -1,0 +1,411 @@
+"""Answer an eval set with a trained or imported model and score the answers: `python -m tools.eval
+WORKDIR --data DIR_OR_JSON [--metric NAME ...] [--out PREDS.jsonl]`.
+
+  python -m tools.eval runs/llava --data data/vqa_val.json --images data/coco --metric vqa
+  python -m tools.eval runs/llava --data data/llava_conv --metric exact_match --metric contains
+
+`--data` is a directory `tools.convert` wrote (its `--split`, eval by default) or a LLaVA-format
+JSON/JSONL file (images under `--images`, default the file's folder; tokenized with the run's
+tokenizer and prepared by its processor, found as `tools.generate` finds them). Each sample's
+prompt is its conversation before its last assistant turn; its references are its record's
+`answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are answered
+greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on its
+own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
+left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
+
+Writes `--out` (default WORKDIR/eval/<data name>.step<N>.jsonl): one JSON row a sample (`id`,
+`prompt`, `reference`, `prediction`, `score` by metric), appended and synced batch by batch
+under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
+after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
+each metric's mean, the sample count, the step and the settings. Metrics: mimo_jax/scoring.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from mimo_jax import checkpoint_reader, output, scoring
+from mimo_jax.config import Config, ConfigError
+from tools import generate as generate_tool
+
+TOOL = "tools.eval"
+DEFAULT_NEW_TOKENS = 32
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m tools.eval", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("workdir")
+  parser.add_argument("--data", required=True, help="a converted directory or a LLaVA JSON(L)")
+  parser.add_argument("--metric", action="append", default=[],
+                      help=f"repeatable; one of {', '.join(sorted(scoring.METRICS))} "
+                      "(default exact_match)")
+  parser.add_argument("--out", default="", help="predictions JSONL")
+  parser.add_argument("--split", default="eval", help="of a converted directory: eval or train")
+  parser.add_argument("--images", default="", help="image folder of a JSON (default its folder)")
+  parser.add_argument("--samples", type=int, default=0, help="the first N samples (0 = all)")
+  parser.add_argument("--batch", type=int, default=0, help="default eval.batch of the run")
+  parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS)
+  parser.add_argument("--seq_len", type=int, default=0,
+                      help="positions of a prompt row (default the run's data.seq_len)")
+  parser.add_argument("--layout", default="",
+                      help="module=offset/dp/tp,... instead of the run's topology")
+  parser.add_argument("--step", type=int, default=None)
+  parser.add_argument("--tokenizer", default="")
+  parser.add_argument("--processor", default="")
+  parser.add_argument("--image_token", default="")
+  parser.add_argument("--pad_to_square", action=argparse.BooleanOptionalAction, default=None)
+  args = parser.parse_args(argv)
+  args.metric = args.metric or ["exact_match"]
+  return args
+
+
+def check_flags(args: argparse.Namespace) -> None:
+  """Flags that are wrong whatever the run, before anything is read."""
+  for m in args.metric:
+    if m not in scoring.METRICS:
+      raise ConfigError(f"--metric {m}: no such metric; registered: "
+                        f"{', '.join(sorted(scoring.METRICS))}.")
+  if not os.path.exists(args.data):
+    raise ConfigError(f"--data {args.data}: not found; give a directory tools.convert wrote or a "
+                      "LLaVA-format JSON file.")
+  for flag in ("max_new_tokens", "batch", "samples", "seq_len"):
+    if getattr(args, flag) < (1 if flag == "max_new_tokens" else 0):
+      raise ConfigError(f"--{flag} {getattr(args, flag)}: give a positive number.")
+  if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
+    raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
+
+
+def default_out(args: argparse.Namespace, step: int) -> pathlib.Path:
+  name = pathlib.Path(os.path.normpath(args.data)).name.removesuffix(".jsonl").removesuffix(".json")
+  split = f".{args.split}" if os.path.isdir(args.data) else ""
+  return pathlib.Path(args.workdir) / "eval" / f"{name}{split}.step{step}.jsonl"
+
+
+def summary_path(out: pathlib.Path) -> pathlib.Path:
+  return out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
+
+
+# Samples: a prompt of token ids, the encoders' items, references.
+
+def _split_answer(ids: np.ndarray, mask: np.ndarray, where: str) -> tuple[list[int], list[int]]:
+  """(prompt ids, answer ids): the last run of loss-carrying tokens is the answer."""
+  on = np.flatnonzero(mask)
+  if not on.size:
+    raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                      "answer with; give each record a reference.")
+  end = int(on[-1]) + 1
+  start = end
+  while start > 0 and mask[start - 1]:
+    start -= 1
+  return [int(i) for i in ids[:start]], [int(i) for i in ids[start:end]]
+
+
+def _eval_sample(prompt: list[int], answer: list[int], items: dict) -> dict:
+  """The layout's sample: the prompt and the answer's first token as its one target, so that the
+  answer starts right after the prompt's last token (`Samples.answer_b`)."""
+  return {**items, "tokens": prompt + answer[:1], "loss_mask": [0] * len(prompt) + [1]}
+
+
+def converted_samples(args, cfg: Config, tok) -> list[dict]:
+  """The samples of a converted directory's split (ids: record indices)."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import conversations, loader
+  m = conversations.manifest(args.data)
+  path = pathlib.Path(args.data) / f"{args.split}.array_record"
+  if not path.is_file():
+    raise ConfigError(f"--split {args.split}: {path} not found; a converted directory holds "
+                      f"{' and '.join(conversations.SPLITS)}.")
+  if tok is not None and m.get("vocab_size") not in (None, tok.tokenizer.get_vocab_size()):
+    raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, the "
+                      f"tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}; give the "
+                      "data's tokenizer with --tokenizer DIR.")
+  source = loader.open_shard(str(path))
+  count = len(source) if not args.samples else min(args.samples, len(source))
+  out = []
+  for i in range(count):
+    record = conversations.decode(source[i], str(path), i)
+    prompt, answer = _split_answer(record["tokens"], record["loss_mask"], f"{path}: record {i}")
+    items = {k: v for k, v in record.items() if k not in ("tokens", "loss_mask")}
+    out.append({"id": i, "sample": _eval_sample(prompt, answer, items), "prompt_ids": prompt,
+                "references": [tok.tokenizer.decode(answer, skip_special_tokens=True).strip()]})
+  return out
+
+
+def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
+  """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
+  turn, its images prepared by the processor `proc()` (opened at the first image)."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import conversations, images
+  from mimo_jax.data.chat import ChatError, TokenizeError, messages
+  try:
+    records = conversations.read_records(pathlib.Path(args.data))
+  except ConfigError as e:
+    raise ConfigError(str(e).replace("--json", "--data")) from None
+  folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
+  image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
+      else None
+  out, seen, opened = [], set(), []
+  for i, r in enumerate(records[:args.samples or None]):
+    key = r.get("id", i)
+    where = f"--data {args.data}: record {i} (id {key!r})"
+    if json.dumps(key) in seen:
+      raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "
+                        "each record its own.")
+    seen.add(json.dumps(key))
+    try:
+      msgs = messages(r.get("conversations") or [], f"{where}: ")
+    except ChatError as e:
+      raise ConfigError(str(e)) from None
+    last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    answers = r.get("answers")
+    if answers is not None and (not isinstance(answers, list) or not answers
+                                or not all(isinstance(a, str) for a in answers)):
+      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
+                        "strings.")
+    if last is None and not answers:
+      raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                        "answer with; give each record a reference.")
+    before = msgs[:last] if last is not None else msgs
+    if not before:
+      raise ConfigError(f"{where}: nothing before its answer to prompt with.")
+    references = answers or [msgs[last]["content"].strip()]
+    turn = msgs[last]["content"] if last is not None else references[0]
+    files = r.get("image") or []
+    files = [files] if isinstance(files, str) else files
+    pixels = []
+    for f in files:
+      if not opened:
+        opened.append(proc())
+      try:
+        pixels.append(images.load(folder / f, opened[0]))
+      except FileNotFoundError:
+        raise ConfigError(f"{where}: image {folder / f} not found; give the image folder with "
+                          "--images DIR.") from None
+      except Exception as e:  # pylint: disable=broad-except
+        raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
+    try:
+      ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}])
+    except (ChatError, TokenizeError) as e:
+      raise ConfigError(f"{where}: {e}") from None
+    prompt, answer = _split_answer(ids, mask, where)
+    if prompt.count(image_id) != len(pixels):
+      raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
+                        f"{len(pixels)} images.")
+    out.append({"id": key, "sample": _eval_sample(prompt, answer, {conversations.IMAGES: pixels}),
+                "prompt_ids": prompt, "references": references})
+  return out
+
+
+# The output: rows appended and synced, kept across interruptions.
+
+class Rows:
+  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends."""
+
+  def __init__(self, out: pathlib.Path, settings: dict):
+    self.out, self.settings = out, settings
+    self.lock = output.lock(out, "--out")
+    self.done: dict[str, dict] = {}
+    try:
+      self._open()
+    except BaseException:
+      self.lock.release()
+      raise
+
+  def _open(self) -> None:
+    record = self.out.with_name(self.out.name + ".settings.json")
+    if self.out.exists():
+      if not record.exists() or json.loads(record.read_text()) != self.settings:
+        raise output.OutputError(f"--out {self.out} holds rows of another eval (other workdir, "
+                                 "step, data or settings); give another --out or remove it.")
+      data = self.out.read_bytes()
+      keep = data[:data.rfind(b"\n") + 1]  # a line cut by a crash is written again
+      if len(keep) != len(data):
+        with open(self.out, "r+b") as f:
+          f.truncate(len(keep))
+      for line in keep.decode().splitlines():
+        row = json.loads(line)
+        self.done[json.dumps(row["id"])] = row
+    else:
+      _write_whole(record, self.settings)
+    self.file = open(self.out, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+  def append(self, rows: list[dict]) -> None:
+    for row in rows:
+      self.done[json.dumps(row["id"])] = row
+    self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+    self.file.flush()
+    os.fsync(self.file.fileno())
+
+  def close(self) -> None:
+    self.file.close()
+    self.lock.release()
+
+
+def _write_whole(path: pathlib.Path, value: dict) -> None:
+  """`path` holds `value` as JSON whole or not at all (a temporary file renamed over it)."""
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  tmp.write_text(json.dumps(value, indent=2) + "\n")
+  output.fsync(tmp)
+  os.replace(tmp, path)
+
+
+# The run.
+
+def _config(args) -> tuple[int, Config]:
+  """(step, the run's config as the eval runs it: parameters from that step, --layout and
+  --seq_len applied)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from mimo_jax.config import from_dict, set_layout
+  reader = checkpoint_reader.Reader(args.workdir)
+  reader.note(TOOL)
+  step, meta = checkpoint_reader.newest(reader, args.step, reader.meta, tool=TOOL)
+  reader.close()
+  cfg = from_dict(meta["config"])
+  with contextlib.suppress(RuntimeError):  # a backend already started keeps its devices
+    jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+  # The parameters come from this step, through the modules' own start-from-a-run path.
+  for name in cfg.topology.names():
+    module = cfg.model.module(name)
+    if hasattr(module, "init_from"):
+      module.init_from = ""
+  cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
+  if args.layout:
+    set_layout(cfg, args.layout)
+  if args.seq_len:
+    cfg.data.seq_len = args.seq_len
+  return step, cfg
+
+
+def _build(args, cfg: Config, image_id: int | None):
+  """The eval's Step (meshes and programs), after checking the config."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from mimo_jax.step import Step
+  from mimo_jax.validation import validate
+  if cfg.data.image_token < 0 and image_id is not None:
+    cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
+  checked = copy.deepcopy(cfg)
+  # The run's own data is not read: a converted run without data.dir (an import) is evaluated too.
+  checked.data.dir = checked.data.dir or os.path.abspath(args.data)
+  validate(checked, len(jax.devices()))
+  return Step.build(cfg)
+
+
+def run(args: argparse.Namespace) -> dict:
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax import encoders
+  from mimo_jax.data import conversations, loader
+  from mimo_jax.data.chat import ChatTokenizer
+  from mimo_jax.data.images import ImageProcessor
+  from mimo_jax.evaluate import Evaluator
+  step, cfg = _config(args)
+  found = generate_tool.defaults(args.workdir, cfg)
+  tok = ChatTokenizer.open(args.tokenizer or generate_tool._default_dir(  # pylint: disable=protected-access
+      found, "tokenizer", "tokenizer.json", "--tokenizer", args.workdir))
+  generate_tool.check_vocab(tok, cfg, found, bool(args.tokenizer))
+  image_token = args.image_token or found["image_token"]
+  if os.path.isdir(args.data):
+    image_id = conversations.manifest(args.data)["image_token"]
+  else:
+    image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
+        else None
+  trainer = _build(args, cfg, image_id)
+  if os.path.isdir(args.data):
+    samples = converted_samples(args, cfg, tok)
+  else:
+    pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
+    proc = lambda: ImageProcessor.open(args.processor or generate_tool._default_dir(  # pylint: disable=protected-access
+        found, "processor", "preprocessor_config.json", "--processor", args.workdir),
+                                       pad_to_square=pad)
+    samples = json_samples(args, cfg, tok, proc, image_token)
+  out = pathlib.Path(args.out) if args.out else default_out(args, step)
+  settings = {"workdir": os.path.abspath(args.workdir), "step": step,
+              "data": os.path.abspath(args.data), "split": args.split,
+              "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
+              "samples": len(samples)}
+  rows = Rows(out, settings)
+  try:
+    todo = [s for s in samples if json.dumps(s["id"]) not in rows.done]
+    dp = trainer.topo.dp("language")
+    bsz = -(-(args.batch or cfg.eval.batch) // dp) * dp  # every language rank an equal share
+    layout = loader.make_layout(cfg, dp, eval_batch=bsz)
+    eos_text = tok.specials.get("eos_token")
+    eos = tok.token_id(eos_text) if eos_text else None
+    evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+    state = trainer.init_state(cfg.train.seed, optimizer=False)
+    bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
+               desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
+    started, generated = time.time(), 0
+    with bar:
+      for start in range(0, len(todo), bsz):
+        chunk = todo[start:start + bsz]
+        ids = list(range(start, start + len(chunk))) + [-1] * (bsz - len(chunk))
+        try:
+          batch = loader.layout_microbatch([s["sample"] for s in chunk] + [None] * (bsz - len(chunk)),
+                                           ids, layout, conversations.VOCABULARY)
+        except ValueError as e:
+          raise ConfigError(f"--data {args.data}: {e} (--seq_len sets the eval's rows)") from None
+        got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
+        new = []
+        for k, s in enumerate(chunk):
+          answer = [int(t) for t in got[start + k]]
+          answer = answer[:answer.index(eos)] if eos in answer else answer
+          generated += len(answer)
+          prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
+          new.append({"id": s["id"],
+                      "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
+                      "reference": s["references"][0] if len(s["references"]) == 1
+                      else s["references"], "prediction": prediction,
+                      "score": {m: scoring.score(m, prediction, s["references"])
+                                for m in args.metric}})
+        rows.append(new)
+        bar.update(len(chunk))
+    took = time.time() - started
+    scores = [r["score"] for r in rows.done.values()]
+    summary = dict(settings, out=str(out), **{m: float(np.mean([s[m] for s in scores]))
+                                              for m in args.metric},
+                   answered_now=len(todo), new_tokens_per_s=generated / took if todo else None,
+                   topology=trainer.topo.describe())
+    _write_whole(summary_path(out), summary)
+    return summary
+  finally:
+    rows.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _args(argv)
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  try:
+    check_flags(args)
+    with output.interrupts_as_exceptions():
+      summary = run(args)
+  except (ConfigError, ValueError) as e:
+    sys.stdout.flush()
+    print(f"{TOOL}: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt as e:
+    sys.stdout.flush()
+    print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}); the rows written are kept: run the same "
+          "command to go on.", file=sys.stderr)
+    return 128 + getattr(e, "signum", 2)
+  metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)
+  print(f"{summary['samples']} samples of {args.data} at step {summary['step']}: {metrics}; "
+        f"rows in {summary['out']}")
+  return 0
+
+
+if __name__ == "__main__":
+  output.run_main(main)
