@@ -2,12 +2,19 @@
 ranks as on one, and as tools.generate gives each prompt alone), rows kept across a SIGTERM and
 resumed without duplicates, bad input refused with one clear error."""
 
+import argparse
 import json
 import os
 import pathlib
 import signal
 
+import jax
+import numpy as np
 import pytest
+
+from mimo_jax import encoders
+from mimo_jax.data import conversations, loader
+from mimo_jax.evaluate import Evaluator
 
 from tests.test_generate import FIXTURES, _tokenizer
 from tools import eval as eval_tool
@@ -135,3 +142,52 @@ def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
   assert "holds rows of another eval" in capsys.readouterr().err
   assert _rows(setup / "one.jsonl") == one_device
+
+
+def _hf_prompts(ref, image_id: int, tokens: int) -> list[tuple[list[int], list[np.ndarray]]]:
+  """The fixture's rows as converted samples hold them: each image one placeholder (its run of
+  `tokens` image ids collapsed), with its images."""
+  rows = np.split(ref["rows"], np.cumsum(ref["lengths"])[:-1])
+  images = np.split(ref["images"], np.cumsum(ref["image_counts"])[:-1])
+  out = []
+  for row, pixels in zip(rows, images):
+    ids, run = [], 0
+    for t in [*row.tolist(), -1]:
+      if t == image_id:
+        run += 1
+        continue
+      ids += [image_id] * (run // tokens)
+      run = 0
+      if t >= 0:
+        ids.append(t)
+    out.append((ids, list(pixels)))
+  return out
+
+
+@pytest.mark.parametrize("name", ["llava15", "llava_siglip"])
+def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setup, name):
+  """The eval's program (layout, encoder on its mesh, merge, left-padded prompts, KV-cache decode)
+  against transformers' greedy `generate` on a batch of prompts of different lengths."""
+  workdir = setup / "run" if name == "llava15" else setup / name
+  if not workdir.exists():
+    hf_tool.main(["import", "--hf", str(FIXTURES / name), "--out", str(workdir),
+                  "--config=configs/llava_cpu.py"])
+  ref = np.load(FIXTURES / name / "eval_generate.npz")
+  image_id = json.loads((FIXTURES / name / "config.json").read_text())["image_token_index"]
+  args = argparse.Namespace(workdir=str(workdir), step=None, layout="", seq_len=96,
+                            data=str(workdir))
+  with jax.default_matmul_precision("highest"):
+    _, cfg = eval_tool._config(args)
+    trainer = eval_tool._build(args, cfg, image_id)
+    tokens = cfg.model.vision.tokens_per_image
+    samples = [{"sample": eval_tool._eval_sample(ids, [4], {"images": pixels})}
+               for ids, pixels in _hf_prompts(ref, image_id, tokens)]
+    batch = loader.layout_microbatch([s["sample"] for s in samples], list(range(len(samples))),
+                                     eval_tool.layout_for(cfg, 1, len(samples), samples),
+                                     conversations.VOCABULARY)
+    evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+    got = evaluator.answers(trainer.init_state(0, optimizer=False), [batch],
+                            ref["generated"].shape[1])
+  assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]
+  np.testing.assert_array_equal(np.stack([got[i] for i in range(len(samples))]),
+                                ref["generated"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -208,6 +209,19 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
   return out
 
 
+def layout_for(cfg: Config, dp: int, bsz: int, samples: list[dict]):
+  """The eval batches' layout: the run's, with slots for `bsz` samples of the most items of any
+  sample here (a run trained on one image a sample may be asked about three)."""
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax.data import loader
+  base = loader.make_layout(cfg, dp, eval_batch=bsz)
+  fitted = []
+  for e in base.encoders:
+    most = max((len(e.items(s["sample"])) for s in samples), default=0)
+    fitted.append(dataclasses.replace(e, slots=max(e.slots, bsz * most)))
+  return dataclasses.replace(base, encoders=tuple(fitted))
+
+
 # The output: rows appended and synced, kept across interruptions.
 
 class Rows:
@@ -341,7 +355,7 @@ def run(args: argparse.Namespace) -> dict:
     todo = [s for s in samples if json.dumps(s["id"]) not in rows.done]
     dp = trainer.topo.dp("language")
     bsz = -(-(args.batch or cfg.eval.batch) // dp) * dp  # every language rank an equal share
-    layout = loader.make_layout(cfg, dp, eval_batch=bsz)
+    layout = layout_for(cfg, dp, bsz, samples)
     eos_text = tok.specials.get("eos_token")
     eos = tok.token_id(eos_text) if eos_text else None
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
