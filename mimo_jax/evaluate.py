@@ -32,24 +32,24 @@ def _prompts(x_bld: jax.Array, answer_b: jax.Array) -> tuple[jax.Array, jax.Arra
   return x_bld, jnp.arange(l)[None] >= pad_b[:, None]
 
 
-def language_eval(ctx: Context, max_images: int, accuracy: bool, params, tokens: dict,
-                  pos: dict, text: Text, samples: Samples) -> dict:
-  """Loss sums of an eval batch (one sample a row) and, with `accuracy`, the digits named right by
-  greedy decoding."""
+def language_eval(ctx: Context, params, tokens: dict, pos: dict, text: Text) -> dict:
+  """Loss sums of an eval batch (one sample a row)."""
   one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # a chunk of one microbatch
   logits = ctx.logits(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)[0]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, text.targets_rl)
-  out = {"loss_sum": jnp.sum(ce * text.loss_mask_rl), "tokens": jnp.sum(text.loss_mask_rl)}
-  if not accuracy:
-    return out
-  model = ctx.bind("language", params)
-  x_bld = embed_merged(model, text.tokens_rl, tokens, pos, ctx.groups)
-  answers = generate.decode(model, *_prompts(x_bld, samples.answer_b), max_images)
-  idx = jnp.minimum(samples.answer_b[:, None] + jnp.arange(max_images)[None],
-                    text.targets_rl.shape[1] - 1)
-  truth = jnp.take_along_axis(text.targets_rl, idx, axis=1)
-  digit = jnp.arange(max_images)[None] < samples.items_b[:, None]
-  return dict(out, correct=jnp.sum((answers == truth) & digit), digits=jnp.sum(digit))
+  return {"loss_sum": jnp.sum(ce * text.loss_mask_rl), "tokens": jnp.sum(text.loss_mask_rl)}
+
+
+def digits_named(batch: Batch, answers_bs: np.ndarray) -> tuple[int, int]:
+  """(digits named right, digits) of a digits eval batch: each sample's first `items_b` answer
+  tokens against its targets after the ':' (one sample a row)."""
+  s, targets = batch.samples, batch.text.targets_rl
+  correct = digits = 0
+  for b in np.flatnonzero(s.ids_b >= 0):
+    n, at = int(s.items_b[b]), int(s.answer_b[b])
+    correct += int((answers_bs[b, :n] == targets[b, at:at + n]).sum())
+    digits += n
+  return correct, digits
 
 
 def language_answers(ctx: Context, steps: int, eos: int | None, params, tokens: dict, pos: dict,
@@ -64,54 +64,66 @@ def language_answers(ctx: Context, steps: int, eos: int | None, params, tokens: 
 class Evaluator:
   """Runs the eval batches through the same module meshes and bridge as training."""
 
-  def __init__(self, step: Step, max_images: int, accuracy: bool = True):
-    """`accuracy`: also decode greedily and score the digits (the digits task only)."""
-    self.step, self.accuracy = step, accuracy
-    self._eval = jax.jit(functools.partial(language_eval, step.ctx, max_images, accuracy))
+  def __init__(self, step: Step, max_images: int, accuracy: bool = True, generated=None):
+    """`accuracy`: also decode greedily and score the digits (the digits task only);
+    `generated`: eval_set.Generated (`eval.generate`), whose scores join the metrics."""
+    self.step, self.accuracy, self.max_images = step, accuracy, max_images
+    self.generated = generated
+    self._eval = jax.jit(functools.partial(language_eval, step.ctx))
     self._answers = {}  # (steps, eos) -> its program
 
-  def answers(self, state, batches: list[Batch], steps: int, eos: int | None = None,
-              stop=None, done=None) -> dict[int, np.ndarray] | None:
-    """Sample id -> its greedy answer (int32 [steps]) for every sample of `batches`, or None if
-    `stop()` turns true between batches; `done(ids, answers)` after each batch."""
+  def _answer(self, state, x: Batch, tokens: dict, steps: int, eos: int | None) -> jax.Array:
     key = (steps, eos)
     if key not in self._answers:
       out = self.step.plan.sharding("language", REPLICATED)  # every process fetches them
       self._answers[key] = jax.jit(functools.partial(language_answers, self.step.ctx, steps, eos),
                                    out_shardings=out)
+    return self._answers[key](state["language"].params, tokens,
+                              {n: s.pos_rl for n, s in x.slots.items()}, x.text, x.samples)
+
+  def answers(self, state, batches: list[Batch], steps: int, eos: int | None = None,
+              stop=None) -> dict[int, np.ndarray] | None:
+    """Sample id -> its greedy answer (int32 [steps]) for every sample of `batches`, or None if
+    `stop()` turns true between batches."""
     found = {}
     for batch in batches:
       if stop is not None and stop():
         return None
       x = self.step.place(batch)
-      tokens = self.step.encode(state, x)
-      got = distributed.fetch(self._answers[key](
-          state["language"].params, tokens, {n: s.pos_rl for n, s in x.slots.items()}, x.text,
-          x.samples))
-      ids = [int(i) for i in batch.samples.ids_b]
-      for i, answer in zip(ids, np.asarray(got)):
+      got = np.asarray(distributed.fetch(self._answer(state, x, self.step.encode(state, x), steps,
+                                                      eos)))
+      for i, answer in zip(batch.samples.ids_b.tolist(), got):
         if i >= 0:
           found[i] = answer
-      if done is not None:
-        done([i for i in ids if i >= 0], [found[i] for i in ids if i >= 0])
     return found
 
   def __call__(self, state, batches: list[Batch], stop=None) -> dict[str, float] | None:
-    """Eval metrics over `batches`, or None if `stop()` turns true between batches."""
-    totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0, "digits": 0.0}
-    outs = []
+    """Eval metrics over `batches` (and `generated`), or None if `stop()` turns true between
+    batches."""
+    totals = {"loss_sum": 0.0, "tokens": 0.0}
+    outs, named = [], []
     for batch in batches:
       if stop is not None and stop():
         return None
       x = self.step.place(batch)
       tokens = self.step.encode(state, x)
       outs.append(self._eval(state["language"].params, tokens,
-                             {n: s.pos_rl for n, s in x.slots.items()}, x.text, x.samples))
+                             {n: s.pos_rl for n, s in x.slots.items()}, x.text))
+      if self.accuracy:  # the digits: named by the answers' program, scored on the host
+        named.append((batch, self._answer(state, x, tokens, self.max_images, None)))
     for out in distributed.fetch(outs):
       for k in out:
         totals[k] += float(out[k])
-    loss = {"eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
-    if not self.accuracy:
-      return loss
-    return dict(loss, eval_accuracy=totals["correct"] / max(totals["digits"], 1.0),
-                eval_digits=int(totals["digits"]))
+    result = {"eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
+    if self.accuracy:
+      answers = distributed.fetch([a for _, a in named])
+      right = [digits_named(b, np.asarray(a)) for (b, _), a in zip(named, answers)]
+      digits = sum(d for _, d in right)
+      result.update(eval_accuracy=sum(c for c, _ in right) / max(digits, 1.0),
+                    eval_digits=int(digits))
+    if self.generated is not None:
+      scores = self.generated(self, state, stop)
+      if scores is None:
+        return None
+      result.update(scores)
+    return result

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import checkpoint, distributed, encoders, init_from, memory, workdir
+from mimo_jax import checkpoint, distributed, encoders, eval_set, init_from, memory, workdir
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config
 from mimo_jax.data import capacity, loader
@@ -228,7 +228,9 @@ class _Loop:
     capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
                             progress=print if distributed.is_main() else None,
                             stop=early.requested)
-    self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=cfg.data.task == "digits")
+    self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=cfg.data.task == "digits",
+                               generated=eval_set.Generated(cfg, paths["eval"], dp)
+                               if cfg.eval.generate else None)
     self.eval_batches = loader.eval_batches(cfg, paths["eval"], dp)
     # The whole LR table once: evaluating the schedule per step would queue behind the step's
     # work on device 0 and make the host wait there.

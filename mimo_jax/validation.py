@@ -7,7 +7,7 @@ import math
 import os
 import pathlib
 
-from mimo_jax import encoders, hf
+from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS, SHARD_MODES, TASKS,
                              Config, ConfigError, parse_freeze, parse_lr_mult, positive, require,
                              run_source)
@@ -242,6 +242,15 @@ def _schedule_and_run(cfg: Config) -> None:
   require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
   require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
   require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")
+  require(0 <= cfg.eval.generate <= cfg.eval.samples, "eval.generate",
+          f"{cfg.eval.generate}: give 0 (none) up to eval.samples ({cfg.eval.samples}).")
+  task = cfg.data.task
+  require(cfg.eval.generate == 0 or task == "conversations", "eval.generate",
+          f"answers are scored as text, which data.task={task} has none of (the digits task "
+          "reports its per-digit accuracy anyway); leave it 0.")
+  require(cfg.eval.metric in scoring.METRICS, "eval.metric",
+          f"{cfg.eval.metric!r} is no metric; registered: {', '.join(sorted(scoring.METRICS))}.")
+  require(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0.")
   # Converted data has the eval split tools.convert made (--eval), which validate_data checks.
   d = cfg.data
   require(d.task == "conversations" or cfg.eval.samples <= d.eval_samples, "eval.samples",

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import encoders
+from mimo_jax import encoders, eval_set
 from mimo_jax.data import conversations, loader
 from mimo_jax.evaluate import Evaluator
 
@@ -180,10 +180,10 @@ def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setu
     _, cfg = eval_tool._config(args)
     trainer = eval_tool._build(args, cfg, image_id)
     tokens = cfg.model.vision.tokens_per_image
-    samples = [{"sample": eval_tool._eval_sample(ids, [4], {"images": pixels})}
+    samples = [{"sample": eval_set.eval_sample(ids, [4], {"images": pixels})}
                for ids, pixels in _hf_prompts(ref, image_id, tokens)]
     batch = loader.layout_microbatch([s["sample"] for s in samples], list(range(len(samples))),
-                                     eval_tool.layout_for(cfg, 1, len(samples), samples),
+                                     eval_set.layout_for(cfg, 1, len(samples), samples),
                                      conversations.VOCABULARY)
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
     got = evaluator.answers(trainer.init_state(0, optimizer=False), [batch],

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import json
 import logging
 import os
@@ -100,54 +99,28 @@ def summary_path(out: pathlib.Path) -> pathlib.Path:
 
 # Samples: a prompt of token ids, the encoders' items, references.
 
-def _split_answer(ids: np.ndarray, mask: np.ndarray, where: str) -> tuple[list[int], list[int]]:
-  """(prompt ids, answer ids): the last run of loss-carrying tokens is the answer."""
-  on = np.flatnonzero(mask)
-  if not on.size:
-    raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
-                      "answer with; give each record a reference.")
-  end = int(on[-1]) + 1
-  start = end
-  while start > 0 and mask[start - 1]:
-    start -= 1
-  return [int(i) for i in ids[:start]], [int(i) for i in ids[start:end]]
-
-
-def _eval_sample(prompt: list[int], answer: list[int], items: dict) -> dict:
-  """The layout's sample: the prompt and the answer's first token as its one target, so that the
-  answer starts right after the prompt's last token (`Samples.answer_b`)."""
-  return {**items, "tokens": prompt + answer[:1], "loss_mask": [0] * len(prompt) + [1]}
-
-
-def converted_samples(args, cfg: Config, tok) -> list[dict]:
+def converted_samples(args, tok) -> list[dict]:
   """The samples of a converted directory's split (ids: record indices)."""
-  # pylint: disable=import-outside-toplevel
-  from mimo_jax.data import conversations, loader
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax import eval_set
+  from mimo_jax.data import conversations  # pylint: disable=import-outside-toplevel
   m = conversations.manifest(args.data)
   path = pathlib.Path(args.data) / f"{args.split}.array_record"
   if not path.is_file():
     raise ConfigError(f"--split {args.split}: {path} not found; a converted directory holds "
                       f"{' and '.join(conversations.SPLITS)}.")
-  if tok is not None and m.get("vocab_size") not in (None, tok.tokenizer.get_vocab_size()):
+  if m.get("vocab_size") not in (None, tok.tokenizer.get_vocab_size()):
     raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, the "
                       f"tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}; give the "
                       "data's tokenizer with --tokenizer DIR.")
-  source = loader.open_shard(str(path))
-  count = len(source) if not args.samples else min(args.samples, len(source))
-  out = []
-  for i in range(count):
-    record = conversations.decode(source[i], str(path), i)
-    prompt, answer = _split_answer(record["tokens"], record["loss_mask"], f"{path}: record {i}")
-    items = {k: v for k, v in record.items() if k not in ("tokens", "loss_mask")}
-    out.append({"id": i, "sample": _eval_sample(prompt, answer, items), "prompt_ids": prompt,
-                "references": [tok.tokenizer.decode(answer, skip_special_tokens=True).strip()]})
-  return out
+  return eval_set.converted(str(path), tok, args.samples)
 
 
 def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
   """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
   turn, its images prepared by the processor `proc()` (opened at the first image)."""
   # pylint: disable=import-outside-toplevel
+  from mimo_jax import eval_set
   from mimo_jax.data import conversations, images
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
   try:
@@ -200,26 +173,14 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
       ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}])
     except (ChatError, TokenizeError) as e:
       raise ConfigError(f"{where}: {e}") from None
-    prompt, answer = _split_answer(ids, mask, where)
+    prompt, answer = eval_set.split_answer(ids, mask, where)
     if prompt.count(image_id) != len(pixels):
       raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
                         f"{len(pixels)} images.")
-    out.append({"id": key, "sample": _eval_sample(prompt, answer, {conversations.IMAGES: pixels}),
+    out.append({"id": key, "sample": eval_set.eval_sample(prompt, answer,
+                                                             {conversations.IMAGES: pixels}),
                 "prompt_ids": prompt, "references": references})
   return out
-
-
-def layout_for(cfg: Config, dp: int, bsz: int, samples: list[dict]):
-  """The eval batches' layout: the run's, with slots for `bsz` samples of the most items of any
-  sample here (a run trained on one image a sample may be asked about three)."""
-  # pylint: disable-next=import-outside-toplevel
-  from mimo_jax.data import loader
-  base = loader.make_layout(cfg, dp, eval_batch=bsz)
-  fitted = []
-  for e in base.encoders:
-    most = max((len(e.items(s["sample"])) for s in samples), default=0)
-    fitted.append(dataclasses.replace(e, slots=max(e.slots, bsz * most)))
-  return dataclasses.replace(base, encoders=tuple(fitted))
 
 
 # The output: rows appended and synced, kept across interruptions.
@@ -320,8 +281,8 @@ def _build(args, cfg: Config, image_id: int | None):
 
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
-  from mimo_jax import encoders
-  from mimo_jax.data import conversations, loader
+  from mimo_jax import encoders, eval_set
+  from mimo_jax.data import conversations
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
   from mimo_jax.evaluate import Evaluator
@@ -338,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
         else None
   trainer = _build(args, cfg, image_id)
   if os.path.isdir(args.data):
-    samples = converted_samples(args, cfg, tok)
+    samples = converted_samples(args, tok)
   else:
     pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
     proc = lambda: ImageProcessor.open(args.processor or generate_tool._default_dir(  # pylint: disable=protected-access
@@ -354,38 +315,22 @@ def run(args: argparse.Namespace) -> dict:
   try:
     todo = [s for s in samples if json.dumps(s["id"]) not in rows.done]
     dp = trainer.topo.dp("language")
-    bsz = -(-(args.batch or cfg.eval.batch) // dp) * dp  # every language rank an equal share
-    layout = layout_for(cfg, dp, bsz, samples)
-    eos_text = tok.specials.get("eos_token")
-    eos = tok.token_id(eos_text) if eos_text else None
+    bsz = eval_set.batch_size(cfg, dp, args.batch)  # every language rank an equal share
+    layout = eval_set.layout_for(cfg, dp, bsz, samples)
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
     state = trainer.init_state(cfg.train.seed, optimizer=False)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
-    started, generated = time.time(), 0
+    started, generated, eos = time.time(), 0, eval_set.eos_id(tok)
     with bar:
       for start in range(0, len(todo), bsz):
         chunk = todo[start:start + bsz]
-        ids = list(range(start, start + len(chunk))) + [-1] * (bsz - len(chunk))
-        try:
-          batch = loader.layout_microbatch([s["sample"] for s in chunk] + [None] * (bsz - len(chunk)),
-                                           ids, layout, conversations.VOCABULARY)
-        except ValueError as e:
-          raise ConfigError(f"--data {args.data}: {e} (--seq_len sets the eval's rows)") from None
+        [batch] = eval_set.batches(chunk, layout, bsz, f"--data {args.data} (--seq_len sets the "
+                                   "eval's rows)")
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
-        new = []
-        for k, s in enumerate(chunk):
-          answer = [int(t) for t in got[start + k]]
-          answer = answer[:answer.index(eos)] if eos in answer else answer
-          generated += len(answer)
-          prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
-          new.append({"id": s["id"],
-                      "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
-                      "reference": s["references"][0] if len(s["references"]) == 1
-                      else s["references"], "prediction": prediction,
-                      "score": {m: scoring.score(m, prediction, s["references"])
-                                for m in args.metric}})
-        rows.append(new)
+        answers = [got[k] for k in range(len(chunk))]
+        generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)
+        rows.append(eval_set.scored(chunk, answers, tok, args.metric))
         bar.update(len(chunk))
     took = time.time() - started
     scores = [r["score"] for r in rows.done.values()]

@@ -1,0 +1,128 @@
+"""An eval set as prompts and references, and its generated answers scored: what `tools.eval` and
+the training eval's `eval.generate` share.
+
+A sample's prompt is its conversation before its last assistant turn (the tokens before the last
+run of its loss mask), its reference that turn's text (or a record's own list of answers). For
+the layout it becomes a sample of the prompt and the answer's first token as its one target, so
+that `Samples.answer_b` is the prompt's last token, after which evaluate.Evaluator.answers
+decodes; the encoders' items stay as they are, whichever encoders there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+from mimo_jax import scoring
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import conversations, loader
+from mimo_jax.data.chat import ChatTokenizer
+
+
+def split_answer(ids: np.ndarray, mask: np.ndarray, where: str) -> tuple[list[int], list[int]]:
+  """(prompt ids, answer ids): the last run of loss-carrying tokens is the answer."""
+  on = np.flatnonzero(mask)
+  if not on.size:
+    raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                      "answer with; give each record a reference.")
+  end = int(on[-1]) + 1
+  start = end
+  while start > 0 and mask[start - 1]:
+    start -= 1
+  return [int(i) for i in ids[:start]], [int(i) for i in ids[start:end]]
+
+
+def eval_sample(prompt: list[int], answer: list[int], items: dict) -> dict:
+  """The layout's sample: the prompt and the answer's first token as its one target."""
+  return {**items, "tokens": prompt + answer[:1], "loss_mask": [0] * len(prompt) + [1]}
+
+
+def converted(path: str, tok: ChatTokenizer, count: int = 0) -> list[dict]:
+  """The first `count` (0: all) samples of a converted shard: `id` (the record's index),
+  `sample`, `prompt_ids`, `references`."""
+  source = loader.open_shard(str(path))
+  out = []
+  for i in range(min(count, len(source)) if count else len(source)):
+    record = conversations.decode(source[i], str(path), i)
+    prompt, answer = split_answer(record["tokens"], record["loss_mask"], f"{path}: record {i}")
+    items = {k: v for k, v in record.items() if k not in ("tokens", "loss_mask")}
+    out.append({"id": i, "sample": eval_sample(prompt, answer, items), "prompt_ids": prompt,
+                "references": [tok.tokenizer.decode(answer, skip_special_tokens=True).strip()]})
+  return out
+
+
+def layout_for(cfg: Config, dp: int, bsz: int, samples: list[dict]) -> loader.Layout:
+  """The eval batches' layout: the run's, with slots for `bsz` samples of the most items of any
+  sample here (a run trained on one image a sample may be asked about three)."""
+  base = loader.make_layout(cfg, dp, eval_batch=bsz)
+  fitted = []
+  for e in base.encoders:
+    most = max((len(e.items(s["sample"])) for s in samples), default=0)
+    fitted.append(dataclasses.replace(e, slots=max(e.slots, bsz * most)))
+  return dataclasses.replace(base, encoders=tuple(fitted))
+
+
+def batch_size(cfg: Config, dp: int, asked: int = 0) -> int:
+  """`asked` (default eval.batch) rounded up to a multiple of the language dp ranks."""
+  return -(-(asked or cfg.eval.batch) // dp) * dp
+
+
+def batches(samples: list[dict], layout: loader.Layout, bsz: int, where: str) -> list:
+  """The samples laid out `bsz` at a time (ids: their positions in `samples`); the last batch
+  padded with empty rows."""
+  out = []
+  for start in range(0, len(samples), bsz):
+    chunk = [s["sample"] for s in samples[start:start + bsz]]
+    ids = list(range(start, start + len(chunk))) + [-1] * (bsz - len(chunk))
+    try:
+      out.append(loader.layout_microbatch(chunk + [None] * (bsz - len(chunk)), ids, layout,
+                                          conversations.VOCABULARY))
+    except ValueError as e:
+      raise ConfigError(f"{where}: {e}") from None
+  return out
+
+
+def eos_id(tok: ChatTokenizer) -> int | None:
+  text = tok.specials.get("eos_token")
+  return tok.token_id(text) if text else None
+
+
+def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list[str]) -> list:
+  """One row a sample: `id`, `prompt`, `reference` (one, or the list), `prediction` (the answer's
+  text before its end token) and `score` by metric."""
+  eos, rows = eos_id(tok), []
+  for s, answer in zip(samples, answers):
+    answer = [int(t) for t in answer]
+    answer = answer[:answer.index(eos)] if eos in answer else answer
+    prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
+    refs = s["references"]
+    rows.append({"id": s["id"],
+                 "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
+                 "reference": refs[0] if len(refs) == 1 else refs, "prediction": prediction,
+                 "score": {m: scoring.score(m, prediction, refs) for m in metrics}})
+  return rows
+
+
+class Generated:
+  """The training eval's `eval.generate`: the first that many eval samples answered greedily
+  (`eval.max_new_tokens`) and scored by `eval.metric`, logged as `eval_<metric>`."""
+
+  def __init__(self, cfg: Config, path: str, dp: int):
+    m = conversations.manifest(cfg.data.dir)
+    self.tok = ChatTokenizer.open(conversations.source_path(cfg.data.dir, m["tokenizer"]))
+    self.metric, self.steps = cfg.eval.metric, cfg.eval.max_new_tokens
+    self.samples = converted(path, self.tok, cfg.eval.generate)
+    bsz = batch_size(cfg, dp)
+    self.batches = batches(self.samples, layout_for(cfg, dp, bsz, self.samples), bsz,
+                           f"eval.generate: {path}")
+
+  def __call__(self, evaluator, state, stop=None) -> dict | None:
+    got = evaluator.answers(state, self.batches, self.steps, eos_id(self.tok), stop=stop)
+    if got is None:
+      return None
+    rows = scored(self.samples, [got[i] for i in range(len(self.samples))], self.tok,
+                  [self.metric])
+    return {f"eval_{self.metric}": float(np.mean([r["score"][self.metric] for r in rows])),
+            "eval_generated": len(rows)}
