@@ -191,3 +191,21 @@ def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setu
   assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]
   np.testing.assert_array_equal(np.stack([got[i] for i in range(len(samples))]),
                                 ref["generated"])
+
+
+def test_the_benchmark_s_prompts_are_left_padded_with_one_image_each():
+  from tools import eval_bench  # pylint: disable=import-outside-toplevel
+  p = eval_bench.prompts(argparse.Namespace(tiny=True, batch=5, prompt=12))
+  lengths = p["mask"].sum(axis=1)
+  assert lengths.tolist() == [12 + 16, 11 + 16, 10 + 16, 9 + 16, 12 + 16]
+  assert ((p["ids"] == 63).sum(axis=1) == 16).all() and p["images"].shape == (5, 16, 16, 3)
+  assert (p["ids"][p["mask"] == 0] == 0).all() and p["mask"][:, -1].all()
+
+
+def test_the_benchmark_runs_both_sides_at_tiny_size(capsys):
+  """Where torch and transformers are installed: both generate, and agree in float32."""
+  pytest.importorskip("transformers")
+  from tools import eval_bench  # pylint: disable=import-outside-toplevel
+  assert eval_bench.main(["--tiny", "--batch", "2", "--prompt", "8", "--new", "4",
+                          "--reps", "1"]) == 0
+  assert "new tokens equal in both: 100.0%" in capsys.readouterr().out
