@@ -64,6 +64,18 @@ def layout_for(cfg: Config, dp: int, bsz: int, samples: list[dict]) -> loader.La
   return dataclasses.replace(base, encoders=tuple(fitted))
 
 
+def check_lengths(layout: loader.Layout, samples: list[dict], flag: str) -> None:
+  """An error naming the first sample whose prompt, its items expanded, exceeds the rows'
+  positions (before anything is written)."""
+  for s in samples:
+    sample = s["sample"]
+    n = len(sample["tokens"]) - 1 + sum(
+        e.item_tokens(size, s["id"]) - 1 for e in layout.encoders for size in e.sizes(sample))
+    if n > layout.seq_len:
+      raise ConfigError(f"sample {s['id']!r} needs {n} positions, more than the eval rows' "
+                        f"{layout.seq_len}; give {flag} {n} or more.")
+
+
 def batch_size(cfg: Config, dp: int, asked: int = 0) -> int:
   """`asked` (default eval.batch) rounded up to a multiple of the language dp ranks."""
   return -(-(asked or cfg.eval.batch) // dp) * dp

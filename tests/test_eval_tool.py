@@ -111,6 +111,8 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
     (["--metric", "bleu"], "--metric bleu: no such metric; registered: contains"),
     (["--data", "/nonexistent.json"], "--data /nonexistent.json: not found"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
+    (["--seq_len", "40"], "sample 'q2' needs 46 positions, more than the eval rows' 40; give "
+     "--seq_len 46 or more"),
 ])
 def test_bad_flags_are_refused(setup, capsys, change, message):
   assert _eval(setup, setup / "bad.jsonl", *change) == 2

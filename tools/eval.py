@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mimo_jax import checkpoint_reader, output, scoring
-from mimo_jax.config import Config, ConfigError
+from mimo_jax.config import Config, ConfigError, RunConfig
 from tools import generate as generate_tool
 
 TOOL = "tools.eval"
@@ -62,6 +62,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--layout", default="",
                       help="module=offset/dp/tp,... instead of the run's topology")
   parser.add_argument("--step", type=int, default=None)
+  parser.add_argument("--cpu_devices", type=int, default=0,
+                      help="on CPUs: devices to create (default the run's run.cpu_devices)")
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="")
@@ -238,19 +240,34 @@ def _write_whole(path: pathlib.Path, value: dict) -> None:
 
 # The run.
 
+def cpu_devices(args) -> int:
+  """The CPU devices the CPU backend creates: --cpu_devices, else the run.cpu_devices the newest
+  step's metadata records (read before JAX starts), else the default."""
+  if getattr(args, "cpu_devices", 0):
+    return args.cpu_devices
+  root = pathlib.Path(args.workdir) / "checkpoints"
+  steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True) \
+      if root.is_dir() else []
+  for step in ([args.step] if args.step is not None else []) + steps:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+      return int(json.loads((root / str(step) / "meta" / "metadata").read_text())
+                 ["config"]["run"]["cpu_devices"])
+  return RunConfig().cpu_devices
+
+
 def _config(args) -> tuple[int, Config]:
   """(step, the run's config as the eval runs it: parameters from that step, --layout and
   --seq_len applied)."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.config import from_dict, set_layout
+  with contextlib.suppress(RuntimeError):  # a backend already started keeps its devices
+    jax.config.update("jax_num_cpu_devices", cpu_devices(args))  # before the reader starts it
   reader = checkpoint_reader.Reader(args.workdir)
   reader.note(TOOL)
   step, meta = checkpoint_reader.newest(reader, args.step, reader.meta, tool=TOOL)
   reader.close()
   cfg = from_dict(meta["config"])
-  with contextlib.suppress(RuntimeError):  # a backend already started keeps its devices
-    jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
   # The parameters come from this step, through the modules' own start-from-a-run path.
   for name in cfg.topology.names():
     module = cfg.model.module(name)
@@ -270,7 +287,7 @@ def _build(args, cfg: Config, image_id: int | None):
   import jax
   from mimo_jax.step import Step
   from mimo_jax.validation import validate
-  if cfg.data.image_token < 0 and image_id is not None:
+  if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
     cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
   checked = copy.deepcopy(cfg)
   # The run's own data is not read: a converted run without data.dir (an import) is evaluated too.
@@ -311,12 +328,15 @@ def run(args: argparse.Namespace) -> dict:
               "data": os.path.abspath(args.data), "split": args.split,
               "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
               "samples": len(samples)}
+  if not samples:
+    raise ConfigError(f"--data {args.data}: no samples to answer.")
+  dp = trainer.topo.dp("language")
+  bsz = eval_set.batch_size(cfg, dp, args.batch)  # every language rank an equal share
+  layout = eval_set.layout_for(cfg, dp, bsz, samples)
+  eval_set.check_lengths(layout, samples, "--seq_len")
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if json.dumps(s["id"]) not in rows.done]
-    dp = trainer.topo.dp("language")
-    bsz = eval_set.batch_size(cfg, dp, args.batch)  # every language rank an equal share
-    layout = eval_set.layout_for(cfg, dp, bsz, samples)
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
     state = trainer.init_state(cfg.train.seed, optimizer=False)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
