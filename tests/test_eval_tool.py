@@ -128,6 +128,9 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
      "missing.png not found"),
     ({"id": 1, "answers": "yes", "conversations": [{"from": "human", "value": "hello"}]},
      "\"answers\" is \"yes\", not a list of strings"),
+    ({"id": 1, "image": 7, "conversations": [
+        {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]},
+     "\"image\" is 7, not a path or a list of paths"),
 ])
 def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   data = setup / "bad.json"

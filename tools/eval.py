@@ -160,6 +160,9 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
     turn = msgs[last]["content"] if last is not None else references[0]
     files = r.get("image") or []
     files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+      raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
+                        "a list of paths.")
     pixels = []
     for f in files:
       if not opened:
