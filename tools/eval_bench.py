@@ -141,6 +141,7 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   ns = argparse.Namespace(workdir=str(work / "run"), step=None, layout="",
                           seq_len=p["ids"].shape[1] + 1, data=str(work / "run"))
   _, cfg = eval_tool._config(ns)  # pylint: disable=protected-access
+  cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
   trainer = eval_tool._build(ns, cfg, image_id)  # pylint: disable=protected-access
   samples = []
   for row, m, image in zip(p["ids"], p["mask"], p["images"]):
