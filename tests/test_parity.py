@@ -73,16 +73,20 @@ def _mixed_batches(cfg):
   return make
 
 
+@pytest.fixture(scope="module")
+def mixed_reference(data_dir):
+  cfg = tiny_config(data_dir, **SINGLE)
+  return run_steps(cfg, STEPS, batches=_mixed_batches(cfg))[0]
+
+
 @pytest.mark.parametrize("topo", [
     pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in"),
     pytest.param({"vision": (0, 1, 1), "language": (1, 2, 2)}, id="fan-out-tp"),
 ])
-def test_text_only_samples_and_microbatch(data_dir, topo):
-  ref_cfg = tiny_config(data_dir, **SINGLE)
-  ref = run_steps(ref_cfg, STEPS, batches=_mixed_batches(ref_cfg))[0]
+def test_text_only_samples_and_microbatch(data_dir, mixed_reference, topo):
   cfg = tiny_config(data_dir, **topo)
   got = run_steps(cfg, STEPS, batches=_mixed_batches(cfg))[0]
-  assert_close_trajectory(ref, got, rtol=1e-4)
+  assert_close_trajectory(mixed_reference, got, rtol=1e-4)
 
 
 def test_bfloat16_compute_tracks_float32(data_dir, reference):
