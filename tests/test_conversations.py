@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from mimo_jax import train
-from mimo_jax.config import ConfigError, set_layout
+from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations
 from mimo_jax.data.chat import ChatTokenizer, messages
 from mimo_jax.data.images import ImageProcessor
@@ -143,15 +143,21 @@ def _train_config(converted, workdir):
   return cfg
 
 
+@pytest.fixture(scope="module")
+def plain_run(converted, tmp_path_factory) -> list[dict]:
+  """The records of a run on the converted data in one process (vision dp=2, language dp=2)."""
+  return train.run(_train_config(converted, tmp_path_factory.mktemp("plain") / "run"))
+
+
 @pytest.mark.parametrize("layout", ["plain", "packed", "dynamic"])
-def test_a_run_trains_on_converted_conversations(converted, tmp_path, layout):
+def test_a_run_trains_on_converted_conversations(converted, plain_run, tmp_path, layout):
   cfg = _train_config(converted, tmp_path / "run")
   d = cfg.data
   if layout == "packed":  # packing, cost-balanced ranks and slot and row buckets
     d.pack_rows, d.reorder, d.slot_buckets, d.row_buckets = 4, "balance", 2, 2
   if layout == "dynamic":  # images packed into slots of patches
     cfg.model.vision.slot_patches, cfg.model.vision.image_slots = 50, 8
-  records = train.run(cfg)
+  records = plain_run if layout == "plain" else train.run(cfg)
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert all(r["images"] > 0 for r in records if "images" in r)
@@ -166,9 +172,10 @@ def test_a_run_that_disagrees_with_the_manifest_is_refused(converted, tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_two_processes_read_only_their_records_and_match_one(converted, tmp_path):
+def test_two_processes_read_only_their_records_and_match_one(converted, plain_run, tmp_path):
   """Scalable reads on converted data: vision on process 0, the language model on process 1;
-  the losses are the one-process run's, and process 0 reads only the samples with images."""
+  the losses are the one-process run's (the plain run: language dp=2 as here), and process 0
+  reads only the samples with images."""
   layout = "vision=0/4/1,language=4/2/2"
   sets = ["--config.data.task=conversations", f"--config.data.dir={converted}",
           "--config.data.image_token=5", "--config.data.seq_len=170",
@@ -185,9 +192,7 @@ def test_two_processes_read_only_their_records_and_match_one(converted, tmp_path
   assert proc.returncode == 0, proc.stdout[-3000:]
   lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
   two = [r for r in map(json.loads, lines) if "loss" in r]
-  cfg = _train_config(converted, tmp_path / "one")
-  set_layout(cfg, layout)
-  cfg.eval.samples = cfg.eval.batch = 4
-  one = [r for r in train.run(cfg) if "loss" in r]
+  one = [r for r in plain_run if "loss" in r]
+  assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
   np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-4)
   assert sum(r["records_read"] for r in two) < sum(r["records_read"] for r in one)
