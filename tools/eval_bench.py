@@ -142,6 +142,8 @@ def jax_stage(args, work: pathlib.Path) -> dict:
                           seq_len=p["ids"].shape[1] + 1, data=str(work / "run"))
   _, cfg = eval_tool._config(ns)  # pylint: disable=protected-access
   cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
+  cfg.data.image_probs = "0,1"
+  cfg.data.task, cfg.data.image_token = "conversations", image_id  # as an imported run's eval
   trainer = eval_tool._build(ns, cfg, image_id)  # pylint: disable=protected-access
   samples = []
   for row, m, image in zip(p["ids"], p["mask"], p["images"]):
