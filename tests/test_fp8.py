@@ -79,18 +79,31 @@ def bf16_losses(data_dir):
   return np.array([float(m["loss"]) for m in run_steps(_bf16(data_dir, False), STEPS)[0]])
 
 
+FAN_IN_TP = {"vision": (0, 4, 1), "language": (4, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def fan_in_tp_run(data_dir):
+  """FP8 training on disjoint meshes, the language model tensor-parallel: its step is its own
+  program (run_steps' results)."""
+  return run_steps(_bf16(data_dir, True, **FAN_IN_TP), STEPS)
+
+
 @pytest.mark.parametrize("topo,settings", [
     (SINGLE, {}),
-    ({"vision": (0, 4, 1), "language": (4, 2, 2)}, {}),
+    (FAN_IN_TP, {}),
     # FSDP with the remat policy that keeps FP8 inputs (and re-gathers and re-quantizes kernels).
     ({"vision": (0, 2, 1), "language": (2, 2, 1)}, {"shard": "full", "remat": "dots"}),
 ], ids=["single", "fan_in_tp", "fsdp_remat_dots"])
-def test_training_in_fp8_tracks_bfloat16(data_dir, bf16_losses, topo, settings):
+def test_training_in_fp8_tracks_bfloat16(data_dir, bf16_losses, request, topo, settings):
   cfg = _bf16(data_dir, True, **topo)
   for name in ("vision", "language"):
     for field, value in settings.items():
       setattr(cfg.topology.module(name), field, value)
-  got, step, state, _ = run_steps(cfg, STEPS)
+  if topo is FAN_IN_TP:
+    got, step, state, _ = request.getfixturevalue("fan_in_tp_run")
+  else:
+    got, step, state, _ = run_steps(cfg, STEPS)
   assert all(p.dtype == np.float32 for s in state.values() for p in jax.tree.leaves(s.params))
   losses = np.array([float(m["loss"]) for m in got])
   assert not np.array_equal(losses, bf16_losses)  # really computed in FP8
@@ -98,12 +111,12 @@ def test_training_in_fp8_tracks_bfloat16(data_dir, bf16_losses, topo, settings):
   assert losses[-1] < losses[0]
 
 
-def test_the_language_step_holds_fp8_dots(data_dir):
-  cfg = _bf16(data_dir, True, vision=(0, 1, 1), language=(1, 1, 1))  # its own program
-  _, step, state, _ = run_steps(cfg, 1)
+def test_the_language_step_holds_fp8_dots(data_dir, fan_in_tp_run):
+  _, step, state, _ = fan_in_tp_run  # the last user of its state (the step below donates it)
+  cfg = _bf16(data_dir, True, **FAN_IN_TP)
   from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
-  hlo = "\n".join(language_step_hlo(step, state, ds[1]))
+  hlo = "\n".join(language_step_hlo(step, state, ds[STEPS]))
   assert hlo and "f8e4m3fn" in hlo and "f8e5m2" in hlo
 
 
