@@ -41,7 +41,7 @@ def module_transform(cfg: Config, groups_tree) -> optax.GradientTransformation:
   frozen, mult = parse_freeze(cfg), parse_lr_mult(cfg)
   sched = schedule(cfg)
   transforms = {FROZEN: optax.set_to_zero()}
-  for g in set(jax.tree.leaves(groups_tree)) - set(frozen):
+  for g in set(jax.tree.leaves(groups_tree)) - set(frozen) - {FROZEN}:
     lr = (lambda m: (lambda step: sched(step) * m))(mult.get(g, 1.0))
     transforms[g] = optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                                 mask=_decay_mask)

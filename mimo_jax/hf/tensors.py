@@ -20,8 +20,9 @@ class Tensor:
   """One of our leaves and the HF tensor(s) it comes from: `name` under the prefixes of `part`
   (the language model's "language" and "head", or a part of an encoder's mapping), with "{i}"
   for each of the `layers` stacked layers; `shape` is the HF tensor's; `how` maps it to ours:
-  "copy", "T" (a linear weight [out, in] -> our kernel [in, out]) or "conv" (a patch-embedding
-  convolution [d, c, p, p] -> our kernel [p*p*c, d], channels fastest)."""
+  "copy", "T" (a linear weight [out, in] -> our kernel [in, out]), "conv" (a patch-embedding
+  convolution [d, c, p, p] -> our kernel [p*p*c, d], channels fastest) or "conv1d" (a 1-D
+  convolution [out, in, k] -> our kernel [k, in, out])."""
   path: tuple[str, ...]
   part: str
   name: str
@@ -30,7 +31,7 @@ class Tensor:
   layers: int = 0  # 0 = not stacked
 
   def to_ours(self, x: np.ndarray) -> np.ndarray:
-    if self.how == "T":
+    if self.how in ("T", "conv1d"):
       return x.T
     if self.how == "conv":
       d, c, p, _ = x.shape
@@ -38,7 +39,7 @@ class Tensor:
     return x
 
   def to_theirs(self, x: np.ndarray) -> np.ndarray:
-    if self.how == "T":
+    if self.how in ("T", "conv1d"):
       return x.T
     if self.how == "conv":
       d, c, p, _ = self.shape
@@ -47,7 +48,7 @@ class Tensor:
 
   def our_shape(self) -> tuple[int, ...]:
     """The shape `to_ours` gives (of one layer)."""
-    if self.how == "T":
+    if self.how in ("T", "conv1d"):
       return tuple(reversed(self.shape))
     if self.how == "conv":
       d, c, p, _ = self.shape

@@ -188,8 +188,9 @@ class Attention(nnx.Module):
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
                bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
                implementation: str = "xla", max_segments: int = 0, o_bias: bool | None = None,
-               rope_scaling: tuple | None = None, fp8: bool = False):
-    """`bias`: on q, k, v and (unless `o_bias` says otherwise) o. `rope_scaling`: see
+               rope_scaling: tuple | None = None, fp8: bool = False, k_bias: bool | None = None):
+    """`bias`: on q, k, v and (unless `o_bias` or `k_bias` say otherwise: Whisper's k has none)
+    o. `rope_scaling`: see
     `rope_frequencies`. `fp8`: the four projections in FP8."""
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
@@ -197,7 +198,8 @@ class Attention(nnx.Module):
     self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
     self.max_segments = max_segments
     self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias, fp8=fp8)
-    self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
+    self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias if k_bias is None else k_bias,
+                    fp8=fp8)
     self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
     self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
                     std=out_std, fp8=fp8)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from mimo_jax.config import Config
 from mimo_jax.models.llm import LanguageModel
+from mimo_jax.optim import FROZEN
 from mimo_jax.trees import path_str
 
 Params = dict
@@ -32,6 +33,8 @@ class Module:
   ctor: Callable[[nnx.Rngs], nnx.Module]
   layer_ctor: Callable[[nnx.Rngs], nnx.Module]  # one of the stacked `blocks`
   seed_salt: int
+  # Parameter paths that never train (a fixed position table): the optimizer's frozen label.
+  fixed: tuple[str, ...] = ()
 
   def init(self, seed: int) -> Params:
     """Parameters from the model seed alone: identical on every mesh."""
@@ -67,6 +70,8 @@ class Module:
 
   def group(self, path: str) -> str:
     """Parameter group of a path, for freezing and learning-rate multipliers."""
+    if path in self.fixed:
+      return FROZEN
     if self.name != "language" and path.startswith("projector/"):
       return f"{self.name}_projector"
     return self.name

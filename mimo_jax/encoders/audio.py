@@ -1,0 +1,220 @@
+"""The audio encoder plug-in: a Whisper-style tower + projector over audio slots
+(models/whisper.py).
+
+A sample lists its clips under `audios`: each the log-mel features [F, mel_bins] (float32) of
+whole windows (F = windows · frames, the padding's features as the feature extractor computes
+them, since Whisper's convolutions and attention read them), and under `audio_frames` the frames
+of each that hold audio (F if absent). A clip longer than one window spans several, whose tokens
+follow each other; the tokens of padding are dropped, so a clip yields
+sum over its windows of `window_tokens(frames)` tokens, and its placeholder
+(`model.audio.audio_token`) stands for them all.
+
+Slots: a slot holds one clip of up to `model.audio.max_windows` windows, sent as `mel_nwfm`
+[n, windows, frames, mel_bins] (float32) and `mel_frames_nw` [n, windows] (audio frames of each
+window; 0 = unused). Sidecar fields: each clip's audio frames.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mimo_jax import encoders, hf
+from mimo_jax.config import ACTIVATIONS, Config, ModuleTopology, positive, require
+from mimo_jax.flops import kernel_params
+from mimo_jax.models import mimo, whisper
+from mimo_jax.models.whisper import PROJECTORS, WhisperConfig
+
+AUDIO_TOKEN = 4  # the default placeholder id (the built-in tokenizer's texts never use it)
+
+
+@dataclasses.dataclass
+class AudioConfig(WhisperConfig):
+  """`model.audio`: the tower (models/whisper.py), its weights and the audio data settings."""
+  # An HF directory (a Whisper model, or Qwen2AudioForConditionalGeneration: tower and projector)
+  # or a mimo_jax run, WORKDIR[:STEP], whose weights this module starts from; not read on resume.
+  init_from: str = ""
+  audio_token: int = AUDIO_TOKEN  # the placeholder id of a clip in the text
+  # Data settings (not the tower's parameters: a resume may change them).
+  max_audios: int = 1  # most clips a sample may have
+  max_windows: int = 1  # most windows a clip may span (a slot's windows)
+  # Audio slots per microbatch, split evenly over the language dp ranks; 0 = global_batch /
+  # microbatches * max_audios (never overflows).
+  audio_slots: int = 0
+
+
+def clip_windows(frames: int, window: int) -> list[int]:
+  """Audio frames of each window of a clip of `frames` frames."""
+  return [min(window, frames - s) for s in range(0, max(frames, 1), window)]
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioSlots(encoders.SlotLayout):
+  noun = "clip"
+  slots_field = "model.audio.audio_slots"
+  tokens_field = "model.audio.max_windows"
+  tower: WhisperConfig = dataclasses.field(default_factory=WhisperConfig)
+  windows: int = 1
+
+  def items(self, sample: dict) -> list:
+    return list(sample.get("audios", ()))
+
+  def item_tokens(self, size: tuple[int, ...], sid: int) -> int:
+    frames, window = size[0], self.tower.frames
+    windows = clip_windows(frames, window)
+    if len(windows) > self.windows:
+      raise ValueError(f"sample {sid} has a clip of {frames} frames, {len(windows)} windows of "
+                       f"{window}, but model.audio.max_windows is {self.windows}; raise it.")
+    tokens = sum(self.tower.window_tokens(f) for f in windows)
+    if tokens <= 0:
+      raise ValueError(f"sample {sid} has a clip of {frames} frames, too short for one token.")
+    return tokens
+
+  def empty(self) -> dict[str, np.ndarray]:
+    t = self.tower
+    return {"mel_nwfm": np.zeros((self.slots, self.windows, t.frames, t.mel_bins), np.float32),
+            "mel_frames_nw": np.zeros((self.slots, self.windows), np.int32)}
+
+  def write(self, inputs, slot, start, tokens, item, size, nth) -> None:
+    t, frames = self.tower, size[0]
+    windows = clip_windows(frames, t.frames)
+    mel = np.asarray(item, np.float32)
+    if mel.shape != (len(windows) * t.frames, t.mel_bins):
+      raise ValueError(f"a clip of {frames} audio frames has features of shape {mel.shape}; "
+                       f"expected {(len(windows) * t.frames, t.mel_bins)} (whole windows of "
+                       f"{t.frames} frames, model.audio.mel_bins).")
+    inputs["mel_nwfm"][slot, :len(windows)] = mel.reshape(len(windows), t.frames, t.mel_bins)
+    inputs["mel_frames_nw"][slot, :len(windows)] = windows
+
+  def work(self, sizes) -> dict[str, int]:
+    windows = [clip_windows(s[0], self.tower.frames) for s in sizes]
+    return {"windows": sum(len(w) for w in windows),
+            "tokens": sum(self.tower.window_tokens(f) for w in windows for f in w)}
+
+
+class Audio(encoders.Encoder):
+  name, sample_key, size_fields, seed_salt = "audio", "audios", 1, 5
+  placeholder = AUDIO_TOKEN  # model.audio.audio_token sets the slots' (slot_layout)
+  noun, config_class, slots_field = "clip", AudioConfig, AudioSlots.slots_field
+  data_settings = ("max_audios", "max_windows", "audio_slots")
+
+  def item_sizes(self, sample: dict) -> list[tuple[int]]:
+    audios = sample.get("audios", ())
+    frames = sample.get("audio_frames", [len(a) for a in audios])
+    return [(int(f),) for f in frames]
+
+  def module(self, cfg: Config) -> mimo.Module:
+    a, lm = cfg.model.audio, cfg.model.language
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, a.positions)
+    return mimo.Module(self.name,
+                       lambda rngs: whisper.WhisperEncoder(rngs, a, lm, dtype, att),
+                       lambda rngs: whisper.WhisperBlock(rngs, a, dtype, att),
+                       seed_salt=self.seed_salt, fixed=("pos",))
+
+  def load(self, path: str, cfg: Config):
+    """The tower's tensors (and Qwen2-Audio's projector's) in the HF directory `path`."""
+    return hf.leaves(hf.Source.open(path), self.name, cfg)
+
+  def slot_layout(self, cfg: Config, groups: int, slots: int) -> AudioSlots:
+    a = cfg.model.audio
+    tower = WhisperConfig(**{f.name: getattr(a, f.name)
+                             for f in dataclasses.fields(WhisperConfig)})
+    return AudioSlots(self.name, a.audio_token, groups, slots, a.max_windows * a.tokens_per_window,
+                      1, tower=tower, windows=a.max_windows)
+
+  def slots(self, cfg: Config, eval_batch: int = 0) -> int:
+    a = cfg.model.audio
+    if eval_batch:
+      return eval_batch * a.max_audios
+    return a.audio_slots or cfg.data.micro_batch * a.max_audios
+
+  def validate(self, cfg: Config) -> None:
+    a = cfg.model.audio
+    positive(a, "model.audio", ("mel_bins", "positions", "dim", "layers", "heads", "mlp_dim",
+                                "projector_hidden", "pool", "max_audios", "max_windows"))
+    require(a.dim % a.heads == 0, "model.audio.heads", f"{a.heads} must divide dim {a.dim}.")
+    require(a.dim % 2 == 0 and a.dim >= 4, "model.audio.dim",
+            f"{a.dim}: the sinusoidal positions need an even dim >= 4.")
+    require(a.positions % a.pool == 0, "model.audio.pool",
+            f"{a.pool} must divide positions {a.positions}.")
+    for field in ("activation", "projector_activation"):
+      require(getattr(a, field) in ACTIVATIONS, f"model.audio.{field}",
+              f"must be one of {', '.join(ACTIVATIONS)}, got {getattr(a, field)!r}.")
+    require(a.projector in PROJECTORS, "model.audio.projector",
+            f"must be one of {', '.join(PROJECTORS)}, got {a.projector!r}.")
+    require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
+    require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
+    require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
+    require(not (a.fp8 and cfg.model.dtype != "bfloat16"), "model.audio.fp8",
+            "FP8 matmuls need model.dtype=bfloat16.")
+
+  def validate_topology(self, cfg: Config) -> None:
+    a, t = cfg.model.audio, cfg.topology.audio
+    for field in ("heads", "mlp_dim") + (("projector_hidden",) if a.projector == "mlp" else ()):
+      require(getattr(a, field) % t.tp == 0, "topology.audio.tp",
+              f"{t.tp} must divide model.audio.{field} {getattr(a, field)}.")
+
+  def max_items(self, cfg: Config) -> int:
+    return cfg.model.audio.max_audios
+
+  def tokens_per_item(self, cfg: Config) -> int:
+    a = cfg.model.audio
+    return a.max_windows * a.tokens_per_window
+
+  def activation_bytes(self, cfg: Config, t: ModuleTopology) -> int:
+    """Each slot's window positions at the block's input and, unless remat=full, the MLP's
+    hidden units."""
+    a = cfg.model.audio
+    rows = self.slots(cfg) // t.dp * a.max_windows * a.positions
+    kept = a.dim + (0 if t.remat == "full" else a.mlp_dim // t.tp)
+    return rows * kept * np.dtype(cfg.model.dtype).itemsize
+
+  def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
+    """`mel_nwfm` [M, n, w, f, m] and `mel_frames_nw` [M, n, w] -> tokens [M, n, w·t, d]: each
+    slot's kept tokens first (models/whisper.compact)."""
+    mel, frames = inputs_m["mel_nwfm"], inputs_m["mel_frames_nw"]
+    M, n, w = frames.shape
+    rows = lambda x: x.reshape((M, n * w) + x.shape[3:])
+    x = jax.vmap(model.embed)(rows(mel))
+    side = (jax.vmap(model.valid)(rows(frames)),) if model.cfg.mask_padding else ()
+    tok = jax.vmap(model.finish)(run_blocks(x, side))
+    tok = tok.reshape((M, n, w) + tok.shape[2:])
+    return jax.vmap(lambda t, f: whisper.compact(t, f, model.cfg.pool))(tok, frames)
+
+  def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
+    """6·N a position for the tower's matmuls (the first convolution at two frames a position),
+    bidirectional attention over each window, and 6·N a kept token for the projector."""
+    a = cfg.model.audio
+    projector = kernel_params(params, "projector")
+    conv1 = a.mel_bins * a.dim * 3
+    tower = kernel_params(params) - projector + conv1  # conv1 runs at twice the positions
+    per_window = 6 * tower * a.positions + 12 * a.layers * a.dim * a.positions**2
+    return float(per_window * work["windows"] + 6 * projector * work["tokens"])
+
+
+ENCODER = encoders.register(Audio())
+
+
+def hidden_states(cfg: Config, params: dict, mel_nfm, frames_n=None) -> jax.Array:
+  """Windows [n, frames, mel_bins] -> the tower's features [n, positions / pool, dim] (final
+  norm, no projector), in one piece on one device (checks against transformers' towers).
+  `frames_n`: audio frames of each window, for a tower that masks padding."""
+  module = ENCODER.module(cfg)
+  model = module.bind(params)
+  mel = jnp.asarray(mel_nfm, jnp.float32)
+  side = ()
+  if cfg.model.audio.mask_padding:
+    frames = jnp.full(mel.shape[:1], mel.shape[1]) if frames_n is None else jnp.asarray(frames_n)
+    side = (model.valid(frames),)
+  return model.features(module.apply_blocks(params, model.embed(mel), *side))
+
+
+def audio_tokens(cfg: Config, params: dict, mel_nfm, frames_n) -> jax.Array:
+  """Windows [n, frames, mel_bins] with `frames_n` audio frames each -> each window's kept,
+  projected tokens, concatenated [k, language dim] (what the text's placeholders receive)."""
+  model = ENCODER.module(cfg).bind(params)
+  tok = model.projector(hidden_states(cfg, params, mel_nfm, frames_n))
+  frames = jnp.asarray(frames_n)[None]
+  flat = whisper.compact(tok[None], frames, cfg.model.audio.pool)[0]
+  return flat[:int(whisper.window_tokens(frames, cfg.model.audio.pool).sum())]

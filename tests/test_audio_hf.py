@@ -1,0 +1,74 @@
+"""Whisper encoders and Qwen2-Audio read into our modules reproduce transformers' outputs (float32,
+1e-5 relative); written back they are the same bits. The fixtures are tiny random models saved by
+transformers, with its outputs on fixed inputs (tools/hf_audio_fixtures.py; no torch needed)."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from mimo_jax import hf, modules, whole
+from mimo_jax.config import Config
+from mimo_jax.encoders import audio as audio_encoder
+from mimo_jax.encoders.audio import AudioConfig
+from mimo_jax.encoders.vision import VisionConfig
+from mimo_jax.validation import validate
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf_audio"
+WHISPER = ("whisper_a", "whisper_b")
+QWEN2_AUDIO = ("qwen2_audio_a", "qwen2_audio_b")
+
+
+def _config(src: hf.Source) -> Config:
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  cfg.add_encoder("audio", AudioConfig())
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.model.language.vocab_size = 64  # a lone tower's (unused) language model
+  hf.configure(cfg, src)
+  validate(cfg)
+  return cfg
+
+
+def _params(src: hf.Source, cfg: Config, module: str) -> dict:
+  return hf.load(src, module, cfg, modules.build_modules(cfg)[module].init(0))
+
+
+def _close(ours, theirs, rtol=1e-5):
+  """Relative to the reference's scale: max |ours - theirs| <= rtol * max |theirs|."""
+  ours, theirs = np.asarray(ours), np.asarray(theirs)
+  assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+  err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+  assert err <= rtol, err
+
+
+@pytest.mark.parametrize("name", WHISPER)
+def test_whisper_encoders_match_transformers(name):
+  src = hf.Source.open(FIXTURES / name)
+  ref = np.load(src.path / "reference.npz")
+  cfg = _config(src)
+  assert src.modules == ("audio",)
+  mel = ref["mel"].transpose(0, 2, 1)  # HF's [n, mel_bins, frames] -> ours [n, frames, mel_bins]
+  hidden = audio_encoder.hidden_states(cfg, _params(src, cfg, "audio"), mel)
+  _close(hidden, ref["last_hidden_state"])
+
+
+@pytest.mark.parametrize("name", QWEN2_AUDIO)
+def test_qwen2_audio_matches_transformers(name):
+  src = hf.Source.open(FIXTURES / name)
+  ref = np.load(src.path / "reference.npz")
+  cfg = _config(src)
+  assert src.modules == ("audio", "language")
+  assert (cfg.model.audio.pool, cfg.model.audio.mask_padding) == (2, True)
+  params = _params(src, cfg, "audio")
+  mel, frames = ref["mel"].transpose(0, 2, 1), ref["mel_frames"]
+  hidden = np.asarray(audio_encoder.hidden_states(cfg, params, mel, frames))
+  kept = [cfg.model.audio.window_tokens(int(f)) for f in frames]
+  for i, k in enumerate(kept):  # the tokens the model keeps; padding's differ by design
+    _close(hidden[i, :k], ref["audio_hidden"][i, :k])
+  tokens = audio_encoder.audio_tokens(cfg, params, mel, frames)
+  assert tokens.shape[0] == sum(kept)
+  logits = np.asarray(whole.merged_logits(cfg, _params(src, cfg, "language"), ref["input_ids"],
+                                          tokens, src.config["audio_token_index"]))
+  mask = ref["attention_mask"].astype(bool)  # right padding: compare the real positions
+  _close(logits[mask], ref["logits"][mask])

@@ -1,0 +1,123 @@
+"""Tiny random Hugging Face audio checkpoints and their reference outputs, for the interop tests.
+
+  python -m tools.hf_audio_fixtures [--out tests/fixtures/hf_audio]
+
+Needs torch and transformers; the tests that read the fixtures do not. Writes, each as
+`save_pretrained` writes it plus `reference.npz` (inputs and transformers' float32 outputs):
+two Whisper encoders of different shapes (`whisper_a`: a WhisperModel, `whisper_b`: a
+WhisperForConditionalGeneration; `last_hidden_state` of the encoder on log-mel windows `mel`
+[n, mel_bins, frames]) and two Qwen2AudioForConditionalGeneration (`qwen2_audio_a`, `_b`: logits
+of `input_ids` whose audio placeholders are expanded to each clip's tokens, for `mel` with
+`mel_frames` valid frames a clip, and the tower's `audio_hidden` [n, positions / 2, dim]).
+Rerun after changing a fixture; the whole set stays well under a megabyte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# (mel_bins, positions, dim, layers, heads, mlp_dim) of each fixture's encoder.
+SHAPES = {"a": (8, 8, 16, 2, 2, 32), "b": (12, 6, 24, 3, 4, 40)}
+VOCAB, AUDIO_TOKEN, TEXT_DIM = 64, 5, 32
+
+
+def _encoder(kind: str, shape: str, **kw) -> dict:
+  mels, positions, dim, layers, heads, mlp = SHAPES[shape]
+  prefix = "encoder_" if kind == "whisper" else "encoder_"
+  out = dict(num_mel_bins=mels, max_source_positions=positions, d_model=dim,
+             **{f"{prefix}layers": layers, f"{prefix}attention_heads": heads,
+                f"{prefix}ffn_dim": mlp}, **kw)
+  return out
+
+
+def _mel(rng, n: int, mels: int, frames: int) -> np.ndarray:
+  return rng.standard_normal((n, mels, frames)).astype(np.float32)
+
+
+def whisper(out: pathlib.Path, shape: str, rng) -> None:
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperModel
+  config = WhisperConfig(vocab_size=VOCAB, decoder_layers=1, decoder_attention_heads=2,
+                         decoder_ffn_dim=32, max_target_positions=16, pad_token_id=1,
+                         bos_token_id=2, eos_token_id=3, decoder_start_token_id=2,
+                         **_encoder("whisper", shape))
+  cls = WhisperModel if shape == "a" else WhisperForConditionalGeneration
+  torch.manual_seed(len(shape) + ord(shape))
+  model = cls(config).eval()
+  mels, positions = SHAPES[shape][:2]
+  mel = _mel(rng, 3, mels, 2 * positions)
+  with torch.no_grad():
+    hidden = model.get_encoder()(torch.from_numpy(mel)).last_hidden_state.numpy()
+  path = out / f"whisper_{shape}"
+  model.save_pretrained(path, safe_serialization=True)
+  np.savez(path / "reference.npz", mel=mel, last_hidden_state=hidden)
+
+
+def qwen2_audio(out: pathlib.Path, shape: str, rng) -> None:
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig,
+                            Qwen2AudioForConditionalGeneration, Qwen2Config)
+  mels, positions = SHAPES[shape][:2]
+  audio = Qwen2AudioEncoderConfig(**_encoder("qwen2_audio", shape))
+  text = Qwen2Config(vocab_size=VOCAB, hidden_size=TEXT_DIM, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=256, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     tie_word_embeddings=False)
+  config = Qwen2AudioConfig(audio_config=audio.to_dict(), text_config=text.to_dict(),
+                            audio_token_index=AUDIO_TOKEN)
+  torch.manual_seed(7 + ord(shape))
+  model = Qwen2AudioForConditionalGeneration(config).eval()
+  frames = 2 * positions
+  mel = _mel(rng, 2, mels, frames)
+  valid = np.asarray([frames, frames // 2 + 1], np.int64)  # a full window and a part one
+  mel_mask = (np.arange(frames)[None] < valid[:, None]).astype(np.int64)
+  conv = (valid - 1) // 2 + 1
+  tokens = (conv - 2) // 2 + 1
+  rows = []
+  for k in tokens:  # one clip a row: text, the clip's tokens, text
+    rows.append([7, 9] + [AUDIO_TOKEN] * int(k) + list(rng.integers(10, VOCAB, size=3)))
+  width = max(len(r) for r in rows)
+  ids = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int64)
+  mask = np.asarray([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int64)
+  with torch.no_grad():
+    out_ = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                 input_features=torch.from_numpy(mel),
+                 feature_attention_mask=torch.from_numpy(mel_mask))
+    tower = model.audio_tower if hasattr(model, "audio_tower") else model.model.audio_tower
+    # The tower as the model runs it: padded positions masked as keys (a 4-D additive mask).
+    pos_mask = np.arange(positions)[None] < conv[:, None]
+    add = np.where(pos_mask[:, None, None, :], 0.0, np.finfo(np.float32).min).astype(np.float32)
+    add = np.broadcast_to(add, (2, 1, positions, positions)).copy()
+    hidden = tower(torch.from_numpy(mel), attention_mask=torch.from_numpy(add)).last_hidden_state
+  path = out / f"qwen2_audio_{shape}"
+  model.save_pretrained(path, safe_serialization=True)
+  np.savez(path / "reference.npz", mel=mel, mel_frames=valid.astype(np.int32),
+           input_ids=ids.astype(np.int32), attention_mask=mask.astype(np.int32),
+           logits=out_.logits.numpy(), audio_hidden=hidden.numpy())
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf_audio"))
+  args = parser.parse_args()
+  out = pathlib.Path(args.out)
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  rng = np.random.default_rng(0)
+  for shape in SHAPES:
+    whisper(out, shape, rng)
+    qwen2_audio(out, shape, rng)
+  print("wrote", out)
+
+
+if __name__ == "__main__":
+  main()
