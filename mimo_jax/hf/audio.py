@@ -19,7 +19,7 @@ PREFIXES = {
     "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
 }
 NAMES = {
-    "alone": {"audio": "model.encoder."},
+    "alone": {"audio": "encoder."},  # WhisperModel's
     "combined": {"audio": "audio_tower.", "projector": "multi_modal_projector.",
                  "language": "language_model.model.", "head": "language_model.lm_head.weight"},
 }

@@ -1,0 +1,130 @@
+"""The audio encoder trains beside vision and the language model on its own layouts with the
+single-device float32 trajectory (4 steps, 1e-4 on loss and gradient norm): three disjoint
+meshes, audio fan-in (more audio ranks than language ranks) under FSDP, fan-out with audio in
+two pipeline stages, audio colocated with the language model with its own tp under ZeRO-1 and
+full remat, and a run resumed onto another layout. Samples carry synthetic log-mel clips of
+varying length (0-2 windows), so padding tokens are dropped and each clip's tokens differ."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax import checkpoint
+from mimo_jax.batch import stack
+from mimo_jax.config import ModuleTopology
+from mimo_jax.data import digits
+from mimo_jax.data.layout import layout_microbatch
+from mimo_jax.data.loader import make_layout
+from mimo_jax.data.tokenizer import IMG, Tokenizer
+from mimo_jax.encoders.audio import AUDIO_TOKEN, AudioConfig
+from mimo_jax.step import Step
+from mimo_jax.validation import validate
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+STEPS = 4
+# Qwen2-Audio's tower layout (pooled, padding masked) at toy size: 16-frame windows, 4 tokens each.
+TOWER = dict(mel_bins=8, positions=8, dim=32, layers=2, heads=4, mlp_dim=64, pool=2,
+             mask_padding=True, projector="mlp", projector_hidden=64, max_audios=1,
+             max_windows=2)
+
+
+def _config(data_dir, vision, audio, language, **audio_topology):
+  cfg = tiny_config(data_dir, vision=vision, language=language)
+  offset, dp, tp, *pp = audio
+  cfg.add_encoder("audio", AudioConfig(**TOWER),
+                  ModuleTopology(offset, dp, tp, *pp, **audio_topology))
+  cfg.data.seq_len = 32  # room for 3 images of 4 tokens and a clip of 8
+  return cfg
+
+
+def _samples(steps, micro, microbatches):
+  """Samples with 0-3 images and 0-1 clips of 3-32 audio frames (1-2 windows of 16), then text."""
+  tr_x, _, _, _ = digits.split_images()
+  rng = np.random.default_rng(5)
+  frames = TOWER["positions"] * 2
+
+  def sample(s, m, i):
+    k = int(rng.integers(0, 4))
+    images = [np.asarray(tr_x[(89 * s + 37 * m + 5 * i + q) % len(tr_x)], np.uint8).reshape(8, 8)
+              for q in range(k)]
+    audios, lengths = [], []
+    if rng.random() < 0.75:
+      n = int(rng.integers(3, 2 * frames + 1))
+      windows = -(-n // frames)
+      audios.append(rng.standard_normal((windows * frames, TOWER["mel_bins"])).astype(np.float32))
+      lengths.append(n)
+    text = rng.integers(5, 17, size=int(rng.integers(2, 5)))
+    tokens = [IMG] * k + [AUDIO_TOKEN] * len(audios) + text.tolist()
+    return {"images": images, "audios": audios, "audio_frames": lengths,
+            "tokens": np.asarray(tokens, np.int32)}
+
+  return [[[sample(s, m, i) for i in range(micro)] for m in range(microbatches)]
+          for s in range(steps)]
+
+
+def _batches(cfg):
+  micro = cfg.data.micro_batch
+  steps = _samples(STEPS, micro, cfg.data.microbatches)
+
+  def make(lang_dp):
+    layout = make_layout(cfg, lang_dp)
+    return [stack([layout_microbatch(samples, [1000 * s + 100 * m + i for i in range(micro)],
+                                     layout, Tokenizer())
+                   for m, samples in enumerate(step)]) for s, step in enumerate(steps)]
+  return make
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir):
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  ref, step, state, init = run_steps(cfg, STEPS, batches=_batches(cfg))
+  assert step.ctx.mode.fused
+  assert ref[-1]["loss"] < ref[0]["loss"]
+  # The audio tower trained, its fixed position table did not.
+  moved = jax.tree.map(lambda a, b: not np.allclose(a, np.asarray(b)), init["audio"],
+                       jax.device_get(state["audio"].params))
+  assert not moved["pos"] and moved["conv1"]["kernel"] and moved["blocks"]["attn"]["q"]["kernel"]
+  assert moved["projector"]["up"]["kernel"]
+  return ref
+
+
+LAYOUTS = {
+    "three_meshes": dict(vision=(0, 2, 1), audio=(2, 2, 1), language=(4, 2, 2)),
+    "fan_in_fsdp": dict(vision=(0, 1, 1), audio=(1, 4, 1), language=(5, 2, 1), shard="full"),
+    "fan_out_pp": dict(vision=(0, 1, 1), audio=(1, 1, 1, 2), language=(4, 4, 1)),
+    "colocated_tp_zero1": dict(vision=(0, 2, 1), audio=(4, 2, 2), language=(4, 2, 2),
+                               shard="optimizer", remat="full"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_audio_layouts_match_single_device(data_dir, reference, name):
+  cfg = _config(data_dir, **LAYOUTS[name])
+  got, step, _, _ = run_steps(cfg, STEPS, batches=_batches(cfg))
+  assert list(step.plan.modules) == ["vision", "audio", "language"]
+  assert_close_trajectory(reference, got, rtol=1e-4)
+  batch = _batches(cfg)(step.ctx.groups)[1]
+  assert int(batch.stats.items["audio"].sum()) > 0
+
+
+def test_resume_onto_another_layout(data_dir, reference, tmp_path):
+  """Two steps on three meshes, saved; restored onto the fan-out layout for two more: the
+  trajectory is the single-device one."""
+  first = _config(data_dir, **LAYOUTS["three_meshes"])
+  got, step, state, _ = run_steps(first, 2, batches=_batches(first))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"), list(step.modules), async_save=False)
+  ckpt.save(2, step.canonical(state), first, force=True)
+  ckpt.wait()
+  second = _config(data_dir, **LAYOUTS["fan_out_pp"])
+  validate(second, len(jax.devices()))
+  step2 = Step.build(second)
+  restored, _ = ckpt.restore(2, step2.abstract_state(canonical=True), second,
+                             step2.fresh_opt_state)
+  state2 = step2.from_canonical(restored)
+  for batch in _batches(second)(step2.ctx.groups)[2:]:
+    state2, metrics = step2.train_step(state2, batch)
+    got.append(jax.device_get(metrics))
+  ckpt.close()
+  assert_close_trajectory(reference, got, rtol=1e-4)
