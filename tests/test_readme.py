@@ -5,6 +5,7 @@ import pathlib
 import re
 
 from configs import digits
+from mimo_jax.encoders.audio import AudioConfig
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -35,12 +36,14 @@ def _documented() -> set[str]:
     parent = names[0].rsplit(".", 1)[0]
     for name in names:
       full = parent + name if name.startswith(".") else name
-      out |= ({full.replace("<module>", m) for m in ("vision", "language")}
+      out |= ({full.replace("<module>", m) for m in ("vision", "audio", "language")}
               if "<module>" in full else {full})
   return out
 
 
 def test_config_table_matches_the_dataclasses():
-  documented, fields = _documented(), _fields(digits.get_config())
+  cfg = digits.get_config()
+  cfg.add_encoder("audio", AudioConfig())  # the audio encoder's rows too
+  documented, fields = _documented(), _fields(cfg)
   assert not fields - documented, f"fields missing from the README: {sorted(fields - documented)}"
   assert not documented - fields, f"README rows of no field: {sorted(documented - fields)}"
