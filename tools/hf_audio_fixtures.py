@@ -26,13 +26,10 @@ SHAPES = {"a": (8, 8, 16, 2, 2, 32), "b": (12, 6, 24, 3, 4, 40)}
 VOCAB, AUDIO_TOKEN, TEXT_DIM = 64, 5, 32
 
 
-def _encoder(kind: str, shape: str, **kw) -> dict:
+def _encoder(shape: str, **kw) -> dict:
   mels, positions, dim, layers, heads, mlp = SHAPES[shape]
-  prefix = "encoder_" if kind == "whisper" else "encoder_"
-  out = dict(num_mel_bins=mels, max_source_positions=positions, d_model=dim,
-             **{f"{prefix}layers": layers, f"{prefix}attention_heads": heads,
-                f"{prefix}ffn_dim": mlp}, **kw)
-  return out
+  return dict(num_mel_bins=mels, max_source_positions=positions, d_model=dim,
+              encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=mlp, **kw)
 
 
 def _mel(rng, n: int, mels: int, frames: int) -> np.ndarray:
@@ -46,7 +43,7 @@ def whisper(out: pathlib.Path, shape: str, rng) -> None:
   config = WhisperConfig(vocab_size=VOCAB, decoder_layers=1, decoder_attention_heads=2,
                          decoder_ffn_dim=32, max_target_positions=16, pad_token_id=1,
                          bos_token_id=2, eos_token_id=3, decoder_start_token_id=2,
-                         **_encoder("whisper", shape))
+                         **_encoder(shape))
   cls = WhisperModel if shape == "a" else WhisperForConditionalGeneration
   torch.manual_seed(len(shape) + ord(shape))
   model = cls(config).eval()
@@ -65,7 +62,7 @@ def qwen2_audio(out: pathlib.Path, shape: str, rng) -> None:
   from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig,
                             Qwen2AudioForConditionalGeneration, Qwen2Config)
   mels, positions = SHAPES[shape][:2]
-  audio = Qwen2AudioEncoderConfig(**_encoder("qwen2_audio", shape))
+  audio = Qwen2AudioEncoderConfig(**_encoder(shape))
   text = Qwen2Config(vocab_size=VOCAB, hidden_size=TEXT_DIM, intermediate_size=48,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -146,8 +146,6 @@ class Audio(encoders.Encoder):
     require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
     require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
     require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
-    require(not (a.fp8 and cfg.model.dtype != "bfloat16"), "model.audio.fp8",
-            "FP8 matmuls need model.dtype=bfloat16.")
 
   def validate_topology(self, cfg: Config) -> None:
     a, t = cfg.model.audio, cfg.topology.audio

@@ -44,7 +44,7 @@ class WhisperConfig:
   heads: int = 4
   mlp_dim: int = 64
   norm_eps: float = 1e-5
-  activation: str = "gelu"  # of the convolutions and the blocks' MLP: one of config.ACTIVATIONS
+  activation: str = "gelu"  # of the blocks' MLP (the convolutions' is GELU): config.ACTIVATIONS
   # Average pooling of this many positions before the final norm (Qwen2-Audio's tower: 2).
   pool: int = 1
   # Padded positions masked as attention keys (Qwen2-Audio); Whisper attends to its padding.
@@ -130,7 +130,7 @@ class WhisperEncoder(nnx.Module):
 
   def embed(self, mel_nfm: jax.Array) -> jax.Array:
     """Windows [n, frames, mel_bins] -> [n, positions, dim]."""
-    act = ACTIVATIONS[self.cfg.activation]
+    act = ACTIVATIONS["gelu"]  # the convolutions' is exact GELU whatever the blocks' activation
     x = act(self.conv1(mel_nfm.astype(self.dtype)))
     x = act(self.conv2(x))
     return x + jax.lax.stop_gradient(self.pos[...]).astype(self.dtype)
