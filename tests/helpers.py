@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import types
 
 import jax
 import numpy as np
@@ -99,3 +102,12 @@ def assert_hf_error(capsys, fn, *words) -> None:
   assert len(lines) == 1 and lines[0].startswith("tools.hf: error: "), lines
   for w in words:
     assert w in lines[0], (w, lines[0])
+
+
+def run_main(main, *args) -> types.SimpleNamespace:
+  """A tool's `main(argv)` in this process (no JAX start-up): its exit status and what it
+  printed, as `subprocess.run(..., capture_output=True)` gives them."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = main([str(a) for a in args])
+  return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())

@@ -1,10 +1,7 @@
 """Checkpoints: exact resume, restore onto other topologies, bad checkpoints, tools (preemption
 in real runs: test_faults.py)."""
 
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,9 +11,9 @@ from safetensors.numpy import load_file
 from mimo_jax import checkpoint, train
 from mimo_jax.config import ConfigError
 from mimo_jax.step import Step
-from tests.helpers import tiny_config
+from tests.helpers import run_main, tiny_config
+from tools import ckpt as ckpt_tool
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 WRITTEN = {"vision": (0, 2, 1), "language": (2, 2, 2)}
 STEPS = 6
 
@@ -59,14 +56,13 @@ def test_resume_is_bitwise(data_dir, full_run, tmp_path):
   assert got == want  # bitwise: same floats
 
 
-@pytest.mark.parametrize("topo", [
-    pytest.param({"vision": (0, 1, 1), "language": (0, 1, 1)}, id="single-device"),
-    pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in-4to1"),
-])
-def test_restore_onto_other_topology(data_dir, full_run, tmp_path, topo):
+def test_restore_onto_other_topology(data_dir, full_run, tmp_path):
+  """Written on vision dp2 and language dp2 tp2, restored on vision dp4 and language on one
+  device (a checkpoint restored on a single device: test_multiprocess.py, from both of its
+  two-process layouts)."""
   full_dir, records = full_run
   _resume_from(full_dir, tmp_path, 2)
-  resumed = _losses(train.run(_cfg(data_dir, tmp_path, **topo)))
+  resumed = _losses(train.run(_cfg(data_dir, tmp_path, vision=(0, 4, 1), language=(4, 1, 1))))
   want = _losses(records, first=3)
   assert sorted(resumed) == sorted(want)
   for step, (loss, gnorm) in want.items():
@@ -132,8 +128,7 @@ def test_missing_module_and_corrupt_checkpoint(data_dir, full_run, tmp_path):
 
 def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   full_dir, _ = full_run
-  run = lambda *a: subprocess.run([sys.executable, "-m", "tools.ckpt", *a], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=300)
+  run = lambda *a: run_main(ckpt_tool.main, *a)  # `python -m tools.ckpt`, in this process
   cfg = _cfg(data_dir, full_dir)
   stepper = Step.build(cfg)
   counts = {n: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(a))

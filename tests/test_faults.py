@@ -3,8 +3,6 @@ checkpoints, a stale step folder, divergence, two runs on one workdir, SIGTERM m
 the final save, too few image slots, a damaged shard, a full disk and an unwritable workdir. Each
 asserts that nothing is lost and that the run's last line is one sentence, without a traceback."""
 
-import contextlib
-import io
 import json
 import os
 import pathlib
@@ -13,11 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 from mimo_jax.checkpoint import complete_steps
 from mimo_jax.config import Config
 from mimo_jax.data import digits
+from tests.helpers import run_main
 from tools import ckpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,12 +35,8 @@ def _run(args, **kw):
                         capture_output=True, text=True, timeout=600, **kw)
 
 
-def _ckpt(*args) -> types.SimpleNamespace:
-  """`python -m tools.ckpt ARGS`, in this process: its status and what it printed."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    status = ckpt.main([str(a) for a in args])
-  return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
+def _ckpt(*args):
+  return run_main(ckpt.main, *args)  # `python -m tools.ckpt ARGS`, in this process
 
 
 def _one_line_error(proc, status: int, *words: str) -> str:
