@@ -1,7 +1,10 @@
 """Eight fake CPU devices for every test, set before JAX starts its backend."""
 
 import collections
+import fcntl
+import json
 import os
+import pathlib
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,6 +19,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.helpers import run_steps, tiny_config  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
 
 
@@ -23,6 +28,24 @@ jax.config.update("jax_num_cpu_devices", 8)
 def data_dir(tmp_path_factory) -> str:
   """One digits build shared by the whole session (built on first use, offline)."""
   return str(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="session")
+def single_reference(data_dir, tmp_path_factory) -> list[dict]:
+  """The tiny config's first 4 steps on one device, each step's loss and grad_norm: the
+  trajectory that the parity tests of several files compare with. Trained once a session; the
+  workers of one session share it through a file (JSON holds the float32 values exactly)."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # the session's folder, above each worker's own
+  path = pathlib.Path(shared) / "single_reference.json"
+  with open(f"{path}.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+      path.write_text(json.dumps([{"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+                                  for m in run_steps(cfg, 4)[0]]))
+    return json.loads(path.read_text())
 
 
 # The files that take longest, longest first (measured alone; pyproject runs the suite on two

@@ -19,7 +19,6 @@ from tests.helpers import assert_close_trajectory, language_step_hlo, run_steps,
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4
-SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
 
 
 def sharded_config(data_dir, shard: dict, **topo):
@@ -30,8 +29,9 @@ def sharded_config(data_dir, shard: dict, **topo):
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir):
-  return run_steps(tiny_config(data_dir, **SINGLE), STEPS)[0]
+def reference(single_reference):
+  assert len(single_reference) == STEPS
+  return single_reference
 
 
 @pytest.mark.parametrize("topo,shard", [

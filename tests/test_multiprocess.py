@@ -17,7 +17,7 @@ import pytest
 from mimo_jax import train
 from mimo_jax.data import loader
 from mimo_jax.checkpoint import complete_steps
-from tests.helpers import run_steps, tiny_config, topology_arg
+from tests.helpers import tiny_config, topology_arg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
@@ -46,9 +46,8 @@ def _train_records(workdir) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir):
-  metrics = run_steps(tiny_config(data_dir, **SINGLE), 4)[0]
-  return {i + 1: (float(m["loss"]), float(m["grad_norm"])) for i, m in enumerate(metrics)}
+def reference(single_reference):
+  return {i + 1: (m["loss"], m["grad_norm"]) for i, m in enumerate(single_reference)}
 
 
 @pytest.mark.parametrize("topo,extra", [
