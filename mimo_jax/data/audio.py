@@ -1,0 +1,167 @@
+"""Audio on the host: decoding, resampling to 16 kHz, and Whisper's log-mel features.
+
+Features are computed as transformers' `WhisperFeatureExtractor` computes them (NumPy, no torch),
+so towers imported from HF see the inputs they were trained on: a 30 s window (480000 samples,
+zero-padded) → periodic Hann STFT (n_fft 400, hop 160, centred reflect padding, last frame
+dropped) → power → Slaney mel filters (80 or 128 bins, 0–8 kHz) → log10 (clamped at 1e-10) →
+max(x, max − 8) per window → (x + 4) / 4.
+
+A clip longer than one window is split into consecutive 30 s windows, each featurised as its own
+example (as the extractor would), so nothing is truncated; each window's frames that hold audio
+(ceil(samples / 160)) are returned, so the encoder drops the tokens of padding and a 4 s clip
+costs 4 s of tokens. The layout of a clip's features, [windows · 3000, mel_bins] and its audio
+frames, is what the audio encoder plug-in reads (mimo_jax/encoders/audio.py).
+"""
+
+import functools
+import os
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP = 160
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # one 30 s window
+WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
+MEL_BINS = (80, 128)  # Whisper (and Qwen2-Audio: 128) towers
+# Extensions and the libsndfile format that decodes them.
+FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG", ".oga": "OGG", ".opus": "OGG",
+           ".mp3": "MP3"}
+
+
+class AudioError(ValueError):
+  """An audio file that cannot be used: missing, empty, corrupt or of an unsupported format."""
+
+  def __init__(self, path: str, why: str):
+    super().__init__(f"audio file {path}: {why}")
+    self.path = path
+
+
+def supported_formats() -> list[str]:
+  """The extensions the installed libsndfile decodes (MP3 needs libsndfile ≥ 1.1)."""
+  import soundfile
+  have = soundfile.available_formats()
+  return sorted(ext for ext, fmt in FORMATS.items() if fmt in have)
+
+
+def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+  """The file's samples [s] (float32, mono: channels averaged) at `sample_rate` (soxr, HQ)."""
+  import soundfile
+  path = os.fspath(path)
+  ext = os.path.splitext(path)[1].lower()
+  if not os.path.isfile(path):
+    raise AudioError(path, "no such file.")
+  if ext not in supported_formats():
+    raise AudioError(path, f"unsupported format {ext or '(no extension)'}; this build decodes "
+                     f"{', '.join(supported_formats())} (convert it, e.g. ffmpeg -i IN OUT.flac).")
+  try:
+    wave_sc, rate = soundfile.read(path, dtype="float32", always_2d=True)
+  except (soundfile.LibsndfileError, RuntimeError, ValueError, EOFError) as e:
+    raise AudioError(path, f"cannot be decoded as {FORMATS[ext]} (corrupt or truncated?): "
+                     f"{e}") from None
+  if wave_sc.size == 0:
+    raise AudioError(path, "holds no samples (empty clip).")
+  wave_s = wave_sc.mean(axis=1, dtype=np.float32) if wave_sc.shape[1] > 1 else wave_sc[:, 0]
+  return resample(wave_s, rate, sample_rate)
+
+
+def resample(wave_s: np.ndarray, rate_from: int, rate_to: int = SAMPLE_RATE) -> np.ndarray:
+  """`wave_s` [s] from `rate_from` to `rate_to` Hz (soxr, HQ: what librosa's default uses)."""
+  wave_s = np.asarray(wave_s, np.float32)
+  if rate_from == rate_to:
+    return wave_s
+  import soxr
+  return np.asarray(soxr.resample(wave_s, rate_from, rate_to, quality="HQ"), np.float32)
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+  """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
+  hz = np.asarray(hz, np.float64)
+  log_region = hz >= 1000.0
+  return np.where(log_region, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) * (27.0 / np.log(6.4)),
+                  3.0 * hz / 200.0)
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+  return np.where(mel >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (mel - 15.0)), 200.0 * mel / 3.0)
+
+
+@functools.lru_cache(maxsize=4)
+def mel_filters(mel_bins: int) -> np.ndarray:
+  """Slaney-normalised triangular filters [N_FFT // 2 + 1, mel_bins] over 0–8 kHz (float64)."""
+  mel_m = np.linspace(_hz_to_mel(0.0), _hz_to_mel(8000.0), mel_bins + 2)
+  edges_hz = _mel_to_hz(mel_m)
+  fft_hz = np.linspace(0, SAMPLE_RATE // 2, N_FFT // 2 + 1)
+  slopes = edges_hz[None, :] - fft_hz[:, None]
+  width = np.diff(edges_hz)
+  down = -slopes[:, :-2] / width[:-1]
+  up = slopes[:, 2:] / width[1:]
+  filters = np.maximum(0.0, np.minimum(down, up))
+  return filters * (2.0 / (edges_hz[2:] - edges_hz[:-2]))[None, :]
+
+
+@functools.lru_cache(maxsize=1)
+def _hann() -> np.ndarray:
+  return np.hanning(N_FFT + 1)[:-1]  # periodic
+
+
+def window_features(wave_s: np.ndarray, mel_bins: int) -> np.ndarray:
+  """Log-mel features [3000, mel_bins] (float32) of one window: `wave_s` (≤ 480000 samples at
+  16 kHz) zero-padded to 30 s."""
+  if mel_bins not in MEL_BINS:
+    raise ValueError(f"mel_bins is {mel_bins}; Whisper features have {MEL_BINS[0]} or "
+                     f"{MEL_BINS[1]}.")
+  wave_s = np.asarray(wave_s, np.float32)
+  if wave_s.ndim != 1 or len(wave_s) > WINDOW_SAMPLES:
+    raise ValueError(f"a window is at most {WINDOW_SAMPLES} mono samples; got {wave_s.shape}.")
+  padded = np.zeros(WINDOW_SAMPLES, np.float32)
+  padded[:len(wave_s)] = wave_s
+  padded = np.pad(padded, N_FFT // 2, mode="reflect").astype(np.float64)
+  frames_ft = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
+  power_fk = np.abs(np.fft.rfft(frames_ft * _hann(), axis=1)) ** 2
+  log_fm = np.log10(np.maximum(power_fk @ mel_filters(mel_bins), 1e-10)).astype(np.float32)
+  log_fm = np.maximum(log_fm, log_fm.max() - 8.0)
+  return (log_fm + 4.0) / 4.0
+
+
+def split(wave_s: np.ndarray) -> list[np.ndarray]:
+  """Consecutive 30 s windows of a clip (the last one shorter)."""
+  if len(wave_s) == 0:
+    raise ValueError("an empty clip has no windows.")
+  return [wave_s[i:i + WINDOW_SAMPLES] for i in range(0, len(wave_s), WINDOW_SAMPLES)]
+
+
+def audio_frames(samples: int) -> int:
+  """Mel frames that hold audio in a clip of `samples` samples (16 kHz): ceil(samples / 160), as
+  the extractor's attention mask counts them."""
+  return -(-int(samples) // HOP)
+
+
+def clip_features(wave_s: np.ndarray, mel_bins: int) -> tuple[np.ndarray, list[int]]:
+  """A clip's features [windows · 3000, mel_bins] (float32) and each window's audio frames."""
+  windows = split(np.asarray(wave_s, np.float32))
+  mel_fm = np.concatenate([window_features(w, mel_bins) for w in windows])
+  return mel_fm, [audio_frames(len(w)) for w in windows]
+
+
+def file_features(path: str, mel_bins: int) -> tuple[np.ndarray, list[int]]:
+  """`clip_features` of an audio file (decoded, mixed down, resampled to 16 kHz)."""
+  return clip_features(load(path), mel_bins)
+
+
+def window_tokens(frames: int, pool: int = 1) -> int:
+  """Encoder tokens of a window whose first `frames` frames hold audio: Whisper's stride-2
+  convolution, then (Qwen2-Audio: pool 2) average pooling (transformers'
+  _get_feat_extract_output_lengths). 3000 frames → 1500 tokens, 750 with pool 2."""
+  if frames <= 0:
+    return 0
+  conv = (frames - 1) // 2 + 1
+  return conv if pool == 1 else max((conv - pool) // pool + 1, 0)
+
+
+def clip_tokens(frames: list[int] | int, pool: int = 1) -> int:
+  """Encoder tokens of a clip: its windows' tokens (`frames`: each window's audio frames, or the
+  clip's total, split into windows of 3000)."""
+  if isinstance(frames, (int, np.integer)):
+    frames = [min(WINDOW_FRAMES, frames - s) for s in range(0, max(int(frames), 1), WINDOW_FRAMES)]
+  return sum(window_tokens(f, pool) for f in frames)
