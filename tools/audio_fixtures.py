@@ -16,7 +16,8 @@ into consecutive 30 s windows, each featurised as one example. Its NumPy path
 float32 and differs from the NumPy path itself by up to ~2e-5 in frames of low energy.
 `reference.npz` holds, per clip and bin count, the features at a set of frames (every frame of
 the short clips; for the long ones a stride plus the frames around each window's end of audio)
-and their frame indices, each window's audio frames, and transformers' Qwen2-Audio
+and their frame indices, each window's audio frames (the extractor's attention mask), and
+transformers' Qwen2-Audio
 `_get_feat_extract_output_lengths` of frame counts 1..3000.
 """
 
@@ -118,7 +119,9 @@ def main() -> None:
     soundfile.write(str(path), wave, rate, subtype="PCM_16")
     wave_s = read_16k(path)
     windows = [wave_s[i:i + WINDOW] for i in range(0, len(wave_s), WINDOW)]
-    frames_w = [-(-len(w) // 160) for w in windows]
+    mask = WhisperFeatureExtractor()  # its attention mask's frames, as Qwen2-Audio counts them
+    frames_w = [int(mask(w, sampling_rate=16000, return_attention_mask=True,
+                         return_tensors="np").attention_mask.sum()) for w in windows]
     ref[f"{name}/audio_frames"] = np.array(frames_w, np.int64)
     keep = kept_frames(frames_w, name in short)
     ref[f"{name}/frames"] = keep
