@@ -157,3 +157,66 @@ def test_bad_arguments():
     audio.window_features(np.zeros(audio.WINDOW_SAMPLES + 1, np.float32), 80)
   with pytest.raises(ValueError, match="empty clip"):
     audio.clip_features(np.zeros(0, np.float32), 80)
+
+
+# Audio in conversation records (mimo_jax/data/audio_records.py).
+
+
+def test_record_clips_marks_and_tokens():
+  """A record's clips are read, each `<audio>` becomes Qwen2-Audio's markers, and a clip's
+  placeholder stands for its windows' tokens (a 45 s clip: 1500 + 750 Whisper tokens)."""
+  from mimo_jax.data import audio_records as ar
+  from mimo_jax.data.chat import messages
+  where = "r.json: record 0"
+  rec = {"audios": ["speech.flac", "long_45s.flac"],
+         "conversations": [{"from": "human", "value": "<audio> then <audio>: what is said?"},
+                           {"from": "gpt", "value": "vowels"}]}
+  files = ar.audio_files(rec, where)
+  msgs = messages(rec["conversations"])
+  ar.check_marks(msgs, files, where)
+  rendered = ar.template_marks(msgs)
+  assert rendered[0]["content"] == f"{ar.QWEN2_AUDIO} then {ar.QWEN2_AUDIO}: what is said?"
+  clips = [ar.read_clip(FIX, f, where, 80) for f in files]
+  assert [c.frames_w for c in clips] == [(300,), (3000, 1500)]
+  assert [c.tokens() for c in clips] == [150, 2250]
+  assert [c.tokens(pool=2) for c in clips] == [75, 1125]
+  assert clips[1].mel_fm.shape == (6000, 80) and clips[1].frames == 4500
+  ids = np.array([1, 7, 9, 7, 2])
+  out = ar.expand(ids, 7, [2, 3])
+  assert out.tolist() == [1, 7, 7, 9, 7, 7, 7, 2]
+  assert ar.positions(len(ids), [2, 3]) == len(out) - 1
+  assert ar.audio_files({"audio": "a.wav"}, where) == ["a.wav"]
+  assert ar.audio_files({"id": 1}, where) == []
+
+
+def test_bad_audio_records(tmp_path):
+  from mimo_jax.data import audio_records as ar
+  from mimo_jax.data.conversations import RecordError
+  where = "r.json: record 3 (id 'x')"
+  (tmp_path / "broken.flac").write_bytes(b"not audio at all")
+  (tmp_path / "clip.aac").write_bytes(b"\0" * 32)
+  import soundfile
+  soundfile.write(str(tmp_path / "empty.wav"), np.zeros(0, np.float32), 16000)
+  outside = tmp_path.parent / "outside.flac"
+  outside.write_bytes((FIX / "silence.flac").read_bytes())
+
+  def reason(fn, *args) -> tuple[str, str]:
+    with pytest.raises(RecordError) as e:
+      fn(*args)
+    assert where in str(e.value)
+    return e.value.reason, str(e.value)
+
+  assert reason(ar.audio_files, {"audio": "a", "audios": ["b"]}, where)[0] == "bad audio field"
+  assert reason(ar.audio_files, {"audios": [3]}, where)[0] == "bad audio field"
+  msgs = [{"role": "user", "content": "<audio>"}]
+  r, text = reason(ar.check_marks, msgs, ["a.wav", "b.wav"], where)
+  assert r == "audio count" and "1 <audio>" in text and "2 audio clips" in text
+  cases = {"missing.wav": "missing audio", "broken.flac": "corrupt audio",
+           "clip.aac": "unsupported audio", "../outside.flac": "outside audio folder",
+           "empty.wav": "empty audio"}
+  for f, want in cases.items():
+    r, text = reason(ar.read_clip, tmp_path, f, where, 80)
+    assert r == want and f.split("/")[-1] in text, (f, r, text)
+  assert ar.read_clip(tmp_path, "../outside.flac", where, 80, allow_outside=True).frames == 200
+  with pytest.raises(ValueError, match="1 audio placeholders"):
+    ar.expand(np.array([7, 1]), 7, [3, 4])

@@ -17,8 +17,7 @@ float32 and differs from the NumPy path itself by up to ~2e-5 in frames of low e
 `reference.npz` holds, per clip and bin count, the features at a set of frames (every frame of
 the short clips; for the long ones a stride plus the frames around each window's end of audio)
 and their frame indices, each window's audio frames (the extractor's attention mask), and
-transformers' Qwen2-Audio
-`_get_feat_extract_output_lengths` of frame counts 1..3000.
+transformers' Qwen2-Audio `_get_feat_extract_output_lengths` of frame counts 1..3000.
 """
 
 from __future__ import annotations
