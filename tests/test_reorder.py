@@ -49,11 +49,10 @@ def test_reorder_keeps_the_samples_and_their_images(data_dir, lang_dp):
   assert balanced.stats.cost_spread.mean() < plain.stats.cost_spread.mean()
 
 
-def test_reorder_keeps_the_loss_trajectory(data_dir):
-  ref = run_steps(tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1)), 4)[0]
+def test_reorder_keeps_the_loss_trajectory(data_dir, single_reference):
   cfg = tiny_config(data_dir, **FAN_IN)
   cfg.data.reorder = "balance"
-  assert_close_trajectory(ref, run_steps(cfg, 4)[0], rtol=1e-4)
+  assert_close_trajectory(single_reference, run_steps(cfg, 4)[0], rtol=1e-4)
 
 
 def test_reorder_lets_fewer_slots_fit(data_dir):
@@ -191,11 +190,15 @@ def test_microbatch_fill_pack_sends_less_padding_with_the_same_samples(data_dir,
   assert work["pack"] < work["stream"], work
 
 
+@pytest.fixture(scope="module")
+def packed_stream_reference(data_dir) -> list[dict]:
+  return run_steps(_packed_config(data_dir, "stream", vision=(0, 1, 1), language=(0, 1, 1)),
+                   4)[0]
+
+
 @pytest.mark.parametrize("topo", [pytest.param({"vision": (0, 1, 1), "language": (0, 1, 1)},
                                                id="single"),
                                   pytest.param(FAN_IN, id="fan-in-tp")])
-def test_microbatch_fill_pack_keeps_the_loss_trajectory(data_dir, topo):
-  ref = run_steps(_packed_config(data_dir, "stream", vision=(0, 1, 1), language=(0, 1, 1)),
-                  4)[0]
-  assert_close_trajectory(ref, run_steps(_packed_config(data_dir, "pack", **topo), 4)[0],
-                          rtol=1e-4)
+def test_microbatch_fill_pack_keeps_the_loss_trajectory(data_dir, packed_stream_reference, topo):
+  assert_close_trajectory(packed_stream_reference,
+                          run_steps(_packed_config(data_dir, "pack", **topo), 4)[0], rtol=1e-4)
