@@ -104,17 +104,19 @@ def test_formats_of_this_build():
   assert {".wav", ".flac", ".ogg"} <= set(audio.supported_formats())
 
 
-@pytest.mark.parametrize("fmt", [("wav", "PCM_16"), ("ogg", "VORBIS"), ("mp3", "MPEG_LAYER_III")])
+@pytest.mark.parametrize("fmt", [("wav", "PCM_16"), ("ogg", "VORBIS"), ("opus", "OPUS"),
+                                 ("mp3", "MPEG_LAYER_III")])
 def test_other_containers_decode(tmp_path, fmt):
-  """WAV is exact; OGG Vorbis and MP3 are lossy, so they are checked as audio of the same
-  length."""
+  """WAV is exact; OGG (Vorbis, Opus) and MP3 are lossy, so they are checked as audio of the
+  same length."""
   import soundfile
   ext, subtype = fmt
   if f".{ext}" not in audio.supported_formats():
     pytest.skip(f"this libsndfile ({soundfile.__libsndfile_version__}) does not decode .{ext}")
   wave_s = audio.load(FIX / "speech.flac")
   path = tmp_path / f"speech.{ext}"
-  soundfile.write(str(path), wave_s, 16000, subtype=subtype)
+  soundfile.write(str(path), wave_s, 16000, format="OGG" if ext == "opus" else None,
+                  subtype=subtype)
   got_s = audio.load(path)
   assert abs(len(got_s) - len(wave_s)) <= 1
   if ext == "wav":
@@ -128,6 +130,8 @@ def test_bad_files_are_named(tmp_path):
   import soundfile
   cases = {}
   cases["missing"] = (tmp_path / "missing.wav", "no such file")
+  (tmp_path / "folder.wav").mkdir()
+  cases["folder"] = (tmp_path / "folder.wav", "not a file")
   corrupt = tmp_path / "corrupt.flac"
   corrupt.write_bytes(b"fLaC" + bytes(range(256)) * 4)
   cases["corrupt"] = (corrupt, "cannot be decoded as FLAC")

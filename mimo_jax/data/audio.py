@@ -49,8 +49,10 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
   import soundfile
   path = os.fspath(path)
   ext = os.path.splitext(path)[1].lower()
-  if not os.path.isfile(path):
+  if not os.path.exists(path):
     raise AudioError(path, "no such file.")
+  if not os.path.isfile(path):
+    raise AudioError(path, "not a file (give the path of an audio file).")
   if ext not in supported_formats():
     raise AudioError(path, f"unsupported format {ext or '(no extension)'}; this build decodes "
                      f"{', '.join(supported_formats())} (convert it, e.g. ffmpeg -i IN OUT.flac).")
