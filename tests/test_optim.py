@@ -30,13 +30,26 @@ def _vit(p):
   return {k: v for k, v in p.items() if k != "projector"}
 
 
+@pytest.fixture(scope="module")
+def frozen_run(data_dir):
+  """`_init_and_final(data_dir, steps=3, freeze=...)` on TOPO, trained once for each `freeze`
+  (the tests below share them: host copies, never changed)."""
+  runs = {}
+
+  def get(freeze: str):
+    if freeze not in runs:
+      runs[freeze] = _init_and_final(data_dir, steps=3, freeze=freeze)
+    return runs[freeze]
+  return get
+
+
 @pytest.mark.parametrize("freeze,frozen,trained", [
     ("vision,vision_projector", ["vit", "projector"], ["language"]),
     ("language", ["language"], ["vit", "projector"]),
     ("vision,language", ["vit", "language"], ["projector"]),  # projector-only training
 ])
-def test_frozen_groups_stay_bitwise(data_dir, freeze, frozen, trained):
-  _, init, final = _init_and_final(data_dir, freeze=freeze)
+def test_frozen_groups_stay_bitwise(frozen_run, freeze, frozen, trained):
+  _, init, final = frozen_run(freeze)
   parts = {"vit": lambda p: _vit(p["vision"]), "projector": lambda p: p["vision"]["projector"],
            "language": lambda p: p["language"]}
   for name in frozen:
@@ -59,11 +72,11 @@ def test_one_clip_factor_for_all_modules(data_dir):
     assert m["clip_scale/vision"] < 1.0
 
 
-def test_frozen_gradients_leave_the_global_norm(data_dir):
+def test_frozen_gradients_leave_the_global_norm(data_dir, frozen_run):
   full, _, _ = _init_and_final(data_dir, steps=1)
-  vision_only, _, _ = _init_and_final(data_dir, steps=1, freeze="language")
-  language_only, _, _ = _init_and_final(data_dir, steps=1, freeze="vision,vision_projector")
-  # Same init and batch: the full norm is the root of the two modules' squared norms.
+  vision_only, _, _ = frozen_run("language")
+  language_only, _, _ = frozen_run("vision,vision_projector")
+  # Same init and first batch: the full norm is the root of the two modules' squared norms.
   np.testing.assert_allclose(
       full[0]["grad_norm"],
       np.hypot(vision_only[0]["grad_norm"], language_only[0]["grad_norm"]), rtol=1e-5)
@@ -74,12 +87,12 @@ def test_frozen_gradients_leave_the_global_norm(data_dir):
     ("language", ["language"]),
     ("vision,language", ["vit", "language"]),
 ])
-def test_one_program_step_freezes_like_separate_calls(data_dir, freeze, frozen):
+def test_one_program_step_freezes_like_separate_calls(data_dir, frozen_run, freeze, frozen):
   """Colocated on one dp mesh every module runs as one program a microbatch (Stepper.fused): the
   frozen parts stay bitwise and the losses follow the layout that runs separate calls."""
   fused = {"vision": (0, 2, 1), "language": (0, 2, 1)}
   got, init, final = _init_and_final(data_dir, steps=3, topo=fused, freeze=freeze)
-  want, _, _ = _init_and_final(data_dir, steps=3, freeze=freeze)
+  want, _, _ = frozen_run(freeze)
   parts = {"vit": lambda p: _vit(p["vision"]), "language": lambda p: p["language"]}
   for name in frozen:
     assert _same(parts[name](init), parts[name](final)), name
