@@ -91,3 +91,33 @@ def test_import_then_export_is_bitwise(name):
   for k, x in ours.items():
     assert x.dtype == theirs[k].dtype == np.float32, k
     np.testing.assert_array_equal(x.view(np.uint32), theirs[k].view(np.uint32), err_msg=k)
+
+
+def test_tools_hf_imports_qwen2_audio_into_a_run(tmp_path, capsys):
+  """tools.hf import of a Qwen2-Audio directory fills model.audio and model.language from its
+  config.json and writes their tensors as the step-0 checkpoint (the vision encoder from the
+  seed); a config without model.audio is one error naming it, with nothing written."""
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(FIXTURES / "qwen2_audio_a")
+  run = ["--config.data.task=synthetic", "--config.model.vision.max_images=1",
+         "--config.data.image_probs=0.25,0.75", "--config.data.text_len=8",
+         "--config.eval.samples=16"]
+  hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
+                "--config=tests/configs/tiny_audio.py", *run])
+  cfg, params, _, _ = hf_tool._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
+  assert (cfg.model.audio.pool, cfg.model.audio.projector) == (2, "linear")
+  assert cfg.model.audio.init_from == str(src.path.resolve())
+  for module in ("audio", "language"):
+    want = _params(src, cfg, module)
+    got = hf.nest(dict(hf.flatten(params[module])))
+    for path, x in hf.flatten(want):
+      node = got
+      for k in path:
+        node = node[k]
+      np.testing.assert_array_equal(np.asarray(node), x, err_msg="/".join(path))
+  with pytest.raises(SystemExit):
+    hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "bad"),
+                  "--config=tests/configs/tiny.py", *run])
+  err = capsys.readouterr().err
+  assert "holds the audio encoder" in err and "model.audio" in err, err
+  assert not (tmp_path / "bad").exists()

@@ -106,6 +106,10 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
       if module in taken:
         _fail(f"--hf {taken[module]} and --hf {src.path} both hold the {module} module; pass one.")
       taken[module] = src.path.resolve()
+      if module not in cfg.model.encoders and module != "language":
+        _fail(f"--hf {src.path} holds the {module} encoder, which the config "
+              f"({args.config or DEFAULT_BASE}) has no model.{module} for; use a config that "
+              f"adds it (e.g. configs/avlm.py).")
       section = cfg.model.module(module)
       for k, v in hf.fields(src, module).items():
         given = overrides.get(f"model.{module}.{k}")
