@@ -8,12 +8,19 @@ the sample fits `data.seq_len` with its image tokens). The loss covers the text.
 decoding and real grain workers, shaped like LLaVA training data; the content is noise, so only
 speed means anything.
 
+With an audio encoder (`model.audio`) each sample also has `max_audios` clips, each of a length
+drawn uniformly from a quarter window to `max_windows` windows of log-mel frames, their
+placeholders after the images' (`SyntheticAudio`); a clip's features are standard normal noise
+made again from its seed when the record is read, so the shards stay the size of the images.
+
 Record format: a 4-byte little-endian header length, a JSON header {"shapes": [[h, w, c], ...],
-"tokens"}, then the k images' raw bytes one after another.
+"tokens"} (with clips, also "audio_frames" and "audio_seeds"), then the k images' raw bytes one
+after another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import tempfile
@@ -33,6 +40,37 @@ FIRST_TEXT_ID = len(SPECIALS)  # text ids are drawn from [FIRST_TEXT_ID, vocab_s
 VOCABULARY = TokenIds(pad=PAD, bos=BOS, eos=EOS)
 
 
+@dataclasses.dataclass(frozen=True)
+class SyntheticAudio:
+  """The clips of each synthetic sample: `clips` of up to `windows` windows of `frames` frames of
+  `mel_bins`, each marked by `token` and taking `tokens(frames)` language tokens."""
+  clips: int
+  frames: int
+  windows: int
+  mel_bins: int
+  token: int
+  tokens: object  # (audio frames) -> tokens
+
+  def key(self) -> str:
+    return f"-a{self.clips}_{self.frames}_{self.windows}_{self.mel_bins}_{self.token}"
+
+
+def audio_of(cfg: Config) -> SyntheticAudio | None:
+  """The run's synthetic clips, or None without an audio encoder."""
+  if "audio" not in cfg.model.encoders:
+    return None
+  a = cfg.model.audio
+  tokens = lambda f: sum(a.window_tokens(min(a.frames, f - s)) for s in range(0, f, a.frames))
+  return SyntheticAudio(a.max_audios, a.frames, a.max_windows, a.mel_bins, a.audio_token, tokens)
+
+
+def clip_features(frames: int, window: int, mel_bins: int, seed: int) -> np.ndarray:
+  """A clip's noise features [whole windows · window, mel_bins] (float32), from its seed."""
+  windows = -(-frames // window)
+  rng = np.random.default_rng(seed)
+  return rng.standard_normal((windows * window, mel_bins), dtype=np.float32)
+
+
 def text_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float,
                  limit: np.ndarray) -> np.ndarray:
   """n text lengths, log-normal with median `mean`, each in [1, limit]."""
@@ -42,29 +80,50 @@ def text_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float,
 
 def make_samples(n: int, seed: int, probs: list[float], sizes: list[tuple[int, int]],
                  channels: int, image_tokens, seq_len: int, text_len: int, text_sigma: float,
-                 vocab_size: int):
+                 vocab_size: int, audio: SyntheticAudio | None = None):
   """Yields n samples: {"images": [uint8 [h, w, c] each], "tokens": int32 [k + n_text]}, sizes
-  drawn from `sizes`; `image_tokens(h, w)` is what an image takes in the language sequence."""
+  drawn from `sizes`; `image_tokens(h, w)` is what an image takes in the language sequence.
+  With `audio`, also its clips' "audio_frames" and "audio_seeds" (features made on reading)."""
   rng = np.random.default_rng(seed)
   ks = rng.choice(len(probs), size=n, p=probs)
   drawn = [rng.integers(len(sizes), size=int(k)) for k in ks]
-  # bos + image tokens + text + eos must fit seq_len + 1 (inputs and shifted targets).
-  room = seq_len - 1 - np.asarray([sum(image_tokens(*sizes[i]) for i in d) for d in drawn],
-                                  np.int64)
+  clips = ([[int(f) for f in rng.integers(max(audio.frames // 4, 1),
+                                          audio.windows * audio.frames + 1, size=audio.clips)]
+            for _ in range(n)] if audio else [[] for _ in range(n)])
+  first_text = max(FIRST_TEXT_ID, audio.token + 1) if audio else FIRST_TEXT_ID
+  if first_text >= vocab_size:
+    raise ValueError(f"model.language.vocab_size={vocab_size} leaves no text ids above the "
+                     f"placeholders (< {first_text}); raise it.")
+  # bos + image and audio tokens + text + eos must fit seq_len + 1 (inputs and shifted targets).
+  room = seq_len - 1 - np.asarray([sum(image_tokens(*sizes[i]) for i in d) +
+                                   sum(audio.tokens(f) for f in c)
+                                   for d, c in zip(drawn, clips)], np.int64)
   if np.any(room < 1):
     worst = int(np.argmin(room))
     raise ValueError(f"{ks[worst]} images of {seq_len - 1 - room[worst]} tokens leave no room for "
                      f"text in data.seq_len={seq_len}; raise data.seq_len or lower the most "
                      "images a sample has (data.image_probs).")
   lengths = text_lengths(rng, n, text_len, text_sigma, room)
-  for k, which, length in zip(ks, drawn, lengths):
+  for k, which, length, frames in zip(ks, drawn, lengths, clips):
     pixels = [rng.integers(0, 256, size=sizes[i] + (channels,), dtype=np.uint8) for i in which]
-    text = rng.integers(FIRST_TEXT_ID, vocab_size, size=int(length), dtype=np.int32)
-    yield {"images": pixels, "tokens": np.concatenate([np.full(k, IMG, np.int32), text])}
+    text = rng.integers(first_text, vocab_size, size=int(length), dtype=np.int32)
+    marks = [np.full(k, IMG, np.int32)]
+    sample = {"images": pixels}
+    if audio:
+      seeds = [int(x) for x in rng.integers(0, 2**31, size=len(frames))]
+      sample.update(audios=[None] * len(frames), audio_frames=frames, audio_seeds=seeds,
+                    audio_shape=[audio.frames, audio.mel_bins])
+      marks.append(np.full(len(frames), audio.token, np.int32))
+    yield {**sample, "tokens": np.concatenate(marks + [text])}
+
+
+AUDIO_FIELDS = ("audio_frames", "audio_seeds", "audio_shape")
 
 
 def encode(sample: dict) -> bytes:
-  return records.pack({"tokens": np.asarray(sample["tokens"]).tolist()}, sample["images"])
+  extra = {k: sample[k] for k in AUDIO_FIELDS if k in sample}
+  return records.pack({"tokens": np.asarray(sample["tokens"]).tolist(), **extra},
+                      sample["images"])
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
@@ -72,7 +131,13 @@ def decode(record: bytes, source: str, index: int) -> dict:
   file and index."""
   try:
     header, pixels = records.unpack(record)
-    return {"images": pixels, "tokens": np.asarray(header["tokens"], np.int32)}
+    out = {"images": pixels, "tokens": np.asarray(header["tokens"], np.int32)}
+    if "audio_frames" in header:
+      window, mels = header["audio_shape"]
+      out.update(audio_frames=header["audio_frames"],
+                 audios=[clip_features(f, window, mels, s)
+                         for f, s in zip(header["audio_frames"], header["audio_seeds"])])
+    return out
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid synthetic sample ({e}).") from None
 
@@ -82,12 +147,14 @@ def paths(cfg: Config, progress=None) -> dict[str, str]:
   d = cfg.data
   sizes, channels, token_pixels = images.synthetic_shapes(cfg)
   return build(d.dir, d.train_samples, d.eval_samples, d.probs(), sizes, channels, token_pixels,
-               d.seq_len, d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress)
+               d.seq_len, d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress,
+               audio_of(cfg))
 
 
 def build(root: str, samples: int, eval_samples: int, probs: list[float],
           sizes: list[tuple[int, int]], channels: int, token_pixels: int, seq_len: int,
-          text_len: int, text_sigma: float, vocab_size: int, progress=None) -> dict[str, str]:
+          text_len: int, text_sigma: float, vocab_size: int, progress=None,
+          audio: SyntheticAudio | None = None) -> dict[str, str]:
   """Builds (once) train and eval shards under `root`; returns split -> path. An image token
   covers `token_pixels` x `token_pixels` pixels (patch size * downsample). The file name encodes
   every parameter; files are written under a temporary name and renamed when complete."""
@@ -96,7 +163,7 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
   shapes = "_".join(f"{h}x{w}" for h, w in sizes)
   key = (f"v{FORMAT_VERSION}-n{samples}-e{eval_samples}-p{'_'.join(f'{p:g}' for p in probs)}"
          f"-i{shapes}x{channels}-u{unit}-l{seq_len}-x{text_len}_{text_sigma:g}"
-         f"-v{vocab_size}")
+         f"-v{vocab_size}{audio.key() if audio else ''}")
   out_dir = pathlib.Path(root or os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax",
                                               "synthetic"))
   paths = {s: out_dir / f"synthetic-{key}-{s}.array_record" for s in ("train", "eval")}
@@ -110,7 +177,7 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
     writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
     rows = []
     for i, sample in enumerate(make_samples(n, seed, probs, sizes, channels, image_tokens,
-                                            seq_len, text_len, text_sigma, vocab_size)):
+                                            seq_len, text_len, text_sigma, vocab_size, audio)):
       writer.write(encode(sample))
       rows.append(meta.row(sample, VOCABULARY))
       if progress and (i + 1) % 1000 == 0:

@@ -100,9 +100,9 @@ class Audio(encoders.Encoder):
   data_settings = ("max_audios", "max_windows", "audio_slots")
 
   def item_sizes(self, sample: dict) -> list[tuple[int]]:
-    audios = sample.get("audios", ())
-    frames = sample.get("audio_frames", [len(a) for a in audios])
-    return [(int(f),) for f in frames]
+    if "audio_frames" in sample:
+      return [(int(f),) for f in sample["audio_frames"]]
+    return [(len(a),) for a in sample.get("audios", ())]
 
   def module(self, cfg: Config) -> mimo.Module:
     a, lm = cfg.model.audio, cfg.model.language
