@@ -2,6 +2,7 @@
 1e-5 relative); written back they are the same bits. The fixtures are tiny random models saved by
 transformers, with its outputs on fixed inputs (tools/hf_audio_fixtures.py; no torch needed)."""
 
+import json
 import pathlib
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from mimo_jax import hf, modules, whole
 from mimo_jax.config import Config
 from mimo_jax.encoders import audio as audio_encoder
+from mimo_jax.hf import audio as hf_audio
 from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.validation import validate
@@ -121,3 +123,33 @@ def test_tools_hf_imports_qwen2_audio_into_a_run(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "holds the audio encoder" in err and "model.audio" in err, err
   assert not (tmp_path / "bad").exists()
+
+
+def test_tools_hf_exports_a_whisper_encoder_bit_for_bit(tmp_path):
+  """A Whisper import exported with --module audio: WhisperModel's config.json and feature
+  extractor, and the encoder's tensors with the fixture's names and bits."""
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(FIXTURES / "whisper_b")  # WhisperForConditionalGeneration: model.encoder.
+  run = ["--config.data.task=synthetic", "--config.model.vision.max_images=1",
+         "--config.data.image_probs=0.25,0.75", "--config.data.text_len=8",
+         "--config.eval.samples=16", "--config.model.language.vocab_size=64"]
+  hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
+                "--config=tests/configs/tiny_audio.py", *run])
+  hf_tool.main(["export", str(tmp_path / "run"), "--module", "audio", "--out",
+                str(tmp_path / "hf")])
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert config["architectures"] == ["WhisperModel"]
+  for key in ("num_mel_bins", "max_source_positions", "d_model", "encoder_layers",
+              "encoder_attention_heads", "encoder_ffn_dim"):
+    assert config[key] == src.config[key], key
+  # 12-frame windows are no whole number of seconds: no feature extractor (a 30 s window has one).
+  assert not (tmp_path / "hf" / "preprocessor_config.json").exists()
+  pre = hf_audio.feature_extractor_json(audio_encoder.AudioConfig(mel_bins=128, positions=1500))
+  assert (pre["feature_size"], pre["chunk_length"], pre["nb_max_frames"]) == (128, 30, 3000)
+  ours = load_file(tmp_path / "hf" / "model.safetensors")
+  theirs = {k.removeprefix("model."): v for k, v in load_file(src.path / "model.safetensors").items()
+            if k.startswith("model.encoder.")}
+  assert sorted(ours) == sorted(theirs)
+  for k, x in ours.items():
+    np.testing.assert_array_equal(x.view(np.uint32), theirs[k].view(np.uint32), err_msg=k)

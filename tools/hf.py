@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
   python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=FILE[:ARG]] [--config.a.b=v ...]
-  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|language] [--tokenizer DIR] [--overwrite]
+  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|audio|language] [--tokenizer DIR] [--overwrite]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
 `import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
@@ -25,7 +25,9 @@ import that fails, is interrupted (Ctrl-C) or killed (SIGTERM) leaves nothing (e
 
 `export` writes a checkpoint as a complete HF directory that transformers loads with its own
 classes: LlavaForConditionalGeneration for the whole model (the default), or one module:
-SiglipVisionModel / CLIPVisionModel (`--module vision`), LlamaForCausalLM / Qwen2ForCausalLM
+SiglipVisionModel / CLIPVisionModel (`--module vision`), a WhisperModel holding the audio encoder
+(`--module audio`, with WhisperFeatureExtractor's preprocessor_config.json; its decoder is not the
+run's: transformers initialises it on loading), LlamaForCausalLM / Qwen2ForCausalLM
 (`--module language`). Float32 weights, sharded at 5 GB with an index; config.json with the
 source's max_position_embeddings; the image processor the run's images were prepared with
 (preprocessor_config.json); LlavaProcessor's processor_config.json; the tokenizer's files with
@@ -62,6 +64,7 @@ import numpy as np
 
 from mimo_jax import checkpoint_reader, configfile, hf, output
 from mimo_jax.hf import export as hf_export
+from mimo_jax.hf import audio as hf_audio
 from mimo_jax.hf import vision as hf_vision
 from mimo_jax.config import DIGITS_VOCAB, Config, ConfigError, from_dict
 
@@ -431,10 +434,13 @@ def _export(args) -> None:
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
     cfg.model.language.vocab_size = DIGITS_VOCAB
-  kind = {"vision": "tower", "language": "language", None: "llava"}[args.module]
+  kind = {"vision": "tower", "audio": "audio", "language": "language", None: "llava"}[args.module]
+  if args.module is not None and args.module not in cfg.model.encoders and args.module != "language":
+    _fail(f"{args.workdir}: the run has no {args.module} module (model.{args.module}); export one "
+          f"of {', '.join([*cfg.model.encoders, 'language'])}.")
   data = _run_data(cfg)
   record, sources = history(args.workdir, cfg, record)
-  tok = _tokenizer(args, sources, data) if kind != "tower" else None
+  tok = _tokenizer(args, sources, data) if kind not in ("tower", "audio") else None
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
           f"vocabulary of {cfg.model.language.vocab_size}; pass the run's --tokenizer DIR.")
@@ -446,9 +452,17 @@ def _export(args) -> None:
     files["processor_config.json"] = hf_vision.llava_processor_json(cfg.model.vision, text)
   elif kind == "tower":
     config = hf_vision.vision_config_json(cfg.model.vision)
+  elif kind == "audio":
+    config = hf_audio.whisper_config_json(cfg.model.audio)
+    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
+    if extractor is None:
+      print(f"note: no preprocessor_config.json: a window of {cfg.model.audio.frames} frames is "
+            "no whole number of seconds, which WhisperFeatureExtractor needs", flush=True)
+    else:
+      files["preprocessor_config.json"] = extractor
   else:
     config = hf_export.language_config_json(cfg.model.language, context)
-  if kind != "language":
+  if kind in ("llava", "tower"):
     base, where = _image_processor(sources, data)
     files["preprocessor_config.json"] = hf_vision.preprocessor_json(
         cfg.model.vision, base, data.get("pad_to_square", False), where)
@@ -522,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("workdir")
   p.add_argument("--step", type=int, default=None, help="default: the newest")
   p.add_argument("--out", required=True)
-  p.add_argument("--module", choices=("vision", "language"), default=None,
+  p.add_argument("--module", choices=("vision", "audio", "language"), default=None,
                  help="one module alone (default: the whole model as LLaVA)")
   p.add_argument("--image_token_index", type=int, default=None,
                  help="LLaVA's image token id (default: the run's data.image_token, else the "

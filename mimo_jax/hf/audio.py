@@ -1,11 +1,12 @@
 """The audio encoder's HF mapping (mapping.py): Whisper encoders (WhisperModel or
 WhisperForConditionalGeneration: the encoder is read, the decoder left) and
 Qwen2AudioForConditionalGeneration (its audio tower, linear projector and Qwen2 language model)
-<-> model.audio: its config fields, its tensor table and the config.json of an export."""
+<-> model.audio: its config fields, its tensor table and the files of a Whisper export
+(config.json, the feature extractor's preprocessor_config.json)."""
 
 from __future__ import annotations
 
-from mimo_jax.hf.export import ACTIVATION_NAMES, language_config_json
+from mimo_jax.hf.export import ACTIVATION_NAMES
 from mimo_jax.hf.fields import reader
 from mimo_jax.hf.mapping import Mapping
 from mimo_jax.hf.source import ACTIVATIONS, HFError, Source
@@ -97,23 +98,24 @@ def whisper_config_json(a) -> dict:
     raise HFError("model.audio: pool, mask_padding or norm_eps differ from Whisper's (1, false, "
                   "1e-5); no Whisper class holds this encoder (Qwen2-Audio's tower is exported "
                   "beside its language model).")
+  # The decoder (initialised by transformers) takes the encoder's shape, as Whisper's do.
+  decoder = {"decoder_layers": a.layers, "decoder_attention_heads": a.heads,
+             "decoder_ffn_dim": a.mlp_dim}
   return {"architectures": ["WhisperModel"], "model_type": "whisper", **_encoder_json(a),
-          "torch_dtype": "float32"}
+          **decoder, "torch_dtype": "float32"}
 
 
-def qwen2_audio_config_json(cfg, audio_token: int, context: int | None = None) -> dict:
-  """config.json of a Qwen2AudioForConditionalGeneration."""
-  a, lm = cfg.model.audio, cfg.model.language
-  if (a.pool, a.mask_padding, a.projector, a.norm_eps) != (2, True, "linear", 1e-5):
-    raise HFError("model.audio: Qwen2-Audio's tower pools by 2, masks padding, has a linear "
-                  "projector and norm_eps 1e-5; this encoder differs (export the modules alone).")
-  text = language_config_json(lm, context)
-  for c in (text,):
-    c.pop("architectures")
-    c.pop("torch_dtype")
-  return {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": COMBINED,
-          "audio_config": {"model_type": "qwen2_audio_encoder", **_encoder_json(a)},
-          "text_config": text, "audio_token_index": audio_token, "torch_dtype": "float32"}
+def feature_extractor_json(a) -> dict | None:
+  """preprocessor_config.json of the WhisperFeatureExtractor whose log-mel frames the encoder
+  reads: 16 kHz, hops of 160 samples (100 frames a second), windows of `frames` frames; None
+  when a window is no whole number of seconds (the extractor's chunk_length is whole seconds)."""
+  if a.frames % 100:
+    return None
+  return {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": a.mel_bins,
+          "sampling_rate": 16000, "hop_length": 160, "n_fft": 400,
+          "chunk_length": a.frames // 100, "n_samples": a.frames * 160,
+          "nb_max_frames": a.frames, "padding_side": "right", "padding_value": 0.0,
+          "return_attention_mask": False}
 
 
 MAPPING = Mapping(name="audio", types=TYPES, combined=COMBINED, prefixes=PREFIXES, names=NAMES,
