@@ -153,3 +153,23 @@ def test_tools_hf_exports_a_whisper_encoder_bit_for_bit(tmp_path):
   assert sorted(ours) == sorted(theirs)
   for k, x in ours.items():
     np.testing.assert_array_equal(x.view(np.uint32), theirs[k].view(np.uint32), err_msg=k)
+
+
+@pytest.mark.parametrize("name", QWEN2_AUDIO)
+def test_greedy_generation_with_audio_matches_transformers(name):
+  """generate.generate (the key-value-cache decoder tools.generate and eval run) after a prompt
+  whose placeholders hold a clip's tokens gives transformers' greedy `generate`, token for token
+  (tools/hf_audio_fixtures.py: generate.npz, one prompt a call)."""
+  from mimo_jax import generate  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(FIXTURES / name)
+  ref, want = np.load(src.path / "reference.npz"), np.load(src.path / "generate.npz")["tokens"]
+  cfg = _config(src)
+  audio, language = _params(src, cfg, "audio"), _params(src, cfg, "language")
+  mel = ref["mel"].transpose(0, 2, 1)
+  for i in range(len(want)):
+    ids = ref["input_ids"][i][ref["attention_mask"][i].astype(bool)][None]
+    tokens = audio_encoder.audio_tokens(cfg, audio, mel[i:i + 1], ref["mel_frames"][i:i + 1])
+    embeds = whole.merged_embeddings(cfg, language, ids, tokens, src.config["audio_token_index"])
+    got = generate.generate(cfg, language, ids, np.ones_like(ids), want.shape[1],
+                            embeds_bld=embeds)
+    np.testing.assert_array_equal(got[0], want[i])

@@ -8,7 +8,9 @@ two Whisper encoders of different shapes (`whisper_a`: a WhisperModel, `whisper_
 WhisperForConditionalGeneration; `last_hidden_state` of the encoder on log-mel windows `mel`
 [n, mel_bins, frames]) and two Qwen2AudioForConditionalGeneration (`qwen2_audio_a`, `_b`: logits
 of `input_ids` whose audio placeholders are expanded to each clip's tokens, for `mel` with
-`mel_frames` valid frames a clip, and the tower's `audio_hidden` [n, positions / 2, dim]).
+`mel_frames` valid frames a clip, and the tower's `audio_hidden` [n, positions / 2, dim]; beside
+it `generate.npz`: transformers' greedy `generate` of 8 new tokens after each row's prompt, one
+prompt a call, `--only generate` writes just these from the saved models).
 Rerun after changing a fixture; the whole set stays well under a megabyte.
 """
 
@@ -99,13 +101,44 @@ def qwen2_audio(out: pathlib.Path, shape: str, rng) -> None:
   np.savez(path / "reference.npz", mel=mel, mel_frames=valid.astype(np.int32),
            input_ids=ids.astype(np.int32), attention_mask=mask.astype(np.int32),
            logits=out_.logits.numpy(), audio_hidden=hidden.numpy())
+  generate(path)
+
+
+def generate(path: pathlib.Path, new: int = 8) -> None:
+  """Greedy generation after each reference row's prompt (its real tokens, one row a call, so
+  no padding), with its clip."""
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import Qwen2AudioForConditionalGeneration
+  model = Qwen2AudioForConditionalGeneration.from_pretrained(path).eval()
+  ref = np.load(path / "reference.npz")
+  frames = ref["mel"].shape[2]
+  rows = []
+  for i in range(ref["input_ids"].shape[0]):
+    ids = ref["input_ids"][i][ref["attention_mask"][i].astype(bool)][None].astype(np.int64)
+    mask = (np.arange(frames)[None] < ref["mel_frames"][i]).astype(np.int64)
+    with torch.no_grad():
+      got = model.generate(input_ids=torch.from_numpy(ids),
+                           attention_mask=torch.ones_like(torch.from_numpy(ids)),
+                           input_features=torch.from_numpy(ref["mel"][i:i + 1]),
+                           feature_attention_mask=torch.from_numpy(mask), max_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+    rows.append(got[0, ids.shape[1]:].numpy().astype(np.int32))
+  np.savez(path / "generate.npz", tokens=np.stack(rows))
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf_audio"))
+  parser.add_argument("--only", choices=("generate",), default=None,
+                      help="write only generate.npz beside the saved Qwen2-Audio models")
   args = parser.parse_args()
   out = pathlib.Path(args.out)
+  if args.only == "generate":
+    for shape in SHAPES:
+      generate(out / f"qwen2_audio_{shape}")
+    print("wrote", out)
+    return
   if out.exists():
     shutil.rmtree(out)
   out.mkdir(parents=True)
