@@ -145,8 +145,12 @@ def decode(record: bytes, source: str, index: int) -> dict:
 def paths(cfg: Config, progress=None) -> dict[str, str]:
   """The run's train and eval shards (`build` with its data fields and image shapes)."""
   d = cfg.data
-  sizes, channels, token_pixels = images.synthetic_shapes(cfg)
-  return build(d.dir, d.train_samples, d.eval_samples, d.probs(), sizes, channels, token_pixels,
+  if "vision" in cfg.model.encoders:
+    sizes, channels, token_pixels = images.synthetic_shapes(cfg)
+    probs = d.probs()
+  else:  # no images: every sample has none
+    sizes, channels, token_pixels, probs = [(1, 1)], 1, 1, [1.0]
+  return build(d.dir, d.train_samples, d.eval_samples, probs, sizes, channels, token_pixels,
                d.seq_len, d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress,
                audio_of(cfg))
 
