@@ -26,6 +26,18 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
+class LoraConfig:
+  """`model.<module>.lora`: low-rank adapters on the module's linear layers (models/lora.py).
+  With rank > 0 the module's own weights are frozen and only the adapters train (its projector,
+  an encoder's `<name>_projector` group, still trains unless optim.freeze names it)."""
+  rank: int = 0  # 0 = no adapters
+  alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  # Comma-separated regular expressions searched in each linear layer's path (e.g.
+  # blocks/attn/q, blocks/mlp/down); every match gets an adapter. Each must match a layer.
+  targets: str = r"attn/(q|k|v|o)$,mlp/(gate|up|down)$"
+
+
+@dataclasses.dataclass
 class LanguageConfig:
   dim: int = 128
   layers: int = 2
@@ -51,6 +63,7 @@ class LanguageConfig:
   # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py); needs
   # model.dtype=bfloat16.
   fp8: bool = False
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
   def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
     """(factor, low_freq_factor, high_freq_factor, original_positions), or None."""
@@ -391,10 +404,19 @@ def positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
     require(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}.")
 
 
+def lora_of(cfg: Config, name: str) -> LoraConfig | None:
+  """Module `name`'s `model.<name>.lora` when it has adapters (rank > 0), else None."""
+  lora = getattr(cfg.model.module(name), "lora", None)
+  return lora if lora is not None and lora.rank > 0 else None
+
+
 def param_groups(cfg: Config) -> tuple[str, ...]:
   """The run's parameter groups (optim.freeze, optim.lr_mult): each encoder's tower and its
-  projector (`<name>`, `<name>_projector`), then `language`."""
-  return tuple(g for n in cfg.topology.names() for g in (n, f"{n}_projector")) + (LANGUAGE,)
+  projector (`<name>`, `<name>_projector`), then `language`; a module with LoRA adapters adds
+  `<name>_lora`."""
+  names = list(cfg.topology.names()) + [LANGUAGE]
+  base = tuple(g for n in names[:-1] for g in (n, f"{n}_projector")) + (LANGUAGE,)
+  return base + tuple(f"{n}_lora" for n in names if lora_of(cfg, n))
 
 
 def parse_freeze(cfg: Config) -> tuple[str, ...]:

@@ -58,6 +58,12 @@ TP_RULES = (
     (r"(.*/)?(mlp|projector)/(gate|up)/kernel$", COLUMN),
     (r"(.*/)?(mlp|projector)/(gate|up)/bias$", COLUMN_BIAS),
     (r"(.*/)?(mlp|projector)/down/kernel$", ROW),
+    # LoRA adapters (models/lora.py) follow their kernel: B [rank, out] of a column-split kernel
+    # split on its output, A [in, rank] of a row-split one on its input; the other replicated.
+    (r".*attn/(q|k|v)/lora_b$", COLUMN),
+    (r".*attn/o/lora_a$", ROW),
+    (r"(.*/)?(mlp|projector)/(gate|up)/lora_b$", COLUMN),
+    (r"(.*/)?(mlp|projector)/down/lora_a$", ROW),
 )
 BLOCKS = "blocks"  # the stacked repeated layers of a module (models/layers.stacked)
 

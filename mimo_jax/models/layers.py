@@ -17,6 +17,7 @@ from flax import nnx
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
+from mimo_jax.models import lora
 
 def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
   """`n` layers built by `make(rngs)`, parameters stacked on a new leading axis (one key each), so
@@ -35,8 +36,11 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool =
 
 
 def _apply(x: jax.Array, layers, fp8: bool) -> list[jax.Array]:
-  """Each linear layer of `layers` on the same input; in FP8 the input is quantized once."""
-  return fp8_ops.linears(x, layers) if fp8 else [layer(x) for layer in layers]
+  """Each linear layer of `layers` on the same input; in FP8 the input is quantized once (LoRA
+  adapters, models/lora.py, in the compute dtype beside the FP8 base)."""
+  if not fp8:
+    return [layer(x) for layer in layers]
+  return [y + lora.delta(layer, x) for y, layer in zip(fp8_ops.linears(x, layers), layers)]
 
 
 class RMSNorm(nnx.Module):

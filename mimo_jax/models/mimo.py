@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, LoraConfig
 from mimo_jax.models.llm import LanguageModel
+from mimo_jax.models.lora import is_adapter
 from mimo_jax.optim import FROZEN
 from mimo_jax.trees import path_str
 
@@ -35,6 +36,9 @@ class Module:
   seed_salt: int
   # Parameter paths that never train (a fixed position table): the optimizer's frozen label.
   fixed: tuple[str, ...] = ()
+  # LoRA adapters (models/lora.with_adapters): the adapters form the group `<name>_lora` and the
+  # rest of the module, its projector aside, is frozen.
+  lora: LoraConfig | None = None
 
   def init(self, seed: int) -> Params:
     """Parameters from the model seed alone: identical on every mesh."""
@@ -72,9 +76,11 @@ class Module:
     """Parameter group of a path, for freezing and learning-rate multipliers."""
     if path in self.fixed:
       return FROZEN
+    if self.lora is not None and is_adapter(path):
+      return f"{self.name}_lora"
     if self.name != "language" and path.startswith("projector/"):
       return f"{self.name}_projector"
-    return self.name
+    return FROZEN if self.lora is not None else self.name
 
   def groups(self, params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)

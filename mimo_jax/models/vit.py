@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mimo_jax.config import LanguageConfig
+from mimo_jax.config import LanguageConfig, LoraConfig
 from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
@@ -51,6 +51,7 @@ class ViTConfig:
   # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
   # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
   fp8: bool = False
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # adapters (models/lora.py)
 
   @property
   def patches(self) -> int:

@@ -1,0 +1,121 @@
+"""LoRA adapters (models/lora.py): a fresh adapter is the base exactly, merging keeps the trained
+model's outputs, only adapters (and trained groups) have optimizer state, and every layout gives
+the single-device LoRA trajectory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from mimo_jax.config import ConfigError
+from mimo_jax.models import lora
+from mimo_jax.modules import build_modules
+from mimo_jax.trees import paths
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+STEPS = 4
+
+
+def lora_config(data_dir, vision_lora: bool = False, **topo):
+  cfg = tiny_config(data_dir, **(topo or {"vision": (0, 1, 1), "language": (0, 1, 1)}))
+  cfg.model.language.lora.rank = 4
+  cfg.model.language.lora.alpha = 8.0
+  cfg.optim.lr = 3e-3  # adapters start at zero: a larger rate makes the steps differ visibly
+  if vision_lora:
+    cfg.model.vision.lora.rank = 2
+  else:
+    cfg.optim.freeze = "vision"
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def single(data_dir):
+  """The single-device LoRA run: (metrics, step, final state, initial parameters)."""
+  return run_steps(lora_config(data_dir), STEPS)
+
+
+@pytest.fixture(scope="module")
+def single_both(data_dir):
+  return run_steps(lora_config(data_dir, vision_lora=True), STEPS)[0]
+
+
+def test_fresh_adapters_leave_the_base_bitwise(data_dir):
+  cfg = lora_config(data_dir)
+  plain = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  with_a, without = build_modules(cfg)["language"], build_modules(plain)["language"]
+  p_a, p_0 = with_a.init(0), without.init(0)
+  flat_a, flat_0 = paths(p_a), paths(p_0)
+  adapters = [k for k in flat_a if lora.is_adapter(k)]
+  # Every attention and MLP projection of the blocks, two adapters each.
+  assert len(adapters) == 2 * 7 and not (set(flat_a) - set(adapters)) ^ set(flat_0)
+  for k, v in flat_0.items():
+    np.testing.assert_array_equal(flat_a[k], v, err_msg=k)
+  assert all(np.all(flat_a[k] == 0) for k in adapters if k.endswith("lora_b"))
+  assert all(np.any(flat_a[k] != 0) for k in adapters if k.endswith("lora_a"))
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 10
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  run = lambda m, p: m.bind(p).logits(m.apply_blocks(p, m.bind(p).embed(tokens), pos))
+  np.testing.assert_array_equal(run(with_a, p_a), run(without, p_0))
+
+
+def test_training_moves_only_adapters_and_merge_keeps_outputs(data_dir, single):
+  metrics, step, state, init = single
+  assert metrics[-1]["loss"] < metrics[0]["loss"]
+  trained = paths(jax.device_get(state["language"].params))
+  before = paths(init["language"])
+  for k, v in trained.items():
+    if lora.is_adapter(k) and k.endswith("lora_b"):
+      assert np.any(v != before[k]), k
+    elif not lora.is_adapter(k):
+      np.testing.assert_array_equal(v, before[k], err_msg=k)
+  cfg = lora_config(data_dir)
+  module = step.modules["language"]
+  plain = build_modules(tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1)))["language"]
+  params = jax.device_get(state["language"].params)
+  merged = lora.merge(params, cfg.model.language.lora)
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 10
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  run = lambda m, p: m.bind(p).logits(m.apply_blocks(p, m.bind(p).embed(tokens), pos))
+  got, want = run(plain, merged), run(module, params)
+  assert float(jnp.max(jnp.abs(want - run(plain, init["language"])))) > 1e-4  # it trained
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_only_trained_parameters_have_optimizer_state(single):
+  _, step, state, _ = single
+  adapters = {k for k in paths(state["language"].params) if lora.is_adapter(k)}
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  adam = [s for s in jax.tree.leaves(state["language"].opt_state, is_leaf=is_adam) if is_adam(s)]
+  # Frozen leaves are optax.MaskedNode (no arrays): the moments held are the adapters' alone.
+  for moments in [s.mu for s in adam] + [s.nu for s in adam]:
+    assert set(paths(moments)) == adapters
+
+
+def test_a_target_that_matches_nothing_is_an_error(data_dir):
+  cfg = lora_config(data_dir)
+  cfg.model.language.lora.targets = "attn/qkv$"
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.targets.*attn/qkv"):
+    build_modules(cfg)["language"].init(0)
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 2, 1), "language": (2, 4, 1)}, id="lm-dp4-frozen-vision-dp2-split"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 2)}, id="lm-tp2"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1, 2)}, id="lm-pp2"),
+])
+def test_layout_matches_single_device(data_dir, single, topo):
+  got = run_steps(lora_config(data_dir, **topo), STEPS)[0]
+  assert_close_trajectory(single[0], got, rtol=1e-4)
+
+
+def test_fsdp_base_matches_single_device(data_dir, single):
+  cfg = lora_config(data_dir, vision=(0, 2, 1), language=(2, 4, 1))
+  cfg.topology.language.shard = "full"
+  assert_close_trajectory(single[0], run_steps(cfg, STEPS)[0], rtol=1e-4)
+
+
+def test_tower_and_language_colocated_match_single_device(data_dir, single_both):
+  got = run_steps(lora_config(data_dir, vision_lora=True, vision=(0, 4, 1),
+                              language=(0, 4, 1)), STEPS)[0]
+  assert_close_trajectory(single_both, got, rtol=1e-4)
