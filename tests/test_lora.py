@@ -78,7 +78,7 @@ def test_training_moves_only_adapters_and_merge_keeps_outputs(data_dir, single):
   pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
   run = lambda m, p: m.bind(p).logits(m.apply_blocks(p, m.bind(p).embed(tokens), pos))
   got, want = run(plain, merged), run(module, params)
-  assert float(jnp.max(jnp.abs(want - run(plain, init["language"])))) > 1e-4  # it trained
+  assert float(jnp.max(jnp.abs(want - run(plain, lora.merge(init["language"], cfg.model.language.lora))))) > 1e-4  # it trained
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
