@@ -407,7 +407,12 @@ def positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
 def lora_of(cfg: Config, name: str) -> LoraConfig | None:
   """Module `name`'s `model.<name>.lora` when it has adapters (rank > 0), else None."""
   lora = getattr(cfg.model.module(name), "lora", None)
-  return lora if lora is not None and lora.rank > 0 else None
+  if lora is None:
+    return None
+  require(lora.rank >= 0, f"model.{name}.lora.rank", f"must be >= 0 (0 = no adapters), got "
+          f"{lora.rank}.")
+  require(lora.alpha > 0, f"model.{name}.lora.alpha", f"must be > 0, got {lora.alpha}.")
+  return lora if lora.rank > 0 else None
 
 
 def param_groups(cfg: Config) -> tuple[str, ...]:

@@ -97,6 +97,12 @@ def test_a_target_that_matches_nothing_is_an_error(data_dir):
   cfg.model.language.lora.targets = "attn/qkv$"
   with pytest.raises(ConfigError, match=r"model\.language\.lora\.targets.*attn/qkv"):
     build_modules(cfg)["language"].init(0)
+  cfg.model.language.lora.targets = "attn/(q"
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.targets.*not a regular"):
+    build_modules(cfg)["language"].init(0)
+  cfg.model.language.lora.rank = -1
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.rank"):
+    build_modules(cfg)
 
 
 @pytest.mark.parametrize("topo", [

@@ -43,8 +43,19 @@ def delta(layer: nnx.Module, x: jax.Array) -> jax.Array:
   return (jnp.dot(h, layer.lora_b[...].astype(dtype)) * layer.lora_scale).astype(dtype)
 
 
-def patterns(lora: LoraConfig) -> list[str]:
-  return [t.strip() for t in lora.targets.split(",") if t.strip()]
+def patterns(lora: LoraConfig, field: str = "model.<module>.lora") -> list[str]:
+  """`targets` as regular expressions; one that does not compile is an error naming it."""
+  out = [t.strip() for t in lora.targets.split(",") if t.strip()]
+  if not out:
+    raise ConfigError(f"config.{field}.targets: empty; name the layers to adapt, e.g. "
+                      f"attn/(q|v)$.")
+  for p in out:
+    try:
+      re.compile(p)
+    except re.error as e:
+      raise ConfigError(f"config.{field}.targets: {p!r} is not a regular expression ({e}).") \
+          from None
+  return out
 
 
 def attach(model: nnx.Module, lora: LoraConfig, rngs: nnx.Rngs, field: str = "") -> list[str]:
@@ -52,8 +63,9 @@ def attach(model: nnx.Module, lora: LoraConfig, rngs: nnx.Rngs, field: str = "")
   those paths. `field` (model.<name>.lora) names errors: a pattern that matches no layer."""
   linears = [(path, m) for path, m in nnx.iter_graph(model) if type(m) is nnx.Linear]
   names = ["/".join(str(k) for k in path) for path, _ in linears]
-  hit = [any(re.search(p, n) for p in patterns(lora)) for n in names]
-  for p in patterns(lora):
+  pats = patterns(lora, field or "model.<module>.lora")
+  hit = [any(re.search(p, n) for p in pats) for n in names]
+  for p in pats:
     if field and not any(re.search(p, n) for n in names):
       raise ConfigError(f"config.{field}.targets: {p!r} matches no linear layer; layers: "
                         f"{', '.join(sorted(set(names)))}.")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mimo_jax.config import LanguageConfig
+from mimo_jax.config import LanguageConfig, LoraConfig
 from mimo_jax.models.layers import (ACTIVATIONS, Attention, GeluMLP, LayerNorm, linear,
                                     stacked)
 
@@ -54,6 +54,7 @@ class WhisperConfig:
   projector_activation: str = "gelu"
   # The blocks' linear layers as FP8 matmuls (models/fp8.py); needs model.dtype=bfloat16.
   fp8: bool = False
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # adapters (models/lora.py)
 
   @property
   def frames(self) -> int:
