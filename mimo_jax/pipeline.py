@@ -29,7 +29,8 @@ over `pp`: every stage receives the microbatches and the last stage's outputs ar
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax.models import fp8
+from mimo_jax.schedules import (  # noqa: F401  (the schedule values, as pipeline.X too)
+    BACKWARD, COT_SLOT, DONE, E_LOCAL, E_MICRO, FIRST, FORWARD, FROM_INPUT, FROM_PARKED,
+    FROM_PREVIOUS, IN_SLOT, KIND, LAST, LOCAL, MICRO, PARK, RECV_COT, RECV_IN, RUN_BACKWARD,
+    RUN_FORWARD, SCHEDULES, SOURCE, Task, Tasks, check, circular, gpipe, has_backward, lower,
+    lower_explicit, one_f_one_b, interleaved_1f1b)
 
 PP = "pp"
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
@@ -67,137 +73,6 @@ REMAT_POLICIES = {
 }
 
 
-# ---- schedules as values ----------------------------------------------------------------------
-
-FORWARD = "forward"  # run a chunk's layers on a microbatch's activations
-KINDS = (FORWARD,)  # the task kinds the executor runs
-
-
-class Task(NamedTuple):
-  """One stage's work in one time step: `kind` on chunk `chunk` of microbatch `microbatch`.
-
-  Chunk c is layers [c·L/(p·v), (c+1)·L/(p·v)) and lives on stage c mod p, so the stage a task
-  runs on is implied by its chunk."""
-  kind: str
-  microbatch: int
-  chunk: int
-
-
-Tasks = tuple[tuple[Task | None, ...], ...]  # [stage][step]: a stage's work a step, None idle
-
-
-def gpipe(stages: int, microbatches: int, virtual: int = 1) -> Tasks:
-  """GPipe: stage s runs microbatch m at step m + s; M + p − 1 steps."""
-  if virtual != 1:
-    raise ValueError(f"gpipe runs one chunk a stage, got virtual={virtual}; use circular.")
-  steps = microbatches + stages - 1
-  return tuple(tuple(Task(FORWARD, t - s, s) if 0 <= t - s < microbatches else None
-                     for t in range(steps)) for s in range(stages))
-
-
-def circular(stages: int, microbatches: int, virtual: int) -> Tasks:
-  """Circular: microbatch m goes round the ring v times, round r (chunk r·p + s) on stage s at
-  step r·M + m + s. Round r + 1 starts M steps after round r on stage 0, and the microbatch comes
-  back from the last stage after p steps: M ≥ p."""
-  if virtual > 1 and microbatches < stages:
-    raise ValueError(f"the circular schedule needs at least as many microbatches as stages, got "
-                     f"{microbatches} for {stages} stages: a microbatch would start its next "
-                     f"round before it comes back; use at least {stages} microbatches.")
-  items = microbatches * virtual  # (round, microbatch) pairs, in the order every stage runs them
-
-  def task(s: int, i: int) -> Task | None:
-    if not 0 <= i < items:
-      return None
-    rnd, m = divmod(i, microbatches)
-    return Task(FORWARD, m, rnd * stages + s)
-  return tuple(tuple(task(s, t - s) for t in range(items + stages - 1)) for s in range(stages))
-
-
-# A schedule's name -> the function building its tasks from (stages, microbatches, virtual).
-SCHEDULES: dict[str, Callable[[int, int, int], Tasks]] = {"gpipe": gpipe, "circular": circular}
-
-
-def _steps(tasks: Tasks) -> dict[tuple[int, int], int]:
-  """(microbatch, chunk) -> the step its task runs at."""
-  return {(x.microbatch, x.chunk): t for row in tasks for t, x in enumerate(row) if x is not None}
-
-
-def _check_task(task: Task, s: int, t: int, stages: int, microbatches: int, chunks: int) -> None:
-  """Raises ValueError unless `task`, found at stage `s`, step `t`, is one the executor runs."""
-  where = f"the task at stage {s}, step {t} ({task})"
-  if task.kind not in KINDS:
-    raise ValueError(f"{where}: the pipeline runs only {', '.join(KINDS)} tasks.")
-  if not (0 <= task.microbatch < microbatches and 0 <= task.chunk < chunks):
-    raise ValueError(f"{where}: microbatches are 0..{microbatches - 1} and chunks "
-                     f"0..{chunks - 1}.")
-  if task.chunk % stages != s:
-    raise ValueError(f"{where}: chunk {task.chunk} lives on stage {task.chunk % stages}.")
-
-
-def check(tasks: Tasks, stages: int, microbatches: int, virtual: int) -> None:
-  """Raises ValueError unless `tasks` runs every chunk of every microbatch once, on the chunk's
-  stage, after the chunk before it: what the executor (`lower`, `Stack`) relies on."""
-  if min(stages, microbatches, virtual) < 1:
-    raise ValueError(f"a schedule needs stages, microbatches and virtual >= 1, got {stages}, "
-                     f"{microbatches} and {virtual}.")
-  if len(tasks) != stages or len({len(row) for row in tasks}) != 1:
-    raise ValueError(f"a schedule has one row of tasks per stage, all as long: got rows of "
-                     f"{[len(row) for row in tasks]} steps for {stages} stages.")
-  chunks = stages * virtual
-  for s, row in enumerate(tasks):
-    for t, task in enumerate(row):
-      if task is not None:
-        _check_task(task, s, t, stages, microbatches, chunks)
-  when = _steps(tasks)
-  if len(when) != sum(task is not None for row in tasks for task in row):
-    raise ValueError("the schedule runs a chunk of a microbatch twice; each runs once.")
-  for m in range(microbatches):
-    for c in range(chunks):
-      if (m, c) not in when:
-        raise ValueError(f"the schedule never runs chunk {c} of microbatch {m}; each runs once.")
-      if c and when[m, c] <= when[m, c - 1]:
-        raise ValueError(f"chunk {c} of microbatch {m} runs at step {when[m, c]}, before chunk "
-                         f"{c - 1}'s output reaches stage {c % stages} (step "
-                         f"{when[m, c - 1] + 1}).")
-
-
-# Columns of a lowered schedule (`lower`), and where a task's input comes from (SOURCE).
-MICRO, LOCAL, SOURCE, DONE, PARK = range(5)
-FROM_INPUT, FROM_PREVIOUS, FROM_PARKED = range(3)
-
-
-def lower(tasks: Tasks) -> np.ndarray:
-  """Checked `tasks` as the int32 table [steps, stages, 5] the executor scans over: each task's
-  MICRO (its microbatch), LOCAL (its chunk's index among the stage's chunks), SOURCE, DONE (its
-  output is the stack's) and PARK.
-
-  What a stage sends at step t arrives at the next stage for step t + 1. A task that runs then
-  reads it there (FROM_PREVIOUS); one that runs later reads it from the stage's buffer, one slot a
-  microbatch, where the arriving stage stored it at step t (PARK: the slot, -1 for none). The
-  first chunk reads the stack's input (FROM_INPUT). An idle step repeats the stage's nearest task
-  (its last, else its first) with DONE 0, so that it computes on real values and is masked out."""
-  stages, steps = len(tasks), len(tasks[0])
-  when = _steps(tasks)
-  last = max(c for _, c in when)
-  table = np.zeros((steps, stages, 5), np.int32)
-  table[:, :, PARK] = -1
-  for s, row in enumerate(tasks):
-    entries = {}
-    for t, task in enumerate(row):
-      if task is None:
-        continue
-      m, c = task.microbatch, task.chunk
-      source = (FROM_INPUT if c == 0 else
-                FROM_PREVIOUS if when[m, c - 1] == t - 1 else FROM_PARKED)
-      entries[t] = (m, c // stages, source, int(c == last))
-      if c < last and when[m, c + 1] > t + 1:
-        table[t, (s + 1) % stages, PARK] = m
-    for t in range(steps):
-      near = max((u for u in entries if u <= t), default=min(entries))
-      table[t, s, :PARK] = entries[near] if near == t else entries[near][:DONE] + (0,)
-  return table
-
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """A pipeline: its layout (stages, chunks a stage) and the schedule that runs it."""
@@ -209,12 +84,36 @@ class Schedule:
     if self.name and self.name not in SCHEDULES:
       raise ValueError(f"unknown pipeline schedule {self.name!r}; one of {', '.join(SCHEDULES)}.")
 
+  @property
+  def resolved(self) -> str:
+    """The schedule's name, the default ("") resolved: gpipe for virtual 1, circular otherwise."""
+    return self.name or ("gpipe" if self.virtual == 1 else "circular")
+
   def tasks(self, microbatches: int) -> Tasks:
     """The schedule's tasks for `microbatches`, checked (`check`)."""
-    build = SCHEDULES[self.name or ("gpipe" if self.virtual == 1 else "circular")]
+    tasks = SCHEDULES[self.resolved](self.stages, microbatches, self.virtual)
+    check(tasks, self.stages, microbatches, self.virtual)
+    return tasks
+
+  def forward_tasks(self, microbatches: int) -> Tasks:
+    """The forward alone, as the layout's autodiff schedule runs it (gpipe, circular): what a
+    schedule with backward tasks runs where no gradient is taken, and ahead of its backward."""
+    build = gpipe if self.virtual == 1 else circular
     tasks = build(self.stages, microbatches, self.virtual)
     check(tasks, self.stages, microbatches, self.virtual)
     return tasks
+
+  def explicit(self, microbatches: int) -> bool:
+    """Whether the schedule runs its own backward tasks (1f1b, interleaved_1f1b)."""
+    return has_backward(self.tasks(microbatches))
+
+  def held(self, microbatches: int) -> int:
+    """The most chunk inputs a stage keeps for its backward at once: every microbatch's every
+    chunk where autodiff makes the backward (M·v), the input slots of `lower_explicit` (its
+    microbatches in flight, p − s for 1F1B, and what waits there) otherwise."""
+    if not self.explicit(microbatches):
+      return microbatches * self.virtual
+    return lower_explicit(self.tasks(microbatches))[1]
 
   @property
   def pipelined(self) -> bool:
@@ -238,7 +137,8 @@ class Schedule:
 
   def bubble(self, microbatches: int) -> float:
     """Idle fraction of the schedule's stage-steps: (p − 1) / (M·v + p − 1) for gpipe and
-    circular."""
+    circular (their forward; the autodiff backward mirrors it), and for 1f1b, whose forwards
+    and backwards take a step each; interleaved_1f1b's is about v times smaller."""
     slots = [task for row in self.tasks(microbatches) for task in row]
     return slots.count(None) / len(slots)
 
@@ -294,25 +194,60 @@ class Stack:
                             self.unroll)[None]
       return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side, self.unroll))(
           x_m, *side_m)
-    num = x_m.shape[0]
-    pad = max(self.schedule.stages - num, 0)  # fewer microbatches than stages (evaluation)
+    num, p = x_m.shape[0], self.schedule.stages
+    # Fewer microbatches than stages (evaluation), or not a whole group of the interleaved
+    # schedule's: zeros fill the rest, whose outputs are dropped (their cotangents are zero).
+    pad = max(p - num, 0) if self.schedule.resolved != "interleaved_1f1b" else -num % p
     if pad:
       fill = lambda a: jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
       x_m, side_m = fill(x_m), tuple(fill(a) for a in side_m)
-    specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
-    run = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=(specs, P(), P()),
-                        out_specs=P(), axis_names={PP})
-    return run(params, x_m, tuple(side_m))[:num]
+    if self.schedule.explicit(num + pad):
+      return self._explicit(params, x_m, tuple(side_m))[:num]
+    return self._forward(params, x_m, tuple(side_m), self.schedule.tasks(num + pad))[:num]
 
-  def _pipeline(self, params, x_m, side_m):
-    """One stage's part of the schedule (inside shard_map over `pp`): a scan over the lowered
-    schedule's steps, each running this stage's task and sending its output to the next stage."""
+  def _forward(self, params, x_m, side_m: tuple, tasks: Tasks) -> jax.Array:
+    """The forward `tasks` over `pp` (autodiff makes their backward)."""
+    specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
+    run = jax.shard_map(functools.partial(self._pipeline, table=lower(tasks)), mesh=self.mesh,
+                        in_specs=(specs, P(), P()), out_specs=P(), axis_names={PP})
+    return run(params, x_m, side_m)
+
+  def _explicit(self, params, x_m, side_m: tuple) -> jax.Array:
+    """A schedule with backward tasks: the forward alone where no gradient is taken; under
+    autodiff, a `custom_vjp` whose forward keeps nothing but its arguments and whose backward
+    runs the schedule's forward and backward tasks (`_backward`) with the outputs' cotangents."""
+    num = x_m.shape[0]
+
+    @jax.custom_vjp
+    def run(params, x_m, side_m):
+      return self._forward(params, x_m, side_m, self.schedule.forward_tasks(num))
+
+    def forward(params, x_m, side_m):
+      return run(params, x_m, side_m), (params, x_m, side_m)
+
+    def backward(saved, dy_m):
+      params, x_m, side_m = saved
+      specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
+      body = functools.partial(self._backward, tasks=self.schedule.tasks(num))
+      d_params, dx_m = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
+                                     out_specs=(specs, P()), axis_names={PP})(
+                                         params, x_m, side_m, dy_m)
+      return d_params, dx_m, tuple(np.zeros(a.shape, jax.dtypes.float0) for a in side_m)
+
+    for a in side_m:
+      if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise ValueError(f"a {self.schedule.resolved} pipeline takes integer side inputs (its "
+                         f"backward gives them no gradient), got {a.dtype}.")
+    run.defvjp(forward, backward)
+    return run(params, x_m, side_m)
+
+  def _pipeline(self, params, x_m, side_m, table: np.ndarray):
+    """One stage's part of a forward schedule (inside shard_map over `pp`): a scan over the
+    lowered schedule's steps, each running this stage's task and sending its output on."""
     p, num = self.schedule.stages, x_m.shape[0]
-    table = lower(self.schedule.tasks(num))
     parks = bool((table[..., PARK] >= 0).any())  # no buffer where every input arrives in time
     stage = jax.lax.axis_index(PP)
-    # This stage's chunks as [v, L/(p·v), ...] whichever layout they arrived in.
-    chunks = params if self.schedule.virtual > 1 else jax.tree.map(lambda a: a[None], params)
+    chunks = self._chunks(params)
     ring = [(i, (i + 1) % p) for i in range(p)]
 
     def tick(carry, row):
@@ -337,3 +272,64 @@ class Stack:
                          to="varying")
     (_, _, outs), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
+
+  def _chunks(self, params):
+    """This stage's chunks as [v, L/(p·v), ...] whichever layout they arrived in."""
+    return params if self.schedule.virtual > 1 else jax.tree.map(lambda a: a[None], params)
+
+  def _backward(self, params, x_m, side_m, dy_m, tasks: Tasks):
+    """One stage's part of a schedule with backward tasks (inside shard_map over `pp`): a scan
+    over `lower_explicit`'s table. A forward runs its chunk and sends the output on; a backward
+    recomputes its chunk from the input kept in its slot (`jax.vjp`), applies the cotangent that
+    came back from the next chunk (the stack output's for the last), adds the parameters'
+    gradients and sends the input's cotangent back. -> (the parameters' gradients in their
+    layout, the input's cotangents [M, ...])."""
+    p = self.schedule.stages
+    table, n_in, n_cot = lower_explicit(tasks)
+    stage = jax.lax.axis_index(PP)
+    chunks = self._chunks(params)
+    ahead = [(i, (i + 1) % p) for i in range(p)]
+    back = [((i + 1) % p, i) for i in range(p)]
+
+    def chunk_fn(m):
+      side = tuple(a[m] for a in side_m)
+      return lambda c, h: _scan_layers(self.layer, c, h, side, self.unroll)
+
+    def idle(h, dy, m, local, grads):
+      return jnp.zeros_like(h), jnp.zeros_like(h), grads
+
+    def forward(h, dy, m, local, grads):
+      return chunk_fn(m)(_at(chunks, local), h), jnp.zeros_like(h), grads
+
+    def backward(h, dy, m, local, grads):
+      _, vjp = jax.vjp(chunk_fn(m), _at(chunks, local), h)
+      d_chunk, dh = vjp(dy)
+      return jnp.zeros_like(h), dh, jax.tree.map(lambda g, d: g.at[local].add(d), grads, d_chunk)
+
+    def tick(carry, row):
+      got_in, got_cot, inputs, cots, grads, dx = carry
+      task = row[stage]
+      recv_in, recv_cot = task[RECV_IN], task[RECV_COT]
+      i = jnp.maximum(recv_in, 0)
+      inputs = inputs.at[i].set(jnp.where(recv_in >= 0, got_in, inputs[i]))
+      i = jnp.maximum(recv_cot, 0)
+      cots = cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i]))
+      m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
+      h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
+      dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
+      out, d_in, grads = jax.lax.switch(task[KIND], (idle, forward, backward),
+                                        h, dy, m, local, grads)
+      # The first chunk's backward gives the stack input's cotangent.
+      dx = dx.at[m].add(jnp.where((first == 1) & (task[KIND] == RUN_BACKWARD), d_in, 0))
+      return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,
+              grads, dx), None
+
+    zero = jnp.zeros_like(x_m[0])
+    init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
+                          jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
+                         (PP,), to="varying")
+    init = init[:4] + (jax.tree.map(jnp.zeros_like, chunks),) + init[4:]  # chunks vary already
+    (_, _, _, _, grads, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
+    if self.schedule.virtual == 1:
+      grads = jax.tree.map(lambda g: g[0], grads)
+    return grads, jax.lax.psum(dx, PP)  # only stage 0 wrote: a broadcast
