@@ -124,6 +124,12 @@ class ModuleTopology:
   # Chunks of layers per pipeline stage: 1 = GPipe, > 1 = circular schedule (a bubble v times
   # smaller, v times more stage-to-stage sends).
   virtual: int = 1
+  # The pipeline schedule (pp > 1): gpipe (virtual 1) or circular (virtual > 1), whose backward
+  # autodiff makes (every microbatch's activations kept), or 1f1b (virtual 1) or
+  # interleaved_1f1b (virtual > 1, microbatches a multiple of pp), which run each microbatch's
+  # backward soon after its forward (a stage keeps its microbatches in flight, at most pp).
+  # Empty: gpipe for virtual 1, circular otherwise.
+  schedule: str = ""
   # What each layer's backward keeps: none (everything), full (its input only, recompute the
   # rest), dots (matmul outputs), dots_attention (matmul outputs and cuDNN attention's outputs).
   remat: str = "none"

@@ -185,7 +185,7 @@ class ModulePlan:
 
 def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, ...]) -> ModulePlan:
   t = cfg.topology.module(name)
-  schedule = Schedule(t.pp, t.virtual)
+  schedule = Schedule(t.pp, t.virtual, t.schedule)
   canonical = module.abstract_params()
   layout = lambda tree: on_blocks(tree, schedule.to_layout)
   abstract = jax.eval_shape(layout, canonical)

@@ -11,6 +11,7 @@ from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS, SHARD_MODES, TASKS,
                              Config, ConfigError, parse_freeze, parse_lr_mult, positive, require,
                              run_source)
+from mimo_jax.schedules import SCHEDULES
 
 
 # Bytes a row position takes on the host in every text array the loader builds (data/layout.py:
@@ -311,6 +312,31 @@ def validate_backend(cfg: Config, backend: str) -> None:
            "(XLA's CPU backend cannot all-reduce bfloat16); use float32 on CPU, or a GPU.")
 
 
+def _pipeline_schedule(cfg: Config, name: str, t) -> None:
+  """`topology.<name>.schedule`: a known schedule, for pipeline stages, with the chunks a stage
+  and the microbatches it runs."""
+  f = f"topology.{name}.schedule"
+  require(t.schedule in ("",) + tuple(SCHEDULES), f,
+           f"unknown pipeline schedule {t.schedule!r}; choose from {', '.join(SCHEDULES)} (or "
+           "leave it empty: gpipe for virtual 1, circular otherwise).")
+  if not t.schedule:
+    return
+  require(t.pp > 1, f, f"schedule {t.schedule} needs pipeline stages; set pp > 1 or leave the "
+           "schedule empty.")
+  one_chunk = {"gpipe": "circular", "1f1b": "interleaved_1f1b"}
+  require(t.schedule not in one_chunk or t.virtual == 1, f"topology.{name}.virtual",
+           f"schedule {t.schedule} runs one chunk a stage, got virtual={t.virtual}; set "
+           f"virtual=1 or schedule={one_chunk.get(t.schedule)}.")
+  if t.schedule == "interleaved_1f1b":
+    require(t.virtual > 1, f"topology.{name}.virtual",
+             "schedule interleaved_1f1b runs several chunks a stage; set virtual > 1 or "
+             "schedule=1f1b.")
+    m = cfg.data.microbatches
+    require(m % t.pp == 0, "data.microbatches",
+             f"schedule interleaved_1f1b takes microbatches in groups of {name}'s {t.pp} "
+             f"stages, got {m}; use a multiple of {t.pp}.")
+
+
 def validate_topology(cfg: Config, num_devices: int | None) -> None:
   """Device ranges and divisibility of every module (topology.py)."""
   d, lm = cfg.data, cfg.model.language
@@ -325,6 +351,7 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
              f"unknown mode {t.shard!r}; choose from {', '.join(SHARD_MODES)}.")
     require(t.virtual == 1 or t.pp > 1, f"{f}.virtual",
              f"{t.virtual} virtual stages need pipeline stages; set pp > 1 or virtual=1.")
+    _pipeline_schedule(cfg, name, t)
     layers = cfg.model.module(name).layers
     require(layers % (t.pp * t.virtual) == 0, f"{f}.pp",
              f"model.{name}.layers={layers} must split evenly into pp*virtual = "

@@ -186,3 +186,29 @@ def test_bfloat16_pipeline_on_cpu_is_a_clear_error(data_dir):
   validate_backend(cfg, "gpu")
   cfg.topology.language.pp = 1
   validate_backend(cfg, "cpu")
+
+
+# ---- schedules with backward tasks (1f1b, interleaved_1f1b) -----------------------------------
+
+def _scheduled(data_dir, schedules: dict, shard: dict | None = None, **topo):
+  cfg = _deep(data_dir, **topo)
+  for name, schedule in schedules.items():
+    cfg.topology.module(name).schedule = schedule
+  for name, mode in (shard or {}).items():
+    cfg.topology.module(name).shard = mode
+  return cfg
+
+
+@pytest.mark.parametrize("topo,schedules,shard", [
+    pytest.param({"vision": (0, 8, 1), "language": (0, 1, 2, 4)}, {"language": "1f1b"}, None,
+                 id="language-pp4tp2-1f1b"),
+    pytest.param({"vision": (0, 1, 1, 2), "language": (2, 1, 1, 2, 2)},
+                 {"vision": "1f1b", "language": "interleaved_1f1b"}, None,
+                 id="vision-pp2-1f1b-language-interleaved"),
+    pytest.param({"vision": (0, 1, 1, 2, 2), "language": (2, 2, 1, 2)},
+                 {"vision": "interleaved_1f1b", "language": "1f1b"}, {"language": "full"},
+                 id="vision-interleaved-language-fsdp-dp2pp2-1f1b"),
+])
+def test_1f1b_step_matches_single_device(data_dir, reference, topo, schedules, shard):
+  got = run_steps(_scheduled(data_dir, schedules, shard, **topo), STEPS)[0]
+  assert_close_trajectory(reference, got, rtol=1e-4)

@@ -5,13 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mimo_jax import pipeline, topology
-from mimo_jax.pipeline import (DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule, Stack, Task,
+from mimo_jax.pipeline import (BACKWARD, DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule, Stack, Task,
                                check, circular, gpipe, lower)
 
 F = lambda m, c: Task(FORWARD, m, c)  # noqa: E731
+B = lambda m, c: Task(BACKWARD, m, c)  # noqa: E731
 _ = None  # an idle step
 I, N, K = pipeline.FROM_INPUT, pipeline.FROM_PREVIOUS, pipeline.FROM_PARKED
 
@@ -69,7 +71,13 @@ def test_lowered_circular_parks_on_stage_0_until_the_next_round():
     (((F(0, 0), F(1, 0), _), (_, F(0, 1), _)), r"never runs chunk 1 of microbatch 1"),
     (((F(0, 0), F(1, 0), F(1, 0)), (_, F(0, 1), F(1, 1))), r"runs a chunk of a microbatch twice"),
     (((F(0, 0), F(2, 0), _), (_, F(0, 1), F(1, 1))), r"microbatches are 0\.\.1"),
-    (((F(0, 0), Task("backward", 1, 0), _), (_, F(0, 1), F(1, 1))), r"runs only forward tasks"),
+    (((F(0, 0), Task("sideways", 1, 0), _), (_, F(0, 1), F(1, 1))),
+     r"runs only forward, backward tasks"),
+    (((F(0, 0), F(1, 0), B(1, 0), _), (_, F(0, 1), F(1, 1), B(1, 1))),
+     r"never runs the backward of chunk 0 of microbatch 0; a schedule runs every backward or none"),
+    (((F(0, 0), F(1, 0), B(0, 0), B(1, 0), _), (_, F(0, 1), F(1, 1), B(0, 1), B(1, 1))),
+     r"backward of chunk 0 of microbatch 0 runs at step 2, before its forward and the next "
+     r"chunk's backward have run \(step 4\)"),
 ])
 def test_a_schedule_that_cannot_run_is_a_clear_error(tasks, error):
   check(GPIPE_2x4, 2, 4, 1)  # the textbook order passes
@@ -83,8 +91,9 @@ def test_microbatches_and_schedule_names_are_checked():
     Schedule(2, 2).tasks(1)
   with pytest.raises(ValueError, match=r"gpipe runs one chunk a stage.*use circular"):
     Schedule(2, 2, "gpipe").tasks(4)
-  with pytest.raises(ValueError, match=r"unknown pipeline schedule '1f1b'; one of gpipe, circular"):
-    Schedule(2, 1, "1f1b")
+  with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb'; one of gpipe, circular, 1f1b, "
+                     r"interleaved_1f1b"):
+    Schedule(2, 1, "zb")
 
 
 def _late(stages: int, microbatches: int, virtual: int) -> pipeline.Tasks:
@@ -116,3 +125,111 @@ def test_stack_runs_a_schedule_of_our_own(monkeypatch):
   got = jax.jit(jax.value_and_grad(loss(stack), argnums=(0, 1)))(w, x_m)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+# ---- schedules with backward tasks ----------------------------------------------------------
+
+def _parse(rows: list[str], virtual: int = 1) -> pipeline.Tasks:
+  """Rows of `F3`, `B0'` (a microbatch's forward or backward; one ' a round of the ring further:
+  chunk round·p + stage) and `.` (idle), a row a stage."""
+  def task(s: int, word: str):
+    if word == ".":
+      return None
+    rnd = word.count("'")
+    return Task(FORWARD if word[0] == "F" else BACKWARD, int(word[1:].rstrip("'")),
+                rnd * len(rows) + s)
+  return tuple(tuple(task(s, w) for w in row.split()) for s, row in enumerate(rows))
+
+
+ONE_F_ONE_B_4x8 = _parse([  # p=4, M=8: p - s - 1 forwards, then one forward and one backward
+    "F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7",
+    ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 . ",
+    ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  . ",
+    ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  . ",
+])
+# Interleaved, p=4, v=2, M=8: each stage's order of tasks (Megatron's: microbatches in groups of
+# p, chunk rounds forward in order and backward in reverse; 2(p - s - 1) + (v - 1)p warm-up).
+INTERLEAVED_4x2x8_ORDER = [
+    "F0 F1 F2 F3 F0' F1' F2' F3' F4 F5 F6 B0' F7 B1' F4' B2' F5' B3' F6' B0 F7' B1 B2 B3 B4' B5' "
+    "B6' B7' B4 B5 B6 B7",
+    "F0 F1 F2 F3 F0' F1' F2' F3' F4 B0' F5 B1' F6 B2' F7 B3' F4' B0 F5' B1 F6' B2 F7' B3 B4' B5' "
+    "B6' B7' B4 B5 B6 B7",
+    "F0 F1 F2 F3 F0' F1' F2' B0' F3' B1' F4 B2' F5 B3' F6 B0 F7 B1 F4' B2 F5' B3 F6' B4' F7' B5' "
+    "B6' B7' B4 B5 B6 B7",
+    "F0 F1 F2 F3 F0' B0' F1' B1' F2' B2' F3' B3' F4 B0 F5 B1 F6 B2 F7 B3 F4' B4' F5' B5' F6' B6' "
+    "F7' B7' B4 B5 B6 B7",
+]
+
+
+def test_1f1b_schedules_are_the_textbook_order():
+  assert Schedule(4, 1, "1f1b").tasks(8) == ONE_F_ONE_B_4x8
+  got = Schedule(4, 2, "interleaved_1f1b").tasks(8)
+  want = _parse(INTERLEAVED_4x2x8_ORDER)
+  assert [[x for x in row if x is not None] for row in got] == [list(row) for row in want]
+  # Idle steps: 2(p - 1) a stage for 1f1b (as GPipe's forward and backward), half as many steps
+  # of half the work for the interleaved schedule.
+  assert Schedule(4, 1, "1f1b").bubble(8) == pytest.approx(3 / 11)
+  assert [row.count(None) for row in got] == [6] * 4 and len(got[0]) == 2 * 8 * 2 + 6
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 1), (3, 7), (4, 2)])
+def test_1f1b_keeps_at_most_p_minus_s_microbatches_in_flight(p, m):
+  tasks = Schedule(p, 1, "1f1b").tasks(m)
+  for s, row in enumerate(tasks):
+    in_flight, most = set(), 0
+    for x in row:
+      if x is not None:
+        (in_flight.add if x.kind == FORWARD else in_flight.remove)(x.microbatch)
+      most = max(most, len(in_flight))
+    assert most == min(p - s, m)
+  table, inputs, cotangents = pipeline.lower_explicit(tasks)
+  assert inputs <= p and cotangents <= 1 and table.shape == (len(tasks[0]), p, 9)
+  assert Schedule(p, 1).held(m) == m and Schedule(p, 1, "1f1b").held(m) == inputs
+
+
+def test_explicit_schedules_are_checked():
+  with pytest.raises(ValueError, match=r"1f1b runs one chunk a stage.*use interleaved_1f1b"):
+    Schedule(2, 2, "1f1b").tasks(4)
+  with pytest.raises(ValueError, match=r"interleaved_1f1b runs several chunks.*use 1f1b"):
+    Schedule(2, 1, "interleaved_1f1b").tasks(4)
+  with pytest.raises(ValueError, match=r"groups of the 2 stages, got 3; use a multiple of 2"):
+    Schedule(2, 2, "interleaved_1f1b").tasks(3)
+
+
+def _layer(w, x, shift):
+  return x + jnp.tanh(x @ w + shift[..., None].astype(x.dtype))
+
+
+@pytest.mark.parametrize("p,dp,tp,v,m,name,policy", [
+    (2, 1, 1, 1, 3, "1f1b", "none"),
+    (4, 2, 1, 1, 8, "1f1b", "full"),
+    (4, 1, 1, 1, 2, "1f1b", "none"),  # fewer microbatches than stages (evaluation)
+    (2, 2, 1, 2, 4, "interleaved_1f1b", "dots"),
+    (2, 1, 1, 2, 3, "interleaved_1f1b", "none"),  # not a whole group: padded
+])
+def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m, name, policy):
+  """Outputs and every gradient (parameters, inputs) of the stack with backward tasks against
+  autodiff of the layers one after another; dp and tp stay automatic inside the stages."""
+  mesh = Mesh(np.array(jax.devices()[:p * dp * tp]).reshape(p, dp, tp), topology.AXES)
+  schedule = Schedule(p, v, name)
+  keys = jax.random.split(jax.random.key(0), 3)
+  w = 0.4 * jax.random.normal(keys[0], (8, 8, 8))
+  x_m = jax.random.normal(keys[1], (m, 4, 8))
+  shift_m = jax.random.randint(keys[2], (m, 4), 0, 3)
+
+  def sequential(w, x_m):
+    for i in range(8):
+      x_m = jax.vmap(lambda x, s, i=i: _layer(w[i], x, s))(x_m, shift_m)
+    return x_m
+  stack = Stack(_layer, mesh, schedule, policy)
+  placed = jax.device_put(schedule.to_layout(w), NamedSharding(
+      mesh, P(*schedule.stage_spec(), None, "tp")))
+  loss = lambda out: jnp.sum(jnp.sin(out))  # noqa: E731
+  want = jax.value_and_grad(lambda w, x: loss(sequential(w, x)), argnums=(0, 1))(w, x_m)
+  got = jax.jit(jax.value_and_grad(lambda w, x: loss(stack(w, x, (shift_m,))),
+                                   argnums=(0, 1)))(placed, x_m)
+  got = (got[0], (schedule.from_layout(np.asarray(got[1][0])), got[1][1]))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+  np.testing.assert_allclose(jax.jit(stack)(placed, x_m, (shift_m,)), sequential(w, x_m),
+                             rtol=1e-5, atol=1e-6)
