@@ -212,3 +212,45 @@ def _scheduled(data_dir, schedules: dict, shard: dict | None = None, **topo):
 def test_1f1b_step_matches_single_device(data_dir, reference, topo, schedules, shard):
   got = run_steps(_scheduled(data_dir, schedules, shard, **topo), STEPS)[0]
   assert_close_trajectory(reference, got, rtol=1e-4)
+
+
+def test_1f1b_run_resumes_onto_gpipe(data_dir, reference, tmp_path):
+  """Two steps under 1F1B, saved, restored onto GPipe for two more: the single-device
+  trajectory (the schedule changes no layout a checkpoint holds)."""
+  from mimo_jax import checkpoint
+  from mimo_jax.data import loader
+  cfg_a = _scheduled(data_dir, {"language": "1f1b"}, vision=(0, 1, 1), language=(1, 1, 1, 2))
+  first, step_a, state, _ = run_steps(cfg_a, 2)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "a"), list(step_a.modules), async_save=False)
+  ckpt.save(2, step_a.canonical(state), cfg_a, force=True)
+  ckpt.close()
+  cfg_b = _deep(data_dir, vision=(0, 1, 1), language=(1, 1, 1, 2))
+  validate(cfg_b, len(jax.devices()))
+  step_b = Step.build(cfg_b)
+  restored, _ = checkpoint.Checkpointer(str(tmp_path / "a"), list(step_b.modules),
+                                        read_only=True).restore(
+      2, step_b.abstract_state(canonical=True), cfg_b)
+  state = step_b.from_canonical(restored)
+  ds = loader.train_dataset(cfg_b, loader.build_paths(cfg_b)["train"], step_b.ctx.groups)
+  rest = []
+  for s in range(2, STEPS):
+    state, metrics = step_b.train_step(state, ds[s])
+    rest.append(jax.device_get(metrics))
+  assert_close_trajectory(reference, first + rest, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change,field,words", [
+    (lambda t: setattr(t, "schedule", "zb"), "topology.language.schedule", "unknown pipeline"),
+    (lambda t: setattr(t, "virtual", 2), "topology.language.virtual", "schedule=interleaved_1f1b"),
+    (lambda t: (setattr(t, "virtual", 2), setattr(t, "schedule", "interleaved_1f1b"),
+                setattr(t, "pp", 3)), "data.microbatches", "multiple of 3"),
+    (lambda t: (setattr(t, "schedule", "interleaved_1f1b")), "topology.language.virtual",
+     "schedule=1f1b"),
+    (lambda t: setattr(t, "pp", 1), "topology.language.schedule", "needs pipeline stages"),
+])
+def test_invalid_schedules(data_dir, change, field, words):
+  cfg = _scheduled(data_dir, {"language": "1f1b"}, vision=(0, 1, 1), language=(1, 1, 1, 4))
+  validate(cfg, 8)  # 1f1b on 4 stages, 4 microbatches
+  change(cfg.topology.language)
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.") + ".*" + words):
+    validate(cfg, 8)

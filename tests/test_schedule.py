@@ -233,3 +233,24 @@ def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
   np.testing.assert_allclose(jax.jit(stack)(placed, x_m, (shift_m,)), sequential(w, x_m),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
+  """XLA's memory analysis of the compiled gradient (per device: one stage), p=4, M=8, two
+  layers a stage, remat none: GPipe keeps every microbatch's layer internals until the
+  backward, 1F1B a stage's microbatches in flight (at most p) and one chunk's internals. On
+  CPUs 1F1B's temporaries are 0.15 of GPipe's (607,080 against 4,117,248 bytes); at most p/M."""
+  p, m, layers, dim, hidden = 4, 8, 8, 64, 256
+  mesh = Mesh(np.array(jax.devices()[:p]).reshape(p, 1, 1), topology.AXES)
+  layer = lambda w, x: x + jnp.tanh(x @ w["up"]) @ w["down"]  # noqa: E731
+  on_stages = NamedSharding(mesh, P(pipeline.PP))
+  w = {"up": jax.ShapeDtypeStruct((layers, dim, hidden), jnp.float32, sharding=on_stages),
+       "down": jax.ShapeDtypeStruct((layers, hidden, dim), jnp.float32, sharding=on_stages)}
+  x_m = jax.ShapeDtypeStruct((m, 16, dim), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+  def temporaries(name: str) -> int:
+    stack = Stack(layer, mesh, Schedule(p, 1, name))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.sin(stack(w, x))), argnums=(0, 1)))
+    return grad.lower(w, x_m).compile().memory_analysis().temp_size_in_bytes
+  gpipe_bytes, one_f_one_b_bytes = temporaries("gpipe"), temporaries("1f1b")
+  assert 0 < one_f_one_b_bytes <= p / m * gpipe_bytes, (one_f_one_b_bytes, gpipe_bytes)
