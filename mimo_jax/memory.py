@@ -5,7 +5,8 @@ from the plan's shardings (sharding.py: what `topology.<module>.shard` splits ov
 step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
 activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units unless
 `remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
-its microbatches).
+its microbatches under gpipe and circular, one chunk's and its microbatches in flight under 1f1b
+and interleaved_1f1b: `in_flight`).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
 and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
 buffers, the optimizer update's, the gathered layers under FSDP), so a layout whose bound comes
@@ -14,6 +15,7 @@ within WARN of the memory gets a warning line: it may not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -23,6 +25,7 @@ from jax.sharding import AbstractMesh
 from mimo_jax import encoders
 from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, ConfigError
 from mimo_jax.modules import build_modules
+from mimo_jax.pipeline import Schedule
 from mimo_jax.programs import Context
 from mimo_jax.sharding import AXES, Plan, with_shardings
 
@@ -36,21 +39,41 @@ def _bytes(tree) -> int:
              for a in jax.tree.leaves(tree) if hasattr(a, "sharding"))
 
 
+def in_flight(cfg: Config, name: str) -> tuple[int, int]:
+  """(microbatches whose layer internals a stage keeps for the backward at once, chunk inputs it
+  keeps besides): a pipeline whose backward autodiff makes (gpipe, circular) keeps every
+  microbatch's internals; one with backward tasks (1f1b, interleaved_1f1b) one chunk's
+  internals (1/v of the stage's layers, while a backward recomputes it) and its microbatches in
+  flight as chunk inputs (`Schedule.held`: at most p for 1f1b)."""
+  t = cfg.topology.module(name)
+  if t.pp == 1:
+    return 1, 0
+  schedule = Schedule(t.pp, t.virtual, t.schedule)
+  micro = cfg.data.microbatches
+  if not schedule.explicit(micro):
+    return micro, 0
+  return 1, schedule.held(micro)
+
+
 def _activations(cfg: Config, name: str) -> int:
-  """A lower bound on the bytes of activations the backward of one microbatch keeps a device."""
+  """A lower bound on the bytes of activations the backward keeps a device (`in_flight`)."""
   t = cfg.topology.module(name)
   d = cfg.data
   width = np.dtype(cfg.model.dtype).itemsize
-  chunks = d.microbatches if t.pp > 1 else 1  # a pipelined module holds a step's microbatches
+  internals, inputs = in_flight(cfg, name)
   layers = cfg.model.module(name).layers // t.pp
+  chunk = layers // t.virtual if inputs else layers  # a backward task holds one chunk's
+  outputs = d.microbatches if t.pp > 1 else 1  # the stack's outputs: every microbatch's
   if name != LANGUAGE:
-    return encoders.get(name).activation_bytes(cfg, t) * layers * chunks
+    enc = encoders.get(name)
+    one_input = enc.activation_bytes(cfg, dataclasses.replace(t, remat="full"))
+    return enc.activation_bytes(cfg, t) * chunk * internals + one_input * inputs
   m = cfg.model.language
-  rows = (d.pack_rows or d.micro_batch) // t.dp
-  tokens = rows * d.seq_len * chunks
+  tokens = (d.pack_rows or d.micro_batch) // t.dp * d.seq_len  # a microbatch's on a device
   kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
   vocab = m.vocab_size or DIGITS_VOCAB
-  return tokens * (layers * kept + 2 * vocab // t.tp) * width  # the logits and their gradient
+  return tokens * (internals * chunk * kept + inputs * m.dim +
+                   outputs * 2 * vocab // t.tp) * width  # the logits and their gradient
 
 
 def context(cfg: Config) -> Context:

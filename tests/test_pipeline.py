@@ -254,3 +254,17 @@ def test_invalid_schedules(data_dir, change, field, words):
   change(cfg.topology.language)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.") + ".*" + words):
     validate(cfg, 8)
+
+
+def test_memory_check_counts_each_schedules_microbatches_in_flight(data_dir):
+  from mimo_jax import memory
+  cfg = _deep(data_dir, microbatches=8, vision=(0, 1, 1), language=(1, 1, 1, 4))
+  gpipe = memory.module_bytes(cfg)["language"]["activations"]
+  assert memory.in_flight(cfg, "language") == (8, 0)
+  cfg.topology.language.schedule = "1f1b"
+  internals, inputs = memory.in_flight(cfg, "language")
+  assert internals == 1 and 0 < inputs <= 4
+  assert memory.module_bytes(cfg)["language"]["activations"] < gpipe
+  cfg.topology.language.pp = 1
+  cfg.topology.language.schedule = ""
+  assert memory.in_flight(cfg, "language") == (1, 0)
