@@ -7,23 +7,17 @@ inside a `jax.shard_map` that is manual over `pp` only (dp and tp stay automatic
 parallelism inside a layer is unchanged), and activations move from stage to stage with
 `lax.ppermute`.
 
-A schedule is a value (`Tasks`): for each stage, what it does at each time step, a `Task` (kind,
-microbatch, chunk) or None (idle). The layers form p·v chunks of L/(p·v) in model order; chunk c
-lives on stage c mod p (v chunks a stage). `Stack` builds the schedule's tasks for its
-microbatch count, checks them (`check`), lowers them to a table (`lower`) and scans over it; a new
-schedule is a new function building `Tasks`, entered in `SCHEDULES`. For M microbatches:
-
-* `gpipe` (v = 1): at step t stage s runs microbatch t − s; M + p − 1 steps, a bubble of
-  (p − 1) / (M + p − 1).
-* `circular` (v > 1): a microbatch goes round the ring v times, round r at step r·M + m + s;
-  stage 0 parks what comes back from the last stage until that microbatch's next round (this
-  needs M ≥ p). M·v + p − 1 steps of 1/v the work each: the bubble shrinks by v.
-
-The backward pass is the transpose of the forward loop (ppermute's transpose sends the other way),
-so gradients flow through the same ring in reverse: all forwards, then all backwards, as in GPipe.
-Bubble steps repeat a real task with their output masked out. Inputs and outputs are replicated
-over `pp`: every stage receives the microbatches and the last stage's outputs are broadcast by one
-`psum`.
+A schedule is a value (`schedules.Tasks`, built by a function in `schedules.SCHEDULES`): for
+each stage, what it does at each time step. `Stack` builds the schedule's tasks for its microbatch
+count, checks and lowers them, and scans over the table. Forward tasks alone (gpipe, circular)
+run in `_pipeline`, and autodiff makes their backward: the transpose of the loop (ppermute's
+transpose sends the other way), all forwards then all backwards, every microbatch's activations
+kept. A schedule with backward tasks (1f1b, interleaved_1f1b) runs them itself (`_backward`,
+under a `custom_vjp`): a backward recomputes its chunk from the input kept for it and applies
+the cotangent from the next stage, so a stage keeps only its microbatches in flight.
+Bubble steps repeat a real task with their output masked out (forward schedules) or idle
+(`lax.switch`). Inputs and outputs are replicated over `pp`: every stage receives the
+microbatches and the last stage's outputs are broadcast by one `psum`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ runs them itself, in its own order. For M microbatches:
 * `gpipe` (v = 1): stage s runs microbatch m at step m + s; M + p − 1 steps.
 * `circular` (v > 1): a microbatch goes round the ring v times, round r at step r·M + m + s
   (M ≥ p).
-* `one_f_one_b` (v = 1): stage s runs p − s − 1 forwards, then alternates one forward and one
-  backward, then the remaining backwards; it holds at most p − s microbatches' inputs.
+* `one_f_one_b` (v = 1): stage s runs p − s − 1 forwards, then one forward and one backward
+  in turn, then the remaining backwards; it holds at most p − s microbatches' inputs.
 * `interleaved_1f1b` (v > 1, M a multiple of p): the same with v chunks a stage, in groups of p
   microbatches a chunk (Megatron's virtual pipeline), warming up with 2(p − s − 1) + (v − 1)·p.
 

@@ -9,8 +9,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import pipeline, topology
-from mimo_jax.pipeline import (BACKWARD, DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule, Stack, Task,
-                               check, circular, gpipe, lower)
+from mimo_jax.pipeline import (BACKWARD, DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule,
+                               Stack, Task, check, circular, gpipe, lower)
 
 F = lambda m, c: Task(FORWARD, m, c)  # noqa: E731
 B = lambda m, c: Task(BACKWARD, m, c)  # noqa: E731
@@ -74,7 +74,8 @@ def test_lowered_circular_parks_on_stage_0_until_the_next_round():
     (((F(0, 0), Task("sideways", 1, 0), _), (_, F(0, 1), F(1, 1))),
      r"runs only forward, backward tasks"),
     (((F(0, 0), F(1, 0), B(1, 0), _), (_, F(0, 1), F(1, 1), B(1, 1))),
-     r"never runs the backward of chunk 0 of microbatch 0; a schedule runs every backward or none"),
+     r"never runs the backward of chunk 0 of microbatch 0; a schedule runs every backward or "
+     r"none"),
     (((F(0, 0), F(1, 0), B(0, 0), B(1, 0), _), (_, F(0, 1), F(1, 1), B(0, 1), B(1, 1))),
      r"backward of chunk 0 of microbatch 0 runs at step 2, before its forward and the next "
      r"chunk's backward have run \(step 4\)"),
