@@ -92,8 +92,8 @@ def test_microbatches_and_schedule_names_are_checked():
     Schedule(2, 2).tasks(1)
   with pytest.raises(ValueError, match=r"gpipe runs one chunk a stage.*use circular"):
     Schedule(2, 2, "gpipe").tasks(4)
-  with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb'; one of gpipe, circular, 1f1b, "
-                     r"interleaved_1f1b"):
+  with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb'; one of gpipe, "
+                     r"circular, 1f1b, interleaved_1f1b"):
     Schedule(2, 1, "zb")
 
 
