@@ -114,11 +114,11 @@ class Run:
       totals["records_read"] += total(batch, lambda s: s.records_read)
       for k, v in self.flops.step(batch).items():
         totals[f"flops_{k}"] += v
-      vision = batch.slots["vision"]
-      totals["image_tokens"] += int(np.sum(vision.owner_nt >= 0))
-      # Slot tokens the encoder computes: the slots each microbatch sends (data.slot_buckets).
-      totals["image_token_capacity"] += (int(vision.sent.sum()) * groups *
-                                         vision.owner_nt.shape[-1])
+      for slots in batch.slots.values():  # every encoder's (images', and clips' with audio)
+        totals["image_tokens"] += int(np.sum(slots.owner_nt >= 0))
+        # Slot tokens the encoder computes: the slots each microbatch sends (data.slot_buckets).
+        totals["image_token_capacity"] += (int(slots.sent.sum()) * groups *
+                                           slots.owner_nt.shape[-1])
       # Row positions the language model computes: the rows each microbatch sends.
       totals["row_capacity"] += (int(batch.text.rows_sent.sum()) * groups *
                                  batch.text.tokens_rl.shape[-1])
@@ -242,16 +242,24 @@ def measure(cfg: Config, layout: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-  head = ("| layout | GPUs | s/step | tokens/s | MFU | vision busy s | language busy s | "
+  """One row a layout; a busy column for each module the rows profiled (vision, any other
+  encoder, language), in the rows' order."""
+  modules = list(dict.fromkeys(k[len("busy_"):-len("_s")] for r in rows for k in r
+                               if k.startswith("busy_") and k.endswith("_s")))
+  modules = modules or ["vision", "language"]
+  head = ("| layout | GPUs | s/step | tokens/s | MFU | "
+          + "".join(f"{m} busy s | " for m in modules) +
           "bridge s (% step) | bridge GB/s | raw GB/s | decoupled s/step | loader wait s | "
           "peak GiB | estimate GiB |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "|---|---:|---:|---:|---:|" + "---:|" * len(modules) +
+          "---:|---:|---:|---:|---:|---:|---:|")
   fmt = lambda v, f: "–" if v is None else format(v, f)
   lines = [head]
   for r in rows:
+    busy = "".join(f"{r.get(f'busy_{m}_s', 0):.3f} | " for m in modules)
     lines.append(
         f"| {r['layout']} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-        f"{r['mfu']:.1%} | {r.get('busy_vision_s', 0):.3f} | {r.get('busy_language_s', 0):.3f} | "
+        f"{r['mfu']:.1%} | {busy}"
         f"{r['bridge_s']:.4f} ({r['bridge_s'] / r['step_s']:.2%}) | "
         f"{fmt(r['bridge_gbps'], '.0f')} | {fmt(r['raw_gbps'], '.0f')} | "
         f"{r['decoupled_step_s']:.3f} | {r['loader_wait_s']:.4f} | {r['peak_gib']:.1f} | "
