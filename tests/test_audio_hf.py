@@ -108,6 +108,7 @@ def test_tools_hf_imports_qwen2_audio_into_a_run(tmp_path, capsys):
                 "--config=tests/configs/tiny_audio.py", *run])
   cfg, params, _, _ = hf_tool._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
   assert (cfg.model.audio.pool, cfg.model.audio.projector) == (2, "linear")
+  assert cfg.model.audio.audio_token == src.config["audio_token_index"]
   assert cfg.model.audio.init_from == str(src.path.resolve())
   for module in ("audio", "language"):
     want = _params(src, cfg, module)

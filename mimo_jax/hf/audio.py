@@ -9,7 +9,7 @@ from __future__ import annotations
 from mimo_jax.hf.export import ACTIVATION_NAMES
 from mimo_jax.hf.fields import reader
 from mimo_jax.hf.mapping import Mapping
-from mimo_jax.hf.source import ACTIVATIONS, HFError, Source
+from mimo_jax.hf.source import ACTIVATIONS, HFError, Source, field
 from mimo_jax.hf.tensors import Tensor
 
 TYPES = {"whisper": "whisper"}  # config.json model_type -> the tower
@@ -45,7 +45,8 @@ def fields(src: Source) -> dict:
              heads=get("encoder_attention_heads", int), mlp_dim=get("encoder_ffn_dim", int),
              norm_eps=1e-5, activation=ACTIVATIONS[act])
   if src.combined:  # Qwen2-Audio: pooled by 2, padding masked, a linear projector
-    out.update(pool=2, mask_padding=True, projector="linear")
+    token = field(src.config, "audio_token_index", where, int, 151646)
+    out.update(pool=2, mask_padding=True, projector="linear", audio_token=token)
   else:
     out.update(pool=1, mask_padding=False)
   return out
