@@ -1,0 +1,85 @@
+"""LoRA adapters in and out of PEFT's format (hf/peft.py), against an adapter PEFT itself saved on
+the tiny Llama-3 fixture with the adapted model's outputs (tools/peft_fixtures.py; no torch here)."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mimo_jax import hf, modules, whole
+from mimo_jax.config import Config
+from mimo_jax.encoders.vision import VisionConfig
+from mimo_jax.hf import peft
+from mimo_jax.models import lora
+from mimo_jax.trees import paths
+from mimo_jax.validation import validate
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+ADAPTER = FIXTURES / "peft" / "llama3"
+
+
+def _config() -> Config:
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  hf.configure(cfg, hf.Source.open(FIXTURES / "hf" / "llama3"))
+  cfg.model.language.lora.rank, cfg.model.language.lora.alpha = 4, 8.0
+  validate(cfg)
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def imported():
+  cfg = _config()
+  src = hf.Source.open(FIXTURES / "hf" / "llama3")
+  base = hf.load(src, "language", cfg, modules.build_modules(cfg)["language"].init(0))
+  return cfg, base, peft.read(ADAPTER, cfg, base)
+
+
+def test_imported_adapter_gives_peft_outputs(imported):
+  cfg, base, params = imported
+  ref = np.load(ADAPTER / "reference.npz")
+  ours = np.asarray(whole.language_logits(cfg, params, ref["input_ids"]))
+  theirs = ref["logits"]
+  assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+  # The adapter matters: the base alone is far from the adapted outputs.
+  plain = np.asarray(whole.language_logits(cfg, base, ref["input_ids"]))
+  assert np.abs(plain - theirs).max() > 1e-2 * np.abs(theirs).max()
+  # Merged into the kernels, the plain model gives the same outputs.
+  merged = lora.merge(params, cfg.model.language.lora)
+  plain_cfg = _config()
+  plain_cfg.model.language.lora.rank = 0
+  got = np.asarray(whole.language_logits(plain_cfg, merged, ref["input_ids"]))
+  assert np.abs(got - ours).max() <= 1e-5 * np.abs(ours).max()
+
+
+def test_export_has_peft_names_and_is_bitwise_the_imported_adapter(imported, tmp_path):
+  cfg, _, params = imported
+  peft.write(tmp_path / "adapter", cfg, params, base="tests/fixtures/hf/llama3")
+  written = load_file(str(tmp_path / "adapter" / peft.WEIGHTS))
+  expected = json.loads(str(np.load(ADAPTER / "reference.npz")["names"]))
+  assert {k: list(v.shape) for k, v in written.items()} == expected
+  theirs = load_file(str(ADAPTER / peft.WEIGHTS))
+  for k, v in theirs.items():
+    np.testing.assert_array_equal(written[k], v, err_msg=k)
+  config = json.loads((tmp_path / "adapter" / peft.CONFIG).read_text())
+  fixture = json.loads((ADAPTER / peft.CONFIG).read_text())
+  for key in ("peft_type", "r", "lora_alpha", "task_type"):
+    assert config[key] == fixture[key], key
+  assert sorted(config["target_modules"]) == sorted(fixture["target_modules"])
+  # Read back: the same parameters, bit for bit.
+  again = paths(peft.read(tmp_path / "adapter", cfg, params))
+  for k, v in paths(params).items():
+    np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_an_adapter_that_does_not_fit_is_refused(imported, tmp_path):
+  cfg, base, _ = imported
+  cfg.model.language.lora.rank = 8
+  with pytest.raises(hf.HFError, match=r"adapter_config\.json: r is 4 .*model\.language\.lora"):
+    peft.read(ADAPTER, cfg, base)
+  cfg.model.language.lora.rank = 4
+  with pytest.raises(hf.HFError, match="not a PEFT adapter directory"):
+    peft.read(tmp_path, cfg, base)
