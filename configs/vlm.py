@@ -29,6 +29,11 @@ Variants (the argument after the colon):
                  ViT-L, one image a sample; both modules shard their state over their dp ranks
                  (FSDP, topology.<module>.shard=full) and keep only each layer's input for the
                  backward pass, in rolled layer loops
+  llm8b_lora     llm8b's model on one GPU as a LoRA fine-tune: adapters of rank 16 (alpha 32) on
+                 the language model's attention and MLP projections, its own weights and the
+                 tower frozen, the projector (hidden width 4096, LLaVA's) trained; each layer
+                 keeps only its input for the backward pass (tools/hf_lora_bench.py is HF
+                 transformers + PEFT at the same sizes and batch)
 
   python -m mimo_jax.launch --config=configs/vlm.py
   python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts=...
@@ -89,7 +94,17 @@ def get_config(arg: str | None = None) -> Config:
     d.microbatches = 8  # 4 samples a microbatch
     for t in (cfg.topology.vision, cfg.topology.language):
       t.remat, t.unroll, t.shard = "full", False, "full"
+  elif arg == "llm8b_lora":
+    lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = 4096, 32, 32, 8, 14336
+    lm.vocab_size = 128_256
+    v.projector_hidden = 4096
+    d.image_probs = "0,1,0,0"
+    d.microbatches = 8  # 4 samples a microbatch
+    lm.lora.rank, lm.lora.alpha = 16, 32.0
+    cfg.optim.freeze, cfg.optim.lr = "vision", 2e-4
+    for t in (cfg.topology.vision, cfg.topology.language):
+      t.remat, t.unroll = "full", False
   else:
     raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy, "
-                     "dynamic, tuned or llm8b.")
+                     "dynamic, tuned, llm8b or llm8b_lora.")
   return cfg

@@ -131,13 +131,15 @@ def test_default_config_is_valid():
   validate(digits.get_config("single"), num_devices=1)
 
 
-@pytest.mark.parametrize("variant", ["default", "encoder_heavy", "dynamic", "tuned", "llm8b"])
+@pytest.mark.parametrize("variant", ["default", "encoder_heavy", "dynamic", "tuned", "llm8b",
+                                     "llm8b_lora"])
 def test_vlm_variants_are_valid(variant):
   validate(vlm.get_config(variant), num_devices=1)
 
 
 def test_vlm_unknown_variant_names_them():
-  with pytest.raises(ValueError, match="use default, encoder_heavy, dynamic, tuned or llm8b"):
+  with pytest.raises(ValueError,
+                     match="use default, encoder_heavy, dynamic, tuned, llm8b or llm8b_lora"):
     vlm.get_config("fast")
 
 

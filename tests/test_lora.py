@@ -81,7 +81,8 @@ def test_training_moves_only_adapters_and_merge_keeps_outputs(data_dir, single):
   pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
   run = lambda m, p: m.bind(p).logits(m.apply_blocks(p, m.bind(p).embed(tokens), pos))
   got, want = run(plain, merged), run(module, params)
-  assert float(jnp.max(jnp.abs(want - run(plain, lora.merge(init["language"], cfg.model.language.lora))))) > 1e-4  # it trained
+  base = run(plain, lora.merge(init["language"], cfg.model.language.lora))
+  assert float(jnp.max(jnp.abs(want - base))) > 1e-4  # it trained
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -160,3 +161,27 @@ def test_tower_and_language_colocated_match_single_device(data_dir, single_both)
   got = run_steps(lora_config(data_dir, vision_lora=True, vision=(0, 4, 1),
                               language=(0, 4, 1)), STEPS)[0]
   assert_close_trajectory(single_both, got, rtol=1e-4)
+
+
+def test_benchmark_flop_count_has_the_config_model_sizes():
+  # tools/hf_lora_bench.py counts the FLOPs of configs/vlm.py:llm8b_lora from its sizes: the
+  # parameters it counts are the model's own (language, adapters, projector, tower).
+  from configs import vlm  # pylint: disable=import-outside-toplevel
+  from tools import hf_lora_bench  # pylint: disable=import-outside-toplevel
+  cfg = vlm.get_config("llm8b_lora")
+  built = build_modules(cfg)
+  s, rank = hf_lora_bench.Sizes(), cfg.model.language.lora.rank
+  lm = paths(built["language"].abstract_params())
+  vit = paths(built["vision"].abstract_params())
+  count = lambda tree, keep: sum(math.prod(a.shape) for k, a in tree.items() if keep(k))
+  adapters = count(lm, lora.is_adapter)
+  matmuls = count(lm, lambda k: k.endswith("kernel"))
+  projector = count(vit, lambda k: k.startswith("projector/") and k.endswith("kernel"))
+  tower = count(vit, lambda k: k.startswith("blocks/") and k.endswith("kernel"))
+  got = hf_lora_bench.needed_flops(s, rank, samples=1)
+  assert got["adapters"] == s.seq * 6 * adapters
+  assert got["projector"] == s.image_tokens * 6 * projector
+  attention_lm = 2 * 2 * s.layers * s.seq * s.dim * 3 // 2
+  assert got["language"] == s.seq * (4 * matmuls + attention_lm)
+  attention_vit = 4 * s.vit_layers * s.image_tokens * s.vit_dim
+  assert got["tower"] == s.image_tokens * (2 * tower + attention_vit)

@@ -1,5 +1,6 @@
-"""LoRA adapters in and out of PEFT's format (hf/peft.py), against an adapter PEFT itself saved on
-the tiny Llama-3 fixture with the adapted model's outputs (tools/peft_fixtures.py; no torch here)."""
+"""LoRA adapters in and out of PEFT's format (hf/peft.py), against an adapter PEFT itself saved
+on the tiny Llama-3 fixture with the adapted model's outputs (tools/peft_fixtures.py; no torch
+here)."""
 
 import json
 import pathlib
