@@ -62,6 +62,22 @@ def test_fresh_adapters_leave_the_base_bitwise(data_dir):
   np.testing.assert_array_equal(run(with_a, p_a), run(without, p_0))
 
 
+def test_fresh_adapters_leave_an_fp8_base_bitwise(data_dir):
+  cfg, plain = lora_config(data_dir), tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  for c in (cfg, plain):
+    c.model.dtype, c.model.language.fp8 = "bfloat16", True
+  with_a, without = build_modules(cfg)["language"], build_modules(plain)["language"]
+  p_a, p_0 = with_a.init(0), without.init(0)
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 10
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  run = lambda m, p: m.bind(p).logits(m.apply_blocks(p, m.bind(p).embed(tokens), pos))
+  np.testing.assert_array_equal(run(with_a, p_a), run(without, p_0))
+  # A trained adapter changes the FP8 model's outputs (its term is added beside the FP8 matmul).
+  moved = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.05 if path[-1].key == "lora_b" else x, p_a)
+  assert float(jnp.max(jnp.abs(run(with_a, moved) - run(without, p_0)))) > 1e-3
+
+
 def test_training_moves_only_adapters_and_merge_keeps_outputs(data_dir, single):
   metrics, step, state, init = single
   assert metrics[-1]["loss"] < metrics[0]["loss"]

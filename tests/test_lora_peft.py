@@ -84,3 +84,19 @@ def test_an_adapter_that_does_not_fit_is_refused(imported, tmp_path):
   cfg.model.language.lora.rank = 4
   with pytest.raises(hf.HFError, match="not a PEFT adapter directory"):
     peft.read(tmp_path, cfg, base)
+
+
+def test_full_export_writes_the_merged_model(imported):
+  cfg, base, params = imported
+  from mimo_jax.hf.export import export_tensors  # pylint: disable=import-outside-toplevel
+  plain_cfg = _config()
+  plain_cfg.model.language.lora.rank = 0
+  got = dict(export_tensors(("language",), cfg, {"language": params}))
+  want = dict(export_tensors(("language",), plain_cfg,
+                             {"language": lora.merge(params, cfg.model.language.lora)}))
+  unmerged = dict(export_tensors(("language",), plain_cfg, {"language": base}))
+  assert set(got) == set(want) == set(unmerged)
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+  q = "model.layers.0.self_attn.q_proj.weight"
+  assert np.abs(got[q] - unmerged[q]).max() > 1e-3  # the adapters are in it

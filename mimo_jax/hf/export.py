@@ -14,10 +14,11 @@ from typing import Iterator
 
 import numpy as np
 
-from mimo_jax.config import LANGUAGE
+from mimo_jax.config import LANGUAGE, lora_of
 from mimo_jax.hf import mapping
 from mimo_jax.hf.source import HFError
 from mimo_jax.hf.tensors import Tensor, flatten, language_tensors
+from mimo_jax.models import lora
 
 
 # The prefixes `export` writes before the names of a language model's parts when it is alone
@@ -130,6 +131,9 @@ def export_tensors(modules: tuple[str, ...], cfg,
   """(HF name, float32 array) of every tensor of an export of `modules` from our parameters by
   module (host arrays): ("language",), an encoder alone ((name,)), or an encoder with the
   language model ((name, "language"), its mapping's combined class with the projector)."""
+  # A module with LoRA adapters is written merged (models/lora.merge): the plain model.
+  params = {n: lora.merge(p, lora_of(cfg, n)) if n in modules and lora_of(cfg, n) else p
+            for n, p in params.items()}
   encoder = next((n for n in modules if n != LANGUAGE), None)
   m = mapping.get(encoder) if encoder is not None else None
   combined = m is not None and LANGUAGE in modules
