@@ -311,6 +311,9 @@ class Stack:
       m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
       h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
       dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
+      # Stages take different branches: a collective inside a chunk must stay within the stage
+      # (tp's and dp's all-reduces do). On XLA's CPU runtime a collective permute there (a
+      # layer resharding its activations over tp) waits on every device, and hangs.
       out, d_in, grads = jax.lax.switch(task[KIND], (idle, forward, backward),
                                         h, dy, m, local, grads)
       # The first chunk's backward gives the stack input's cotangent.
