@@ -3,7 +3,8 @@
   python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
       [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N] \\
-      [--allow_outside_images]
+      [--allow_outside_images] [--audio DIR] [--audio_token "<|AUDIO|>"] \\
+      [--audio_markers "<|audio_bos|><|AUDIO|><|audio_eos|>"] [--mel_bins 128] [--audio_pool 2]
 
 Input: a JSON list or JSONL file (UTF-8) of records `{"id", "image": path | [paths] | absent,
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}`, image paths
@@ -43,6 +44,20 @@ with that message and exit status 2, writing nothing (`--on_error fail`).
 template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
 one error line, exit status 2.
 
+Audio: a record may list clips under `"audio"` or `"audios"` (a path or a list of paths, relative
+to `--audio`; WAV, FLAC, OGG/Opus and, with libsndfile >= 1.1, MP3), each marked by `<audio>` in
+the text, with or without images. Each `<audio>` becomes `--audio_markers` (Qwen2-Audio's
+`<|audio_bos|><|AUDIO|><|audio_eos|>` by default), whose `--audio_token` (one special token of
+the tokenizer) the layout expands to the clip's tokens. Clips are decoded, mixed down, resampled
+to 16 kHz and stored as Whisper log-mel features of `--mel_bins` (80 or 128) bins, whole 30 s
+windows (3000 frames · mel_bins float32: 960 KB a window at 80 bins), beside each clip's audio
+frames; a clip longer than 30 s spans several windows. For `--seq_len` a clip takes the tokens
+its audio frames give after the stride-2 convolution and `--audio_pool` (Qwen2-Audio: 2, Whisper:
+1). A missing, empty, corrupt or unsupported clip, an `<audio>` count other than the clips
+listed, or a clip path leading out of `--audio` (`--allow_outside_images` reads those too) is a
+bad record like a bad image. The manifest records the audio token id and mel bins, which
+training checks against model.audio.audio_token and model.audio.mel_bins.
+
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
 each image taking `--image_tokens`), model.vision.max_images (with max_images + 1
@@ -62,7 +77,7 @@ import sys
 
 from mimo_jax import output
 from mimo_jax.config import ConfigError
-from mimo_jax.data import conversations
+from mimo_jax.data import audio, audio_records, conversations
 
 
 def tower_tokens(directory: str) -> tuple[int | None, str]:
@@ -113,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--allow_outside_images", action="store_true",
                       help="read image paths that lead out of --images (.., absolute paths, "
                       "symbolic links); without it such records are skipped")
+  parser.add_argument("--audio", default=".", help="the folder audio paths are relative to")
+  parser.add_argument("--audio_token", default=audio_records.QWEN2_AUDIO_TOKEN,
+                      help="the placeholder of a clip, one special token of the tokenizer (needed "
+                      "only where records list clips)")
+  parser.add_argument("--audio_markers", default=audio_records.QWEN2_AUDIO,
+                      help="the text each <audio> becomes, --audio_token inside")
+  parser.add_argument("--mel_bins", type=int, choices=audio.MEL_BINS, default=128,
+                      help="mel bins of the stored features (the audio tower's "
+                      "model.audio.mel_bins: Whisper 80, large-v3 and Qwen2-Audio 128)")
+  parser.add_argument("--audio_pool", type=int, default=2, help="the audio tower's pooling "
+                      "(model.audio.pool: Qwen2-Audio 2, Whisper 1), for --seq_len")
   args = parser.parse_args(argv)
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
@@ -124,13 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
       print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
             file=sys.stderr)
-  if args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0:
-    return _error("--workers and --image_tokens must be at least 1, --seq_len at least 0.")
+  if args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0 or args.audio_pool < 1:
+    return _error("--workers, --image_tokens and --audio_pool must be at least 1, --seq_len at "
+                  "least 0.")
+  if args.audio_token not in args.audio_markers:
+    return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
+                  f"{args.audio_token!r}.")
   opts = conversations.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
       image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
-      allow_outside_images=args.allow_outside_images)
+      allow_outside_images=args.allow_outside_images,
+      audio=audio_records.Settings(args.audio, args.audio_token, args.audio_markers,
+                                   args.mel_bins, args.audio_pool, args.allow_outside_images))
   out = pathlib.Path(os.path.abspath(args.out))
   try:
     with output.interrupts_as_exceptions():
@@ -152,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
           "of the train/eval split.", file=sys.stderr)
   print(f"converted {m['records']} records in {took:.1f} s ({m['records'] / max(took, 1e-9):.1f} "
         f"records/s, {args.workers} workers): {counts['train']} train and {counts['eval']} eval "
-        f"samples, {m['images']} images, {sum(skipped.values())} skipped"
+        f"samples, {m['images']} images, {m['audios']} audio clips, {sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
   print("train with (MODEL_CONFIG: the model's config file; a model with a larger vocabulary "
@@ -175,6 +207,11 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
   if m["images"]:
     flags["model.vision.image_size"] = m["image_size"][0]
     flags["model.vision.channels"] = m["channels"]
+  if m.get("audios"):
+    flags["model.audio.audio_token"] = m["audio_token"]
+    flags["model.audio.mel_bins"] = m["mel_bins"]
+    flags["model.audio.max_audios"] = m["max_audios"]
+    flags["model.audio.max_windows"] = m["max_windows"]
   flags["model.language.vocab_size"] = m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 

@@ -111,3 +111,117 @@ def positions(tokens: int, clip_tokens: list[int]) -> int:
   """Positions a sample takes in a row (as conversations.positions): every token but the last is
   an input, each clip's placeholder its tokens."""
   return tokens - 1 + sum(t - 1 for t in clip_tokens)
+
+
+# Hooks of conversations.py: a sample's clips in records, and their conversion.
+
+AUDIOS, FRAMES = "audios", "audio_frames"  # a sample's clips and each clip's audio frames
+
+
+def listed(records: list[dict]) -> bool:
+  """Whether any record lists clips (then the converter needs an audio token)."""
+  return any(f in r for r in records for f in FIELDS)
+
+
+def header(sample: dict) -> dict:
+  """The header fields of a sample's clips ({} without)."""
+  return {FRAMES: [int(f) for f in sample[FRAMES]]} if sample.get(AUDIOS) else {}
+
+
+def clips(sample: dict) -> list[np.ndarray]:
+  return list(sample.get(AUDIOS, ()))
+
+
+def sample_fields(header: dict, audios: list[np.ndarray]) -> dict:
+  """The sample's `audios` and `audio_frames` from its record ({} for a record without clips);
+  ValueError when the header's frames disagree with the stored features."""
+  frames = header.get(FRAMES, [])
+  if len(frames) != len(audios):
+    raise ValueError(f"{len(frames)} audio_frames entries for {len(audios)} clips")
+  for f, mel in zip(frames, audios):
+    windows = -(-int(f) // audio.WINDOW_FRAMES)
+    if mel.ndim != 2 or mel.shape[0] != windows * audio.WINDOW_FRAMES or f <= 0:
+      raise ValueError(f"a clip of {f} audio frames has features of shape {mel.shape}")
+  return {AUDIOS: audios, FRAMES: np.asarray(frames, np.int32)} if audios else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The converter's audio settings (`tools.convert`'s flags of the same names)."""
+  folder: str = "."  # the folder clip paths are relative to
+  token: str = QWEN2_AUDIO_TOKEN  # the placeholder: one token of the tokenizer
+  markers: str = QWEN2_AUDIO  # what each <audio> becomes in the text, `token` inside
+  mel_bins: int = 128  # Qwen2-Audio's (Whisper large-v3); 80 for the other Whisper towers
+  pool: int = 2  # the tower's pooling after its stride-2 convolution (Qwen2-Audio: 2; Whisper 1)
+  allow_outside: bool = False  # read clip paths that lead out of `folder`
+
+
+def convert(record: dict, msgs: list[dict], where: str,
+            s: Settings) -> tuple[list[dict], list[Clip]]:
+  """A record's turns with its `<audio>` marks as `s.markers`, and its clips (RecordError for a
+  bad one), before tokenizing."""
+  files = audio_files(record, where)
+  check_marks(msgs, files, where)
+  if not files:
+    return msgs, []
+  return template_marks(msgs, s.markers), [read_clip(s.folder, f, where, s.mel_bins,
+                                                     s.allow_outside) for f in files]
+
+
+def check_tokens(ids: np.ndarray, token_id: int | None, clips_: list[Clip], where: str,
+                 s: Settings) -> None:
+  """One audio token a clip after tokenizing."""
+  found = 0 if token_id is None else int((np.asarray(ids) == token_id).sum())
+  if found != len(clips_):
+    raise RecordError("audio count", f"{where}: {found} audio tokens after tokenizing, for "
+                      f"{len(clips_)} clips (is {s.token!r} one special token of the "
+                      "tokenizer?).")
+
+
+def fields(clips_: list[Clip]) -> dict:
+  """The sample fields of converted clips ({} without)."""
+  if not clips_:
+    return {}
+  return {AUDIOS: [c.mel_fm for c in clips_], FRAMES: [c.frames for c in clips_]}
+
+
+def manifest(s: Settings, token_id: int | None, counts: list[int], windows: int) -> dict:
+  """The manifest's audio fields: the placeholder id, mel bins, pooling, window frames, clips
+  (`counts`: each sample's) and the windows of the longest clip."""
+  if token_id is None:
+    return {"audios": 0}
+  return {"audio_token": token_id, "audio_token_text": s.token, "mel_bins": s.mel_bins,
+          "audio_pool": s.pool, "audio_window_frames": audio.WINDOW_FRAMES,
+          "audios": int(sum(counts)), "max_audios": max(counts, default=0), "max_windows": windows}
+
+
+def check_config(cfg, directory: str, m: dict) -> None:
+  """The run's model.audio against a conversion's clips: one ConfigError naming both."""
+  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  if not m.get("audios"):
+    return
+  a = getattr(cfg.model, "audio", None)
+  if a is None:
+    raise ConfigError(f"config.model: {directory} holds {m['audios']} audio clips but the config "
+                      "has no audio encoder; add one (cfg.add_encoder(\"audio\", AudioConfig(), "
+                      "...)) or convert without clips.")
+  if a.audio_token != m["audio_token"]:
+    raise ConfigError(f"config.model.audio.audio_token: {a.audio_token} where {directory} marks "
+                      f"clips with token {m['audio_token']} ({m['audio_token_text']!r}); set "
+                      f"model.audio.audio_token={m['audio_token']}.")
+  if a.mel_bins != m["mel_bins"]:
+    raise ConfigError(f"config.model.audio.mel_bins: {a.mel_bins} where {directory} holds "
+                      f"features of {m['mel_bins']} mel bins; set model.audio.mel_bins="
+                      f"{m['mel_bins']} or convert with --mel_bins {a.mel_bins}.")
+  if a.frames != m["audio_window_frames"]:
+    raise ConfigError(f"config.model.audio.positions: {a.positions} ({a.frames} frames a window) "
+                      f"where {directory} holds windows of {m['audio_window_frames']} frames; set "
+                      f"model.audio.positions={m['audio_window_frames'] // 2}.")
+  if a.max_audios < m["max_audios"]:
+    raise ConfigError(f"config.model.audio.max_audios: {a.max_audios} where a sample of "
+                      f"{directory} has {m['max_audios']} clips; set model.audio.max_audios="
+                      f"{m['max_audios']}.")
+  if a.max_windows < m["max_windows"]:
+    raise ConfigError(f"config.model.audio.max_windows: {a.max_windows} where {directory} has a "
+                      f"clip of {m['max_windows']} 30 s windows; set model.audio.max_windows="
+                      f"{m['max_windows']}.")

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from mimo_jax import encoders, output
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import images, meta, records
+from mimo_jax.data import audio, images, meta, records
 from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
 from mimo_jax.data.text import TokenIds
 from mimo_jax.workdir import describe_os_error
@@ -60,19 +60,23 @@ VOCABULARY = TokenIds(pad=0)
 
 def encode(sample: dict) -> bytes:
   return records.pack({"tokens": np.asarray(sample["tokens"]).tolist(),
-                       "loss_mask": np.asarray(sample["loss_mask"]).tolist()}, sample[IMAGES])
+                       "loss_mask": np.asarray(sample["loss_mask"]).tolist(),
+                       **audio_records.header(sample)}, sample[IMAGES],
+                      audio_records.clips(sample))
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
-  """Record -> {"images": [uint8 [h, w, c]], "tokens": int32 [n], "loss_mask": int32 [n]}; a bad
-  record names the file and index."""
+  """Record -> {"images": [uint8 [h, w, c]], "tokens": int32 [n], "loss_mask": int32 [n]}, with
+  "audios" [float32 [windows · 3000, mel_bins]] and "audio_frames" int32 [clips] where it has
+  clips (audio_records.py); a bad record names the file and index."""
   try:
-    header, pixels = records.unpack(record)
+    header, pixels, clips = records.unpack_all(record)
     tokens = np.asarray(header["tokens"], np.int32)
     mask = np.asarray(header["loss_mask"], np.int32)
     if tokens.shape != mask.shape:
       raise ValueError(f"{mask.size} loss mask entries for {tokens.size} tokens")
-    return {IMAGES: pixels, "tokens": tokens, "loss_mask": mask}
+    return {IMAGES: pixels, "tokens": tokens, "loss_mask": mask,
+            **audio_records.sample_fields(header, clips)}
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{source}: record {index} is not a valid conversation sample ({e}).") \
         from None
@@ -104,6 +108,7 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
     raise ConfigError(f"config.data.image_token: {d.image_token} where {directory} marks images "
                       f"with token {m['image_token']}; set data.image_token={m['image_token']}.")
   images.check_sizes(cfg, directory, m["image_size"], m.get("image_sizes", []))
+  audio_records.check_config(cfg, directory, m)
   vocab = cfg.model.language.vocab_size or m["vocab_size"]
   if vocab < m["vocab_size"]:
     raise ConfigError(f"config.model.language.vocab_size: {vocab} is less than the tokenizer's "
@@ -147,6 +152,10 @@ class RecordError(ValueError):
     self.reason = reason
 
 
+# After RecordError, which audio_records raises.
+from mimo_jax.data import audio_records  # pylint: disable=wrong-import-position
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
   """How records are converted (`tools.convert`'s flags of the same names)."""
@@ -160,6 +169,7 @@ class Options:
   on_error: str = "skip"  # or "fail"
   workers: int = 1  # processes; 1 = in this process
   allow_outside_images: bool = False  # read image paths that lead out of `images`
+  audio: audio_records.Settings = audio_records.Settings()  # clips: folder, token, features
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
@@ -259,8 +269,12 @@ def _init(opts: Options) -> None:
     image_id = tok.token_id(opts.image_token)
   except ChatError as e:
     raise ConfigError(f"--image_token {opts.image_token!r}: {e}") from None
+  try:
+    audio_id = tok.token_id(opts.audio.token)
+  except ChatError:  # needed only where records list clips (_prepare)
+    audio_id = None
   folder = pathlib.Path(opts.images)
-  _WORKER.update(opts=opts, tok=tok, images=folder, root=os.path.realpath(folder),
+  _WORKER.update(audio_id=audio_id, opts=opts, tok=tok, images=folder, root=os.path.realpath(folder),
                  proc=images.ImageProcessor.open(opts.processor or opts.tokenizer,
                                                  pad_to_square=opts.pad_to_square),
                  image_id=image_id)
@@ -337,6 +351,7 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
                       f"lists {len(files)} images.")
   pixels = [_read_image(f, where) for f in files]
+  msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
   try:
     ids, mask = w["tok"].encode(msgs)
   except TokenizeError as e:
@@ -348,13 +363,16 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("image count", f"{where}: {found} image tokens after tokenizing, for "
                       f"{len(files)} images (is {opts.image_token!r} one special token of the "
                       "tokenizer?).")
+  audio_records.check_tokens(ids, w["audio_id"], clips, where, opts.audio)
   if not mask.any():
     raise RecordError("no assistant turn", f"{where}: no assistant turn to learn from.")
-  length = positions(len(ids), len(files), opts.image_tokens)
+  clip_tokens = [c.tokens(opts.audio.pool) for c in clips]
+  length = audio_records.positions(positions(len(ids), len(files), opts.image_tokens), clip_tokens)
   if opts.seq_len and length > opts.seq_len:
     raise RecordError("too long", f"{where}: {length} tokens ({len(files)} images of "
-                      f"{opts.image_tokens}) exceed --seq_len {opts.seq_len}.")
-  return {"tokens": ids, "loss_mask": mask, IMAGES: pixels}
+                      f"{opts.image_tokens}, clips of {clip_tokens}) exceed --seq_len "
+                      f"{opts.seq_len}.")
+  return {"tokens": ids, "loss_mask": mask, IMAGES: pixels, **audio_records.fields(clips)}
 
 
 def positions(tokens: int, image_count: int, image_tokens: int) -> int:
@@ -514,6 +532,14 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
                       "image paths are relative to.")
   records = read_records(source)
   _init(opts)
+  if audio_records.listed(records):
+    if not pathlib.Path(opts.audio.folder).is_dir():
+      raise ConfigError(f"--audio {opts.audio.folder}: not a directory; give the folder the "
+                        "records' audio paths are relative to.")
+    if _WORKER["audio_id"] is None:
+      raise ConfigError(f"--audio_token {opts.audio.token!r}: not one token of --tokenizer "
+                        f"{opts.tokenizer}; records list audio clips, so add it as a special "
+                        "token or name the tokenizer's audio placeholder.")
   return records
 
 
@@ -524,12 +550,16 @@ class _Tally:
   skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   image_stats: images.Tally = dataclasses.field(default_factory=images.Tally)
   longest: int = 0  # positions of the longest sample
+  clips: list[int] = dataclasses.field(default_factory=list)  # clips of each sample
+  windows: int = 0  # 30 s windows of the longest clip
 
 
-def _marks(image_id: int) -> dict[str, int]:
-  """The registered encoders that read a sample's images, each with the image token as its
-  placeholder."""
-  return {e.name: image_id for e in encoders.REGISTRY.values() if e.sample_key == IMAGES}
+def _marks(image_id: int, audio_id: int | None) -> dict[str, int]:
+  """The registered encoders that read a sample's images or clips, each with the image or audio
+  token as its placeholder."""
+  ids = {IMAGES: image_id, audio_records.AUDIOS: audio_id}
+  return {e.name: ids[e.sample_key] for e in encoders.REGISTRY.values()
+          if ids.get(e.sample_key) is not None}
 
 
 def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progress: bool,
@@ -543,7 +573,7 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
     results = files.pool.imap(_work, items, chunksize=16)
   else:
     results = map(_work, items)
-  tally, marks, done = _Tally(), _marks(_WORKER["image_id"]), 0
+  tally, marks, done = _Tally(), _marks(_WORKER["image_id"], _WORKER["audio_id"]), 0
   for index, sample, error in tqdm(results, total=len(items), desc="converting",
                                    unit="record", file=sys.stderr, mininterval=1.0,
                                    disable=not progress):
@@ -565,8 +595,13 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
                                           f"{len(items)})")) from None
     tally.rows[split].append(meta.row(sample, VOCABULARY, marks))
     tally.image_stats.add(sample[IMAGES])
-    tally.longest = max(tally.longest, positions(len(sample["tokens"]), len(sample[IMAGES]),
-                                                 opts.image_tokens))
+    clip_tokens = [audio.clip_tokens(int(f), opts.audio.pool)
+                   for f in sample.get(audio_records.FRAMES, ())]
+    tally.clips.append(len(clip_tokens))
+    tally.windows = max([tally.windows] + [-(-int(f) // audio.WINDOW_FRAMES)
+                                           for f in sample.get(audio_records.FRAMES, ())])
+    tally.longest = max(tally.longest, audio_records.positions(
+        positions(len(sample["tokens"]), len(sample[IMAGES]), opts.image_tokens), clip_tokens))
   if caught:  # after the last record
     raise output.Interrupted(caught[0])
   return tally
@@ -594,7 +629,9 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
           "source": _stored(str(source), out),
           "samples": counts, "images": pictures.count, "skipped": dict(tally.skipped),
           "longest": tally.longest, "max_images": pictures.most,
-          "pad_to_square": opts.pad_to_square}
+          "pad_to_square": opts.pad_to_square,
+          **audio_records.manifest(opts.audio, _WORKER["audio_id"], tally.clips,
+                                   tally.windows)}
 
 
 class _Files:

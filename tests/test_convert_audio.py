@@ -1,0 +1,180 @@
+"""Conversations with audio: `tools.convert` stores each clip's Whisper features beside the images
+(a clip's `<audio>` becoming Qwen2-Audio's markers), bad clips are skipped with their reasons or
+refused, the loader reads the features back, and a run's model.audio must match the conversion."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from mimo_jax.config import ConfigError
+from mimo_jax.data import audio, audio_records, conversations, records
+from tests.configs import tiny_audio
+from tools import convert
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+MARKERS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+
+
+def _rec(rid, text, image=None, **clips):
+  r = {"id": rid, "conversations": [{"from": "human", "value": text},
+                                    {"from": "gpt", "value": "Heard it."}]}
+  if image:
+    r["image"] = image
+  return {**r, **clips}
+
+
+GOOD = [
+    _rec("text", "Hello there."),
+    _rec("one", "<audio>\nWhat is said?", audio="one_second.flac"),
+    _rec("both", "<image> and <audio>: the same?", image="portrait.png", audios=["speech.flac"]),
+    _rec("two", "<audio> then <audio>", audios=["one_second.flac", "long_45s.flac"]),
+]
+BAD = {
+    "missing audio": _rec("gone", "<audio>?", audio="nowhere.flac"),
+    "corrupt audio": _rec("broken", "<audio>?", audio="broken.flac"),
+    "unsupported audio": _rec("odd", "<audio>?", audio="clip.xyz"),
+    "audio count": _rec("count", "<audio> <audio>?", audio="one_second.flac"),
+    "bad audio field": _rec("field", "<audio>?", audio=3),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  """A tokenizer with Qwen2-Audio's audio tokens, images/, audio/ and records good and bad."""
+  root = tmp_path_factory.mktemp("avlm")
+  tok_dir = root / "tokenizer"
+  shutil.copytree(FIXTURES / "chat" / "llama3", tok_dir)
+  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  tok.add_special_tokens(MARKERS)
+  tok.save(str(tok_dir / "tokenizer.json"))
+  (root / "images").mkdir()
+  shutil.copy(FIXTURES / "images" / "portrait.png", root / "images")
+  (root / "audio").mkdir()
+  for f in ("one_second.flac", "speech.flac", "long_45s.flac"):
+    shutil.copy(FIXTURES / "audio" / f, root / "audio")
+  (root / "audio" / "broken.flac").write_bytes(b"fLaC not really")
+  (root / "audio" / "clip.xyz").write_bytes(b"??")
+  good = [dict(r, id=f"{r['id']}-{k}") for k in range(3) for r in GOOD]
+  (root / "good.json").write_text(json.dumps(good))
+  (root / "bad.json").write_text(json.dumps(good + list(BAD.values())))
+  return root
+
+
+def _args(root, out, data="good.json", *extra):
+  return ["--json", str(root / data), "--images", str(root / "images"), "--audio",
+          str(root / "audio"), "--tokenizer", str(root / "tokenizer"), "--processor",
+          str(FIXTURES / "images" / "siglip"), "--out", str(out), "--image_tokens", "4",
+          "--eval", "4", "--workers", "1", "--mel_bins", "80", *extra]
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+  out = tmp_path_factory.mktemp("conv") / "data"
+  assert convert.main(_args(source, out)) == 0
+  return out
+
+
+def _samples(out):
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  got = []
+  for split in conversations.SPLITS:
+    path = out / f"{split}.array_record"
+    reader = array_record_module.ArrayRecordReader(str(path))
+    got += [conversations.decode(reader.read([i])[0], str(path), i)
+            for i in range(reader.num_records())]
+  return got
+
+
+def test_clips_are_stored_as_their_features_and_read_back(source, converted):
+  m = conversations.manifest(str(converted))
+  tok = Tokenizer.from_file(str(source / "tokenizer" / "tokenizer.json"))
+  audio_id, bos, eos = (tok.token_to_id(t) for t in ("<|AUDIO|>", MARKERS[0], MARKERS[2]))
+  assert (m["audio_token"], m["mel_bins"], m["audios"], m["max_audios"], m["max_windows"]) == \
+      (audio_id, 80, 12, 2, 2)
+  want = {f: audio.file_features(source / "audio" / f, 80)
+          for f in ("one_second.flac", "speech.flac", "long_45s.flac")}
+  samples = _samples(converted)
+  assert len(samples) == 12
+  seen = set()
+  for s in samples:
+    clips = s.get("audios", [])
+    at = np.flatnonzero(s["tokens"] == audio_id)
+    assert len(at) == len(clips) and "audio_frames" in s or not clips
+    assert all(s["tokens"][a - 1] == bos and s["tokens"][a + 1] == eos for a in at)
+    for mel, frames in zip(clips, s.get("audio_frames", [])):
+      name = next(f for f, (w, _) in want.items() if w.shape == mel.shape and
+                  np.array_equal(w, mel))
+      assert mel.dtype == np.float32 and frames == sum(want[name][1])
+      seen.add(name)
+    if len(clips) == 1 and s["images"]:
+      assert s["images"][0].shape[:2] == (20, 20)
+  assert seen == set(want)
+  # the longest sample counts each clip's tokens after pooling by 2
+  assert m["longest"] == max(audio_records.positions(
+      len(s["tokens"]) - 1 + 3 * len(s["images"]),
+      [audio.clip_tokens(int(f), 2) for f in s.get("audio_frames", [])]) for s in samples)
+
+
+def test_records_without_audio_read_as_before():
+  old = records.pack({"tokens": [1, 2], "loss_mask": [0, 1]}, [np.ones((2, 2, 3), np.uint8)])
+  s = conversations.decode(old, "old", 0)
+  assert "audios" not in s and s["images"][0].shape == (2, 2, 3)
+  assert records.unpack(old)[0]["tokens"] == [1, 2]
+  with pytest.raises(ValueError, match="record 0"):
+    conversations.decode(old + b"x", "old", 0)
+
+
+def test_bad_clips_are_skipped_with_their_reasons(source, tmp_path, capsys):
+  assert convert.main(_args(source, tmp_path / "out", "bad.json")) == 0
+  m = conversations.manifest(str(tmp_path / "out"))
+  assert m["skipped"] == {reason: 1 for reason in BAD}
+  assert sum(m["samples"].values()) == 12
+
+
+@pytest.mark.parametrize("reason", ["corrupt audio", "audio count"])
+def test_a_bad_clip_under_fail_is_one_line_and_writes_nothing(source, tmp_path, capsys, reason):
+  data = f"fail-{BAD[reason]['id']}.json"
+  (source / data).write_text(json.dumps([GOOD[1], BAD[reason], GOOD[0]]))
+  out = tmp_path / "out"
+  assert convert.main(_args(source, out, data, "--on_error", "fail", "--eval", "1")) == 2
+  err = capsys.readouterr().err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("convert: error: ") and "Traceback" not in err, err
+  assert f"(id {BAD[reason]['id']!r})" in last and "--on_error skip" in last
+  assert not out.exists()
+
+
+def test_an_audio_token_the_tokenizer_lacks_is_one_error(source, tmp_path, capsys):
+  assert convert.main(_args(source, tmp_path / "out", "good.json", "--audio_token", "<|A|>",
+                            "--audio_markers", "<|A|>")) == 2
+  assert "--audio_token '<|A|>'" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
+
+
+def _config(m):
+  cfg = tiny_audio.get_config("vision=0/1/1,audio=0/1/1,language=0/1/1")
+  a = cfg.model.audio
+  a.audio_token, a.mel_bins, a.positions, a.pool = m["audio_token"], 80, 1500, 2
+  a.max_audios, a.max_windows = 2, 2
+  cfg.data.task, cfg.data.image_token = "conversations", m["image_token"]
+  cfg.model.vision.image_size, cfg.model.language.vocab_size = 20, m["vocab_size"]
+  return cfg
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("audio_token", 7, "model.audio.audio_token"), ("mel_bins", 128, "model.audio.mel_bins"),
+    ("positions", 8, "model.audio.positions"), ("max_windows", 1, "model.audio.max_windows")])
+def test_a_config_that_disagrees_with_the_clips_is_one_error(converted, field, value, named):
+  m = conversations.manifest(str(converted))
+  cfg = _config(m)
+  assert set(conversations.paths(cfg, str(converted))) == set(conversations.SPLITS)
+  setattr(cfg.model.audio, field, value)
+  with pytest.raises(ConfigError, match=named) as e:
+    conversations.paths(cfg, str(converted))
+  assert str(m.get(field, m["audio_window_frames"] // 2 if field == "positions" else
+                   m["max_windows"])) in str(e.value)
