@@ -23,7 +23,7 @@ import pathlib
 import numpy as np
 
 from mimo_jax.data import audio
-from mimo_jax.data.conversations import RecordError
+from mimo_jax.data.record_error import RecordError
 
 MARK = "<audio>"  # the mark of a clip in LLaVA-style text
 QWEN2_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2-Audio's markers, placeholder inside

@@ -43,7 +43,8 @@ from tqdm import tqdm
 
 from mimo_jax import encoders, output
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import audio, images, meta, records
+from mimo_jax.data import audio, audio_records, images, meta, records
+from mimo_jax.data.record_error import RecordError
 from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
 from mimo_jax.data.text import TokenIds
 from mimo_jax.workdir import describe_os_error
@@ -143,17 +144,6 @@ WRITE_LAG = 64 << 20
 # A default eval split: 1% of the records, at least 10 and at most 1000, at most a tenth of them.
 EVAL_FRACTION, EVAL_MIN, EVAL_MAX = 0.01, 10, 1000
 
-
-class RecordError(ValueError):
-  """A record that cannot be converted: the reason (a short key) and the message."""
-
-  def __init__(self, reason: str, message: str):
-    super().__init__(message)
-    self.reason = reason
-
-
-# After RecordError, which audio_records raises.
-from mimo_jax.data import audio_records  # pylint: disable=wrong-import-position
 
 
 @dataclasses.dataclass(frozen=True)
