@@ -178,3 +178,21 @@ def test_a_config_that_disagrees_with_the_clips_is_one_error(converted, field, v
     conversations.paths(cfg, str(converted))
   assert str(m.get(field, m["audio_window_frames"] // 2 if field == "positions" else
                    m["max_windows"])) in str(e.value)
+
+
+def test_a_run_trains_on_converted_images_and_audio(converted, tmp_path):
+  """Two steps of a tiny tower taking real 30 s windows (1500 positions) on the conversion."""
+  from mimo_jax import train  # pylint: disable=import-outside-toplevel
+  m = conversations.manifest(str(converted))
+  cfg = _config(m)
+  # validation asks room for the worst case: max_audios clips of max_windows windows
+  cfg.data.dir, cfg.data.seq_len = str(converted), 3072
+  cfg.model.vision.max_images, cfg.model.vision.channels = 1, m["channels"]
+  cfg.data.image_probs = "0.5,0.5"
+  cfg.data.global_batch, cfg.data.microbatches = 4, 1
+  cfg.eval.samples, cfg.eval.batch = m["samples"]["eval"], m["samples"]["eval"]
+  cfg.train.steps, cfg.run.workdir, cfg.run.log_every = 2, str(tmp_path / "run"), 1
+  got = train.run(cfg)
+  losses = [r["loss"] for r in got if "loss" in r]
+  assert len(losses) == 2 and np.isfinite(losses).all()
+  assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
