@@ -180,19 +180,27 @@ def test_a_config_that_disagrees_with_the_clips_is_one_error(converted, field, v
                    m["max_windows"])) in str(e.value)
 
 
-def test_a_run_trains_on_converted_images_and_audio(converted, tmp_path):
-  """Two steps of a tiny tower taking real 30 s windows (1500 positions) on the conversion."""
+def test_a_run_trains_on_converted_images_and_audio(source, tmp_path):
+  """Two steps of a tiny tower taking real 30 s windows (1500 positions) on a conversion of
+  one-window clips, with and without an image."""
   from mimo_jax import train  # pylint: disable=import-outside-toplevel
-  m = conversations.manifest(str(converted))
+  (source / "short.json").write_text(json.dumps([dict(r, id=f"{r['id']}-{k}") for k in range(2)
+                                                 for r in GOOD[:3]]))
+  out = tmp_path / "data"
+  assert convert.main(_args(source, out, "short.json", "--eval", "2")) == 0
+  m = conversations.manifest(str(out))
   cfg = _config(m)
-  # validation asks room for the worst case: max_audios clips of max_windows windows
-  cfg.data.dir, cfg.data.seq_len = str(converted), 3072
+  a = cfg.model.audio
+  a.max_audios, a.max_windows, a.layers = m["max_audios"], m["max_windows"], 1
+  # validation asks room for the worst case: a clip of max_windows whole windows
+  cfg.data.dir, cfg.data.seq_len = str(out), m["longest"] + a.max_windows * a.tokens_per_window
   cfg.model.vision.max_images, cfg.model.vision.channels = 1, m["channels"]
   cfg.data.image_probs = "0.5,0.5"
-  cfg.data.global_batch, cfg.data.microbatches = 4, 1
-  cfg.eval.samples, cfg.eval.batch = m["samples"]["eval"], m["samples"]["eval"]
+  cfg.data.global_batch, cfg.data.microbatches = 2, 1
+  cfg.eval.samples, cfg.eval.batch = 2, 2
   cfg.train.steps, cfg.run.workdir, cfg.run.log_every = 2, str(tmp_path / "run"), 1
   got = train.run(cfg)
   losses = [r["loss"] for r in got if "loss" in r]
   assert len(losses) == 2 and np.isfinite(losses).all()
+  assert sum(r["audios"] for r in got if "loss" in r) > 0  # the clips reached the tower
   assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
