@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import soundfile
 from tokenizers import Tokenizer
 
 from mimo_jax.config import ConfigError
@@ -38,6 +39,8 @@ BAD = {
     "missing audio": _rec("gone", "<audio>?", audio="nowhere.flac"),
     "corrupt audio": _rec("broken", "<audio>?", audio="broken.flac"),
     "unsupported audio": _rec("odd", "<audio>?", audio="clip.xyz"),
+    "empty audio": _rec("empty", "<audio>?", audio="empty.wav"),
+    "outside audio folder": _rec("out", "<audio>?", audio="../images/portrait.png"),
     "audio count": _rec("count", "<audio> <audio>?", audio="one_second.flac"),
     "bad audio field": _rec("field", "<audio>?", audio=3),
 }
@@ -59,6 +62,7 @@ def source(tmp_path_factory):
     shutil.copy(FIXTURES / "audio" / f, root / "audio")
   (root / "audio" / "broken.flac").write_bytes(b"fLaC not really")
   (root / "audio" / "clip.xyz").write_bytes(b"??")
+  soundfile.write(root / "audio" / "empty.wav", np.zeros(0, np.float32), audio.SAMPLE_RATE)
   good = [dict(r, id=f"{r['id']}-{k}") for k in range(3) for r in GOOD]
   (root / "good.json").write_text(json.dumps(good))
   (root / "bad.json").write_text(json.dumps(good + list(BAD.values())))
@@ -204,3 +208,9 @@ def test_a_run_trains_on_converted_images_and_audio(source, tmp_path):
   assert len(losses) == 2 and np.isfinite(losses).all()
   assert sum(r["audios"] for r in got if "loss" in r) > 0  # the clips reached the tower
   assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
+
+
+def test_the_free_space_check_counts_a_window_a_clip(source):
+  records = json.loads((source / "good.json").read_text())
+  clips = 3 * (1 + 1 + 2)  # three copies of GOOD's records, of 0, 1, 1 and 2 clips
+  assert audio_records.estimate_bytes(records, 80) == clips * audio.WINDOW_FRAMES * 80 * 4

@@ -123,6 +123,17 @@ def listed(records: list[dict]) -> bool:
   return any(f in r for r in records for f in FIELDS)
 
 
+def estimate_bytes(records: list[dict], mel_bins: int) -> int:
+  """About the bytes the records' clips take stored: one window of features each (a lower bound:
+  a clip over 30 s takes more; well-formed fields only, as a bad one is a skipped record)."""
+  count = 0
+  for r in records:
+    for f in FIELDS:
+      v = r.get(f)
+      count += 1 if isinstance(v, str) else len(v) if isinstance(v, list) else 0
+  return count * audio.WINDOW_FRAMES * mel_bins * 4  # float32 (records.py)
+
+
 def header(sample: dict) -> dict:
   """The header fields of a sample's clips ({} without)."""
   return {FRAMES: [int(f) for f in sample[FRAMES]]} if sample.get(AUDIOS) else {}

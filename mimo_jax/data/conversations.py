@@ -489,7 +489,9 @@ def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count:
     eval_ids, shared = eval_split(records, default_eval(len(records)) if eval_count is None
                                   else eval_count, seed)
   eval_ids = set(eval_ids)
-  output.check_space(out, estimate_bytes(records, _WORKER["proc"]), f"converting {source}")
+  output.check_space(out, estimate_bytes(records, _WORKER["proc"])
+                     + audio_records.estimate_bytes(records, opts.audio.mel_bins),
+                     f"converting {source}")
   made = not out.exists()
   try:
     out.mkdir(parents=True, exist_ok=True)
