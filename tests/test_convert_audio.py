@@ -214,3 +214,18 @@ def test_the_free_space_check_counts_a_window_a_clip(source):
   records = json.loads((source / "good.json").read_text())
   clips = 3 * (1 + 1 + 2)  # three copies of GOOD's records, of 0, 1, 1 and 2 clips
   assert audio_records.estimate_bytes(records, 80) == clips * audio.WINDOW_FRAMES * 80 * 4
+
+
+def test_the_sidecar_and_launch_line_name_the_clips(converted):
+  from mimo_jax.data import meta  # pylint: disable=import-outside-toplevel
+  m = conversations.manifest(str(converted))
+  shard = converted / "train.array_record"
+  samples = _samples(converted)[:m["samples"]["train"]]
+  table = meta.load(str(shard), len(samples), lambda i: None, ("audio",))
+  for i, s in enumerate(samples):
+    assert table[i].sizes["audio"] == tuple((int(f),) for f in s.get("audio_frames", ()))
+  flags = dict(f.removeprefix("--config.").split("=", 1)
+               for f in convert.launch_flags(converted, m))
+  assert (flags["model.audio.audio_token"], flags["model.audio.mel_bins"],
+          flags["model.audio.max_audios"], flags["model.audio.max_windows"]) == \
+      (str(m["audio_token"]), "80", "2", "2")
