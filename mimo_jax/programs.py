@@ -124,8 +124,16 @@ class Context:
     """The module's block stack on `params` as a `RunBlocks` callable."""
     return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
 
+  def frozen_stopped(self, name: str, params):
+    """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
+    computes no gradient of a frozen weight (a LoRA base, a frozen tower), only the gradients of
+    its inputs that trained parameters before it need; theirs are zeros the update discards."""
+    return jax.tree.map(lambda x, label: jax.lax.stop_gradient(x) if label == optim.FROZEN else x,
+                        params, self.plan[name].labels)
+
   def encode(self, name: str, params, inputs_m: dict) -> jax.Array:
     """Encoder `name` on stacked microbatches of its device inputs -> tokens [M, n, t, d]."""
+    params = self.frozen_stopped(name, params)
     enc = self.encoders[name]
     return enc.encode(self.bind(name, params), self.run_blocks(name, params),
                       enc.prepare(self.cfg, inputs_m))
@@ -134,6 +142,7 @@ class Context:
              packed: bool) -> jax.Array:
     """The language model on stacked microbatches of rows with every encoder's tokens merged
     (`packed`: rows hold several samples, attention is masked to each)."""
+    params = self.frozen_stopped("language", params)
     return language_logits(self.bind("language", params), self.run_blocks("language", params),
                            text.tokens_rl, tokens, pos, groups, text.positions_rl,
                            text.segment_ids_rl if packed else None)

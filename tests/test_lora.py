@@ -2,6 +2,7 @@
 model's outputs, only adapters (and trained groups) have optimizer state, and every layout gives
 the single-device LoRA trajectory."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,8 +13,10 @@ import pytest
 
 from mimo_jax import memory
 from mimo_jax.config import ConfigError
+from mimo_jax.data import loader
 from mimo_jax.models import lora
 from mimo_jax.modules import build_modules
+from mimo_jax.step import Step
 from mimo_jax.trees import paths
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
@@ -201,3 +204,24 @@ def test_benchmark_flop_count_has_the_config_model_sizes():
   assert got["language"] == s.seq * (4 * matmuls + attention_lm)
   attention_vit = 4 * s.vit_layers * s.image_tokens * s.vit_dim
   assert got["tower"] == s.image_tokens * (2 * tower + attention_vit)
+
+
+def test_the_step_computes_no_gradient_of_the_frozen_base(data_dir):
+  # The LoRA step adds the adapters' matmuls but skips the base kernels' weight gradients: fewer
+  # FLOPs than training every weight, where adapters alone would make it more.
+  flops = {}
+  for rank in (0, 4):
+    cfg = lora_config(data_dir, vision=(0, 1, 1), language=(1, 1, 1))  # split: language_step
+    cfg.model.language.lora.rank = rank
+    step = Step.build(cfg)
+    state = step.init_state(0)
+    batch = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)[0]
+    program, seen = step.programs.language_step, []
+
+    def capture(*args, program=program, seen=seen):
+      seen.append(program.lower(*args).compile().cost_analysis()["flops"])
+      return program(*args)
+    step.programs = dataclasses.replace(step.programs, language_step=capture)
+    step.train_step(state, batch)
+    flops[rank] = seen[0]
+  assert flops[4] < flops[0]
