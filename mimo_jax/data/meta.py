@@ -50,7 +50,9 @@ def row(sample: dict, tok: Vocabulary | None,
   for a sample with its own loss mask, which needs none)."""
   present = [e for e in encoders.REGISTRY.values() if e.sample_key in sample]
   mark = {e.name: (placeholders or {}).get(e.name, e.placeholder) for e in present}
-  sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample)) for e in present}
+  # Every registered encoder has its entry, () where the sample lists none, as the sidecar stores.
+  sizes = {e.name: tuple(tuple(int(v) for v in s) for s in e.item_sizes(sample))
+           if e in present else () for e in encoders.REGISTRY.values()}
   _, loss = sample_tokens(tok, sample, {mark[e.name]: [1] * len(sizes[e.name])
                                         for e in present})
   ids = tok.encode(sample["text"]) if "text" in sample else sample["tokens"]
