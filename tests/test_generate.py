@@ -189,3 +189,19 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
 def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):
   assert generate_tool.main([str(tmp_path), "--prompt", "hello"]) == 2
   assert "no checkpoints/" in capsys.readouterr().err
+
+
+def test_an_import_for_conversations_without_data_finds_its_tokenizer_and_processor(tmp_path,
+                                                                                    capsys):
+  """An import made with a conversations config (configs/llava_cpu.py) names no converted data
+  yet: tools.generate (and tools.eval, which shares its defaults) take the tokenizer and
+  processor from the HF directory the model came from, with no --tokenizer or --processor."""
+  recipe = pathlib.Path(__file__).parent / "fixtures" / "recipe" / "llava"
+  run = tmp_path / "run"
+  assert not hf_tool.main(["import", "--hf", str(recipe), "--out", str(run),
+                           "--config=configs/llava_cpu.py"])
+  capsys.readouterr()
+  assert generate_tool.main([str(run), "--image", str(FIXTURES.parent / "images" / "portrait.png"),
+                             "--prompt", "Hello", "--max_new_tokens", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "> [portrait.png] Hello" in out, out

@@ -107,7 +107,8 @@ def defaults(workdir: str, cfg: Config) -> dict:
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
          "vocab": None, "record": "", "named": {},
          "context": hf_tool.source_context(record, sources)}
-  if d.task != "conversations" and any(sources.values()):
+  # An import (or a run started from one) without converted data of its own: the HF directories.
+  if (d.task != "conversations" or not d.dir) and any(sources.values()):
     bases = _bases(work, launched)
     first = lambda paths, wanted: next(
         (r for r in (resolve(p, wanted, bases) for p in paths) if r), "")
