@@ -75,6 +75,11 @@ import shlex
 import signal
 import sys
 
+# The conversion reads records through modules that import JAX; imported here, before SIGTERM
+# becomes an exception, since an exception raised while jaxlib's extension module loads crashes
+# the process instead of unwinding it.
+import jax  # pylint: disable=unused-import
+
 from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio, audio_records, conversations
