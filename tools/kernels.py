@@ -73,6 +73,7 @@ def summarize(events: list[dict], procs: dict[int, str]) -> dict:
   device = {pid for pid, name in procs.items() if "/device:" in name}
   by_cat, by_prog, by_kernel, counts = (collections.Counter(), collections.Counter(),
                                         collections.Counter(), collections.Counter())
+  ops: dict[tuple[str, str], collections.Counter] = {}  # kernel -> the HLO ops it ran for
   total = 0.0
   for e in events:
     if e.get("ph") != "X" or e.get("pid") not in device:
@@ -89,9 +90,11 @@ def summarize(events: list[dict], procs: dict[int, str]) -> dict:
     key = (name[:90], cat)
     by_kernel[key] += dur
     counts[key] += 1
+    ops.setdefault(key, collections.Counter())[f"{prog}: {op}"[:200]] += dur
   return {"total_s": total, "categories": dict(by_cat),
           "programs": {f"{p} / {c}": v for (p, c), v in by_prog.items()},
-          "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)]}
+          "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)],
+                       "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)]}
                       for (n, c), v in by_kernel.most_common()],
           "device_tracks": sorted(procs[p] for p in device)}
 
