@@ -157,6 +157,16 @@ def remat(layer: Callable, policy: str, gathered: bool = False) -> Callable:
   return jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
 
 
+def branches_may_diverge(mesh: Mesh) -> bool:
+  """Whether the devices of `mesh` may take different branches of a conditional that holds
+  collectives within groups of them. Not on XLA's CPU runtime: there a collective permute (which
+  the partitioner makes where a layer reshards its activations over tp, say) waits for every
+  device of the program at that same instruction, so stages in different branches hang."""
+  platform = (mesh.devices.flat[0].platform if isinstance(mesh, Mesh)
+              else jax.default_backend())
+  return platform != "cpu"
+
+
 def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool) -> jax.Array:
   return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
 
@@ -173,13 +183,15 @@ class Stack:
   and each of `side_m` is [M, ...] (per-microbatch inputs every layer sees, such as positions)."""
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
-               unroll: bool = True, gather: Callable | None = None):
-    """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather)."""
+               unroll: bool = True, gather: Callable | None = None, branch: bool | None = None):
+    """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
+    `branch`: whether the stages of a schedule with backward tasks branch on their task
+    (`_backward`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`)."""
     if gather is not None:
       inner = layer
       layer = lambda params, x, *side: inner(gather(params), x, *side)
     self.layer = remat(layer, remat_policy, gathered=gather is not None)
-    self.mesh, self.schedule, self.unroll = mesh, schedule, unroll
+    self.mesh, self.schedule, self.unroll, self.branch = mesh, schedule, unroll, branch
 
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:
     if not self.schedule.pipelined:
@@ -300,6 +312,17 @@ class Stack:
       d_chunk, dh = vjp(dy)
       return jnp.zeros_like(h), dh, jax.tree.map(lambda g, d: g.at[local].add(d), grads, d_chunk)
 
+    def every_task(kind, h, dy, m, local, grads):
+      """What `switch` picks, with one forward and one backward whatever the task: every device
+      runs the same collectives in the same order."""
+      out, vjp = jax.vjp(chunk_fn(m), _at(chunks, local), h)
+      d_chunk, dh = vjp(dy)
+      fwd, bwd = kind == RUN_FORWARD, kind == RUN_BACKWARD
+      grads = jax.tree.map(lambda g, d: g.at[local].add(jnp.where(bwd, d, 0)), grads, d_chunk)
+      return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), grads
+
+    branch = branches_may_diverge(self.mesh) if self.branch is None else self.branch
+
     def tick(carry, row):
       got_in, got_cot, inputs, cots, grads, dx = carry
       task = row[stage]
@@ -312,10 +335,13 @@ class Stack:
       h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
       dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
       # Stages take different branches: a collective inside a chunk must stay within the stage
-      # (tp's and dp's all-reduces do). On XLA's CPU runtime a collective permute there (a
-      # layer resharding its activations over tp) waits on every device, and hangs.
-      out, d_in, grads = jax.lax.switch(task[KIND], (idle, forward, backward),
-                                        h, dy, m, local, grads)
+      # (tp's and dp's do), and where the runtime cannot hold that (`branches_may_diverge`),
+      # every stage runs both a forward and a backward and keeps the one its task asks for.
+      if branch:
+        out, d_in, grads = jax.lax.switch(task[KIND], (idle, forward, backward),
+                                          h, dy, m, local, grads)
+      else:
+        out, d_in, grads = every_task(task[KIND], h, dy, m, local, grads)
       # The first chunk's backward gives the stack input's cotangent.
       dx = dx.at[m].add(jnp.where((first == 1) & (task[KIND] == RUN_BACKWARD), d_in, 0))
       return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,

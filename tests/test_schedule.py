@@ -201,16 +201,27 @@ def _layer(w, x, shift):
   return x + jnp.tanh(x @ w + shift[..., None].astype(x.dtype))
 
 
-@pytest.mark.parametrize("p,dp,tp,v,m,name,policy", [
-    (2, 1, 1, 1, 3, "1f1b", "none"),
-    (4, 2, 1, 1, 8, "1f1b", "full"),
-    (4, 1, 1, 1, 2, "1f1b", "none"),  # fewer microbatches than stages (evaluation)
-    (2, 2, 1, 2, 4, "interleaved_1f1b", "dots"),
-    (2, 1, 1, 2, 3, "interleaved_1f1b", "none"),  # not a whole group: padded
+def _rolled(w, x, shift):
+  """`_layer` with its product rolled along its features: split over tp, a collective permute
+  within the stage."""
+  return x + jnp.tanh(jnp.roll(x @ w, 1, axis=-1) + shift[..., None].astype(x.dtype))
+
+
+@pytest.mark.parametrize("p,dp,tp,v,m,name,policy,layer,branch", [
+    (2, 1, 1, 1, 3, "1f1b", "none", _layer, True),
+    (4, 2, 1, 1, 8, "1f1b", "full", _layer, True),
+    (4, 1, 1, 1, 2, "1f1b", "none", _layer, None),  # fewer microbatches than stages (evaluation)
+    (2, 2, 1, 2, 4, "interleaved_1f1b", "dots", _layer, True),
+    (2, 1, 1, 2, 3, "interleaved_1f1b", "none", _layer, None),  # not a whole group: padded
+    # A collective permute inside a chunk: on CPUs the stages run every task (no branches).
+    (2, 1, 2, 2, 4, "interleaved_1f1b", "none", _rolled, None),
 ])
-def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m, name, policy):
+def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m, name, policy,
+                                                                 layer, branch):
   """Outputs and every gradient (parameters, inputs) of the stack with backward tasks against
-  autodiff of the layers one after another; dp and tp stay automatic inside the stages."""
+  autodiff of the layers one after another; dp and tp stay automatic inside the stages. `branch`
+  True: the stages branch on their task (`lax.switch`, as on GPUs); None: the platform's choice
+  (on CPUs, every task at every step)."""
   mesh = Mesh(np.array(jax.devices()[:p * dp * tp]).reshape(p, dp, tp), topology.AXES)
   schedule = Schedule(p, v, name)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -220,9 +231,9 @@ def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m
 
   def sequential(w, x_m):
     for i in range(8):
-      x_m = jax.vmap(lambda x, s, i=i: _layer(w[i], x, s))(x_m, shift_m)
+      x_m = jax.vmap(lambda x, s, i=i: layer(w[i], x, s))(x_m, shift_m)
     return x_m
-  stack = Stack(_layer, mesh, schedule, policy)
+  stack = Stack(layer, mesh, schedule, policy, branch=branch)
   placed = jax.device_put(schedule.to_layout(w), NamedSharding(
       mesh, P(*schedule.stage_spec(), None, "tp")))
   loss = lambda out: jnp.sum(jnp.sin(out))  # noqa: E731
