@@ -9,6 +9,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import pipeline, topology
+from mimo_jax.models import fp8
 from mimo_jax.pipeline import (BACKWARD, DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule,
                                Stack, Task, check, circular, gpipe, lower)
 
@@ -266,3 +267,41 @@ def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
     return grad.lower(w, x_m).compile().memory_analysis().temp_size_in_bytes
   gpipe_bytes, one_f_one_b_bytes = temporaries("gpipe"), temporaries("1f1b")
   assert 0 < one_f_one_b_bytes <= p / m * gpipe_bytes, (one_f_one_b_bytes, gpipe_bytes)
+
+
+def _fp8_layer(w, x):
+  return x + jnp.tanh(fp8.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ()))))
+
+
+def _layer_f32(w, x):
+  return x + jnp.tanh(x @ w)
+
+
+@pytest.mark.parametrize("v,reference,name,policy", [
+    (1, "gpipe", "1f1b", "dots"),  # dots keeps the FP8 operands (fp8.OPERAND)
+    (2, "circular", "interleaved_1f1b", "none"),
+])
+def test_fp8_under_1f1b_computes_what_it_computes_under_gpipe(v, reference, name, policy):
+  """FP8 matmuls (current scaling: no state) in a stack with backward tasks: the backward task's
+  recomputation quantizes as the forward did, so the outputs and gradients are GPipe's (up to the
+  order the microbatches' gradients add in), and far from the float32 products'. (A pipelined
+  FP8 training step runs in bfloat16, which XLA's CPU runtime cannot all-reduce.)"""
+  p, m = 2, 4
+  mesh = Mesh(np.array(jax.devices()[:p * 2]).reshape(p, 2, 1), topology.AXES)
+  keys = jax.random.split(jax.random.key(0), 2)
+  w = 0.4 * jax.random.normal(keys[0], (8, 16, 16))
+  x_m = jax.device_put(jax.random.normal(keys[1], (m, 8, 16)), NamedSharding(mesh, P(None, "dp")))
+
+  def grads(layer, schedule_name):
+    schedule = Schedule(p, v, schedule_name)
+    stack = Stack(layer, mesh, schedule, policy, branch=True)
+    placed = jax.device_put(schedule.to_layout(w), NamedSharding(mesh, P(*schedule.stage_spec())))
+    loss, (gw, gx) = jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(stack(w, x))),
+                                                argnums=(0, 1)))(placed, x_m)
+    return [np.asarray(loss), schedule.from_layout(np.asarray(gw)), np.asarray(gx)]
+  want, got = grads(_fp8_layer, reference), grads(_fp8_layer, name)
+  exact = grads(_layer_f32, name)
+  for a, b, c in zip(want, got, exact):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
+    assert np.max(np.abs(b - c)) > 0.01 * np.max(np.abs(c))  # really FP8
+
