@@ -476,10 +476,12 @@ def run_source(spec: str) -> tuple[str, int | None] | None:
 
 
 def set_layout(cfg: Config, layout: str) -> None:
-  """Sets topology fields from `module=offset/dp/tp[/pp[/virtual]],...` (as tests and benchmark
-  tools write layouts), e.g. `language=4/2/2` (any module by name)."""
+  """Sets topology fields from `module=offset/dp/tp[/pp[/virtual]][@schedule],...` (as tests and
+  benchmark tools write layouts), e.g. `language=4/2/2` or `language=0/1/2/4@1f1b` (any module by
+  name; without @schedule the module's schedule is left as it is)."""
   for item in (s.strip() for s in layout.split(",") if s.strip()):
     name, _, spec = item.partition("=")
+    spec, at, schedule = spec.partition("@")
     modules = cfg.topology.modules()
     require(name in modules, "topology",
              f"{item!r}: unknown module {name!r}; modules: {', '.join(modules)}.")
@@ -487,8 +489,10 @@ def set_layout(cfg: Config, layout: str) -> None:
       values = [int(v) for v in spec.split("/")]
     except ValueError:
       values = []
-    require(3 <= len(values) <= 5, f"topology.{name}",
-             f"{item!r} is not offset/dp/tp[/pp[/virtual]].")
+    require(3 <= len(values) <= 5 and (schedule or not at), f"topology.{name}",
+             f"{item!r} is not offset/dp/tp[/pp[/virtual]][@schedule].")
     t = cfg.topology.module(name)
     t.offset, t.dp, t.tp = values[:3]
     t.pp, t.virtual = (values[3:] + [1, 1])[:2]
+    if schedule:
+      t.schedule = schedule

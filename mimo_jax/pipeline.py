@@ -109,6 +109,16 @@ class Schedule:
       return microbatches * self.virtual
     return lower_explicit(self.tasks(microbatches))[1]
 
+  def compute(self, microbatches: int, remat_policy: str = "none") -> float:
+    """A stage's FLOPs a microbatch against the same layers' unpipelined (a forward F, its
+    backward 2F, and F again to recompute under remat=full): 1 where autodiff makes the backward;
+    with backward tasks the stack's forward runs alone, again as a forward task and again in the
+    backward task (`jax.vjp`), 5F against 3F, 6F against 4F under remat=full (the loss head
+    after the stack needs every output before the schedule runs)."""
+    if not self.explicit(microbatches):
+      return 1.0
+    return 6 / 4 if remat_policy == "full" else 5 / 3
+
   @property
   def pipelined(self) -> bool:
     return self.stages > 1

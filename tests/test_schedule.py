@@ -1,6 +1,9 @@
 """Pipeline schedules as values (pipeline.py): the task tables gpipe and circular build, the table
 the executor scans over, the checks on a schedule, and a schedule of our own run by `Stack`."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import pipeline, topology
+from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.models import fp8
 from mimo_jax.pipeline import (BACKWARD, DONE, FORWARD, LOCAL, MICRO, PARK, SOURCE, Schedule,
                                Stack, Task, check, circular, gpipe, lower)
@@ -262,7 +266,7 @@ def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
   x_m = jax.ShapeDtypeStruct((m, 16, dim), jnp.float32, sharding=NamedSharding(mesh, P()))
 
   def temporaries(name: str) -> int:
-    stack = Stack(layer, mesh, Schedule(p, 1, name))
+    stack = Stack(layer, mesh, Schedule(p, 1, name), branch=True)  # as GPUs run it
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.sin(stack(w, x))), argnums=(0, 1)))
     return grad.lower(w, x_m).compile().memory_analysis().temp_size_in_bytes
   gpipe_bytes, one_f_one_b_bytes = temporaries("gpipe"), temporaries("1f1b")
@@ -305,3 +309,44 @@ def test_fp8_under_1f1b_computes_what_it_computes_under_gpipe(v, reference, name
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
     assert np.max(np.abs(b - c)) > 0.01 * np.max(np.abs(c))  # really FP8
 
+
+
+# ---- tools.plan weighs the schedules ----------------------------------------------------------
+
+def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
+  """Language pp2 under gpipe and 1f1b, M = 8: 1F1B keeps one microbatch's internals and p chunk
+  inputs where GPipe keeps all eight, so it needs less memory and takes 5/3 of the FLOPs; both
+  stretch by the bubble. A budget only 1F1B layouts fit makes one of them the recommendation."""
+  from tools import plan
+  spec, gpus = "tests/configs/tiny_vlm.py:encoder_heavy", 4
+  sets = ["model.language.layers=4", "data.microbatches=8", f"data.dir={tmp_path}"]
+  every = {c["layout"]: c for c in plan.candidates(spec, sets, gpus, 1, 1e6, pps=(1, 2))}
+  gpipe = every["vision=0/2/1,language=2/1/1/2/1@gpipe"]
+  one = every["vision=0/2/1,language=2/1/1/2/1@1f1b"]
+  assert (gpipe["language"]["in_flight"], one["language"]["in_flight"]) == ((8, 0), (1, 2))
+  assert one["gib"] < gpipe["gib"]
+  assert gpipe["language"]["bubble"] == one["language"]["bubble"] == pytest.approx(1 / 9)
+  assert plan.module_time(1.0, gpipe["language"]) == pytest.approx(9 / 8)
+  assert plan.module_time(1.0, one["language"]) == pytest.approx(5 / 3 * 9 / 8)
+  assert every["vision=0/2/1,language=2/2/1"]["language"]["schedule"] == "none"
+  cfg = plan._config(spec, sets, "language=2/1/1/2/1@1f1b")  # pylint: disable=protected-access
+  assert (cfg.topology.language.pp, cfg.topology.language.schedule) == (2, "1f1b")
+  with pytest.raises(ConfigError, match=r"topology\.language: .*offset/dp/tp\[/pp\[/virtual\]\]"
+                     r"\[@schedule\]"):
+    set_layout(cfg, "language=2/1/1/2@")
+  # A profile of the unpipelined modules (dp only, colocated), and the planner on it.
+  rows = [{"layout": layout, "busy_vision_s": 0.1 / g, "busy_language_s": 0.3 / g,
+           "step_s": 0.35 / g} for g, layout in zip((1, 2, 4), plan.profile_layouts(gpus))]
+  profile = tmp_path / "profile.json"
+  profile.write_text(json.dumps({"config": spec, "set": sets, "rows": rows}))
+  run = ["--profile", str(profile), f"--gpus={gpus}", "--max_tp=1", "--pp=1,2", "--data_steps=1"]
+  recommended = lambda out: re.search(r"^recommended: (\S+)", out, re.M).group(1)  # noqa: E731
+  plan.main(run)
+  assert "@1f1b" not in recommended(capsys.readouterr().out)  # it fits, it pays less
+  # Just less than any layout needs whose language model is not under 1F1B (listed last).
+  budget = min(c["gib"] for c in every.values() if not c["layout"].endswith("@1f1b")) * 0.999
+  plan.main(run + [f"--memory_gb={budget}"])
+  out = capsys.readouterr().out
+  assert recommended(out).endswith("@1f1b")
+  assert all(line.split(" | ")[0].endswith("@1f1b") for line in out.splitlines()
+             if line.startswith("| vision="))

@@ -45,6 +45,19 @@ alone (mimo_jax/memory.py: parameters, optimizer state and gradients exactly fro
 that `topology.<module>.shard` gives, activations as a lower bound), and the layouts that cannot
 fit are listed and left out; give the shard choice with `--set topology.language.shard=full`.
 
+**Pipelines.** With `--pp=1,2,...`, a module also runs on pp stages of dp·tp GPUs each, under
+each of `--schedules` (gpipe and 1f1b by default; circular and interleaved_1f1b with `--virtual`
+chunks a stage): the layout `offset/dp/tp/pp/virtual@schedule`. Its time is that of the same
+GPUs unpipelined (the cost at the stage's dp and tp), stretched by the schedule's bubble, the
+idle share of a stage's steps (`Schedule.bubble`: 1 / (1 − bubble)), and by the FLOPs its
+schedule spends a microbatch against the unpipelined step's (`Schedule.compute`: 1 for gpipe and
+circular; 5/3 for 1f1b and interleaved_1f1b, 3/2 under remat=full, as their stacks run the
+forward alone before the schedule runs it again). Their memory differs the other way: gpipe and
+circular keep every microbatch's layer internals for the backward, 1f1b and interleaved_1f1b one
+chunk's and their microbatches in flight (`memory.in_flight`, printed). So with `--memory_gb` the
+planner takes a one-forward-one-backward schedule where GPipe's activations do not fit, and GPipe
+where both fit and it is faster.
+
 tp is preferred last among layouts with the same prediction. `--layouts_only` prints the
 candidates as one `;`-joined string for tools/bench.py (to measure them all), and `--measured` (a
 tools/bench.py JSON of such a run; repeatable) adds the measured step times and says how far the
@@ -63,6 +76,7 @@ from mimo_jax import configfile, encoders, memory
 from mimo_jax.config import ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
+from mimo_jax.pipeline import Schedule
 from mimo_jax.validation import validate_topology
 
 MODULES = ("vision", "language")
@@ -88,12 +102,52 @@ def _shape(cfg, module: str) -> tuple[int, int]:
   return t.dp, t.tp
 
 
-def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
-               memory_gb: float = 0.0, refused: list | None = None) -> list[dict]:
-  """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits. With
-  `memory_gb`, a layout whose devices cannot hold what it needs (mimo_jax/memory.py's lower
-  bound, from the config's shard and remat choices) is left out and added to `refused`."""
+SCHEDULES = ("gpipe", "1f1b")  # the schedules weighed by default (with --virtual: the others)
+VIRTUAL = ("circular", "interleaved_1f1b")  # schedules of several chunks a stage
+
+
+def module_layouts(g: int, max_tp: int = 0, pps: tuple[int, ...] = (1,),
+                   schedules: tuple[str, ...] = SCHEDULES, virtual: int = 1) -> list[str]:
+  """A module's `dp/tp` on `g` GPUs, and with pp > 1 in `pps` its `dp/tp/pp/virtual@schedule`
+  for each of `schedules` (circular and interleaved_1f1b with `virtual` > 1 chunks a stage)."""
   out = []
+  for pp in pps:
+    if g % pp:
+      continue
+    for dp, tp in _divisor_pairs(g // pp, max_tp):
+      if pp == 1:
+        out.append(f"{dp}/{tp}")
+        continue
+      for name in schedules:
+        v = virtual if name in VIRTUAL else 1
+        if (v > 1) == (name in VIRTUAL):
+          out.append(f"{dp}/{tp}/{pp}/{v}@{name}")
+  return out
+
+
+def stretch(cfg, module: str) -> dict:
+  """The module's schedule under cfg's layout (none without stages), its bubble, its FLOPs a
+  microbatch against the unpipelined step's, and (microbatches' internals, chunk inputs) a stage
+  keeps for the backward (`memory.in_flight`)."""
+  t, micro = getattr(cfg.topology, module), cfg.data.microbatches
+  if t.pp == 1:
+    return {"schedule": "none", "bubble": 0.0, "compute": 1.0, "in_flight": (1, 0)}
+  schedule = Schedule(t.pp, t.virtual, t.schedule)
+  return {"schedule": f"pp{t.pp} {schedule.resolved}", "bubble": schedule.bubble(micro),
+          "compute": schedule.compute(micro, t.remat),
+          "in_flight": memory.in_flight(cfg, module)}
+
+
+def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
+               memory_gb: float = 0.0, refused: list | None = None, pps: tuple[int, ...] = (1,),
+               schedules: tuple[str, ...] = SCHEDULES, virtual: int = 1) -> list[dict]:
+  """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits, each
+  module on pp stages of `pps` under each of `schedules` too (`module_layouts`). With
+  `memory_gb`, a layout whose devices cannot hold what it needs (mimo_jax/memory.py's lower
+  bound, from the config's shard and remat choices and the layout's schedules) is left out and
+  added to `refused`."""
+  out = []
+  options = lambda g: module_layouts(g, max_tp, pps, schedules, virtual)  # noqa: E731
 
   def add(layout: str, kind: str, gv: int, gl: int) -> None:
     cfg = _config(cfg_spec, sets, layout)
@@ -103,6 +157,7 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
       return
     c = {"layout": layout, "kind": kind, "vision_gpus": gv, "language_gpus": gl,
          "tp": cfg.topology.vision.tp + cfg.topology.language.tp}
+    c.update({m: stretch(cfg, m) for m in MODULES})
     if memory_gb:
       c["gib"] = memory.per_device(cfg, memory.module_bytes(cfg)) / memory.GiB
       if c["gib"] > memory_gb:
@@ -111,14 +166,14 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
         return
     out.append(c)
 
-  for vdp, vtp in _divisor_pairs(gpus, max_tp):
-    for ldp, ltp in _divisor_pairs(gpus, max_tp):
-      add(f"vision=0/{vdp}/{vtp},language=0/{ldp}/{ltp}", "colocated", gpus, gpus)
+  for v in options(gpus):
+    for lang in options(gpus):
+      add(f"vision=0/{v},language=0/{lang}", "colocated", gpus, gpus)
   for gv in range(1, gpus):
     gl = gpus - gv
-    for vdp, vtp in _divisor_pairs(gv, max_tp):
-      for ldp, ltp in _divisor_pairs(gl, max_tp):
-        add(f"vision=0/{vdp}/{vtp},language={gv}/{ldp}/{ltp}", "non-colocated", gv, gl)
+    for v in options(gv):
+      for lang in options(gl):
+        add(f"vision=0/{v},language={gv}/{lang}", "non-colocated", gv, gl)
   return out
 
 
@@ -161,6 +216,8 @@ class Costs:
     factors: dict[int, list[float]] = {}
     for r in rows:
       cfg = _config(cfg_spec, sets, r["layout"])
+      if any(getattr(cfg.topology, m).pp > 1 for m in MODULES):
+        continue  # costs are of unpipelined modules; a pipeline's come from them (stretch)
       w = work_of(cfg)
       for m in MODULES:
         dp, tp = _shape(cfg, m)
@@ -203,6 +260,12 @@ def bridge_bytes(cfg) -> float:
   return 2.0 * slots * slot_tokens(cfg) * cfg.model.language.dim * itemsize
 
 
+def module_time(busy_s: float, pipeline: dict) -> float:
+  """A module's step time from its unpipelined time on the same GPUs, stretched by its schedule's
+  FLOPs and bubble (`stretch`)."""
+  return busy_s * pipeline["compute"] / (1 - pipeline["bubble"])
+
+
 def predict(c: dict, t_v: float, t_l: float, microbatches: int, bridge_s: float) -> float:
   """Step time from each module's time on its own GPUs (see the module docstring)."""
   if c["kind"] == "colocated":
@@ -227,6 +290,15 @@ def split_bound(cands: list[dict], gpus: int) -> dict | None:
   return out
 
 
+def _pipelines(c: dict) -> str:
+  """The candidate's pipelined modules: schedule, bubble, FLOPs factor, and what a stage keeps
+  for the backward: microbatches' layer internals (mb) and chunk inputs (`memory.in_flight`)."""
+  parts = [f"{m[0]} {c[m]['schedule']} bubble {c[m]['bubble']:.2f} x{c[m]['compute']:.2f} "
+           f"keeps {c[m]['in_flight'][0]} mb + {c[m]['in_flight'][1]} inputs"
+           for m in MODULES if c[m]["schedule"] != "none"]
+  return "; ".join(parts) or "–"
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
                       help="print the profiling run's layouts for tools/bench.py and stop")
   parser.add_argument("--measured", action="append", default=[],
                       help="tools/bench.py JSON of the candidates (repeatable)")
+  parser.add_argument("--pp", default="1",
+                      help="pipeline stage counts weighed for each module, e.g. 1,2,4")
+  parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                      help="pipeline schedules weighed where pp > 1 (gpipe, 1f1b, circular, "
+                      "interleaved_1f1b; the last two need --virtual > 1)")
+  parser.add_argument("--virtual", type=int, default=1,
+                      help="chunks a stage for circular and interleaved_1f1b")
   parser.add_argument("--memory_gb", type=float, default=0.0,
                       help="memory of one GPU (GiB): layouts that cannot fit are left out "
                       "(0 = not checked)")
@@ -264,7 +343,18 @@ def main(argv: list[str] | None = None) -> None:
       raise SystemExit(f"plan: error: {p} profiles {prof.get('config')} with {prof.get('set')}, "
                        f"not {cfg_spec} with {sets}; profile the config being planned")
   refused = []
-  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused)
+  try:
+    pps = tuple(int(p) for p in args.pp.split(","))
+  except ValueError:
+    raise SystemExit(f"plan: error: --pp={args.pp} is not stage counts such as 1,2,4") from None
+  schedules = tuple(s for s in args.schedules.split(",") if s)
+  unknown = [s for s in schedules if s not in SCHEDULES + VIRTUAL]
+  if unknown or min(pps) < 1 or args.virtual < 1:
+    raise SystemExit(f"plan: error: --pp, --schedules and --virtual take stage counts >= 1 and "
+                     f"schedules of {', '.join(SCHEDULES + VIRTUAL)}; got --pp={args.pp} "
+                     f"--schedules={args.schedules} --virtual={args.virtual}")
+  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused, pps,
+                     schedules, args.virtual)
   for c in refused:
     print(f"does not fit: {c['layout']} needs at least {c['gib']:.1f} GiB a GPU of "
           f"{args.memory_gb:.1f}", file=sys.stderr)
@@ -291,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
       cost, note = costs(m, dp, tp)
       # A real step runs a module faster than the profile's phase by phase (f_g, measured where
       # both modules share g GPUs): on a module's own GPUs, that of its GPU count.
-      times[m] = cost * w[m] / c[f"{m}_gpus"] * costs.factor(c[f"{m}_gpus"])
+      times[m] = module_time(cost * w[m] / c[f"{m}_gpus"] * costs.factor(c[f"{m}_gpus"]), c[m])
       notes.append(f"{m[0]} dp{dp}" + (f"tp{tp}" if tp > 1 else "") + f" {note}")
     c.update(t_vision=times["vision"], t_language=times["language"], cost_from="; ".join(notes))
     c["predicted_s"] = predict(c, times["vision"], times["language"], cfg.data.microbatches,
@@ -305,12 +395,13 @@ def main(argv: list[str] | None = None) -> None:
         f"; f_g (colocated step / busy sum): "
         f"{', '.join(f'{g} GPUs {f:.3f}' for g, f in sorted(costs.factors.items())) or 'none (1)'}"
         f"; bridge {bridge_s * 1e3:.2f} ms a microbatch")
-  print("| layout | kind | vision s | language s | cost from | predicted s/step | measured s/step |"
-        "\n|---|---|---:|---:|---|---:|---:|")
+  print("| layout | kind | vision s | language s | cost from | pipelines | memory a GPU "
+        "| predicted s/step | measured s/step |\n|---|---|---:|---:|---|---|---:|---:|---:|")
   for c in cands:
     got = measured.get(c["layout"])
+    need = memory.size(c["gib"] * memory.GiB) if "gib" in c else "–"
     print(f"| {c['layout']} | {c['kind']} | {c['t_vision']:.3f} | {c['t_language']:.3f} | "
-          f"{c['cost_from']} | {c['predicted_s']:.3f} | "
+          f"{c['cost_from']} | {_pipelines(c)} | {need} | {c['predicted_s']:.3f} | "
           f"{'–' if got is None else format(got, '.3f')} |")
   best = cands[0]
   bound = split_bound(cands, args.gpus)
