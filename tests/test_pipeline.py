@@ -76,10 +76,11 @@ def test_bubble_formula():
 STEPS = 4
 
 
-def _deep(data_dir, microbatches=4, **topo):
-  """The tiny config with 4 layers per module, so that 2 and 4 stages (and 2x2 chunks) fit."""
+def _deep(data_dir, microbatches=4, language_layers=4, **topo):
+  """The tiny config with 4 layers per module (or `language_layers`), so that 2 and 4 stages
+  (and 2x2 chunks) fit."""
   cfg = tiny_config(data_dir, **topo)
-  cfg.model.vision.layers = cfg.model.language.layers = 4
+  cfg.model.vision.layers, cfg.model.language.layers = 4, language_layers
   cfg.data.microbatches = microbatches
   return cfg
 
@@ -190,8 +191,8 @@ def test_bfloat16_pipeline_on_cpu_is_a_clear_error(data_dir):
 
 # ---- schedules with backward tasks (1f1b, interleaved_1f1b) -----------------------------------
 
-def _scheduled(data_dir, schedules: dict, shard: dict | None = None, **topo):
-  cfg = _deep(data_dir, **topo)
+def _scheduled(data_dir, schedules: dict, shard: dict | None = None, language_layers=4, **topo):
+  cfg = _deep(data_dir, language_layers=language_layers, **topo)
   for name, schedule in schedules.items():
     cfg.topology.module(name).schedule = schedule
   for name, mode in (shard or {}).items():
@@ -202,41 +203,55 @@ def _scheduled(data_dir, schedules: dict, shard: dict | None = None, **topo):
 @pytest.mark.parametrize("topo,schedules,shard", [
     pytest.param({"vision": (0, 8, 1), "language": (0, 1, 2, 4)}, {"language": "1f1b"}, None,
                  id="language-pp4tp2-1f1b"),
-    pytest.param({"vision": (0, 1, 1, 2), "language": (2, 1, 1, 2, 2)},
-                 {"vision": "1f1b", "language": "interleaved_1f1b"}, None,
-                 id="vision-pp2-1f1b-language-interleaved"),
-    pytest.param({"vision": (0, 1, 1, 2, 2), "language": (2, 2, 1, 2)},
-                 {"vision": "interleaved_1f1b", "language": "1f1b"}, {"language": "full"},
-                 id="vision-interleaved-language-fsdp-dp2pp2-1f1b"),
+    pytest.param({"vision": (0, 1, 1, 2, 2), "language": (2, 1, 1, 2)},
+                 {"vision": "interleaved_1f1b", "language": "1f1b"}, None,
+                 id="vision-pp2-interleaved-language-pp2-1f1b"),
+    pytest.param({"vision": (0, 2, 1, 2), "language": (4, 2, 1, 2, 2)},
+                 {"vision": "1f1b", "language": "interleaved_1f1b"},
+                 {"vision": "full", "language": "full"},
+                 id="fsdp-vision-dp2pp2-1f1b-language-dp2pp2-interleaved"),
 ])
 def test_1f1b_step_matches_single_device(data_dir, reference, topo, schedules, shard):
   got = run_steps(_scheduled(data_dir, schedules, shard, **topo), STEPS)[0]
   assert_close_trajectory(reference, got, rtol=1e-4)
 
 
-def test_1f1b_run_resumes_onto_gpipe(data_dir, reference, tmp_path):
-  """Two steps under 1F1B, saved, restored onto GPipe for two more: the single-device
-  trajectory (the schedule changes no layout a checkpoint holds)."""
+@pytest.fixture(scope="module")
+def reference_8(data_dir):
+  """The single-device trajectory with 8 language layers: 4 stages of 2 chunks."""
+  return run_steps(_deep(data_dir, language_layers=8, vision=(0, 1, 1), language=(0, 1, 1)),
+                   STEPS)[0]
+
+
+def test_interleaved_pp4tp2_run_resumes_onto_gpipe(data_dir, reference_8, tmp_path):
+  """The language model on 4 stages of 2 chunks with tp2 under interleaved 1F1B: the
+  single-device trajectory for four steps; saved after two and restored onto GPipe (one chunk a
+  stage: another layout), the two after that again (a checkpoint holds no schedule)."""
   from mimo_jax import checkpoint
   from mimo_jax.data import loader
-  cfg_a = _scheduled(data_dir, {"language": "1f1b"}, vision=(0, 1, 1), language=(1, 1, 1, 2))
+  topo = {"vision": (0, 8, 1), "language_layers": 8}
+  cfg_a = _scheduled(data_dir, {"language": "interleaved_1f1b"}, language=(0, 1, 2, 4, 2), **topo)
   first, step_a, state, _ = run_steps(cfg_a, 2)
   ckpt = checkpoint.Checkpointer(str(tmp_path / "a"), list(step_a.modules), async_save=False)
   ckpt.save(2, step_a.canonical(state), cfg_a, force=True)
   ckpt.close()
-  cfg_b = _deep(data_dir, vision=(0, 1, 1), language=(1, 1, 1, 2))
+
+  def rest(cfg, step, state):
+    ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
+    out = []
+    for s in range(2, STEPS):
+      state, metrics = step.train_step(state, ds[s])
+      out.append(jax.device_get(metrics))
+    return out
+  assert_close_trajectory(reference_8, first + rest(cfg_a, step_a, state), rtol=1e-4)
+  cfg_b = _scheduled(data_dir, {}, language=(0, 1, 2, 4), **topo)
   validate(cfg_b, len(jax.devices()))
   step_b = Step.build(cfg_b)
   restored, _ = checkpoint.Checkpointer(str(tmp_path / "a"), list(step_b.modules),
                                         read_only=True).restore(
       2, step_b.abstract_state(canonical=True), cfg_b)
-  state = step_b.from_canonical(restored)
-  ds = loader.train_dataset(cfg_b, loader.build_paths(cfg_b)["train"], step_b.ctx.groups)
-  rest = []
-  for s in range(2, STEPS):
-    state, metrics = step_b.train_step(state, ds[s])
-    rest.append(jax.device_get(metrics))
-  assert_close_trajectory(reference, first + rest, rtol=1e-4)
+  assert_close_trajectory(reference_8, first + rest(cfg_b, step_b, step_b.from_canonical(restored)),
+                          rtol=1e-4)
 
 
 @pytest.mark.parametrize("change,field,words", [
