@@ -16,8 +16,10 @@ kept. A schedule with backward tasks (1f1b, interleaved_1f1b) runs them itself (
 under a `custom_vjp`): a backward recomputes its chunk from the input kept for it and applies
 the cotangent from the next stage, so a stage keeps only its microbatches in flight.
 Bubble steps repeat a real task with their output masked out (forward schedules) or idle
-(`lax.switch`). Inputs and outputs are replicated over `pp`: every stage receives the
-microbatches and the last stage's outputs are broadcast by one `psum`.
+(`lax.switch`; on XLA's CPU runtime, which cannot hold stages in different branches, every stage
+runs a forward and a backward each step and keeps what its task asks for). Inputs and outputs
+are replicated over `pp`: every stage receives the microbatches and the last stage's outputs are
+broadcast by one `psum`.
 """
 
 from __future__ import annotations
