@@ -164,8 +164,13 @@ def digest(meta: dict) -> str:
 
 def mismatches(saved: dict, tree: dict, module: str) -> list[str]:
   """The arrays of `tree` (what was read of one module: params and opt_state, or some of them)
-  whose fingerprints differ from `saved`, as `module path`."""
+  whose fingerprints differ from `saved`, as `module path`. A bfloat16 array read as stored
+  may hold float32 values that a `compact` save fingerprinted as float32: widened, it matches."""
   got = fingerprint.on_device(tree)
+  named = fingerprint.paths(tree)
+  wide = {k: named[k].astype(jnp.float32) for k in got
+          if saved.get(k) != got[k] and named[k].dtype == jnp.bfloat16}
+  got.update(fingerprint.on_device(wide) if wide else {})
   return [f"{module} {k}" for k in sorted(got) if saved.get(k) != got[k]]
 
 
@@ -266,6 +271,12 @@ def _global_abstract(abstract):
   return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype,
                                                      sharding=_global_sharding(t.shape)),
                       abstract)
+
+
+def _as_saved(target: jax.ShapeDtypeStruct, saved) -> jax.ShapeDtypeStruct:
+  """`target` in the dtype `saved` (orbax's metadata of the stored array) was written in."""
+  dtype = getattr(saved, "dtype", None) or target.dtype
+  return jax.ShapeDtypeStruct(target.shape, dtype, sharding=target.sharding)
 
 
 class Checkpointer:
@@ -407,7 +418,9 @@ class Checkpointer:
   def read(self, step: int, wanted: dict[str, dict], meta: dict) -> dict[str, dict]:
     """The arrays `wanted` names (per module: path -> abstract array with this run's sharding)
     read from `step` by its saved structure, the rest of it left on disk (orbax placeholders);
-    each checked against its saved fingerprint. Per module: path -> array."""
+    each read in the dtype it was saved in, checked against its saved fingerprint, then cast to
+    the wanted dtype (a frozen leaf saved in float32, read into a bfloat16 run, or the reverse).
+    Per module: path -> array."""
     multi = jax.process_count() > 1
     gathered = {n for n, w in wanted.items() if multi and w and not _spans_processes(w)}
     targets = {n: _global_abstract(w) if n in gathered else w for n, w in wanted.items()}
@@ -417,8 +430,8 @@ class Checkpointer:
       for n, target in targets.items():
         tree = getattr(items[n], "tree", items[n])
         item = jax.tree_util.tree_map_with_path(
-            lambda p, x, t=target: t.get(path_str(p),
-                                         ocp.PLACEHOLDER), tree)
+            lambda p, x, t=target: _as_saved(t[path_str(p)], x) if path_str(p) in t else
+            ocp.PLACEHOLDER, tree)
         restore_args = jax.tree.map(
             lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
                                            dtype=t.dtype)
@@ -440,7 +453,8 @@ class Checkpointer:
     if bad:
       self._fail(step, f"does not match the fingerprints saved with it ({', '.join(bad[:3])}"
                  f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})")
-    return got
+    return {n: {k: v if v.dtype == wanted[n][k].dtype else v.astype(wanted[n][k].dtype)
+                for k, v in g.items()} for n, g in got.items()}
 
   def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
               fresh_opt_state=None) -> tuple[dict[str, ModuleState], dict]:

@@ -1,7 +1,7 @@
 """Device memory a layout needs, known before anything compiles.
 
-For every module, per device: its parameters, optimizer state and gradient accumulators, exactly,
-from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
+For every module, per device: its parameters (a frozen leaf in the compute dtype), optimizer
+state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
 step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
 activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units unless
 `remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
@@ -91,11 +91,12 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
   for name, p in ctx.plan.modules.items():
     per_rank = ctx.mode.keeps_per_rank(name)  # as the training step keeps them (GradMode)
     acc_sh = ctx.mode.acc_sh(name, p)
+    trained = p.trained(p.abstract_params)  # a frozen leaf has no gradient (optim.trained)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
-                                                         a.dtype), p.abstract_params)
+                                                         a.dtype), trained)
     grads = _bytes(with_shardings(shapes, acc_sh))
     if per_rank:  # the step's sum is made beside the per-rank accumulators
-      grads += _bytes(with_shardings(p.abstract_params, p.grad_sh))
+      grads += _bytes(with_shardings(trained, p.grad_sh))
     out[name] = {"parameters": _bytes(p.abstract_params),
                  "optimizer state": _bytes(with_shardings(p.opt_shapes, p.opt_sh)),
                  "gradients": grads if p.trainable else 0,

@@ -3,8 +3,12 @@
 Arrays on different meshes cannot meet in one optax chain (docs/architecture.md). Each module
 computes the squared norm of its trainable gradients on its own mesh; the scalars are copied to
 every module (`bridge.transfer`), and every module sums them in the same order, so all modules
-apply the bit-identical clip factor. Frozen groups get `optax.set_to_zero` and do not count in
-the norm.
+apply the bit-identical clip factor.
+
+Frozen leaves (frozen groups, a LoRA base) are outside all of it: the step differentiates the
+trained leaves alone (`trained`; `join` puts the frozen ones back where the model needs the whole
+tree), so a frozen leaf has no gradient, no accumulator and no optimizer state, and it is stored
+in the compute dtype (`stored`): nothing makes a float32 master copy of it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,56 @@ def labels(groups_tree, frozen: tuple[str, ...]):
   return jax.tree.map(lambda g: FROZEN if g in frozen else g, groups_tree)
 
 
+def _select(tree, labels, keep_trained: bool):
+  """The nested dicts of `tree` (a parameter tree, or one mirroring it) with the leaves whose label
+  is (keep_trained: is not) FROZEN; emptied dicts are dropped."""
+  if isinstance(labels, dict):
+    out = {}
+    for k, sub in labels.items():
+      got = _select(tree[k], sub, keep_trained)
+      if got is not None and not (isinstance(got, dict) and not got):
+        out[k] = got
+    return out
+  return tree if (labels != FROZEN) == keep_trained else None
+
+
+def trained(tree, labels):
+  """The trained part of a parameter-shaped tree (what gradients and optimizer state cover)."""
+  return _select(tree, labels, True)
+
+
+def frozen(tree, labels):
+  """The frozen part of a parameter-shaped tree."""
+  return _select(tree, labels, False)
+
+
+def join(a: dict, b: dict) -> dict:
+  """The nested dicts `a` and `b` (a `trained` and a `frozen` part) as one tree."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = join(out[k], v) if k in out else v
+  return out
+
+
+def stored(shapes, labels, compute_dtype):
+  """`shapes` (ShapeDtypeStructs) with every frozen floating leaf in the compute dtype: a frozen
+  weight is read by the layers in that dtype and never updated, so a float32 copy of it would
+  only double its bytes. A float32 run keeps float32 everywhere."""
+  def one(a, label):
+    if label != FROZEN or not jnp.issubdtype(a.dtype, jnp.floating):
+      return a
+    return jax.ShapeDtypeStruct(a.shape, compute_dtype, sharding=getattr(a, "sharding", None))
+  return jax.tree.map(one, shapes, labels)
+
+
+def cast(tree, shapes):
+  """The arrays of `tree` in the dtypes of `shapes` (`stored`)."""
+  return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), tree, shapes)
+
+
 def module_transform(cfg: Config, groups_tree) -> optax.GradientTransformation:
-  """optax.multi_transform over this module's parameter groups (frozen -> set_to_zero)."""
+  """optax.multi_transform over this module's parameter groups: of the trained part
+  (`trained`), so a frozen leaf has no state (a frozen group in `groups_tree` gets set_to_zero)."""
   o = cfg.optim
   frozen, mult = parse_freeze(cfg), parse_lr_mult(cfg)
   sched = schedule(cfg)

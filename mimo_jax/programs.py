@@ -77,8 +77,8 @@ class GradMode:
     return name in self.per_rank
 
   def acc_sh(self, name: str, p: ModulePlan):
-    """Where module `name`'s gradient accumulators live (`p`: its plan)."""
-    return p.per_rank_sh if self.keeps_per_rank(name) else p.param_sh
+    """Where module `name`'s gradient accumulators live (`p`: its plan): its trained leaves'."""
+    return p.per_rank_sh if self.keeps_per_rank(name) else p.trained_sh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +127,21 @@ class Context:
   def frozen_stopped(self, name: str, params):
     """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
     computes no gradient of a frozen weight (a LoRA base, a frozen tower), only the gradients of
-    its inputs that trained parameters before it need; theirs are zeros the update discards."""
+    its inputs that trained parameters before it need."""
     return jax.tree.map(lambda x, label: jax.lax.stop_gradient(x) if label == optim.FROZEN else x,
                         params, self.plan[name].labels)
+
+  def value_and_grad(self, fn, params: dict, *args):
+    """`fn(params, *args)` (params: module name -> parameters) and its gradients with respect to
+    the trained leaves alone (per module, `ModulePlan.trained`; then the gradients with respect
+    to `args`, if any): a frozen leaf enters as a constant, so no gradient or zeros of it is
+    ever made."""
+    plan = self.plan
+    frozen = {n: plan[n].frozen(p) for n, p in params.items()}
+    whole = lambda trained: {n: plan[n].join(t, frozen[n]) for n, t in trained.items()}
+    trained = {n: plan[n].trained(p) for n, p in params.items()}
+    argnums = tuple(range(1 + len(args))) if args else 0
+    return jax.value_and_grad(lambda t, *a: fn(whole(t), *a), argnums=argnums)(trained, *args)
 
   def encode(self, name: str, params, inputs_m: dict) -> jax.Array:
     """Encoder `name` on stacked microbatches of its device inputs -> tokens [M, n, t, d]."""
@@ -169,8 +181,12 @@ def encoder_tokens(ctx: Context, name: str, params, inputs: list[dict]) -> list:
 
 def encoder_forward(ctx: Context, name: str, params, xs: list[EncoderIn]):
   """The forward with its `jax.vjp` closure (a pytree of residuals, which `encoder_backward`
-  consumes: no recomputation), the tokens and their owners cut for the language mesh."""
-  tokens, vjp = jax.vjp(lambda p: encoder_apply(ctx, name, p, [x.inputs for x in xs]), params)
+  consumes: no recomputation) with respect to the trained leaves, the tokens and their owners
+  cut for the language mesh."""
+  p = ctx.plan[name]
+  frozen = p.frozen(params)
+  tokens, vjp = jax.vjp(lambda t: encoder_apply(ctx, name, p.join(t, frozen),
+                                                [x.inputs for x in xs]), p.trained(params))
   return ([_to_language(ctx, name, e) for e in tokens],
           [_to_language(ctx, name, x.owner_nt) for x in xs], vjp)
 
@@ -210,10 +226,11 @@ def each_rank(ctx: Context, fn, params, rows: tuple, inv_tokens, row_outputs: in
 
 
 def _forward_backward(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int):
-  """Stacked microbatches -> (loss, parameter gradients, the tokens' gradients)."""
-  loss_fn = lambda p, tokens: language_loss(ctx, p, x.with_tokens(tokens), inv_tokens, groups)
-  loss, (g_params, g_tokens) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x.tokens)
-  return loss, g_params, g_tokens
+  """Stacked microbatches -> (loss, the trained parameters' gradients, the tokens' gradients)."""
+  loss_fn = lambda p, tokens: language_loss(ctx, p["language"], x.with_tokens(tokens),
+                                            inv_tokens, groups)
+  loss, (g_params, g_tokens) = ctx.value_and_grad(loss_fn, {"language": params}, x.tokens)
+  return loss, g_params["language"], g_tokens
 
 
 def _joined(x: LanguageIn) -> LanguageIn:
@@ -238,7 +255,7 @@ def language_step(ctx: Context, params, acc: dict, xs: list[LanguageIn], inv_tok
         (x.without_owners(),), inv_tokens, row_outputs=1)
   else:  # summed over ranks here (reduce-scattered under FSDP)
     loss, g_params, g_tokens = _forward_backward(ctx, params, x, inv_tokens, ctx.groups)
-    g_params = jax.lax.with_sharding_constraint(g_params, ctx.plan["language"].param_sh)
+    g_params = jax.lax.with_sharding_constraint(g_params, ctx.plan["language"].trained_sh)
   lang = ctx.plan.sharding("language")
   g_tokens = {n: [bridge.split(g[i], lang, ctx.plan.sharding(n)) for i in range(len(g))]
               for n, g in g_tokens.items()}
@@ -262,13 +279,14 @@ def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], t
       e = ctx.encode(n, params[n], inputs[n])
       tokens[n] = e if ctx.plan[n].trainable else jax.lax.stop_gradient(e)
     return language_loss(ctx, params["language"], x.with_tokens(tokens), inv_tokens, groups)
+  grad_fn = lambda params, inputs, x, inv: ctx.value_and_grad(
+      lambda p: loss_fn(p, inputs, x, inv), params)
   if per_rank:
-    loss, grads = each_rank(ctx, jax.value_and_grad(loss_fn), params,
-                            (inputs, x.without_owners()), inv_tokens)
+    loss, grads = each_rank(ctx, grad_fn, params, (inputs, x.without_owners()), inv_tokens)
   else:
-    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, x.without_owners(), inv_tokens)
+    loss, grads = grad_fn(params, inputs, x.without_owners(), inv_tokens)
     grads = jax.lax.with_sharding_constraint(
-        grads, {n: p.param_sh for n, p in ctx.plan.modules.items()})
+        grads, {n: p.trained_sh for n, p in ctx.plan.modules.items()})
   return _accumulate(acc, grads, loss, mismatches(ctx, x))
 
 
@@ -279,10 +297,11 @@ def per_rank_zeros(dp: int, params):
 
 
 def accumulator(ctx: Context, mode: GradMode, params: dict) -> dict:
-  """What a step's microbatches add to: zero gradients of `params` (module name -> parameters;
-  per rank where `mode` keeps them so), loss and mismatch count."""
+  """What a step's microbatches add to: zero gradients of the trained leaves of `params` (module
+  name -> parameters; per rank where `mode` keeps them so), loss and mismatch count."""
+  trained = {n: ctx.plan[n].trained(p) for n, p in params.items()}
   return {"grads": {n: per_rank_zeros(ctx.groups, p) if mode.keeps_per_rank(n) else zeros(p)
-                    for n, p in params.items()},
+                    for n, p in trained.items()},
           "loss": jnp.zeros((), jnp.float32), "mismatches": jnp.zeros((), jnp.int32)}
 
 
@@ -302,7 +321,7 @@ def sq_norm(labels, grads) -> jax.Array:
 
 def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
   """One clip factor from every module's squared norm (optim.py), then this module's optax
-  update."""
+  update of its trained leaves (`params`: those alone; the frozen ones are not touched)."""
   norm, scale = optim.clip_factor(sq_norms, ctx.cfg.optim.clip_norm)
   grads = jax.tree.map(lambda g: g * scale, grads)
   updates, opt_state = ctx.plan[name].tx.update(grads, opt_state, params)
@@ -337,15 +356,16 @@ class Programs:
         encoder_forward={n: jax.jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
         encoder_tokens={n: jax.jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
         encoder_backward={n: jax.jit(encoder_backward, donate_argnums=(2,),
-                                     out_shardings=plan[n].param_sh) for n in ctx.encoders},
+                                     out_shardings=plan[n].trained_sh) for n in ctx.encoders},
         language_step=jax.jit(part(language_step, ctx), donate_argnums=(1,)),
         fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)) if mode.fused else None,
         language_accumulator=acc(ctx.split_mode, ["language"]),
         fused_accumulator=acc(mode, list(plan.modules)) if mode.fused else None,
-        zeros={n: jax.jit(zeros, out_shardings=p.param_sh) for n, p in plan.modules.items()},
+        zeros={n: jax.jit(lambda params, p=p: zeros(p.trained(params)), out_shardings=p.trained_sh)
+               for n, p in plan.modules.items()},
         reduce={n: jax.jit(reduce, out_shardings=p.grad_sh) for n, p in plan.modules.items()},
-        sq_norm={n: jax.jit(part(sq_norm, p.labels), out_shardings=scalar(n))
+        sq_norm={n: jax.jit(part(sq_norm, p.trained(p.labels)), out_shardings=scalar(n))
                  for n, p in plan.modules.items()},
         update={n: jax.jit(part(update, ctx, n), donate_argnums=(0, 1),
-                           out_shardings=(p.param_sh, p.opt_sh, scalar(n), scalar(n)))
+                           out_shardings=(p.trained_sh, p.opt_sh, scalar(n), scalar(n)))
                 for n, p in plan.modules.items()})

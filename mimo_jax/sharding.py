@@ -147,12 +147,14 @@ class ModulePlan:
   schedule: Schedule
   shard: str  # topology.<module>.shard: none, optimizer (ZeRO-1) or full (FSDP)
   labels: Any  # parameter tree of group labels (optim.FROZEN for frozen groups)
-  tx: optax.GradientTransformation
+  tx: optax.GradientTransformation  # over the trained part (`trained`)
   trainable: bool
-  abstract_params: Any  # ShapeDtypeStructs with shardings, in the schedule's layout
+  abstract_params: Any  # ShapeDtypeStructs with shardings, in the schedule's layout; frozen
+  # leaves in the compute dtype (optim.stored)
   opt_shapes: Any
   param_sh: Any
   opt_sh: Any
+  # Gradients exist for the trained part alone (`trained`): these trees hold nothing else.
   grad_sh: Any  # a step's summed gradients (split over dp under optimizer and full)
   per_rank_sh: Any  # gradients kept per dp rank: [dp, ...] split over dp (not under full)
   canonical_params: Any  # ShapeDtypeStructs with shardings, stacked blocks as [L, ...]
@@ -175,6 +177,22 @@ class ModulePlan:
     """FSDP: the parameters themselves are split over dp ranks."""
     return self.shard == "full" and self.dp > 1
 
+  def trained(self, tree):
+    """The trained leaves of a parameter-shaped tree (optim.trained)."""
+    return optim.trained(tree, self.labels)
+
+  def frozen(self, tree):
+    return optim.frozen(tree, self.labels)
+
+  def join(self, trained, frozen):
+    """A `trained` and a `frozen` part as the whole parameter tree."""
+    return optim.join(trained, frozen)
+
+  @property
+  def trained_sh(self):
+    """The trained leaves' parameter shardings (where unsummed gradients live)."""
+    return self.trained(self.param_sh)
+
   def layout(self, tree):
     """Canonical stacked blocks [L, ...] -> the schedule's layout."""
     return on_blocks(tree, self.schedule.to_layout)
@@ -186,7 +204,10 @@ class ModulePlan:
 def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, ...]) -> ModulePlan:
   t = cfg.topology.module(name)
   schedule = Schedule(t.pp, t.virtual, t.schedule)
-  canonical = module.abstract_params()
+  built = module.abstract_params()
+  # Frozen leaves are stored in the compute dtype (optim.stored); the rest as the model built it.
+  canonical = optim.stored(built, optim.labels(module.groups(built), frozen),
+                           jax.numpy.dtype(cfg.model.dtype))
   layout = lambda tree: on_blocks(tree, schedule.to_layout)
   abstract = jax.eval_shape(layout, canonical)
   shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -205,9 +226,10 @@ def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, .
   param_sh = shard(param_specs_)
   groups = module.groups(abstract)
   labels = optim.labels(groups, frozen)
-  tx = optim.module_transform(cfg, groups)
+  trained = lambda tree: optim.trained(tree, labels)  # what gradients and moments cover
+  tx = optim.module_transform(cfg, trained(groups))
   abstract_params = with_shardings(abstract, param_sh)
-  opt_shapes = jax.eval_shape(tx.init, abstract_params)
+  opt_shapes = jax.eval_shape(tx.init, trained(abstract_params))
   replicated = NamedSharding(mesh, REPLICATED)
   gather = None
   if t.shard == "full" and dp > 1 and not schedule.pipelined:
@@ -217,12 +239,12 @@ def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, .
       name=name, mesh=mesh, schedule=schedule, shard=t.shard, labels=labels, tx=tx,
       trainable=any(l != optim.FROZEN for l in jax.tree.leaves(labels)),
       abstract_params=abstract_params, opt_shapes=opt_shapes, param_sh=param_sh,
-      opt_sh=optimizer_shardings(tx, opt_shapes, shard(grad_specs), replicated),
-      grad_sh=shard(grad_specs),
-      per_rank_sh=jax.tree.map(lambda s: NamedSharding(mesh, P("dp", *s)),
-                               param_specs(abstract, schedule.stage_spec())),
+      opt_sh=optimizer_shardings(tx, opt_shapes, trained(shard(grad_specs)), replicated),
+      grad_sh=trained(shard(grad_specs)),
+      per_rank_sh=trained(jax.tree.map(lambda s: NamedSharding(mesh, P("dp", *s)),
+                                       param_specs(abstract, schedule.stage_spec()))),
       canonical_params=with_shardings(canonical, shard(canonical_specs)),
-      canonical_grad_sh=shard(canonical_grad_specs), gather=gather)
+      canonical_grad_sh=trained(shard(canonical_grad_specs)), gather=gather)
 
 
 @dataclasses.dataclass

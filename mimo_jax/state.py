@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from mimo_jax import optim
 from mimo_jax.config import ConfigError
 from mimo_jax.sharding import Plan, optimizer_shardings, with_shardings, REPLICATED
 
@@ -42,14 +43,17 @@ def init_state(plan: Plan, modules: dict, seed: int, optimizer: bool = True,
   state = {}
   for name, module in modules.items():
     p, start = plan[name], starts.pop(name, None)
+    # Every leaf in its stored dtype (optim.stored: a frozen one in the compute dtype).
+    stored = lambda tree, p=p: optim.cast(p.layout(tree), p.abstract_params)
     if isinstance(start, HFStart):
       params = _from_hf(p, module, seed, start, name)
     elif start is not None:
-      params = jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(start)
+      params = jax.jit(stored, out_shardings=p.param_sh, donate_argnums=0)(start)
     else:
-      init = lambda seed, p=p, module=module: p.layout(module.init(seed))
+      init = lambda seed, module=module, stored=stored: stored(module.init(seed))
       params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
-    opt_state = jax.jit(p.tx.init, out_shardings=p.opt_sh)(params) if optimizer else None
+    opt_state = (jax.jit(lambda params, p=p: p.tx.init(p.trained(params)),
+                         out_shardings=p.opt_sh)(params) if optimizer else None)
     state[name] = ModuleState(params, opt_state)
   return state
 
@@ -60,14 +64,16 @@ def _from_hf(p, module, seed: int, start: HFStart, name: str):
   written into its device array layer by layer). On a terminal a bar counts the tensors, with
   the host memory."""
   canonical_sh = jax.tree.map(lambda a: a.sharding, p.canonical_params)
-  params = jax.jit(module.init, static_argnums=0, out_shardings=canonical_sh)(seed)
+  init = lambda seed: optim.cast(module.init(seed), p.canonical_params)
+  params = jax.jit(init, static_argnums=0, out_shardings=canonical_sh)(seed)
   bar = tqdm(total=sum(max(read.layers, 1) for _, read in start.leaves), unit="tensor",
              desc=f"model.{name}", leave=False,
              disable=None if jax.process_index() == 0 else True)  # None: on a terminal only
   with bar:
     for path, read in start.leaves:
       _read_leaf(params, p, path, read, bar, start.path, name)
-  return jax.jit(p.layout, out_shardings=p.param_sh, donate_argnums=0)(params)
+  return jax.jit(lambda t: optim.cast(p.layout(t), p.abstract_params), out_shardings=p.param_sh,
+                 donate_argnums=0)(params)
 
 
 def _read_leaf(params, p, path, read, bar, directory: str, name: str):
@@ -81,7 +87,7 @@ def _read_leaf(params, p, path, read, bar, directory: str, name: str):
     raise ConfigError(f"{directory}: {'/'.join(path)} has shape {shape} where model.{name} has "
                      f"{target.shape}.")
   node[path[-1]] = (_place_layers(read, target, bar) if read.layers else
-                    _place(read.layer(0), target.sharding))
+                    _place(read.layer(0), target.sharding).astype(target.dtype))
   bar.update(0 if read.layers else 1)
   if not bar.disable:
     bar.set_postfix_str(f"host {host_gib():.1f} GiB", refresh=False)

@@ -234,8 +234,10 @@ class Step:
     for n in self.plan.modules:
       here = self.plan.sharding(n, REPLICATED)
       sq_here = [bridge.transfer(sq[k], here) for k in self.plan.modules]
-      params, opt_state, norm, scale = pr.update[n](state_[n].params, state_[n].opt_state,
-                                                    grads[n], sq_here)
+      p = self.plan[n]  # the update takes and returns the trained leaves; the frozen stay
+      trained, opt_state, norm, scale = pr.update[n](p.trained(state_[n].params),
+                                                     state_[n].opt_state, grads[n], sq_here)
+      params = p.join(trained, p.frozen(state_[n].params))
       new_state[n] = ModuleState(params, opt_state)
       probe(n, params)
       metrics[f"clip_scale/{n}"] = scale
@@ -249,9 +251,10 @@ class Step:
   def fresh_opt_state(self, name: str, canonical_params):
     """Module `name`'s optimizer state as its transform starts it, for parameters in the
     checkpoint layout (a step saved with parameters only)."""
+    p = self.plan[name]
     target = self.abstract_state(canonical=True)[name]["opt_state"]
-    return jax.jit(self.plan[name].tx.init,
-                   out_shardings=jax.tree.map(lambda a: a.sharding, target))(canonical_params)
+    return jax.jit(p.tx.init, out_shardings=jax.tree.map(lambda a: a.sharding, target))(
+        p.trained(canonical_params))
 
   def canonical(self, state_: dict[str, ModuleState]) -> dict[str, ModuleState]:
     return state.canonical(self.plan, state_)
