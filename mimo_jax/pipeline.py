@@ -187,6 +187,15 @@ def _at(tree, i):
   return jax.tree.map(lambda a: a[i], tree)
 
 
+def _part(mask, tree, trained: bool):
+  """The leaves of `tree` whose `mask` entry is `trained` (None elsewhere: no leaf)."""
+  return jax.tree.map(lambda t, x: x if t == trained else None, mask, tree)
+
+
+def _join(mask, trained, frozen):
+  return jax.tree.map(lambda t, a, b: a if t else b, mask, trained, frozen)
+
+
 class Stack:
   """Runs `layer(params_i, x, *side) -> x` over stacked parameters for M microbatches at once.
 
@@ -195,10 +204,14 @@ class Stack:
   and each of `side_m` is [M, ...] (per-microbatch inputs every layer sees, such as positions)."""
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
-               unroll: bool = True, gather: Callable | None = None, branch: bool | None = None):
+               unroll: bool = True, gather: Callable | None = None, branch: bool | None = None,
+               trained=None):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
-    (`_backward`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`)."""
+    (`_backward`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`).
+    `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
+    tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros)."""
+    self.trained = trained
     if gather is not None:
       inner = layer
       layer = lambda params, x, *side: inner(gather(params), x, *side)
@@ -245,11 +258,14 @@ class Stack:
 
     def backward(saved, dy_m):
       params, x_m, side_m = saved
+      mask = self._mask(params)
       specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
       body = functools.partial(self._backward, tasks=self.schedule.tasks(num))
-      d_params, dx_m = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
-                                     out_specs=(specs, P()), axis_names={PP})(
-                                         params, x_m, side_m, dy_m)
+      d_trained, dx_m = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
+                                      out_specs=(_part(mask, specs, True), P()),
+                                      axis_names={PP})(params, x_m, side_m, dy_m)
+      # A frozen leaf's cotangent: zeros that nothing reads (autodiff drops them).
+      d_params = _join(mask, d_trained, jax.tree.map(jnp.zeros_like, _part(mask, params, False)))
       return d_params, dx_m, tuple(np.zeros(a.shape, jax.dtypes.float0) for a in side_m)
 
     for a in side_m:
@@ -291,6 +307,9 @@ class Stack:
     (_, _, outs), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
 
+  def _mask(self, params):
+    return self.trained if self.trained is not None else jax.tree.map(lambda _: True, params)
+
   def _chunks(self, params):
     """This stage's chunks as [v, L/(p·v), ...] whichever layout they arrived in."""
     return params if self.schedule.virtual > 1 else jax.tree.map(lambda a: a[None], params)
@@ -305,13 +324,20 @@ class Stack:
     p = self.schedule.stages
     table, n_in, n_cot = lower_explicit(tasks)
     stage = jax.lax.axis_index(PP)
+    mask = self._mask(params)
     chunks = self._chunks(params)
-    ahead = [(i, (i + 1) % p) for i in range(p)]
-    back = [((i + 1) % p, i) for i in range(p)]
+    frozen = _part(mask, chunks, False)  # a constant of every backward: no gradient of it
 
     def chunk_fn(m):
       side = tuple(a[m] for a in side_m)
       return lambda c, h: _scan_layers(self.layer, c, h, side, self.unroll)
+
+    def chunk_vjp(m, local, h):
+      """A chunk's output and its vjp with respect to (its trained leaves, its input)."""
+      run = lambda t, h: chunk_fn(m)(_join(mask, t, _at(frozen, local)), h)
+      return jax.vjp(run, _at(_part(mask, chunks, True), local), h)
+    ahead = [(i, (i + 1) % p) for i in range(p)]
+    back = [((i + 1) % p, i) for i in range(p)]
 
     def idle(h, dy, m, local, grads):
       return jnp.zeros_like(h), jnp.zeros_like(h), grads
@@ -320,14 +346,14 @@ class Stack:
       return chunk_fn(m)(_at(chunks, local), h), jnp.zeros_like(h), grads
 
     def backward(h, dy, m, local, grads):
-      _, vjp = jax.vjp(chunk_fn(m), _at(chunks, local), h)
+      _, vjp = chunk_vjp(m, local, h)
       d_chunk, dh = vjp(dy)
       return jnp.zeros_like(h), dh, jax.tree.map(lambda g, d: g.at[local].add(d), grads, d_chunk)
 
     def every_task(kind, h, dy, m, local, grads):
       """What `switch` picks, with one forward and one backward whatever the task: every device
       runs the same collectives in the same order."""
-      out, vjp = jax.vjp(chunk_fn(m), _at(chunks, local), h)
+      out, vjp = chunk_vjp(m, local, h)
       d_chunk, dh = vjp(dy)
       fwd, bwd = kind == RUN_FORWARD, kind == RUN_BACKWARD
       grads = jax.tree.map(lambda g, d: g.at[local].add(jnp.where(bwd, d, 0)), grads, d_chunk)
@@ -363,7 +389,8 @@ class Stack:
     init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
                           jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
                          (PP,), to="varying")
-    init = init[:4] + (jax.tree.map(jnp.zeros_like, chunks),) + init[4:]  # chunks vary already
+    grads0 = jax.tree.map(jnp.zeros_like, _part(mask, chunks, True))  # chunks vary already
+    init = init[:4] + (grads0,) + init[4:]
     (_, _, _, _, grads, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     if self.schedule.virtual == 1:
       grads = jax.tree.map(lambda g: g[0], grads)

@@ -98,7 +98,8 @@ class Context:
   def build(cls, cfg: Config, plan: Plan, modules: dict[str, Module], encoders: dict) -> "Context":
     tops = cfg.topology.modules()
     stacks = {n: Stack(m.layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll,
-                       plan[n].gather) for n, m in modules.items()}
+                       plan[n].gather, trained=_trained_blocks(plan[n]))
+              for n, m in modules.items()}
     mode = GradMode.build(plan, fused=fusable(cfg, plan))
     split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
     return cls(cfg, plan, modules, encoders, stacks, mode, split_mode)
@@ -158,6 +159,11 @@ class Context:
     return language_logits(self.bind("language", params), self.run_blocks("language", params),
                            text.tokens_rl, tokens, pos, groups, text.positions_rl,
                            text.segment_ids_rl if packed else None)
+
+
+def _trained_blocks(p: ModulePlan):
+  """Which stacked parameters train (a tree of bools), for the Stack's backward tasks."""
+  return jax.tree.map(lambda label: label != optim.FROZEN, p.labels.get(BLOCKS, {}))
 
 
 def _to_language(ctx: Context, name: str, x):

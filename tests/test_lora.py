@@ -170,6 +170,13 @@ def test_layout_matches_single_device(data_dir, single, topo):
   assert_close_trajectory(single[0], got, rtol=1e-4)
 
 
+def test_1f1b_matches_single_device(data_dir, single):
+  # The backward tasks differentiate the adapters alone (pipeline.Stack's `trained`).
+  cfg = lora_config(data_dir, vision=(0, 2, 1), language=(2, 2, 1, 2))
+  cfg.topology.language.schedule = "1f1b"
+  assert_close_trajectory(single[0], run_steps(cfg, STEPS)[0], rtol=1e-4)
+
+
 def test_fsdp_base_matches_single_device(data_dir, single):
   cfg = lora_config(data_dir, vision=(0, 2, 1), language=(2, 4, 1))
   cfg.topology.language.shard = "full"
