@@ -5,7 +5,7 @@ language model's, in dispatch order (models/mimo.Module: how to build one, its p
 import jax.numpy as jnp
 
 from mimo_jax import encoders
-from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, lora_of, row_segments
+from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, row_segments
 from mimo_jax.models import lora
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
 from mimo_jax.models.mimo import Module, attention_implementation
@@ -23,5 +23,4 @@ def build_modules(cfg: Config) -> dict[str, Module]:
   out[LANGUAGE] = Module(LANGUAGE, lambda rngs: LanguageModel(rngs, lm, vocab, dtype, att, ls),
                          lambda rngs: DecoderBlock(rngs, lm, dtype, att, ls), seed_salt=2)
   # Any module whose config has a `lora` section with rank > 0 gets adapters.
-  return {n: lora.with_adapters(m, lora_of(cfg, n), f"model.{n}.lora") if lora_of(cfg, n) else m
-          for n, m in out.items()}
+  return {n: lora.adapted(m, cfg, n) for n, m in out.items()}

@@ -36,7 +36,7 @@ def imported():
   cfg = _config()
   src = hf.Source.open(FIXTURES / "hf" / "llama3")
   base = hf.load(src, "language", cfg, modules.build_modules(cfg)["language"].init(0))
-  return cfg, base, peft.read(ADAPTER, cfg, base)
+  return cfg, base, peft.read(ADAPTER, cfg, {"language": base})["language"]
 
 
 def test_imported_adapter_gives_peft_outputs(imported):
@@ -58,7 +58,7 @@ def test_imported_adapter_gives_peft_outputs(imported):
 
 def test_export_has_peft_names_and_is_bitwise_the_imported_adapter(imported, tmp_path):
   cfg, _, params = imported
-  peft.write(tmp_path / "adapter", cfg, params, base="tests/fixtures/hf/llama3")
+  peft.write(tmp_path / "adapter", cfg, {"language": params}, base="tests/fixtures/hf/llama3")
   written = load_file(str(tmp_path / "adapter" / peft.WEIGHTS))
   expected = json.loads(str(np.load(ADAPTER / "reference.npz")["names"]))
   assert {k: list(v.shape) for k, v in written.items()} == expected
@@ -71,7 +71,7 @@ def test_export_has_peft_names_and_is_bitwise_the_imported_adapter(imported, tmp
     assert config[key] == fixture[key], key
   assert sorted(config["target_modules"]) == sorted(fixture["target_modules"])
   # Read back: the same parameters, bit for bit.
-  again = paths(peft.read(tmp_path / "adapter", cfg, params))
+  again = paths(peft.read(tmp_path / "adapter", cfg, {"language": params})["language"])
   for k, v in paths(params).items():
     np.testing.assert_array_equal(again[k], v, err_msg=k)
 
@@ -80,10 +80,10 @@ def test_an_adapter_that_does_not_fit_is_refused(imported, tmp_path):
   cfg, base, _ = imported
   cfg.model.language.lora.rank = 8
   with pytest.raises(hf.HFError, match=r"adapter_config\.json: r is 4 .*model\.language\.lora"):
-    peft.read(ADAPTER, cfg, base)
+    peft.read(ADAPTER, cfg, {"language": base})
   cfg.model.language.lora.rank = 4
   with pytest.raises(hf.HFError, match="not a PEFT adapter directory"):
-    peft.read(tmp_path, cfg, base)
+    peft.read(tmp_path, cfg, {"language": base})
 
 
 def test_full_export_writes_the_merged_model(imported):
@@ -100,3 +100,84 @@ def test_full_export_writes_the_merged_model(imported):
     np.testing.assert_array_equal(got[k], v, err_msg=k)
   q = "model.layers.0.self_attn.q_proj.weight"
   assert np.abs(got[q] - unmerged[q]).max() > 1e-3  # the adapters are in it
+
+
+LLAVA_ADAPTER = FIXTURES / "peft" / "llava15"
+
+
+@pytest.fixture(scope="module")
+def llava():
+  """The LLaVA-1.5 fixture with adapters on the tower (rank 2) and the language model (rank 4)
+  and the projector trained, as PEFT saved them, read into our parameters."""
+  from mimo_jax.encoders import vision as vision_encoder  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(FIXTURES / "hf" / "llava15")
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  hf.configure(cfg, src)
+  cfg.model.language.lora.rank, cfg.model.language.lora.alpha = 4, 8.0
+  cfg.model.vision.lora.rank, cfg.model.vision.lora.alpha = 2, 4.0
+  validate(cfg)
+  built = modules.build_modules(cfg)
+  base = {n: hf.load(src, n, cfg, built[n].init(0)) for n in ("vision", "language")}
+  params = peft.read(LLAVA_ADAPTER, cfg, base, ("vision", "language"))
+
+  def logits(p):
+    ref = np.load(LLAVA_ADAPTER / "reference.npz")
+    tokens = vision_encoder.image_tokens(cfg, p["vision"], ref["pixels"])
+    return np.asarray(whole.merged_logits(cfg, p["language"], ref["input_ids"], tokens,
+                                          src.config["image_token_index"]))
+  return cfg, base, params, logits
+
+
+def test_tower_and_language_adapters_give_peft_outputs(llava):
+  cfg, base, params, logits = llava
+  theirs = np.load(LLAVA_ADAPTER / "reference.npz")["logits"]
+  ours = logits(params)
+  assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+  # Each part matters: without the tower's adapters, or the trained projector, it is far off.
+  for module, keep in (("vision", lambda k: not lora.is_adapter(k)),
+                       ("vision", lambda k: not k.startswith("projector/"))):
+    flat, original = paths(params[module]), paths(base[module])
+    mixed = dict(params, **{module: _nest({k: v if keep(k) else original[k]
+                                           for k, v in flat.items()})})
+    assert np.abs(logits(mixed) - theirs).max() > 1e-3 * np.abs(theirs).max()
+
+
+def test_llava_export_has_peft_names_and_reads_back_bitwise(llava, tmp_path):
+  cfg, _, params, _ = llava
+  both = ("vision", "language")
+  peft.write(tmp_path / "adapter", cfg, params, modules=both)
+  written = load_file(str(tmp_path / "adapter" / peft.WEIGHTS))
+  expected = json.loads(str(np.load(LLAVA_ADAPTER / "reference.npz")["names"]))
+  assert {k: list(v.shape) for k, v in written.items()} == expected
+  for k, v in load_file(str(LLAVA_ADAPTER / peft.WEIGHTS)).items():
+    np.testing.assert_array_equal(written[k], v, err_msg=k)
+  config = json.loads((tmp_path / "adapter" / peft.CONFIG).read_text())
+  fixture = json.loads((LLAVA_ADAPTER / peft.CONFIG).read_text())
+  for key in ("peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "modules_to_save"):
+    assert config[key] == fixture[key], key
+  again = peft.read(tmp_path / "adapter", cfg, params, both)
+  for n in both:
+    for k, v in paths(params[n]).items():
+      np.testing.assert_array_equal(paths(again[n])[k], v, err_msg=f"{n} {k}")
+
+
+def test_a_tower_trained_whole_has_no_peft_adapter(llava, tmp_path):
+  cfg, _, params, _ = llava
+  cfg.model.vision.lora.rank = 0
+  with pytest.raises(hf.HFError, match=r"model\.vision trains .*without --peft"):
+    peft.write(tmp_path / "adapter", cfg, params, modules=("vision", "language"))
+  cfg.model.vision.lora.rank = 2
+  assert not (tmp_path / "adapter").exists()
+
+
+def _nest(flat: dict) -> dict:
+  out = {}
+  for k, v in flat.items():
+    node = out
+    *head, last = k.split("/")
+    for h in head:
+      node = node.setdefault(h, {})
+    node[last] = v
+  return out

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
   python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=FILE[:ARG]] [--config.a.b=v ...]
-  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|audio|language] [--tokenizer DIR] [--overwrite]
+  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|audio|language] [--tokenizer DIR] [--peft] [--overwrite]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
 `import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
@@ -37,7 +37,16 @@ its chat template (the run's data's tokenizer, else the language model's source'
 tokenizer's <image>. A tower imported beside a language model (`--hf` twice) is read as LLaVA
 reads one (no final norm; a projector as wide as the language model), so it exports as LLaVA.
 Written staged and renamed into place; a non-empty --out is refused unless it holds a complete
-export and `--overwrite` is given; NaN or Inf weights are refused.
+export and `--overwrite` is given; NaN or Inf weights are refused. A module with LoRA adapters
+(model.<module>.lora) is written merged: the plain model.
+
+`export --peft` writes the run's LoRA adapters instead, as a PEFT adapter directory
+(adapter_config.json, adapter_model.safetensors with PEFT's names; mimo_jax/hf/peft.py) that
+`peft.PeftModel.from_pretrained(base, DIR)` loads over the base the export without --peft would
+write from the step the run started from: LLaVA's tower and language model adapters (the
+default), or `--module language` / `--module vision` alone; a trained projector goes with them
+whole (PEFT's modules_to_save). A module that trains its own weights has no place in an adapter:
+the export is refused, naming it.
 
 `check` (needs torch and transformers: `pip install -e '.[hf]'`) runs the same random inputs
 through transformers and mimo_jax and prints the largest absolute and relative differences of the
@@ -425,7 +434,27 @@ def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int,
   return token, text
 
 
+def _export_peft(args) -> None:
+  """`export --peft`: the run's adapters (and a trained projector) as a PEFT adapter."""
+  from mimo_jax.hf import peft  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(args.out)
+  output.check_target(out, "PEFT adapter", "--out", complete=peft.WEIGHTS, replace=args.overwrite)
+  cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
+  if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
+    cfg.model.language.vocab_size = DIGITS_VOCAB
+  modules = ((args.module,) if args.module else
+             ("vision", "language") if "vision" in cfg.model.encoders else ("language",))
+  _, sources = history(args.workdir, cfg, record)
+  base = next(iter(sources.get(modules[-1]) or []), "")
+  peft.write(out, cfg, params, base=base, replace=args.overwrite, modules=modules)
+  print(f"wrote {out}: a PEFT adapter of {' and '.join(modules)} from step {step}"
+        f"{f' over {base}' if base else ''}")
+
+
 def _export(args) -> None:
+  if args.peft:
+    _export_peft(args)
+    return
   out = pathlib.Path(args.out)
   if (out / "config.json").is_file() and not args.overwrite:
     _fail(f"--out={args.out} holds an export already (config.json); pass --overwrite to replace "
@@ -544,6 +573,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--tokenizer", default="",
                  help="the tokenizer directory to copy (default: the run's data's, else the "
                  "language model's source)")
+  p.add_argument("--peft", action="store_true",
+                 help="write the run's LoRA adapters as a PEFT adapter directory (default: the "
+                 "merged model)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace --out if it holds a complete export")
   p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs")

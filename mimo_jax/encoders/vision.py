@@ -25,7 +25,7 @@ from mimo_jax import encoders, hf
 from mimo_jax.config import (ACTIVATIONS, BUILTIN_IMAGE_TOKEN, Config, ConfigError,
                              ModuleTopology, positive, require)
 from mimo_jax.flops import kernel_params
-from mimo_jax.models import mimo, vit
+from mimo_jax.models import lora, mimo, vit
 from mimo_jax.models.vit import POSITION_RESIZE, ViTConfig
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
@@ -344,7 +344,7 @@ def hidden_states(cfg: Config, params: dict, images_nhwc) -> jax.Array:
   """Images [n, h, w, c] in [0, 1] -> the last block's output [n, tokens, dim] (the class token
   first if any; no final norm), patches in block order (row-major without a pixel shuffle), in
   one piece on one device (checks against transformers' towers)."""
-  module = ENCODER.module(cfg)
+  module = lora.adapted(ENCODER.module(cfg), cfg, ENCODER.name)
   model = module.bind(params)
   return module.apply_blocks(params, model.patches(jnp.asarray(images_nhwc, jnp.float32)))
 
@@ -352,5 +352,5 @@ def hidden_states(cfg: Config, params: dict, images_nhwc) -> jax.Array:
 def image_tokens(cfg: Config, params: dict, images_nhwc) -> jax.Array:
   """Images [n, h, w, c] in [0, 1] -> projected image tokens [n, t, language dim], in one
   piece on one device (mimo_jax/whole.py merges them into the text)."""
-  model = ENCODER.module(cfg).bind(params)
+  model = lora.adapted(ENCODER.module(cfg), cfg, ENCODER.name).bind(params)
   return model.finish(hidden_states(cfg, params, images_nhwc))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mimo_jax.config import ConfigError, LoraConfig
+from mimo_jax.config import ConfigError, LoraConfig, lora_of
 
 A, B = "lora_a", "lora_b"
 
@@ -95,6 +95,13 @@ def with_adapters(module, lora: LoraConfig, field: str):
     return build
   return dataclasses.replace(module, ctor=wrap(module.ctor, True),
                              layer_ctor=wrap(module.layer_ctor, False), lora=lora)
+
+
+def adapted(module, cfg, name: str):
+  """Module `name` (a models/mimo.Module) with the adapters `model.<name>.lora` asks for, if any:
+  as the run builds it (modules.build_modules) and the one-piece checks must too."""
+  lora = lora_of(cfg, name)
+  return with_adapters(module, lora, f"model.{name}.lora") if lora else module
 
 
 def is_adapter(path: str) -> bool:
