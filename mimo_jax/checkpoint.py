@@ -267,6 +267,68 @@ def _from_global(tree, abstract):
   return jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda t: t.sharding, abstract))(moved)
 
 
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """Where the frozen weights of a run with LoRA adapters are held: a step of a checkpoint
+  folder (`path` relative to the folder of the checkpoints naming it: "." for their own) that
+  holds every parameter (an import's step 0, or the step 0 a run writes of the weights it starts
+  from), and the fingerprints that step holds of them: module -> `params/<path>` -> fingerprint.
+  The run's later steps hold the trained parameters and name this one (`meta["base"]`)."""
+  path: str
+  step: int
+  fingerprints: dict
+
+  def as_meta(self) -> dict:
+    return {"path": self.path, "step": self.step, "fingerprints": self.fingerprints}
+
+
+def base_folder(own: str, recorded: str, moved: str = "") -> str:
+  """The folder a base lives in: `moved` (checkpoint.base: a workdir or its checkpoints folder)
+  where given, else the one recorded, relative to `own` (the naming checkpoints' folder)."""
+  if moved:
+    return directory(moved) if os.path.isdir(os.path.join(moved, "checkpoints")) else \
+        os.path.abspath(moved)
+  return os.path.normpath(os.path.join(own, recorded))
+
+
+def without(tree: dict, paths: set, prefix: str = "") -> dict:
+  """The nested dicts of `tree` without the leaves whose paths (`a/b/c`) are in `paths`."""
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}{k}"
+    if isinstance(v, dict):
+      kept = without(v, paths, path + "/")
+      if kept:
+        out[k] = kept
+    elif path not in paths:
+      out[k] = v
+  return out
+
+
+def name_base(ckpt: "Checkpointer", cfg: Config, found: int | None, meta: dict, canonical,
+              frozen: dict[str, set]) -> None:
+  """Sets `ckpt.base` for a run with frozen weights beside LoRA adapters (`frozen`: module ->
+  `params/<path>` of its frozen leaves; all empty: every save holds everything). A fresh start
+  saves the weights it starts from once, as a step 0 of parameters only (as an import writes;
+  `canonical()` gives the state to save); a resume keeps the base its step names (or the
+  folder `checkpoint.base` says it moved to), or an import's step 0 it resumed from."""
+  if not any(frozen.values()):
+    return
+  held = lambda fps: {n: {k: fps[n][k] for k in sorted(paths) if k in fps.get(n, {})}
+                      for n, paths in frozen.items()}
+  if found is None:
+    ckpt.base = Base(".", 0, held(ckpt.save(0, canonical(), cfg, params_only=True)["fingerprints"]))
+  elif meta.get("base"):
+    b = meta["base"]
+    path = b["path"]
+    if ckpt.moved_base:
+      folder = os.path.abspath(base_folder(ckpt.path, path, ckpt.moved_base))
+      path = "." if folder == os.path.abspath(ckpt.path) else folder
+    ckpt.base = Base(path, b["step"], b["fingerprints"])
+  elif meta.get("params_only") and found == 0:
+    ckpt.base = Base(".", 0, held(meta["fingerprints"]))
+
+
 def _global_abstract(abstract):
   return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype,
                                                      sharding=_global_sharding(t.shape)),
@@ -283,10 +345,11 @@ class Checkpointer:
   """Saves and restores training state under `<workdir>/checkpoints`."""
 
   def __init__(self, path: str, modules: list[str], keep: int = 3, async_save: bool = True,
-               read_only: bool = False, host_gb: int | None = None):
+               read_only: bool = False, host_gb: int | None = None, keep_steps: tuple = ()):
     """`host_gb`: at most this many GB of arrays copied off the devices and being written at a
     time by a save (orbax's defaults: no limit on the copies, 96 GB being written); a checkpointer
-    with a limit saves only (`tools.hf import`'s step 0), uncompressed."""
+    with a limit saves only (`tools.hf import`'s step 0), uncompressed. `keep_steps`: steps never
+    rotated away (a LoRA run's base, `Base`)."""
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder
@@ -303,9 +366,14 @@ class Checkpointer:
     if read_only and _not_read_only_notice not in logging.getLogger("absl").filters:
       # Before the options: their construction warns that a read-only manager is read-only.
       logging.getLogger("absl").addFilter(_not_read_only_notice)
+    kept = {}
+    if keep and keep_steps and not read_only:
+      policies = ocp.checkpoint_managers
+      kept = {"preservation_policy": policies.AnyPreservationPolicy(
+          [policies.LatestN(keep), policies.CustomSteps(list(keep_steps))])}
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep or None, enable_async_checkpointing=async_save, create=not read_only,
-        read_only=read_only, cleanup_tmp_directories=not read_only)
+        max_to_keep=None if kept else keep or None, enable_async_checkpointing=async_save,
+        create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only, **kept)
     self.host_batched = False  # whether a save copies `host_gb` at a time (else all at once)
     if host_gb is None:  # a restore reads by the saved structure, with placeholders: PyTree
       handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96)
@@ -319,6 +387,8 @@ class Checkpointer:
           use_compression=False,  # 8B import: peak 24.8 GiB, compressed 30.9-33.0
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self.source = None  # the config field naming this run when a new run starts from it
+    self.base: Base | None = None  # where saves leave the frozen weights (a LoRA run's)
+    self.moved_base = ""  # checkpoint.base: where a base named by a step is now
     self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
     self._data = {}  # the data fingerprint, computed once per run (data.identity.fingerprint)
     handlers[META] = ocp.JsonCheckpointHandler()
@@ -368,6 +438,10 @@ class Checkpointer:
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
     trees = {n: {"params": s.params} if params_only else
              {"params": s.params, "opt_state": s.opt_state} for n, s in state.items()}
+    if self.base is not None and not params_only:  # the frozen weights stay in the base's step
+      frozen = {n: {k[len("params/"):] for k in self.base.fingerprints.get(n, {})} for n in trees}
+      trees = {n: dict(t, params=without(t["params"], frozen[n])) for n, t in trees.items()}
+      meta["base"] = self.base.as_meta()
     if params_only:
       meta["params_only"] = True
     else:
@@ -383,6 +457,7 @@ class Checkpointer:
     items = {n: ocp.args.PyTreeSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+    return meta
 
   def data_fingerprint(self, cfg: Config) -> dict:
     """`data.identity.fingerprint(cfg)`, computed once per data directory."""
@@ -470,7 +545,9 @@ class Checkpointer:
     wanted = {n: fingerprint.paths(a) for n, a in abstract.items()}
     params = {n: {k: a for k, a in w.items() if k.startswith("params/")}
               for n, w in wanted.items()}
-    differ = [d for n in abstract for d in shape_differences(saved[n], params[n], n)]
+    from_base = self.left_to_base(meta, saved, params)
+    differ = [d for n in abstract for d in shape_differences(
+        saved[n], {k: a for k, a in params[n].items() if k not in from_base[n]}, n)]
     if differ:
       raise CheckpointError(
           f"{where} holds other parameters than this run's model ({'; '.join(differ[:3])}"
@@ -483,8 +560,11 @@ class Checkpointer:
     if any(fresh.values()) and fresh_opt_state is None:
       raise ValueError(f"step {step} of {self.path} lacks optimizer state this run has; "
                        "restoring it needs the optimizer's fresh state.")
-    read = {n: {k: a for k, a in wanted[n].items() if k not in fresh[n]} for n in abstract}
+    read = {n: {k: a for k, a in wanted[n].items() if k not in fresh[n] and k not in from_base[n]}
+            for n in abstract}
     arrays = self.read(step, read, meta)
+    for n, got in self.read_base(step, meta, from_base).items():
+      arrays[n].update(got)
     state = {}
     for n, tree in abstract.items():
       module = fill(tree["params"], {k[len("params/"):]: v for k, v in arrays[n].items()
@@ -500,6 +580,49 @@ class Checkpointer:
     if not meta.get("params_only"):
       self.notes += _regrouped(meta, cfg, step, saved, fresh, opt)
     return state, meta
+
+  @staticmethod
+  def left_to_base(meta: dict, saved: dict, params: dict) -> dict:
+    """Per module, the parameters of `params` (path -> abstract array) that the step does not
+    hold and leaves to its base (`meta["base"]`, a LoRA run's frozen weights)."""
+    named = (meta.get("base") or {}).get("fingerprints", {})
+    return {n: {k: a for k, a in p.items() if k not in saved[n] and k in named.get(n, {})}
+            for n, p in params.items()}
+
+  def read_base(self, step: int, meta: dict, wanted: dict) -> dict:
+    """The frozen weights `wanted` (per module: path -> abstract array) that `step` leaves to
+    its base, read from the base's step after checking that it holds the weights the run was
+    trained on (its fingerprints, as the step recorded them)."""
+    if not any(wanted.values()):
+      return {n: {} for n in wanted}
+    b = meta["base"]
+    folder = base_folder(self.path, b["path"], self.moved_base)
+    named = f"{folder} step {b['step']}"
+    where = f"checkpoint {self.path} step {step} holds its trained weights; its frozen base"
+    move = ("put it back, or name the folder that holds that step now with "
+            "--config.checkpoint.base=DIR (a workdir or its checkpoints folder)")
+    if b["step"] not in complete_steps(folder):
+      raise CheckpointError(f"{where} weights are in {named}, which is not there (moved or "
+                            f"deleted): {move}.")
+    own = os.path.abspath(folder) == os.path.abspath(self.path)
+    held = [d for d in sorted(os.listdir(os.path.join(folder, str(b["step"]))))
+            if d != META and os.path.isdir(os.path.join(folder, str(b["step"]), d))]
+    ckpt = self if own else Checkpointer(folder, held, read_only=True)
+    try:
+      base_meta = ckpt.read_meta(b["step"])
+      got = base_meta.get("fingerprints", {})
+      changed = [f"{n} {k}" for n, w in wanted.items() for k in w
+                 if got.get(n, {}).get(k) != b["fingerprints"][n][k]]
+      if changed:
+        raise CheckpointError(
+            f"{where} weights were those of {named}, which now holds other weights "
+            f"({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} differ): {move} "
+            "(the weights the run was trained on), or start a new run.workdir.")
+      got = ckpt.read(b["step"], {n: w for n, w in wanted.items() if w}, base_meta)
+      return {n: got.get(n, {}) for n in wanted}
+    finally:
+      if not own:
+        ckpt.close()
 
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside

@@ -19,12 +19,13 @@ import time
 from typing import Callable, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from mimo_jax import fingerprint, workdir as workdir_lib
-from mimo_jax.checkpoint import (complete_steps, drop_closed_loop_reports, params_restore_dtype,
-                                 read_failure)
+from mimo_jax.checkpoint import (base_folder, complete_steps, drop_closed_loop_reports,
+                                 params_restore_dtype, read_failure)
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 
@@ -199,7 +200,7 @@ class Reader:
     for key, x in flat.items():
       module, path = key.split("/", 1)
       want = saved.get(module, {}).get(f"params/{path}")
-      if want is not None and [int(v) for v in fingerprint.of(np.asarray(x))] != want:
+      if want is not None and _fingerprint(x) != want and _fingerprint(x, as_stored=True) != want:
         bad.append(key)
     if bad and not self.gone(step):
       raise CkptError(f"step {step} of {self.path} does not match the fingerprints saved with it "
@@ -207,7 +208,34 @@ class Reader:
                       f"): {DAMAGED}")
     if bad:
       raise StepGone(step)
+    base = meta.get("base")
+    if base:  # a LoRA run's step: its frozen weights are in the step its base names
+      flat.update(self._base(step, base, flat))
     return flat
+
+  def _base(self, step: int, base: dict, have: dict) -> dict[str, np.ndarray]:
+    """The frozen weights a step leaves to its base (checkpoint.Base), read from there after
+    checking that it holds the weights the run was trained on."""
+    folder = base_folder(self.path, base["path"])
+    named, where = f"{folder} step {base['step']}", f"step {step} of {self.path}"
+    if base["step"] not in complete_steps(folder):
+      raise CkptError(f"{where} holds the trained weights; its frozen base weights are in "
+                      f"{named}, which is not there (moved or deleted): put it back.")
+    reader = self if os.path.abspath(folder) == self.path else Reader(folder)
+    try:
+      meta = reader.meta(base["step"])
+      changed = [f"{n} {k}" for n, fps in base["fingerprints"].items() for k, fp in fps.items()
+                 if meta.get("fingerprints", {}).get(n, {}).get(k) != fp]
+      if changed:
+        raise CkptError(f"{where} was trained on the frozen base weights of {named}, which now "
+                        f"holds other weights ({', '.join(changed[:3])} differ): put the base "
+                        "it was trained on back.")
+      flat = reader.params(base["step"], meta)
+    finally:
+      if reader is not self:
+        reader.close()
+    wanted = {f"{n}/{k[len('params/'):]}" for n, fps in base["fingerprints"].items() for k in fps}
+    return {k: flat[k] for k in sorted(wanted - set(have))}
 
   def params_tree(self, step: int, meta: dict) -> dict:
     """The parameters by module, nested as the model holds them (checked as `params`)."""
@@ -251,6 +279,17 @@ def newest(reader: Reader, step: int | None, fn: Callable[[int], T],
 
 def _meta(mngr, step: int) -> dict:
   return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _fingerprint(x, as_stored: bool = False) -> list[int]:
+  """`x`'s fingerprint; `as_stored`: of its bfloat16 values, where it holds bfloat16 values read
+  as float32 (a frozen weight saved in bfloat16 is fingerprinted as such)."""
+  x = np.asarray(x)
+  if as_stored and x.dtype == np.float32:
+    y = x.astype(jnp.bfloat16)
+    if np.array_equal(y.astype(np.float32), x):
+      x = y
+  return [int(v) for v in fingerprint.of(x)]
 
 
 def _metadata_tree(mngr, step: int, module: str) -> dict:

@@ -287,6 +287,9 @@ class CheckpointConfig:
   # Resume although the data differs from the checkpoint's (data fields, or converted data's
   # content): on purpose, e.g. a new data mix; the data position (step x global_batch) carries on.
   allow_data_change: bool = False
+  # Where the frozen base of a run with LoRA adapters is now, if the folder its checkpoints name
+  # moved (a workdir or its checkpoints folder; checked against the fingerprints they recorded).
+  base: str = ""
 
 
 @dataclasses.dataclass

@@ -102,12 +102,16 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
       saved = ckpt.saved_arrays(step, names)
       wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()}
                 for n in names}
+      from_base = ckpt.left_to_base(meta, saved, wanted)  # a LoRA run's frozen weights
+      wanted = {n: {k: a for k, a in w.items() if k not in from_base[n]} for n, w in wanted.items()}
       differ = [d for n in names for d in shape_differences(saved[n], wanted[n], n)]
       if differ:
         raise CheckpointError(f"{where} holds parameters of other shapes than this run's model "
                               f"({'; '.join(differ[:3])}); start from a run of this model.")
       if read:
         arrays = ckpt.read(step, wanted, meta)
+        for n, got in ckpt.read_base(step, meta, from_base).items():
+          arrays[n].update(got)
         for n in names:
           out[n] = fill(abstract[n], {k[len("params/"):]: v for k, v in arrays[n].items()})
     finally:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from mimo_jax import optim
 from mimo_jax.config import ConfigError
 from mimo_jax.sharding import Plan, optimizer_shardings, with_shardings, REPLICATED
+from mimo_jax.trees import paths
 
 
 @dataclasses.dataclass
@@ -122,6 +123,13 @@ def _place_layers(read, target, bar=None):
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_layer(stacked, x, i):
   return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
+
+
+def frozen_paths(plan: Plan, lora: bool) -> dict[str, set]:
+  """Module -> `params/<path>` of its frozen leaves, for a run with LoRA adapters (`lora`;
+  empty sets otherwise): what its checkpoints leave to their base (checkpoint.Base)."""
+  return {n: {f"params/{k}" for k, label in paths(p.labels).items()
+              if lora and label == optim.FROZEN} for n, p in plan.modules.items()}
 
 
 def abstract_state(plan: Plan, canonical: bool = False) -> dict[str, dict]:

@@ -17,8 +17,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mimo_jax import checkpoint, distributed, encoders, eval_set, init_from, memory, workdir
+from mimo_jax import state as state_lib
 from mimo_jax.batch import Batch, total
-from mimo_jax.config import Config
+from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError
@@ -192,8 +193,11 @@ class _Loop:
   def __init__(self, cfg: Config, trainer: Step):
     self.cfg = cfg
     self.trainer = trainer
+    self.lora = any(lora_of(cfg, n) for n in trainer.modules)  # frozen weights stay in a base
     self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
-                                        list(trainer.modules), keep=cfg.checkpoint.keep)
+                                        list(trainer.modules), keep=cfg.checkpoint.keep,
+                                        keep_steps=(0,) if self.lora else ())
+    self.ckpt.moved_base = cfg.checkpoint.base
     self.writer: MetricsWriter | None = None
     self.batches = None  # the training data's iterator, from the step after `start`
     self.records: list[dict] = []
@@ -216,12 +220,15 @@ class _Loop:
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     self.resumed = found is not None
     self.start = self.saved = found or 0
+    meta = {}
     if found is not None:
-      state, _ = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
-                              trainer.fresh_opt_state)
+      state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
+                                 trainer.fresh_opt_state)
       self.state = trainer.from_canonical(state)
     else:
       self.state = trainer.init_state(cfg.train.seed)
+    checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
+                         state_lib.frozen_paths(trainer.plan, self.lora))
     started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
     dp = trainer.topo.dp("language")
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.

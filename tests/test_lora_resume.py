@@ -86,3 +86,74 @@ def test_peft_export_of_a_run(full_run, tmp_path):
       tensors["base_model.model.model.multi_modal_projector.linear_1.weight"], up.T)
   assert not any("vision_tower" in k for k in tensors)  # the frozen tower has no adapters
   assert len(tensors) == 2 * 7 * layers + 4
+
+
+def test_steps_hold_the_trained_weights_and_name_their_base(full_run):
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  full_dir, _ = full_run
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(full_dir)), ["language", "vision"],
+                                 read_only=True)
+  try:
+    assert checkpoint.complete_steps(ckpt.path) == [0, 2, 4]
+    zero, four = ckpt.read_meta(0), ckpt.read_meta(4)
+    assert zero.get("params_only") and "base" not in zero
+    assert (four["base"]["path"], four["base"]["step"]) == (".", 0)
+    saved = ckpt.saved_arrays(4, ["language", "vision"])
+    everything = ckpt.saved_arrays(0, ["language", "vision"])
+  finally:
+    ckpt.close()
+  params = lambda n, arrays: {k for k in arrays[n] if k.startswith("params/")}
+  # Step 4 holds the adapters and the projector; the frozen rest is step 0's, named by digest.
+  assert params("language", saved) == {k for k in params("language", everything)
+                                       if k.endswith(("lora_a", "lora_b"))}
+  assert params("vision", saved) == {k for k in params("vision", everything)
+                                     if k.startswith("params/projector/")}
+  for n in ("language", "vision"):
+    named = set(four["base"]["fingerprints"][n])
+    assert named == params(n, everything) - params(n, saved)
+    assert all(four["base"]["fingerprints"][n][k] == zero["fingerprints"][n][k] for k in named)
+
+
+def test_a_moved_or_changed_base_is_refused(data_dir, full_run, tmp_path):
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
+  full_dir, records = full_run
+  moved = tmp_path / "moved"
+  _from_step_2(full_dir, moved)
+  shutil.move(str(moved / "checkpoints" / "0"), str(tmp_path / "base0"))
+  base = tmp_path / "base" / "checkpoints"
+  base.mkdir(parents=True)
+  shutil.move(str(tmp_path / "base0"), str(base / "0"))
+  cfg = _cfg(data_dir, moved, vision=(0, 2, 1), language=(2, 2, 2))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"step 2 holds its trained weights; its frozen base weights are in "
+                     r".*moved/checkpoints step 0, which is not there.*checkpoint\.base=DIR"):
+    train.run(cfg)
+  # Named where it is now, the same weights: the run resumes as it would have.
+  cfg.checkpoint.base = str(tmp_path / "base")
+  assert _losses(train.run(cfg)) == _losses(records, first=3)
+  # Other weights at that place: refused, naming them.
+  other = tmp_path / "other" / "checkpoints"
+  step = Step.build(cfg)
+  ckpt = checkpoint.Checkpointer(str(other), list(step.modules))
+  ckpt.save(0, step.canonical(step.init_state(seed=1)), cfg, params_only=True)
+  ckpt.close()
+  again = tmp_path / "again"
+  _from_step_2(full_dir, again)
+  cfg = _cfg(data_dir, again, vision=(0, 2, 1), language=(2, 2, 2))
+  cfg.checkpoint.base = str(tmp_path / "other")
+  with pytest.raises(checkpoint.CheckpointError, match=r"which now holds other weights"):
+    train.run(cfg)
+
+
+def test_the_base_step_is_never_rotated_away(data_dir, tmp_path):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from mimo_jax.state import ModuleState  # pylint: disable=import-outside-toplevel
+  cfg = _cfg(data_dir, tmp_path)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), ["m"], keep=1, keep_steps=(0,))
+  for step in range(4):
+    ckpt.save(step, {"m": ModuleState({"w": jnp.full((3,), step)}, None)}, cfg, params_only=True)
+    ckpt.wait()
+  ckpt.close()
+  assert checkpoint.complete_steps(str(tmp_path / "c")) == [0, 3]
