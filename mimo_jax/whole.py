@@ -21,18 +21,20 @@ def language_logits(cfg: Config, params: dict, ids_bl, embeds_bld=None) -> jax.A
   return model.logits(module.apply_blocks(params, x, positions))
 
 
-def merged_embeddings(cfg: Config, language: dict, ids_bl, tokens_ntd,
-                      placeholder: int) -> jax.Array:
+def merged_embeddings(cfg: Config, language: dict, ids_bl, tokens_ntd, placeholder: int,
+                      base_bld=None) -> jax.Array:
   """Token embeddings [b, l, d] with an encoder's tokens [n, t, d] (one item's a row, in order)
-  written over the `placeholder` ids: the next item's tokens at each run, as LLaVA merges."""
+  written over the `placeholder` ids: the next item's tokens at each run, as LLaVA merges.
+  `base_bld`: the embeddings to write into (another encoder's merged), else the ids'."""
   ids = np.asarray(ids_bl)
   flat = tokens_ntd.reshape(-1, tokens_ntd.shape[-1])
   where = ids == placeholder
   if int(where.sum()) != flat.shape[0]:
     raise ValueError(f"{int(where.sum())} placeholder ids for {flat.shape[0]} item tokens.")
   index = np.where(where, np.cumsum(where).reshape(ids.shape) - 1, 0)
-  model = build_modules(cfg)[LANGUAGE].bind(language)
-  x = model.embed(jnp.asarray(ids))
+  if base_bld is None:
+    base_bld = build_modules(cfg)[LANGUAGE].bind(language).embed(jnp.asarray(ids))
+  x = jnp.asarray(base_bld)
   return jnp.where(jnp.asarray(where)[..., None], flat[jnp.asarray(index)].astype(x.dtype), x)
 
 

@@ -1,7 +1,8 @@
 """Answer prompts with a trained or imported model: `python -m tools.generate WORKDIR --prompt TEXT
-[--prompt TEXT ...] [--image FILE ...]`.
+[--prompt TEXT ...] [--image FILE ...] [--audio FILE ...]`.
 
   python -m tools.generate runs/llava --image cat.jpg --prompt "What is in the picture?"
+  python -m tools.generate runs/qwen2_audio --audio call.flac --prompt "What is said?"
   python -m tools.generate runs/llava --prompt "Hello" --prompt "Name three colours." \\
       --temperature 0.7 --top_p 0.9 --max_new_tokens 64
 
@@ -11,7 +12,13 @@ generation prompt (`--tokenizer`: tokenizer.json and tokenizer_config.json), eve
 given to every prompt (as `<image>` lines before its text unless the prompt places them itself),
 prepared as the run's data was (`--processor`: preprocessor_config.json; padded to a square of the
 mean colour first where the run's converted data was, `--pad_to_square`) and expanded to the
-tower's image tokens. Defaults for `--tokenizer`, `--processor`, `--image_token` and
+tower's image tokens. Every `--audio` file is given to every prompt likewise (as `<audio>` lines,
+after the images', unless the prompt places them itself), decoded, mixed down to mono, resampled
+to 16 kHz and turned into log-mel windows as tools.convert does (mimo_jax/data/audio.py); each
+`<audio>` becomes `--audio_markers` (Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>` by
+default), whose `--audio_token` is expanded to the clip's audio tokens (its windows' tokens, the
+padding's dropped). A file that cannot be decoded, or too short for one audio token, is one error
+naming it. Defaults for `--audio_token`: the run's converted data's, else `<|AUDIO|>`. Defaults for `--tokenizer`, `--processor`, `--image_token` and
 `--pad_to_square`: with data.task=conversations those of the run's converted data (the manifest
 in its data directory); otherwise those of the HF directories the model was imported or started
 from (`tools.hf import`, `init_from`), else of the digits task's build. A relative path in those
@@ -43,6 +50,7 @@ import numpy as np
 
 from mimo_jax import checkpoint_reader, output
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import audio_records
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
@@ -105,6 +113,7 @@ def defaults(workdir: str, cfg: Config) -> dict:
   launched = launch_dir(workdir, cfg)
   record, sources = imported(workdir, cfg)
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
+         "audio_token": audio_records.QWEN2_AUDIO_TOKEN,
          "vocab": None, "record": "", "named": {},
          "context": hf_tool.source_context(record, sources)}
   # An import (or a run started from one) without converted data of its own: the HF directories.
@@ -137,6 +146,7 @@ def defaults(workdir: str, cfg: Config) -> dict:
   return dict(out, tokenizer=resolve(m.get("tokenizer", ""), "tokenizer.json", bases),
               processor=resolve(m.get("processor", ""), "preprocessor_config.json", bases),
               image_token=m.get("image_token_text", "<image>"),
+              audio_token=m.get("audio_token_text", audio_records.QWEN2_AUDIO_TOKEN),
               pad_to_square=bool(m.get("pad_to_square", False)), vocab=m.get("vocab_size"),
               record=str(directory / conversations.MANIFEST),
               named={"tokenizer": m.get("tokenizer", ""), "processor": m.get("processor", "")})
@@ -212,24 +222,41 @@ def check_vocab(tok, cfg: Config, found: dict, given: bool) -> None:
                       "tokenizer with --tokenizer DIR.")
 
 
-def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: int) -> list[int]:
+def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: int,
+               clips: tuple[int, ...] = (), audio_token: str = audio_records.QWEN2_AUDIO_TOKEN,
+               markers: str = audio_records.QWEN2_AUDIO) -> list[int]:
   """A user turn with `images` images (as `<image>` lines before the text unless it has them)
-  and the generation prompt, tokenized, each image token repeated `tokens_per_image` times."""
+  and clips of `clips` audio tokens each (as `<audio>` lines after them unless the text has
+  them; each `<audio>` as `markers`) and the generation prompt, tokenized, each image token
+  repeated `tokens_per_image` times and the k-th `audio_token` `clips[k]` times."""
   if images and image_token not in text:
     text = f"{image_token}\n" * images + text
   if text.count(image_token) != images:
     raise ConfigError(f"the prompt {text!r} has {text.count(image_token)} {image_token} for "
                       f"{images} --image files.")
-  rendered = tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
+  mark = audio_records.MARK
+  if clips and mark not in text:
+    at = text.rfind(image_token) + len(image_token) + 1 if images else 0  # after the images
+    text = text[:at] + f"{mark}\n" * len(clips) + text[at:]
+  if text.count(mark) != len(clips):
+    raise ConfigError(f"the prompt {text!r} has {text.count(mark)} {mark} for {len(clips)} "
+                      "--audio files.")
+  rendered = tok.render([{"role": "user", "content": text.replace(mark, markers)}],
+                        add_generation_prompt=True)
   image_id = tok.token_id(image_token) if images else None
+  audio_id = tok.token_id(audio_token) if clips else None
   try:
     encoded = tok.tokenizer.encode(rendered, add_special_tokens=False).ids
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f"the prompt {text!r}: the tokenizer {tok.path} cannot encode it ({e}); "
                       "use words of its vocabulary.") from None
-  out = []
+  if clips and encoded.count(audio_id) != len(clips):
+    raise ConfigError(f"the prompt {text!r} holds {encoded.count(audio_id)} {audio_token} once "
+                      f"rendered and tokenized, for {len(clips)} --audio files: give "
+                      "--audio_markers holding --audio_token once, and a prompt without it.")
+  out, clip = [], iter(clips)
   for i in encoded:
-    out.extend([i] * (tokens_per_image if i == image_id else 1))
+    out.extend([i] * (tokens_per_image if i == image_id else next(clip) if i == audio_id else 1))
   return out
 
 
@@ -254,6 +281,32 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
   return pixels
 
 
+def load_audios(files: list[str], cfg: Config) -> list[tuple[np.ndarray, list[int]]]:
+  """Each audio file's log-mel windows [windows, frames, mel_bins] and their audio frames, as
+  the converter makes them for the model's tower."""
+  from mimo_jax.data import audio  # pylint: disable=import-outside-toplevel
+  a = getattr(cfg.model, "audio", None)
+  if a is None:
+    raise ConfigError(f"--audio {files[0]}: the model has no audio encoder (model.audio); give "
+                      "a model with one, or no --audio.")
+  if a.frames != audio.WINDOW_FRAMES:
+    raise ConfigError(f"--audio {files[0]}: the model's audio tower reads windows of {a.frames} "
+                      f"frames (model.audio.positions {a.positions}) where audio files give "
+                      f"{audio.WINDOW_FRAMES} (30 s); it was not made for audio files.")
+  out = []
+  for f in files:
+    try:
+      mel_fm, frames_w = audio.file_features(f, a.mel_bins)
+    except audio.AudioError as e:
+      raise ConfigError(f"--audio: {e}") from None
+    if audio.clip_tokens(frames_w, a.pool) < 1:
+      raise ConfigError(f"--audio: audio file {f}: {sum(frames_w)} mel frames "
+                        f"({sum(frames_w) * audio.HOP / audio.SAMPLE_RATE * 1000:g} ms) yield no "
+                        f"audio token (model.audio.pool {a.pool}); give a longer clip.")
+    out.append((mel_fm.reshape(len(frames_w), audio.WINDOW_FRAMES, a.mel_bins), frames_w))
+  return out
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,10 +314,18 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prompt", action="append", default=[],
                       help="repeatable: a batch (default with --image: one empty prompt)")
   parser.add_argument("--image", action="append", default=[], help="repeatable")
+  parser.add_argument("--audio", action="append", default=[], help="repeatable: an audio file "
+                      "(WAV, FLAC, OGG/Opus, MP3)")
   parser.add_argument("--step", type=int, default=None)
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="", help="default: the data's, else <image>")
+  parser.add_argument("--audio_token", default="",
+                      help="the audio placeholder token (default: the data's, else <|AUDIO|>)")
+  parser.add_argument("--audio_markers", default="",
+                      help="what each <audio> becomes in the prompt, --audio_token inside "
+                      "(default: <|audio_bos|><|AUDIO|><|audio_eos|> for <|AUDIO|>, else the "
+                      "token alone)")
   parser.add_argument("--pad_to_square", action=argparse.BooleanOptionalAction, default=None,
                       help="pad images to a square of the mean colour before the processor "
                       "(default: as the run's converted data was, else not)")
@@ -276,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   if not args.prompt:
-    if not args.image:
-      parser.error("give --prompt TEXT, or --image FILE")
+    if not args.image and not args.audio:
+      parser.error("give --prompt TEXT, or --image FILE or --audio FILE")
     args.prompt = [""]
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on reading a checkpoint
   try:
@@ -292,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}).", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
-  shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image)
+  shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image + args.audio)
   for prompt, answer in zip(args.prompt, answers):
     print(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}")
   return 0
@@ -302,6 +363,7 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   """Everything a generation needs but the parameters, checked: tokenizer, prompt rows, pixels,
   new tokens. Errors name the flag or file to fix."""
   # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import audio
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
   found = defaults(workdir, cfg)
@@ -316,8 +378,24 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
         found, "processor", "preprocessor_config.json", "--processor", workdir),
                                pad_to_square=pad)
     pixels = load_images(args.image, proc, cfg)
-  per_image = cfg.model.vision.tokens_per_image
-  rows = [prompt_ids(tok, p, len(args.image), image_token, per_image) for p in args.prompt]
+  clips = load_audios(args.audio, cfg) if args.audio else []
+  audio_token = args.audio_token or found["audio_token"]
+  markers = args.audio_markers or (audio_records.QWEN2_AUDIO if audio_token ==
+                                   audio_records.QWEN2_AUDIO_TOKEN else audio_token)
+  if clips:
+    if audio_token not in markers:
+      raise ConfigError(f"--audio_markers {markers!r} does not hold the audio token "
+                        f"{audio_token!r}.")
+    if tok.token_id(audio_token) != cfg.model.audio.audio_token:
+      raise ConfigError(f"the tokenizer {tok.path}'s {audio_token} is id "
+                        f"{tok.token_id(audio_token)} where the model's audio placeholder "
+                        f"(model.audio.audio_token) is {cfg.model.audio.audio_token}; give the "
+                        "model's tokenizer (--tokenizer) or its audio token (--audio_token).")
+  per_clip = tuple(audio.clip_tokens(frames, cfg.model.audio.pool) for _, frames in clips)
+  vision = getattr(cfg.model, "vision", None)
+  per_image = vision.tokens_per_image if vision is not None else 0
+  rows = [prompt_ids(tok, p, len(args.image), image_token, per_image, per_clip, audio_token,
+                     markers) for p in args.prompt]
   positions, source = context(workdir, cfg, found)
   longest = max(range(len(rows)), key=lambda r: len(rows[r]))
   width = len(rows[longest])
@@ -334,7 +412,8 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
     raise ConfigError(f"--max_new_tokens {steps}: the longest prompt takes {width} of the "
                       f"model's {positions} positions ({source}), which leaves {room}; give at "
                       "most that.")
-  return {"tok": tok, "rows": rows, "pixels": pixels, "image_token": image_token, "steps": steps}
+  return {"tok": tok, "rows": rows, "pixels": pixels, "image_token": image_token, "steps": steps,
+          "clips": clips, "audio_token": audio_token}
 
 
 def run(args: argparse.Namespace) -> list[str]:
@@ -343,6 +422,7 @@ def run(args: argparse.Namespace) -> list[str]:
   from mimo_jax import generate
   from mimo_jax.config import from_dict
   from mimo_jax import whole
+  from mimo_jax.encoders import audio as audio_encoder
   from mimo_jax.encoders import vision as vision_encoder
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
@@ -368,6 +448,12 @@ def run(args: argparse.Namespace) -> list[str]:
     tokens = vision_encoder.image_tokens(cfg, params["vision"], images)
     embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens,
                                      tok.token_id(ready["image_token"]))
+  if ready["clips"]:
+    per_clip = [audio_encoder.audio_tokens(cfg, params["audio"], mel, np.asarray(frames))
+                for mel, frames in ready["clips"]]
+    tokens = np.concatenate([np.asarray(t) for _ in rows for t in per_clip])
+    embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens[None],
+                                     tok.token_id(ready["audio_token"]), embeds)
   eos = tok.specials.get("eos_token")
   print(f"{args.workdir}: {len(rows)} prompts of up to {width} tokens on {jax.devices()[0]}",
         file=sys.stderr)

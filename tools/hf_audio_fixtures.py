@@ -11,7 +11,17 @@ of `input_ids` whose audio placeholders are expanded to each clip's tokens, for 
 `mel_frames` valid frames a clip, and the tower's `audio_hidden` [n, positions / 2, dim]; beside
 it `generate.npz`: transformers' greedy `generate` of 8 new tokens after each row's prompt, one
 prompt a call, `--only generate` writes just these from the saved models).
-Rerun after changing a fixture; the whole set stays well under a megabyte.
+
+`qwen2_audio_chat` is a Qwen2-Audio of real window length (128 mel bins, 30 s windows, at toy
+width) saved with a complete Qwen2AudioProcessor (WhisperFeatureExtractor, a word-level
+tokenizer with Qwen2-Audio's audio tokens, a chat template), for generation from audio files:
+`chat_generate.npz` holds transformers' greedy `generate` (GENERATE new tokens, stopping at
+<|im_end|>) for each of PROMPTS (its text and the CLIPS it is given, tests/fixtures/audio/),
+rendered with the chat template, each `<audio>` as the template's markers, and run through the
+processor (features and the expansion of <|AUDIO|> are transformers'); files are decoded with
+soundfile and resampled to 16 kHz with soxr (HQ), as librosa does by default.
+Rerun after changing a fixture (`--only chat` writes just that one); the whole set stays well
+under a megabyte.
 """
 
 from __future__ import annotations
@@ -26,6 +36,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (mel_bins, positions, dim, layers, heads, mlp_dim) of each fixture's encoder.
 SHAPES = {"a": (8, 8, 16, 2, 2, 32), "b": (12, 6, 24, 3, 4, 40)}
 VOCAB, AUDIO_TOKEN, TEXT_DIM = 64, 5, 32
+AUDIO_DIR = ROOT / "tests" / "fixtures" / "audio"
+CHAT_SPECIALS = ("[UNK]", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|audio_eos|>",
+                 "<|AUDIO|>")  # <|AUDIO|> is AUDIO_TOKEN
+CHAT_WORDS = ("system", "user", "assistant", "what", "is", "in", "the", "audio", "hello",
+              "there", "say", "it", "again", "and", "you", "are", "a", "helpful")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+MARKERS = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+# (prompt text, clips): `<audio>` marks a clip's place; a prompt without clips is text only.
+PROMPTS = (("<audio>\nwhat is in the audio", ("speech.flac",)),
+           ("<audio>\nwhat is in the audio", ("one_second.flac",)),
+           ("hello there say it again", ()),
+           ("<audio>\n<audio>\nwhat is in the audio and the audio",
+            ("source_8k.flac", "stereo_44k.flac")))
+GENERATE = 8
 
 
 def _encoder(shape: str, **kw) -> dict:
@@ -127,17 +153,97 @@ def generate(path: pathlib.Path, new: int = 8) -> None:
   np.savez(path / "generate.npz", tokens=np.stack(rows))
 
 
+def chat_tokenizer(path: pathlib.Path):
+  """A word-level tokenizer of VOCAB ids with Qwen2-Audio's special tokens and CHAT_TEMPLATE."""
+  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  vocab = {}
+  for w in CHAT_SPECIALS[:AUDIO_TOKEN] + CHAT_WORDS:
+    vocab[w] = len(vocab)
+  vocab = {**{w: i + (i >= AUDIO_TOKEN) for w, i in vocab.items()}, CHAT_SPECIALS[-1]: AUDIO_TOKEN}
+  for i in range(len(vocab), VOCAB):
+    vocab[f"w{i}"] = i
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(list(CHAT_SPECIALS[1:]))
+  assert tok.get_vocab_size() == VOCAB and tok.token_to_id("<|AUDIO|>") == AUDIO_TOKEN
+  return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>",
+                                 pad_token="[UNK]", chat_template=CHAT_TEMPLATE)
+
+
+def read_clip(name: str) -> np.ndarray:
+  """A fixture clip at 16 kHz, mono (channels averaged): soundfile, then soxr HQ."""
+  import soundfile  # pylint: disable=import-outside-toplevel
+  import soxr  # pylint: disable=import-outside-toplevel
+  wave, rate = soundfile.read(AUDIO_DIR / name, dtype="float32", always_2d=True)
+  wave = wave.mean(axis=1, dtype=np.float32)
+  return wave if rate == 16000 else soxr.resample(wave, rate, 16000, quality="HQ")
+
+
+def qwen2_audio_chat(out: pathlib.Path) -> None:
+  """A Qwen2-Audio of 30 s windows and 128 mel bins with its processor, and transformers'
+  greedy answers to PROMPTS (chat_generate.npz)."""
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig,
+                            Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor, Qwen2Config,
+                            WhisperFeatureExtractor)
+  path = out / "qwen2_audio_chat"
+  tok = chat_tokenizer(path)
+  eos = tok.convert_tokens_to_ids("<|im_end|>")
+  audio = Qwen2AudioEncoderConfig(num_mel_bins=128, max_source_positions=1500, d_model=16,
+                                  encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=32,
+                                  init_std=0.2)
+  text = Qwen2Config(vocab_size=VOCAB, hidden_size=TEXT_DIM, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=512, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     tie_word_embeddings=False, eos_token_id=eos, initializer_range=0.2)
+  config = Qwen2AudioConfig(audio_config=audio.to_dict(), text_config=text.to_dict(),
+                            audio_token_index=AUDIO_TOKEN)
+  torch.manual_seed(11)
+  model = Qwen2AudioForConditionalGeneration(config).eval()
+  model.generation_config.eos_token_id = eos
+  model.generation_config.pad_token_id = tok.pad_token_id
+  processor = Qwen2AudioProcessor(WhisperFeatureExtractor(feature_size=128), tok,
+                                  chat_template=CHAT_TEMPLATE)
+  model.save_pretrained(path, safe_serialization=True)
+  processor.save_pretrained(path)
+  rows = []
+  for text_, clips in PROMPTS:
+    content = text_.replace("<audio>", MARKERS)
+    rendered = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+    waves = [read_clip(c) for c in clips]
+    inputs = processor(text=rendered, audio=waves or None, sampling_rate=16000,
+                       return_tensors="pt")
+    with torch.no_grad():
+      got = model.generate(**inputs, max_new_tokens=GENERATE, do_sample=False)
+    new = got[0, inputs["input_ids"].shape[1]:].numpy().astype(np.int32)
+    rows.append(np.pad(new, (0, GENERATE - len(new)), constant_values=eos))
+    print(text_.replace("\n", " "), clips, "->", tok.decode(new), new.tolist(),
+          inputs["input_ids"].shape)
+  np.savez(path / "chat_generate.npz", tokens=np.stack(rows))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf_audio"))
-  parser.add_argument("--only", choices=("generate",), default=None,
-                      help="write only generate.npz beside the saved Qwen2-Audio models")
+  parser.add_argument("--only", choices=("generate", "chat"), default=None,
+                      help="write only generate.npz beside the saved Qwen2-Audio models, or only "
+                      "qwen2_audio_chat")
   args = parser.parse_args()
   out = pathlib.Path(args.out)
   if args.only == "generate":
     for shape in SHAPES:
       generate(out / f"qwen2_audio_{shape}")
     print("wrote", out)
+    return
+  if args.only == "chat":
+    shutil.rmtree(out / "qwen2_audio_chat", ignore_errors=True)
+    qwen2_audio_chat(out)
+    print("wrote", out / "qwen2_audio_chat")
     return
   if out.exists():
     shutil.rmtree(out)
@@ -146,6 +252,7 @@ def main() -> None:
   for shape in SHAPES:
     whisper(out, shape, rng)
     qwen2_audio(out, shape, rng)
+  qwen2_audio_chat(out)
   print("wrote", out)
 
 
