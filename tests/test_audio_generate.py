@@ -1,0 +1,116 @@
+"""Generation from audio files: prompts with 0, 1 and 2 clips (decoded, resampled, featurised and
+expanded as tools.generate does) answered greedily by an imported Qwen2-Audio give transformers'
+`generate` token for token, in one left-padded batch and through `tools.generate --audio`; a bad
+audio file is one error naming it. The fixture is a tiny random Qwen2-Audio of 30 s windows with
+its processor (tools/hf_audio_fixtures.py: chat_generate.npz; no torch needed)."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax import generate, hf, modules, whole
+from mimo_jax.config import Config
+from mimo_jax.data.chat import ChatTokenizer
+from mimo_jax.encoders import audio as audio_encoder
+from mimo_jax.encoders.audio import AudioConfig
+from mimo_jax.encoders.vision import VisionConfig
+from mimo_jax.validation import validate
+from tools import generate as generate_tool
+from tools import hf as hf_tool
+from tools.hf_audio_fixtures import PROMPTS
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+CHAT = FIXTURES / "hf_audio" / "qwen2_audio_chat"
+AUDIO = FIXTURES / "audio"
+RUN = ["--config=tests/configs/tiny_audio.py", "--config.data.task=synthetic",
+       "--config.model.vision.max_images=1", "--config.data.image_probs=0.25,0.75",
+       "--config.data.text_len=8", "--config.eval.samples=16", "--config.data.seq_len=1024"]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> pathlib.Path:
+  """The chat fixture imported as a run's step 0 (its tokenizer found through the import)."""
+  out = tmp_path_factory.mktemp("audio_generate") / "run"
+  assert hf_tool.main(["import", "--hf", str(CHAT), "--out", str(out), *RUN]) in (0, None)
+  return out
+
+
+def _want() -> np.ndarray:
+  return np.load(CHAT / "chat_generate.npz")["tokens"]
+
+
+def test_a_batch_with_and_without_clips_equals_transformers():
+  """All PROMPTS in one left-padded batch (a text-only row between rows of one and two clips,
+  8 kHz and 44.1 kHz stereo sources among them) answer as transformers' one prompt a call."""
+  src = hf.Source.open(CHAT)
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  cfg.add_encoder("audio", AudioConfig())
+  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
+  cfg.data.seq_len = 1024
+  hf.configure(cfg, src)
+  validate(cfg)
+  built = modules.build_modules(cfg)
+  audio, language = (hf.load(src, m, cfg, built[m].init(0)) for m in ("audio", "language"))
+  tok = ChatTokenizer.open(CHAT)
+  rows, tokens = [], []
+  for text, files in PROMPTS:
+    clips = generate_tool.load_audios([str(AUDIO / f) for f in files], cfg) if files else []
+    per_clip = tuple(sum(map(cfg.model.audio.window_tokens, f)) for _, f in clips)
+    rows.append(generate_tool.prompt_ids(tok, text, 0, "<image>", 0, per_clip))
+    tokens += [np.asarray(audio_encoder.audio_tokens(cfg, audio, m, np.asarray(f)))
+               for m, f in clips]
+    assert [len(t) for t in tokens[len(tokens) - len(clips):]] == list(per_clip)
+  width = max(map(len, rows))
+  ids = np.zeros((len(rows), width), np.int32)
+  mask = np.zeros_like(ids)
+  for r, row in enumerate(rows):
+    ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+  assert len({len(r) for r in rows}) == len(rows)  # every row padded differently
+  with jax.default_matmul_precision("highest"):
+    embeds = whole.merged_embeddings(cfg, language, ids, np.concatenate(tokens)[None],
+                                     src.config["audio_token_index"])
+    want = _want()
+    got = generate.generate(cfg, language, ids, mask, want.shape[1], embeds_bld=embeds,
+                            eos=tok.token_id("<|im_end|>"))
+  np.testing.assert_array_equal(got, want)
+  assert len({tuple(r) for r in want}) == len(want)  # each clip's answer its own
+
+
+def test_the_tool_answers_from_audio_files_as_transformers(imported, capsys):
+  """tools.generate --audio twice, the prompt without marks: the clips' markers go before its
+  text, as PROMPTS' last prompt has them; the answer is transformers' tokens."""
+  text, files = PROMPTS[-1]
+  prompt = text.replace("<audio>\n", "")
+  capsys.readouterr()
+  assert generate_tool.main([str(imported), *[a for f in files for a in ("--audio", str(AUDIO / f))],
+                             "--prompt", prompt, "--max_new_tokens", "8"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  tok = ChatTokenizer.open(CHAT)
+  answer = tok.tokenizer.decode(_want()[-1].tolist(), skip_special_tokens=True).strip()
+  assert out == [f"> {' '.join(f'[{f}]' for f in files)} {prompt}", answer]
+
+
+def test_the_tool_refuses_a_bad_audio_file_naming_it(imported, tmp_path, capsys):
+  """A corrupt, missing, unsupported or too short clip, or marks for more clips than given: one
+  error, exit 2, nothing printed."""
+  import soundfile  # pylint: disable=import-outside-toplevel
+  corrupt, short, text = tmp_path / "corrupt.wav", tmp_path / "short.wav", tmp_path / "notes.txt"
+  corrupt.write_bytes(b"RIFF\x00\x01garbage" * 10)
+  soundfile.write(short, np.zeros(320, np.float32) + 0.1, 16000)  # 20 ms: 2 frames, 0 tokens
+  text.write_text("not audio")
+  speech = str(AUDIO / "speech.flac")
+  cases = [([str(corrupt)], "hello", f"{corrupt}: cannot be decoded"),
+           ([str(tmp_path / "none.flac")], "hello", f"{tmp_path / 'none.flac'}: no such file"),
+           ([str(text)], "hello", f"{text}: unsupported format .txt"),
+           ([str(short)], "hello", f"{short}: 2 mel frames (20 ms) yield no audio token"),
+           ([speech], "<audio> hello <audio>", "has 2 <audio> for 1 --audio files")]
+  for files, prompt, error in cases:
+    capsys.readouterr()
+    args = [str(imported), *[a for f in files for a in ("--audio", f)], "--prompt", prompt]
+    assert generate_tool.main(args) == 2, error
+    out, err = capsys.readouterr()
+    assert error in err and err.startswith("tools.generate: error:"), (error, err)
+    assert "\n>" not in out
