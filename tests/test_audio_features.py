@@ -98,6 +98,24 @@ def test_token_counts_match_transformers(ref):
   assert four_s == 400 and audio.clip_tokens(four_s) == 200 and audio.clip_tokens(four_s, 2) == 100
   assert audio.clip_tokens([3000, 1500], pool=2) == 750 + 375 == audio.clip_tokens(4500, pool=2)
   assert audio.window_tokens(0) == 0
+  # the one formula on device arrays too (models/whisper.py's compaction and masks use it)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  np.testing.assert_array_equal(audio.window_tokens(jnp.asarray(frames), 2),
+                                ref["tokens/pooled"])
+
+
+def test_a_clip_without_tokens_is_refused_naming_it(tmp_path):
+  """20 ms (2 frames, one position) yields no token after pooling by 2: refused naming the file;
+  the same clip under pool 1 and 21 ms (3 frames, two positions) under pool 2 yield one."""
+  import soundfile
+  for ms in (20, 21):
+    soundfile.write(str(tmp_path / f"c{ms}.wav"), np.full(16 * ms, 0.1, np.float32), 16000)
+  with pytest.raises(audio.AudioError, match=r"20 ms of audio \(2 mel frames\) yield no audio "
+                     r"token with pooling by 2; a clip needs more than 20 ms") as e:
+    audio.file_features(tmp_path / "c20.wav", 80, pool=2)
+  assert e.value.path == str(tmp_path / "c20.wav")
+  assert audio.file_features(tmp_path / "c20.wav", 80)[1] == [2]
+  assert audio.clip_tokens(audio.file_features(tmp_path / "c21.wav", 80, pool=2)[1], 2) == 1
 
 
 def test_formats_of_this_build():

@@ -40,6 +40,7 @@ BAD = {
     "corrupt audio": _rec("broken", "<audio>?", audio="broken.flac"),
     "unsupported audio": _rec("odd", "<audio>?", audio="clip.xyz"),
     "empty audio": _rec("empty", "<audio>?", audio="empty.wav"),
+    "short audio": _rec("short", "<audio>?", audio="twenty_ms.wav"),
     "outside audio folder": _rec("out", "<audio>?", audio="../images/portrait.png"),
     "audio count": _rec("count", "<audio> <audio>?", audio="one_second.flac"),
     "bad audio field": _rec("field", "<audio>?", audio=3),
@@ -63,6 +64,9 @@ def source(tmp_path_factory):
   (root / "audio" / "broken.flac").write_bytes(b"fLaC not really")
   (root / "audio" / "clip.xyz").write_bytes(b"??")
   soundfile.write(root / "audio" / "empty.wav", np.zeros(0, np.float32), audio.SAMPLE_RATE)
+  # 20 ms: 2 mel frames, one position, no token after Qwen2-Audio's pooling by 2 (--audio_pool 2)
+  soundfile.write(root / "audio" / "twenty_ms.wav", np.full(320, 0.1, np.float32),
+                  audio.SAMPLE_RATE)
   good = [dict(r, id=f"{r['id']}-{k}") for k in range(3) for r in GOOD]
   (root / "good.json").write_text(json.dumps(good))
   (root / "bad.json").write_text(json.dumps(good + list(BAD.values())))
@@ -140,7 +144,7 @@ def test_bad_clips_are_skipped_with_their_reasons(source, tmp_path, capsys):
   assert sum(m["samples"].values()) == 12
 
 
-@pytest.mark.parametrize("reason", ["corrupt audio", "audio count"])
+@pytest.mark.parametrize("reason", ["corrupt audio", "short audio"])
 def test_a_bad_clip_under_fail_is_one_line_and_writes_nothing(source, tmp_path, capsys, reason):
   data = f"fail-{BAD[reason]['id']}.json"
   (source / data).write_text(json.dumps([GOOD[1], BAD[reason], GOOD[0]]))

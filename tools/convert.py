@@ -53,7 +53,8 @@ to 16 kHz and stored as Whisper log-mel features of `--mel_bins` (80 or 128) bin
 windows (3000 frames · mel_bins float32: 960 KB a window at 80 bins), beside each clip's audio
 frames; a clip longer than 30 s spans several windows. For `--seq_len` a clip takes the tokens
 its audio frames give after the stride-2 convolution and `--audio_pool` (Qwen2-Audio: 2, Whisper:
-1). A missing, empty, corrupt or unsupported clip, an `<audio>` count other than the clips
+1). A missing, empty, corrupt or unsupported clip, one too short to yield a token (20 ms or
+less under `--audio_pool 2`), an `<audio>` count other than the clips
 listed, or a clip path leading out of `--audio` (`--allow_outside_images` reads those too) is a
 bad record like a bad image. The manifest records the audio token id and mel bins, which
 training checks against model.audio.audio_token and model.audio.mel_bins.

@@ -146,19 +146,33 @@ def clip_features(wave_s: np.ndarray, mel_bins: int) -> tuple[np.ndarray, list[i
   return mel_fm, [audio_frames(len(w)) for w in windows]
 
 
-def file_features(path: str, mel_bins: int) -> tuple[np.ndarray, list[int]]:
-  """`clip_features` of an audio file (decoded, mixed down, resampled to 16 kHz)."""
-  return clip_features(load(path), mel_bins)
+def file_features(path: str, mel_bins: int, pool: int = 1) -> tuple[np.ndarray, list[int]]:
+  """`clip_features` of an audio file (decoded, mixed down, resampled to 16 kHz); AudioError for a
+  clip too short to yield a token with a tower's `pool` (`check_tokens`)."""
+  mel_fm, frames_w = clip_features(load(path), mel_bins)
+  check_tokens(path, frames_w, pool)
+  return mel_fm, frames_w
 
 
-def window_tokens(frames: int, pool: int = 1) -> int:
-  """Encoder tokens of a window whose first `frames` frames hold audio: Whisper's stride-2
-  convolution, then (Qwen2-Audio: pool 2) average pooling (transformers'
-  _get_feat_extract_output_lengths). 3000 frames → 1500 tokens, 750 with pool 2."""
-  if frames <= 0:
-    return 0
-  conv = (frames - 1) // 2 + 1
-  return conv if pool == 1 else max((conv - pool) // pool + 1, 0)
+def check_tokens(path: str, frames_w: list[int], pool: int) -> None:
+  """AudioError naming `path` where a clip of windows with `frames_w` audio frames yields no
+  token: a tower must give each clip at least one (pool 2 needs more than 20 ms)."""
+  if clip_tokens(frames_w, pool) <= 0:
+    ms = sum(frames_w) * HOP * 1000 // SAMPLE_RATE
+    need = (2 * pool - 2) * HOP * 1000 // SAMPLE_RATE
+    raise AudioError(os.fspath(path), f"{ms} ms of audio ({sum(frames_w)} mel frames) yield no "
+                     f"audio token with pooling by {pool}; a clip needs more than {need} ms "
+                     "(drop it or pad it with silence).")
+
+
+def window_tokens(frames, pool: int = 1):
+  """Encoder tokens of a window whose first `frames` (>= 0) frames hold audio: Whisper's stride-2
+  convolution makes ceil(frames / 2) positions, then (Qwen2-Audio: pool 2) average pooling keeps
+  a token of every whole `pool` of them (transformers' _get_feat_extract_output_lengths:
+  (conv - pool) // pool + 1, which is conv // pool). 3000 frames → 1500 tokens, 750 with pool 2.
+  The one formula of the project: integers, NumPy and JAX arrays alike (models/whisper.py uses it
+  on device)."""
+  return (frames + 1) // 2 // pool
 
 
 def clip_tokens(frames: list[int] | int, pool: int = 1) -> int:
@@ -166,4 +180,4 @@ def clip_tokens(frames: list[int] | int, pool: int = 1) -> int:
   clip's total, split into windows of 3000)."""
   if isinstance(frames, (int, np.integer)):
     frames = [min(WINDOW_FRAMES, frames - s) for s in range(0, max(int(frames), 1), WINDOW_FRAMES)]
-  return sum(window_tokens(f, pool) for f in frames)
+  return sum(int(window_tokens(f, pool)) for f in frames)

@@ -9,8 +9,9 @@ the layout expands it (`expand` gives the same ids written out, as Qwen2AudioPro
 them). A clip's tokens are its windows' (audio.py: padding's are dropped).
 
 Bad records raise conversations.RecordError with a reason the converter counts: a bad `audio`
-field, a mark count other than the clips listed, a clip missing, empty, corrupt or of a format
-the installed libsndfile does not decode, or one leading out of the audio folder.
+field, a mark count other than the clips listed, a clip missing, empty, too short for one token
+(pool 2: 20 ms or less), corrupt or of a format the installed libsndfile does not decode, or one
+leading out of the audio folder.
 """
 
 from __future__ import annotations
@@ -77,20 +78,21 @@ def template_marks(msgs: list[dict], markers: str = QWEN2_AUDIO, mark: str = MAR
 
 
 def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
-              allow_outside: bool = False) -> Clip:
-  """Clip `f` (relative to `folder`) decoded and featurised."""
+              allow_outside: bool = False, pool: int = 1) -> Clip:
+  """Clip `f` (relative to `folder`) decoded and featurised; one too short to yield a token with
+  the tower's `pool` is a RecordError."""
   path = pathlib.Path(folder) / f
   root, real = os.path.realpath(folder), os.path.realpath(path)
   if not allow_outside and os.path.commonpath([real, root]) != root:
     raise RecordError("outside audio folder", f"{where}: audio {f!r} leads out of the audio "
                       f"folder {root} ({real}); move it there or allow clips outside it.")
   try:
-    mel_fm, frames_w = audio.file_features(path, mel_bins)
+    mel_fm, frames_w = audio.file_features(path, mel_bins, pool)
   except audio.AudioError as e:
     text = str(e)
     reason = ("missing audio" if "no such file" in text else "unsupported audio"
               if "unsupported format" in text else "empty audio" if "no samples" in text
-              else "corrupt audio")
+              else "short audio" if "no audio token" in text else "corrupt audio")
     raise RecordError(reason, f"{where}: {text}") from None
   return Clip(mel_fm, tuple(frames_w))
 
@@ -176,7 +178,7 @@ def convert(record: dict, msgs: list[dict], where: str,
   if not files:
     return msgs, []
   return template_marks(msgs, s.markers), [read_clip(s.folder, f, where, s.mel_bins,
-                                                     s.allow_outside) for f in files]
+                                                     s.allow_outside, s.pool) for f in files]
 
 
 def check_tokens(ids: np.ndarray, token_id: int | None, clips_: list[Clip], where: str,

@@ -211,6 +211,11 @@ def hidden_states(cfg: Config, params: dict, mel_nfm, frames_n=None) -> jax.Arra
 def audio_tokens(cfg: Config, params: dict, mel_nfm, frames_n) -> jax.Array:
   """Windows [n, frames, mel_bins] with `frames_n` audio frames each -> each window's kept,
   projected tokens, concatenated [k, language dim] (what the text's placeholders receive)."""
+  kept = sum(cfg.model.audio.window_tokens(int(f)) for f in np.asarray(frames_n))
+  if kept <= 0:
+    raise ValueError(f"a clip of {int(np.sum(frames_n))} audio frames yields no audio token with "
+                     f"model.audio.pool={cfg.model.audio.pool} (a clip needs more than "
+                     f"{10 * (2 * cfg.model.audio.pool - 2)} ms); drop it or pad it with silence.")
   model = ENCODER.module(cfg).bind(params)
   tok = model.projector(hidden_states(cfg, params, mel_nfm, frames_n))
   frames = jnp.asarray(frames_n)[None]

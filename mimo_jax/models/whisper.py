@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig, LoraConfig
+from mimo_jax.data.audio import window_tokens
 from mimo_jax.models.layers import (ACTIVATIONS, Attention, GeluMLP, LayerNorm, linear,
                                     stacked)
 
@@ -66,12 +67,8 @@ class WhisperConfig:
     return self.positions // self.pool
 
   def window_tokens(self, frames: int) -> int:
-    """Tokens kept of a window whose first `frames` frames hold audio (transformers'
-    _get_feat_extract_output_lengths)."""
-    if frames <= 0:
-      return 0
-    conv = (frames - 1) // 2 + 1
-    return conv if self.pool == 1 else max((conv - self.pool) // self.pool + 1, 0)
+    """Tokens kept of a window whose first `frames` frames hold audio (audio.window_tokens)."""
+    return int(window_tokens(frames, self.pool))
 
 
 def shaped(name: str, **fields) -> WhisperConfig:
@@ -139,7 +136,7 @@ class WhisperEncoder(nnx.Module):
   def valid(self, frames_n: jax.Array) -> jax.Array:
     """Which positions [n, positions] hold audio (1) or padding (0), of windows whose first
     `frames_n` frames are audio: the blocks' mask side input."""
-    conv = jnp.where(frames_n > 0, (frames_n - 1) // 2 + 1, 0)
+    conv = window_tokens(frames_n, 1)  # positions the convolutions make of the audio
     return (jnp.arange(self.cfg.positions)[None] < conv[:, None]).astype(jnp.int32)
 
   def features(self, x_npd: jax.Array) -> jax.Array:
@@ -152,12 +149,6 @@ class WhisperEncoder(nnx.Module):
 
   def finish(self, x_npd: jax.Array) -> jax.Array:
     return self.projector(self.features(x_npd))
-
-
-def window_tokens(frames_n: jax.Array, pool: int) -> jax.Array:
-  """`WhisperConfig.window_tokens` of each window, on device."""
-  conv = jnp.where(frames_n > 0, (frames_n - 1) // 2 + 1, 0)
-  return conv if pool == 1 else jnp.maximum((conv - pool) // pool + 1, 0)
 
 
 def compact(tok_nwtd: jax.Array, frames_nw: jax.Array, pool: int) -> jax.Array:
