@@ -200,7 +200,7 @@ class Reader:
     for key, x in flat.items():
       module, path = key.split("/", 1)
       want = saved.get(module, {}).get(f"params/{path}")
-      if want is not None and _fingerprint(x) != want and _fingerprint(x, as_stored=True) != want:
+      if want is not None and not matches(x, want):
         bad.append(key)
     if bad and not self.gone(step):
       raise CkptError(f"step {step} of {self.path} does not match the fingerprints saved with it "
@@ -281,15 +281,16 @@ def _meta(mngr, step: int) -> dict:
   return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def _fingerprint(x, as_stored: bool = False) -> list[int]:
-  """`x`'s fingerprint; `as_stored`: of its bfloat16 values, where it holds bfloat16 values read
-  as float32 (a frozen weight saved in bfloat16 is fingerprinted as such)."""
+def matches(x, want: list[int]) -> bool:
+  """Whether host array `x` has the saved fingerprint `want`: its own, or that of its bfloat16
+  values where it holds bfloat16 values read as float32 (a frozen weight of a bfloat16 run is
+  saved, and fingerprinted, in bfloat16)."""
   x = np.asarray(x)
-  if as_stored and x.dtype == np.float32:
-    y = x.astype(jnp.bfloat16)
-    if np.array_equal(y.astype(np.float32), x):
-      x = y
-  return [int(v) for v in fingerprint.of(x)]
+  if [int(v) for v in fingerprint.of(x)] == want:
+    return True
+  y = x.astype(jnp.bfloat16) if x.dtype == np.float32 else None
+  return (y is not None and np.array_equal(y.astype(np.float32), x) and
+          [int(v) for v in fingerprint.of(y)] == want)
 
 
 def _metadata_tree(mngr, step: int, module: str) -> dict:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import train
+from tests.helpers import run_main
 from tests.test_lora import lora_config
 
 STEPS = 4
@@ -157,3 +158,27 @@ def test_the_base_step_is_never_rotated_away(data_dir, tmp_path):
     ckpt.wait()
   ckpt.close()
   assert checkpoint.complete_steps(str(tmp_path / "c")) == [0, 3]
+
+
+def test_a_bfloat16_weight_saved_as_such_reads_back(data_dir, tmp_path):
+  # A frozen weight of a bfloat16 run is saved in bfloat16 and fingerprinted so: the checkpoint
+  # reader (which reads parameters as float32) checks it as stored.
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint, checkpoint_reader  # pylint: disable=import-outside-toplevel
+  from mimo_jax.state import ModuleState  # pylint: disable=import-outside-toplevel
+  w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4) / 3
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), ["m"], async_save=False)
+  ckpt.save(0, {"m": ModuleState({"w": w.astype(jnp.bfloat16), "b": w[0]}, None)},
+            _cfg(data_dir, tmp_path), params_only=True)
+  ckpt.close()
+  reader = checkpoint_reader.Reader(str(tmp_path))
+  try:
+    params = reader.params(0, reader.meta(0))
+  finally:
+    reader.close()
+  np.testing.assert_array_equal(params["m/w"], np.asarray(w.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_array_equal(params["m/b"], np.asarray(w[0]))
+  # tools.ckpt check finds nothing wrong with it.
+  from tools import ckpt as ckpt_tool  # pylint: disable=import-outside-toplevel
+  out = run_main(ckpt_tool.main, "check", tmp_path)
+  assert out.returncode == 0 and "does not match" not in out.stdout, out.stdout + out.stderr
