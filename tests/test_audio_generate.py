@@ -114,3 +114,58 @@ def test_the_tool_refuses_a_bad_audio_file_naming_it(imported, tmp_path, capsys)
     out, err = capsys.readouterr()
     assert error in err and err.startswith("tools.generate: error:"), (error, err)
     assert "\n>" not in out
+
+
+def _records(tmp_path: pathlib.Path) -> list[dict]:
+  """PROMPTS as LLaVA-format records whose answers are transformers' (clips under AUDIO)."""
+  tok = ChatTokenizer.open(CHAT)
+  out = []
+  for k, ((text, files), want) in enumerate(zip(PROMPTS, _want())):
+    answer = tok.tokenizer.decode(want.tolist(), skip_special_tokens=True).strip()
+    r = {"id": k, "conversations": [{"from": "human", "value": text},
+                                    {"from": "gpt", "value": answer}]}
+    if files:  # one clip as "audio": a path; two as "audios": a list
+      r.update({"audio": files[0]} if len(files) == 1 else {"audios": list(files)})
+    out.append(r)
+  return out
+
+
+def test_eval_answers_audio_records_as_transformers(imported, tmp_path, capsys):
+  """tools.eval on the run's meshes answers PROMPTS, as a LLaVA-format JSON with clips and as
+  the eval split tools.convert writes of them, with transformers' tokens (every exact_match 1);
+  a JSON naming a missing clip is one error naming the record and file."""
+  import json  # pylint: disable=import-outside-toplevel
+  from tools import convert as convert_tool  # pylint: disable=import-outside-toplevel
+  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
+  records = _records(tmp_path)
+  data = tmp_path / "set.json"
+  data.write_text(json.dumps(records))
+  common = ["--max_new_tokens", "8", "--metric", "exact_match"]
+  assert eval_tool.main([str(imported), "--data", str(data), "--audio", str(AUDIO),
+                         "--out", str(tmp_path / "json.jsonl"), *common]) == 0
+  rows = [json.loads(x) for x in (tmp_path / "json.jsonl").read_text().splitlines()]
+  assert sorted(r["id"] for r in rows) == list(range(len(PROMPTS)))
+  assert all(r["prediction"] == r["reference"] and r["score"]["exact_match"] == 1 for r in rows)
+  # Converted: twice the records (an eval split of 4), a vision processor for the converter.
+  (tmp_path / "proc").mkdir()
+  (tmp_path / "proc" / "preprocessor_config.json").write_text(json.dumps(
+      {"image_processor_type": "SiglipImageProcessor", "size": {"height": 16, "width": 16},
+       "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+  data.write_text(json.dumps(records + [dict(r, id=r["id"] + 10) for r in records]))
+  assert convert_tool.main(["--json", str(data), "--images", str(tmp_path), "--audio", str(AUDIO),
+                            "--tokenizer", str(CHAT), "--processor", str(tmp_path / "proc"),
+                            "--out", str(tmp_path / "conv"), "--eval", "4", "--workers", "1",
+                            "--on_error", "fail", "--image_token", "helpful",
+                            "--image_tokens", "4"]) in (0, None)
+  assert eval_tool.main([str(imported), "--data", str(tmp_path / "conv"),
+                         "--out", str(tmp_path / "conv.jsonl"), *common]) == 0
+  rows = [json.loads(x) for x in (tmp_path / "conv.jsonl").read_text().splitlines()]
+  assert len(rows) == 4 and any("<|AUDIO|>" in r["prompt"] for r in rows)
+  assert all(r["prediction"] == r["reference"] for r in rows)
+  data.write_text(json.dumps([dict(records[0], audio="gone.flac")]))
+  capsys.readouterr()
+  assert eval_tool.main([str(imported), "--data", str(data), "--audio", str(AUDIO),
+                         "--out", str(tmp_path / "bad.jsonl"), *common]) == 2
+  err = capsys.readouterr().err
+  assert "record 0" in err and str(AUDIO / "gone.flac") in err and "no such file" in err, err
+  assert not (tmp_path / "bad.jsonl").exists()

@@ -6,7 +6,11 @@ WORKDIR --data DIR_OR_JSON [--metric NAME ...] [--out PREDS.jsonl]`.
 
 `--data` is a directory `tools.convert` wrote (its `--split`, eval by default) or a LLaVA-format
 JSON/JSONL file (images under `--images`, default the file's folder; tokenized with the run's
-tokenizer and prepared by its processor, found as `tools.generate` finds them). Each sample's
+tokenizer and prepared by its processor, found as `tools.generate` finds them). A record's clips
+(`"audio"`/`"audios"`, under `--audio`, default the file's folder; each marked by `<audio>`) are
+read as tools.convert reads them: decoded, resampled, log-mel features of the model's
+model.audio.mel_bins, each `<audio>` as `--audio_markers` whose `--audio_token` stands for the
+clip's tokens; a bad clip is one error naming the record and file. Each sample's
 prompt is its conversation before its last assistant turn; its references are its record's
 `answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are answered
 greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on its
@@ -54,6 +58,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", default="", help="predictions JSONL")
   parser.add_argument("--split", default="eval", help="of a converted directory: eval or train")
   parser.add_argument("--images", default="", help="image folder of a JSON (default its folder)")
+  parser.add_argument("--audio", default="", help="audio folder of a JSON (default its folder)")
+  parser.add_argument("--audio_token", default="",
+                      help="the audio placeholder token (default: the data's, else <|AUDIO|>)")
+  parser.add_argument("--audio_markers", default="", help="what each <audio> of a JSON becomes, "
+                      "--audio_token inside (default: <|audio_bos|><|AUDIO|><|audio_eos|> for "
+                      "<|AUDIO|>, else the token alone)")
   parser.add_argument("--samples", type=int, default=0, help="the first N samples (0 = all)")
   parser.add_argument("--batch", type=int, default=0, help="default eval.batch of the run")
   parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS)
@@ -118,13 +128,40 @@ def converted_samples(args, tok) -> list[dict]:
   return eval_set.converted(str(path), tok, args.samples)
 
 
-def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
+def audio_settings(args, cfg: Config, tok, found: dict):
+  """The JSON's clips' settings (audio_records.Settings) and the placeholder's id, checked
+  against the model's; (None, None) for a model without an audio encoder."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import audio_records
+  a = getattr(cfg.model, "audio", None)
+  if a is None:
+    return None, None
+  token = args.audio_token or found["audio_token"]
+  markers = args.audio_markers or (audio_records.QWEN2_AUDIO if token ==
+                                   audio_records.QWEN2_AUDIO_TOKEN else token)
+  if token not in markers:
+    raise ConfigError(f"--audio_markers {markers!r} does not hold the audio token {token!r}.")
+  folder = args.audio or str(pathlib.Path(args.data).parent)
+  settings = audio_records.Settings(folder, token, markers, a.mel_bins, a.pool, True)
+  if tok.tokenizer.token_to_id(token) is None:
+    return settings, None
+  if tok.token_id(token) != a.audio_token:
+    raise ConfigError(f"the tokenizer {tok.path}'s {token} is id {tok.token_id(token)} where the "
+                      f"model's audio placeholder (model.audio.audio_token) is {a.audio_token}; "
+                      "give the model's tokenizer (--tokenizer) or its token (--audio_token).")
+  return settings, a.audio_token
+
+
+def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, None)) -> list[dict]:
   """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
-  turn, its images prepared by the processor `proc()` (opened at the first image)."""
+  turn, its images prepared by the processor `proc()` (opened at the first image), its clips
+  as `audio` (`audio_settings`) has them read."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
-  from mimo_jax.data import conversations, images
+  from mimo_jax.data import audio_records, conversations, images
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
+  from mimo_jax.data.record_error import RecordError
+  settings, audio_id = audio
   try:
     records = conversations.read_records(pathlib.Path(args.data))
   except ConfigError as e:
@@ -175,6 +212,17 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
       except Exception as e:  # pylint: disable=broad-except
         raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
     try:
+      if audio_records.listed([r]) and settings is None:
+        raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
+                          "encoder (model.audio).")
+      if settings is None:
+        clips = []
+      else:
+        before, clips = audio_records.convert(r, before, where, settings)
+    except RecordError as e:
+      raise ConfigError(f"{e}{'; give the audio folder with --audio DIR' if 'missing' in e.reason else ''}"
+                        ) from None
+    try:
       ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}])
     except (ChatError, TokenizeError) as e:
       raise ConfigError(f"{where}: {e}") from None
@@ -182,8 +230,17 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str) -> list[dict]:
     if prompt.count(image_id) != len(pixels):
       raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
                         f"{len(pixels)} images.")
-    out.append({"id": key, "sample": eval_set.eval_sample(prompt, answer,
-                                                             {conversations.IMAGES: pixels}),
+    try:
+      if clips:
+        audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
+        for c in clips:
+          if c.tokens(settings.pool) < 1:
+            raise RecordError("short audio", f"{where}: a clip of {c.frames} mel frames yields "
+                              f"no audio token (model.audio.pool {settings.pool}).")
+    except RecordError as e:
+      raise ConfigError(str(e)) from None
+    items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
+    out.append({"id": key, "sample": eval_set.eval_sample(prompt, answer, items),
                 "prompt_ids": prompt, "references": references})
   return out
 
@@ -325,7 +382,8 @@ def run(args: argparse.Namespace) -> dict:
     proc = lambda: ImageProcessor.open(args.processor or generate_tool._default_dir(  # pylint: disable=protected-access
         found, "processor", "preprocessor_config.json", "--processor", args.workdir),
                                        pad_to_square=pad)
-    samples = json_samples(args, cfg, tok, proc, image_token)
+    samples = json_samples(args, cfg, tok, proc, image_token,
+                           audio_settings(args, cfg, tok, found))
   out = pathlib.Path(args.out) if args.out else default_out(args, step)
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
               "data": os.path.abspath(args.data), "split": args.split,

@@ -158,10 +158,12 @@ def chat_tokenizer(path: pathlib.Path):
   # pylint: disable=import-outside-toplevel
   from tokenizers import Tokenizer, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
-  vocab = {}
-  for w in CHAT_SPECIALS[:AUDIO_TOKEN] + CHAT_WORDS:
+  # Id 3, the built-in image placeholder a synthetic-task run's vision encoder keeps, is a word
+  # no prompt uses.
+  vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2, "w3": 3, "<|audio_bos|>": 4,
+           "<|AUDIO|>": AUDIO_TOKEN, "<|audio_eos|>": 6}
+  for w in CHAT_WORDS:
     vocab[w] = len(vocab)
-  vocab = {**{w: i + (i >= AUDIO_TOKEN) for w, i in vocab.items()}, CHAT_SPECIALS[-1]: AUDIO_TOKEN}
   for i in range(len(vocab), VOCAB):
     vocab[f"w{i}"] = i
   tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
