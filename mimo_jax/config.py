@@ -301,6 +301,14 @@ class RunConfig:
   # Memory of one device in GiB for the check before compiling (memory.py); 0 = what the device
   # reports (GPUs; none on CPU, where nothing is checked).
   device_memory_gb: float = 0.0
+  # Persistent compilation cache (compile_cache.py): auto = $XDG_CACHE_HOME/mimo_jax/xla or
+  # ~/.cache/mimo_jax/xla (or JAX_COMPILATION_CACHE_DIR if set); "" = off; else a directory.
+  # $MIMO_JAX_COMPILE_CACHE overrides it.
+  compile_cache: str = "auto"
+  # Steps whose batches are read ahead so that their shapes' step programs compile in the
+  # background before they are met (precompile.py; fused layouts); 0 = compile each when met.
+  compile_ahead: int = 8
+  compile_threads: int = 2  # threads compiling ahead
 
 
 @dataclasses.dataclass

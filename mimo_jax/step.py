@@ -110,12 +110,13 @@ class Step:
     return state.init_state(self.plan, self.modules, seed, optimizer,
                             init_from.starts(self.cfg, abstract))
 
-  def place(self, batch: Batch) -> Batch:
+  def place(self, batch: Batch, put: Callable = put) -> Batch:
     """A microbatch (or a whole eval batch) on device: text on the language mesh, each encoder's
     inputs and owners on its mesh. Of each language rank's slots only the first `Slots.sent`
     travel (data.slot_buckets), and of its rows the first `Text.rows_sent` (data.row_buckets):
     ranks fill their slots and packed rows from the first, and a placeholder indexes its rank's
-    slots from the first, so the rest are empty and nothing else changes."""
+    slots from the first, so the rest are empty and nothing else changes. `put(host array,
+    sharding)` makes each array (precompile.py passes one that makes only its shape)."""
     g, lang = self.ctx.groups, self.plan.sharding("language")
     rows = lambda x: put(_first(x, g, int(batch.text.rows_sent)), lang)
     text = jax.tree.map(rows, dataclasses.replace(batch.text, rows_sent=None))

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import checkpoint, distributed, encoders, eval_set, init_from, memory, workdir
+from mimo_jax import (checkpoint, compile_cache, distributed, encoders, eval_set, init_from,
+                      memory, precompile, workdir)
 from mimo_jax import state as state_lib
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config, lora_of
@@ -110,6 +111,8 @@ def _batch_info(batch: Batch, cfg: Config) -> dict:
 
 def run(cfg: Config) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
+  started = time.time()
+  compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
   validate(cfg, len(jax.devices()))
   validate_backend(cfg, jax.default_backend())
   # What the layout needs of each device's memory, before anything is written or compiled.
@@ -127,18 +130,18 @@ def run(cfg: Config) -> list[dict]:
     workdir.check(cfg.run.workdir)
     lock = workdir.Lock(cfg.run.workdir).acquire()
   try:
-    return _run(cfg, trainer, lock)
+    return _run(cfg, trainer, lock, started)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None) -> list[dict]:
+def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float) -> list[dict]:
   # A signal during start-up (data, compilation, the capacity check) ends the run before its
   # first step, with nothing to save; the loop's own flag takes over from this one.
   with _StopFlag() as early:
     paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
-    loop = _Loop(cfg, trainer)
+    loop = _Loop(cfg, trainer, started)
     try:
       loop.open(paths, lock, early)
       return loop.run(early.signal)
@@ -190,10 +193,13 @@ class _Loop:
   """One run's training loop: its state, the step whose metrics are still on the devices, what
   is saved and what is logged. `open`, then `run`; `close` always."""
 
-  def __init__(self, cfg: Config, trainer: Step):
+  def __init__(self, cfg: Config, trainer: Step, started: float):
     self.cfg = cfg
     self.trainer = trainer
     self.lora = any(lora_of(cfg, n) for n in trainer.modules)  # frozen weights stay in a base
+    self.started = started  # when `run` was called: time to first step counts from here
+    self.compiler: precompile.Compiler | None = None
+    self.compile_wait = 0.0  # seconds the loop waited for programs compiled ahead
     self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
                                         list(trainer.modules), keep=cfg.checkpoint.keep,
                                         keep_steps=(0,) if self.lora else ())
@@ -250,8 +256,11 @@ class _Loop:
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
                       "devices")
-    self.batches = loader.train_iterator(cfg, paths["train"], dp, start_step=self.start,
-                                         where=where)
+    self.compiler = precompile.Compiler(trainer, self.state, cfg.run.compile_threads,
+                                        self.writer.say) if cfg.run.compile_ahead else None
+    self.batches = precompile.Ahead(
+        loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
+        self.compiler, cfg.run.compile_ahead)
 
   def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
     """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
@@ -261,6 +270,7 @@ class _Loop:
     for moved in self.ckpt.set_aside:
       say(f"moved {moved} aside (not a complete step of this run)")
     say(f"topology: {self.trainer.topo.describe()}")
+    say(compile_cache.describe())
     if self.resumed:
       say(f"resumed from {self.ckpt.path} step {self.start}")
     for note in self.ckpt.notes:
@@ -312,8 +322,10 @@ class _Loop:
   def _dispatch(self, step: int):
     """Dispatches `step`, then fetches the previous step's metrics; returns this step's."""
     waited = time.time()
-    batch = next(self.batches)
+    batch, keys = next(self.batches)
     info = {"loader_wait_s": time.time() - waited, **_batch_info(batch, self.cfg)}
+    if self.compiler is not None:
+      self.compile_wait += self.compiler.wait(keys)
     dispatched = time.time()
     self.state, metrics = self.trainer.train_step(self.state, batch)
     self.last = (step, metrics)
@@ -327,6 +339,8 @@ class _Loop:
     step, metrics, info, dispatched = self.pending
     jax.block_until_ready(metrics)
     now = time.time()
+    if self.window.start is None:
+      self._first_step(step, now)
     self.window.completed(now, info["tokens"])
     steps = self.cfg.train.steps
     if step % self.cfg.run.log_every == 0 or step == steps:
@@ -335,6 +349,14 @@ class _Loop:
       self.window.restart(now)
     self.writer.advance(1)
     self.pending = None
+
+  def _first_step(self, step: int, now: float) -> None:
+    """Says how long the run took to its first step (start-up and compiling included)."""
+    ahead = self.compiler.shapes if self.compiler is not None else 0
+    self.writer.say(
+        f"time to first step: {now - self.started:.1f} s (step {step}; waited "
+        f"{self.compile_wait:.1f} s for its programs" + (
+            f"; {ahead} step program shapes met so far, compiled ahead)" if ahead else ")"))
 
   def _log(self, record: dict) -> None:
     self.records.append(record)
@@ -406,6 +428,8 @@ class _Loop:
     """Stops the data's workers and closes the checkpoints and outputs."""
     if self.batches is not None:
       self.batches.close()  # stops grain's worker processes and threads
+    if self.compiler is not None:
+      self.compiler.close()
     self.ckpt.close()
     if self.writer is not None:
       self.writer.close()

@@ -263,6 +263,8 @@ def _schedule_and_run(cfg: Config) -> None:
           "must be >= 0 (0 = the newest step).")
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
   require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
+  require(cfg.run.compile_ahead >= 0, "run.compile_ahead", "must be >= 0 (0 = compile when met).")
+  require(cfg.run.compile_threads > 0, "run.compile_threads", "must be > 0.")
   require(cfg.run.device_memory_gb >= 0, "run.device_memory_gb",
           "must be >= 0 (0 = what the device reports).")
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",

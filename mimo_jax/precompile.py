@@ -1,0 +1,144 @@
+"""Ahead-of-time compilation of the step's programs for the batch shapes a run will meet.
+
+Bucketed layouts (data.row_buckets, the slot buckets) give a microbatch one of a few shapes, and
+each shape is a program of its own: compiled when first met, each would stall the run for as long
+as XLA takes. The loop reads its batches `run.compile_ahead` steps before it runs them (`Ahead`);
+each shape read is compiled at once in a background thread (`jit(...).lower(...).compile()`,
+which leaves its executable in jax's caches, the persistent one included, and releases the GIL
+while XLA works), so the first step waits for its own program only and later shapes are ready
+when met. Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies with
+the batch's shape in one program; split layouts compile their programs when met.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from mimo_jax.batch import Batch
+from mimo_jax.sharding import REPLICATED
+from mimo_jax.step import Step
+
+
+def abstract(tree):
+  """Arrays -> their shapes, dtypes and shardings (what a program is compiled for)."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _abstract_put(x, sharding) -> jax.ShapeDtypeStruct:
+  x = np.asarray(x)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def shape_key(x) -> tuple:
+  """What tells one compiled program from another: the tree and its leaves' shapes and dtypes."""
+  leaves, tree = jax.tree.flatten(x)
+  return (tree, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))
+
+
+class Compiler:
+  """Compiles the fused step's program per microbatch shape in background threads; `wait` makes
+  the loop take a compiled program (never a second compile of one being compiled)."""
+
+  def __init__(self, trainer: Step, state: dict, threads: int, say: Callable[[str], None]):
+    self.trainer = trainer
+    self.say = say
+    self.enabled = trainer.ctx.mode.fused and threads > 0
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max(threads, 1), thread_name_prefix="mimo_jax-compile") if self.enabled else None
+    self._futures: dict[tuple, concurrent.futures.Future] = {}
+    self._lock = threading.Lock()
+    self.seconds: dict[str, float] = {}  # shape -> seconds its compile took (in its thread)
+    if not self.enabled:
+      return
+    pr = trainer.programs
+    self._params = abstract({n: state[n].params for n in trainer.plan.modules})
+    self._acc = pr.fused_accumulator.lower(self._params).out_info
+    self._inv = jax.ShapeDtypeStruct((), np.float32,
+                                     sharding=trainer.plan.sharding("language", REPLICATED))
+
+  def keys(self, batch: Batch) -> list[tuple]:
+    """Submits every microbatch shape of `batch` not met yet; returns their keys."""
+    if not self.enabled:
+      return []
+    keys = []
+    for m in range(batch.microbatches):
+      x = self.trainer.place(batch.microbatch(m), put=_abstract_put)
+      key = shape_key((x.slots, x.text))
+      keys.append(key)
+      with self._lock:
+        if key not in self._futures:
+          self._futures[key] = self._pool.submit(self._compile, x, len(self._futures) + 1)
+    return keys
+
+  def _compile(self, x: Batch, number: int) -> float:
+    started = time.perf_counter()
+    self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots, x.text,
+                                           self._inv).compile()
+    took = time.perf_counter() - started
+    name = describe(x)
+    self.seconds[name] = took
+    self.say(f"compiled step program {number} ({name}) in {took:.1f} s")
+    return took
+
+  def wait(self, keys: list[tuple]) -> float:
+    """Blocks until the programs of `keys` are compiled (raising a compile's error here);
+    returns the seconds waited."""
+    started = time.perf_counter()
+    for key in keys:
+      self._futures[key].result()
+    return time.perf_counter() - started
+
+  @property
+  def shapes(self) -> int:
+    return len(self._futures)
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)  # a running compile finishes alone
+
+
+def describe(x: Batch) -> str:
+  """A microbatch shape in words: its language rows and each encoder's slots."""
+  rows = x.text.tokens_rl.shape[0]
+  slots = ", ".join(f"{n} {jax.tree.leaves(s.owner_nt)[0].shape[0]} slots"
+                    for n, s in sorted(x.slots.items()))
+  return f"{rows} rows" + (f", {slots}" if slots else "")
+
+
+class Ahead:
+  """The loop's batches read `depth` steps ahead, each submitted to `compiler` as it is read:
+  yields (batch, its program keys)."""
+
+  def __init__(self, batches: Iterator[Batch], compiler: Compiler | None, depth: int):
+    self.batches = batches
+    self.compiler = compiler
+    self.depth = depth
+    self._buffer = collections.deque()
+    self._done = False
+
+  def _read(self) -> None:
+    try:
+      batch = next(self.batches)
+    except StopIteration:
+      self._done = True
+      return
+    self._buffer.append((batch, self.compiler.keys(batch) if self.compiler else []))
+
+  def __next__(self) -> tuple[Batch, list[tuple]]:
+    if not self._buffer:
+      self._read()  # the next step's batch first: its program compiles first
+    while not self._done and len(self._buffer) <= self.depth:
+      self._read()
+    if not self._buffer:
+      raise StopIteration
+    return self._buffer.popleft()
+
+  def close(self) -> None:
+    self.batches.close()
