@@ -137,7 +137,12 @@ def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
   assert row["bridge_bytes"] > 0 and row["bridge_gbps"] > 0 and row["raw_gbps"] > 0
   assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0
   assert 0 < row["flops_vision"] < row["flops_total"] and np.isfinite(row["loss"])
-  assert layout in capsys.readouterr().out
+  # Its step program compiled once for the one batch shape of the tiny data, before step 1 ended.
+  assert len(row["compile_s_per_shape"]) == 1 and row["compile_s"] >= row["compile_s_per_shape"][0]
+  assert row["time_to_first_step_s"] > row["compile_s_per_shape"][0] > 0
+  printed = capsys.readouterr().out
+  assert layout in printed and "| first step s | compile s/shape |" in printed
+  assert f"| {row['time_to_first_step_s']:.1f} | 1 × " in printed
   plan.main([f"--profile={out}", "--gpus=4", "--max_tp=1", f"--measured={out}"])
   printed = capsys.readouterr().out
   assert "recommended:" in printed and "| vision=0/2/1,language=2/2/1 | non-colocated |" in printed
@@ -173,6 +178,9 @@ def test_bench_profiles_a_fused_layout_module_by_module(tmp_path):
   row = json.loads(out.read_text())["rows"][0]
   assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0
   assert "busy_step_s" not in row and row["bridge_bytes"] == 0
+  # The fused step's program compiled ahead in a background thread, once for the one shape.
+  assert len(row["compile_s_per_shape"]) == 1
+  assert row["time_to_first_step_s"] > row["compile_s_per_shape"][0] > 0
 
 
 @pytest.mark.parametrize("src,dst,ends", [("0:1", "1:3", "bridge"), ("0:3", "3:1", "bridge"),

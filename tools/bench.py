@@ -26,6 +26,12 @@ bring (slot and row buckets make microbatches differ in shape), then:
   already in place, so the language model no longer waits for the encoder: step time minus this is
   what the dependency between the modules costs (pipeline fill and drain, and the bridge).
 * **loader wait**: time the loop waited for the next batch.
+* **time to first step**: from the layout's start (building its step, initialising its state) to
+  its first step's end, every compile it waits for included; **compile s/shape**: how long each
+  batch shape's step program took to compile (`fused_step` or `language_step`; with the
+  persistent compilation cache warm, the time to load it). On a layout where every module shares
+  one dp-only mesh the step programs of the measured steps' shapes compile ahead in background
+  threads (mimo_jax/precompile.py, as training does), the first step's shapes first.
 * **peak GiB** (the most any device held) beside **estimate GiB**, mimo_jax/memory.py's lower
   bound for the busiest device; a layout over the device's memory is refused before compiling.
 
@@ -47,7 +53,7 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import bridge, compat, configfile, memory
+from mimo_jax import bridge, compat, compile_cache, configfile, memory, precompile
 from mimo_jax.batch import total
 from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
@@ -78,10 +84,37 @@ def raw_pieces(x, dst) -> list[tuple[jax.Array, jax.Device]]:
   return [(jax.block_until_ready(cut[p]), p.dst) for p in moving]
 
 
+STEP_PROGRAMS = ("fused_step", "language_step")  # the programs that take a batch's shape
+
+
+class Compiles:
+  """Every XLA compile of the process (or load from the persistent cache), by program name."""
+
+  def __init__(self):
+    self.seen: list[tuple[str, float]] = []
+    self._listener = lambda event, seconds, **kw: self.seen.append(
+        (kw.get("fun_name", ""), seconds)) if event == BACKEND_COMPILE else None
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+
+  def close(self) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+  def step_programs(self, since: int = 0) -> list[float]:
+    """Seconds of each step-program compile after the first `since` compiles: one a shape."""
+    return [s for n, s in self.seen[since:] if any(p in n for p in STEP_PROGRAMS)]
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
 class Run:
   """One layout: its step, state and loader."""
 
-  def __init__(self, cfg: Config):
+  def __init__(self, cfg: Config, ahead: int = 0):
+    """`ahead` > 0: the step programs of the first `ahead` steps' shapes compile in background
+    threads (a fused layout; precompile.py)."""
+    self.started = time.perf_counter()
+    self.first_step_s = None  # set by the first step
     validate(cfg, len(jax.devices()))
     validate_backend(cfg, jax.default_backend())
     self.cfg = cfg
@@ -99,6 +132,11 @@ class Run:
     self.flops = FlopModel.build(cfg, {n: m.abstract_params()
                                        for n, m in self.step.modules.items()})
     self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
+    self.compiler = precompile.Compiler(self.step, self.state, threads=2, say=print)
+    self.keys = {}  # step -> its program keys (compiled ahead)
+    for s in range(ahead if self.compiler.enabled else 0):  # the first step's shapes first
+      self.keys[s] = self.compiler.keys(self.dataset[s % len(self.dataset)])
+    self.taken = 0  # steps read from self.batches
 
   def steps(self, n: int, probe: Probe | None = None) -> dict:
     """n steps as training runs them (or through `probe`); per-step means."""
@@ -110,6 +148,8 @@ class Run:
       t = time.perf_counter()
       batch = next(self.batches)
       totals["loader_wait_s"] += time.perf_counter() - t
+      self.compiler.wait(self.keys.pop(self.taken, []))
+      self.taken += 1
       totals["tokens"] += total(batch, lambda s: s.tokens)
       totals["records_read"] += total(batch, lambda s: s.records_read)
       for k, v in self.flops.step(batch).items():
@@ -126,6 +166,9 @@ class Run:
         self.state, metrics = self.step.train_step(self.state, batch)
       else:
         self.state, metrics = self.step.dispatch(self.state, *self.step.place_step(batch), probe)
+      if self.first_step_s is None:
+        jax.block_until_ready(metrics)
+        self.first_step_s = time.perf_counter() - self.started
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}
     out["step_s"] = (time.perf_counter() - start) / n
@@ -172,6 +215,7 @@ class Run:
     # has no per-module phases, so the profile runs the modules' separate calls instead. Those
     # compile on first use: then one untimed pass over the same batches comes first.
     batches = [next(self.batches) for _ in range(n)]
+    self.taken += n
     unfused = Probe(fused=False)
     if self.step.ctx.mode.fused:
       for batch in batches:
@@ -216,12 +260,26 @@ class Run:
 
 def measure(cfg: Config, layout: str, args) -> dict:
   set_layout(cfg, layout)
-  run = Run(cfg)
+  compiles = Compiles()
+  try:
+    return _measure(cfg, layout, args, compiles)
+  finally:
+    compiles.close()
+
+
+def _measure(cfg: Config, layout: str, args, compiles: Compiles) -> dict:
+  horizon = 2 * args.steps + args.profile_steps + 1
+  run = Run(cfg, ahead=args.warmup + horizon)
   print(f"[{layout}] {run.topo.describe()}; compiling and warming up", flush=True)
   run.steps(args.warmup)
-  ahead = run.compile_ahead(args.warmup, 2 * args.steps + args.profile_steps + 1)
+  print(f"[{layout}] time to first step {run.first_step_s:.1f} s", flush=True)
+  ahead = run.compile_ahead(args.warmup, horizon)
   if ahead:
     print(f"[{layout}] {ahead} more steps compiled the shapes of the steps to come", flush=True)
+  shapes = compiles.step_programs()
+  print(f"[{layout}] step program compiles (one a shape): "
+        f"{', '.join(f'{s:.1f}' for s in shapes) or 'none'} s; every compile of the layout: "
+        f"{sum(s for _, s in compiles.seen):.1f} s", flush=True)
   timed = run.steps(args.steps)
   gpus = len(run.devices)
   print(f"[{layout}] {timed['step_s']:.3f} s/step, {timed['tokens'] / timed['step_s']:,.0f} "
@@ -229,8 +287,10 @@ def measure(cfg: Config, layout: str, args) -> dict:
         "the profile next", flush=True)
   prof = run.profile(args.profile_steps)
   decoupled = run.without_bridge(args.steps) if prof["bridge_bytes"] else timed["step_s"]
+  run.compiler.close()
   row = {"layout": layout, "gpus": gpus, **timed, **prof, "decoupled_step_s": decoupled,
-         "estimate_gib": run.estimate_gib}
+         "estimate_gib": run.estimate_gib, "time_to_first_step_s": run.first_step_s,
+         "compile_s_per_shape": shapes, "compile_s": sum(s for _, s in compiles.seen)}
   row["tokens_per_s"] = timed["tokens"] / timed["step_s"]
   row["mfu"] = timed["flops_total"] / timed["step_s"] / (gpus * args.peak)
   moved = prof["bridge_bytes"]
@@ -250,9 +310,9 @@ def table(rows: list[dict]) -> str:
   head = ("| layout | GPUs | s/step | tokens/s | MFU | "
           + "".join(f"{m} busy s | " for m in modules) +
           "bridge s (% step) | bridge GB/s | raw GB/s | decoupled s/step | loader wait s | "
-          "peak GiB | estimate GiB |\n"
+          "peak GiB | estimate GiB | first step s | compile s/shape |\n"
           "|---|---:|---:|---:|---:|" + "---:|" * len(modules) +
-          "---:|---:|---:|---:|---:|---:|---:|")
+          "---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   fmt = lambda v, f: "–" if v is None else format(v, f)
   lines = [head]
   for r in rows:
@@ -263,8 +323,16 @@ def table(rows: list[dict]) -> str:
         f"{r['bridge_s']:.4f} ({r['bridge_s'] / r['step_s']:.2%}) | "
         f"{fmt(r['bridge_gbps'], '.0f')} | {fmt(r['raw_gbps'], '.0f')} | "
         f"{r['decoupled_step_s']:.3f} | {r['loader_wait_s']:.4f} | {r['peak_gib']:.1f} | "
-        f"{r.get('estimate_gib', 0):.1f} |")
+        f"{r.get('estimate_gib', 0):.1f} | {fmt(r.get('time_to_first_step_s'), '.1f')} | "
+        f"{_per_shape(r.get('compile_s_per_shape'))} |")
   return "\n".join(lines)
+
+
+def _per_shape(seconds: list[float] | None) -> str:
+  """Compile seconds of the step programs, one a shape: their count, mean and most."""
+  if not seconds:
+    return "–"
+  return f"{len(seconds)} × {sum(seconds) / len(seconds):.1f} (max {max(seconds):.1f})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,6 +352,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   args = parser.parse_args(argv)
   compat.use_private_bridge(args.bridge == "private")
+  try:  # before anything compiles
+    compile_cache.enable(configfile.load(args.config, [f"--config.{s}" for s in args.set])
+                         .run.compile_cache)
+  except ConfigError as e:
+    raise SystemExit(f"bench: error: {e}") from None
+  print(compile_cache.describe(), flush=True)
   rows = []
   for layout in [s.strip() for s in args.layouts.split(";") if s.strip()]:
     try:

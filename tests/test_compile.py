@@ -1,0 +1,116 @@
+"""The persistent compilation cache (compile_cache.py) and the step programs compiled ahead
+(precompile.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax import monitoring
+
+from mimo_jax import compile_cache, precompile
+from mimo_jax.data import loader
+from mimo_jax.step import Step
+from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One process: a program compiled with the cache at argv[1]; prints the cache hits it saw.
+_PROGRAM = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax import monitoring
+from mimo_jax import compile_cache
+hits = []
+monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event.endswith("/cache_hits") else None)
+path = compile_cache.enable(sys.argv[1])
+jax.jit(lambda x: jnp.tanh(x) * 3 + 1)(jnp.ones(64)).block_until_ready()
+print(json.dumps({"path": path, "hits": len(hits),
+                  "bound": jax.config.jax_compilation_cache_max_size}))
+"""
+
+
+def _compile_in_process(cache: str, xla_flags: str) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu",
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env.pop(compile_cache.ENV, None)
+  out = subprocess.run([sys.executable, "-c", _PROGRAM, cache], env=env, capture_output=True,
+                       text=True, check=True, timeout=300)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _entries(cache) -> set[str]:
+  return {f for f in os.listdir(cache) if f.endswith("-cache")}
+
+
+def test_second_process_hits_the_cache_and_other_flags_miss(tmp_path):
+  cache = str(tmp_path / "xla")
+  flags = os.environ.get("XLA_FLAGS", "")
+  first = _compile_in_process(cache, flags)
+  assert first["path"] == cache and first["hits"] == 0
+  written = _entries(cache)
+  assert written, "the first process wrote no cache entry"
+  # Bounded, so that jax locks the directory around every read and write (shared by processes).
+  assert first["bound"] == compile_cache.MAX_BYTES
+  assert os.path.exists(os.path.join(cache, ".lockfile"))
+  second = _compile_in_process(cache, flags)
+  assert second["hits"] == len(written) and _entries(cache) == written  # every program read
+  level = "1" if "--xla_backend_optimization_level=1" not in flags else "2"
+  other = _compile_in_process(cache, f"{flags} --xla_backend_optimization_level={level}")
+  assert other["hits"] == 0 and len(_entries(cache)) > len(written)
+
+
+def test_where_the_cache_is(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert compile_cache.default_dir() == str(tmp_path / "mimo_jax" / "xla")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  assert compile_cache.default_dir() == os.path.expanduser("~/.cache/mimo_jax/xla")
+  # auto keeps the directory jax was given (conftest gives the suite its own).
+  assert jax.config.jax_compilation_cache_dir
+  assert compile_cache.resolve("auto") == jax.config.jax_compilation_cache_dir
+  assert compile_cache.resolve(str(tmp_path / "c")) == str(tmp_path / "c")
+  assert compile_cache.resolve("") == ""
+  monkeypatch.setenv(compile_cache.ENV, "")
+  assert compile_cache.resolve(str(tmp_path / "c")) == ""
+  monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "d"))
+  assert compile_cache.resolve("auto") == str(tmp_path / "d")
+
+
+def test_an_unwritable_cache_directory_names_the_field(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.raises(compile_cache.CompileCacheError, match=r"run\.compile_cache: cannot write"):
+    compile_cache.enable(str(blocker / "xla"))
+
+
+def test_the_step_program_compiled_ahead_is_the_one_the_step_runs(data_dir, single_reference):
+  """Compiled in a background thread for a batch read ahead, the fused step's program is the one
+  the step then calls (not compiled again), and the step matches the single-device trajectory."""
+  compiled = []
+  listener = lambda event, seconds, **kw: compiled.append(kw.get("fun_name", "")) if (
+      event == "/jax/core/compile/backend_compile_duration") else None
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+    step = Step.build(cfg)
+    assert step.ctx.mode.fused
+    state = step.init_state(cfg.train.seed)
+    ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
+    said = []
+    compiler = precompile.Compiler(step, state, threads=1, say=said.append)
+    keys = compiler.keys(ds[0])
+    assert compiler.keys(ds[1]) == keys and compiler.shapes == 1  # one shape, compiled once
+    compiler.wait(keys)
+    ahead = [n for n in compiled if "fused_step" in n]
+    assert len(ahead) == 1 and len(said) == 1 and "compiled step program 1" in said[0]
+    state, metrics = step.train_step(state, ds[0])
+    assert [n for n in compiled if "fused_step" in n] == ahead  # the step compiled nothing new
+    compiler.close()
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  m = jax.device_get(metrics)
+  assert float(m["loss"]) == single_reference[0]["loss"]
+  assert float(m["grad_norm"]) == single_reference[0]["grad_norm"]
