@@ -1,7 +1,7 @@
 """The peer baseline: a training step of HF transformers' LLaVA in PyTorch at configs/vlm.py's
 sizes, on a GPU (needs torch and transformers: `pip install -e '.[hf]'`).
 
-  python -m tools.hf_llava_bench [--compile] [--mb 8] [--micro 4] [--steps 5]
+  python -m tools.hf_llava_bench [--compile] [--fp8] [--liger] [--mb 8] [--micro 4] [--steps 5]
 
 The model: a CLIP ViT-L/14 at 336 px (24 layers of width 1024; LLaVA's features from layer -2,
 class token dropped: 576 tokens an image), LLaVA's two-layer GELU projector and a Llama decoder of
@@ -9,17 +9,53 @@ class token dropped: 576 tokens an image), LLaVA's two-layer GELU projector and 
 initialised. A step is `--micro` microbatches of `--mb` samples, each sample `--images` images
 and text filling it to 2048 tokens, with the loss on every text token; float32 weights, bfloat16
 autocast, SDPA attention, fused AdamW, gradients accumulated over the microbatches. `--compile`
-runs the model under `torch.compile`. Prints s/step (median of `--steps` after `--warmup`),
-tokens/s and peak memory: the figure mimo_jax's `tools.bench` is set beside (docs/benchmarks.md).
+runs the model under `torch.compile`. The peer's own speed-ups, so that it is measured at its
+best:
+
+* `--fp8`: torchao's float8 training (`convert_to_float8_training`, tensorwise dynamic scaling)
+  on every `nn.Linear` of both towers and the projector except `lm_head` (and the patch
+  embedding, a convolution), as mimo_jax's FP8 step leaves its output projection in bfloat16.
+* `--liger`: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE in the Llama decoder
+  (`apply_liger_kernel_to_llama`); not its fused linear cross-entropy, which fails under
+  `torch.compile`.
+
+Neither package comes with torch: `pip install torchao==0.18.0 liger-kernel==0.8.5` (torchao 0.18
+needs torch >= 2.11), or wheels for a host without network (`bash ../shared/gpu/wheels.sh
+torchao==0.18.0 liger-kernel==0.8.5`). Prints the compile time (the first warmup step's wall
+time, which compiles under `--compile`; every warmup step's too), s/step (median of `--steps` after
+`--warmup`), tokens/s and peak memory: the figures mimo_jax's `tools.bench` is set beside
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 
 SEQ, IMAGE_TOKENS, VOCAB = 2048, 576, 32_000
+NEEDS = {"fp8": ("torchao", "torchao==0.18.0"), "liger": ("liger_kernel", "liger-kernel==0.8.5")}
+
+
+def check_packages(args) -> None:
+  """Exits with the install line when a requested option's package is missing (before torch
+  loads, and before any model is built)."""
+  for option, (module, pin) in NEEDS.items():
+    if getattr(args, option) and importlib.util.find_spec(module) is None:
+      raise SystemExit(
+          f"hf_llava_bench: --{option} needs the {module} package, which is not installed: "
+          f"pip install {pin} (or on a host without network: bash ../shared/gpu/wheels.sh "
+          f"{pin}, then install .whl/).")
+
+
+def float8_filter(module, fqn: str) -> bool:
+  """The linears torchao converts to float8: all but lm_head and the patch embedding, and only
+  those whose sizes the FP8 matmul takes (multiples of 16)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  return (isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
+          and "patch_embed" not in fqn and module.in_features % 16 == 0
+          and module.out_features % 16 == 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,9 +67,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  parser.add_argument("--fp8", action="store_true",
+                      help="torchao float8 training (tensorwise) on every Linear but lm_head")
+  parser.add_argument("--liger", action="store_true",
+                      help="Liger Kernel RMSNorm, SwiGLU and RoPE in the decoder")
   args = parser.parse_args(argv)
+  check_packages(args)
   # pylint: disable=import-outside-toplevel
   import torch
+  if args.liger:  # patches transformers' Llama classes: before the model is built
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False)
   from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
                             LlavaForConditionalGeneration)
   image_token = VOCAB - 1
@@ -52,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
   torch.manual_seed(0)
   model = LlavaForConditionalGeneration(config).cuda()
   params = sum(p.numel() for p in model.parameters())
+  converted = 0
+  if args.fp8:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, module_filter_fn=float8_filter,
+                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    converted = before - sum(type(m) is torch.nn.Linear for m in model.modules())
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
   forward = torch.compile(model) if args.compile else model
 
@@ -73,8 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     optimizer.zero_grad(set_to_none=True)
     return loss.detach().item()
 
+  warmup = []
   for _ in range(args.warmup):
-    step()
+    start = time.perf_counter()
+    step()  # .item() waits for the step
+    warmup.append(time.perf_counter() - start)
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
   times = []
@@ -84,9 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     times.append(time.perf_counter() - start)
   seconds = statistics.median(times)
   tokens = args.mb * args.micro * SEQ
-  print(f"hf_llava compile={args.compile}: {params / 1e9:.3f} B parameters, {seconds:.3f} s/step, "
-        f"{tokens / seconds:,.0f} tokens/s, loss {loss:.3f}, peak "
-        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+  print(f"hf_llava compile={args.compile} fp8={args.fp8} ({converted} Linear in float8) "
+        f"liger={args.liger} {args.mb}x{args.micro}: {params / 1e9:.3f} B parameters, "
+        f"{seconds:.3f} s/step, {tokens / seconds:,.0f} tokens/s, loss {loss:.3f}, peak "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; compile (first step) "
+        f"{warmup[0] if warmup else 0:.1f} s, warmup steps "
+        f"{', '.join(f'{w:.1f}' for w in warmup)} s")
 
 
 if __name__ == "__main__":
