@@ -1,6 +1,7 @@
 """The MFU formula, the split planner and a smoke run of tools/bench.py (speed is measured on GPUs,
 never asserted here)."""
 
+import importlib.util
 import json
 import re
 import types
@@ -12,7 +13,7 @@ from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
 from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
-from tools import bench, encoder_bench, plan
+from tools import bench, encoder_bench, hf_llava_bench, plan
 
 
 def _abstract(cfg):
@@ -254,3 +255,13 @@ def test_fp8_check_tables_runs_against_the_bfloat16_spread(tmp_path):
     fp8_check.main(["--out", str(tmp_path / "out")])
   with pytest.raises(SystemExit):
     fp8_check.main(["--seeds", "0", "--out", str(tmp_path / "new")])
+
+
+@pytest.mark.parametrize("flag,module", [("--fp8", "torchao"), ("--liger", "liger_kernel")])
+def test_hf_llava_bench_names_the_missing_package_of_an_option(flag, module):
+  """The peer's options need packages torch does not bring: a missing one ends the tool before
+  torch loads, with the line that installs it."""
+  if importlib.util.find_spec(module) is not None:
+    pytest.skip(f"{module} is installed here")
+  with pytest.raises(SystemExit, match=rf"{flag} needs the {module} package.*pip install"):
+    hf_llava_bench.main([flag])
