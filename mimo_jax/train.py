@@ -200,6 +200,7 @@ class _Loop:
     self.started = started  # when `run` was called: time to first step counts from here
     self.compiler: precompile.Compiler | None = None
     self.compile_wait = 0.0  # seconds the loop waited for programs compiled ahead
+    self.first_at, self.first_step = None, 0  # when this run's first step ended, and which
     self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
                                         list(trainer.modules), keep=cfg.checkpoint.keep,
                                         keep_steps=(0,) if self.lora else ())
@@ -347,11 +348,17 @@ class _Loop:
       took, info = self.window.timing(now, dispatched, info, last=step == steps)
       self._log(_record(step, metrics, info, took, float(self.lr_at[step - 1])))
       self.window.restart(now)
+    if step == steps and self.first_at is not None:
+      # The run's wall against its steady steps: every compile of a new shape is inside it.
+      self.writer.say(f"step {step} ended {now - self.started:.1f} s after the start, "
+                      f"{now - self.first_at:.1f} s after the first step ended "
+                      f"(steps {self.first_step + 1}-{step})")
     self.writer.advance(1)
     self.pending = None
 
   def _first_step(self, step: int, now: float) -> None:
     """Says how long the run took to its first step (start-up and compiling included)."""
+    self.first_at, self.first_step = now, step
     ahead = self.compiler.shapes if self.compiler is not None else 0
     self.writer.say(
         f"time to first step: {now - self.started:.1f} s (step {step}; waited "
