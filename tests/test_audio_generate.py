@@ -169,3 +169,43 @@ def test_eval_answers_audio_records_as_transformers(imported, tmp_path, capsys):
   err = capsys.readouterr().err
   assert "record 0" in err and str(AUDIO / "gone.flac") in err and "no such file" in err, err
   assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path):
+  """tools.hf export of the import (a run with vision beside audio: Qwen2-Audio as its language
+  model's source was) writes the fixture's tensors bit for bit, a config.json with its fields,
+  its feature extractor, Qwen2AudioProcessor's config, the tokenizer with its chat template and
+  generation_config.json. transformers loads the directory and answers PROMPTS with the fixture's
+  tokens: `python -m tools.hf_audio_fixtures --check_export DIR` (needs torch)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "hf"
+  hf_tool.main(["export", str(imported), "--out", str(out)])
+  ours, theirs = load_file(out / "model.safetensors"), load_file(CHAT / "model.safetensors")
+  assert sorted(ours) == sorted(theirs)
+  for k, x in ours.items():
+    np.testing.assert_array_equal(x.view(np.uint32), theirs[k].view(np.uint32), err_msg=k)
+  read = lambda d, f: json.loads((d / f).read_text())
+  config, source = read(out, "config.json"), read(CHAT, "config.json")
+  assert config["architectures"] == ["Qwen2AudioForConditionalGeneration"]
+  assert config["audio_token_index"] == source["audio_token_index"]
+  for section, keys in (("audio_config", ("model_type", "num_mel_bins", "max_source_positions",
+                                          "d_model", "encoder_layers", "encoder_attention_heads",
+                                          "encoder_ffn_dim", "activation_function")),
+                        ("text_config", ("model_type", "hidden_size", "intermediate_size",
+                                         "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "vocab_size", "rms_norm_eps",
+                                         "max_position_embeddings", "tie_word_embeddings"))):
+    for k in keys:
+      assert config[section][k] == source[section][k], (section, k)
+  assert config["text_config"]["rope_theta"] == source["text_config"]["rope_parameters"][
+      "rope_theta"]
+  extractor = read(CHAT, "processor_config.json").pop("feature_extractor")
+  assert read(out, "preprocessor_config.json") == {k: v for k, v in extractor.items()
+                                                   if k != "dither"}
+  assert read(out, "processor_config.json") == {k: v for k, v in read(
+      CHAT, "processor_config.json").items() if k != "feature_extractor"}
+  for f in ("tokenizer.json", "chat_template.jinja"):
+    assert (out / f).read_bytes() == (CHAT / f).read_bytes(), f
+  assert read(out, "tokenizer_config.json")["processor_class"] == "Qwen2AudioProcessor"
+  assert read(out, "generation_config.json")["eos_token_id"] == [2]

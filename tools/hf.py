@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of mimo_jax.
 
   python -m tools.hf import --hf DIR [--hf DIR] --out WORKDIR [--config=FILE[:ARG]] [--config.a.b=v ...]
-  python -m tools.hf export WORKDIR [--step N] --out DIR [--module vision|audio|language] [--tokenizer DIR] [--peft] [--overwrite]
+  python -m tools.hf export WORKDIR [--step N] --out DIR [--model llava|qwen2_audio] [--module vision|audio|language] [--tokenizer DIR] [--peft] [--overwrite]
   python -m tools.hf check --hf DIR [--dtype float32|bfloat16]
 
 `import` reads an HF model directory (config.json and safetensors, sharded with an index or not):
@@ -24,7 +24,11 @@ import that fails, is interrupted (Ctrl-C) or killed (SIGTERM) leaves nothing (e
 130 or 143).
 
 `export` writes a checkpoint as a complete HF directory that transformers loads with its own
-classes: LlavaForConditionalGeneration for the whole model (the default), or one module:
+classes: the whole model as LlavaForConditionalGeneration (vision and language) or as
+Qwen2AudioForConditionalGeneration (`--model qwen2_audio`: audio and language, the default for
+a run without a vision encoder or whose language model came from a Qwen2-Audio directory; with
+WhisperFeatureExtractor's preprocessor_config.json, Qwen2AudioProcessor's processor_config.json,
+the audio token `--audio_token_index`, else model.audio.audio_token), or one module:
 SiglipVisionModel / CLIPVisionModel (`--module vision`), a WhisperModel holding the audio encoder
 (`--module audio`, with WhisperFeatureExtractor's preprocessor_config.json; its decoder is not the
 run's: transformers initialises it on loading), LlamaForCausalLM / Qwen2ForCausalLM
@@ -376,7 +380,7 @@ def source_context(record: dict, sources: dict[str, list[str]]) -> int | None:
       c = json.loads((pathlib.Path(path) / "config.json").read_text())
     except (OSError, ValueError):
       continue
-    c = c.get("text_config", {}) if c.get("model_type") == "llava" else c
+    c = c.get("text_config", {}) if c.get("model_type") in ("llava", "qwen2_audio") else c
     if isinstance(c.get("max_position_embeddings"), int):
       return c["max_position_embeddings"]
   return None
@@ -434,6 +438,33 @@ def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int,
   return token, text
 
 
+def _default_model(cfg: Config, sources: dict[str, list[str]]) -> str:
+  """The whole model's HF class by default: Qwen2-Audio for a run without a vision encoder, or
+  whose language model came from a Qwen2-Audio directory; LLaVA otherwise."""
+  if "audio" in cfg.model.encoders and "vision" not in cfg.model.encoders:
+    return "qwen2_audio"
+  for path in sources.get("language", [])[:1]:
+    with contextlib.suppress(OSError, ValueError):
+      c = json.loads((pathlib.Path(path) / "config.json").read_text())
+      if c.get("model_type") == "qwen2_audio" and "audio" in cfg.model.encoders:
+        return "qwen2_audio"
+  return "llava"
+
+
+def _audio_token(args, cfg: Config, tok) -> tuple[int, str]:
+  """Qwen2-Audio's audio token (id, text): --audio_token_index, else model.audio.audio_token;
+  one token of the tokenizer."""
+  token = cfg.model.audio.audio_token if args.audio_token_index is None \
+      else args.audio_token_index
+  where = "--audio_token_index" if args.audio_token_index is not None \
+      else "config.model.audio.audio_token"
+  text = tok.tokenizer.id_to_token(token)
+  if text is None or token >= cfg.model.language.vocab_size:
+    _fail(f"audio token {token} (from {where}) is not a token of {tok.path / 'tokenizer.json'} "
+          f"and of the model's {cfg.model.language.vocab_size}; pass --audio_token_index ID.")
+  return token, text
+
+
 def _export_peft(args) -> None:
   """`export --peft`: the run's adapters (and a trained projector) as a PEFT adapter."""
   from mimo_jax.hf import peft  # pylint: disable=import-outside-toplevel
@@ -463,12 +494,17 @@ def _export(args) -> None:
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
     cfg.model.language.vocab_size = DIGITS_VOCAB
-  kind = {"vision": "tower", "audio": "audio", "language": "language", None: "llava"}[args.module]
-  if args.module is not None and args.module not in cfg.model.encoders and args.module != "language":
-    _fail(f"{args.workdir}: the run has no {args.module} module (model.{args.module}); export one "
+  record, sources = history(args.workdir, cfg, record)
+  whole = args.model or _default_model(cfg, sources)
+  kind = {"vision": "tower", "audio": "audio", "language": "language", None: whole}[args.module]
+  if args.module is not None and args.model:
+    _fail(f"--model {args.model} is the whole model; --module {args.module} exports one module: "
+          "give one of them.")
+  wanted = {"llava": "vision", "qwen2_audio": "audio"}.get(kind, args.module)
+  if wanted is not None and wanted not in cfg.model.encoders and wanted != "language":
+    _fail(f"{args.workdir}: the run has no {wanted} module (model.{wanted}); export one "
           f"of {', '.join([*cfg.model.encoders, 'language'])}.")
   data = _run_data(cfg)
-  record, sources = history(args.workdir, cfg, record)
   tok = _tokenizer(args, sources, data) if kind not in ("tower", "audio") else None
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
@@ -479,6 +515,17 @@ def _export(args) -> None:
     token, text = _image_token(args, cfg, record, data, tok)
     config = hf_vision.llava_config_json(cfg, token, context)
     files["processor_config.json"] = hf_vision.llava_processor_json(cfg.model.vision, text)
+  elif kind == "qwen2_audio":
+    token, text = _audio_token(args, cfg, tok)
+    config = hf_audio.qwen2_audio_config_json(cfg, token, context)
+    known = lambda t: t if tok.tokenizer.token_to_id(t) is not None else None
+    files["processor_config.json"] = hf_audio.qwen2_audio_processor_json(
+        text, known("<|audio_bos|>"), known("<|audio_eos|>"))
+    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
+    if extractor is None:
+      _fail(f"model.audio: windows of {cfg.model.audio.frames} frames are no whole number of "
+            "seconds, which Qwen2-Audio's WhisperFeatureExtractor needs.")
+    files["preprocessor_config.json"] = extractor
   elif kind == "tower":
     config = hf_vision.vision_config_json(cfg.model.vision)
   elif kind == "audio":
@@ -496,9 +543,10 @@ def _export(args) -> None:
     files["preprocessor_config.json"] = hf_vision.preprocessor_json(
         cfg.model.vision, base, data.get("pad_to_square", False), where)
   if tok is not None:
-    files["tokenizer_config.json"] = tok.config_json("LlavaProcessor" if kind == "llava" else None)
+    files["tokenizer_config.json"] = tok.config_json(
+        {"llava": "LlavaProcessor", "qwen2_audio": "Qwen2AudioProcessor"}.get(kind))
     files["generation_config.json"] = hf_export.generation_json(tok)
-  modules = (args.module,) if args.module else ("vision", "language")
+  modules = (args.module,) if args.module else (wanted, "language")
   tensors = dict(hf_export.export_tensors(modules, cfg, params))
   bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
   if bad:
@@ -517,8 +565,8 @@ def _export(args) -> None:
       (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: complete
   extra = f"; tokenizer from {tok.path}" if tok else ""
-  if kind == "llava":
-    extra += f"; image token {token} ({text})"
+  if kind in ("llava", "qwen2_audio"):
+    extra += f"; {'image' if kind == 'llava' else 'audio'} token {token} ({text})"
   print(f"wrote {out}: {config['architectures'][0]} from step {step}, {len(tensors)} tensors, "
         f"{total / 1e6:.1f} MB{extra}")
 
@@ -566,10 +614,16 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--step", type=int, default=None, help="default: the newest")
   p.add_argument("--out", required=True)
   p.add_argument("--module", choices=("vision", "audio", "language"), default=None,
-                 help="one module alone (default: the whole model as LLaVA)")
+                 help="one module alone (default: the whole model, as --model)")
+  p.add_argument("--model", choices=("llava", "qwen2_audio"), default=None,
+                 help="the whole model's class: LLaVA (the vision encoder) or Qwen2-Audio (the "
+                 "audio encoder) with the language model (default: Qwen2-Audio for a run "
+                 "without a vision encoder or imported from Qwen2-Audio, else LLaVA)")
   p.add_argument("--image_token_index", type=int, default=None,
                  help="LLaVA's image token id (default: the run's data.image_token, else the "
                  "imported LLaVA's, else the tokenizer's <image>)")
+  p.add_argument("--audio_token_index", type=int, default=None,
+                 help="Qwen2-Audio's audio token id (default: model.audio.audio_token)")
   p.add_argument("--tokenizer", default="",
                  help="the tokenizer directory to copy (default: the run's data's, else the "
                  "language model's source)")

@@ -21,7 +21,9 @@ rendered with the chat template, each `<audio>` as the template's markers, and r
 processor (features and the expansion of <|AUDIO|> are transformers'); files are decoded with
 soundfile and resampled to 16 kHz with soxr (HQ), as librosa does by default.
 Rerun after changing a fixture (`--only chat` writes just that one); the whole set stays well
-under a megabyte.
+under a megabyte. `--check_export DIR` loads a `tools.hf export` of the chat fixture's import
+with transformers (AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration), offline,
+and checks that its answers to PROMPTS are chat_generate.npz's token for token.
 """
 
 from __future__ import annotations
@@ -183,6 +185,44 @@ def read_clip(name: str) -> np.ndarray:
   return wave if rate == 16000 else soxr.resample(wave, rate, 16000, quality="HQ")
 
 
+def answers(model, processor, tok) -> np.ndarray:
+  """transformers' greedy answers [len(PROMPTS), GENERATE] to PROMPTS (eos-padded)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  eos = tok.convert_tokens_to_ids("<|im_end|>")
+  rows = []
+  for text_, clips in PROMPTS:
+    content = text_.replace("<audio>", MARKERS)
+    rendered = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+    waves = [read_clip(c) for c in clips]
+    inputs = processor(text=rendered, audio=waves or None, sampling_rate=16000,
+                       return_tensors="pt")
+    with torch.no_grad():
+      got = model.generate(**inputs, max_new_tokens=GENERATE, do_sample=False)
+    new = got[0, inputs["input_ids"].shape[1]:].numpy().astype(np.int32)
+    rows.append(np.pad(new, (0, GENERATE - len(new)), constant_values=eos))
+    print(text_.replace("\n", " "), clips, "->", tok.decode(new), new.tolist(),
+          tuple(inputs["input_ids"].shape))
+  return np.stack(rows)
+
+
+def check_export(path: pathlib.Path) -> None:
+  """A Qwen2-Audio export loaded by transformers answers PROMPTS as the fixture does."""
+  # pylint: disable=import-outside-toplevel
+  from transformers import AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration
+  config = AutoConfig.from_pretrained(path, local_files_only=True)
+  assert type(config).__name__ == "Qwen2AudioConfig", type(config)
+  processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+  assert type(processor).__name__ == "Qwen2AudioProcessor", type(processor)
+  assert processor.feature_extractor.feature_size == config.audio_config.num_mel_bins
+  model = Qwen2AudioForConditionalGeneration.from_pretrained(path, local_files_only=True).eval()
+  got = answers(model, processor, processor.tokenizer)
+  want = np.load(ROOT / "tests" / "fixtures" / "hf_audio" / "qwen2_audio_chat" /
+                 "chat_generate.npz")["tokens"]
+  np.testing.assert_array_equal(got, want)
+  print(f"{path}: transformers loads it and answers the {len(PROMPTS)} prompts as the fixture")
+
+
 def qwen2_audio_chat(out: pathlib.Path) -> None:
   """A Qwen2-Audio of 30 s windows and 128 mel bins with its processor, and transformers'
   greedy answers to PROMPTS (chat_generate.npz)."""
@@ -212,21 +252,7 @@ def qwen2_audio_chat(out: pathlib.Path) -> None:
                                   chat_template=CHAT_TEMPLATE)
   model.save_pretrained(path, safe_serialization=True)
   processor.save_pretrained(path)
-  rows = []
-  for text_, clips in PROMPTS:
-    content = text_.replace("<audio>", MARKERS)
-    rendered = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
-    waves = [read_clip(c) for c in clips]
-    inputs = processor(text=rendered, audio=waves or None, sampling_rate=16000,
-                       return_tensors="pt")
-    with torch.no_grad():
-      got = model.generate(**inputs, max_new_tokens=GENERATE, do_sample=False)
-    new = got[0, inputs["input_ids"].shape[1]:].numpy().astype(np.int32)
-    rows.append(np.pad(new, (0, GENERATE - len(new)), constant_values=eos))
-    print(text_.replace("\n", " "), clips, "->", tok.decode(new), new.tolist(),
-          inputs["input_ids"].shape)
-  np.savez(path / "chat_generate.npz", tokens=np.stack(rows))
+  np.savez(path / "chat_generate.npz", tokens=answers(model, processor, tok))
 
 
 def main() -> None:
@@ -235,7 +261,12 @@ def main() -> None:
   parser.add_argument("--only", choices=("generate", "chat"), default=None,
                       help="write only generate.npz beside the saved Qwen2-Audio models, or only "
                       "qwen2_audio_chat")
+  parser.add_argument("--check_export", default="",
+                      help="a tools.hf export of the chat fixture's import to load and check")
   args = parser.parse_args()
+  if args.check_export:
+    check_export(pathlib.Path(args.check_export))
+    return
   out = pathlib.Path(args.out)
   if args.only == "generate":
     for shape in SHAPES:

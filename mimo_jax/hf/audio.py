@@ -2,11 +2,12 @@
 WhisperForConditionalGeneration: the encoder is read, the decoder left) and
 Qwen2AudioForConditionalGeneration (its audio tower, linear projector and Qwen2 language model)
 <-> model.audio: its config fields, its tensor table and the files of a Whisper export
-(config.json, the feature extractor's preprocessor_config.json)."""
+(config.json, the feature extractor's preprocessor_config.json) and of a Qwen2-Audio export
+(its config.json and Qwen2AudioProcessor's processor_config.json)."""
 
 from __future__ import annotations
 
-from mimo_jax.hf.export import ACTIVATION_NAMES
+from mimo_jax.hf.export import ACTIVATION_NAMES, language_config_json
 from mimo_jax.hf.fields import reader
 from mimo_jax.hf.mapping import Mapping
 from mimo_jax.hf.source import ACTIVATIONS, HFError, Source, field
@@ -117,6 +118,30 @@ def feature_extractor_json(a) -> dict | None:
           "chunk_length": a.frames // 100, "n_samples": a.frames * 160,
           "nb_max_frames": a.frames, "padding_side": "right", "padding_value": 0.0,
           "return_attention_mask": False}
+
+
+def qwen2_audio_config_json(cfg, token: int, context: int | None = None) -> dict:
+  """config.json of a Qwen2AudioForConditionalGeneration: the tower (pooled by 2, padding
+  masked, a linear projector), the language model's config as text_config, `token` the audio
+  placeholder's id; `context` the language model's max_position_embeddings."""
+  a, lm = cfg.model.audio, cfg.model.language
+  if (a.pool, a.mask_padding, a.projector, a.norm_eps) != (2, True, "linear", 1e-5):
+    raise HFError(f"model.audio: pool {a.pool}, mask_padding {a.mask_padding}, projector "
+                  f"{a.projector!r}, norm_eps {a.norm_eps} differ from Qwen2-Audio's (2, true, "
+                  "'linear', 1e-5); no Qwen2AudioForConditionalGeneration holds this model.")
+  text = language_config_json(lm, context)
+  text.pop("architectures")
+  return {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": COMBINED,
+          "audio_config": {"model_type": "qwen2_audio_encoder", **_encoder_json(a)},
+          "text_config": text, "audio_token_index": token, "torch_dtype": "float32"}
+
+
+def qwen2_audio_processor_json(audio_token: str, bos: str | None, eos: str | None) -> dict:
+  """processor_config.json of a Qwen2AudioProcessor: `audio_token` becomes each clip's tokens,
+  between `bos` and `eos` in its chat template (the processor's defaults where None)."""
+  out = {"processor_class": "Qwen2AudioProcessor", "audio_token": audio_token}
+  out.update({k: v for k, v in (("audio_bos_token", bos), ("audio_eos_token", eos)) if v})
+  return out
 
 
 MAPPING = Mapping(name="audio", types=TYPES, combined=COMBINED, prefixes=PREFIXES, names=NAMES,
