@@ -245,6 +245,14 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name:
     remove(old)
 
 
+def readable_as_created(path: str | os.PathLike) -> None:
+  """Gives a written file the permissions a new file gets (0666 less the umask): safetensors
+  creates its files owner-only (0600)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(path, 0o666 & ~mask)
+
+
 def fsync(path: str | os.PathLike) -> None:
   """Flushes a file's or a directory's entries to disk; a file system that cannot is let be."""
   _fsync_dir(pathlib.Path(path))

@@ -168,6 +168,9 @@ def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkey
   stdout, err = capsys.readouterr()
   assert "step 30 was removed while being read" in err and "of step 20" in stdout
   assert set(load_file(str(out))) and os.listdir(out.parent) == ["model.safetensors"]
+  mask = os.umask(0)
+  os.umask(mask)
+  assert os.stat(out).st_mode & 0o777 == 0o666 & ~mask  # as any new file, not owner-only
   # A given step that is removed names the steps there are now.
   _removed_when_read(monkeypatch, run, 20, "_meta")
   assert ckpt.main(["inspect", str(run), "--step", "20"]) == 2

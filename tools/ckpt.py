@@ -100,6 +100,7 @@ def export(args: argparse.Namespace) -> None:
     try:
       save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
                 metadata={"step": str(step), "config": json.dumps(meta["config"])})
+      output.readable_as_created(tmp)
       output.fsync(tmp)  # the bytes on disk before the name points at them
       os.replace(tmp, final)
       output.fsync(os.path.dirname(final) or ".")
