@@ -142,7 +142,8 @@ def audio_settings(args, cfg: Config, tok, found: dict):
   if token not in markers:
     raise ConfigError(f"--audio_markers {markers!r} does not hold the audio token {token!r}.")
   folder = args.audio or str(pathlib.Path(args.data).parent)
-  settings = audio_records.Settings(folder, token, markers, a.mel_bins, a.pool, True)
+  settings = audio_records.Settings(folder=folder, token=token, markers=markers,
+                                    mel_bins=a.mel_bins, pool=a.pool, allow_outside=True)
   if tok.tokenizer.token_to_id(token) is None:
     return settings, None
   if tok.token_id(token) != a.audio_token:
@@ -233,10 +234,6 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
     try:
       if clips:
         audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
-        for c in clips:
-          if c.tokens(settings.pool) < 1:
-            raise RecordError("short audio", f"{where}: a clip of {c.frames} mel frames yields "
-                              f"no audio token (model.audio.pool {settings.pool}).")
     except RecordError as e:
       raise ConfigError(str(e)) from None
     items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
