@@ -154,7 +154,12 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
   if complete(final):
     return str(final)
   final.parent.mkdir(parents=True, exist_ok=True)
+  print(f"digits: building the task's records in {final} (once; about a minute on 2 cores)",
+        flush=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(tmp, 0o777 & ~mask)  # as a directory made by mkdir, not mkdtemp's owner-only
   try:
     _write_source(tmp, train_samples, eval_samples, probs)
     src = tmp / "source"
