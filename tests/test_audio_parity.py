@@ -2,7 +2,8 @@
 single-device float32 trajectory (4 steps, 1e-4 on loss and gradient norm): three disjoint
 meshes, audio fan-in (more audio ranks than language ranks) under FSDP, fan-out with audio in
 two pipeline stages, audio colocated with the language model with its own tp under ZeRO-1 and
-full remat, and a run resumed onto another layout. Samples carry synthetic log-mel clips of
+full remat, a run resumed onto another layout, and clips packed several a slot on the fan-in
+layout against their own single-device run. Samples carry synthetic log-mel clips of
 varying length (0-2 windows), so padding tokens are dropped and each clip's tokens differ."""
 
 import dataclasses
@@ -30,10 +31,14 @@ TOWER = dict(mel_bins=8, positions=8, dim=32, layers=2, heads=4, mlp_dim=64, poo
              max_windows=2)
 
 
-def _config(data_dir, vision, audio, language, **audio_topology):
+# Packed slots: 8 a microbatch of 64 frames (32 positions), clips sharing them (encoders/audio.py).
+PACKED = dict(slot_frames=64, audio_slots=8)
+
+
+def _config(data_dir, vision, audio, language, packed=False, **audio_topology):
   cfg = tiny_config(data_dir, vision=vision, language=language)
   offset, dp, tp, *pp = audio
-  cfg.add_encoder("audio", AudioConfig(**TOWER),
+  cfg.add_encoder("audio", AudioConfig(**TOWER, **(PACKED if packed else {})),
                   ModuleTopology(offset, dp, tp, *pp, **audio_topology))
   cfg.data.seq_len = 32  # room for 3 images of 4 tokens and a clip of 8
   return cfg
@@ -107,6 +112,24 @@ def test_audio_layouts_match_single_device(data_dir, reference, name):
   assert_close_trajectory(reference, got, rtol=1e-4)
   batch = _batches(cfg)(step.ctx.groups)[1]
   assert int(batch.stats.items["audio"].sum()) > 0
+
+
+@pytest.fixture(scope="module")
+def reference_packed(data_dir):
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1), packed=True)
+  ref, _, _, _ = run_steps(cfg, STEPS, batches=_batches(cfg))
+  assert ref[-1]["loss"] < ref[0]["loss"]
+  return ref
+
+
+def test_packed_audio_slots_match_single_device(data_dir, reference_packed):
+  """Clips packed several a slot (model.audio.slot_frames) on the fan-in layout under FSDP: the
+  single-device packed trajectory."""
+  cfg = _config(data_dir, **LAYOUTS["fan_in_fsdp"], packed=True)
+  got, step, _, _ = run_steps(cfg, STEPS, batches=_batches(cfg))
+  assert_close_trajectory(reference_packed, got, rtol=1e-4)
+  batch = _batches(cfg)(step.ctx.groups)[0]
+  assert int(batch.slots["audio"].inputs["mel_seg_nf"].max()) >= 2  # slots shared by clips
 
 
 def test_resume_onto_another_layout(data_dir, reference, tmp_path):

@@ -30,7 +30,8 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
   order = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
   G, micro = layout.groups, d.micro_batch
   per = micro // G
-  tokens_of = {}  # record -> ({encoder: [item tokens]}, text tokens); computed once a record
+  # record -> ({encoder: [item tokens]}, text tokens, {encoder: [item rooms]}); once a record
+  tokens_of = {}
   need = {e.name: (0, None) for e in layout.encoders}  # most slots a rank needs, and where
   rows_need, worst_len = (0, None), (0, None)
   first, last = start * d.microbatches, steps * d.microbatches
@@ -44,9 +45,15 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
     for i, index in zip(ids, indices):
       if index not in tokens_of:
         m = records.meta[index]
-        tokens_of[index] = ({e.name: [e.item_tokens(size, i) for size in e.sizes({"meta": m})]
-                             for e in layout.encoders}, m.text_tokens)
+        sizes = {e.name: e.sizes({"meta": m}) for e in layout.encoders}
+        tokens = {e.name: [e.item_tokens(size, i) for size in sizes[e.name]]
+                  for e in layout.encoders}
+        tokens_of[index] = (tokens, m.text_tokens,
+                            {e.name: [e.item_room(size, t) for size, t in
+                                      zip(sizes[e.name], tokens[e.name])]
+                             for e in layout.encoders})
     items = [tokens_of[index][0] for index in indices]
+    rooms = [tokens_of[index][2] for index in indices]
     lengths = [text + sum(sum(t) for t in it.values()) - 1
                for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
     costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
@@ -59,13 +66,14 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
     for g in range(G):
       mine = ranks[g * per:(g + 1) * per]
       for e in layout.encoders:
-        sizes = [t for b in mine for t in items[b][e.name]]
-        too_big = [t for t in sizes if t > e.slot_tokens]
+        sizes = [r for b in mine for r in rooms[b][e.name]]
+        too_big = [r for r in sizes if r > e.room]
         if too_big:
-          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} tokens does not fit a slot "
-                              f"of {e.slot_tokens}; raise "
+          what = "tokens" if e.room == e.slot_tokens else "of a slot's room"
+          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} {what} does not fit a slot "
+                              f"of {e.room}; raise "
                               f"{e.tokens_field or f'the slot tokens of encoder {e.name}'}.")
-        n = first_fit(sizes, e.slot_tokens, e.slot_items)
+        n = first_fit(sizes, e.room, e.slot_items)
         if n > need[e.name][0]:
           need[e.name] = (n, f"{where}, language dp rank {g}")
       if layout.pack_rows:

@@ -44,22 +44,25 @@ class Layout:
     return next(e for e in self.encoders if e.name == name)
 
 
-def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> list[list[tuple]]:
+def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout,
+                rooms: list[list[int]] | None = None) -> list[list[tuple]]:
   """(slot, token offset in the slot) of every item of every sample: each language dp rank fills
-  its own slots first fit, in sample order. `tokens[b]` lists sample b's items' tokens."""
-  per_group, S, cap = len(tokens) // slots.groups, slots.slots_per_group, slots.slot_tokens
+  its own slots first fit, in sample order. `tokens[b]` lists sample b's items' tokens, `rooms[b]`
+  the room each takes in a slot (`SlotLayout.item_room`; default: its tokens)."""
+  per_group, S, cap = len(tokens) // slots.groups, slots.slots_per_group, slots.room
   most = slots.slot_items or cap
-  free, items = [cap] * slots.slots, [0] * slots.slots
+  free, items, used = [cap] * slots.slots, [0] * slots.slots, [0] * slots.slots
   out = []
   for b, (counts, sid) in enumerate(zip(tokens, ids)):
     g, placed = b // per_group, []
-    for t in counts:
-      if t > cap:
+    for t, r in zip(counts, counts if rooms is None else rooms[b]):
+      if r > cap:
         article = "an" if slots.noun[0] in "aeiou" else "a"
-        raise ValueError(f"sample {sid} has {article} {slots.noun} of {t} tokens but a slot holds "
+        what = f"{t} tokens" if slots.room == slots.slot_tokens else f"{r} of a slot's room"
+        raise ValueError(f"sample {sid} has {article} {slots.noun} of {what} but a slot holds "
                          f"{cap}; raise "
                          f"{slots.tokens_field or f'the slot tokens of encoder {slots.name}'}.")
-      slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= t and items[j] < most),
+      slot = next((j for j in range(g * S, (g + 1) * S) if free[j] >= r and items[j] < most),
                   None)
       if slot is None:
         raise ValueError(
@@ -67,8 +70,9 @@ def place_items(tokens: list[list[int]], ids: list[int], slots: SlotLayout) -> l
             f"language dp rank {g} are full in this microbatch; raise "
             f"{slots.slots_field or f'the slots of encoder {slots.name}'} (now {slots.slots} "
             "per microbatch).")
-      placed.append((slot, cap - free[slot]))
-      free[slot] -= t
+      placed.append((slot, used[slot]))
+      free[slot] -= r
+      used[slot] += t
       items[slot] += 1
     out.append(placed)
   return out
@@ -180,7 +184,9 @@ def layout_microbatch(samples: list[dict | None], ids: list[int], layout: Layout
     sizes[e.name] = [e.sizes(x) if x is not None else [] for x in samples]
     tokens[e.name] = [[e.item_tokens(sz, sid) for sz in szs]
                       for szs, sid in zip(sizes[e.name], ids)]
-    places[e.name] = place_items(tokens[e.name], ids, e)
+    rooms = [[e.item_room(sz, t) for sz, t in zip(szs, ts)]
+             for szs, ts in zip(sizes[e.name], tokens[e.name])]
+    places[e.name] = place_items(tokens[e.name], ids, e, rooms)
     slots[e.name].used_g[:] = _used_slots(places[e.name], e, per_group)
   counts = {"tokens": 0, "target_tokens": 0}
   filled = {e.name: [0] * e.slots for e in layout.encoders}

@@ -224,17 +224,17 @@ def sample_order(lengths: list[int], costs: list[float], groups: int, data: Data
   return order
 
 
-def _needs(order: list[int], items: list[dict], lengths: list[int],
+def _needs(order: list[int], rooms: list[dict], lengths: list[int],
            layout: Layout) -> tuple[int, dict[str, int]]:
   """The packed rows and each encoder's slots that the fullest rank of a microbatch laid out in
-  `order` needs (`items[b]`: encoder -> item tokens of sample b)."""
+  `order` needs (`rooms[b]`: encoder -> the room sample b's items take in a slot)."""
   per = len(order) // layout.groups
   rows, slots = 0, {e.name: 0 for e in layout.encoders}
   for g in range(layout.groups):
     mine = order[g * per:(g + 1) * per]
     for e in layout.encoders:
-      slots[e.name] = max(slots[e.name], first_fit([t for b in mine for t in items[b][e.name]],
-                                                   e.slot_tokens, e.slot_items))
+      slots[e.name] = max(slots[e.name], first_fit([t for b in mine for t in rooms[b][e.name]],
+                                                   e.room, e.slot_items))
     if layout.pack_rows:
       rows = max(rows, first_fit([lengths[b] for b in mine], layout.seq_len))
   return rows, slots
@@ -242,29 +242,33 @@ def _needs(order: list[int], items: list[dict], lengths: list[int],
 
 def _plan(elements, layout: Layout, data: DataConfig, records: "Records", id_of):
   """Metadata of a list of (stream position, record index) pairs: stubs, sample ids, each
-  sample's item tokens per encoder, its length in positions and its cost."""
+  sample's item tokens per encoder, its length in positions, its cost and the room its items
+  take in their slots per encoder."""
   stubs = [{"meta": records.meta[index]} for _, index in elements]
   ids = [id_of(pos) for pos, _ in elements]
   items = [{e.name: [e.item_tokens(size, sid) for size in e.sizes(stub)]
             for e in layout.encoders} for stub, sid in zip(stubs, ids)]
+  rooms = [{e.name: [e.item_room(size, t) for size, t in zip(e.sizes(stub), it[e.name])]
+            for e in layout.encoders} for stub, it in zip(stubs, items)]
   lengths = [stub["meta"].text_tokens + sum(sum(t) for t in it.values()) - 1
              for stub, it in zip(stubs, items)]
   costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), stub["meta"].text_tokens,
                                data.image_token_cost, data.text_token_cost)
            for stub, it in zip(stubs, items)]
-  return stubs, ids, items, lengths, costs
+  return stubs, ids, items, lengths, costs, rooms
 
 
 def _layout_batch(elements, layout: Layout, tok: Vocabulary, id_of, data: DataConfig,
                   records: Records, where: Locality) -> Batch:
   """Lays out one microbatch of (stream position, record index) pairs: orders its samples
   (`sample_order`) and reads only the records `where` needs."""
-  stubs, ids, items, lengths, costs = _plan(elements, layout, data, records, id_of)
+  stubs, ids, items, lengths, costs, rooms = _plan(elements, layout, data, records, id_of)
   order = sample_order(lengths, costs, layout.groups, data, data.microbatch_fill == "pack")
   elements, stubs, ids = ([x[i] for i in order] for x in (elements, stubs, ids))
   item_tokens = {e.name: [items[i][e.name] for i in order] for e in layout.encoders}
   per_group = len(elements) // layout.groups
-  places = {e.name: place_items(item_tokens[e.name], ids, e) for e in layout.encoders}
+  places = {e.name: place_items(item_tokens[e.name], ids, e,
+                                [rooms[i][e.name] for i in order]) for e in layout.encoders}
   samples = [records.read(index)
              if where.needs(b // per_group, {n: {j for j, _ in p[b]} for n, p in places.items()})
              else stub for b, ((_, index), stub) in enumerate(zip(elements, stubs))]
@@ -283,13 +287,13 @@ def _pack_step(elements, cfg: Config, layout: Layout, records: "Records", id_of,
   `lay_out` (longest first). No microbatch needs more rows or slots than the fullest of the
   step's stream-order microbatches laid out that way, which is what capacity.py checks."""
   d, G = cfg.data, layout.groups
-  _, _, items, lengths, costs = _plan(elements, layout, d, records, id_of)
+  _, _, _, lengths, costs, rooms = _plan(elements, layout, d, records, id_of)
   n, m = len(elements), d.microbatches
   per = n // m
 
   def needs(members):
     order = sample_order([lengths[i] for i in members], [costs[i] for i in members], G, d, True)
-    return _needs([members[k] for k in order], items, lengths, layout)
+    return _needs([members[k] for k in order], rooms, lengths, layout)
 
   stream = [needs(tuple(range(k * per, (k + 1) * per))) for k in range(m)]
   most_rows = max(r for r, _ in stream)

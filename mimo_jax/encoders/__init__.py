@@ -50,6 +50,13 @@ class SlotLayout:
   slots: int
   slot_tokens: int
   slot_items: int = 0
+  # A slot's room in the units `item_room` counts, where an encoder packs items by a measure other
+  # than their tokens (audio: positions, of which pooling keeps fewer tokens); 0 = slot_tokens.
+  slot_room: int = 0
+
+  @property
+  def room(self) -> int:
+    return self.slot_room or self.slot_tokens
 
   @property
   def slots_per_group(self) -> int:
@@ -68,6 +75,10 @@ class SlotLayout:
   def item_tokens(self, size: tuple[int, ...], sid: int) -> int:
     """Tokens an item of `size` yields, or an error naming sample `sid` if it cannot be taken."""
     raise NotImplementedError
+
+  def item_room(self, size: tuple[int, ...], tokens: int) -> int:
+    """Room an item of `size` that yields `tokens` takes in a slot (of `room`): its tokens."""
+    return tokens
 
   def empty(self) -> dict[str, np.ndarray]:
     """The device inputs of `slots` empty slots."""

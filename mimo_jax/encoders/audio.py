@@ -11,7 +11,15 @@ sum over its windows of `window_tokens(frames)` tokens, and its placeholder
 
 Slots: a slot holds one clip of up to `model.audio.max_windows` windows, sent as `mel_nwfm`
 [n, windows, frames, mel_bins] (float32) and `mel_frames_nw` [n, windows] (audio frames of each
-window; 0 = unused). Sidecar fields: each clip's audio frames.
+window; 0 = unused). With `model.audio.slot_frames` > 0 (packing, as dynamic resolution packs
+images) a slot is a row of that many frames into which a rank's clips are packed first fit, each
+window of a clip its audio frames alone (no padding), starting at an even frame: a clip takes
+room for its positions (`item_room`: ceil(frames / 2) a window), so several short clips share
+what one padded window would take. Sent as `mel_nfm` [n, slot_frames, mel_bins], `mel_seg_nf`
+(each frame's window in the slot, 1, 2, ...; 0 = none), `audio_pos_nq` (each position's index in
+its window) and `token_pos_nt` (each token's first position), the tower encodes every window as
+it would alone on its own frames (models/whisper.packed_embed, packed_finish).
+Sidecar fields: each clip's audio frames.
 """
 
 import dataclasses
@@ -22,6 +30,7 @@ import numpy as np
 
 from mimo_jax import encoders, hf
 from mimo_jax.config import ACTIVATIONS, Config, ModuleTopology, positive, require
+from mimo_jax.data.audio import window_tokens
 from mimo_jax.flops import kernel_params
 from mimo_jax.models import mimo, whisper
 from mimo_jax.models.whisper import PROJECTORS, WhisperConfig
@@ -42,6 +51,10 @@ class AudioConfig(WhisperConfig):
   # Audio slots per microbatch, split evenly over the language dp ranks; 0 = global_batch /
   # microbatches * max_audios (never overflows).
   audio_slots: int = 0
+  # Packing: each audio slot is a row of this many mel frames (even, at least max_windows whole
+  # windows) holding several clips first fit, each window its own audio frames (a 4 s clip takes
+  # 400 frames), encoded as alone; 0 = one clip a slot in whole padded windows.
+  slot_frames: int = 0
 
 
 def clip_windows(frames: int, window: int) -> list[int]:
@@ -53,9 +66,24 @@ def clip_windows(frames: int, window: int) -> list[int]:
 class AudioSlots(encoders.SlotLayout):
   noun = "clip"
   slots_field = "model.audio.audio_slots"
-  tokens_field = "model.audio.max_windows"
   tower: WhisperConfig = dataclasses.field(default_factory=WhisperConfig)
   windows: int = 1
+  slot_frames: int = 0  # packing: frames a slot (model.audio.slot_frames); 0 = a clip a slot
+
+  @property
+  def packed(self) -> bool:
+    return self.slot_frames > 0
+
+  @property
+  def tokens_field(self) -> str:
+    return "model.audio.slot_frames" if self.packed else "model.audio.max_windows"
+
+  def item_room(self, size: tuple[int, ...], tokens: int) -> int:
+    """Packed: the positions of the clip's windows (ceil(frames / 2) each: pooling keeps fewer
+    tokens, but every position is attended); else its tokens."""
+    if not self.packed:
+      return tokens
+    return sum(int(window_tokens(f)) for f in clip_windows(size[0], self.tower.frames))
 
   def items(self, sample: dict) -> list:
     return list(sample.get("audios", ()))
@@ -72,7 +100,12 @@ class AudioSlots(encoders.SlotLayout):
     return tokens
 
   def empty(self) -> dict[str, np.ndarray]:
-    t = self.tower
+    t, n, f = self.tower, self.slots, self.slot_frames
+    if self.packed:
+      return {"mel_nfm": np.zeros((n, f, t.mel_bins), np.float32),
+              "mel_seg_nf": np.zeros((n, f), np.int32),
+              "audio_pos_nq": np.zeros((n, f // 2), np.int32),
+              "token_pos_nt": np.zeros((n, self.slot_tokens), np.int32)}
     return {"mel_nwfm": np.zeros((self.slots, self.windows, t.frames, t.mel_bins), np.float32),
             "mel_frames_nw": np.zeros((self.slots, self.windows), np.int32)}
 
@@ -84,11 +117,33 @@ class AudioSlots(encoders.SlotLayout):
       raise ValueError(f"a clip of {frames} audio frames has features of shape {mel.shape}; "
                        f"expected {(len(windows) * t.frames, t.mel_bins)} (whole windows of "
                        f"{t.frames} frames, model.audio.mel_bins).")
+    if self.packed:
+      self._pack(inputs, slot, start, mel, windows)
+      return
     inputs["mel_nwfm"][slot, :len(windows)] = mel.reshape(len(windows), t.frames, t.mel_bins)
     inputs["mel_frames_nw"][slot, :len(windows)] = windows
 
+  def _pack(self, inputs, slot: int, start: int, mel_fm: np.ndarray, windows: list[int]) -> None:
+    """A clip's windows after the slot's last (the layout writes a slot's clips in the order it
+    placed them), each its audio frames from an even frame, with its own segment id."""
+    seg_f = inputs["mel_seg_nf"][slot]
+    taken = np.flatnonzero(seg_f)
+    at = 2 * (int(taken[-1]) // 2 + 1) if len(taken) else 0  # the next even frame
+    segment = int(seg_f.max()) + 1
+    for w, f in enumerate(windows):
+      span, q, kept = slice(at, at + f), int(window_tokens(f)), int(window_tokens(f, self.tower.pool))
+      inputs["mel_nfm"][slot, span] = mel_fm[w * self.tower.frames:w * self.tower.frames + f]
+      seg_f[span] = segment + w
+      inputs["audio_pos_nq"][slot, at // 2:at // 2 + q] = np.arange(q)
+      inputs["token_pos_nt"][slot, start:start + kept] = at // 2 + self.tower.pool * np.arange(kept)
+      at, start = at + 2 * q, start + kept
+
   def work(self, sizes) -> dict[str, int]:
     windows = [clip_windows(s[0], self.tower.frames) for s in sizes]
+    if self.packed:
+      positions = [int(window_tokens(f)) for w in windows for f in w]
+      return {"positions": sum(positions), "positions_sq": sum(q * q for q in positions),
+              "tokens": sum(self.tower.window_tokens(f) for w in windows for f in w)}
     return {"windows": sum(len(w) for w in windows),
             "tokens": sum(self.tower.window_tokens(f) for w in windows for f in w)}
 
@@ -97,7 +152,7 @@ class Audio(encoders.Encoder):
   name, sample_key, size_fields, seed_salt = "audio", "audios", 1, 5
   placeholder = AUDIO_TOKEN  # model.audio.audio_token sets the slots' (slot_layout)
   noun, config_class, slots_field = "clip", AudioConfig, AudioSlots.slots_field
-  data_settings = ("max_audios", "max_windows", "audio_slots")
+  data_settings = ("max_audios", "max_windows", "audio_slots", "slot_frames")
 
   def item_sizes(self, sample: dict) -> list[tuple[int]]:
     if "audio_frames" in sample:
@@ -106,10 +161,13 @@ class Audio(encoders.Encoder):
 
   def module(self, cfg: Config) -> mimo.Module:
     a, lm = cfg.model.audio, cfg.model.language
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, a.positions)
+    rows = a.slot_frames // 2 or a.positions
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, rows)
+    # Runs of equal segment ids a packed slot may hold: a window a position at most, padding.
+    segments = rows + 1 if a.slot_frames else 0
     return mimo.Module(self.name,
                        lambda rngs: whisper.WhisperEncoder(rngs, a, lm, dtype, att),
-                       lambda rngs: whisper.WhisperBlock(rngs, a, dtype, att),
+                       lambda rngs: whisper.WhisperBlock(rngs, a, dtype, att, segments),
                        seed_salt=self.seed_salt, fixed=("pos",))
 
   def load(self, path: str, cfg: Config):
@@ -120,6 +178,10 @@ class Audio(encoders.Encoder):
     a = cfg.model.audio
     tower = WhisperConfig(**{f.name: getattr(a, f.name)
                              for f in dataclasses.fields(WhisperConfig)})
+    if a.slot_frames:
+      return AudioSlots(self.name, a.audio_token, groups, slots,
+                        a.slot_frames // 2 // a.pool, slot_room=a.slot_frames // 2, tower=tower,
+                        windows=a.max_windows, slot_frames=a.slot_frames)
     return AudioSlots(self.name, a.audio_token, groups, slots, a.max_windows * a.tokens_per_window,
                       1, tower=tower, windows=a.max_windows)
 
@@ -146,6 +208,11 @@ class Audio(encoders.Encoder):
     require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
     require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
     require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
+    require(a.slot_frames == 0 or (a.slot_frames % 2 == 0 and
+                                   a.slot_frames >= a.max_windows * a.frames),
+            "model.audio.slot_frames",
+            f"{a.slot_frames} must be even and hold the longest clip, max_windows * "
+            f"{a.frames} frames = {a.max_windows * a.frames} (or 0: a clip a slot).")
 
   def validate_topology(self, cfg: Config) -> None:
     a, t = cfg.model.audio, cfg.topology.audio
@@ -164,13 +231,19 @@ class Audio(encoders.Encoder):
     """Each slot's window positions at the block's input and, unless remat=full, the MLP's
     hidden units."""
     a = cfg.model.audio
-    rows = self.slots(cfg) // t.dp * a.max_windows * a.positions
+    rows = self.slots(cfg) // t.dp * (a.slot_frames // 2 or a.max_windows * a.positions)
     kept = a.dim + (0 if t.remat == "full" else a.mlp_dim // t.tp)
     return rows * kept * np.dtype(cfg.model.dtype).itemsize
 
   def encode(self, model, run_blocks, inputs_m: dict) -> jax.Array:
     """`mel_nwfm` [M, n, w, f, m] and `mel_frames_nw` [M, n, w] -> tokens [M, n, w·t, d]: each
-    slot's kept tokens first (models/whisper.compact)."""
+    slot's kept tokens first (models/whisper.compact); packed, `mel_nfm` [M, n, f, m] with
+    `mel_seg_nf`, `audio_pos_nq` and `token_pos_nt` -> [M, n, t, d]."""
+    if "mel_nfm" in inputs_m:
+      seg = inputs_m["mel_seg_nf"]
+      x = jax.vmap(model.packed_embed)(inputs_m["mel_nfm"], seg, inputs_m["audio_pos_nq"])
+      x = run_blocks(x, (seg[..., ::2],))  # a position's window: its first frame's
+      return jax.vmap(model.packed_finish)(x, inputs_m["token_pos_nt"])
     mel, frames = inputs_m["mel_nwfm"], inputs_m["mel_frames_nw"]
     M, n, w = frames.shape
     rows = lambda x: x.reshape((M, n * w) + x.shape[3:])
@@ -182,11 +255,15 @@ class Audio(encoders.Encoder):
 
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
     """6·N a position for the tower's matmuls (the first convolution at two frames a position),
-    bidirectional attention over each window, and 6·N a kept token for the projector."""
+    bidirectional attention over each window (packed: over its audio positions alone), and 6·N
+    a kept token for the projector."""
     a = cfg.model.audio
     projector = kernel_params(params, "projector")
     conv1 = a.mel_bins * a.dim * 3
     tower = kernel_params(params) - projector + conv1  # conv1 runs at twice the positions
+    if "positions" in work:  # packed: each window's own positions, attending among themselves
+      return float(6 * tower * work["positions"] + 12 * a.layers * a.dim * work["positions_sq"]
+                   + 6 * projector * work["tokens"])
     per_window = 6 * tower * a.positions + 12 * a.layers * a.dim * a.positions**2
     return float(per_window * work["windows"] + 6 * projector * work["tokens"])
 

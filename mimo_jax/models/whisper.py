@@ -8,6 +8,11 @@ positions); the stride-2 convolution makes one position of two frames. Of a wind
 yields 4 s of tokens. Whisper attends over the whole window, padding included, as transformers'
 WhisperEncoder does (so the kept tokens equal its hidden states); with `mask_padding` (Qwen2-Audio)
 the keys of padded positions are masked, as Qwen2AudioForConditionalGeneration masks them.
+
+Packed slots (`packed_embed`, `packed_finish`) hold several windows of any length one after the
+other, each encoded as it would be alone on its own frames (no padding): segment-aware
+convolutions, positions restarting per window, attention block-diagonal by window (the blocks'
+segment ids) and each window's own pooling.
 """
 
 from __future__ import annotations
@@ -87,19 +92,22 @@ def sinusoids(positions: int, dim: int) -> np.ndarray:
 
 
 class WhisperBlock(nnx.Module):
-  """Pre-LN: attention (biases on q, v and the output, none on k), then the MLP."""
+  """Pre-LN: attention (biases on q, v and the output, none on k), then the MLP. `segments`: most
+  runs of equal segment ids a row holds (packed slots; cuDNN's packed attention is sized by it)."""
 
-  def __init__(self, rngs: nnx.Rngs, cfg: WhisperConfig, dtype: jnp.dtype, attention: str = "xla"):
+  def __init__(self, rngs: nnx.Rngs, cfg: WhisperConfig, dtype: jnp.dtype, attention: str = "xla",
+               segments: int = 0):
     self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True, k_bias=False,
-                          implementation=attention, max_segments=2 if cfg.mask_padding else 0,
-                          fp8=cfg.fp8)
+                          implementation=attention,
+                          max_segments=segments or (2 if cfg.mask_padding else 0), fp8=cfg.fp8)
     self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8)
 
   def __call__(self, x_npd: jax.Array, valid_np: jax.Array | None = None) -> jax.Array:
     """With `valid_np` (1 = audio, 0 = padding; Qwen2-Audio) audio attends only to audio; what
-    padding sees never reaches a kept token."""
+    padding sees never reaches a kept token. In a packed slot it holds each window's segment id
+    (1, 2, ...; 0 = padding): attention is block-diagonal by window."""
     x_npd = x_npd + self.attn(self.norm1(x_npd), segment_ids_bl=valid_np)
     return x_npd + self.mlp(self.norm2(x_npd))
 
@@ -133,6 +141,24 @@ class WhisperEncoder(nnx.Module):
     x = act(self.conv2(x))
     return x + jax.lax.stop_gradient(self.pos[...]).astype(self.dtype)
 
+  def packed_embed(self, mel_nfm: jax.Array, seg_nf: jax.Array, pos_nq: jax.Array) -> jax.Array:
+    """Packed slots [n, frames, mel_bins] whose frames carry their window's segment id `seg_nf`
+    (1, 2, ...; 0 = none) -> [n, frames / 2, dim], each window as if convolved alone: no tap
+    reads another window's frame or a frame of none (the convolutions' zero padding), windows
+    start at even frames, and positions `pos_nq` restart at 0 in each."""
+    act = ACTIVATIONS["gelu"]
+    x = act(segment_conv(self.conv1, mel_nfm.astype(self.dtype), seg_nf, 1))
+    x = x * (seg_nf > 0)[..., None].astype(x.dtype)
+    x = act(segment_conv(self.conv2, x, seg_nf, 2))
+    return x + jax.lax.stop_gradient(self.pos[...]).astype(self.dtype)[pos_nq]
+
+  def packed_finish(self, x_nqd: jax.Array, token_pos_nt: jax.Array) -> jax.Array:
+    """The blocks' output of packed slots -> their tokens [n, t, language dim]: token i the mean
+    of `pool` positions from `token_pos_nt[:, i]` (its window's own pooling), normed, projected."""
+    idx_ntp = token_pos_nt[..., None] + jnp.arange(self.cfg.pool)
+    x_ntd = jax.vmap(lambda x, i: x[i].mean(axis=1))(x_nqd, idx_ntp)
+    return self.projector(self.norm(x_ntd))
+
   def valid(self, frames_n: jax.Array) -> jax.Array:
     """Which positions [n, positions] hold audio (1) or padding (0), of windows whose first
     `frames_n` frames are audio: the blocks' mask side input."""
@@ -149,6 +175,17 @@ class WhisperEncoder(nnx.Module):
 
   def finish(self, x_npd: jax.Array) -> jax.Array:
     return self.projector(self.features(x_npd))
+
+
+def segment_conv(conv: nnx.Conv, x_nfc: jax.Array, seg_nf: jax.Array, stride: int) -> jax.Array:
+  """`conv` (kernel 3, padding 1) of rows of segments: a tap reads a neighbour only of its own
+  segment id (else zero, as at a sequence's end), centred on frames 0, stride, 2·stride, ..."""
+  kernel, bias = conv.kernel[...].astype(x_nfc.dtype), conv.bias[...].astype(x_nfc.dtype)
+  shift = lambda a, by, fill: jnp.roll(a, by, axis=1).at[:, 0 if by > 0 else -1].set(fill)
+  same = lambda by: (shift(seg_nf, by, -1) == seg_nf)[..., None].astype(x_nfc.dtype)
+  prev, nxt = shift(x_nfc, 1, 0) * same(1), shift(x_nfc, -1, 0) * same(-1)
+  pick = lambda a: a[:, ::stride]
+  return pick(prev) @ kernel[0] + pick(x_nfc) @ kernel[1] + pick(nxt) @ kernel[2] + bias
 
 
 def compact(tok_nwtd: jax.Array, frames_nw: jax.Array, pool: int) -> jax.Array:
