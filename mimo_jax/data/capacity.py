@@ -55,7 +55,7 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
     items = [tokens_of[index][0] for index in indices]
     rooms = [tokens_of[index][2] for index in indices]
     lengths = [text + sum(sum(t) for t in it.values()) - 1
-               for it, (_, text) in zip(items, (tokens_of[x] for x in indices))]
+               for it, text in zip(items, (tokens_of[x][1] for x in indices))]
     costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
                                  d.image_token_cost, d.text_token_cost)
              for it, x in zip(items, indices)]
