@@ -77,6 +77,12 @@ def test_packed_clips_equal_their_encoding_alone(data_dir, pool):
     want = _alone(model, module, params, clip, f, pool)
     assert want.shape == (t, cfg.model.language.dim)
     np.testing.assert_allclose(got[0, slot, start:start + t], want, rtol=1e-5, atol=1e-5)
+  # the one-piece forward (tools.generate's) encodes a clip as packing does: the two-window clip
+  clip, f, t = _clips()[3], FRAMES[3], tokens[3]
+  one = audio_encoder.audio_tokens(cfg, params, clip.reshape(2, 16, 8),
+                                   audio_encoder.clip_windows(f, 16))
+  np.testing.assert_allclose(one, _alone(model, module, params, clip, f, pool), rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_the_layout_packs_clips_and_counts_their_room(data_dir):

@@ -287,14 +287,37 @@ def hidden_states(cfg: Config, params: dict, mel_nfm, frames_n=None) -> jax.Arra
 
 def audio_tokens(cfg: Config, params: dict, mel_nfm, frames_n) -> jax.Array:
   """Windows [n, frames, mel_bins] with `frames_n` audio frames each -> each window's kept,
-  projected tokens, concatenated [k, language dim] (what the text's placeholders receive)."""
+  projected tokens, concatenated [k, language dim] (what the text's placeholders receive), as
+  training encodes them: padded windows, or with model.audio.slot_frames each window alone on
+  its audio frames, as a packed slot encodes it."""
   kept = sum(cfg.model.audio.window_tokens(int(f)) for f in np.asarray(frames_n))
   if kept <= 0:
     raise ValueError(f"a clip of {int(np.sum(frames_n))} audio frames yields no audio token with "
                      f"model.audio.pool={cfg.model.audio.pool} (a clip needs more than "
                      f"{10 * (2 * cfg.model.audio.pool - 2)} ms); drop it or pad it with silence.")
+  if cfg.model.audio.slot_frames:
+    return _packed_tokens(cfg, params, np.asarray(mel_nfm, np.float32), np.asarray(frames_n))
   model = ENCODER.module(cfg).bind(params)
   tok = model.projector(hidden_states(cfg, params, mel_nfm, frames_n))
   frames = jnp.asarray(frames_n)[None]
   flat = whisper.compact(tok[None], frames, cfg.model.audio.pool)[0]
   return flat[:int(whisper.window_tokens(frames, cfg.model.audio.pool).sum())]
+
+
+def _packed_tokens(cfg: Config, params: dict, mel_nfm: np.ndarray, frames_n: np.ndarray):
+  """`audio_tokens` of windows laid out in one packed slot of room for them all."""
+  a = cfg.model.audio
+  room = sum(int(window_tokens(f)) for f in frames_n)
+  slots = dataclasses.replace(ENCODER.slot_layout(cfg, 1, 1), slot_frames=2 * room,
+                              slot_room=room, slot_tokens=room // a.pool)
+  inputs, start = slots.empty(), 0
+  for w, f in enumerate(frames_n):
+    kept = a.window_tokens(int(f))
+    slots.write(inputs, 0, start, kept, mel_nfm[w], (int(f),), w + 1)
+    start += kept
+  module = ENCODER.module(cfg)
+  model = module.bind(params)
+  seg = jnp.asarray(inputs["mel_seg_nf"])
+  x = model.packed_embed(jnp.asarray(inputs["mel_nfm"]), seg, jnp.asarray(inputs["audio_pos_nq"]))
+  x = module.apply_blocks(params, x, seg[:, ::2])
+  return model.packed_finish(x, jnp.asarray(inputs["token_pos_nt"]))[0, :start]
