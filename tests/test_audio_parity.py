@@ -155,7 +155,8 @@ def test_resume_onto_another_layout(data_dir, reference, tmp_path):
 
 def test_synthetic_task_trains_with_audio_clips(data_dir, tmp_path):
   """data.task=synthetic gives each sample its clips (features remade from their seeds on
-  reading, the same each time), the layout drops their padding's tokens, and a step trains."""
+  reading, the same each time), the layout drops their padding's tokens, and steps train on
+  packed slots in the number the capacity check names."""
   from mimo_jax.data import loader, synthetic  # pylint: disable=import-outside-toplevel
   cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
   cfg.data.task, cfg.data.dir = "synthetic", str(tmp_path)
@@ -171,6 +172,19 @@ def test_synthetic_task_trains_with_audio_clips(data_dir, tmp_path):
   assert 4 <= frames <= 32 and first["audios"][0].shape == (16 * -(-frames // 16), 8)
   np.testing.assert_array_equal(first["audios"][0], again["audios"][0])
   assert int((first["tokens"] == AUDIO_TOKEN).sum()) == 1
+  # Packed slots (2 of 32 positions where 16 would take a clip each): the capacity check counts
+  # each clip's room (its positions), names the slots the run needs, and the loader lays out
+  # every microbatch in them, each placeholder reading its own clip's tokens.
+  from mimo_jax.data import capacity  # pylint: disable=import-outside-toplevel
+  cfg.model.audio.slot_frames, cfg.model.audio.audio_slots = 64, 2
+  validate(cfg, len(jax.devices()))
+  with pytest.raises(capacity.CapacityError, match=r"model.audio.audio_slots=2 is too small") \
+      as e:
+    capacity.check_capacity(cfg, path, 1, 0, 2)
+  need = int(str(e.value).split("set model.audio.audio_slots=")[1].split(" ")[0])
+  assert 2 < need < cfg.data.micro_batch  # fewer slots than clips: they share slots
+  cfg.model.audio.audio_slots = need
+  assert capacity.check_capacity(cfg, path, 1, 0, 2)
   got, _, _, _ = run_steps(cfg, 2)
   assert all(np.isfinite(float(m["loss"])) for m in got)
   assert all(int(m["mismatches"]) == 0 for m in got)
