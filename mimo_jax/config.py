@@ -16,8 +16,9 @@ REMAT = ("none", "full", "dots", "dots_attention")
 SHARD_MODES = ("none", "optimizer", "full")  # state sharded over dp ranks (sharding.py)
 ACTIVATIONS = ("gelu_tanh", "gelu", "quick_gelu")  # models/layers.py
 ROPE_SCALINGS = ("none", "llama3")  # models/layers.py
-TASKS = ("digits", "synthetic", "conversations")
+TASKS = ("digits", "av_digits", "synthetic", "conversations")
 DIGITS_VOCAB = 17  # data/tokenizer.py
+AV_DIGITS_VOCAB = 18  # data/av_digits.py: the digits' and <aud>
 BUILTIN_IMAGE_TOKEN = 3  # the built-in tasks' <img> (data/tokenizer.IMG)
 
 
@@ -167,9 +168,10 @@ class TopologyConfig(Modules):
 
 @dataclasses.dataclass
 class DataConfig:
-  # digits: the digits-captioning task (data/digits.py); synthetic: random VLM-shaped samples for
-  # benchmarks (data/synthetic.py), images of the image encoder's image_size, text ids <
-  # vocab_size;
+  # digits: the digits-captioning task (data/digits.py); av_digits: a digit's image and a dialled
+  # digit's DTMF clip, named in order (data/av_digits.py; an image and an audio encoder);
+  # synthetic: random VLM-shaped samples for benchmarks (data/synthetic.py), images of the image
+  # encoder's image_size, text ids < vocab_size;
   # conversations: LLaVA-style data converted by tools.convert into data.dir
   # (data/conversations.py).
   task: str = "digits"

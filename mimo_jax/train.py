@@ -242,7 +242,8 @@ class _Loop:
     capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
                             progress=print if distributed.is_main() else None,
                             stop=early.requested)
-    self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=cfg.data.task == "digits",
+    named = cfg.data.task in ("digits", "av_digits")  # tasks whose answers are digit words
+    self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=named,
                                generated=eval_set.Generated(cfg, paths["eval"], dp)
                                if cfg.eval.generate else None)
     self.eval_batches = loader.eval_batches(cfg, paths["eval"], dp)

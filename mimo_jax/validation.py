@@ -8,9 +8,9 @@ import os
 import pathlib
 
 from mimo_jax import encoders, hf, scoring
-from mimo_jax.config import (DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS, SHARD_MODES, TASKS,
-                             Config, ConfigError, parse_freeze, parse_lr_mult, positive, require,
-                             run_source)
+from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS,
+                             SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
+                             positive, require, run_source)
 from mimo_jax.schedules import SCHEDULES
 
 
@@ -141,6 +141,10 @@ def _task(cfg: Config) -> None:
   if d.task == "digits":
     require(lm.vocab_size in (0, DIGITS_VOCAB), "model.language.vocab_size",
             f"the digits task has a vocabulary of {DIGITS_VOCAB}; leave it 0.")
+  elif d.task == "av_digits":
+    require(lm.vocab_size == AV_DIGITS_VOCAB, "model.language.vocab_size",
+            f"the av_digits task has a vocabulary of {AV_DIGITS_VOCAB}; set it "
+            f"(configs/av_digits.py does).")
   else:
     require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
             f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")

@@ -4,7 +4,8 @@
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
       [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N] \\
       [--allow_outside_images] [--audio DIR] [--audio_token "<|AUDIO|>"] \\
-      [--audio_markers "<|audio_bos|><|AUDIO|><|audio_eos|>"] [--mel_bins 128] [--audio_pool 2]
+      [--audio_markers "<|audio_bos|><|AUDIO|><|audio_eos|>"] [--mel_bins 128] [--audio_pool 2] \\
+      [--audio_window 30]
 
 Input: a JSON list or JSONL file (UTF-8) of records `{"id", "image": path | [paths] | absent,
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}`, image paths
@@ -51,7 +52,9 @@ the text, with or without images. Each `<audio>` becomes `--audio_markers` (Qwen
 the tokenizer) the layout expands to the clip's tokens. Clips are decoded, mixed down, resampled
 to 16 kHz and stored as Whisper log-mel features of `--mel_bins` (80 or 128) bins, whole 30 s
 windows (3000 frames · mel_bins float32: 960 KB a window at 80 bins), beside each clip's audio
-frames; a clip longer than 30 s spans several windows. For `--seq_len` a clip takes the tokens
+frames; a clip longer than 30 s spans several windows. `--audio_window S` makes windows of S
+seconds instead (the feature extractor's chunk_length), for a tower of S · 50 positions
+(model.audio.positions): the toy towers of tests and demos. For `--seq_len` a clip takes the tokens
 its audio frames give after the stride-2 convolution and `--audio_pool` (Qwen2-Audio: 2, Whisper:
 1). A missing, empty, corrupt or unsupported clip, one too short to yield a token (20 ms or
 less under `--audio_pool 2`), an `<audio>` count other than the clips
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                       "model.audio.mel_bins: Whisper 80, large-v3 and Qwen2-Audio 128)")
   parser.add_argument("--audio_pool", type=int, default=2, help="the audio tower's pooling "
                       "(model.audio.pool: Qwen2-Audio 2, Whisper 1), for --seq_len")
+  parser.add_argument("--audio_window", type=int, default=audio.WINDOW_SECONDS,
+                      help="seconds a window of features (Whisper's 30; the audio tower's "
+                      "model.audio.positions / 50)")
   args = parser.parse_args(argv)
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
@@ -156,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
       print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
             file=sys.stderr)
-  if args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0 or args.audio_pool < 1:
-    return _error("--workers, --image_tokens and --audio_pool must be at least 1, --seq_len at "
-                  "least 0.")
+  if (args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0 or args.audio_pool < 1
+      or args.audio_window < 1):
+    return _error("--workers, --image_tokens, --audio_pool and --audio_window must be at least 1, "
+                  "--seq_len at least 0.")
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
       image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
       allow_outside_images=args.allow_outside_images,
       audio=audio_records.Settings(args.audio, args.audio_token, args.audio_markers,
-                                   args.mel_bins, args.audio_pool, args.allow_outside_images))
+                                   args.mel_bins, args.audio_pool, args.allow_outside_images,
+                                   args.audio_window))
   out = pathlib.Path(os.path.abspath(args.out))
   try:
     with output.interrupts_as_exceptions():
@@ -218,6 +226,8 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
     flags["model.audio.mel_bins"] = m["mel_bins"]
     flags["model.audio.max_audios"] = m["max_audios"]
     flags["model.audio.max_windows"] = m["max_windows"]
+    if m["audio_window_frames"] != audio.WINDOW_FRAMES:
+      flags["model.audio.positions"] = m["audio_window_frames"] // 2
   flags["model.language.vocab_size"] = m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 

@@ -107,7 +107,7 @@ def defaults(workdir: str, cfg: Config) -> dict:
   `named` (the paths it names): those of the run's conversation data, else of the HF directories
   the model was imported or started from, else of the digits task's build."""
   # pylint: disable-next=import-outside-toplevel
-  from mimo_jax.data import conversations, digits
+  from mimo_jax.data import av_digits, conversations, digits
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
   d, work = cfg.data, pathlib.Path(workdir)
   launched = launch_dir(workdir, cfg)
@@ -132,10 +132,11 @@ def defaults(workdir: str, cfg: Config) -> dict:
   bases = _bases(launched, work)
   if d.task == "conversations":
     directory = resolve(d.dir, conversations.MANIFEST, bases)
-  else:  # the digits build: under data.dir (or the default folder)
+  else:  # the digits (or av_digits) build: under data.dir (or the default folder)
     root = resolve(d.dir, "", bases) if d.dir else ""
-    directory = str(digits.directory(root, d.train_samples, d.eval_samples, d.probs())) \
-        if root or not d.dir else ""
+    build = (av_digits.directory(root, d.train_samples, d.eval_samples) if d.task == "av_digits"
+             else digits.directory(root, d.train_samples, d.eval_samples, d.probs()))
+    directory = str(build) if root or not d.dir else ""
   if not directory:
     return out
   directory = pathlib.Path(directory)
@@ -289,17 +290,19 @@ def load_audios(files: list[str], cfg: Config) -> list[tuple[np.ndarray, list[in
   if a is None:
     raise ConfigError(f"--audio {files[0]}: the model has no audio encoder (model.audio); give "
                       "a model with one, or no --audio.")
-  if a.frames != audio.WINDOW_FRAMES:
+  per_second = audio.SAMPLE_RATE // audio.HOP  # frames
+  if a.frames % per_second:
     raise ConfigError(f"--audio {files[0]}: the model's audio tower reads windows of {a.frames} "
-                      f"frames (model.audio.positions {a.positions}) where audio files give "
-                      f"{audio.WINDOW_FRAMES} (30 s); it was not made for audio files.")
+                      f"frames (model.audio.positions {a.positions}), not whole seconds of "
+                      f"{per_second} frames (Whisper: 3000, 30 s); it was not made for audio "
+                      "files.")
   out = []
   for f in files:
     try:  # a clip too short for one token with the tower's pooling is refused too
-      mel_fm, frames_w = audio.file_features(f, a.mel_bins, a.pool)
+      mel_fm, frames_w = audio.file_features(f, a.mel_bins, a.pool, a.frames // per_second)
     except audio.AudioError as e:
       raise ConfigError(f"--audio: {e}") from None
-    out.append((mel_fm.reshape(len(frames_w), audio.WINDOW_FRAMES, a.mel_bins), frames_w))
+    out.append((mel_fm.reshape(len(frames_w), a.frames, a.mel_bins), frames_w))
   return out
 
 

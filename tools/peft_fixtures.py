@@ -76,6 +76,7 @@ def build_llava(out: pathlib.Path) -> None:
 
 def build(out: pathlib.Path) -> None:
   import peft  # pylint: disable=import-outside-toplevel
+  import safetensors.numpy  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   torch.manual_seed(0)
@@ -88,7 +89,15 @@ def build(out: pathlib.Path) -> None:
   ids = np.load(BASE / "reference.npz")["input_ids"]
   with torch.no_grad():
     logits = model(input_ids=torch.from_numpy(ids)).logits.numpy()
-  _finish(out, BASE, input_ids=ids, logits=logits)
+  saved = safetensors.numpy.load_file(out / "adapter_model.safetensors")
+  names = {k: list(v.shape) for k, v in sorted(saved.items())}
+  np.savez(out / "reference.npz", input_ids=ids, logits=logits,
+           names=np.asarray(json.dumps(names)))
+  (out / "README.md").unlink(missing_ok=True)  # save_pretrained's model card: not needed
+  config_json = out / "adapter_config.json"  # the base as the repository names it
+  written = json.loads(config_json.read_text(encoding="utf-8"))
+  written["base_model_name_or_path"] = str(BASE.relative_to(ROOT))
+  config_json.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def main() -> None:

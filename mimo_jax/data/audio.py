@@ -10,7 +10,9 @@ A clip longer than one window is split into consecutive 30 s windows, each featu
 example (as the extractor would), so nothing is truncated; each window's frames that hold audio
 (ceil(samples / 160)) are returned, so the encoder drops the tokens of padding and a 4 s clip
 costs 4 s of tokens. The layout of a clip's features, [windows · 3000, mel_bins] and its audio
-frames, is what the audio encoder plug-in reads (mimo_jax/encoders/audio.py).
+frames, is what the audio encoder plug-in reads (mimo_jax/encoders/audio.py). A shorter window
+(`window_s`: the extractor's chunk_length) suits towers of fewer positions (window_s · 50): the
+same features, zero-padded to that length and normalised per window.
 """
 
 import functools
@@ -21,7 +23,8 @@ import numpy as np
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
-WINDOW_SAMPLES = 30 * SAMPLE_RATE  # one 30 s window
+WINDOW_SECONDS = 30  # Whisper's window (the extractor's chunk_length)
+WINDOW_SAMPLES = WINDOW_SECONDS * SAMPLE_RATE  # one 30 s window
 WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
 MEL_BINS = (80, 128)  # Whisper (and Qwen2-Audio: 128) towers
 # Extensions and the libsndfile format that decodes them.
@@ -107,30 +110,33 @@ def _hann() -> np.ndarray:
   return np.hanning(N_FFT + 1)[:-1]  # periodic
 
 
-def window_features(wave_s: np.ndarray, mel_bins: int) -> np.ndarray:
-  """Log-mel features [3000, mel_bins] (float32) of one window: `wave_s` (≤ 480000 samples at
-  16 kHz) zero-padded to 30 s."""
+def window_features(wave_s: np.ndarray, mel_bins: int,
+                    window_s: int = WINDOW_SECONDS) -> np.ndarray:
+  """Log-mel features [window_s · 100, mel_bins] (float32) of one window: `wave_s` (≤ window_s ·
+  16000 samples at 16 kHz) zero-padded to `window_s` seconds (the extractor's chunk_length:
+  Whisper's 30, or shorter windows for towers of fewer positions)."""
   if mel_bins not in MEL_BINS:
     raise ValueError(f"mel_bins is {mel_bins}; Whisper features have {MEL_BINS[0]} or "
                      f"{MEL_BINS[1]}.")
-  wave_s = np.asarray(wave_s, np.float32)
-  if wave_s.ndim != 1 or len(wave_s) > WINDOW_SAMPLES:
-    raise ValueError(f"a window is at most {WINDOW_SAMPLES} mono samples; got {wave_s.shape}.")
-  padded = np.zeros(WINDOW_SAMPLES, np.float32)
+  wave_s, samples = np.asarray(wave_s, np.float32), window_s * SAMPLE_RATE
+  if wave_s.ndim != 1 or len(wave_s) > samples:
+    raise ValueError(f"a window is at most {samples} mono samples; got {wave_s.shape}.")
+  padded = np.zeros(samples, np.float32)
   padded[:len(wave_s)] = wave_s
   padded = np.pad(padded, N_FFT // 2, mode="reflect").astype(np.float64)
-  frames_ft = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
+  frames_ft = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:samples // HOP]
   power_fk = np.abs(np.fft.rfft(frames_ft * _hann(), axis=1)) ** 2
   log_fm = np.log10(np.maximum(power_fk @ mel_filters(mel_bins), 1e-10)).astype(np.float32)
   log_fm = np.maximum(log_fm, log_fm.max() - 8.0)
   return (log_fm + 4.0) / 4.0
 
 
-def split(wave_s: np.ndarray) -> list[np.ndarray]:
-  """Consecutive 30 s windows of a clip (the last one shorter)."""
+def split(wave_s: np.ndarray, window_s: int = WINDOW_SECONDS) -> list[np.ndarray]:
+  """Consecutive windows of `window_s` seconds of a clip (the last one shorter)."""
   if len(wave_s) == 0:
     raise ValueError("an empty clip has no windows.")
-  return [wave_s[i:i + WINDOW_SAMPLES] for i in range(0, len(wave_s), WINDOW_SAMPLES)]
+  samples = window_s * SAMPLE_RATE
+  return [wave_s[i:i + samples] for i in range(0, len(wave_s), samples)]
 
 
 def audio_frames(samples: int) -> int:
@@ -139,17 +145,21 @@ def audio_frames(samples: int) -> int:
   return -(-int(samples) // HOP)
 
 
-def clip_features(wave_s: np.ndarray, mel_bins: int) -> tuple[np.ndarray, list[int]]:
-  """A clip's features [windows · 3000, mel_bins] (float32) and each window's audio frames."""
-  windows = split(np.asarray(wave_s, np.float32))
-  mel_fm = np.concatenate([window_features(w, mel_bins) for w in windows])
+def clip_features(wave_s: np.ndarray, mel_bins: int,
+                  window_s: int = WINDOW_SECONDS) -> tuple[np.ndarray, list[int]]:
+  """A clip's features [windows · window_s · 100, mel_bins] (float32) and each window's audio
+  frames."""
+  windows = split(np.asarray(wave_s, np.float32), window_s)
+  mel_fm = np.concatenate([window_features(w, mel_bins, window_s) for w in windows])
   return mel_fm, [audio_frames(len(w)) for w in windows]
 
 
-def file_features(path: str, mel_bins: int, pool: int = 1) -> tuple[np.ndarray, list[int]]:
-  """`clip_features` of an audio file (decoded, mixed down, resampled to 16 kHz); AudioError for a
-  clip too short to yield a token with a tower's `pool` (`check_tokens`)."""
-  mel_fm, frames_w = clip_features(load(path), mel_bins)
+def file_features(path: str, mel_bins: int, pool: int = 1,
+                  window_s: int = WINDOW_SECONDS) -> tuple[np.ndarray, list[int]]:
+  """`clip_features` of an audio file (decoded, mixed down, resampled to 16 kHz) in windows of
+  `window_s` seconds; AudioError for a clip too short to yield a token with a tower's `pool`
+  (`check_tokens`)."""
+  mel_fm, frames_w = clip_features(load(path), mel_bins, window_s)
   check_tokens(path, frames_w, pool)
   return mel_fm, frames_w
 
@@ -175,9 +185,9 @@ def window_tokens(frames, pool: int = 1):
   return (frames + 1) // 2 // pool
 
 
-def clip_tokens(frames: list[int] | int, pool: int = 1) -> int:
+def clip_tokens(frames: list[int] | int, pool: int = 1, window: int = WINDOW_FRAMES) -> int:
   """Encoder tokens of a clip: its windows' tokens (`frames`: each window's audio frames, or the
-  clip's total, split into windows of 3000)."""
+  clip's total, split into windows of `window` frames)."""
   if isinstance(frames, (int, np.integer)):
-    frames = [min(WINDOW_FRAMES, frames - s) for s in range(0, max(int(frames), 1), WINDOW_FRAMES)]
+    frames = [min(window, frames - s) for s in range(0, max(int(frames), 1), window)]
   return sum(int(window_tokens(f, pool)) for f in frames)

@@ -78,16 +78,17 @@ def template_marks(msgs: list[dict], markers: str = QWEN2_AUDIO, mark: str = MAR
 
 
 def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
-              allow_outside: bool = False, pool: int = 1) -> Clip:
-  """Clip `f` (relative to `folder`) decoded and featurised; one too short to yield a token with
-  the tower's `pool` is a RecordError."""
+              allow_outside: bool = False, pool: int = 1,
+              window_s: int = audio.WINDOW_SECONDS) -> Clip:
+  """Clip `f` (relative to `folder`) decoded and featurised in windows of `window_s` seconds; one
+  too short to yield a token with the tower's `pool` is a RecordError."""
   path = pathlib.Path(folder) / f
   root, real = os.path.realpath(folder), os.path.realpath(path)
   if not allow_outside and os.path.commonpath([real, root]) != root:
     raise RecordError("outside audio folder", f"{where}: audio {f!r} leads out of the audio "
                       f"folder {root} ({real}); move it there or allow clips outside it.")
   try:
-    mel_fm, frames_w = audio.file_features(path, mel_bins, pool)
+    mel_fm, frames_w = audio.file_features(path, mel_bins, pool, window_s)
   except audio.AudioError as e:
     text = str(e)
     reason = ("missing audio" if "no such file" in text else "unsupported audio"
@@ -125,7 +126,8 @@ def listed(records: list[dict]) -> bool:
   return any(f in r for r in records for f in FIELDS)
 
 
-def estimate_bytes(records: list[dict], mel_bins: int) -> int:
+def estimate_bytes(records: list[dict], mel_bins: int,
+                   window_s: int = audio.WINDOW_SECONDS) -> int:
   """About the bytes the records' clips take stored: one window of features each (a lower bound:
   a clip over 30 s takes more; well-formed fields only, as a bad one is a skipped record)."""
   count = 0
@@ -133,7 +135,7 @@ def estimate_bytes(records: list[dict], mel_bins: int) -> int:
     for f in FIELDS:
       v = r.get(f)
       count += 1 if isinstance(v, str) else len(v) if isinstance(v, list) else 0
-  return count * audio.WINDOW_FRAMES * mel_bins * 4  # float32 (records.py)
+  return count * window_s * audio.SAMPLE_RATE // audio.HOP * mel_bins * 4  # float32 (records.py)
 
 
 def header(sample: dict) -> dict:
@@ -147,13 +149,13 @@ def clips(sample: dict) -> list[np.ndarray]:
 
 def sample_fields(header: dict, audios: list[np.ndarray]) -> dict:
   """The sample's `audios` and `audio_frames` from its record ({} for a record without clips);
-  ValueError when the header's frames disagree with the stored features."""
+  ValueError when the header's frames disagree with the stored features (whole windows, of the
+  manifest's audio_window_frames each: the audio encoder checks their length)."""
   frames = header.get(FRAMES, [])
   if len(frames) != len(audios):
     raise ValueError(f"{len(frames)} audio_frames entries for {len(audios)} clips")
   for f, mel in zip(frames, audios):
-    windows = -(-int(f) // audio.WINDOW_FRAMES)
-    if mel.ndim != 2 or mel.shape[0] != windows * audio.WINDOW_FRAMES or f <= 0:
+    if mel.ndim != 2 or mel.shape[0] < f or f <= 0:
       raise ValueError(f"a clip of {f} audio frames has features of shape {mel.shape}")
   return {AUDIOS: audios, FRAMES: np.asarray(frames, np.int32)} if audios else {}
 
@@ -167,6 +169,11 @@ class Settings:
   mel_bins: int = 128  # Qwen2-Audio's (Whisper large-v3); 80 for the other Whisper towers
   pool: int = 2  # the tower's pooling after its stride-2 convolution (Qwen2-Audio: 2; Whisper 1)
   allow_outside: bool = False  # read clip paths that lead out of `folder`
+  window_s: int = audio.WINDOW_SECONDS  # seconds a window (Whisper: 30; the tower's positions / 50)
+
+  @property
+  def window_frames(self) -> int:
+    return self.window_s * audio.SAMPLE_RATE // audio.HOP
 
 
 def convert(record: dict, msgs: list[dict], where: str,
@@ -178,7 +185,8 @@ def convert(record: dict, msgs: list[dict], where: str,
   if not files:
     return msgs, []
   return template_marks(msgs, s.markers), [read_clip(s.folder, f, where, s.mel_bins,
-                                                     s.allow_outside, s.pool) for f in files]
+                                                     s.allow_outside, s.pool, s.window_s)
+                                           for f in files]
 
 
 def check_tokens(ids: np.ndarray, token_id: int | None, clips_: list[Clip], where: str,
@@ -204,7 +212,7 @@ def manifest(s: Settings, token_id: int | None, counts: list[int], windows: int)
   if token_id is None:
     return {"audios": 0}
   return {"audio_token": token_id, "audio_token_text": s.token, "mel_bins": s.mel_bins,
-          "audio_pool": s.pool, "audio_window_frames": audio.WINDOW_FRAMES,
+          "audio_pool": s.pool, "audio_window_frames": s.window_frames,
           "audios": int(sum(counts)), "max_audios": max(counts, default=0), "max_windows": windows}
 
 

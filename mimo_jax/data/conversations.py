@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from typing import Iterator
 
 import numpy as np
@@ -138,8 +139,10 @@ def source_path(directory: str, path: str) -> str:
 
 # Conversion.
 
-# What an ArrayRecord writer may hold before its file grows (it writes 16 MiB at a time): a file
-# that has not grown while this much more was given to it has failed.
+# What an ArrayRecord writer may hold before its file grows (it writes 16 MiB of compressed
+# records at a time): a file that has not grown while this much more was given to it, counted
+# compressed (zlib's fastest level: the writer's own compression shrinks records at least about as
+# much; audio features' padding shrinks some hundredfold), has failed.
 WRITE_LAG = 64 << 20
 # A default eval split: 1% of the records, at least 10 and at most 1000, at most a tenth of them.
 EVAL_FRACTION, EVAL_MIN, EVAL_MAX = 0.01, 10, 1000
@@ -416,7 +419,7 @@ class _Shard:
     except RuntimeError as e:  # a failed flush, seen by a later record's
       self.abandon()
       raise _os_error(e, self.path) from None
-    self.given += len(record)
+    self.given += len(zlib.compress(record, 1))
     if self.given - self.grown_at > WRITE_LAG:
       size = os.path.getsize(self.path)
       if size <= self.size:
@@ -490,7 +493,8 @@ def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count:
                                   else eval_count, seed)
   eval_ids = set(eval_ids)
   output.check_space(out, estimate_bytes(records, _WORKER["proc"])
-                     + audio_records.estimate_bytes(records, opts.audio.mel_bins),
+                     + audio_records.estimate_bytes(records, opts.audio.mel_bins,
+                                                    opts.audio.window_s),
                      f"converting {source}")
   made = not out.exists()
   try:
@@ -587,10 +591,10 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
                                           f"{len(items)})")) from None
     tally.rows[split].append(meta.row(sample, VOCABULARY, marks))
     tally.image_stats.add(sample[IMAGES])
-    clip_tokens = [audio.clip_tokens(int(f), opts.audio.pool)
+    clip_tokens = [audio.clip_tokens(int(f), opts.audio.pool, opts.audio.window_frames)
                    for f in sample.get(audio_records.FRAMES, ())]
     tally.clips.append(len(clip_tokens))
-    tally.windows = max([tally.windows] + [-(-int(f) // audio.WINDOW_FRAMES)
+    tally.windows = max([tally.windows] + [-(-int(f) // opts.audio.window_frames)
                                            for f in sample.get(audio_records.FRAMES, ())])
     tally.longest = max(tally.longest, audio_records.positions(
         positions(len(sample["tokens"]), len(sample[IMAGES]), opts.image_tokens), clip_tokens))

@@ -25,7 +25,7 @@ import numpy as np
 from mimo_jax import encoders
 from mimo_jax.batch import Batch, stack
 from mimo_jax.config import Config, ConfigError, DataConfig
-from mimo_jax.data import conversations, digits, meta, reorder, synthetic
+from mimo_jax.data import av_digits, conversations, digits, meta, reorder, synthetic
 from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_items
 from mimo_jax.data.text import Vocabulary
 
@@ -40,6 +40,7 @@ class Task:
 
 # The digits task's shards are converted conversations (data/digits.py).
 TASKS = {"digits": Task(conversations.decode, conversations.VOCABULARY),
+         "av_digits": Task(conversations.decode, conversations.VOCABULARY),
          "synthetic": Task(synthetic.decode, synthetic.VOCABULARY),
          "conversations": Task(conversations.decode, conversations.VOCABULARY)}
 
@@ -67,6 +68,8 @@ def build_paths(cfg: Config, progress=None) -> dict[str, str]:
     return conversations.paths(cfg)
   if d.task == "synthetic":
     return synthetic.paths(cfg, progress)
+  if d.task == "av_digits":
+    return conversations.paths(cfg, av_digits.build(d.dir, d.train_samples, d.eval_samples))
   return conversations.paths(cfg, digits.build(d.dir, d.train_samples, d.eval_samples,
                                                 d.probs()))
 
