@@ -338,6 +338,14 @@ def _config(args) -> tuple[int, Config]:
   return step, cfg
 
 
+def _unused_id(samples: list[dict], vocab: int) -> int:
+  """The vision encoder's placeholder for samples without images whose tokenizer has no image
+  token (an audio model's): the largest id no prompt holds, since the built-in one may be a
+  word of theirs."""
+  used = {i for s in samples for i in s["sample"]["tokens"]}
+  return next(i for i in range(vocab - 1, -1, -1) if i not in used)
+
+
 def _build(args, cfg: Config, image_id: int | None):
   """The eval's Step (meshes and programs), after checking the config."""
   # pylint: disable=import-outside-toplevel
@@ -371,7 +379,6 @@ def run(args: argparse.Namespace) -> dict:
   else:
     image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
         else None
-  trainer = _build(args, cfg, image_id)
   if os.path.isdir(args.data):
     samples = converted_samples(args, tok)
   else:
@@ -381,6 +388,9 @@ def run(args: argparse.Namespace) -> dict:
                                        pad_to_square=pad)
     samples = json_samples(args, cfg, tok, proc, image_token,
                            audio_settings(args, cfg, tok, found))
+    if image_id is None and "vision" in cfg.model.encoders:
+      image_id = _unused_id(samples, cfg.model.language.vocab_size)
+  trainer = _build(args, cfg, image_id)
   out = pathlib.Path(args.out) if args.out else default_out(args, step)
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
               "data": os.path.abspath(args.data), "split": args.split,
