@@ -6,7 +6,8 @@ as XLA takes. The loop reads its batches `run.compile_ahead` steps before it run
 each shape read is compiled at once in a background thread (`jit(...).lower(...).compile()`,
 which leaves its executable in jax's caches, the persistent one included, and releases the GIL
 while XLA works), so the first step waits for its own program only and later shapes are ready
-when met. Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies with
+when met (tracing and lowering hold the GIL: the loop's dispatch may wait on them meanwhile).
+Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies with
 the batch's shape in one program; split layouts compile their programs when met.
 """
 
@@ -114,16 +115,24 @@ def describe(x: Batch) -> str:
 
 class Ahead:
   """The loop's batches read `depth` steps ahead, each submitted to `compiler` as it is read:
-  yields (batch, its program keys)."""
+  yields (batch, its program keys). Reads `limit` batches at most (the run's steps: none past its
+  end is read or compiled)."""
 
-  def __init__(self, batches: Iterator[Batch], compiler: Compiler | None, depth: int):
+  def __init__(self, batches: Iterator[Batch], compiler: Compiler | None, depth: int,
+               limit: int | None = None):
     self.batches = batches
     self.compiler = compiler
     self.depth = depth
+    self.left = limit  # batches still to read; None = no end
     self._buffer = collections.deque()
     self._done = False
 
   def _read(self) -> None:
+    if self.left is not None:
+      if self.left <= 0:
+        self._done = True
+        return
+      self.left -= 1
     try:
       batch = next(self.batches)
     except StopIteration:

@@ -262,7 +262,7 @@ class _Loop:
                                         self.writer.say) if cfg.run.compile_ahead else None
     self.batches = precompile.Ahead(
         loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
-        self.compiler, cfg.run.compile_ahead)
+        self.compiler, cfg.run.compile_ahead, limit=cfg.train.steps - self.start)
 
   def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
     """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""

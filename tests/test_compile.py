@@ -114,7 +114,7 @@ def test_step_programs_compiled_ahead_are_the_ones_the_steps_run(data_dir):
     ds = loader.train_dataset(cfg, path, step.ctx.groups)
     said = []
     compiler = precompile.Compiler(step, state, threads=2, say=said.append)
-    ahead = precompile.Ahead(iter(ds[s] for s in range(steps)), compiler, depth=1)
+    ahead = precompile.Ahead(iter(ds[s] for s in range(steps + 5)), compiler, depth=1, limit=steps)
     ahead.close = lambda: None  # a plain iterator has nothing to close
     losses = []
     for _ in range(steps):
@@ -124,6 +124,8 @@ def test_step_programs_compiled_ahead_are_the_ones_the_steps_run(data_dir):
       state, metrics = step.train_step(state, batch)
       assert len(fused()) == before  # this step compiled no step program
       losses.append(float(jax.device_get(metrics["loss"])))
+    with pytest.raises(StopIteration):  # nothing read (or compiled) past the run's steps
+      next(ahead)
     shapes = {(int(b.text.rows_sent[m]), int(b.slots["vision"].sent[m]))
               for b in (ds[s] for s in range(steps)) for m in range(cfg.data.microbatches)}
     assert len(shapes) > 1 and compiler.shapes == len(shapes) == len(fused()) == len(said)
