@@ -115,6 +115,10 @@ def test_the_layout_packs_clips_and_counts_their_room(data_dir):
   # a slot too small for the longest clip, and too few slots, are errors naming the fields
   with pytest.raises(ValueError, match="max_windows"):
     validate(_config(data_dir, 2, slot_frames=30), len(jax.devices()))
+  odd = _config(data_dir, 2, slot_frames=34)  # 17 positions
+  odd.model.attention = "cudnn"
+  with pytest.raises(ValueError, match="model.attention.*the audio tower's are 17"):
+    validate(odd, len(jax.devices()))
   one = dataclasses.replace(e, slots=1)
   with pytest.raises(ValueError, match="model.audio.audio_slots"):
     place_items([[t] for t in tokens], [10, 11, 12, 13, 14], one,

@@ -208,6 +208,11 @@ class Audio(encoders.Encoder):
     require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
     require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
     require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
+    rows = a.slot_frames // 2 or a.positions
+    require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
+            f"cuDNN's fused attention trains even sequence lengths only, and the audio tower's "
+            f"are {rows}; use auto (XLA's attention for the tower, cuDNN's elsewhere) or xla, or "
+            "a model.audio.slot_frames of a multiple of 4.")
     require(a.slot_frames == 0 or (a.slot_frames % 2 == 0 and
                                    a.slot_frames >= a.max_windows * a.frames),
             "model.audio.slot_frames",
