@@ -176,7 +176,7 @@ def test_eval_answers_audio_records_as_transformers(imported, tmp_path, capsys):
   assert not (tmp_path / "bad.jsonl").exists()
 
 
-def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path):
+def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path, capsys):
   """tools.hf export of the import (a run with vision beside audio: Qwen2-Audio as its language
   model's source was) writes the fixture's tensors bit for bit, a config.json with its fields,
   its feature extractor, Qwen2AudioProcessor's config, the tokenizer with its chat template and
@@ -214,3 +214,8 @@ def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path):
     assert (out / f).read_bytes() == (CHAT / f).read_bytes(), f
   assert read(out, "tokenizer_config.json")["processor_class"] == "Qwen2AudioProcessor"
   assert read(out, "generation_config.json")["eos_token_id"] == [2]
+  with pytest.raises(SystemExit):  # a whole model and one module at once: one error
+    hf_tool.main(["export", str(imported), "--out", str(tmp_path / "both"), "--model",
+                  "qwen2_audio", "--module", "audio"])
+  assert "--model qwen2_audio is the whole model" in capsys.readouterr().err
+  assert not (tmp_path / "both").exists()
