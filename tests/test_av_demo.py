@@ -1,9 +1,12 @@
 """The audio-visual digits demo (configs/av_digits.py): a digit's image and a dialled digit's DTMF
 clip, both converted by the conversation path (a WAV through tools.convert's audio features),
 are named on held-out images and clips far above chance, with the demo's layout (vision 4 -> 2
-fan-in, audio 1 -> 2 fan-out, three disjoint meshes)."""
+fan-in, audio 1 -> 2 fan-out, three disjoint meshes); the converter's short feature windows
+that its toy tower reads."""
 
 import json
+import pathlib
+import shutil
 
 import numpy as np
 import soundfile
@@ -11,6 +14,10 @@ import soundfile
 from configs import av_digits as av_config
 from mimo_jax import train
 from mimo_jax.data import audio, av_digits, conversations, records
+from tests.helpers import run_main
+from tools import convert
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "audio"
 
 
 def _config(data_dir, workdir):
@@ -53,3 +60,36 @@ def test_both_digits_are_named_on_held_out_images_and_clips(tmp_path):
   feats, frames = audio.file_features(source / "audio" / first["audio"], 80, window_s=1)
   np.testing.assert_array_equal(clips[0], feats)
   assert header["audio_frames"] == frames
+
+
+def test_short_windows_equal_the_extractors_and_convert_for_a_tower_of_their_positions(tmp_path):
+  """`--audio_window 1`: transformers' extractor with chunk_length=1
+  (tools/audio_window_fixtures.py) gives the same features; the manifest and launch line carry the window to model.audio."""
+  clip = FIXTURES / "speech.flac"
+  ref = np.load(FIXTURES / "window_1s.npz")
+  feats, frames = audio.file_features(clip, 80, window_s=1)
+  assert feats.shape == ref["features"].shape == (300, 80) and frames == ref["frames"].tolist()
+  np.testing.assert_allclose(feats, ref["features"], rtol=0, atol=1e-5)
+
+  av_digits.write_tokenizer(tmp_path / "tok")
+  (tmp_path / "clips").mkdir()
+  shutil.copy(clip, tmp_path / "clips")
+  rec = {"audio": "speech.flac", "conversations": [{"from": "human", "value": "<audio>"},
+                                                   {"from": "gpt", "value": "one two"}]}
+  (tmp_path / "data.json").write_text(json.dumps([dict(rec, id=str(i)) for i in range(3)]))
+  out = tmp_path / "out"
+  proc = run_main(convert.main, "--json", tmp_path / "data.json", "--audio", tmp_path / "clips",
+                  "--images", tmp_path, "--tokenizer", tmp_path / "tok", "--out", out,
+                  "--eval", "1",
+                  "--image_token", "<img>", "--audio_token", "<aud>", "--audio_markers", "<aud>",
+                  "--mel_bins", "80", "--audio_window", "1")
+  assert proc.returncode == 0, proc.stderr
+  m = conversations.manifest(str(out))
+  assert (m["audio_window_frames"], m["max_windows"]) == (100, 3)
+  assert "--config.model.audio.positions=50" in proc.stdout
+  assert "--config.model.audio.max_windows=3" in proc.stdout
+  bad = run_main(convert.main, "--json", tmp_path / "data.json", "--images", tmp_path,
+                 "--tokenizer", tmp_path / "tok", "--out", tmp_path / "never",
+                 "--audio_window", "0")
+  assert bad.returncode == 2 and "--audio_window" in bad.stderr
+  assert not (tmp_path / "never").exists()
