@@ -71,8 +71,9 @@ def test_packed_clips_equal_their_encoding_alone(data_dir, pool):
   module = enc.module(cfg)
   params = module.init(cfg.train.seed + enc.seed_salt)
   model = module.bind(params)
-  run = lambda x, side: jax.vmap(lambda x1, *s: module.apply_blocks(params, x1, *s))(x, *side)
-  got = np.asarray(enc.encode(model, run, {k: jnp.asarray(v)[None] for k, v in inputs.items()}))
+  run = lambda p: lambda x, side: jax.vmap(lambda x1, *s: module.apply_blocks(p, x1, *s))(x, *side)
+  encode = jax.jit(lambda p, i: enc.encode(module.bind(p), run(p), i))
+  got = np.asarray(encode(params, {k: jnp.asarray(v)[None] for k, v in inputs.items()}))
   for clip, f, t, ((slot, start),) in zip(_clips(), FRAMES, tokens, places):
     want = _alone(model, module, params, clip, f, pool)
     assert want.shape == (t, cfg.model.language.dim)
