@@ -4,19 +4,16 @@ expanded as tools.generate does) answered greedily by an imported Qwen2-Audio gi
 audio file is one error naming it. The fixture is a tiny random Qwen2-Audio of 30 s windows with
 its processor (tools/hf_audio_fixtures.py: chat_generate.npz; no torch needed)."""
 
+import json
 import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from mimo_jax import generate, hf, modules, whole
-from mimo_jax.config import Config
+from mimo_jax import generate, whole
 from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.encoders import audio as audio_encoder
-from mimo_jax.encoders.audio import AudioConfig
-from mimo_jax.encoders.vision import VisionConfig
-from mimo_jax.validation import validate
 from tools import generate as generate_tool
 from tools import hf as hf_tool
 from tools.hf_audio_fixtures import PROMPTS
@@ -41,19 +38,12 @@ def _want() -> np.ndarray:
   return np.load(CHAT / "chat_generate.npz")["tokens"]
 
 
-def test_a_batch_with_and_without_clips_equals_transformers():
+def test_a_batch_with_and_without_clips_equals_transformers(imported):
   """All PROMPTS in one left-padded batch (a text-only row between rows of one and two clips,
-  8 kHz and 44.1 kHz stereo sources among them) answer as transformers' one prompt a call."""
-  src = hf.Source.open(CHAT)
-  cfg = Config()
-  cfg.add_encoder("vision", VisionConfig())
-  cfg.add_encoder("audio", AudioConfig())
-  cfg.data.task, cfg.model.vision.max_images, cfg.data.image_probs = "synthetic", 1, "0.5,0.5"
-  cfg.data.seq_len = 1024
-  hf.configure(cfg, src)
-  validate(cfg)
-  built = modules.build_modules(cfg)
-  audio, language = (hf.load(src, m, cfg, built[m].init(0)) for m in ("audio", "language"))
+  8 kHz and 44.1 kHz stereo sources among them) answer as transformers' one prompt a call, with
+  the parameters the import wrote."""
+  cfg, params, _, _ = hf_tool._read_checkpoint(str(imported), 0)  # pylint: disable=protected-access
+  audio, language = params["audio"], params["language"]
   tok = ChatTokenizer.open(CHAT)
   rows, tokens = [], []
   for text, files in PROMPTS:
@@ -71,7 +61,8 @@ def test_a_batch_with_and_without_clips_equals_transformers():
   assert len({len(r) for r in rows}) == len(rows)  # every row padded differently
   with jax.default_matmul_precision("highest"):
     embeds = whole.merged_embeddings(cfg, language, ids, np.concatenate(tokens)[None],
-                                     src.config["audio_token_index"])
+                                     json.loads((CHAT / "config.json").read_text())[
+                                         "audio_token_index"])
     want = _want()
     got = generate.generate(cfg, language, ids, mask, want.shape[1], embeds_bld=embeds,
                             eos=tok.token_id("<|im_end|>"))
@@ -134,7 +125,6 @@ def test_eval_answers_audio_records_as_transformers(imported, tmp_path, capsys):
   """tools.eval on the run's meshes answers PROMPTS, as a LLaVA-format JSON with clips and as
   the eval split tools.convert writes of them, with transformers' tokens (every exact_match 1);
   a JSON naming a missing clip is one error naming the record and file."""
-  import json  # pylint: disable=import-outside-toplevel
   from tools import convert as convert_tool  # pylint: disable=import-outside-toplevel
   from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
   records = _records(tmp_path)
@@ -182,7 +172,6 @@ def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path, caps
   its feature extractor, Qwen2AudioProcessor's config, the tokenizer with its chat template and
   generation_config.json. transformers loads the directory and answers PROMPTS with the fixture's
   tokens: `python -m tools.hf_audio_fixtures --check_export DIR` (needs torch)."""
-  import json  # pylint: disable=import-outside-toplevel
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   out = tmp_path / "hf"
   hf_tool.main(["export", str(imported), "--out", str(out)])
