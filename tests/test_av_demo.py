@@ -2,7 +2,7 @@
 clip, both converted by the conversation path (a WAV through tools.convert's audio features),
 are named on held-out images and clips far above chance, with the demo's layout (vision 4 -> 2
 fan-in, audio 1 -> 2 fan-out, three disjoint meshes); the converter's short feature windows
-that its toy tower reads."""
+that its toy tower reads, and its shards of highly compressible features."""
 
 import json
 import pathlib
@@ -93,3 +93,19 @@ def test_short_windows_equal_the_extractors_and_convert_for_a_tower_of_their_pos
                  "--audio_window", "0")
   assert bad.returncode == 2 and "--audio_window" in bad.stderr
   assert not (tmp_path / "never").exists()
+
+
+def test_a_shard_of_compressible_clips_is_not_taken_for_a_failed_write(tmp_path):
+  """Whole 30 s windows of a short clip are mostly padding, which the writer compresses a
+  hundredfold: its file stays empty for far more than WRITE_LAG bytes of records, and must not
+  read as a write that failed."""
+  mel_fm, _ = audio.clip_features(np.sin(np.arange(8000, dtype=np.float32) * 0.3), 80)
+  record = mel_fm.tobytes()
+  count = conversations.WRITE_LAG // len(record) + 8
+  shard = conversations._Shard(tmp_path / "x.array_record")  # pylint: disable=protected-access
+  for _ in range(count):
+    shard.write(record)
+  shard.close()
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  reader = array_record_module.ArrayRecordReader(str(tmp_path / "x.array_record"))
+  assert reader.num_records() == count and reader.read([count - 1])[0] == record
