@@ -53,10 +53,10 @@ def single_reference(data_dir, tmp_path_factory) -> list[dict]:
 # the other worker idles, as with xdist's own order (most tests first), which puts them last.
 LONGEST_FIRST = ("test_multiprocess.py", "test_demo.py", "test_pipeline.py", "test_fsdp.py",
                  "test_dynamic.py", "test_faults.py", "test_tools_bench.py", "test_fp8.py",
-                 "test_parity.py", "test_optim.py", "test_hf.py", "test_conversations.py",
-                 "test_hf_tools.py", "test_checkpoint.py", "test_bridge.py", "test_cli.py",
-                 "test_packing.py", "test_reorder.py", "test_generate.py", "test_stages.py",
-                 "test_encoders.py")
+                 "test_parity.py", "test_av_demo.py", "test_optim.py", "test_hf.py",
+                 "test_conversations.py", "test_hf_tools.py", "test_checkpoint.py",
+                 "test_bridge.py", "test_cli.py", "test_packing.py", "test_reorder.py",
+                 "test_generate.py", "test_stages.py", "test_encoders.py")
 
 
 def pytest_configure(config) -> None:
