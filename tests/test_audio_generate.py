@@ -208,3 +208,25 @@ def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path, caps
                   "qwen2_audio", "--module", "audio"])
   assert "--model qwen2_audio is the whole model" in capsys.readouterr().err
   assert not (tmp_path / "both").exists()
+
+
+def test_a_prompt_with_images_and_clips_places_and_expands_both():
+  """Images' marks first, then the clips' as the template's markers, each placeholder written
+  out as its item's tokens (clips in order); marks the prompt places itself stay there."""
+  tok = ChatTokenizer.open(CHAT)
+  audio, image = tok.token_id("<|AUDIO|>"), tok.token_id("w3")
+
+  def want(text: str, per_image: int, clips: list[int]) -> list[int]:
+    row = tok.tokenizer.encode(tok.render([{"role": "user", "content": text}], True),
+                               add_special_tokens=False).ids
+    clip = iter(clips)
+    return [t for i in row
+            for t in [i] * (per_image if i == image else next(clip) if i == audio else 1)]
+
+  markers = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+  got = generate_tool.prompt_ids(tok, "hello", 1, "w3", 2, (3, 1))
+  assert got == want(f"w3\n{markers}\n{markers}\nhello", 2, [3, 1])
+  runs = [len(r) for r in "".join("a" if i == audio else " " for i in got).split()]
+  assert runs == [3, 1] and got.count(image) == 2 and got.index(image) < got.index(audio)
+  placed = generate_tool.prompt_ids(tok, "hello <audio> there", 0, "w3", 0, (2,))
+  assert placed == want(f"hello {markers} there", 0, [2])
