@@ -24,7 +24,8 @@ converter's resampling to 16 kHz and log-mel features (audio.py) see a real file
 
 Features are Whisper's log-mel features of 80 bins in windows of WINDOW_S = 1 s (the feature
 extractor's chunk_length; `tools.convert --audio_window 1`), for a toy tower of 50 positions
-that trains in minutes on CPUs; a clip gives 2-15 audio tokens after the tower's pooling by 2.
+that trains in minutes on CPUs; a clip (0.2-0.6 s) gives 5-15 audio tokens after the tower's
+pooling by 2.
 """
 
 from __future__ import annotations
