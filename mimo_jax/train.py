@@ -258,11 +258,13 @@ class _Loop:
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
                       "devices")
-    self.compiler = precompile.Compiler(trainer, self.state, cfg.run.compile_threads,
-                                        self.writer.say) if cfg.run.compile_ahead else None
+    if cfg.run.compile_ahead and trainer.ctx.mode.fused:  # else each shape compiles when met
+      self.compiler = precompile.Compiler(trainer, self.state, cfg.run.compile_threads,
+                                          self.writer.say)
     self.batches = precompile.Ahead(
         loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
-        self.compiler, cfg.run.compile_ahead, limit=cfg.train.steps - self.start)
+        self.compiler, cfg.run.compile_ahead if self.compiler else 0,
+        limit=cfg.train.steps - self.start)
 
   def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
     """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
@@ -360,11 +362,10 @@ class _Loop:
   def _first_step(self, step: int, now: float) -> None:
     """Says how long the run took to its first step (start-up and compiling included)."""
     self.first_at, self.first_step = now, step
-    ahead = self.compiler.shapes if self.compiler is not None else 0
-    self.writer.say(
-        f"time to first step: {now - self.started:.1f} s (step {step}; waited "
-        f"{self.compile_wait:.1f} s for its programs" + (
-            f"; {ahead} step program shapes met so far, compiled ahead)" if ahead else ")"))
+    how = (f"waited {self.compile_wait:.1f} s for its programs, compiled ahead; "
+           f"{self.compiler.shapes} step program shapes read so far" if self.compiler else
+           "its programs compiled when met")
+    self.writer.say(f"time to first step: {now - self.started:.1f} s (step {step}; {how})")
 
   def _log(self, record: dict) -> None:
     self.records.append(record)

@@ -55,3 +55,6 @@ def test_tiny_run_writes_metrics_and_tensorboard(tmp_path, data_dir):
   assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0
   assert any(p.name.startswith("events") for p in (workdir / "tb").iterdir())
   assert "topology: vision: dp=4" in proc.stdout
+  # Programs cached where jax was told (the suite's own directory, not ~/.cache); the run's start.
+  assert f"compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}" in proc.stdout
+  assert "time to first step: " in proc.stdout and "step 4 ended " in proc.stdout
