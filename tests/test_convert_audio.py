@@ -144,7 +144,7 @@ def test_bad_clips_are_skipped_with_their_reasons(source, tmp_path, capsys):
   assert sum(m["samples"].values()) == 12
 
 
-@pytest.mark.parametrize("reason", ["corrupt audio", "short audio"])
+@pytest.mark.parametrize("reason", ["corrupt audio", "audio count", "short audio"])
 def test_a_bad_clip_under_fail_is_one_line_and_writes_nothing(source, tmp_path, capsys, reason):
   data = f"fail-{BAD[reason]['id']}.json"
   (source / data).write_text(json.dumps([GOOD[1], BAD[reason], GOOD[0]]))
