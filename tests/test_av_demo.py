@@ -24,8 +24,8 @@ def _config(data_dir, workdir):
   """The demo's config, shortened: fewer samples and steps, the same model and layout."""
   cfg = av_config.get_config()
   d = cfg.data
-  d.dir, d.train_samples, d.eval_samples = str(data_dir), 640, 100
-  cfg.train.steps, cfg.optim.warmup_steps = 160, 20
+  d.dir, d.train_samples, d.eval_samples = str(data_dir), 1280, 100
+  cfg.train.steps, cfg.optim.warmup_steps = 200, 20
   cfg.eval.samples, cfg.eval.batch = 100, 100
   cfg.run.workdir, cfg.run.log_every = str(workdir), 40
   return cfg
@@ -37,7 +37,7 @@ def test_both_digits_are_named_on_held_out_images_and_clips(tmp_path):
   final = train.run(cfg)[-1]
   # Each answer names two digits, one from each bridge; a model blind to either modality names at
   # most half of them plus a tenth of the other half (55%).
-  assert final["step"] == 160 and final["eval_digits"] == 200, final
+  assert final["step"] == 200 and final["eval_digits"] == 200, final
   assert final["eval_accuracy"] >= 0.9, final
 
   # The clips are real files at 8 kHz whose dominant tones are their keys', converted as such.
@@ -53,7 +53,7 @@ def test_both_digits_are_named_on_held_out_images_and_clips(tmp_path):
   row, col = av_digits.KEYS[key]
   assert abs(low - av_digits.ROWS[row]) < 30 and abs(high - av_digits.COLS[col]) < 40
   m = conversations.manifest(str(built))
-  assert (m["audios"], m["audio_window_frames"], m["mel_bins"]) == (740, 100, 80)
+  assert (m["audios"], m["audio_window_frames"], m["mel_bins"]) == (1380, 100, 80)
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
   reader = array_record_module.ArrayRecordReader(str(built / "train.array_record"))
   header, _, clips = records.unpack_all(reader.read([0])[0])
