@@ -201,3 +201,13 @@ def test_bfloat16_weights_are_stored_as_bfloat16_and_read_back_exactly(tmp_path,
   out = capsys.readouterr().out
   assert "step 0: " in out and "arrays restored, ok" in out, out
   _run_equals_init_from(src, tmp_path)
+
+
+def test_check_names_a_bad_directory_before_a_missing_torch(tmp_path, capsys):
+  _error(capsys, lambda: hf_tool.main(["check", "--hf", str(tmp_path / "nope")]),
+         "nope", "not a directory")
+  try:
+    import torch  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    _error(capsys, lambda: hf_tool.main(["check", "--hf", str(FIXTURES / "qwen2")]),
+           "torch and transformers", "pip install -e '.[hf]'")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from mimo_jax import hf
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax import modules
@@ -43,13 +43,14 @@ def _report(what: str, ours, theirs) -> tuple[float, float]:
 
 
 def check(path: str, dtype: str = "float32") -> tuple[float, float]:
+  src = hf.Source.open(path)  # a bad directory is named before anything else
   # pylint: disable=import-outside-toplevel
   try:
     import torch
     import transformers
   except ImportError:
-    raise SystemExit("tools.hf check needs torch and transformers: pip install -e '.[hf]'")
-  src = hf.Source.open(path)
+    raise ConfigError("check needs torch and transformers, which are not installed: "
+                      "pip install -e '.[hf]'") from None
   cfg = _config(src, dtype)
   init = lambda name: modules.build_modules(cfg)[name].init(0)  # what the checkpoint lacks
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
