@@ -21,6 +21,7 @@ from typing import Callable, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 import orbax.checkpoint as ocp
 
 from mimo_jax import fingerprint, workdir as workdir_lib
@@ -297,7 +298,9 @@ def matches(x, want: list[int]) -> bool:
 
 
 def _metadata_tree(mngr, step: int, module: str) -> dict:
-  tree = mngr.item_metadata(step)[module]
+  """One module's saved tree metadata, read from its own item: the manager's `item_metadata`
+  reads every item, so one damaged module's would fail the others' too."""
+  tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(mngr.directory) / str(step) / module)
   return getattr(tree, "tree", tree)
 
 

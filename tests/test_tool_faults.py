@@ -158,6 +158,14 @@ def test_check_fails_only_damaged_steps_and_never_advises_moving_good_ones(run, 
   assert "restore_step" not in last and f"pid {os.getpid()}" in last
 
 
+def test_check_names_only_the_module_whose_metadata_is_damaged(run, capsys):
+  (run / "checkpoints" / "30" / "vision" / "_METADATA").write_text("garbage{")
+  assert ckpt.main(["check", str(run)]) == 2
+  out = capsys.readouterr().out
+  line = [ln for ln in out.splitlines() if ln.startswith("step 30: ")][0]
+  assert "vision: unreadable" in line and "language" not in line, line
+
+
 def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkeypatch, capsys):
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   _live(run)
