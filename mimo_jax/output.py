@@ -217,6 +217,9 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     except OSError as e:
       raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
     yield tmp
+    for f in tmp.rglob("*"):  # safetensors writes owner-only files: readable as any new file
+      if f.is_file() and not f.is_symlink():
+        readable_as_created(f)
     (tmp / MARKER).write_text(json.dumps({"what": what}) + "\n", encoding="utf-8")
     raise_if_interrupted()  # a signal whose exception was lost still stops the publish
     _publish(tmp, final, parent, name)

@@ -27,6 +27,17 @@ def test_staged_publishes_whole_or_nothing(tmp_path):
   assert sorted(p.name for p in out.iterdir()) == [output.MARKER, "done.json"]
   assert not list(tmp_path.glob(".o*"))
 
+def test_published_files_are_readable_as_any_new_file(tmp_path):
+  # safetensors creates its files owner-only; an output's files get the umask's permissions.
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "o"
+  with output.staged(out, what="thing") as tmp:
+    save_file({"x": np.zeros(2, np.float32)}, str(tmp / "model.safetensors"))
+  mask = os.umask(0)
+  os.umask(mask)
+  assert os.stat(out / "model.safetensors").st_mode & 0o777 == 0o666 & ~mask
+
 def test_lock_and_targets(tmp_path):
   out = tmp_path / "o"
   held = output.lock(out)
