@@ -13,6 +13,7 @@ half-written entry) and evicts the least recently used entries past the bound.
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
@@ -64,6 +65,10 @@ def enable(field: str) -> str:
         f"cache (or {ENV}=...).") from e
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
+  # A cache entry that cannot be read or written (its directory removed under the run, a full
+  # disk) costs a compile, nothing else; jax says so in a warning with a source line, which would
+  # stand in front of a run's one-line error. The run goes on the same either way.
+  warnings.filterwarnings("ignore", message="Error (reading|writing) persistent compilation cache")
   if jax.config.jax_compilation_cache_max_size == -1:  # unbounded: no file lock
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return path
