@@ -88,6 +88,10 @@ class Compiler:
     self.say(f"compiled step program {number} ({name}) in {took:.1f} s")
     return took
 
+  def ready(self, keys: list[tuple]) -> bool:
+    """Whether the programs of `keys` are compiled (or failed: `wait` raises their error)."""
+    return all(self._futures[key].done() for key in keys)
+
   def wait(self, keys: list[tuple]) -> float:
     """Blocks until the programs of `keys` are compiled (raising a compile's error here);
     returns the seconds waited."""

@@ -329,6 +329,8 @@ class _Loop:
     batch, keys = next(self.batches)
     info = {"loader_wait_s": time.time() - waited, **_batch_info(batch, self.cfg)}
     if self.compiler is not None:
+      if self.pending is not None and not self.compiler.ready(keys):
+        self._flush()  # the previous step ends (and logs) while this one's programs compile
       self.compile_wait += self.compiler.wait(keys)
     dispatched = time.time()
     self.state, metrics = self.trainer.train_step(self.state, batch)
