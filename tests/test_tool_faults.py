@@ -1,9 +1,10 @@
 """The read-only tools beside a live run and under bad input, in-process: `tools.ckpt`
 check/inspect/export and `tools.generate` read committed steps only, take a step rotated away
 under them for gone (not damaged) and say that a run holds the workdir; `export` writes its file
-staged; `generate` refuses bad flags, another model's tokenizer, unencodable words, oversized
-images and prompts past the context in one line, prepares images as the run's data was and finds
-a run's older relative paths from any directory."""
+staged; no warning prints above an error line (garbage values that reach the fingerprint's
+bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer, unencodable
+words, oversized images and prompts past the context in one line, prepares images as the run's
+data was and finds a run's older relative paths from any directory."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import signal
 import socket
 import struct
+import sys
 import warnings
 import zlib
 
@@ -114,6 +116,49 @@ def _damage(work: pathlib.Path, step: int) -> None:
     for i in range(64):
       data[len(data) // 3 + 5 * i] ^= 0xA5
     files[-1].write_bytes(bytes(data))
+
+
+@pytest.fixture(autouse=True)
+def _warnings_on_stderr():
+  """Every warning printed to stderr, as a user running the tool sees it: pytest records warnings
+  aside, which would hide one in front of a tool's error line from `_error`."""
+  def show(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    warnings.showwarning = show
+    yield
+
+
+def _garbage_when_read(monkeypatch, step: int, key: str) -> None:
+  """Parameter `key` (`module/path`) of `step` reads back as garbage float32 (NaNs, values past
+  bfloat16's range): damaged bytes that still decompress. `_damage` flips bytes where the file
+  layout puts them, which may leave a step unreadable before any value is looked at."""
+  module, path = key.split("/", 1)
+
+  def garbled(x):
+    bits = np.random.default_rng(0).integers(0, 2**32, x.size, dtype=np.uint64)
+    return bits.astype(np.uint32).view(np.float32).reshape(x.shape)
+  real_params = checkpoint_reader._read_params  # pylint: disable=protected-access
+  real_module = checkpoint_reader._read_module  # pylint: disable=protected-access
+
+  def read_params(mngr, s, modules):
+    flat = real_params(mngr, s, modules)
+    if s == step and key in flat:
+      flat[key] = garbled(flat[key])
+    return flat
+
+  def read_module(mngr, s, m):
+    tree = real_module(mngr, s, m)
+    if s == step and m == module:
+      *parents, leaf = path.split("/")
+      node = tree["params"]
+      for k in parents:
+        node = node[k]
+      node[leaf] = garbled(node[leaf])
+    return tree
+  monkeypatch.setattr(checkpoint_reader, "_read_params", read_params)
+  monkeypatch.setattr(checkpoint_reader, "_read_module", read_module)
 
 
 def _error(capsys, tool: str, *words: str) -> str:
@@ -227,6 +272,24 @@ def test_export_and_generate_refuse_a_damaged_step(run, capsys):
   assert not out.exists()
   assert generate_tool.main([str(run), "--prompt", "hello"]) == 2
   _error(capsys, "tools.generate", "step 30", "damaged", "--step")
+
+
+def test_garbage_values_fail_check_export_and_generate_in_one_line_without_a_warning(
+    run, monkeypatch, capsys):
+  # The fingerprint check casts float32 values to bfloat16 (a frozen weight of a bfloat16 run is
+  # fingerprinted so): garbage there must not print numpy's cast warning above the error line.
+  _garbage_when_read(monkeypatch, 30, "language/blocks/mlp/up/kernel")
+  assert ckpt.main(["check", str(run), "--step", "30"]) == 2
+  out, _ = capsys.readouterr()
+  assert "language params/blocks/mlp/up/kernel: does not match its fingerprint" in out, out
+  assert ckpt.main(["check", str(run)]) == 2
+  _error(capsys, "tools.ckpt", "step 30", "--config.checkpoint.restore_step=20")
+  out = run.parent / "model.safetensors"
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", "step 30", "language/blocks/mlp/up/kernel", "damaged")
+  assert not out.exists()
+  assert generate_tool.main([str(run), "--prompt", "hello"]) == 2
+  _error(capsys, "tools.generate", "step 30", "language/blocks/mlp/up/kernel", "damaged")
 
 
 # tools.generate.
