@@ -5,6 +5,7 @@ naming the file and tensor, with nothing written."""
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -203,11 +204,12 @@ def test_bfloat16_weights_are_stored_as_bfloat16_and_read_back_exactly(tmp_path,
   _run_equals_init_from(src, tmp_path)
 
 
-def test_check_names_a_bad_directory_before_a_missing_torch(tmp_path, capsys):
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_check_names_a_bad_directory_before_a_missing_torch(tmp_path, capsys, monkeypatch,
+                                                             missing):
+  # None in sys.modules makes `import` fail as an absent package does, installed or not.
+  monkeypatch.setitem(sys.modules, missing, None)
   _error(capsys, lambda: hf_tool.main(["check", "--hf", str(tmp_path / "nope")]),
          "nope", "not a directory")
-  try:
-    import torch  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    _error(capsys, lambda: hf_tool.main(["check", "--hf", str(FIXTURES / "qwen2")]),
-           "torch and transformers", "pip install -e '.[hf]'")
+  _error(capsys, lambda: hf_tool.main(["check", "--hf", str(FIXTURES / "qwen2")]),
+         "torch and transformers", "pip install -e '.[hf]'")
