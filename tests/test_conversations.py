@@ -108,14 +108,19 @@ def test_the_converter_writes_the_template_and_processor_output(converted):
   assert seen == {r["id"] for r in GOOD}
 
 
-def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys):
+def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys, monkeypatch):
   assert convert.main(_args(source, tmp_path / "out", "--workers", "1")) == 0
-  err = capsys.readouterr().err
+  got = capsys.readouterr()
+  err = got.err
+  assert "converting" not in err and "1 worker)" in got.out, err  # a bar on a terminal only
   for reason, record in BAD.items():
     line = next(ln for ln in err.splitlines() if f"(id {record['id']!r})" in ln)
     assert line.startswith("skipped: ") and "data.jsonl: record " in line, line
   assert "nowhere.png not found" in err and "broken.png cannot be read" in err
   assert "unknown role 'robot'" in err and "exceed --seq_len 170" in err
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+  assert convert.main(_args(source, tmp_path / "out2", "--workers", "1")) == 0
+  assert "converting: 100%" in capsys.readouterr().err
 
 
 def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(source, tmp_path, capsys):

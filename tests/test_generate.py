@@ -177,13 +177,27 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
   prompts = ["what is in the picture", "hello there"]
   capsys.readouterr()
   assert generate_tool.main(common + [a for p in prompts for a in ("--prompt", p)]) == 0
-  batch = capsys.readouterr().out.splitlines()
+  got = capsys.readouterr()
+  batch = got.out.splitlines()
   assert batch[0] == "> [landscape.png] " + prompts[0]
   assert batch[2] == "> [landscape.png] " + prompts[1]
   assert len(batch) == 4 and batch[1] and batch[3]  # six words each (a random model's)
+  assert " 2 prompts of up to " in got.err, got.err
   for i, p in enumerate(prompts):
     assert generate_tool.main(common + ["--prompt", p]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == batch[2 * i + 1]
+    got = capsys.readouterr()
+    assert got.out.splitlines()[1] == batch[2 * i + 1]
+    assert " 1 prompt of up to " in got.err, got.err
+
+
+def test_the_tool_prints_control_characters_of_an_answer_escaped(monkeypatch, capsys):
+  # An untrained model's bytes (escape sequences, carriage returns, the bell) must not act on
+  # the terminal; an answer's own lines and tabs, and any other text, print as they are.
+  answers = ["\x1b[2Jcleared\rover\x07 é\ufffd", "two\n\tlines\x85"]
+  monkeypatch.setattr(generate_tool, "run", lambda args: answers)
+  assert generate_tool.main(["run", "--prompt", "a\x1b]0;title\x07", "--prompt", "b"]) == 0
+  assert capsys.readouterr().out == ("> a\\x1b]0;title\\x07\n\\x1b[2Jcleared\\rover\\x07 é\ufffd\n"
+                                     "> b\ntwo\n\tlines\\x85\n")
 
 
 def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):

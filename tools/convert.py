@@ -23,7 +23,7 @@ holds `--eval` records drawn at random (default: 1% of the records, at least 10 
 and at most a tenth of them); every record of one id goes to the same side, so that no eval
 conversation is trained on. `--eval` below 1 (training evaluates on the eval split) or not below
 the record count is refused. Records are converted in parallel (`--workers` processes, default
-every core) with a progress bar.
+every core), with a progress bar where stderr is a terminal.
 
 `--out` is written as a whole or not at all: a lock beside it (`.<name>.lock`) stops a second
 conversion into it, everything is written into a staging directory beside it that is renamed into
@@ -87,6 +87,7 @@ import jax  # pylint: disable=unused-import
 from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio, audio_records, conversations
+from tools.display import count
 
 
 def tower_tokens(directory: str) -> tuple[int | None, str]:
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     with output.interrupts_as_exceptions():
       with output.staged(out, what="conversion", flag="--out",
                          complete=conversations.MANIFEST) as tmp:
-        m = conversations.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed)
+        m = conversations.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
+                                  progress=sys.stderr.isatty())
   except ConfigError as e:
     return _error(str(e))
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
@@ -193,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
   counts, skipped, took = m["samples"], m["skipped"], m["seconds"]
   if m["shared_ids"]:
     shown = ", ".join(repr(i) for i in m["shared_ids"][:3])
-    print(f"note: {len(m['shared_ids'])} ids are shared by several records ({shown}"
+    shared = len(m["shared_ids"])
+    print(f"note: {count(shared, 'id')} {'is' if shared == 1 else 'are'} shared by several "
+          f"records ({shown}"
           f"{' ...' if len(m['shared_ids']) > 3 else ''}); each id's records went to one side "
           "of the train/eval split.", file=sys.stderr)
-  print(f"converted {m['records']} records in {took:.1f} s ({m['records'] / max(took, 1e-9):.1f} "
-        f"records/s, {args.workers} workers): {counts['train']} train and {counts['eval']} eval "
-        f"samples, {m['images']} images, {m['audios']} audio clips, {sum(skipped.values())} skipped"
+  print(f"converted {count(m['records'], 'record')} in {took:.1f} s "
+        f"({m['records'] / max(took, 1e-9):.1f} records/s, {count(args.workers, 'worker')}): "
+        f"{counts['train']} train and {count(counts['eval'], 'eval sample')}, "
+        f"{count(m['images'], 'image')}, {count(m['audios'], 'audio clip')}, "
+        f"{sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
   print("train with (MODEL_CONFIG: the model's config file; a model with a larger vocabulary "

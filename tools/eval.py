@@ -42,6 +42,7 @@ from tqdm import tqdm
 from mimo_jax import checkpoint_reader, output, scoring
 from mimo_jax.config import Config, ConfigError, RunConfig
 from tools import generate as generate_tool
+from tools.display import count
 
 TOOL = "tools.eval"
 DEFAULT_NEW_TOKENS = 32
@@ -449,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
           "command to go on.", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)
   metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)
-  print(f"{summary['samples']} samples of {args.data} at step {summary['step']}: {metrics}; "
+  print(f"{count(summary['samples'], 'sample')} of {args.data} at step {summary['step']}: "
+        f"{metrics}; "
         f"rows in {summary['out']}")
   return 0
 

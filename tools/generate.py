@@ -30,7 +30,8 @@ by default, or sampled at `--temperature` among the `--top_p` mass, until the to
 end-of-turn token or `--max_new_tokens`. A prompt and its new tokens fit in the model's context:
 its HF config's max_position_embeddings (an import, or a run started from one), else the run's
 data.seq_len (the positions it trained on); `--max_new_tokens` defaults to 64 or what fits. Each
-answer is printed after its prompt.
+answer is printed after its prompt, with its control characters but newlines and tabs escaped
+(`\\x1b`, `\\r`): an untrained model's tokens would act on the terminal.
 
 Beside a run that is saving into WORKDIR (its run.lock), only committed steps are read; a step
 the run rotates away while it is read is followed by the newest one.
@@ -51,6 +52,7 @@ import numpy as np
 from mimo_jax import checkpoint_reader, output
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
+from tools.display import count, printable
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
@@ -234,14 +236,14 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
     text = f"{image_token}\n" * images + text
   if text.count(image_token) != images:
     raise ConfigError(f"the prompt {text!r} has {text.count(image_token)} {image_token} for "
-                      f"{images} --image files.")
+                      f"{count(images, '--image file')}.")
   mark = audio_records.MARK
   if clips and mark not in text:
     at = text.rfind(image_token) + len(image_token) + 1 if images else 0  # after the images
     text = text[:at] + f"{mark}\n" * len(clips) + text[at:]
   if text.count(mark) != len(clips):
-    raise ConfigError(f"the prompt {text!r} has {text.count(mark)} {mark} for {len(clips)} "
-                      "--audio files.")
+    raise ConfigError(f"the prompt {text!r} has {text.count(mark)} {mark} for "
+                      f"{count(len(clips), '--audio file')}.")
   rendered = tok.render([{"role": "user", "content": text.replace(mark, markers)}],
                         add_generation_prompt=True)
   image_id = tok.token_id(image_token) if images else None
@@ -253,7 +255,7 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
                       "use words of its vocabulary.") from None
   if clips and encoded.count(audio_id) != len(clips):
     raise ConfigError(f"the prompt {text!r} holds {encoded.count(audio_id)} {audio_token} once "
-                      f"rendered and tokenized, for {len(clips)} --audio files: give "
+                      f"rendered and tokenized, for {count(len(clips), '--audio file')}: give "
                       "--audio_markers holding --audio_token once, and a prompt without it.")
   out, clip = [], iter(clips)
   for i in encoded:
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image + args.audio)
   for prompt, answer in zip(args.prompt, answers):
-    print(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}")
+    print(printable(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}"))
   return 0
 
 
@@ -399,7 +401,7 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   longest = max(range(len(rows)), key=lambda r: len(rows[r]))
   width = len(rows[longest])
   if width >= positions:
-    images = f", {len(args.image)} images of {per_image} tokens" if args.image else ""
+    images = f", {count(len(args.image), 'image')} of {per_image} tokens" if args.image else ""
     raise ConfigError(f"the prompt {args.prompt[longest][:60]!r} is {width} tokens{images}, which "
                       f"leaves no room for an answer in the model's {positions} positions "
                       f"({source}); shorten it.")
@@ -454,7 +456,8 @@ def run(args: argparse.Namespace) -> list[str]:
     embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens[None],
                                      tok.token_id(ready["audio_token"]), embeds)
   eos = tok.specials.get("eos_token")
-  print(f"{args.workdir}: {len(rows)} prompts of up to {width} tokens on {jax.devices()[0]}",
+  print(f"{args.workdir}: {count(len(rows), 'prompt')} of up to {width} tokens on "
+        f"{jax.devices()[0]}",
         file=sys.stderr)
   out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
                           generate.Sampling(args.temperature, args.top_p, args.seed),

@@ -1,0 +1,21 @@
+"""What the tools print for a person to read: counts with their noun's number, and a model's text
+with the control characters that would act on a terminal escaped (files get the text as it is)."""
+
+from __future__ import annotations
+
+import unicodedata
+
+_KEPT = "\n\t"  # an answer's own lines and tabs stay as they are
+
+
+def count(n: int, noun: str, plural: str = "") -> str:
+  """`n` and `noun` in its number: "1 prompt", "2 prompts" (`plural` where it is not noun+s)."""
+  return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def printable(text: str) -> str:
+  """`text` with each control character but newline and tab written as its escape (`\\x1b`,
+  `\\r`, `\\x85`): a random or untrained model's tokens would otherwise move the cursor, clear
+  the screen or ring the bell where its answer is printed."""
+  return "".join(c if c in _KEPT or unicodedata.category(c) != "Cc"
+                  else c.encode("unicode_escape").decode("ascii") for c in text)
