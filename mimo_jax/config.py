@@ -311,6 +311,10 @@ class RunConfig:
   # background before they are met (precompile.py; fused layouts); 0 = compile each when met.
   compile_ahead: int = 8
   compile_threads: int = 2  # threads compiling ahead
+  # What a step does when a microbatch's shape is still compiling (fused layouts): wait for it,
+  # or pad: run it padded to the smallest compiled shape that holds it (the full shape compiles
+  # first); the same loss, rounded by another program (precompile.py).
+  while_compiling: str = "wait"
 
 
 @dataclasses.dataclass

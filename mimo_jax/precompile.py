@@ -9,12 +9,20 @@ while XLA works), so the first step waits for its own program only and later sha
 when met (tracing and lowering hold the GIL: the loop's dispatch may wait on them meanwhile).
 Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies with
 the batch's shape in one program; split layouts compile their programs when met.
+
+With `run.while_compiling=pad` no step waits for a shape after the first: the full shape (every
+row and slot of a microbatch sent) compiles first, alone, and the first step runs on it; after
+that a microbatch whose own program is still compiling is sent padded to the smallest compiled
+shape that holds it (`Compiler.fit`). Padding sends more of the microbatch's empty rows and slots,
+which carry no loss: the loss and gradients are the same sums, though a program of another shape
+may round them differently (so a run's last bits depend on how fast its shapes compiled).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from typing import Callable, Iterator
@@ -47,10 +55,16 @@ class Compiler:
   """Compiles the fused step's program per microbatch shape in background threads; `wait` makes
   the loop take a compiled program (never a second compile of one being compiled)."""
 
-  def __init__(self, trainer: Step, state: dict, threads: int, say: Callable[[str], None]):
+  def __init__(self, trainer: Step, state: dict, threads: int, say: Callable[[str], None],
+               pad: bool = False):
     self.trainer = trainer
     self.say = say
     self.enabled = trainer.ctx.mode.fused and threads > 0
+    # run.while_compiling=pad: the full shape compiles first, and a microbatch whose own shape is
+    # not compiled yet runs padded to the smallest compiled shape that holds it (`fit`).
+    self.pad = pad and self.enabled
+    self._sizes: dict[tuple, tuple] = {}  # key -> (rows a rank sends, {encoder: slots a rank sends})
+    self._full: tuple | None = None
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max(threads, 1), thread_name_prefix="mimo_jax-compile") if self.enabled else None
     self._futures: dict[tuple, concurrent.futures.Future] = {}
@@ -68,17 +82,59 @@ class Compiler:
     """Submits every microbatch shape of `batch` not met yet; returns their keys."""
     if not self.enabled:
       return []
-    keys = []
-    for m in range(batch.microbatches):
-      x = self.trainer.place(batch.microbatch(m), put=_abstract_put)
-      key = shape_key((x.slots, x.text))
-      keys.append(key)
-      with self._lock:
-        if key not in self._futures:
-          self._futures[key] = self._pool.submit(self._compile, x, len(self._futures) + 1)
-    return keys
+    if self.pad and self._full is None:
+      self._full = self._submit(_full(batch.microbatch(0), self.trainer.ctx.groups))
+    return [self._submit(batch.microbatch(m)) for m in range(batch.microbatches)]
+
+  def _submit(self, micro: Batch) -> tuple:
+    """Submits the program of one microbatch's shape unless it was; returns its key."""
+    x = self.trainer.place(micro, put=_abstract_put)
+    key = shape_key((x.slots, x.text))
+    with self._lock:
+      if key not in self._futures:
+        self._sizes[key] = _sizes(micro)
+        self._futures[key] = self._pool.submit(self._compile, x, len(self._futures) + 1)
+    return key
+
+  def fit(self, batch: Batch, keys: list[tuple]) -> tuple[Batch, list[tuple], int]:
+    """With `pad`: `batch` with each microbatch whose program is not compiled yet sent padded to
+    the smallest compiled shape that holds it (more of its empty rows and slots travel: the
+    values are the same, the program is another), waiting only while no compiled shape holds it
+    (the run's first step, for the full shape). Returns the batch, its microbatches' keys and
+    how many of them run padded."""
+    if not self.pad:
+      return batch, keys, 0
+    rows = np.array(batch.text.rows_sent)
+    sent = {n: np.array(s.sent) for n, s in batch.slots.items()}
+    out, padded = [], 0
+    for m, key in enumerate(keys):
+      if self._futures[key].done():
+        out.append(key)
+        continue
+      need = self._sizes[key]
+      fits = [k for k in self._compiled() if _holds(self._sizes[k], need)]
+      if not fits:
+        self._futures[self._full].result()  # the first step: wait for the shape that holds all
+        fits = [self._full]
+      best = min(fits, key=lambda k: _cost(self._sizes[k]))
+      rows[m] = self._sizes[best][0]
+      for n in sent:
+        sent[n][m] = self._sizes[best][1][n]
+      out.append(best)
+      padded += 1
+    if not padded:
+      return batch, out, 0
+    text = dataclasses.replace(batch.text, rows_sent=rows)
+    slots = {n: dataclasses.replace(s, sent=sent[n]) for n, s in batch.slots.items()}
+    return dataclasses.replace(batch, text=text, slots=slots), out, padded
+
+  def _compiled(self) -> list[tuple]:
+    with self._lock:
+      return [k for k, f in self._futures.items() if f.done() and f.exception() is None]
 
   def _compile(self, x: Batch, number: int) -> float:
+    if self.pad and number > 1:  # the full shape alone first: the first step needs only it
+      concurrent.futures.wait([self._futures[self._full]])
     started = time.perf_counter()
     self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots, x.text,
                                            self._inv).compile()
@@ -107,6 +163,28 @@ class Compiler:
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=False, cancel_futures=True)  # a running compile finishes alone
+
+
+def _sizes(micro: Batch) -> tuple:
+  return int(micro.text.rows_sent), {n: int(s.sent) for n, s in micro.slots.items()}
+
+
+def _full(micro: Batch, groups: int) -> Batch:
+  """`micro` with every row and slot of each rank sent: the shape that holds any microbatch."""
+  text = dataclasses.replace(micro.text, rows_sent=np.asarray(micro.text.tokens_rl.shape[0]
+                                                              // groups))
+  slots = {n: dataclasses.replace(s, sent=np.asarray(s.owner_nt.shape[0] // groups))
+           for n, s in micro.slots.items()}
+  return dataclasses.replace(micro, text=text, slots=slots)
+
+
+def _holds(big: tuple, small: tuple) -> bool:
+  return big[0] >= small[0] and all(big[1][n] >= v for n, v in small[1].items())
+
+
+def _cost(size: tuple) -> tuple:
+  """Smaller first: rows (the language model's work), then slots."""
+  return size[0], sum(size[1].values())
 
 
 def describe(x: Batch) -> str:

@@ -94,7 +94,8 @@ def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -
           "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
           "target_tokens": info["target_tokens"], **info["items"],
           "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"],
-          "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"]}
+          "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"],
+          **({"compile_padded": info["compile_padded"]} if "compile_padded" in info else {})}
 
 
 def _batch_info(batch: Batch, cfg: Config) -> dict:
@@ -200,6 +201,7 @@ class _Loop:
     self.started = started  # when `run` was called: time to first step counts from here
     self.compiler: precompile.Compiler | None = None
     self.compile_wait = 0.0  # seconds the loop waited for programs compiled ahead
+    self.padded = 0  # microbatches run padded to a compiled shape since the last record
     self.first_at, self.first_step = None, 0  # when this run's first step ended, and which
     self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
                                         list(trainer.modules), keep=cfg.checkpoint.keep,
@@ -260,7 +262,11 @@ class _Loop:
                       "devices")
     if cfg.run.compile_ahead and trainer.ctx.mode.fused:  # else each shape compiles when met
       self.compiler = precompile.Compiler(trainer, self.state, cfg.run.compile_threads,
-                                          self.writer.say)
+                                          self.writer.say, pad=cfg.run.while_compiling == "pad")
+    if cfg.run.while_compiling == "pad" and self.compiler is None:
+      self.writer.say("run.while_compiling=pad does not apply: this layout compiles each shape "
+                      "when met (padding to a compiled shape needs run.compile_ahead > 0 and "
+                      "every module on one dp-only mesh)")
     self.batches = precompile.Ahead(
         loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
         self.compiler, cfg.run.compile_ahead if self.compiler else 0,
@@ -329,6 +335,9 @@ class _Loop:
     batch, keys = next(self.batches)
     info = {"loader_wait_s": time.time() - waited, **_batch_info(batch, self.cfg)}
     if self.compiler is not None:
+      batch, keys, padded = self.compiler.fit(batch, keys)
+      if self.compiler.pad:
+        info["compile_padded"] = padded
       if self.pending is not None and not self.compiler.ready(keys):
         self._flush()  # the previous step ends (and logs) while this one's programs compile
       self.compile_wait += self.compiler.wait(keys)
@@ -348,8 +357,11 @@ class _Loop:
     if self.window.start is None:
       self._first_step(step, now)
     self.window.completed(now, info["tokens"])
+    self.padded += info.get("compile_padded", 0)
     steps = self.cfg.train.steps
     if step % self.cfg.run.log_every == 0 or step == steps:
+      if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
+        info, self.padded = dict(info, compile_padded=self.padded), 0
       took, info = self.window.timing(now, dispatched, info, last=step == steps)
       self._log(_record(step, metrics, info, took, float(self.lr_at[step - 1])))
       self.window.restart(now)

@@ -269,6 +269,8 @@ def _schedule_and_run(cfg: Config) -> None:
   require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
   require(cfg.run.compile_ahead >= 0, "run.compile_ahead", "must be >= 0 (0 = compile when met).")
   require(cfg.run.compile_threads > 0, "run.compile_threads", "must be > 0.")
+  require(cfg.run.while_compiling in ("wait", "pad"), "run.while_compiling",
+          f"must be wait or pad, got {cfg.run.while_compiling!r}.")
   require(cfg.run.device_memory_gb >= 0, "run.device_memory_gb",
           "must be >= 0 (0 = what the device reports).")
   require(cfg.run.progress in ("auto", "bar", "lines"), "run.progress",

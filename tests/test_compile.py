@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
@@ -137,3 +138,43 @@ def test_step_programs_compiled_ahead_are_the_ones_the_steps_run(data_dir):
   for s in range(steps):
     state, metrics = plain.train_step(state, ds[s])
     assert float(jax.device_get(metrics["loss"])) == losses[s]
+
+
+def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it(data_dir):
+  """run.while_compiling=pad: while a microbatch's own program compiles, the step sends it padded
+  to the full shape (compiled first, alone), which compiles nothing more and gives the loss and
+  gradient norm of the unpadded step up to float32 rounding; once its program is compiled the
+  microbatch goes as it is."""
+  cfg = _bucketed(data_dir)
+  step = Step.build(cfg)
+  state = step.init_state(cfg.train.seed)
+  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
+  compiler = precompile.Compiler(step, state, threads=2, say=lambda line: None, pad=True)
+  gate, compile_ = threading.Event(), compiler._compile
+  compiler._compile = lambda x, number: compile_(x, number) if number == 1 or gate.wait() else 0
+  batch = ds[0]
+  keys = compiler.keys(batch)
+  padded_batch, used, padded = compiler.fit(batch, keys)
+  rows = padded_batch.text.tokens_rl.shape[1] // step.ctx.groups
+  assert padded == batch.microbatches and len(set(used)) == 1 and set(used).isdisjoint(keys)
+  assert list(padded_batch.text.rows_sent) == [rows] * batch.microbatches
+  assert list(batch.text.rows_sent) != list(padded_batch.text.rows_sent)  # the input is kept
+  compiled = []
+  listener = lambda event, seconds, **kw: compiled.append(kw.get("fun_name", "")) if (
+      event == "/jax/core/compile/backend_compile_duration") else None
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    _, padded_metrics = step.train_step(state, padded_batch)
+    padded_metrics = jax.device_get(padded_metrics)
+    assert not [n for n in compiled if "fused_step" in n]  # the full shape's program ran
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  gate.set()
+  compiler.wait(keys)
+  same, used, padded = compiler.fit(batch, keys)
+  assert padded == 0 and same is batch and used == keys
+  _, metrics = step.train_step(step.init_state(cfg.train.seed), batch)  # the first was donated
+  metrics = jax.device_get(metrics)
+  for name in ("loss", "grad_norm"):
+    assert float(padded_metrics[name]) == pytest.approx(float(metrics[name]), rel=1e-6)
+  compiler.close()
