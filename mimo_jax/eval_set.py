@@ -40,17 +40,26 @@ def eval_sample(prompt: list[int], answer: list[int], items: dict) -> dict:
 
 
 def converted(path: str, tok: ChatTokenizer, count: int = 0) -> list[dict]:
-  """The first `count` (0: all) samples of a converted shard: `id` (the record's index),
-  `sample`, `prompt_ids`, `references`."""
+  """The first `count` (0: all) samples of a converted shard: `id` (the LLaVA record's id, as
+  the converter kept it; None in older conversions), `position` (the sample's index in the
+  shard: records may share an id), `sample`, `prompt_ids`, `references`."""
   source = loader.open_shard(str(path))
   out = []
   for i in range(min(count, len(source)) if count else len(source)):
-    record = conversations.decode(source[i], str(path), i)
+    data = source[i]
+    record = conversations.decode(data, str(path), i)
     prompt, answer = split_answer(record["tokens"], record["loss_mask"], f"{path}: record {i}")
     items = {k: v for k, v in record.items() if k not in ("tokens", "loss_mask")}
-    out.append({"id": i, "sample": eval_sample(prompt, answer, items), "prompt_ids": prompt,
+    out.append({"id": conversations.record_id(data, str(path), i), "position": i,
+                "sample": eval_sample(prompt, answer, items), "prompt_ids": prompt,
                 "references": [tok.tokenizer.decode(answer, skip_special_tokens=True).strip()]})
   return out
+
+
+def named(s: dict) -> str:
+  """How an error names sample `s`: its id, and its position in a converted shard."""
+  where = f" (position {s['position']} of the split)" if "position" in s else ""
+  return f"sample {s['id']!r}{where}"
 
 
 def layout_for(cfg: Config, dp: int, bsz: int, samples: list[dict]) -> loader.Layout:
@@ -72,7 +81,7 @@ def check_lengths(layout: loader.Layout, samples: list[dict], flag: str) -> None
     n = len(sample["tokens"]) - 1 + sum(
         e.item_tokens(size, s["id"]) - 1 for e in layout.encoders for size in e.sizes(sample))
     if n > layout.seq_len:
-      raise ConfigError(f"sample {s['id']!r} needs {n} positions, more than the eval rows' "
+      raise ConfigError(f"{named(s)} needs {n} positions, more than the eval rows' "
                         f"{layout.seq_len}; give {flag} {n} or more.")
 
 
@@ -102,15 +111,15 @@ def eos_id(tok: ChatTokenizer) -> int | None:
 
 
 def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list[str]) -> list:
-  """One row a sample: `id`, `prompt`, `reference` (one, or the list), `prediction` (the answer's
-  text before its end token) and `score` by metric."""
+  """One row a sample: `id`, `position` (a converted shard's samples), `prompt`, `reference` (one,
+  or the list), `prediction` (the answer's text before its end token) and `score` by metric."""
   eos, rows = eos_id(tok), []
   for s, answer in zip(samples, answers):
     answer = [int(t) for t in answer]
     answer = answer[:answer.index(eos)] if eos in answer else answer
     prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
     refs = s["references"]
-    rows.append({"id": s["id"],
+    rows.append({"id": s["id"], **({"position": s["position"]} if "position" in s else {}),
                  "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
                  "reference": refs[0] if len(refs) == 1 else refs, "prediction": prediction,
                  "score": {m: scoring.score(m, prediction, refs) for m in metrics}})

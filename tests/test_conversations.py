@@ -84,7 +84,7 @@ def test_the_converter_writes_the_template_and_processor_output(converted):
   assert m["skipped"] == {reason: 1 for reason in BAD}
   assert m["image_size"] == [20, 20] and m["image_token"] == 5
   tok, proc = ChatTokenizer.open(TOKENIZER), ImageProcessor.open(PROCESSOR)
-  seen = set()
+  seen, kept = set(), []
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
   for split in conversations.SPLITS:
     path = converted / f"{split}.array_record"
@@ -95,6 +95,8 @@ def test_the_converter_writes_the_template_and_processor_output(converted):
                if np.array_equal(tok.encode(messages(r["conversations"]))[0], got["tokens"])]
       assert len(match) == 1
       r = match[0]
+      kept.append(conversations.record_id(reader.read([i])[0], str(path), i))
+      assert kept[-1].rsplit("-", 1)[0] == r["id"], (kept[-1], r["id"])  # the source's "<id>-<k>"
       ids, mask = tok.encode(messages(r["conversations"]))
       np.testing.assert_array_equal(got["loss_mask"], mask)
       files = [r["image"]] if isinstance(r.get("image"), str) else r.get("image", [])
@@ -106,6 +108,7 @@ def test_the_converter_writes_the_template_and_processor_output(converted):
       # placeholder is the tokenizer's own image token.
       assert (got["tokens"] == 3).any()
   assert seen == {r["id"] for r in GOOD}
+  assert len(set(kept)) == len(kept) == 12  # each record's own id
 
 
 def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 
 from mimo_jax import encoders, eval_set
 from mimo_jax.data import conversations, loader
+from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.evaluate import Evaluator
 
 from tests.test_generate import FIXTURES, _tokenizer
@@ -147,6 +148,28 @@ def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
   assert "holds rows of another eval" in capsys.readouterr().err
   assert _rows(setup / "one.jsonl") == one_device
+
+
+def test_converted_samples_are_named_by_their_records_ids_and_kept_by_position(tmp_path, capsys):
+  # Records converted before ids were kept have none (null, with a note); the position in the
+  # split keeps the rows either way, and rows written when the id was the position resume.
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  _tokenizer(tmp_path / "tok")
+  tok = ChatTokenizer.open(str(tmp_path / "tok"))
+  sample = {"tokens": [1, 5, 8, 2], "loss_mask": [0, 0, 1, 1], "images": []}
+  path = tmp_path / "eval.array_record"
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+  for record in (sample, dict(sample, id="q7"), dict(sample, id="q7")):  # ids may be shared
+    writer.write(conversations.encode(record))
+  writer.close()
+  got = eval_set.converted(str(path), tok)
+  assert [(s["id"], s["position"]) for s in got] == [(None, 0), ("q7", 1), ("q7", 2)]
+  assert len({eval_tool.key(s) for s in got}) == 3
+  assert eval_tool.key({"id": 2, "prediction": "x"}) == eval_tool.key(got[2])
+  (tmp_path / conversations.MANIFEST).write_text(json.dumps({"format": 1}))
+  args = argparse.Namespace(data=str(tmp_path), split="eval", samples=0)
+  assert eval_tool.converted_samples(args, tok) == got
+  assert "converted before the records' ids were kept" in capsys.readouterr().err
 
 
 def _hf_prompts(ref, image_id: int, tokens: int) -> list[tuple[list[int], list[np.ndarray]]]:

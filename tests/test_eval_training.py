@@ -10,6 +10,7 @@ import pytest
 from mimo_jax import evaluate, scoring, train
 from mimo_jax.batch import Samples, Text
 from mimo_jax.config import ConfigError
+from mimo_jax.data import conversations, loader
 from mimo_jax.validation import validate
 from tests.helpers import tiny_config
 from tests.test_conversations import _train_config, converted, source  # noqa: F401  (fixtures)
@@ -42,6 +43,11 @@ def test_generated_answers_are_scored_at_each_eval_as_tools_eval_scores_them(con
                          str(tmp_path / "preds.jsonl")]) == 0
   rows = [json.loads(x) for x in (tmp_path / "preds.jsonl").read_text().splitlines()]
   assert len(rows) == 3 and all(r["reference"] for r in rows)
+  # Each row names its record by the id the converter kept, and its place in the split.
+  shard = loader.open_shard(str(converted / "eval.array_record"))
+  assert [(r["id"], r["position"]) for r in rows] == [
+      (conversations.record_id(shard[i], "eval", i), i) for i in range(3)]
+  assert all(isinstance(r["id"], str) and "-" in r["id"] for r in rows), rows
   assert np.mean([r["score"][answer_length] for r in rows]) == \
       pytest.approx(evals[-1]["eval_answer_length"])
 

@@ -16,7 +16,8 @@ vision tower's processor (`--processor`, default the tokenizer's directory:
 preprocessor_config.json; mimo_jax/data/images.py) and stored decoded, as uint8 pixels at the
 processor's size (no decoding while training).
 
-Output in `--out`: `train.array_record` and `eval.array_record` with their metadata sidecars, and
+Output in `--out`: `train.array_record` and `eval.array_record` (each sample with its record's
+`"id"`, or its index in `--json` where it has none) with their metadata sidecars, and
 `conversations.json` (the manifest: image token id, image size, vocabulary, counts, and the
 tokenizer, processor and source as absolute paths, so tools read them from any directory). Eval
 holds `--eval` records drawn at random (default: 1% of the records, at least 10 and at most 1000,

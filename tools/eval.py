@@ -17,8 +17,10 @@ greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each en
 own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
 
-Writes `--out` (default WORKDIR/eval/<data name>.step<N>.jsonl): one JSON row a sample (`id`,
-`prompt`, `reference`, `prediction`, `score` by metric), appended and synced batch by batch
+Writes `--out` (default WORKDIR/eval/<data name>.step<N>.jsonl): one JSON row a sample (`id`:
+the record's, or its index in the file where it has none; a converted split's rows add
+`position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
+appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
 after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean, the sample count, the step and the settings. Metrics: mimo_jax/scoring.py.
@@ -113,7 +115,8 @@ def summary_path(out: pathlib.Path) -> pathlib.Path:
 # Samples: a prompt of token ids, the encoders' items, references.
 
 def converted_samples(args, tok) -> list[dict]:
-  """The samples of a converted directory's split (ids: record indices)."""
+  """The samples of a converted directory's split (ids: the records' own, where the conversion
+  kept them)."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax import eval_set
   from mimo_jax.data import conversations  # pylint: disable=import-outside-toplevel
@@ -126,7 +129,12 @@ def converted_samples(args, tok) -> list[dict]:
     raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, the "
                       f"tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}; give the "
                       "data's tokenizer with --tokenizer DIR.")
-  return eval_set.converted(str(path), tok, args.samples)
+  samples = eval_set.converted(str(path), tok, args.samples)
+  if any(s["id"] is None for s in samples):
+    print(f"note: {args.data} was converted before the records' ids were kept: its rows' id is "
+          "null and their position in the split names them; convert it again for the ids.",
+          file=sys.stderr)
+  return samples
 
 
 def audio_settings(args, cfg: Config, tok, found: dict):
@@ -245,6 +253,13 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
 
 # The output: rows appended and synced, kept across interruptions.
 
+def key(row: dict) -> str:
+  """What a sample's row is kept by: its position in a converted split (records may share an
+  id; rows of older versions, which lack the position, hold it as their id), else its id (a
+  JSON's ids are checked to be unique)."""
+  return json.dumps(row.get("position", row["id"]))
+
+
 class Rows:
   """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends."""
 
@@ -271,14 +286,14 @@ class Rows:
           f.truncate(len(keep))
       for line in keep.decode().splitlines():
         row = json.loads(line)
-        self.done[json.dumps(row["id"])] = row
+        self.done[key(row)] = row
     else:
       _write_whole(record, self.settings)
     self.file = open(self.out, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
   def append(self, rows: list[dict]) -> None:
     for row in rows:
-      self.done[json.dumps(row["id"])] = row
+      self.done[key(row)] = row
     self.file.write("".join(json.dumps(r) + "\n" for r in rows))
     self.file.flush()
     os.fsync(self.file.fileno())
@@ -405,7 +420,7 @@ def run(args: argparse.Namespace) -> dict:
   eval_set.check_lengths(layout, samples, "--seq_len")
   rows = Rows(out, settings)
   try:
-    todo = [s for s in samples if json.dumps(s["id"]) not in rows.done]
+    todo = [s for s in samples if key(s) not in rows.done]
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
     state = trainer.init_state(cfg.train.seed, optimizer=False)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",

@@ -314,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("workdir")
   parser.add_argument("--prompt", action="append", default=[],
                       help="repeatable: a batch (default with --image: one empty prompt)")
-  parser.add_argument("--image", action="append", default=[], help="repeatable")
+  parser.add_argument("--image", action="append", default=[],
+                      help="repeatable: every image is given to every prompt, in order")
   parser.add_argument("--audio", action="append", default=[], help="repeatable: an audio file "
-                      "(WAV, FLAC, OGG/Opus, MP3)")
+                      "(WAV, FLAC, OGG/Opus, MP3); every clip is given to every prompt, in "
+                      "order, after the images")
   parser.add_argument("--step", type=int, default=None)
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")

@@ -9,7 +9,8 @@ A converted directory (`data.dir`) holds:
   conversations.json                       the manifest: image token id, tokenizer, processor,
                                            image sizes, counts
 
-A record (records.py) is a JSON header (`tokens`, `loss_mask`, the shape of each image) and the
+A record (records.py) is a JSON header (`tokens`, `loss_mask`, the shape of each image, the `id`
+of the LLaVA record it came from, or its index in the source file where it had none) and the
 images' uint8 bytes. Each `<image>` of the text is one token, the image token
 (`data.image_token`, checked against the manifest), which the layout expands to that image's
 tokens; the loss mask is 1 on every assistant token and its end-of-turn token.
@@ -63,8 +64,20 @@ VOCABULARY = TokenIds(pad=0)
 def encode(sample: dict) -> bytes:
   return records.pack({"tokens": np.asarray(sample["tokens"]).tolist(),
                        "loss_mask": np.asarray(sample["loss_mask"]).tolist(),
+                       **({"id": sample["id"]} if "id" in sample else {}),
                        **audio_records.header(sample)}, sample[IMAGES],
                       audio_records.clips(sample))
+
+
+def record_id(record: bytes, source: str, index: int):
+  """The id of the LLaVA record a converted sample came from (its index in the source file where
+  it had none, as tools.eval names a JSON's records); None in a conversion written before
+  `encode` kept ids."""
+  try:
+    return records.unpack_all(record)[0].get("id")
+  except ValueError as e:
+    raise ValueError(f"{source}: record {index} is not a valid conversation sample ({e}).") \
+        from None
 
 
 def decode(record: bytes, source: str, index: int) -> dict:
@@ -378,7 +391,7 @@ def _work(item):
   index, record, source = item
   where = f"{source}: record {index} (id {record.get('id', '?')!r})"
   try:
-    return index, convert_record(record, where), None
+    return index, dict(convert_record(record, where), id=record.get("id", index)), None
   except RecordError as e:
     return index, None, (e.reason, str(e))
   except Exception as e:  # pylint: disable=broad-except
