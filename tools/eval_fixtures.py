@@ -57,7 +57,8 @@ def build(root: pathlib.Path) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--root", default=str(ROOT / "tests" / "fixtures" / "hf"))
+  parser.add_argument("--root", default=str(ROOT / "tests" / "fixtures" / "hf"),
+                      help="the folder of the LLaVA fixtures (llava15, llava_siglip)")
   build(pathlib.Path(parser.parse_args().root))
 
 

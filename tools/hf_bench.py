@@ -81,14 +81,18 @@ def _run(args: list[str]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--phases", default="make,import,check,train")
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--work", default=str(ROOT / ".hf_bench"))
+  parser.add_argument("--phases", default="make,import,check,train",
+                      help="which phases to run, in order (comma-separated)")
+  parser.add_argument("--steps", type=int, default=20,
+                      help="training steps from the import (train)")
+  parser.add_argument("--work", default=str(ROOT / ".hf_bench"),
+                      help="where the models, the import and the figures go")
   parser.add_argument("--record", action="store_true",
                       help="append the figures (of this call or of --results) to docs")
   parser.add_argument("--results", default=None,
                       help="where the figures are kept (default WORK/results.json)")
-  parser.add_argument("--check_dtypes", default="bfloat16,float32")
+  parser.add_argument("--check_dtypes", default="bfloat16,float32",
+                      help="the dtypes tools.hf check runs in (check)")
   parser.add_argument("--llama", choices=("1b", "8b"), default="1b",
                       help="the Llama's shape: Llama-3.2-1B's or Llama-3.1-8B's (make)")
   parser.add_argument("--tiny", action="store_true",

@@ -20,8 +20,8 @@ best:
   `torch.compile`.
 
 Neither package comes with torch: `pip install torchao==0.18.0 liger-kernel==0.8.5` (torchao 0.18
-needs torch >= 2.11), or wheels for a host without network (`bash ../shared/gpu/wheels.sh
-torchao==0.18.0 liger-kernel==0.8.5`). Prints the compile time (the first warmup step's wall
+needs torch >= 2.11); for a host without network, `pip download --no-deps` those pins on one
+with it and `pip install` the wheels there. Prints the compile time (the first warmup step's wall
 time, which compiles under `--compile`; every warmup step's too), s/step (median of `--steps` after
 `--warmup`), tokens/s and peak memory: the figures mimo_jax's `tools.bench` is set beside
 (docs/benchmarks.md).
@@ -45,8 +45,8 @@ def check_packages(args) -> None:
     if getattr(args, option) and importlib.util.find_spec(module) is None:
       raise SystemExit(
           f"hf_llava_bench: --{option} needs the {module} package, which is not installed: "
-          f"pip install {pin} (or on a host without network: bash ../shared/gpu/wheels.sh "
-          f"{pin}, then install .whl/).")
+          f"pip install {pin} (or on a host without network: pip download --no-deps {pin} on "
+          "one with it, then pip install the wheel).")
 
 
 def float8_filter(module, fqn: str) -> bool:
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--mb", type=int, default=8, help="samples a microbatch")
   parser.add_argument("--micro", type=int, default=4, help="microbatches a step")
   parser.add_argument("--images", type=int, default=3, help="images a sample")
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=3,
+                      help="untimed steps first (the first one compiles under --compile)")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps: s/step is their median")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
   parser.add_argument("--fp8", action="store_true",
                       help="torchao float8 training (tensorwise) on every Linear but lm_head")

@@ -108,11 +108,12 @@ def _model(s: Sizes, rank: int, device: str):
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tools.hf_lora_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--rank", type=int, default=16)
+  parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha: twice it)")
   parser.add_argument("--mb", type=int, default=4, help="samples a microbatch")
   parser.add_argument("--micro", type=int, default=8, help="microbatches a step")
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=3,
+                      help="untimed steps first (the first one compiles under --compile)")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps: s/step is their median")
   parser.add_argument("--peak", type=float, default=989e12, help="the device's FLOP/s")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
   parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU")

@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mb", type=int, default=8, help="samples a microbatch")
   parser.add_argument("--micro", type=int, default=4, help="microbatches a step")
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=3,
+                      help="untimed steps first (the first one compiles under --compile)")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps: s/step is their median")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
   args = parser.parse_args(argv)
   # pylint: disable=import-outside-toplevel

@@ -39,10 +39,11 @@ def images(rng: np.random.Generator) -> dict[str, Image.Image]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "images"))
+  parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "images"),
+                      help="the folder to write (replaced whole)")
   out = pathlib.Path(parser.parse_args(argv).out)
+  from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil  # pylint: disable=import-outside-toplevel
   shutil.rmtree(out, ignore_errors=True)
   out.mkdir(parents=True)
   processors = {
