@@ -179,8 +179,15 @@ def branches_may_diverge(mesh: Mesh) -> bool:
   return platform != "cpu"
 
 
-def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool) -> jax.Array:
-  return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
+def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool,
+                 first=None) -> jax.Array:
+  """The layers of `params` one after another; with `first` (the global index of the first),
+  each is called `layer(params_i, x, index, *side)`."""
+  if first is None:
+    return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
+  ids = first + jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
+  return jax.lax.scan(lambda h, pi: (layer(pi[0], h, pi[1], *side), None), x, (params, ids),
+                      unroll=unroll)[0]
 
 
 def _at(tree, i):
@@ -205,13 +212,15 @@ class Stack:
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
                unroll: bool = True, gather: Callable | None = None, branch: bool | None = None,
-               trained=None):
+               trained=None, indexed: bool = False):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
     (`_backward`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`).
     `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
-    tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros)."""
-    self.trained = trained
+    tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros).
+    `indexed`: each layer is called `layer(params_i, x, index, *side)`, `index` its place in the
+    whole stack (int32) whichever stage and chunk runs it (LoRA dropout draws its masks by it)."""
+    self.trained, self.indexed = trained, indexed
     if gather is not None:
       inner = layer
       layer = lambda params, x, *side: inner(gather(params), x, *side)
@@ -222,9 +231,9 @@ class Stack:
     if not self.schedule.pipelined:
       if x_m.shape[0] == 1:  # one microbatch (the usual chunk): no vmap around the kernels
         return _scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m),
-                            self.unroll)[None]
-      return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side, self.unroll))(
-          x_m, *side_m)
+                            self.unroll, self._first())[None]
+      return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side, self.unroll,
+                                                    self._first()))(x_m, *side_m)
     num, p = x_m.shape[0], self.schedule.stages
     # Fewer microbatches than stages (evaluation), or not a whole group of the interleaved
     # schedule's: zeros fill the rest, whose outputs are dropped (their cotangents are zero).
@@ -293,7 +302,7 @@ class Stack:
         h = jnp.where(source == FROM_PARKED, parked[m], h)
       h = jnp.where(source == FROM_PREVIOUS, incoming, h)
       h = _scan_layers(self.layer, _at(chunks, task[LOCAL]), h, tuple(a[m] for a in side_m),
-                       self.unroll)
+                       self.unroll, self._first(chunks, task[LOCAL], stage))
       outs = outs.at[m].set(jnp.where(task[DONE] == 1, h, outs[m]))
       incoming = jax.lax.ppermute(h, PP, ring)
       if parks:  # keep what arrived for a task that runs later than the next step
@@ -306,6 +315,16 @@ class Stack:
                          to="varying")
     (_, _, outs), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
+
+  def _first(self, chunks=None, local=0, stage=0):
+    """The global index of the first layer of this stage's chunk `local` (None unless
+    `indexed`): chunk local·p + stage, of L/(p·v) layers each (`_chunks`' layout)."""
+    if not self.indexed:
+      return None
+    if chunks is None:
+      return 0
+    per_chunk = jax.tree.leaves(chunks)[0].shape[1]
+    return (local * self.schedule.stages + stage) * per_chunk
 
   def _mask(self, params):
     return self.trained if self.trained is not None else jax.tree.map(lambda _: True, params)
@@ -328,13 +347,14 @@ class Stack:
     chunks = self._chunks(params)
     frozen = _part(mask, chunks, False)  # a constant of every backward: no gradient of it
 
-    def chunk_fn(m):
+    def chunk_fn(m, local):
       side = tuple(a[m] for a in side_m)
-      return lambda c, h: _scan_layers(self.layer, c, h, side, self.unroll)
+      first = self._first(chunks, local, stage)
+      return lambda c, h: _scan_layers(self.layer, c, h, side, self.unroll, first)
 
     def chunk_vjp(m, local, h):
       """A chunk's output and its vjp with respect to (its trained leaves, its input)."""
-      run = lambda t, h: chunk_fn(m)(_join(mask, t, _at(frozen, local)), h)
+      run = lambda t, h: chunk_fn(m, local)(_join(mask, t, _at(frozen, local)), h)
       return jax.vjp(run, _at(_part(mask, chunks, True), local), h)
     ahead = [(i, (i + 1) % p) for i in range(p)]
     back = [((i + 1) % p, i) for i in range(p)]
@@ -343,7 +363,7 @@ class Stack:
       return jnp.zeros_like(h), jnp.zeros_like(h), grads
 
     def forward(h, dy, m, local, grads):
-      return chunk_fn(m)(_at(chunks, local), h), jnp.zeros_like(h), grads
+      return chunk_fn(m, local)(_at(chunks, local), h), jnp.zeros_like(h), grads
 
     def backward(h, dy, m, local, grads):
       _, vjp = chunk_vjp(m, local, h)

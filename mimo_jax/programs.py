@@ -33,8 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, optim, trees
 from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
-from mimo_jax.config import Config
+from mimo_jax.config import Config, lora_of
 from mimo_jax.encoders import Encoder
+from mimo_jax.models import lora
 from mimo_jax.models.mimo import Module, language_logits, slot_mismatches
 from mimo_jax.pipeline import Stack
 from mimo_jax.sharding import BLOCKS, REPLICATED, ModulePlan, Plan
@@ -85,7 +86,8 @@ class GradMode:
 class Context:
   """What the programs need besides their arrays. `mode` is how a training step makes its
   gradients; `split_mode` is the split programs' mode (the same unless `mode.fused`; a benchmark's
-  `Probe(fused=False)` runs them on a fusable layout)."""
+  `Probe(fused=False)` runs them on a fusable layout). `dropping` holds the block stacks that
+  drop the LoRA adapters' input (training a module with `lora.dropout` > 0)."""
   cfg: Config
   plan: Plan
   modules: dict[str, Module]
@@ -93,16 +95,21 @@ class Context:
   stacks: dict[str, Stack]
   mode: GradMode
   split_mode: GradMode
+  dropping: dict[str, Stack] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def build(cls, cfg: Config, plan: Plan, modules: dict[str, Module], encoders: dict) -> "Context":
     tops = cfg.topology.modules()
-    stacks = {n: Stack(m.layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll,
-                       plan[n].gather, trained=_trained_blocks(plan[n]))
-              for n, m in modules.items()}
+    stack = lambda n, layer, indexed=False: Stack(
+        layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll, plan[n].gather,
+        trained=_trained_blocks(plan[n]), indexed=indexed)
+    stacks = {n: stack(n, m.layer) for n, m in modules.items()}
+    rates = {n: lora_of(cfg, n).dropout for n in modules if lora_of(cfg, n)}
+    dropping = {n: stack(n, lora.dropping(modules[n].layer, r), indexed=True)
+                for n, r in rates.items() if r > 0}
     mode = GradMode.build(plan, fused=fusable(cfg, plan))
     split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
-    return cls(cfg, plan, modules, encoders, stacks, mode, split_mode)
+    return cls(cfg, plan, modules, encoders, stacks, mode, split_mode, dropping)
 
   @property
   def groups(self) -> int:
@@ -121,9 +128,11 @@ class Context:
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
     return self.modules[name].bind(self.plan[name].unlayout(params))
 
-  def run_blocks(self, name: str, params):
-    """The module's block stack on `params` as a `RunBlocks` callable."""
-    return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
+  def run_blocks(self, name: str, params, dropout: bool = False):
+    """The module's block stack on `params` as a `RunBlocks` callable (`dropout`: the one that
+    drops its adapters' input, taking token seeds as its last side input)."""
+    stack = self.dropping[name] if dropout else self.stacks[name]
+    return lambda x_m, side_m: stack(params[BLOCKS], x_m, side_m)
 
   def frozen_stopped(self, name: str, params):
     """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
@@ -152,13 +161,18 @@ class Context:
                       enc.prepare(self.cfg, inputs_m))
 
   def logits(self, params, text: Text, tokens: dict, pos: dict, groups: int,
-             packed: bool) -> jax.Array:
+             packed: bool, train: bool = False) -> jax.Array:
     """The language model on stacked microbatches of rows with every encoder's tokens merged
-    (`packed`: rows hold several samples, attention is masked to each)."""
+    (`packed`: rows hold several samples, attention is masked to each). `train`: its LoRA
+    adapters' input dropped, if it has `lora.dropout` (evaluation never drops)."""
     params = self.frozen_stopped("language", params)
-    return language_logits(self.bind("language", params), self.run_blocks("language", params),
+    drop = train and "language" in self.dropping
+    seeds = lora.token_seeds(self.cfg.train.seed, text.token_sample_rl,
+                             text.positions_rl) if drop else None
+    return language_logits(self.bind("language", params),
+                           self.run_blocks("language", params, dropout=drop),
                            text.tokens_rl, tokens, pos, groups, text.positions_rl,
-                           text.segment_ids_rl if packed else None)
+                           text.segment_ids_rl if packed else None, seeds)
 
 
 def _trained_blocks(p: ModulePlan):
@@ -207,7 +221,7 @@ def encoder_backward(vjp, d_tokens: list, acc):
 
 def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) -> jax.Array:
   """The language model's share of the step's loss on stacked microbatches."""
-  logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed)
+  logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
   return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
 

@@ -10,16 +10,31 @@ with their base (sharding.TP_RULES: B split on the output of a column-split kern
 input of a row-split one).
 
 `merge` folds trained adapters into the kernels (an HF export of the merged model).
+
+**Dropout** (`lora.dropout` = p, PEFT's lora_dropout): in training a targeted layer computes
+`base(x) + B(A(dropout(x))) * alpha / rank`, dropping each input feature with probability p and
+scaling the rest by 1 / (1 - p). The mask of an element is a hash (not `jax.random`) of the run's
+seed, the sample id and position of its token, the layer's index in the stack, the projection's
+name and the feature's index: these name the same element on every layout (a sample id is its
+place in the data stream, so a resumed run draws the masks an uninterrupted one draws), whereas
+random bits drawn inside `shard_map` (a dp rank's rows, a pipeline stage's layers) follow the
+local shapes. The block stack passes each layer its index (`pipeline.Stack(indexed=True)`) and
+`dropping` opens a `Dropout` scope for the layer, which `delta` reads; outside a scope (evaluation,
+generation, export) nothing is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
+import zlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mimo_jax.config import ConfigError, LoraConfig, lora_of
@@ -35,9 +50,12 @@ class LoRALinear(nnx.Linear):
 
 
 def delta(layer: nnx.Module, x: jax.Array) -> jax.Array:
-  """The adapters' term for input x [..., in] (zero for a layer without adapters)."""
+  """The adapters' term for input x [..., in] (zero for a layer without adapters), its input
+  dropped where a `Dropout` scope is open."""
   if not isinstance(layer, LoRALinear):
     return jnp.zeros((), x.dtype)
+  if _SCOPES and _SCOPES[-1] is not None:
+    x = _SCOPES[-1].apply(x, layer.lora_salt)
   dtype = layer.dtype or x.dtype
   h = jnp.dot(x.astype(dtype), layer.lora_a[...].astype(dtype))
   return (jnp.dot(h, layer.lora_b[...].astype(dtype)) * layer.lora_scale).astype(dtype)
@@ -82,6 +100,13 @@ def attach(model: nnx.Module, lora: LoraConfig, rngs: nnx.Rngs, field: str = "")
     layer.lora_a = nnx.Param(a)
     layer.lora_b = nnx.Param(jnp.zeros(lead + (lora.rank, d_out), jnp.float32))
     layer.lora_scale = lora.alpha / lora.rank
+    layer.lora_salt = zlib.crc32(name.encode())  # the projection's part of its dropout masks
+  if field and lora.dropout:
+    outside = [n for n, h in zip(names, hit) if h and not n.startswith("blocks/")]
+    if outside:
+      raise ConfigError(f"config.{field}.dropout: applies to the blocks' layers, and targets "
+                        f"match {', '.join(outside)} outside them; narrow the targets or set "
+                        f"dropout to 0.")
   return [n for n, h in zip(names, hit) if h]
 
 
@@ -122,3 +147,73 @@ def merge(params: dict, lora: LoraConfig) -> dict:
       out["kernel"] = (jnp.asarray(node["kernel"], jnp.float32) + scale * ab)
     return out
   return fold(params)
+
+
+# ---- dropout ---------------------------------------------------------------------------------
+
+_SCOPES: list = []  # the open `Dropout` scopes, innermost last (set while a layer is traced)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser: each input bit flips each output bit with probability ~1/2."""
+  h = h ^ (h >> 16)
+  h = h * np.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _combine(h: jax.Array, v) -> jax.Array:
+  """A hash of (h, v), both uint32 (order matters)."""
+  v = _mix(jnp.asarray(v).astype(jnp.uint32) + np.uint32(0x9E3779B9))
+  return _mix(h ^ (v + np.uint32(0x7F4A7C15) + (h << 6) + (h >> 2)))
+
+
+def token_seeds(seed: int, sample_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """A 32-bit seed per token [...] of the run's `seed`, its sample id and its position."""
+  h = _combine(jnp.full(sample_ids.shape, _mix(jnp.uint32(seed & 0xFFFFFFFF)), jnp.uint32),
+               sample_ids)
+  return _combine(h, positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """The adapters' input dropout in one call of a block: `rate` and the block's token seeds
+  [..., tokens] (`token_seeds` combined with the layer's index)."""
+  rate: float
+  seeds: jax.Array
+
+  def keep(self, salt: int, features: int) -> jax.Array:
+    """The mask [..., features] of a projection (`salt`: a hash of its name)."""
+    if self.seeds.ndim == 0:
+      raise ValueError("a Dropout scope needs a seed per token")
+    h = _combine(self.seeds, np.uint32(salt))[..., None]
+    bits = _combine(h, jnp.arange(features, dtype=jnp.uint32))
+    return bits >= np.uint32(min(round(self.rate * 2.0**32), 2**32 - 1))
+
+  def apply(self, x: jax.Array, salt: int) -> jax.Array:
+    """x [..., features] dropped and the rest scaled by 1 / (1 - rate), as torch's Dropout."""
+    if self.seeds.shape != x.shape[:-1]:
+      raise ValueError(f"dropout seeds {self.seeds.shape} do not match the input {x.shape}")
+    kept = x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype)
+    return jnp.where(self.keep(salt, x.shape[-1]), kept, jnp.zeros((), x.dtype))
+
+
+@contextlib.contextmanager
+def scope(dropout: Dropout | None):
+  """Within it (a layer being traced), `delta` drops the adapters' input as `dropout` says."""
+  _SCOPES.append(dropout)
+  try:
+    yield
+  finally:
+    _SCOPES.pop()
+
+
+def dropping(layer: Callable, rate: float) -> Callable:
+  """`layer(params, x, *side)` as an indexed Stack calls it with token seeds as the last side
+  input: `(params, x, index, *side, seeds)`, the layer run in a `Dropout` scope of its own."""
+  def run(params, x, index, *side):
+    *side, seeds = side
+    with scope(Dropout(rate, _combine(seeds, index))):
+      return layer(params, x, *side)
+  return run

@@ -1,0 +1,115 @@
+"""LoRA dropout (`model.language.lora.dropout`, models/lora.py): the adapters' input is dropped in
+training only, with masks drawn per sample, position, layer, projection and feature, so every
+layout trains the single-device trajectory and a resume the uninterrupted one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mimo_jax.config import ConfigError
+from mimo_jax.data import loader
+from mimo_jax.models import lora
+from mimo_jax.modules import build_modules
+from mimo_jax.step import Step
+from tests.helpers import assert_close_trajectory, run_steps
+from tests.test_lora import STEPS, lora_config
+
+RATE = 0.3
+
+
+def dropout_config(data_dir, rate: float = RATE, **topo):
+  cfg = lora_config(data_dir, **topo)
+  cfg.model.language.lora.dropout = rate
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def single(data_dir):
+  """The single-device run with dropout: (metrics, step, final state, initial parameters)."""
+  return run_steps(dropout_config(data_dir), STEPS)
+
+
+def _masks(seeds, salts=(1,), features=4096):
+  return np.stack([np.asarray(lora.Dropout(RATE, seeds).keep(s, features)) for s in salts])
+
+
+def test_masks_drop_the_rate_and_differ_by_token_layer_and_projection():
+  samples = jnp.arange(64, dtype=jnp.int32)[:, None] * jnp.ones((1, 16), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (64, 16))
+  seeds = lora.token_seeds(0, samples, positions)  # [64 samples, 16 positions]
+  layer0, layer1 = (lora._combine(seeds, i) for i in (0, 1))  # pylint: disable=protected-access
+  q, k = _masks(layer0, salts=(11, 12))
+  dropped = 1 - q.mean()
+  # 4M draws: the standard deviation of the fraction is 2.2e-4.
+  assert abs(dropped - RATE) < 2e-3, dropped
+  # Independent masks agree on p² + (1-p)² of the elements.
+  agree = lambda a, b: float(np.mean(a == b))
+  same = RATE**2 + (1 - RATE)**2
+  assert abs(agree(q, k) - same) < 5e-3  # projections of one layer
+  assert abs(agree(q, _masks(layer1, salts=(11,))[0]) - same) < 5e-3  # layers
+  assert abs(agree(q[0], q[1]) - same) < 1e-2  # samples (a step's or another step's)
+  assert abs(agree(q[:, 0], q[:, 1]) - same) < 1e-2  # positions
+  other_seed = _masks(lora._combine(lora.token_seeds(1, samples, positions), 0), (11,))[0]
+  assert abs(agree(q, other_seed) - same) < 5e-3  # train.seed
+
+
+def test_dropout_scales_what_it_keeps():
+  x = jnp.ones((8, 16, 256), jnp.float32)
+  seeds = lora.token_seeds(3, jnp.zeros((8, 16), jnp.int32), jnp.zeros((8, 16), jnp.int32) +
+                           jnp.arange(16, dtype=jnp.int32))
+  y = np.asarray(lora.Dropout(RATE, seeds).apply(x, 5))
+  assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - RATE))}
+
+
+def test_a_bad_rate_is_refused(data_dir):
+  for rate in (-0.1, 1.0):
+    with pytest.raises(ConfigError, match=r"model\.language\.lora\.dropout.*\[0, 1\)"):
+      build_modules(dropout_config(data_dir, rate))
+  cfg = dropout_config(data_dir)
+  cfg.model.vision.lora.rank, cfg.model.vision.lora.dropout = 2, 0.1
+  with pytest.raises(ConfigError, match=r"model\.vision\.lora\.dropout.*language model's"):
+    build_modules(cfg)
+  cfg = dropout_config(data_dir)
+  cfg.model.language.lora.targets = "attn/q$,head"
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.dropout.*head"):
+    build_modules(cfg)["language"].init(0)
+
+
+def test_dropout_changes_the_adapters_gradients_not_the_first_loss(single, data_dir):
+  plain = run_steps(lora_config(data_dir), 2)[0]
+  # B = 0 at first: the adapters add nothing whatever their input, so the first loss is equal;
+  # B's gradient reads the dropped input (the trained projector's then differs too).
+  assert float(single[0][0]["loss"]) == float(plain[0]["loss"])
+  for got, want in zip(single[0], plain):
+    assert abs(float(got["grad_norm"]) / float(want["grad_norm"]) - 1) > 1e-3
+
+
+def test_evaluation_does_not_drop(single, data_dir):
+  _, step, state, _ = single
+  plain = Step.build(lora_config(data_dir))
+  batch = loader.train_dataset(step.cfg, loader.build_paths(step.cfg)["train"],
+                               step.ctx.groups)[0]
+  x = step.place(batch.microbatch(0))
+  params = state["language"].params
+  one = lambda t: jax.tree.map(lambda a: a[None], t)
+
+  def logits(s, train):
+    tokens = s.encode(state, x)
+    pos = {n: x.slots[n].pos_rl for n in tokens}
+    return np.asarray(jax.jit(lambda p: s.ctx.logits(p, one(x.text), one(tokens), one(pos),
+                                                     s.ctx.groups, False, train=train))(params))
+  evaluated, trained = logits(step, False), logits(step, True)
+  np.testing.assert_array_equal(evaluated, logits(plain, False))
+  # Training drops (the adapters have moved from zero), evaluation does not.
+  assert np.max(np.abs(trained - evaluated)) > 1e-4
+
+
+@pytest.mark.parametrize("topo", [
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1)}, id="dp2-split"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 2)}, id="dp2-tp2"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1, 2)}, id="dp2-pp2"),
+])
+def test_layout_matches_single_device(data_dir, single, topo):
+  got = run_steps(dropout_config(data_dir, **topo), STEPS)[0]
+  assert_close_trajectory(single[0], got, rtol=1e-4)
