@@ -181,8 +181,7 @@ def branches_may_diverge(mesh: Mesh) -> bool:
 
 def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool,
                  first=None) -> jax.Array:
-  """The layers of `params` one after another; with `first` (the global index of the first),
-  each is called `layer(params_i, x, index, *side)`."""
+  """With `first` (the first layer's index), `layer(params_i, x, index, *side)`."""
   if first is None:
     return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
   ids = first + jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
@@ -317,14 +316,11 @@ class Stack:
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
 
   def _first(self, chunks=None, local=0, stage=0):
-    """The global index of the first layer of this stage's chunk `local` (None unless
-    `indexed`): chunk local·p + stage, of L/(p·v) layers each (`_chunks`' layout)."""
-    if not self.indexed:
-      return None
-    if chunks is None:
-      return 0
-    per_chunk = jax.tree.leaves(chunks)[0].shape[1]
-    return (local * self.schedule.stages + stage) * per_chunk
+    """The index in the stack of the first layer of this stage's chunk `local` (None unless
+    `indexed`): chunk local·p + stage, of L/(p·v) layers (`_chunks`)."""
+    if not self.indexed or chunks is None:
+      return 0 if self.indexed else None
+    return (local * self.schedule.stages + stage) * jax.tree.leaves(chunks)[0].shape[1]
 
   def _mask(self, params):
     return self.trained if self.trained is not None else jax.tree.map(lambda _: True, params)

@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mimo_jax import topology
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader
 from mimo_jax.models import lora
 from mimo_jax.modules import build_modules
+from mimo_jax.pipeline import Schedule, Stack
 from mimo_jax.step import Step
 from tests.helpers import assert_close_trajectory, run_steps
 from tests.test_lora import STEPS, lora_config
@@ -60,6 +65,35 @@ def test_dropout_scales_what_it_keeps():
                            jnp.arange(16, dtype=jnp.int32))
   y = np.asarray(lora.Dropout(RATE, seeds).apply(x, 5))
   assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - RATE))}
+
+
+@pytest.mark.parametrize("virtual,name", [(1, ""), (2, ""), (1, "1f1b"), (2, "interleaved_1f1b")])
+def test_an_indexed_stack_gives_each_layer_its_index_on_every_stage(virtual, name):
+  # What a layer's masks are drawn by: its place in the whole stack, whichever stage and chunk
+  # runs it, in the forward and in a schedule's own backward tasks.
+  layers, dim = 8, 4
+  layer = lambda p, x, index, shift: x + jnp.tanh(x @ p["w"] + shift[..., None] / 4) * (index - 3.5)
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"w": 0.3 * jax.random.normal(keys[0], (layers, dim, dim))}
+  x_m = jax.random.normal(keys[1], (4, 2, dim))
+  shift_m = jax.random.randint(keys[2], (4, 2), -4, 4)  # integer: 1F1B's side inputs are
+
+  def sequential(p, x_m):
+    for i in range(layers):
+      x_m = jax.vmap(lambda x, s, i=i: layer(jax.tree.map(lambda a: a[i], p), x, i, s))(
+          x_m, shift_m)
+    return x_m
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1, 1), topology.AXES)
+  schedule = Schedule(2, virtual, name)
+  stack = Stack(layer, mesh, schedule, indexed=True)
+  placed = jax.device_put(jax.tree.map(schedule.to_layout, params),
+                          NamedSharding(mesh, P(*schedule.stage_spec())))
+  loss = lambda out: jnp.sum(out * out)
+  want, want_g = jax.value_and_grad(lambda p: loss(sequential(p, x_m)))(params)
+  got, g = jax.jit(jax.value_and_grad(lambda p: loss(stack(p, x_m, (shift_m,)))))(placed)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(schedule.from_layout(g["w"]), want_g["w"], rtol=1e-4,
+                             atol=1e-5 * float(jnp.max(jnp.abs(want_g["w"]))))
 
 
 def test_a_bad_rate_is_refused(data_dir):
@@ -113,3 +147,28 @@ def test_evaluation_does_not_drop(single, data_dir):
 def test_layout_matches_single_device(data_dir, single, topo):
   got = run_steps(dropout_config(data_dir, **topo), STEPS)[0]
   assert_close_trajectory(single[0], got, rtol=1e-4)
+
+
+def test_1f1b_and_the_fused_program_match_single_device(data_dir, single):
+  # 1F1B's backward tasks run each chunk again (pipeline.Stack._backward); the fused program
+  # differentiates every module rank by rank in one shard_map.
+  cfg = dropout_config(data_dir, vision=(0, 2, 1), language=(2, 2, 1, 2))
+  cfg.topology.language.schedule = "1f1b"
+  assert_close_trajectory(single[0], run_steps(cfg, STEPS)[0], rtol=1e-4)
+  fused = dropout_config(data_dir, vision=(0, 4, 1), language=(0, 4, 1))
+  assert Step.build(fused).ctx.mode.fused
+  assert_close_trajectory(single[0], run_steps(fused, STEPS)[0], rtol=1e-4)
+
+
+def test_resume_draws_the_uninterrupted_masks(data_dir, tmp_path):
+  from mimo_jax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_lora_resume import _cfg, _from_step_2, _losses  # pylint: disable=import-outside-toplevel
+
+  def cfg(workdir):
+    c = _cfg(data_dir, workdir, vision=(0, 1, 1), language=(0, 1, 1))
+    c.model.language.lora.dropout = RATE
+    return c
+  full = train.run(cfg(tmp_path / "full"))
+  _from_step_2(tmp_path / "full", tmp_path / "resumed")
+  got = _losses(train.run(cfg(tmp_path / "resumed")))
+  assert sorted(got) == [3, 4] and got == _losses(full, first=3)

@@ -2,6 +2,7 @@
 on the tiny Llama-3 fixture with the adapted model's outputs (tools/peft_fixtures.py; no torch
 here)."""
 
+import copy
 import json
 import pathlib
 
@@ -74,6 +75,23 @@ def test_export_has_peft_names_and_is_bitwise_the_imported_adapter(imported, tmp
   again = paths(peft.read(tmp_path / "adapter", cfg, {"language": params})["language"])
   for k, v in paths(params).items():
     np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_export_writes_lora_dropout_and_import_reads_it(imported, tmp_path):
+  cfg, _, params = imported
+  assert peft.dropout(ADAPTER) == json.loads((ADAPTER / peft.CONFIG).read_text())["lora_dropout"]
+  cfg = copy.deepcopy(cfg)
+  cfg.model.language.lora.dropout = 0.125
+  peft.write(tmp_path / "adapter", cfg, {"language": params})
+  config = json.loads((tmp_path / "adapter" / peft.CONFIG).read_text())
+  assert config["lora_dropout"] == 0.125 and peft.dropout(tmp_path / "adapter") == 0.125
+  config["lora_dropout"] = 1.5
+  (tmp_path / "adapter" / peft.CONFIG).write_text(json.dumps(config))
+  for load in (lambda: peft.dropout(tmp_path / "adapter"),
+               lambda: peft.read(tmp_path / "adapter", cfg, {"language": params})):
+    with pytest.raises(hf.HFError, match=r"adapter_config\.json: lora_dropout is 1\.5, not a "
+                       r"probability"):
+      load()
 
 
 def test_an_adapter_that_does_not_fit_is_refused(imported, tmp_path):

@@ -12,7 +12,8 @@ LLaVA's parts under `model.`). A trained projector beside adapters is saved whol
 `modules_to_save`. A module that trains its own weights (no adapters, not frozen) has no place in
 an adapter: the export is refused, naming it. `read` puts such an adapter's tensors into our
 parameters exactly (a run continues from it); an adapter whose rank, alpha, variant or tensors do
-not fit `model.<module>.lora` is refused naming the file.
+not fit `model.<module>.lora` is refused naming the file. `lora_dropout` is the language
+model's `lora.dropout` (encoders' adapters train without); `dropout` reads it back.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def adapter_config(cfg: Config, params: dict, modules: tuple[str, ...] = (LANGUA
   whole = sorted({SAVED_WHOLE[t.part] for _, t in _whole(cfg, modules)})
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM" if modules == (LANGUAGE,) else None,
           "r": main.rank, "lora_alpha": main.alpha, "rank_pattern": ranks,
-          "alpha_pattern": alphas, "lora_dropout": 0.0, "target_modules": targets,
+          "alpha_pattern": alphas, "lora_dropout": main.dropout, "target_modules": targets,
           "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
           "init_lora_weights": True, "modules_to_save": whole or None,
           "base_model_name_or_path": base}
@@ -199,6 +200,24 @@ def _fits(path: pathlib.Path, config: dict, cfg: Config, modules: tuple[str, ...
                       f"(model.{n}.lora); set the field to match or use another adapter.")
 
 
+def _dropout(path: pathlib.Path, config: dict) -> float:
+  p = config.get("lora_dropout", 0.0)
+  if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+    raise HFError(f"{path / CONFIG}: lora_dropout is {p!r}, not a probability in [0, 1); "
+                  f"use another adapter.")
+  return float(p)
+
+
+def dropout(path: str | pathlib.Path) -> float:
+  """The adapter's lora_dropout: the `model.language.lora.dropout` it was trained with."""
+  path = pathlib.Path(path)
+  try:
+    config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    raise HFError(f"{path}: not a PEFT adapter directory ({CONFIG}): {e}") from None
+  return _dropout(path, config)
+
+
 def read(path: str | pathlib.Path, cfg: Config, params: dict,
          modules: tuple[str, ...] = (LANGUAGE,)) -> dict:
   """`params` (module -> host parameters) with the adapters of `modules`, and what PEFT saved
@@ -215,6 +234,7 @@ def read(path: str | pathlib.Path, cfg: Config, params: dict,
   except (OSError, ValueError) as e:
     raise HFError(f"{path}: not a PEFT adapter directory ({CONFIG} and {WEIGHTS}): {e}") from None
   _fits(path, config, cfg, modules)
+  _dropout(path, config)
   out = {n: _copy(p) for n, p in params.items()}
   used = set()
 
