@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import topology
+from mimo_jax import topology, whole
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader
 from mimo_jax.models import lora
@@ -137,15 +137,26 @@ def test_evaluation_does_not_drop(single, data_dir):
   np.testing.assert_array_equal(evaluated, logits(plain, False))
   # Training drops (the adapters have moved from zero), evaluation does not.
   assert np.max(np.abs(trained - evaluated)) > 1e-4
+  # Nor the one-piece forward that generation, export and the HF checks run.
+  ids = np.asarray(batch.text.tokens_rl[0, :2])
+  host = jax.device_get(params)
+  np.testing.assert_array_equal(whole.language_logits(step.cfg, host, ids),
+                                whole.language_logits(plain.cfg, host, ids))
 
 
 @pytest.mark.parametrize("topo", [
     pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1)}, id="dp2-split"),
     pytest.param({"vision": (0, 2, 1), "language": (2, 2, 2)}, id="dp2-tp2"),
     pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1, 2)}, id="dp2-pp2"),
+    pytest.param({"vision": (0, 2, 1), "language": (2, 4, 1), "shard": "full"}, id="fsdp4"),
 ])
 def test_layout_matches_single_device(data_dir, single, topo):
-  got = run_steps(dropout_config(data_dir, **topo), STEPS)[0]
+  topo = dict(topo)
+  shard = topo.pop("shard", None)
+  cfg = dropout_config(data_dir, **topo)
+  if shard:
+    cfg.topology.language.shard = shard
+  got = run_steps(cfg, STEPS)[0]
   assert_close_trajectory(single[0], got, rtol=1e-4)
 
 
