@@ -185,8 +185,6 @@ class Dropout:
 
   def keep(self, salt: int, features: int) -> jax.Array:
     """The mask [..., features] of a projection (`salt`: a hash of its name)."""
-    if self.seeds.ndim == 0:
-      raise ValueError("a Dropout scope needs a seed per token")
     h = _combine(self.seeds, np.uint32(salt))[..., None]
     bits = _combine(h, jnp.arange(features, dtype=jnp.uint32))
     return bits >= np.uint32(min(round(self.rate * 2.0**32), 2**32 - 1))
