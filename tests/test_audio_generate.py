@@ -97,7 +97,7 @@ def test_the_tool_refuses_a_bad_audio_file_naming_it(imported, tmp_path, capsys)
            ([str(tmp_path / "none.flac")], "hello", f"{tmp_path / 'none.flac'}: no such file"),
            ([str(text)], "hello", f"{text}: unsupported format .txt"),
            ([str(short)], "hello", f"{short}: 20 ms of audio (2 mel frames) yield no audio token"),
-           ([speech], "<audio> hello <audio>", "has 2 <audio> for 1 --audio files")]
+           ([speech], "<audio> hello <audio>", "has 2 <audio> for 1 --audio file.")]
   for files, prompt, error in cases:
     capsys.readouterr()
     args = [str(imported), *[a for f in files for a in ("--audio", f)], "--prompt", prompt]
