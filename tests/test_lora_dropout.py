@@ -183,3 +183,23 @@ def test_resume_draws_the_uninterrupted_masks(data_dir, tmp_path):
   _from_step_2(tmp_path / "full", tmp_path / "resumed")
   got = _losses(train.run(cfg(tmp_path / "resumed")))
   assert sorted(got) == [3, 4] and got == _losses(full, first=3)
+
+
+def test_a_scope_belongs_to_the_thread_that_opened_it():
+  # Programs compile ahead in other threads (precompile.py): one tracing a layer in a scope must
+  # not make another thread's program drop.
+  import threading  # pylint: disable=import-outside-toplevel
+  opened, seen = threading.Event(), []
+  release = threading.Event()
+
+  def tracing():
+    with lora.scope(lora.Dropout(RATE, jnp.zeros((2, 3), jnp.uint32))):
+      opened.set()
+      release.wait(10)
+  t = threading.Thread(target=tracing)
+  t.start()
+  opened.wait(10)
+  seen.append(list(lora._scopes()))  # pylint: disable=protected-access
+  release.set()
+  t.join()
+  assert seen == [[]]

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import math
 import re
+import threading
 import zlib
 from typing import Callable
 
@@ -54,8 +55,9 @@ def delta(layer: nnx.Module, x: jax.Array) -> jax.Array:
   dropped where a `Dropout` scope is open."""
   if not isinstance(layer, LoRALinear):
     return jnp.zeros((), x.dtype)
-  if _SCOPES and _SCOPES[-1] is not None:
-    x = _SCOPES[-1].apply(x, layer.lora_salt)
+  scopes = _scopes()
+  if scopes and scopes[-1] is not None:
+    x = scopes[-1].apply(x, layer.lora_salt)
   dtype = layer.dtype or x.dtype
   h = jnp.dot(x.astype(dtype), layer.lora_a[...].astype(dtype))
   return (jnp.dot(h, layer.lora_b[...].astype(dtype)) * layer.lora_scale).astype(dtype)
@@ -151,7 +153,15 @@ def merge(params: dict, lora: LoraConfig) -> dict:
 
 # ---- dropout ---------------------------------------------------------------------------------
 
-_SCOPES: list = []  # the open `Dropout` scopes, innermost last (set while a layer is traced)
+# The open `Dropout` scopes, innermost last, of the thread tracing (programs compile ahead in
+# threads of their own: precompile.py).
+_LOCAL = threading.local()
+
+
+def _scopes() -> list:
+  if not hasattr(_LOCAL, "scopes"):
+    _LOCAL.scopes = []
+  return _LOCAL.scopes
 
 
 def _mix(h: jax.Array) -> jax.Array:
@@ -200,11 +210,11 @@ class Dropout:
 @contextlib.contextmanager
 def scope(dropout: Dropout | None):
   """Within it (a layer being traced), `delta` drops the adapters' input as `dropout` says."""
-  _SCOPES.append(dropout)
+  _scopes().append(dropout)
   try:
     yield
   finally:
-    _SCOPES.pop()
+    _scopes().pop()
 
 
 def dropping(layer: Callable, rate: float) -> Callable:
