@@ -68,6 +68,11 @@ class LanguageConfig:
   # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py); needs
   # model.dtype=bfloat16.
   fp8: bool = False
+  # FP8 scaling (models/fp8.py): "current" (each operand's scale from its own abs-max at the
+  # call) or "delayed" (inputs' and incoming gradients' scales from abs-max histories of
+  # fp8_history steps kept in the model's state).
+  fp8_scaling: str = "current"
+  fp8_history: int = 16
   lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
   def rope_scaling_params(self) -> tuple[float, float, float, int] | None:

@@ -9,6 +9,12 @@ Frozen leaves (frozen groups, a LoRA base) are outside all of it: the step diffe
 trained leaves alone (`trained`; `join` puts the frozen ones back where the model needs the whole
 tree), so a frozen leaf has no gradient, no accumulator and no optimizer state, and it is stored
 in the compute dtype (`stored`): nothing makes a float32 master copy of it.
+
+FP8 abs-max histories (delayed scaling, models/fp8.py) are trained leaves of their own label
+(`AMAX`) that are not parameters: a step's "gradient" of one is the abs-max it recorded, which
+every accumulation combines by maximum (`combine`, `reduce_ranks`: microbatches, dp ranks) and
+the update rolls into the history (`roll_histories`). They are outside the optimizer (no moments,
+no weight decay), the clip and the gradient norm.
 """
 
 from __future__ import annotations
@@ -19,8 +25,15 @@ import numpy as np
 import optax
 
 from mimo_jax.config import Config, parse_freeze, parse_lr_mult
+from mimo_jax.models import fp8
 
 FROZEN = "frozen"
+AMAX = "fp8_amax"  # an FP8 abs-max history (delayed scaling): not a parameter
+
+
+def trains(label: str) -> bool:
+  """Whether a leaf of this label is a parameter the optimizer trains."""
+  return label not in (FROZEN, AMAX)
 
 
 def schedule(cfg: Config) -> optax.Schedule:
@@ -92,8 +105,8 @@ def module_transform(cfg: Config, groups_tree) -> optax.GradientTransformation:
   o = cfg.optim
   frozen, mult = parse_freeze(cfg), parse_lr_mult(cfg)
   sched = schedule(cfg)
-  transforms = {FROZEN: optax.set_to_zero()}
-  for g in set(jax.tree.leaves(groups_tree)) - set(frozen) - {FROZEN}:
+  transforms = {FROZEN: optax.set_to_zero(), AMAX: optax.set_to_zero()}
+  for g in set(jax.tree.leaves(groups_tree)) - set(frozen) - {FROZEN, AMAX}:
     lr = (lambda m: (lambda step: sched(step) * m))(mult.get(g, 1.0))
     transforms[g] = optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                                 mask=_decay_mask)
@@ -103,8 +116,27 @@ def module_transform(cfg: Config, groups_tree) -> optax.GradientTransformation:
 def trainable_sq_norm(grads, label_tree) -> jax.Array:
   leaves = [jnp.sum(jnp.square(g.astype(jnp.float32)))
             for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(label_tree))
-            if lab != FROZEN]
+            if trains(lab)]
   return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def combine(a, b, label_tree):
+  """Two gradient trees as one: summed, an abs-max history's (`AMAX`) by maximum."""
+  return jax.tree.map(lambda x, y, lab: jnp.maximum(x, y) if lab == AMAX else x + y, a, b,
+                      label_tree)
+
+
+def reduce_ranks(grads, label_tree):
+  """Per-rank gradients [dp, ...] -> one: summed over ranks, an abs-max history's by maximum."""
+  return jax.tree.map(lambda g, lab: jnp.max(g, 0) if lab == AMAX else jnp.sum(g, 0), grads,
+                      label_tree)
+
+
+def roll_histories(params, grads, label_tree):
+  """`params` with each abs-max history rolled one step, the step's recorded abs-max (its
+  gradient's index 0) entering as the newest (fp8.roll); other leaves as they are."""
+  return jax.tree.map(lambda p, g, lab: fp8.roll(p, g) if lab == AMAX else p, params, grads,
+                      label_tree)
 
 
 def clip_factor(sq_norms: list[jax.Array], clip_norm: float) -> tuple[jax.Array, jax.Array]:

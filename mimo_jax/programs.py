@@ -211,10 +211,10 @@ def encoder_forward(ctx: Context, name: str, params, xs: list[EncoderIn]):
           [_to_language(ctx, name, x.owner_nt) for x in xs], vjp)
 
 
-def encoder_backward(vjp, d_tokens: list, acc):
+def encoder_backward(labels, vjp, d_tokens: list, acc):
   """The tokens' gradients (a fan-in's pieces joined here) through the forward's vjp, added to
-  the accumulated parameter gradients."""
-  return trees.add(acc, vjp([bridge.join(d) for d in d_tokens])[0])
+  the accumulated parameter gradients (`labels`: the trained leaves', optim.combine)."""
+  return optim.combine(acc, vjp([bridge.join(d) for d in d_tokens])[0], labels)
 
 
 # ---- the language model ---------------------------------------------------------------------
@@ -260,8 +260,11 @@ def _joined(x: LanguageIn) -> LanguageIn:
   return dataclasses.replace(x, merges={n: join(m) for n, m in x.merges.items()})
 
 
-def _accumulate(acc: dict, grads: dict, loss, mismatched) -> dict:
-  return {"grads": trees.add(acc["grads"], grads), "loss": acc["loss"] + loss,
+def _accumulate(ctx: Context, acc: dict, grads: dict, loss, mismatched) -> dict:
+  """`acc` with a microbatch's gradients (module name -> tree, optim.combine), loss and count."""
+  summed = {n: optim.combine(acc["grads"][n], g, ctx.plan[n].trained(ctx.plan[n].labels))
+            for n, g in grads.items()}
+  return {"grads": summed, "loss": acc["loss"] + loss,
           "mismatches": acc["mismatches"] + mismatched}
 
 
@@ -279,7 +282,7 @@ def language_step(ctx: Context, params, acc: dict, xs: list[LanguageIn], inv_tok
   lang = ctx.plan.sharding("language")
   g_tokens = {n: [bridge.split(g[i], lang, ctx.plan.sharding(n)) for i in range(len(g))]
               for n, g in g_tokens.items()}
-  return _accumulate(acc, {"language": g_params}, loss, mismatches(ctx, x)), g_tokens
+  return _accumulate(ctx, acc, {"language": g_params}, loss, mismatches(ctx, x)), g_tokens
 
 
 def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], text: Text,
@@ -307,7 +310,7 @@ def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], t
     loss, grads = grad_fn(params, inputs, x.without_owners(), inv_tokens)
     grads = jax.lax.with_sharding_constraint(
         grads, {n: p.trained_sh for n, p in ctx.plan.modules.items()})
-  return _accumulate(acc, grads, loss, mismatches(ctx, x))
+  return _accumulate(ctx, acc, grads, loss, mismatches(ctx, x))
 
 
 # ---- accumulators and the update ------------------------------------------------------------
@@ -329,10 +332,11 @@ def zeros(params):
   return jax.tree.map(jnp.zeros_like, params)
 
 
-def reduce(grads):
+def reduce(labels, grads):
   """Per-rank gradients [dp, ...] -> their sum: the step's one all-reduce of a module (a
-  reduce-scatter where its optimizer state is split over dp: ZeRO-1)."""
-  return jax.tree.map(lambda a: jnp.sum(a, 0), grads)
+  reduce-scatter where its optimizer state is split over dp: ZeRO-1); an FP8 abs-max history's
+  recorded abs-maxes by their maximum (optim.reduce_ranks)."""
+  return optim.reduce_ranks(grads, labels)
 
 
 def sq_norm(labels, grads) -> jax.Array:
@@ -341,11 +345,17 @@ def sq_norm(labels, grads) -> jax.Array:
 
 def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
   """One clip factor from every module's squared norm (optim.py), then this module's optax
-  update of its trained leaves (`params`: those alone; the frozen ones are not touched)."""
+  update of its trained leaves (`params`: those alone; the frozen ones are not touched). FP8
+  abs-max histories take no optax update (optim.AMAX): they roll in the step's abs-maxes."""
   norm, scale = optim.clip_factor(sq_norms, ctx.cfg.optim.clip_norm)
+  p = ctx.plan[name]
+  rolled = optim.roll_histories(params, grads, p.trained(p.labels))
   grads = jax.tree.map(lambda g: g * scale, grads)
-  updates, opt_state = ctx.plan[name].tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, norm, scale
+  updates, opt_state = p.tx.update(grads, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  new = jax.tree.map(lambda a, r, lab: r if lab == optim.AMAX else a, new, rolled,
+                     p.trained(p.labels))
+  return new, opt_state, norm, scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,15 +385,17 @@ class Programs:
     return cls(
         encoder_forward={n: jax.jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
         encoder_tokens={n: jax.jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
-        encoder_backward={n: jax.jit(encoder_backward, donate_argnums=(2,),
-                                     out_shardings=plan[n].trained_sh) for n in ctx.encoders},
+        encoder_backward={n: jax.jit(part(encoder_backward, plan[n].trained(plan[n].labels)),
+                                     donate_argnums=(2,), out_shardings=plan[n].trained_sh)
+                          for n in ctx.encoders},
         language_step=jax.jit(part(language_step, ctx), donate_argnums=(1,)),
         fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)) if mode.fused else None,
         language_accumulator=acc(ctx.split_mode, ["language"]),
         fused_accumulator=acc(mode, list(plan.modules)) if mode.fused else None,
         zeros={n: jax.jit(lambda params, p=p: zeros(p.trained(params)), out_shardings=p.trained_sh)
                for n, p in plan.modules.items()},
-        reduce={n: jax.jit(reduce, out_shardings=p.grad_sh) for n, p in plan.modules.items()},
+        reduce={n: jax.jit(part(reduce, p.trained(p.labels)), out_shardings=p.grad_sh)
+                for n, p in plan.modules.items()},
         sq_norm={n: jax.jit(part(sq_norm, p.trained(p.labels)), out_shardings=scalar(n))
                  for n, p in plan.modules.items()},
         update={n: jax.jit(part(update, ctx, n), donate_argnums=(0, 1),

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import optim
 from mimo_jax.config import Config, parse_freeze
+from mimo_jax.models import fp8
 from mimo_jax.pipeline import GATHERED, Schedule
 from mimo_jax.trees import path_str
 
@@ -86,6 +87,8 @@ def dp_specs(shapes, specs, dp: int, stage_dims: int):
   other axis splits; the first `stage_dims` axes of stacked blocks (layers, pipeline chunks) are
   never chosen. A leaf with no such dimension is left as it was (replicated over dp)."""
   def one(path, a, s):
+    if fp8.is_history(path_str(path)):  # a few floats every rank reads whole
+      return s
     lead = stage_dims if path_str(path).startswith(BLOCKS + "/") else 0
     entries = list(s) + [None] * (a.ndim - len(s))
     free = [d for d in range(lead, a.ndim) if entries[d] is None and a.shape[d] % dp == 0]
@@ -237,7 +240,7 @@ def plan_module(cfg: Config, name: str, mesh: Mesh, module, frozen: tuple[str, .
                           jax.numpy.dtype(cfg.model.dtype))
   return ModulePlan(
       name=name, mesh=mesh, schedule=schedule, shard=t.shard, labels=labels, tx=tx,
-      trainable=any(l != optim.FROZEN for l in jax.tree.leaves(labels)),
+      trainable=any(optim.trains(l) for l in jax.tree.leaves(labels)),
       abstract_params=abstract_params, opt_shapes=opt_shapes, param_sh=param_sh,
       opt_sh=optimizer_shardings(tx, opt_shapes, trained(shard(grad_specs)), replicated),
       grad_sh=trained(shard(grad_specs)),

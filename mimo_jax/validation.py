@@ -131,7 +131,37 @@ def _model(cfg: Config) -> None:
     require(not getattr(section, "fp8", False) or cfg.model.dtype == "bfloat16",
             f"model.{name}.fp8",
             "FP8 matmuls stand in for bfloat16 ones; set model.dtype=bfloat16 as well.")
+    _fp8_scaling(cfg, name)
   _language(cfg)
+
+
+def _fp8_scaling(cfg: Config, name: str) -> None:
+  """`model.<name>.fp8_scaling` and `fp8_history`, and what delayed scaling does not cover: its
+  abs-max histories are recorded through the module's backward pass and combined by maximum in
+  the step's accumulators, which a pipelined stack (it adds its stages' gradients over the
+  microbatches itself) and a module whose blocks do not train (no backward through them, or
+  adapters alone) would not do."""
+  section = cfg.model.module(name)
+  if not hasattr(section, "fp8_scaling"):
+    return
+  field = f"model.{name}.fp8_scaling"
+  require(section.fp8_scaling in ("current", "delayed"), field,
+          f"must be current or delayed, got {section.fp8_scaling!r}.")
+  require(isinstance(section.fp8_history, int) and section.fp8_history >= 1,
+          f"model.{name}.fp8_history", f"must be an integer >= 1, got {section.fp8_history!r}.")
+  if section.fp8_scaling != "delayed":
+    return
+  require(section.fp8, field, f"delayed scaling is for FP8 matmuls; set model.{name}.fp8=true "
+          "as well, or leave fp8_scaling current.")
+  pp = cfg.topology.module(name).pp
+  require(pp == 1, field, f"delayed scaling does not run pipelined (topology.{name}.pp={pp}); "
+          "use fp8_scaling=current there.")
+  require(getattr(section, "lora", None) is None or section.lora.rank == 0, field,
+          f"delayed scaling does not run with LoRA adapters (model.{name}.lora); use "
+          "fp8_scaling=current there.")
+  require(name not in [g.strip() for g in cfg.optim.freeze.split(",")], field,
+          f"delayed scaling records its abs-maxes in the backward pass of trained blocks, and "
+          f"optim.freeze freezes {name}; use fp8_scaling=current there.")
 
 
 def _task(cfg: Config) -> None:

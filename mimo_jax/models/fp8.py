@@ -33,22 +33,36 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
 OPERAND = "fp8_operand"  # checkpoint name of a matmul's quantized input (not its kernel)
 
 
+def abs_max(x: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_for(amax: jax.Array, dtype) -> jax.Array:
+  """The float32 power of two that brings `amax` into [max/2, max) of `dtype` (1 for 0)."""
+  top = float(jnp.finfo(dtype).max)
+  _, exponent = jnp.frexp(amax / top)  # amax / top = m · 2^exponent, m in [1/2, 1)
+  return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exponent), 1.0)  # exact, unlike exp2
+
+
+def cast(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """`x / scale` in `dtype`, clipped: a value rounded past the largest finite one would become
+  NaN, so one beyond the range saturates."""
+  top = float(jnp.finfo(dtype).max)
+  return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+
+
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """`x` in `dtype`, divided by the float32 power of two `scale` that brings its absolute maximum
   into [max/2, max) of `dtype`; `q · scale` is `x` rounded to `dtype`'s mantissa."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  top = float(jnp.finfo(dtype).max)
-  _, exponent = jnp.frexp(amax / top)  # amax / top = m · 2^exponent, m in [1/2, 1)
-  scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exponent), 1.0)  # exact, unlike exp2
-  # Clipped: a value rounded past the largest finite one would become NaN.
-  q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
-  return q, scale
+  scale = scale_for(abs_max(x), dtype)
+  return cast(x, scale, dtype), scale
 
 
 def _product(a, sa, b, sb, dims, out_dtype):
@@ -140,3 +154,116 @@ def linears(x: jax.Array, layers: Sequence) -> list[jax.Array]:
   ys = matmuls(x, ws, dtype)
   return [y if layer.bias is None else y + layer.bias[...].astype(dtype)
           for y, layer in zip(ys, layers)]
+
+
+# ---- delayed scaling --------------------------------------------------------------------------
+
+INPUT_HISTORY, GRAD_HISTORY = "fp8_input_amax", "fp8_grad_amax"  # a linear layer's variables
+
+
+class AmaxHistory(nnx.Variable):
+  """Abs-maxes of an FP8 operand over the last steps, newest first (float32 [history]). Not a
+  parameter: a step's gradient of it is the abs-max the step recorded (at index 0, the rest 0),
+  gradients of it combine by maximum, and the update rolls it in (`roll`)."""
+
+
+def is_history(path: str) -> bool:
+  """Whether a parameter path names an `AmaxHistory` (trees.path_str form)."""
+  return path.endswith("/" + INPUT_HISTORY) or path.endswith("/" + GRAD_HISTORY)
+
+
+def roll(history: jax.Array, recorded: jax.Array) -> jax.Array:
+  """The history [..., H] after a step whose recorded abs-maxes are `recorded[..., 0]`."""
+  return jnp.concatenate([recorded[..., :1], history[..., :-1]], axis=-1)
+
+
+def history_scale(histories: Sequence[jax.Array], dtype) -> jax.Array:
+  """The scale of an operand from its histories' maximum: known before the operand is, so its
+  cast waits on no reduction. An empty history (a fresh run's first step) gives scale 1."""
+  return scale_for(functools.reduce(jnp.maximum, [jnp.max(h) for h in histories]), dtype)
+
+
+def _recorded(amax: jax.Array, history: jax.Array) -> jax.Array:
+  """A history's gradient: this call's abs-max at index 0."""
+  return jnp.zeros_like(history).at[0].set(amax.astype(history.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _delayed(x, ws, x_histories, g_histories, dtypes):
+  return _delayed_forward(x, ws, x_histories, g_histories, dtypes)[0]
+
+
+def _delayed_forward(x, ws, x_histories, g_histories, dtypes):
+  """`_forward` with x cast at its history's scale; x's abs-max is recorded (nothing waits on
+  it). The kernels keep current scaling: their reductions are small."""
+  sx = history_scale(x_histories, FORWARD)
+  qx, amax = cast(x, sx, FORWARD), abs_max(x)
+  qws = [quantize(w, FORWARD) for w in ws]
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  ys = tuple(_product(qx, sx, qw, sw, dims, dtypes[0]) for qw, sw in qws)
+  kept_x = tuple(checkpoint_name(a, OPERAND) for a in (_stored(qx), sx, amax))
+  return ys, (kept_x, [(_stored(qw), sw) for qw, sw in qws], x_histories, g_histories)
+
+
+def _delayed_backward(dtypes, res, gs):
+  (qx, sx, amax_x), qws, x_histories, g_histories = res
+  qx = _loaded(qx, FORWARD)
+  n = qx.ndim - 1
+  lead = tuple(range(n))
+  dx, dws, recorded_g = None, [], []
+  for (qw, sw), g, history in zip(qws, gs, g_histories):
+    qw = _loaded(qw, FORWARD)
+    sg = history_scale([history], BACKWARD)
+    qg = cast(g, sg, BACKWARD)
+    recorded_g.append(_recorded(abs_max(g), history))
+    d = _product(qg, sg, qw, sw, (((n,), (1,)), ((), ())), dtypes[1])
+    dx = d if dx is None else dx + d
+    dws.append(_product(qx, sx, qg, sg, ((lead, lead), ((), ())), dtypes[2]))
+  return dx, dws, [_recorded(amax_x, h) for h in x_histories], recorded_g
+
+
+_delayed.defvjp(_delayed_forward, _delayed_backward)
+
+
+def delayed_matmuls(x: jax.Array, ws: Sequence[jax.Array], x_histories: Sequence[jax.Array],
+                    g_histories: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
+  """`matmuls` with delayed scaling: x cast at the scale of `x_histories`' maximum (one per
+  kernel; they hold the same values), each result's incoming gradient at its own of
+  `g_histories`. Their gradients are the abs-maxes recorded (`AmaxHistory`)."""
+  if not ws or any(w.ndim != 2 or w.shape[0] != x.shape[-1] for w in ws):
+    raise ValueError(f"fp8.delayed_matmuls: kernels [k, n] with k = {x.shape[-1]}, got "
+                     f"{[w.shape for w in ws]}")
+  if not len(ws) == len(x_histories) == len(g_histories):
+    raise ValueError(f"fp8.delayed_matmuls: one input and one gradient history a kernel, got "
+                     f"{len(ws)} kernels, {len(x_histories)} and {len(g_histories)} histories")
+  out = jnp.dtype(out_dtype or x.dtype)
+  return _delayed(x, list(ws), list(x_histories), list(g_histories),
+                  (out.name, x.dtype.name, ws[0].dtype.name))
+
+
+def add_histories(layer, length: int) -> None:
+  """Gives an `nnx.Linear` empty histories of `length` steps: its matmul takes delayed scaling."""
+  setattr(layer, INPUT_HISTORY, AmaxHistory(jnp.zeros((length,), jnp.float32)))
+  setattr(layer, GRAD_HISTORY, AmaxHistory(jnp.zeros((length,), jnp.float32)))
+
+
+def delayed(layer) -> bool:
+  """Whether a linear layer has histories (`add_histories`)."""
+  return hasattr(layer, INPUT_HISTORY)
+
+
+def delayed_linears(x: jax.Array, layers: Sequence) -> list[jax.Array]:
+  """`linears` for layers with histories (`add_histories`)."""
+  dtype = layers[0].dtype or x.dtype
+  x = x.astype(dtype)
+  ws = [layer.kernel[...].astype(dtype) for layer in layers]
+  ys = delayed_matmuls(x, ws, [getattr(l, INPUT_HISTORY)[...] for l in layers],
+                       [getattr(l, GRAD_HISTORY)[...] for l in layers], dtype)
+  return [y if layer.bias is None else y + layer.bias[...].astype(dtype)
+          for y, layer in zip(ys, layers)]
+
+
+def history_length(section) -> int:
+  """A module config's histories (`fp8_history` with `fp8` and delayed `fp8_scaling`), else 0."""
+  delayed_ = getattr(section, "fp8", False) and getattr(section, "fp8_scaling", "") == "delayed"
+  return section.fp8_history if delayed_ else 0

@@ -8,6 +8,7 @@ features, so each block needs one reduction. The split is declared by path rules
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -27,12 +28,16 @@ def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool = False,
-           std: float | None = None, fp8: bool = False) -> nnx.Linear:
-  """`fp8`: its matmul in FP8 (models/fp8.py); the parameters are the same."""
+           std: float | None = None, fp8: bool = False, fp8_history: int = 0) -> nnx.Linear:
+  """`fp8`: its matmul in FP8 (models/fp8.py); the parameters are the same. `fp8_history` > 0:
+  with delayed scaling, from abs-max histories of that many steps (`fp8.add_histories`)."""
   init = nnx.initializers.normal(std if std is not None else d_in**-0.5)
   extra = {"dot_general": fp8_ops.dot_general} if fp8 else {}
-  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=init, rngs=rngs, **extra)
+  layer = nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
+                     kernel_init=init, rngs=rngs, **extra)
+  if fp8 and fp8_history:
+    fp8_ops.add_histories(layer, fp8_history)
+  return layer
 
 
 def _apply(x: jax.Array, layers, fp8: bool) -> list[jax.Array]:
@@ -40,7 +45,13 @@ def _apply(x: jax.Array, layers, fp8: bool) -> list[jax.Array]:
   adapters, models/lora.py, in the compute dtype beside the FP8 base)."""
   if not fp8:
     return [layer(x) for layer in layers]
-  return [y + lora.delta(layer, x) for y, layer in zip(fp8_ops.linears(x, layers), layers)]
+  ys = (fp8_ops.delayed_linears if fp8_ops.delayed(layers[0]) else fp8_ops.linears)(x, layers)
+  return [y + lora.delta(layer, x) for y, layer in zip(ys, layers)]
+
+
+def _call(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+  """`layer(x)`, or with delayed FP8 scaling, its histories' matmul (`fp8.delayed_linears`)."""
+  return _apply(x, (layer,), True)[0] if fp8_ops.delayed(layer) else layer(x)
 
 
 class RMSNorm(nnx.Module):
@@ -192,21 +203,22 @@ class Attention(nnx.Module):
   def __init__(self, rngs: nnx.Rngs, dim: int, heads: int, kv_heads: int, dtype: jnp.dtype,
                bias: bool = False, rope_theta: float | None = None, out_std: float | None = None,
                implementation: str = "xla", max_segments: int = 0, o_bias: bool | None = None,
-               rope_scaling: tuple | None = None, fp8: bool = False, k_bias: bool | None = None):
+               rope_scaling: tuple | None = None, fp8: bool = False, k_bias: bool | None = None,
+               fp8_history: int = 0):
     """`bias`: on q, k, v and (unless `o_bias` or `k_bias` say otherwise: Whisper's k has none)
-    o. `rope_scaling`: see
-    `rope_frequencies`. `fp8`: the four projections in FP8."""
+    o. `rope_scaling`: see `rope_frequencies`. `fp8`: the four projections in FP8, with delayed
+    scaling over `fp8_history` steps if that is > 0 (`linear`)."""
+    lin = functools.partial(linear, fp8=fp8, fp8_history=fp8_history)
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling
     self.implementation = implementation  # "xla" or "cudnn" (fused flash attention on GPUs)
     self.max_segments = max_segments
-    self.q = linear(rngs, dim, heads * self.head_dim, dtype, bias, fp8=fp8)
-    self.k = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias if k_bias is None else k_bias,
-                    fp8=fp8)
-    self.v = linear(rngs, dim, kv_heads * self.head_dim, dtype, bias, fp8=fp8)
-    self.o = linear(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
-                    std=out_std, fp8=fp8)
+    self.q = lin(rngs, dim, heads * self.head_dim, dtype, bias)
+    self.k = lin(rngs, dim, kv_heads * self.head_dim, dtype, bias if k_bias is None else k_bias)
+    self.v = lin(rngs, dim, kv_heads * self.head_dim, dtype, bias)
+    self.o = lin(rngs, heads * self.head_dim, dim, dtype, bias if o_bias is None else o_bias,
+                 std=out_std)
     self.fp8 = fp8
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array | None = None,
@@ -217,7 +229,8 @@ class Attention(nnx.Module):
     q, k, v = self._qkv(x_bld, positions_bl)
     if cache is not None:
       out, cache = cached_attention(q, k, v, cache)
-      return self.o(out.reshape(b, l, self.heads * self.head_dim).astype(x_bld.dtype)), cache
+      return _call(self.o, out.reshape(b, l, self.heads * self.head_dim).astype(x_bld.dtype)), \
+          cache
     mask, implementation = None, self.implementation
     if segment_ids_bl is not None and implementation == "cudnn" and self.max_segments:
       out = packed_attention(q, k, v, segment_ids_bl, self.max_segments, causal)
@@ -227,7 +240,7 @@ class Attention(nnx.Module):
         implementation = "xla"
       out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                          implementation=implementation)
-    return self.o(out.reshape(b, l, self.heads * self.head_dim))
+    return _call(self.o, out.reshape(b, l, self.heads * self.head_dim))
 
   def _qkv(self, x_bld: jax.Array, positions_bl: jax.Array | None) -> tuple[jax.Array, ...]:
     """Queries [b, l, heads, head_dim], keys and values [b, l, kv_heads, head_dim], RoPE applied."""
@@ -246,25 +259,28 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, dim: int, hidden: int, dtype: jnp.dtype,
-               out_std: float | None = None, fp8: bool = False):
-    self.gate = linear(rngs, dim, hidden, dtype, fp8=fp8)
-    self.up = linear(rngs, dim, hidden, dtype, fp8=fp8)
-    self.down = linear(rngs, hidden, dim, dtype, std=out_std, fp8=fp8)
+               out_std: float | None = None, fp8: bool = False, fp8_history: int = 0):
+    lin = functools.partial(linear, fp8=fp8, fp8_history=fp8_history)
+    self.gate = lin(rngs, dim, hidden, dtype)
+    self.up = lin(rngs, dim, hidden, dtype)
+    self.down = lin(rngs, hidden, dim, dtype, std=out_std)
     self.fp8 = fp8
 
   def __call__(self, x: jax.Array) -> jax.Array:
     gate, up = _apply(x, (self.gate, self.up), self.fp8)
-    return self.down(jax.nn.silu(gate) * up)
+    return _call(self.down, jax.nn.silu(gate) * up)
 
 
 class GeluMLP(nnx.Module):
   """up, activation (`ACTIVATIONS`: GELU's tanh approximation by default), down; with biases."""
 
   def __init__(self, rngs: nnx.Rngs, dim: int, hidden: int, dtype: jnp.dtype,
-               d_out: int | None = None, activation: str = "gelu_tanh", fp8: bool = False):
-    self.up = linear(rngs, dim, hidden, dtype, bias=True, fp8=fp8)
-    self.down = linear(rngs, hidden, d_out or dim, dtype, bias=True, fp8=fp8)
+               d_out: int | None = None, activation: str = "gelu_tanh", fp8: bool = False,
+               fp8_history: int = 0):
+    lin = functools.partial(linear, bias=True, fp8=fp8, fp8_history=fp8_history)
+    self.up = lin(rngs, dim, hidden, dtype)
+    self.down = lin(rngs, hidden, d_out or dim, dtype)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(ACTIVATIONS[self.activation](self.up(x)))
+    return _call(self.down, ACTIVATIONS[self.activation](_call(self.up, x)))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig
+from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.layers import Attention, KVCache, RMSNorm, SwiGLU, linear, stacked
 
 
@@ -22,9 +23,11 @@ class DecoderBlock(nnx.Module):
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.kv_heads, dtype, bias=cfg.qkv_bias,
                           rope_theta=cfg.rope_theta, out_std=out_std, implementation=attention,
                           max_segments=max_segments, o_bias=False,
-                          rope_scaling=cfg.rope_scaling_params(), fp8=cfg.fp8)
+                          rope_scaling=cfg.rope_scaling_params(), fp8=cfg.fp8,
+                          fp8_history=history_length(cfg))
     self.norm2 = RMSNorm(cfg.dim, cfg.norm_eps)
-    self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std, fp8=cfg.fp8)
+    self.mlp = SwiGLU(rngs, cfg.dim, cfg.mlp_dim, dtype, out_std=out_std, fp8=cfg.fp8,
+                      fp8_history=history_length(cfg))
 
   def __call__(self, x_bld: jax.Array, positions_bl: jax.Array,
                segment_ids_bl: jax.Array | None = None,

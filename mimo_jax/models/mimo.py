@@ -19,7 +19,8 @@ from flax import nnx
 from mimo_jax.config import Config, LoraConfig
 from mimo_jax.models.llm import LanguageModel
 from mimo_jax.models.lora import is_adapter
-from mimo_jax.optim import FROZEN
+from mimo_jax.models.fp8 import is_history
+from mimo_jax.optim import AMAX, FROZEN
 from mimo_jax.trees import path_str
 
 Params = dict
@@ -76,6 +77,8 @@ class Module:
     """Parameter group of a path, for freezing and learning-rate multipliers."""
     if path in self.fixed:
       return FROZEN
+    if is_history(path):  # FP8 delayed scaling's state, not a parameter (optim.AMAX)
+      return AMAX
     if self.lora is not None and is_adapter(path):
       return f"{self.name}_lora"
     if self.name != "language" and path.startswith("projector/"):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig, LoraConfig
+from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
 
@@ -48,9 +49,14 @@ class ViTConfig:
   # side; dynamic resolution): "crop" takes the table's top-left part, "bicubic" resizes the table
   # to the image's grid as Hugging Face's towers do with interpolate_pos_encoding (patches.py).
   position_resize: str = "crop"
-  # The blocks' linear layers (attention and MLP) as FP8 matmuls with current scaling
-  # (mimo_jax/models/fp8.py); needs model.dtype=bfloat16.
+  # The blocks' linear layers (attention and MLP) as FP8 matmuls (mimo_jax/models/fp8.py);
+  # needs model.dtype=bfloat16.
   fp8: bool = False
+  # FP8 scaling (models/fp8.py): "current" (each operand's scale from its own abs-max at the
+  # call) or "delayed" (inputs' and incoming gradients' scales from abs-max histories of
+  # fp8_history steps kept in the model's state).
+  fp8_scaling: str = "current"
+  fp8_history: int = 16
   lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # adapters (models/lora.py)
 
   @property
@@ -81,9 +87,11 @@ class ViTBlock(nnx.Module):
                max_segments: int = 0):
     self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
-                          implementation=attention, max_segments=max_segments, fp8=cfg.fp8)
+                          implementation=attention, max_segments=max_segments, fp8=cfg.fp8,
+                          fp8_history=history_length(cfg))
     self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
-    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8)
+    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8,
+                       fp8_history=history_length(cfg))
 
   def __call__(self, x_npd: jax.Array, segment_ids_np: jax.Array | None = None) -> jax.Array:
     """With `segment_ids_np` (images packed into rows) a patch attends only to its own image's."""

@@ -27,6 +27,7 @@ from flax import nnx
 
 from mimo_jax.config import LanguageConfig, LoraConfig
 from mimo_jax.data.audio import window_tokens
+from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.layers import (ACTIVATIONS, Attention, GeluMLP, LayerNorm, linear,
                                     stacked)
 
@@ -60,6 +61,11 @@ class WhisperConfig:
   projector_activation: str = "gelu"
   # The blocks' linear layers as FP8 matmuls (models/fp8.py); needs model.dtype=bfloat16.
   fp8: bool = False
+  # FP8 scaling (models/fp8.py): "current" (each operand's scale from its own abs-max at the
+  # call) or "delayed" (inputs' and incoming gradients' scales from abs-max histories of
+  # fp8_history steps kept in the model's state).
+  fp8_scaling: str = "current"
+  fp8_history: int = 16
   lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # adapters (models/lora.py)
 
   @property
@@ -100,9 +106,11 @@ class WhisperBlock(nnx.Module):
     self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True, k_bias=False,
                           implementation=attention,
-                          max_segments=segments or (2 if cfg.mask_padding else 0), fp8=cfg.fp8)
+                          max_segments=segments or (2 if cfg.mask_padding else 0), fp8=cfg.fp8,
+                          fp8_history=history_length(cfg))
     self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
-    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8)
+    self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8,
+                       fp8_history=history_length(cfg))
 
   def __call__(self, x_npd: jax.Array, valid_np: jax.Array | None = None) -> jax.Array:
     """With `valid_np` (1 = audio, 0 = padding; Qwen2-Audio) audio attends only to audio; what
