@@ -1,4 +1,5 @@
-"""FP8 matmuls for the blocks' linear layers (`model.<module>.fp8`), with current scaling.
+"""FP8 matmuls for the blocks' linear layers (`model.<module>.fp8`), with current or delayed
+scaling (`model.<module>.fp8_scaling`).
 
 Each operand of a matmul is scaled by a power of two taken from its own absolute maximum at the
 call, so that it spans the FP8 range, and cast: the inputs and the kernel to float8_e4m3fn (3
@@ -24,6 +25,21 @@ across the layers.
 A matmul's result differs from the bfloat16 one by the FP8 rounding of its operands: about 4%
 (relative, over a whole product of random data) with e4m3 operands, 6% for the gradients with e5m2
 ones (tests/test_fp8.py).
+
+**Delayed scaling** (Transformer Engine's recipe; `fp8_scaling=delayed`): an input's and an
+incoming gradient's scale come from the largest abs-max that operand had over the last
+`fp8_history` steps (`AmaxHistory`, two on each linear layer, stacked with its layers), so the
+cast needs no reduction over the operand first and can fuse into the kernel that produces it.
+The call still records the operand's abs-max (a reduction nothing waits on). The recorded values
+leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): the step combines
+them by maximum wherever it adds gradients (microbatches, dp ranks: optim.combine,
+optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the optimizer. A
+value beyond the history's scale saturates at the FP8 maximum (clipped, never NaN); an empty
+history (a fresh run's first step) gives scale 1, as Transformer Engine's initial scale. Kernels
+keep current scaling: a kernel's reduction is small and its cast reads a parameter, not an
+activation being produced. Under `jax.vmap` or a loop that reuses a layer within one
+differentiation, autodiff would add the recorded values: validation refuses delayed scaling on a
+pipelined module, whose stages run microbatches in such loops.
 """
 
 from __future__ import annotations
