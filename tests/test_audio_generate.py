@@ -84,6 +84,24 @@ def test_the_tool_answers_from_audio_files_as_transformers(imported, capsys):
   assert out == [f"> {' '.join(f'[{f}]' for f in files)} {prompt}", answer]
 
 
+def test_paired_clips_go_one_to_each_prompt(imported, capsys):
+  """--pair: PROMPTS' two one-clip prompts, their text alike, each get their own clip and answer
+  as transformers does (every clip to every prompt would give both the same answer)."""
+  (text, [first]), (same, [second]) = PROMPTS[:2]
+  assert text == same
+  capsys.readouterr()
+  assert generate_tool.main([str(imported), "--pair", "--audio", str(AUDIO / first), "--audio",
+                             str(AUDIO / second), "--prompt", text.replace("<audio>\n", ""),
+                             "--prompt", text, "--max_new_tokens", "8"]) == 0
+  out = capsys.readouterr().out
+  tok = ChatTokenizer.open(CHAT)
+  answers = [tok.tokenizer.decode(w.tolist(), skip_special_tokens=True).strip()
+             for w in _want()[:2]]
+  assert answers[0] != answers[1]
+  prompt = text.replace("<audio>\n", "")  # the second prompt places its clip itself
+  assert out == f"> [{first}] {prompt}\n{answers[0]}\n> [{second}] {text}\n{answers[1]}\n"
+
+
 def test_the_tool_refuses_a_bad_audio_file_naming_it(imported, tmp_path, capsys):
   """A corrupt, missing, unsupported or too short clip, or marks for more clips than given: one
   error, exit 2, nothing printed."""

@@ -188,6 +188,14 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
     got = capsys.readouterr()
     assert got.out.splitlines()[1] == batch[2 * i + 1]
     assert " 1 prompt of up to " in got.err, got.err
+  # --pair: the second prompt gets the second image, as it does alone.
+  other, base = image.replace("landscape", "portrait"), common[:5] + ["--max_new_tokens", "6"]
+  assert generate_tool.main(base + ["--image", other, "--prompt", prompts[1]]) == 0
+  alone = capsys.readouterr().out.splitlines()
+  assert alone[0] == "> [portrait.png] " + prompts[1] and alone[1] != batch[3]
+  assert generate_tool.main(base + ["--pair", "--image", image, "--image", other]
+                            + [a for p in prompts for a in ("--prompt", p)]) == 0
+  assert capsys.readouterr().out.splitlines() == batch[:2] + alone
 
 
 def test_the_tool_prints_control_characters_of_an_answer_escaped(monkeypatch, capsys):

@@ -314,6 +314,10 @@ def test_generate_beside_a_live_run_answers_from_the_newest_step(run, monkeypatc
                                    "data.seq_len"]),
     (["--prompt", " ".join(["hello"] * SEQ_LEN)], ["'hello hello", f"is {SEQ_LEN + 7} tokens",
                                                    f"{SEQ_LEN} positions"]),
+    (["--pair", "--prompt", "there", "--image", str(IMAGE)],
+     ["--pair: 2 prompts and 1 --image file: give one --image a prompt"]),
+    (["--pair", "--audio", "a.wav", "--audio", "b.wav"],
+     ["--pair: 1 prompt and 2 --audio files: give one --audio a prompt"]),
 ])
 def test_generate_refuses_bad_flags_in_one_line(run, capsys, flags, words):
   assert generate_tool.main([str(run), "--prompt", "hello", *flags]) == 2

@@ -1,8 +1,10 @@
 """Answer prompts with a trained or imported model: `python -m tools.generate WORKDIR --prompt TEXT
-[--prompt TEXT ...] [--image FILE ...] [--audio FILE ...]`.
+[--prompt TEXT ...] [--image FILE ...] [--audio FILE ...] [--pair]`.
 
   python -m tools.generate runs/llava --image cat.jpg --prompt "What is in the picture?"
   python -m tools.generate runs/qwen2_audio --audio call.flac --prompt "What is said?"
+  python -m tools.generate runs/qwen2_audio --pair --audio a.flac --audio b.flac \\
+      --prompt "What is said?" --prompt "Who speaks?"   # a.flac to the first, b.flac to the second
   python -m tools.generate runs/llava --prompt "Hello" --prompt "Name three colours." \\
       --temperature 0.7 --top_p 0.9 --max_new_tokens 64
 
@@ -18,7 +20,11 @@ to 16 kHz and turned into log-mel windows as tools.convert does (mimo_jax/data/a
 `<audio>` becomes `--audio_markers` (Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>` by
 default), whose `--audio_token` is expanded to the clip's audio tokens (its windows' tokens, the
 padding's dropped). A file that cannot be decoded, or too short for one audio token, is one error
-naming it. Defaults for `--audio_token`: the run's converted data's, else `<|AUDIO|>`. Defaults for `--tokenizer`, `--processor`, `--image_token` and
+naming it. With `--pair`, the k-th prompt gets the k-th `--image` and the k-th `--audio` instead
+(one of each kind given a prompt, or none of it; without `--prompt`, one prompt a file): a count
+that differs from the prompts' is one error. Each answer's line shows the files its prompt got.
+Defaults for `--audio_token`: the run's converted data's, else `<|AUDIO|>`. Defaults for
+`--tokenizer`, `--processor`, `--image_token` and
 `--pad_to_square`: with data.task=conversations those of the run's converted data (the manifest
 in its data directory); otherwise those of the HF directories the model was imported or started
 from (`tools.hf import`, `init_from`), else of the digits task's build. A relative path in those
@@ -186,6 +192,18 @@ def check_flags(args: argparse.Namespace) -> None:
                       "number.")
   if args.max_new_tokens is not None and args.max_new_tokens < 1:
     raise ConfigError(f"--max_new_tokens {args.max_new_tokens}: give at least 1.")
+  for flag, files in (("--image", args.image), ("--audio", args.audio)):
+    if args.pair and files and len(files) != len(args.prompt):
+      raise ConfigError(f"--pair: {count(len(args.prompt), 'prompt')} and "
+                        f"{count(len(files), flag + ' file')}: give one {flag} a prompt, in the "
+                        "prompts' order, or none (without --pair every file goes to every "
+                        "prompt).")
+
+
+def files_of(args: argparse.Namespace, r: int, files):
+  """What prompt `r` gets of `files` (the --image or the --audio files, or what was made of
+  them, in their order): every one, or with --pair its own."""
+  return files[r:r + 1] if args.pair and files else files
 
 
 def _count(text: str) -> int:
@@ -319,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--audio", action="append", default=[], help="repeatable: an audio file "
                       "(WAV, FLAC, OGG/Opus, MP3); every clip is given to every prompt, in "
                       "order, after the images")
+  parser.add_argument("--pair", action="store_true",
+                      help="the k-th --prompt gets the k-th --image and the k-th --audio (one of "
+                      "each kind given a prompt, or none) instead of every file (default with "
+                      "files and no --prompt: one prompt a file)")
   parser.add_argument("--step", type=int, default=None)
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
@@ -342,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
   if not args.prompt:
     if not args.image and not args.audio:
       parser.error("give --prompt TEXT, or --image FILE or --audio FILE")
-    args.prompt = [""]
+    args.prompt = [""] * (max(len(args.image), len(args.audio)) if args.pair else 1)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on reading a checkpoint
   try:
     check_flags(args)
@@ -356,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}).", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
-  shown = " ".join(f"[{pathlib.Path(f).name}]" for f in args.image + args.audio)
-  for prompt, answer in zip(args.prompt, answers):
+  for r, (prompt, answer) in enumerate(zip(args.prompt, answers)):
+    shown = " ".join(f"[{pathlib.Path(f).name}]"
+                     for f in files_of(args, r, args.image) + files_of(args, r, args.audio))
     print(printable(f"> {' '.join(x for x in (shown, prompt) if x)}\n{answer}"))
   return 0
 
@@ -397,13 +420,15 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   per_clip = tuple(audio.clip_tokens(frames, cfg.model.audio.pool) for _, frames in clips)
   vision = getattr(cfg.model, "vision", None)
   per_image = vision.tokens_per_image if vision is not None else 0
-  rows = [prompt_ids(tok, p, len(args.image), image_token, per_image, per_clip, audio_token,
-                     markers) for p in args.prompt]
+  rows = [prompt_ids(tok, p, len(files_of(args, r, args.image)), image_token, per_image,
+                     files_of(args, r, per_clip), audio_token, markers)
+          for r, p in enumerate(args.prompt)]
   positions, source = context(workdir, cfg, found)
   longest = max(range(len(rows)), key=lambda r: len(rows[r]))
   width = len(rows[longest])
   if width >= positions:
-    images = f", {count(len(args.image), 'image')} of {per_image} tokens" if args.image else ""
+    n = len(files_of(args, longest, args.image))
+    images = f", {count(n, 'image')} of {per_image} tokens" if n else ""
     raise ConfigError(f"the prompt {args.prompt[longest][:60]!r} is {width} tokens{images}, which "
                       f"leaves no room for an answer in the model's {positions} positions "
                       f"({source}); shorten it.")
@@ -447,14 +472,16 @@ def run(args: argparse.Namespace) -> list[str]:
     ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
   embeds = None
   if ready["pixels"] is not None:
-    images = np.stack([p for _ in rows for p in ready["pixels"]]).astype(np.float32) / 255
+    images = np.stack([p for r in range(len(rows)) for p in files_of(args, r, ready["pixels"])]
+                      ).astype(np.float32) / 255
     tokens = vision_encoder.image_tokens(cfg, params["vision"], images)
     embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens,
                                      tok.token_id(ready["image_token"]))
   if ready["clips"]:
     per_clip = [audio_encoder.audio_tokens(cfg, params["audio"], mel, np.asarray(frames))
                 for mel, frames in ready["clips"]]
-    tokens = np.concatenate([np.asarray(t) for _ in rows for t in per_clip])
+    tokens = np.concatenate([np.asarray(t) for r in range(len(rows))
+                             for t in files_of(args, r, per_clip)])
     embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens[None],
                                      tok.token_id(ready["audio_token"]), embeds)
   eos = tok.specials.get("eos_token")
