@@ -333,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prompt", action="append", default=[],
                       help="repeatable: a batch (default with --image: one empty prompt)")
   parser.add_argument("--image", action="append", default=[],
-                      help="repeatable: every image is given to every prompt, in order")
+                      help="repeatable: every image is given to every prompt, in order "
+                      "(--pair: one a prompt)")
   parser.add_argument("--audio", action="append", default=[], help="repeatable: an audio file "
                       "(WAV, FLAC, OGG/Opus, MP3); every clip is given to every prompt, in "
-                      "order, after the images")
+                      "order, after the images (--pair: one a prompt)")
   parser.add_argument("--pair", action="store_true",
                       help="the k-th --prompt gets the k-th --image and the k-th --audio (one of "
                       "each kind given a prompt, or none) instead of every file (default with "
