@@ -132,6 +132,9 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
     ({"id": 1, "image": 7, "conversations": [
         {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]},
      "\"image\" is 7, not a path or a list of paths"),
+    ({"id": 1, "image": str(IMAGES / "landscape.png"), "conversations": [
+        {"from": "human", "value": "hello"}, {"from": "gpt", "value": "there"}]},
+     "its prompt has 0 <image> for 1 image."),
 ])
 def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   data = setup / "bad.json"

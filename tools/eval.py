@@ -239,7 +239,7 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
     prompt, answer = eval_set.split_answer(ids, mask, where)
     if prompt.count(image_id) != len(pixels):
       raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
-                        f"{len(pixels)} images.")
+                        f"{count(len(pixels), 'image')}.")
     try:
       if clips:
         audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
