@@ -1,14 +1,15 @@
 """FP8 against bfloat16 training: does `model.<module>.fp8` stay within bfloat16's seed-to-seed spread?
 
   python -m tools.fp8_check [--config configs/digits.py:single] [--seeds 0,1,2,3,4]
-      [--set field=value ...] [--out /tmp/fp8_check]
+      [--scaling current|delayed] [--set field=value ...] [--out /tmp/fp8_check]
 
 Trains the config once per seed (`train.seed` and `data.seed` both set to it) in bfloat16 and once
-with both modules' matmuls in FP8, each a `python -m mimo_jax.launch` run in its own workdir under
-`--out`, and prints a table of the last training loss and the final eval figures of every run,
-with each column's mean and standard deviation over the seeds, and the FP8 mean's distance from the
-bfloat16 one in bfloat16 standard deviations. The default, the digits task on one device, is a
-learnable task (unlike the synthetic benchmark data): about 40 s a run on 2 CPU cores.
+with both modules' matmuls in FP8 (`--scaling`: their `fp8_scaling`, current or delayed), each a
+`python -m mimo_jax.launch` run in its own workdir under `--out`, and prints a table of the last
+training loss and the final eval figures of every run, with each column's mean and standard
+deviation over the seeds, and the FP8 mean's distance from the bfloat16 one in bfloat16 standard
+deviations. The default, the digits task on one device, is a learnable task (unlike the synthetic
+benchmark data): about 40 s a run on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ def last_metrics(workdir: pathlib.Path) -> dict:
   return out
 
 
-def train(config: str, seed: int, fp8: bool, sets: list[str], workdir: pathlib.Path) -> dict:
+def train(config: str, seed: int, fp8: bool, sets: list[str], workdir: pathlib.Path,
+          scaling: str = "current") -> dict:
   flag = "true" if fp8 else "false"
+  scale = [f"--config.model.{m}.fp8_scaling={scaling}" for m in ("vision", "language")]
   cmd = [sys.executable, "-m", "mimo_jax.launch", f"--config={config}",
          "--config.model.dtype=bfloat16", f"--config.model.vision.fp8={flag}",
-         f"--config.model.language.fp8={flag}", f"--config.train.seed={seed}",
+         f"--config.model.language.fp8={flag}", *(scale if fp8 else []),
+         f"--config.train.seed={seed}",
          f"--config.data.seed={seed}", f"--config.run.workdir={workdir}",
          "--config.run.progress=lines", *[f"--config.{s}" for s in sets]]
   log = workdir.with_suffix(".log")
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (two or more)")
   parser.add_argument("--set", action="append", default=[],
                       help="field=value override for every run, e.g. train.steps=300")
+  parser.add_argument("--scaling", choices=("current", "delayed"), default="current",
+                      help="the FP8 runs' model.<module>.fp8_scaling")
   parser.add_argument("--out", default="/tmp/fp8_check", help="where the runs' workdirs go")
   args = parser.parse_args(argv)
   try:
@@ -94,11 +100,12 @@ def main(argv: list[str] | None = None) -> None:
   total, start = 2 * len(seeds), time.time()
   for seed in seeds:
     for name in rows:
-      m = train(args.config, seed, name == "fp8", args.set, out / f"{name}_{seed}")
+      m = train(args.config, seed, name == "fp8", args.set, out / f"{name}_{seed}", args.scaling)
       rows[name].append((seed, m))
       done = sum(map(len, rows.values()))
       print(f"[{time.time() - start:7.1f}s] {done}/{total} {name} seed {seed}: " +
             ", ".join(f"{k} {v:.4f}" for k, v in m.items()), flush=True)
+  print(f"FP8 runs with {args.scaling} scaling")
   print(summary(rows))
 
 
