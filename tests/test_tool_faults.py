@@ -356,6 +356,18 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
   _error(capsys, "tools.generate", "bomb.png", "decompression bomb")
 
 
+def test_generate_pairs_files_without_prompts_one_prompt_a_file(run, capsys):
+  # The second prompt answers as the second image alone does (unpaired, it would get both).
+  other = str(FIXTURES / "images" / "portrait.png")
+  assert generate_tool.main([str(run), "--image", other, "--max_new_tokens", "3"]) == 0
+  alone = capsys.readouterr().out.splitlines()
+  assert generate_tool.main([str(run), "--pair", "--image", str(IMAGE), "--image", other,
+                             "--max_new_tokens", "3"]) == 0
+  paired = capsys.readouterr().out.splitlines()
+  assert len(paired) == 4 and paired[0] == "> [landscape.png]" and paired[2:] == alone, paired
+  assert alone[0] == "> [portrait.png]" and alone[1]
+
+
 class _Prepared(Exception):
   """Raised with the images generate hands to the model, to stop before the generation."""
 
