@@ -37,8 +37,9 @@ class LoraConfig:
   # blocks/attn/q, blocks/mlp/down); every match gets an adapter. Each must match a layer.
   targets: str = r"attn/(q|k|v|o)$,mlp/(gate|up|down)$"
   # Dropout on the adapters' input in training, as PEFT's lora_dropout: a targeted layer computes
-  # base(x) + B(A(dropout(x))) * alpha / rank (the base sees x whole). The language model's blocks
-  # only; 0 = none (the program is that of a run without it).
+  # base(x) + B(A(dropout(x))) * alpha / rank (the base sees x whole). The blocks' layers of the
+  # language model and of an encoder whose slots name their rows (Encoder.dropout_rows: the
+  # image encoder with one image a slot); 0 = none (the program is that of a run without it).
   dropout: float = 0.0
 
 
@@ -446,12 +447,6 @@ def lora_of(cfg: Config, name: str) -> LoraConfig | None:
   require(lora.alpha > 0, f"model.{name}.lora.alpha", f"must be > 0, got {lora.alpha}.")
   require(0 <= lora.dropout < 1, f"model.{name}.lora.dropout",
           f"must be in [0, 1) (a probability), got {lora.dropout}.")
-  # A mask is drawn per sample, position and feature (models/lora.py), which the language
-  # model's rows give on every layout; an encoder's slots (several items each, placed by rank)
-  # do not name an item's patches the same way on every layout.
-  require(lora.dropout == 0 or name == LANGUAGE, f"model.{name}.lora.dropout",
-          f"is for the language model's adapters only, got {lora.dropout}; set it to 0 (the "
-          f"encoder's adapters then train without dropout).")
   return lora if lora.rank > 0 else None
 
 

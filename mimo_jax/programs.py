@@ -153,12 +153,22 @@ class Context:
     argnums = tuple(range(1 + len(args))) if args else 0
     return jax.value_and_grad(lambda t, *a: fn(whole(t), *a), argnums=argnums)(trained, *args)
 
-  def encode(self, name: str, params, inputs_m: dict) -> jax.Array:
-    """Encoder `name` on stacked microbatches of its device inputs -> tokens [M, n, t, d]."""
+  def encode(self, name: str, params, inputs_m: dict, owners_m=None) -> jax.Array:
+    """Encoder `name` on stacked microbatches of its device inputs -> tokens [M, n, t, d].
+    `owners_m` (the slots' `owner_nt` [M, n, t], training only): its LoRA adapters' input is
+    dropped, by the rows `Encoder.dropout_rows` names."""
     params = self.frozen_stopped(name, params)
     enc = self.encoders[name]
-    return enc.encode(self.bind(name, params), self.run_blocks(name, params),
-                      enc.prepare(self.cfg, inputs_m))
+    run = self.run_blocks(name, params, dropout=owners_m is not None)
+    if owners_m is not None:
+      ids = jax.vmap(enc.dropout_rows(self.cfg))(inputs_m, owners_m)
+      seeds = lora.token_seeds(self.cfg.train.seed, name, *ids)
+      run = lambda x_m, side_m, run=run: run(x_m, tuple(side_m) + (seeds,))
+    return enc.encode(self.bind(name, params), run, enc.prepare(self.cfg, inputs_m))
+
+  def owners(self, name: str, owners: list):
+    """`owners` for `encode` where encoder `name` drops (its `lora.dropout` > 0), else None."""
+    return trees.stack(owners) if name in self.dropping else None
 
   def logits(self, params, text: Text, tokens: dict, pos: dict, groups: int,
              packed: bool, train: bool = False) -> jax.Array:
@@ -167,7 +177,7 @@ class Context:
     adapters' input dropped, if it has `lora.dropout` (evaluation never drops)."""
     params = self.frozen_stopped("language", params)
     drop = train and "language" in self.dropping
-    seeds = lora.token_seeds(self.cfg.train.seed, text.token_sample_rl,
+    seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
                              text.positions_rl) if drop else None
     return language_logits(self.bind("language", params),
                            self.run_blocks("language", params, dropout=drop),
@@ -187,9 +197,11 @@ def _to_language(ctx: Context, name: str, x):
 
 # ---- encoders -------------------------------------------------------------------------------
 
-def encoder_apply(ctx: Context, name: str, params, inputs: list[dict]) -> list[jax.Array]:
-  """A chunk of microbatches' inputs -> their tokens, split over the encoder's dp."""
-  out = ctx.encode(name, params, trees.stack(inputs))
+def encoder_apply(ctx: Context, name: str, params, inputs: list[dict],
+                  owners: list | None = None) -> list[jax.Array]:
+  """A chunk of microbatches' inputs -> their tokens, split over the encoder's dp (`owners`:
+  their slots' owners, in training: `Context.encode`)."""
+  out = ctx.encode(name, params, trees.stack(inputs), owners and ctx.owners(name, owners))
   return [jax.lax.with_sharding_constraint(out[i], ctx.plan.sharding(name))
           for i in range(len(inputs))]
 
@@ -206,7 +218,8 @@ def encoder_forward(ctx: Context, name: str, params, xs: list[EncoderIn]):
   p = ctx.plan[name]
   frozen = p.frozen(params)
   tokens, vjp = jax.vjp(lambda t: encoder_apply(ctx, name, p.join(t, frozen),
-                                                [x.inputs for x in xs]), p.trained(params))
+                                                [x.inputs for x in xs], [x.owner_nt for x in xs]),
+                        p.trained(params))
   return ([_to_language(ctx, name, e) for e in tokens],
           [_to_language(ctx, name, x.owner_nt) for x in xs], vjp)
 
@@ -292,14 +305,17 @@ def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], t
   rank, or with an FSDP module (`GradMode.per_rank` empty) summed over ranks here."""
   one = lambda tree: jax.tree.map(lambda v: v[None], tree)  # a chunk of one microbatch
   x = one(LanguageIn(text, {n: Merge(None, s.owner_nt, s.pos_rl) for n, s in slots.items()}))
+  # The encoders' inputs, and the owners of those that drop their adapters' input.
   inputs = one({n: s.inputs for n, s in slots.items()})
+  inputs = (inputs, {n: s.owner_nt[None] for n, s in slots.items() if n in ctx.dropping})
   per_rank = bool(ctx.mode.per_rank)  # all modules or none: one `each_rank` differentiates all
   groups = 1 if per_rank else ctx.groups
 
   def loss_fn(params, inputs, x, inv_tokens):
+    inputs, owners = inputs
     tokens = {}
     for n in ctx.encoders:
-      e = ctx.encode(n, params[n], inputs[n])
+      e = ctx.encode(n, params[n], inputs[n], owners.get(n))
       tokens[n] = e if ctx.plan[n].trainable else jax.lax.stop_gradient(e)
     return language_loss(ctx, params["language"], x.with_tokens(tokens), inv_tokens, groups)
   grad_fn = lambda params, inputs, x, inv: ctx.value_and_grad(

@@ -23,8 +23,8 @@ from tests.test_lora import STEPS, lora_config
 RATE = 0.3
 
 
-def dropout_config(data_dir, rate: float = RATE, **topo):
-  cfg = lora_config(data_dir, **topo)
+def dropout_config(data_dir, rate: float = RATE, vision_lora: bool = False, **topo):
+  cfg = lora_config(data_dir, vision_lora, **topo)
   cfg.model.language.lora.dropout = rate
   return cfg
 
@@ -42,7 +42,7 @@ def _masks(seeds, salts=(1,), features=4096):
 def test_masks_drop_the_rate_and_differ_by_token_layer_and_projection():
   samples = jnp.arange(64, dtype=jnp.int32)[:, None] * jnp.ones((1, 16), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (64, 16))
-  seeds = lora.token_seeds(0, samples, positions)  # [64 samples, 16 positions]
+  seeds = lora.token_seeds(0, "language", samples, positions)  # [64 samples, 16 positions]
   layer0, layer1 = (lora._combine(seeds, i) for i in (0, 1))  # pylint: disable=protected-access
   q, k = _masks(layer0, salts=(11, 12))
   dropped = 1 - q.mean()
@@ -55,14 +55,18 @@ def test_masks_drop_the_rate_and_differ_by_token_layer_and_projection():
   assert abs(agree(q, _masks(layer1, salts=(11,))[0]) - same) < 5e-3  # layers
   assert abs(agree(q[0], q[1]) - same) < 1e-2  # samples (a step's or another step's)
   assert abs(agree(q[:, 0], q[:, 1]) - same) < 1e-2  # positions
-  other_seed = _masks(lora._combine(lora.token_seeds(1, samples, positions), 0), (11,))[0]
+  other_seed = _masks(lora._combine(lora.token_seeds(1, "language", samples, positions), 0),
+                      (11,))[0]
   assert abs(agree(q, other_seed) - same) < 5e-3  # train.seed
+  other_module = _masks(lora._combine(lora.token_seeds(0, "vision", samples, positions), 0),
+                        (11,))[0]
+  assert abs(agree(q, other_module) - same) < 5e-3  # a module's rows against another's
 
 
 def test_dropout_scales_what_it_keeps():
   x = jnp.ones((8, 16, 256), jnp.float32)
-  seeds = lora.token_seeds(3, jnp.zeros((8, 16), jnp.int32), jnp.zeros((8, 16), jnp.int32) +
-                           jnp.arange(16, dtype=jnp.int32))
+  seeds = lora.token_seeds(3, "language", jnp.zeros((8, 16), jnp.int32),
+                           jnp.zeros((8, 16), jnp.int32) + jnp.arange(16, dtype=jnp.int32))
   y = np.asarray(lora.Dropout(RATE, seeds).apply(x, 5))
   assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - RATE))}
 
@@ -102,7 +106,8 @@ def test_a_bad_rate_is_refused(data_dir):
       build_modules(dropout_config(data_dir, rate))
   cfg = dropout_config(data_dir)
   cfg.model.vision.lora.rank, cfg.model.vision.lora.dropout = 2, 0.1
-  with pytest.raises(ConfigError, match=r"model\.vision\.lora\.dropout.*language model's"):
+  cfg.model.vision.slot_patches = 8
+  with pytest.raises(ConfigError, match=r"model\.vision\.lora\.dropout.*packed a slot"):
     build_modules(cfg)
   cfg = dropout_config(data_dir)
   cfg.model.language.lora.targets = "attn/q$,head"
@@ -203,3 +208,30 @@ def test_a_scope_belongs_to_the_thread_that_opened_it():
   release.set()
   t.join()
   assert seen == [[]]
+
+
+def test_an_image_row_is_named_by_its_sample_its_place_and_its_patch():
+  from mimo_jax.encoders import vision  # pylint: disable=import-outside-toplevel
+  owners = jnp.array([5, 5, 7, 5, -1], jnp.int32)[:, None] * jnp.ones((1, 4), jnp.int32)
+  ids, positions = vision._image_rows({}, owners, rows=3)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(ids[:, 0], [5, 5, 7, 5, -1])
+  np.testing.assert_array_equal(positions, [[0, 1, 2], [3, 4, 5], [0, 1, 2], [6, 7, 8], [0, 1, 2]])
+
+
+def _tower_config(data_dir, **topo):
+  cfg = dropout_config(data_dir, vision_lora=True, **topo)
+  cfg.model.vision.lora.dropout = 0.2
+  return cfg
+
+
+def test_tower_dropout_matches_single_device(data_dir):
+  # One image a slot: a tower row is named by its sample, the image's place among the sample's
+  # images and the patch (encoders/vision.py), wherever the slot lies.
+  single = run_steps(_tower_config(data_dir), STEPS)[0]
+  no_tower_dropout = run_steps(dropout_config(data_dir, vision_lora=True), 1)[0]
+  assert abs(float(single[0]["grad_norm"]) / float(no_tower_dropout[0]["grad_norm"]) - 1) > 1e-3
+  fused = _tower_config(data_dir, vision=(0, 4, 1), language=(0, 4, 1))
+  assert Step.build(fused).ctx.mode.fused
+  assert_close_trajectory(single, run_steps(fused, STEPS)[0], rtol=1e-4)
+  split = _tower_config(data_dir, vision=(0, 2, 2), language=(4, 4, 1))
+  assert_close_trajectory(single, run_steps(split, STEPS)[0], rtol=1e-4)

@@ -160,6 +160,13 @@ class Encoder:
     """Stacked microbatches of inputs [M, n, ...] -> tokens [M, n, t, language dim]."""
     raise NotImplementedError
 
+  def dropout_rows(self, cfg: Config):
+    """For LoRA dropout (models/lora.py): a function of one microbatch's inputs [n, ...] and
+    owners `owner_nt` -> (sample ids, positions), each of the blocks' rows' shape [n, rows],
+    naming the same row of the same item on every layout; None where the slot layout cannot
+    (`model.<name>.lora.dropout` > 0 is then refused)."""
+    return None
+
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
     """Model FLOPs (forward and backward) of the items whose `work` is given."""
     raise NotImplementedError

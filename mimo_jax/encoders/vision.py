@@ -15,6 +15,7 @@ Sidecar fields: each image's (h, w).
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -234,6 +235,14 @@ class Vision(encoders.Encoder):
       x = jax.vmap(model.packed_patches)(inputs_m["patches_nqk"], inputs_m["patch_pos_nq"])
     return jax.vmap(model.finish)(run_blocks(x, (inputs_m["patch_seg_nq"],)))
 
+  def dropout_rows(self, cfg: Config):
+    """One image a slot: a row is (its slot's sample, the image's place among the sample's
+    images · rows + the patch); the images of a sample fill its rank's slots in order, so that
+    place is its slots before this one. Packed slots are not named so (None)."""
+    if cfg.model.vision.slot_patches:
+      return None
+    return functools.partial(_image_rows, rows=cfg.model.vision.positions)
+
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
     """6·N a patch for the ViT's matmuls and 6·N an image token for the projector's, plus
     bidirectional attention of each image's patches against its own."""
@@ -248,6 +257,17 @@ class Vision(encoders.Encoder):
     after the pixel shuffle (the projector)."""
     projector = kernel_params(params, "projector")
     return kernel_params(params) - projector, projector
+
+
+def _image_rows(inputs: dict, owner_nt: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+  """`Vision.dropout_rows`: sample ids and positions [n, rows] of one-image slots."""
+  del inputs
+  owner_n = owner_nt[:, 0]
+  slot = jnp.arange(owner_n.shape[0])
+  before = (owner_n[None, :] == owner_n[:, None]) & (slot[None, :] < slot[:, None])
+  nth = jnp.sum(before, axis=1, dtype=jnp.int32)  # the sample's images in earlier slots
+  positions = nth[:, None] * rows + jnp.arange(rows, dtype=jnp.int32)
+  return jnp.broadcast_to(owner_n[:, None], positions.shape), positions
 
 
 def _tower(cfg: Config) -> None:

@@ -12,8 +12,9 @@ LLaVA's parts under `model.`). A trained projector beside adapters is saved whol
 `modules_to_save`. A module that trains its own weights (no adapters, not frozen) has no place in
 an adapter: the export is refused, naming it. `read` puts such an adapter's tensors into our
 parameters exactly (a run continues from it); an adapter whose rank, alpha, variant or tensors do
-not fit `model.<module>.lora` is refused naming the file. `lora_dropout` is the language
-model's `lora.dropout` (encoders' adapters train without); `dropout` reads it back.
+not fit `model.<module>.lora` is refused naming the file. `lora_dropout` is the
+`lora.dropout` of the module `r` is (PEFT has no per-module pattern for it); `dropout` reads it
+back.
 """
 
 from __future__ import annotations

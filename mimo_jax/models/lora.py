@@ -179,11 +179,11 @@ def _combine(h: jax.Array, v) -> jax.Array:
   return _mix(h ^ (v + np.uint32(0x7F4A7C15) + (h << 6) + (h >> 2)))
 
 
-def token_seeds(seed: int, sample_ids: jax.Array, positions: jax.Array) -> jax.Array:
-  """A 32-bit seed per token [...] of the run's `seed`, its sample id and its position."""
-  h = _combine(jnp.full(sample_ids.shape, _mix(jnp.uint32(seed & 0xFFFFFFFF)), jnp.uint32),
-               sample_ids)
-  return _combine(h, positions)
+def token_seeds(seed: int, module: str, sample_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """A 32-bit seed per row [...] of the run's `seed`, the module's name, each row's sample id and
+  its position (a token's in its sample, a patch's among its sample's images)."""
+  h = _mix(jnp.uint32(seed & 0xFFFFFFFF) ^ np.uint32(zlib.crc32(module.encode())))
+  return _combine(_combine(jnp.full(sample_ids.shape, h, jnp.uint32), sample_ids), positions)
 
 
 @dataclasses.dataclass(frozen=True)
