@@ -59,6 +59,7 @@ from mimo_jax import checkpoint_reader, output
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
 from tools.display import count, printable
+from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
@@ -219,111 +220,6 @@ def _count(text: str) -> int:
   if not value.is_integer():
     raise argparse.ArgumentTypeError(f"invalid integer {text!r}")
   return int(value)
-
-
-def check_vocab(tok, cfg: Config, found: dict, given: bool) -> None:
-  """The tokenizer's vocabulary against the model's and the run's data's: another model's
-  tokenizer reads and writes other ids (answers of nothing, or of other words)."""
-  from mimo_jax.data.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  # The model's rows: vocab_size, or (0) the built-in tokenizer's, as models/mimo.py sizes them.
-  vocab = tok.tokenizer.get_vocab_size()
-  model = cfg.model.language.vocab_size or Tokenizer().vocab_size
-  where = f"--tokenizer {tok.path}" if given else f"the tokenizer {tok.path} ({found['record']})"
-  if found["vocab"] is not None and vocab != found["vocab"]:
-    raise ConfigError(f"{where} has {vocab} tokens where the run's data was tokenized with "
-                      f"{found['vocab']} ({found['record']}); give the run's tokenizer with "
-                      "--tokenizer DIR.")
-  if vocab > model:
-    raise ConfigError(f"{where} has {vocab} tokens, more than the model's {model} "
-                      "(model.language.vocab_size): it is another model's; give this model's "
-                      "tokenizer with --tokenizer DIR.")
-  if vocab < model / 1.01:  # padding rows, not over 1% of the model's ids
-    raise ConfigError(f"{where} has {vocab} tokens where the model has {model} "
-                      "(model.language.vocab_size): it is another model's; give this model's "
-                      "tokenizer with --tokenizer DIR.")
-
-
-def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: int,
-               clips: tuple[int, ...] = (), audio_token: str = audio_records.QWEN2_AUDIO_TOKEN,
-               markers: str = audio_records.QWEN2_AUDIO) -> list[int]:
-  """A user turn with `images` images (as `<image>` lines before the text unless it has them)
-  and clips of `clips` audio tokens each (as `<audio>` lines after them unless the text has
-  them; each `<audio>` as `markers`) and the generation prompt, tokenized, each image token
-  repeated `tokens_per_image` times and the k-th `audio_token` `clips[k]` times."""
-  if images and image_token not in text:
-    text = f"{image_token}\n" * images + text
-  if text.count(image_token) != images:
-    raise ConfigError(f"the prompt {text!r} has {text.count(image_token)} {image_token} for "
-                      f"{count(images, '--image file')}.")
-  mark = audio_records.MARK
-  if clips and mark not in text:
-    at = text.rfind(image_token) + len(image_token) + 1 if images else 0  # after the images
-    text = text[:at] + f"{mark}\n" * len(clips) + text[at:]
-  if text.count(mark) != len(clips):
-    raise ConfigError(f"the prompt {text!r} has {text.count(mark)} {mark} for "
-                      f"{count(len(clips), '--audio file')}.")
-  rendered = tok.render([{"role": "user", "content": text.replace(mark, markers)}],
-                        add_generation_prompt=True)
-  image_id = tok.token_id(image_token) if images else None
-  audio_id = tok.token_id(audio_token) if clips else None
-  try:
-    encoded = tok.tokenizer.encode(rendered, add_special_tokens=False).ids
-  except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError(f"the prompt {text!r}: the tokenizer {tok.path} cannot encode it ({e}); "
-                      "use words of its vocabulary.") from None
-  if clips and encoded.count(audio_id) != len(clips):
-    raise ConfigError(f"the prompt {text!r} holds {encoded.count(audio_id)} {audio_token} once "
-                      f"rendered and tokenized, for {count(len(clips), '--audio file')}: give "
-                      "--audio_markers holding --audio_token once, and a prompt without it.")
-  out, clip = [], iter(clips)
-  for i in encoded:
-    out.extend([i] * (tokens_per_image if i == image_id else next(clip) if i == audio_id else 1))
-  return out
-
-
-def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
-  """Each image file as the processor prepares it (uint8 [h, w, c]), of the tower's shape."""
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-  pixels = []
-  for f in files:
-    try:
-      with Image.open(f) as image:
-        pixels.append(proc(image))
-    except Image.DecompressionBombError as e:
-      raise ConfigError(f"{f}: refused as a possible decompression bomb ({e}); give a smaller "
-                        "image.") from None
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"{f}: cannot be read as an image ({e}).") from None
-  size, channels = cfg.model.vision.image_size, cfg.model.vision.channels
-  for f, p in zip(files, pixels):
-    if p.shape != (size, size, channels):
-      raise ConfigError(f"{f}: the processor makes it {'x'.join(map(str, p.shape))} (height x "
-                        f"width x channels) where the model reads {size}x{size}x{channels}.")
-  return pixels
-
-
-def load_audios(files: list[str], cfg: Config) -> list[tuple[np.ndarray, list[int]]]:
-  """Each audio file's log-mel windows [windows, frames, mel_bins] and their audio frames, as
-  the converter makes them for the model's tower."""
-  from mimo_jax.data import audio  # pylint: disable=import-outside-toplevel
-  a = getattr(cfg.model, "audio", None)
-  if a is None:
-    raise ConfigError(f"--audio {files[0]}: the model has no audio encoder (model.audio); give "
-                      "a model with one, or no --audio.")
-  per_second = audio.SAMPLE_RATE // audio.HOP  # frames
-  if a.frames % per_second:
-    raise ConfigError(f"--audio {files[0]}: the model's audio tower reads windows of {a.frames} "
-                      f"frames (model.audio.positions {a.positions}), not whole seconds of "
-                      f"{per_second} frames (Whisper: 3000, 30 s); it was not made for audio "
-                      "files.")
-  out = []
-  for f in files:
-    try:  # a clip too short for one token with the tower's pooling is refused too
-      mel_fm, frames_w = audio.file_features(f, a.mel_bins, a.pool, a.frames // per_second)
-    except audio.AudioError as e:
-      raise ConfigError(f"--audio: {e}") from None
-    out.append((mel_fm.reshape(len(frames_w), a.frames, a.mel_bins), frames_w))
-  return out
 
 
 def main(argv: list[str] | None = None) -> int:
