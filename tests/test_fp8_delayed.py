@@ -204,13 +204,16 @@ def test_training_with_delayed_scaling_tracks_bfloat16(data_dir, full_run):
   assert losses[-1] < losses[0]
 
 
-def _float32_steps(data_dir, topo: dict) -> tuple[list[float], dict[str, np.ndarray]]:
+def _float32_steps(data_dir, topo: dict, shard: str = "none"
+                   ) -> tuple[list[float], dict[str, np.ndarray]]:
   """Losses and final histories of delayed FP8 matmuls computing in float32. Validation refuses
   FP8 beside float32 (FP8 stands in for bfloat16 GEMMs), but the op runs there: in bfloat16 the
   rounding of another row layout moves abs-maxes by several percent (measured: up to 9% after one
   step), which would hide a wrong combination; float32 isolates the plumbing."""
   cfg = _cfg(data_dir, **topo)
   cfg.model.dtype = "float32"
+  for name in topo:
+    cfg.topology.module(name).shard = shard
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(helpers, "validate", lambda *_: None)
     got, _, state, _ = run_steps(cfg, STEPS)
@@ -222,16 +225,19 @@ def float32_single(data_dir):
   return _float32_steps(data_dir, SINGLE)
 
 
-@pytest.mark.parametrize("topo", [
-    {"vision": (0, 2, 1), "language": (0, 2, 1)},  # one program a microbatch, per rank
-    {"vision": (0, 2, 1), "language": (2, 2, 1)},  # each module's own programs
-], ids=["fused_dp2", "split_dp2"])
-def test_data_parallel_and_microbatches_give_the_single_device_run(data_dir, float32_single, topo):
+@pytest.mark.parametrize("topo,shard", [
+    ({"vision": (0, 2, 1), "language": (0, 2, 1)}, "none"),  # one program a microbatch, per rank
+    ({"vision": (0, 2, 1), "language": (2, 2, 1)}, "none"),  # each module's own programs
+    # FSDP and tp: gradients made in global-view programs, the histories kept whole.
+    ({"vision": (0, 2, 1), "language": (2, 2, 2)}, "full"),
+], ids=["fused_dp2", "split_dp2", "fsdp_tp2"])
+def test_data_parallel_and_microbatches_give_the_single_device_run(data_dir, float32_single, topo,
+                                                                   shard):
   """Two microbatches a step on two dp ranks: the recorded abs-maxes are combined by maximum
   over microbatches and ranks, so losses and histories are the one-device run's (test_parity's
   float32 tolerance; a sum instead of a maximum would double them)."""
   want_losses, want = float32_single
-  losses, hist = _float32_steps(data_dir, topo)
+  losses, hist = _float32_steps(data_dir, topo, shard)
   assert sorted(hist) == sorted(want)
   for k, h in hist.items():
     assert np.all(h > 0), k
