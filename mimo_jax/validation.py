@@ -139,8 +139,8 @@ def _fp8_scaling(cfg: Config, name: str) -> None:
   """`model.<name>.fp8_scaling` and `fp8_history`, and what delayed scaling does not cover: its
   abs-max histories are recorded through the module's backward pass and combined by maximum in
   the step's accumulators, which a pipelined stack (it adds its stages' gradients over the
-  microbatches itself) and a module whose blocks do not train (no backward through them, or
-  adapters alone) would not do."""
+  microbatches itself) and a module whose blocks do not train (no backward through them) would
+  not do. LoRA adapters run it: the backward goes through the frozen base to them."""
   section = cfg.model.module(name)
   if not hasattr(section, "fp8_scaling"):
     return
@@ -156,9 +156,6 @@ def _fp8_scaling(cfg: Config, name: str) -> None:
   pp = cfg.topology.module(name).pp
   require(pp == 1, field, f"delayed scaling does not run pipelined (topology.{name}.pp={pp}); "
           "use fp8_scaling=current there.")
-  require(getattr(section, "lora", None) is None or section.lora.rank == 0, field,
-          f"delayed scaling does not run with LoRA adapters (model.{name}.lora); use "
-          "fp8_scaling=current there.")
   require(name not in [g.strip() for g in cfg.optim.freeze.split(",")], field,
           f"delayed scaling records its abs-maxes in the backward pass of trained blocks, and "
           f"optim.freeze freezes {name}; use fp8_scaling=current there.")
