@@ -5,6 +5,7 @@ current scaling, parity of dp and microbatches with one device, and resume."""
 import shutil
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,6 +107,49 @@ def test_an_empty_history_casts_at_scale_one():
     want = jax.lax.dot_general(qx, qw, DN, preferred_element_type=jnp.bfloat16) * sw.astype(
         jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+
+def _activation_reductions(eqn) -> bool:
+  """Whether `eqn` (or a jaxpr it calls) takes an abs-max over an operand of rank > 1."""
+  if eqn.primitive.name == "reduce_max" and eqn.invars[0].aval.ndim > 1:
+    return True
+  return any(_activation_reductions(e) for j in jax_core.jaxprs_in_params(eqn.params)
+             for e in j.eqns)
+
+
+def _casts_waiting_on_a_reduction(fn, *args) -> dict[str, bool]:
+  """For each cast of an input or gradient [2, 16, n] to FP8 in `fn`'s jaxpr: whether an abs-max
+  over a whole activation-sized operand is among what it depends on."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+  def waits(eqn, seen) -> bool:
+    if id(eqn) in seen:
+      return False
+    seen.add(id(eqn))
+    return _activation_reductions(eqn) or any(
+        waits(made_by[v], seen) for v in eqn.invars
+        if not isinstance(v, jax_core.Literal) and v in made_by)
+  return {f"{e.params['new_dtype']}{e.outvars[0].aval.shape}": waits(e, set())
+          for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+          and jnp.dtype(e.params["new_dtype"]) in (fp8.FORWARD, fp8.BACKWARD)
+          and e.outvars[0].aval.ndim == 3}
+
+
+def test_delayed_casts_wait_on_no_reduction():
+  """What delayed scaling is for: an input's and a gradient's cast depend on their histories
+  alone, so XLA may fuse them into the kernels producing their operands. Under current scaling
+  each waits for its operand's abs-max."""
+  x, ws, gs = _operands()
+  hs = [jnp.ones(H)] * len(ws)
+  delayed = lambda x, ws: _loss(fp8.delayed_matmuls(x, ws, hs, hs), gs)
+  current = lambda x, ws: _loss(fp8.matmuls(x, ws), gs)
+  for fn, want in ((delayed, False), (current, True)):
+    casts = _casts_waiting_on_a_reduction(jax.grad(fn, (0, 1)), x, ws)
+    # The input (e4m3, once for both kernels) and each result's incoming gradient (e5m2).
+    assert sorted(casts) == ["float8_e4m3fn(2, 16, 64)", "float8_e5m2(2, 16, 32)",
+                             "float8_e5m2(2, 16, 48)"], casts
+    assert all(w == want for w in casts.values()), casts
 
 
 def test_histories_roll_in_each_steps_abs_max():
@@ -214,9 +258,13 @@ def _float32_steps(data_dir, topo: dict, shard: str = "none"
   cfg.model.dtype = "float32"
   for name in topo:
     cfg.topology.module(name).shard = shard
+    cfg.model.module(name).fp8_history = 4  # a length dp divides: FSDP could split it
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(helpers, "validate", lambda *_: None)
     got, _, state, _ = run_steps(cfg, STEPS)
+  for name, s in state.items():  # whole on every device, never split over dp or tp
+    for path, leaf in paths(s.params).items():
+      assert not fp8.is_history(path) or leaf.sharding.is_fully_replicated, (name, path)
   return [float(m["loss"]) for m in got], _histories(_flat(state))
 
 
