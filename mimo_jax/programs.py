@@ -128,11 +128,12 @@ class Context:
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
     return self.modules[name].bind(self.plan[name].unlayout(params))
 
-  def run_blocks(self, name: str, params, dropout: bool = False):
-    """The module's block stack on `params` as a `RunBlocks` callable (`dropout`: the one that
-    drops its adapters' input, taking token seeds as its last side input)."""
-    stack = self.dropping[name] if dropout else self.stacks[name]
-    return lambda x_m, side_m: stack(params[BLOCKS], x_m, side_m)
+  def run_blocks(self, name: str, params, seeds=None):
+    """The module's block stack on `params` as a `RunBlocks` callable; given LoRA dropout's
+    seeds of its rows [M, ...] (`lora.token_seeds`), the stack that drops its adapters' input."""
+    if seeds is None:
+      return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
+    return lambda x_m, side_m: self.dropping[name](params[BLOCKS], x_m, (*side_m, seeds))
 
   def frozen_stopped(self, name: str, params):
     """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
@@ -158,17 +159,12 @@ class Context:
     `owners_m` (the slots' `owner_nt` [M, n, t], training only): its LoRA adapters' input is
     dropped, by the rows `Encoder.dropout_rows` names."""
     params = self.frozen_stopped(name, params)
-    enc = self.encoders[name]
-    run = self.run_blocks(name, params, dropout=owners_m is not None)
+    enc, seeds = self.encoders[name], None
     if owners_m is not None:
       ids = jax.vmap(enc.dropout_rows(self.cfg))(inputs_m, owners_m)
       seeds = lora.token_seeds(self.cfg.train.seed, name, *ids)
-      run = lambda x_m, side_m, run=run: run(x_m, tuple(side_m) + (seeds,))
-    return enc.encode(self.bind(name, params), run, enc.prepare(self.cfg, inputs_m))
-
-  def owners(self, name: str, owners: list):
-    """`owners` for `encode` where encoder `name` drops (its `lora.dropout` > 0), else None."""
-    return trees.stack(owners) if name in self.dropping else None
+    return enc.encode(self.bind(name, params), self.run_blocks(name, params, seeds),
+                      enc.prepare(self.cfg, inputs_m))
 
   def logits(self, params, text: Text, tokens: dict, pos: dict, groups: int,
              packed: bool, train: bool = False) -> jax.Array:
@@ -176,13 +172,12 @@ class Context:
     (`packed`: rows hold several samples, attention is masked to each). `train`: its LoRA
     adapters' input dropped, if it has `lora.dropout` (evaluation never drops)."""
     params = self.frozen_stopped("language", params)
-    drop = train and "language" in self.dropping
     seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
-                             text.positions_rl) if drop else None
+                             text.positions_rl) if train and "language" in self.dropping else None
     return language_logits(self.bind("language", params),
-                           self.run_blocks("language", params, dropout=drop),
+                           self.run_blocks("language", params, seeds),
                            text.tokens_rl, tokens, pos, groups, text.positions_rl,
-                           text.segment_ids_rl if packed else None, seeds)
+                           text.segment_ids_rl if packed else None)
 
 
 def _trained_blocks(p: ModulePlan):
@@ -201,7 +196,8 @@ def encoder_apply(ctx: Context, name: str, params, inputs: list[dict],
                   owners: list | None = None) -> list[jax.Array]:
   """A chunk of microbatches' inputs -> their tokens, split over the encoder's dp (`owners`:
   their slots' owners, in training: `Context.encode`)."""
-  out = ctx.encode(name, params, trees.stack(inputs), owners and ctx.owners(name, owners))
+  drop = owners and name in ctx.dropping
+  out = ctx.encode(name, params, trees.stack(inputs), trees.stack(owners) if drop else None)
   return [jax.lax.with_sharding_constraint(out[i], ctx.plan.sharding(name))
           for i in range(len(inputs))]
 
