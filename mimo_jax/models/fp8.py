@@ -1,10 +1,11 @@
 """FP8 matmuls for the blocks' linear layers (`model.<module>.fp8`), with current or delayed
 scaling (`model.<module>.fp8_scaling`).
 
-Each operand of a matmul is scaled by a power of two taken from its own absolute maximum at the
-call, so that it spans the FP8 range, and cast: the inputs and the kernel to float8_e4m3fn (3
-mantissa bits, up to 448) in the forward pass, the incoming gradient to float8_e5m2 (2 mantissa
-bits, up to 57344: the wider range gradients need) in the backward pass. Current scaling keeps no
+With current scaling (the default) each operand of a matmul is scaled by a power of two taken
+from its own absolute maximum at the call, so that it spans the FP8 range, and cast: the inputs
+and the kernel to float8_e4m3fn (3 mantissa bits, up to 448) in the forward pass, the incoming
+gradient to float8_e5m2 (2 mantissa bits, up to 57344: the wider range gradients need) in the
+backward pass. Current scaling keeps no
 state (no amax history as delayed scaling does): parameters, optimizer state and checkpoints are
 those of a bfloat16 run. A power-of-two scale is exact in every float type, so scaling and
 unscaling add no rounding of their own.
@@ -35,7 +36,9 @@ leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): 
 them by maximum wherever it adds gradients (microbatches, dp ranks: optim.combine,
 optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the optimizer. A
 value beyond the history's scale saturates at the FP8 maximum (clipped, never NaN); an empty
-history (a fresh run's first step) gives scale 1, as Transformer Engine's initial scale. Kernels
+history (a fresh run's first step) gives scale 1, as Transformer Engine's initial scale (for that
+step values beyond the type's range saturate and those below its smallest subnormal, small
+gradients among them, flush to zero). Kernels
 keep current scaling: a kernel's reduction is small and its cast reads a parameter, not an
 activation being produced. Under `jax.vmap` or a loop that reuses a layer within one
 differentiation, autodiff would add the recorded values: validation refuses delayed scaling on a
