@@ -24,7 +24,8 @@ Variants (the argument after the colon):
                  rows with 16 row buckets and 8 image-slot buckets, the ViT's layer loop unrolled
                  and its attention forward kept for the backward (remat dots_attention); about
                  79 GiB a GPU, more than an 80 GB H100 leaves free; a microbatch whose shape is
-                 still compiling runs padded to a compiled one (run.while_compiling=pad)
+                 still compiling runs padded to a compiled one (run.while_compiling=pad),
+                 six threads compile ahead with XLA's kernel heuristics (run.autotune=false)
   llm8b          an 8B-class Llama-3-shaped language model (32 layers of width 4096, 32 heads /
                  8 key-value heads, SwiGLU 14336, vocabulary 128256: 8.0 B parameters) with the
                  ViT-L, one image a sample; both modules shard their state over their dp ranks
@@ -91,8 +92,10 @@ def get_config(arg: str | None = None) -> Config:
     d.microbatch_fill, d.pack_rows, d.row_buckets, d.slot_buckets = "pack", 16, 16, 8
     cfg.topology.vision.unroll, cfg.topology.vision.remat = True, "dots_attention"
     # 16 x 8 buckets make dozens of shapes of ~40 s of compiling each: steps run padded to a
-    # compiled shape while theirs compiles instead of waiting (README, compilation).
-    cfg.run.while_compiling = "pad"
+    # compiled shape while theirs compiles instead of waiting, and XLA's heuristics choose the
+    # kernels, so that a compile needs no GPU time while steps run (README, compilation).
+    cfg.run.while_compiling, cfg.run.autotune = "pad", False
+    cfg.run.compile_ahead, cfg.run.compile_threads = 16, 6
   elif arg == "llm8b":
     lm.dim, lm.layers, lm.heads, lm.kv_heads, lm.mlp_dim = 4096, 32, 32, 8, 14336
     lm.vocab_size = 128_256

@@ -325,6 +325,10 @@ class RunConfig:
   # or pad: run it padded to the smallest compiled shape that holds it (the full shape compiles
   # first); the same loss, rounded by another program (precompile.py).
   while_compiling: str = "wait"
+  # GPUs: XLA times candidate kernels for each matmul when it compiles a step program (the
+  # fastest steps; the timing runs on the GPU, behind any step running there); false = its
+  # heuristics choose (programs.HEURISTIC_KERNELS): a compile needs no GPU time.
+  autotune: bool = True
 
 
 @dataclasses.dataclass

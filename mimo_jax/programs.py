@@ -370,6 +370,17 @@ def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
   return new, opt_state, norm, scale
 
 
+# XLA's GPU options when `run.autotune` is false: its heuristics choose each matmul's kernel (no
+# candidate is timed on the GPU, so a compile does not wait on the steps that run meanwhile), and
+# no matmul is fused into a generated (Triton) kernel, whose choice would need timing.
+HEURISTIC_KERNELS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options(cfg: Config) -> dict | None:
+  """The step programs' XLA options (`run.autotune`); other backends ignore them."""
+  return None if cfg.run.autotune else dict(HEURISTIC_KERNELS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Programs:
   """The jitted programs of a step, per module where they run on its mesh (the fused program and
@@ -390,26 +401,27 @@ class Programs:
   def build(cls, ctx: Context) -> "Programs":
     plan, mode = ctx.plan, ctx.mode
     part = functools.partial
+    jit = part(jax.jit, compiler_options=compiler_options(ctx.cfg))
     scalar = lambda n: plan.sharding(n, REPLICATED)
     metrics = {"loss": scalar("language"), "mismatches": scalar("language")}
-    acc = lambda mode, names: jax.jit(part(accumulator, ctx, mode), out_shardings={
+    acc = lambda mode, names: jit(part(accumulator, ctx, mode), out_shardings={
         "grads": {n: mode.acc_sh(n, plan[n]) for n in names}, **metrics})
     return cls(
-        encoder_forward={n: jax.jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
-        encoder_tokens={n: jax.jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
-        encoder_backward={n: jax.jit(part(encoder_backward, plan[n].trained(plan[n].labels)),
+        encoder_forward={n: jit(part(encoder_forward, ctx, n)) for n in ctx.encoders},
+        encoder_tokens={n: jit(part(encoder_tokens, ctx, n)) for n in ctx.encoders},
+        encoder_backward={n: jit(part(encoder_backward, plan[n].trained(plan[n].labels)),
                                      donate_argnums=(2,), out_shardings=plan[n].trained_sh)
                           for n in ctx.encoders},
-        language_step=jax.jit(part(language_step, ctx), donate_argnums=(1,)),
-        fused_step=jax.jit(part(fused_step, ctx), donate_argnums=(1,)) if mode.fused else None,
+        language_step=jit(part(language_step, ctx), donate_argnums=(1,)),
+        fused_step=jit(part(fused_step, ctx), donate_argnums=(1,)) if mode.fused else None,
         language_accumulator=acc(ctx.split_mode, ["language"]),
         fused_accumulator=acc(mode, list(plan.modules)) if mode.fused else None,
-        zeros={n: jax.jit(lambda params, p=p: zeros(p.trained(params)), out_shardings=p.trained_sh)
+        zeros={n: jit(lambda params, p=p: zeros(p.trained(params)), out_shardings=p.trained_sh)
                for n, p in plan.modules.items()},
-        reduce={n: jax.jit(part(reduce, p.trained(p.labels)), out_shardings=p.grad_sh)
+        reduce={n: jit(part(reduce, p.trained(p.labels)), out_shardings=p.grad_sh)
                 for n, p in plan.modules.items()},
-        sq_norm={n: jax.jit(part(sq_norm, p.trained(p.labels)), out_shardings=scalar(n))
+        sq_norm={n: jit(part(sq_norm, p.trained(p.labels)), out_shardings=scalar(n))
                  for n, p in plan.modules.items()},
-        update={n: jax.jit(part(update, ctx, n), donate_argnums=(0, 1),
+        update={n: jit(part(update, ctx, n), donate_argnums=(0, 1),
                            out_shardings=(p.trained_sh, p.opt_sh, scalar(n), scalar(n)))
                 for n, p in plan.modules.items()})

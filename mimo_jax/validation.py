@@ -345,6 +345,13 @@ def validate_backend(cfg: Config, backend: str) -> None:
   require(not (backend == "cpu" and cfg.model.dtype == "bfloat16" and pipelined), "model.dtype",
            f"bfloat16 with pipeline stages ({', '.join(pipelined)} pp > 1) does not run on CPU "
            "(XLA's CPU backend cannot all-reduce bfloat16); use float32 on CPU, or a GPU.")
+  # On a GPU the shapes that compile while padded steps run would time their kernels there,
+  # behind the steps: minutes a shape on an H200 (docs/benchmarks.md), padded steps meanwhile.
+  require(not (backend == "gpu" and cfg.run.while_compiling == "pad" and cfg.run.autotune),
+          "run.while_compiling", "pad on a GPU needs run.autotune=false: with autotuning, the "
+          "shapes compiling while the steps run time their kernels on the GPU behind the steps "
+          "(minutes a shape instead of seconds); set run.autotune=false, or "
+          "run.while_compiling=wait.")
 
 
 def _pipeline_schedule(cfg: Config, name: str, t) -> None:

@@ -144,8 +144,10 @@ def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it
   """run.while_compiling=pad: while a microbatch's own program compiles, the step sends it padded
   to the full shape (compiled first, alone), which compiles nothing more and gives the loss and
   gradient norm of the unpadded step up to float32 rounding; once its program is compiled the
-  microbatch goes as it is."""
+  microbatch goes as it is. With run.autotune=false (as configs/vlm.py:tuned pads) the programs
+  compiled ahead carry XLA's heuristic-kernel options and are still the ones the steps call."""
   cfg = _bucketed(data_dir)
+  cfg.run.autotune = False
   step = Step.build(cfg)
   state = step.init_state(cfg.train.seed)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
@@ -178,3 +180,17 @@ def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it
   for name in ("loss", "grad_norm"):
     assert float(padded_metrics[name]) == pytest.approx(float(metrics[name]), rel=1e-6)
   compiler.close()
+
+
+def test_padding_on_a_gpu_needs_heuristic_kernels(data_dir):
+  """Autotuning compiles time kernels on the GPU behind the padded steps: refused, naming the
+  fields; CPUs have nothing to time."""
+  from mimo_jax.config import ConfigError
+  from mimo_jax.validation import validate_backend
+  cfg = _bucketed(data_dir)
+  cfg.run.while_compiling = "pad"
+  with pytest.raises(ConfigError, match=r"run\.while_compiling.*run\.autotune=false"):
+    validate_backend(cfg, "gpu")
+  validate_backend(cfg, "cpu")
+  cfg.run.autotune = False
+  validate_backend(cfg, "gpu")
