@@ -38,8 +38,8 @@ class LoraConfig:
   targets: str = r"attn/(q|k|v|o)$,mlp/(gate|up|down)$"
   # Dropout on the adapters' input in training, as PEFT's lora_dropout: a targeted layer computes
   # base(x) + B(A(dropout(x))) * alpha / rank (the base sees x whole). The blocks' layers of the
-  # language model and of an encoder whose slots name their rows (Encoder.dropout_rows: the
-  # image encoder with one image a slot); 0 = none (the program is that of a run without it).
+  # language model and of an encoder whose slots name their rows (Encoder.dropout_rows: one
+  # image or clip a slot, not packed slots); 0 = none (the program is that of a run without it).
   dropout: float = 0.0
 
 

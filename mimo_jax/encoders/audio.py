@@ -32,7 +32,7 @@ from mimo_jax import encoders, hf
 from mimo_jax.config import ACTIVATIONS, Config, ModuleTopology, positive, require
 from mimo_jax.data.audio import window_tokens
 from mimo_jax.flops import kernel_params
-from mimo_jax.models import mimo, whisper
+from mimo_jax.models import lora, mimo, whisper
 from mimo_jax.models.whisper import PROJECTORS, WhisperConfig
 
 AUDIO_TOKEN = 4  # the default placeholder id (the built-in tokenizer's texts never use it)
@@ -258,6 +258,15 @@ class Audio(encoders.Encoder):
     tok = tok.reshape((M, n, w) + tok.shape[2:])
     return jax.vmap(lambda t, f: whisper.compact(t, f, model.cfg.pool))(tok, frames)
 
+  def dropout_rows(self, cfg: Config):
+    """A clip a slot: a row of the blocks (a window's position) is (its slot's sample, the
+    clip's place among the sample's clips · windows · positions + the window's · positions + the
+    position). Packed slots are not named so (None)."""
+    a = cfg.model.audio
+    if a.slot_frames:
+      return None
+    return lambda inputs, owner_nt: _clip_rows(owner_nt, a.max_windows, a.positions)
+
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
     """6·N a position for the tower's matmuls (the first convolution at two frames a position),
     bidirectional attention over each window (packed: over its audio positions alone), and 6·N
@@ -274,6 +283,15 @@ class Audio(encoders.Encoder):
 
 
 ENCODER = encoders.register(Audio())
+
+
+def _clip_rows(owner_nt: jax.Array, windows: int, positions: int) -> tuple[jax.Array, jax.Array]:
+  """`Audio.dropout_rows`: sample ids and positions [n · windows, positions]."""
+  n = owner_nt.shape[0]
+  place = lora.item_places(owner_nt)[:, None, None] * windows
+  pos = (place + jnp.arange(windows)[None, :, None]) * positions + jnp.arange(positions)
+  ids = jnp.broadcast_to(owner_nt[:, :1, None], pos.shape)
+  return ids.reshape(n * windows, positions), pos.reshape(n * windows, positions).astype(jnp.int32)
 
 
 def hidden_states(cfg: Config, params: dict, mel_nfm, frames_n=None) -> jax.Array:

@@ -262,12 +262,8 @@ class Vision(encoders.Encoder):
 def _image_rows(inputs: dict, owner_nt: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
   """`Vision.dropout_rows`: sample ids and positions [n, rows] of one-image slots."""
   del inputs
-  owner_n = owner_nt[:, 0]
-  slot = jnp.arange(owner_n.shape[0])
-  before = (owner_n[None, :] == owner_n[:, None]) & (slot[None, :] < slot[:, None])
-  nth = jnp.sum(before, axis=1, dtype=jnp.int32)  # the sample's images in earlier slots
-  positions = nth[:, None] * rows + jnp.arange(rows, dtype=jnp.int32)
-  return jnp.broadcast_to(owner_n[:, None], positions.shape), positions
+  positions = lora.item_places(owner_nt)[:, None] * rows + jnp.arange(rows, dtype=jnp.int32)
+  return jnp.broadcast_to(owner_nt[:, :1], positions.shape), positions
 
 
 def _tower(cfg: Config) -> None:

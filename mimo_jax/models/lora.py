@@ -186,6 +186,17 @@ def token_seeds(seed: int, module: str, sample_ids: jax.Array, positions: jax.Ar
   return _combine(_combine(jnp.full(sample_ids.shape, h, jnp.uint32), sample_ids), positions)
 
 
+def item_places(owner_nt: jax.Array) -> jax.Array:
+  """For slots of one item each (`owner_nt` [n, t]: the sample owning each token): each item's
+  place among its sample's items [n], as its sample's items in earlier slots. A rank fills its
+  slots in sample order, a sample's all on its rank, so the place is the same on every layout
+  (an encoder's `dropout_rows`)."""
+  owner_n = owner_nt[:, 0]
+  slot = jnp.arange(owner_n.shape[0])
+  before = (owner_n[None, :] == owner_n[:, None]) & (slot[None, :] < slot[:, None])
+  return jnp.sum(before, axis=1, dtype=jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dropout:
   """The adapters' input dropout in one call of a block: `rate` and the block's token seeds
