@@ -55,7 +55,8 @@ DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", 
 # Model fields that change how the step computes, not the parameters: free to differ on resume.
 # Where a run started from (init_from, of the model or a module) does not matter once a
 # checkpoint exists.
-RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")  # and every `init_from`
+# and every `init_from` and `lora.dropout` (how a run trains, not what it trains)
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
 ALLOW_DATA = "--config.checkpoint.allow_data_change=true"
 
 
@@ -699,7 +700,7 @@ def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> l
   settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
   return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
           if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and k not in settings and
-          not k.endswith(".init_from") and saved[k] != current[k]]
+          not k.endswith((".init_from", ".lora.dropout")) and saved[k] != current[k]]
 
 
 def data_values(cfg: Config) -> dict[str, tuple[str, object]]:

@@ -136,10 +136,14 @@ class Compiler:
     if self.pad and number > 1:  # the full shape alone first: the first step needs only it
       concurrent.futures.wait([self._futures[self._full]])
     started = time.perf_counter()
-    self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots, x.text,
-                                           self._inv).compile()
-    took = time.perf_counter() - started
     name = describe(x)
+    try:
+      self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots, x.text,
+                                             self._inv).compile()
+    except Exception as e:  # raised where the loop waits for it; said here, in case it never does
+      self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: {e}")
+      raise
+    took = time.perf_counter() - started
     self.seconds[name] = took
     self.say(f"compiled step program {number} ({name}) in {took:.1f} s")
     return took

@@ -105,8 +105,9 @@ class Context:
         trained=_trained_blocks(plan[n]), indexed=indexed)
     stacks = {n: stack(n, m.layer) for n, m in modules.items()}
     rates = {n: lora_of(cfg, n).dropout for n in modules if lora_of(cfg, n)}
+    # A module with nothing to train runs forward only (split layouts: `encoder_tokens`): no drop
     dropping = {n: stack(n, lora.dropping(modules[n].layer, r), indexed=True)
-                for n, r in rates.items() if r > 0}
+                for n, r in rates.items() if r > 0 and plan[n].trainable}
     mode = GradMode.build(plan, fused=fusable(cfg, plan))
     split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
     return cls(cfg, plan, modules, encoders, stacks, mode, split_mode, dropping)

@@ -115,7 +115,7 @@ def run(cfg: Config) -> list[dict]:
   started = time.time()
   compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
   validate(cfg, len(jax.devices()))
-  validate_backend(cfg, jax.default_backend())
+  validate_backend(cfg, jax.default_backend(), jax.process_count())
   # What the layout needs of each device's memory, before anything is written or compiled.
   memory.check(cfg, warn=lambda line: print(line, file=sys.stderr) if distributed.is_main()
                else None)

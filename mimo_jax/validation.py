@@ -9,8 +9,8 @@ import pathlib
 
 from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS,
-                             SHARD_MODES, TASKS, Config, ConfigError, parse_freeze, parse_lr_mult,
-                             positive, require, run_source)
+                             SHARD_MODES, TASKS, Config, ConfigError, lora_of, parse_freeze,
+                             parse_lr_mult, positive, require, run_source)
 from mimo_jax.schedules import SCHEDULES
 
 
@@ -156,9 +156,12 @@ def _fp8_scaling(cfg: Config, name: str) -> None:
   pp = cfg.topology.module(name).pp
   require(pp == 1, field, f"delayed scaling does not run pipelined (topology.{name}.pp={pp}); "
           "use fp8_scaling=current there.")
-  require(name not in [g.strip() for g in cfg.optim.freeze.split(",")], field,
+  # The blocks' trained weights: the adapters with LoRA (the base is frozen then), else the
+  # tower's own; frozen, no backward pass runs through the blocks to record anything.
+  blocks = f"{name}_lora" if lora_of(cfg, name) else name
+  require(blocks not in [g.strip() for g in cfg.optim.freeze.split(",")], field,
           f"delayed scaling records its abs-maxes in the backward pass of trained blocks, and "
-          f"optim.freeze freezes {name}; use fp8_scaling=current there.")
+          f"optim.freeze freezes {blocks}; use fp8_scaling=current there.")
 
 
 def _task(cfg: Config) -> None:
@@ -338,9 +341,10 @@ def validate_data(cfg: Config) -> None:
             "model's own), or convert the data with the model's tokenizer.")
 
 
-def validate_backend(cfg: Config, backend: str) -> None:
+def validate_backend(cfg: Config, backend: str, processes: int = 1) -> None:
   """What the platform cannot run: XLA's CPU backend aborts on a bfloat16 all-reduce, which the
-  pipeline's stage-to-stage gradients need."""
+  pipeline's stage-to-stage gradients need; padding while compiling on a GPU or over several
+  processes (below)."""
   pipelined = [n for n, t in cfg.topology.modules().items() if t.pp > 1]
   require(not (backend == "cpu" and cfg.model.dtype == "bfloat16" and pipelined), "model.dtype",
            f"bfloat16 with pipeline stages ({', '.join(pipelined)} pp > 1) does not run on CPU "
@@ -351,6 +355,12 @@ def validate_backend(cfg: Config, backend: str) -> None:
           "run.while_compiling", "pad on a GPU needs run.autotune=false: with autotuning, the "
           "shapes compiling while the steps run time their kernels on the GPU behind the steps "
           "(minutes a shape instead of seconds); set run.autotune=false, or "
+          "run.while_compiling=wait.")
+  # Each process pads by what it has compiled: processes whose compiles end at other times
+  # would run programs of other shapes in one step, and their collectives would not meet.
+  require(not (processes > 1 and cfg.run.while_compiling == "pad"), "run.while_compiling",
+          f"pad runs in one process only ({processes} processes here: each would pad by its own "
+          "compiles, and their programs would differ within a step); set "
           "run.while_compiling=wait.")
 
 

@@ -182,9 +182,9 @@ def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it
   compiler.close()
 
 
-def test_padding_on_a_gpu_needs_heuristic_kernels(data_dir):
+def test_padding_on_a_gpu_needs_heuristic_kernels_and_one_process(data_dir):
   """Autotuning compiles time kernels on the GPU behind the padded steps: refused, naming the
-  fields; CPUs have nothing to time."""
+  fields; CPUs have nothing to time. Several processes would each pad by their own compiles."""
   from mimo_jax.config import ConfigError
   from mimo_jax.validation import validate_backend
   cfg = _bucketed(data_dir)
@@ -194,3 +194,5 @@ def test_padding_on_a_gpu_needs_heuristic_kernels(data_dir):
   validate_backend(cfg, "cpu")
   cfg.run.autotune = False
   validate_backend(cfg, "gpu")
+  with pytest.raises(ConfigError, match=r"run\.while_compiling: pad runs in one process only"):
+    validate_backend(cfg, "gpu", processes=2)  # each would pad by its own compiles

@@ -313,7 +313,10 @@ def test_resume_continues_exactly(data_dir, full_run, tmp_path):
     (lambda c: setattr(c.model.language, "fp8", False), "fp8_scaling", "fp8=true"),
     (lambda c: setattr(c.topology.language, "pp", 2), "fp8_scaling", "pipelined"),
     (lambda c: setattr(c.optim, "freeze", "vision"), "fp8_scaling", "freeze"),
-], ids=["scaling", "history", "no_fp8", "pipelined", "frozen"])
+    # With LoRA the base is frozen anyway: the adapters frozen, no backward runs through the tower
+    (lambda c: (setattr(c.model.vision.lora, "rank", 2),
+                setattr(c.optim, "freeze", "vision_lora")), "fp8_scaling", "freezes vision_lora"),
+], ids=["scaling", "history", "no_fp8", "pipelined", "frozen", "frozen_adapters"])
 def test_bad_or_unsupported_settings_are_refused(data_dir, change, field, words):
   cfg = _cfg(data_dir)
   change(cfg)

@@ -199,13 +199,14 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
 
 
 def test_the_tool_prints_control_characters_of_an_answer_escaped(monkeypatch, capsys):
-  # An untrained model's bytes (escape sequences, carriage returns, the bell) must not act on
-  # the terminal; an answer's own lines and tabs, and any other text, print as they are.
-  answers = ["\x1b[2Jcleared\rover\x07 é\ufffd", "two\n\tlines\x85"]
+  # An untrained model's bytes (escape sequences, carriage returns, the bell, a right-to-left
+  # override) must not act on the terminal; an answer's own lines and tabs, and any other text,
+  # print as they are.
+  answers = ["\x1b[2Jcleared\rover\x07 é\ufffd", "two\n\tlines\x85\u202eright\u200b"]
   monkeypatch.setattr(generate_tool, "run", lambda args: answers)
   assert generate_tool.main(["run", "--prompt", "a\x1b]0;title\x07", "--prompt", "b"]) == 0
   assert capsys.readouterr().out == ("> a\\x1b]0;title\\x07\n\\x1b[2Jcleared\\rover\\x07 é\ufffd\n"
-                                     "> b\ntwo\n\tlines\\x85\n")
+                                     "> b\ntwo\n\tlines\\x85\\u202eright\\u200b\n")
 
 
 def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):

@@ -116,7 +116,7 @@ class Run:
     self.started = time.perf_counter()
     self.first_step_s = None  # set by the first step
     validate(cfg, len(jax.devices()))
-    validate_backend(cfg, jax.default_backend())
+    validate_backend(cfg, jax.default_backend(), jax.process_count())
     self.cfg = cfg
     # Refused before compiling where a device cannot hold it (run.device_memory_gb or the
     # device's own); the estimate is a lower bound to set beside the measured peak.

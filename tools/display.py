@@ -15,7 +15,8 @@ def count(n: int, noun: str, plural: str = "") -> str:
 
 def printable(text: str) -> str:
   """`text` with each control character but newline and tab written as its escape (`\\x1b`,
-  `\\r`, `\\x85`): a random or untrained model's tokens would otherwise move the cursor, clear
-  the screen or ring the bell where its answer is printed."""
-  return "".join(c if c in _KEPT or unicodedata.category(c) != "Cc"
+  `\\r`, `\\x85`), and each format character (`\\u202e`, `\\u200b`): a random or untrained
+  model's tokens would otherwise move the cursor, clear the screen, ring the bell or reverse the
+  line where its answer is printed."""
+  return "".join(c if c in _KEPT or unicodedata.category(c) not in ("Cc", "Cf")
                   else c.encode("unicode_escape").decode("ascii") for c in text)

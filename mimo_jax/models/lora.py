@@ -214,7 +214,8 @@ class Dropout:
     """x [..., features] dropped and the rest scaled by 1 / (1 - rate), as torch's Dropout."""
     if self.seeds.shape != x.shape[:-1]:
       raise ValueError(f"dropout seeds {self.seeds.shape} do not match the input {x.shape}")
-    kept = x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype)
+    # Scaled in float32, then rounded once (a bfloat16 1 / (1 - rate) would bias every value).
+    kept = (x.astype(jnp.float32) * np.float32(1.0 / (1.0 - self.rate))).astype(x.dtype)
     return jnp.where(self.keep(salt, x.shape[-1]), kept, jnp.zeros((), x.dtype))
 
 
