@@ -6,7 +6,8 @@ as XLA takes. The loop reads its batches `run.compile_ahead` steps before it run
 each shape read is compiled at once in a background thread (`jit(...).lower(...).compile()`,
 which leaves its executable in jax's caches, the persistent one included, and releases the GIL
 while XLA works), so the first step waits for its own program only and later shapes are ready
-when met (tracing and lowering hold the GIL: the loop's dispatch may wait on them meanwhile).
+when met (tracing and lowering hold the GIL: the loop's dispatch may wait on them meanwhile, so
+one thread traces at a time).
 Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies with
 the batch's shape in one program; split layouts compile their programs when met.
 
@@ -69,6 +70,7 @@ class Compiler:
         max(threads, 1), thread_name_prefix="mimo_jax-compile") if self.enabled else None
     self._futures: dict[tuple, concurrent.futures.Future] = {}
     self._lock = threading.Lock()
+    self._tracing = threading.Lock()  # one compile thread traces at a time (`_compile`)
     self.seconds: dict[str, float] = {}  # shape -> seconds its compile took (in its thread)
     if not self.enabled:
       return
@@ -138,8 +140,13 @@ class Compiler:
     started = time.perf_counter()
     name = describe(x)
     try:
-      self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots, x.text,
-                                             self._inv).compile()
+      # Tracing and lowering are Python, under its lock: one thread at a time, so that the loop's
+      # own Python work competes with one of them, not with every thread; XLA's compiles, which
+      # release that lock, run side by side.
+      with self._tracing:
+        lowered = self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots,
+                                                         x.text, self._inv)
+      lowered.compile()
     except Exception as e:  # raised where the loop waits for it; said here, in case it never does
       self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: {e}")
       raise
