@@ -2,6 +2,7 @@
 current scaling, saturation, the histories rolling over steps, training against bfloat16 and
 current scaling, parity of dp and microbatches with one device, and resume."""
 
+import pathlib
 import shutil
 
 import jax
@@ -345,26 +346,19 @@ def test_histories_are_outside_the_optimizer_clip_and_norm():
   np.testing.assert_array_equal(ranks["kernel"], 3 * np.ones((2, 2)))
 
 
-def test_lora_adapters_train_beside_delayed_scaling_and_resume(data_dir, tmp_path_factory):
+def test_lora_adapters_train_beside_delayed_scaling(data_dir, tmp_path_factory):
   """The language model's adapters train while its base stays frozen; its histories still record
-  through the base (the adapters' gradients flow through it), are saved with the trained part
-  of each step (the base step holds the frozen weights) and resume exactly."""
-  def cfg(workdir):
-    c = _cfg(data_dir, workdir)
-    c.model.language.lora.rank = 4
-    c.train.steps = 3
-    return c
-  full, resumed_dir = tmp_path_factory.mktemp("lora_full"), tmp_path_factory.mktemp("lora_resumed")
-  records = train.run(cfg(full))
-  shutil.copytree(full / "checkpoints", resumed_dir / "checkpoints")
-  for d in (resumed_dir / "checkpoints").iterdir():
-    if d.name.isdigit() and int(d.name) > 1:
-      shutil.rmtree(d)
-  got, want = _losses(train.run(cfg(resumed_dir))), _losses(records)
-  assert sorted(got) == [2, 3] and all(got[s] == want[s] for s in got)
+  through the base (the adapters' gradients flow through it) and are saved with the trained part
+  of each step (the base step holds the frozen weights). (A resume restores what a step saved:
+  test_resume_continues_exactly; with adapters, tests/test_lora_resume.py.)"""
+  c = _cfg(data_dir, tmp_path_factory.mktemp("lora_full"))
+  c.model.language.lora.rank = 4
+  c.train.steps = 3
+  full = pathlib.Path(c.run.workdir)
+  train.run(c)
   saved = _saved(full, 3)
-  for k, h in _saved(resumed_dir, 3).items():
-    np.testing.assert_array_equal(h, saved[k], err_msg=k)
+  assert saved.keys() == _saved(full, 2).keys()
+  assert any(np.any(saved[k] != h) for k, h in _saved(full, 2).items())  # rolled since step 2
   lang = {k: h for k, h in saved.items() if k.startswith("language/")}
   assert len(lang) == 14 and all(np.all(h > 0) for h in lang.values())
   reader = Reader(str(full))

@@ -184,8 +184,7 @@ def test_evaluation_does_not_drop(single, data_dir):
                                 whole.language_logits(plain.cfg, host, ids))
 
 
-@pytest.mark.parametrize("topo", [
-    pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1)}, id="dp2-split"),
+@pytest.mark.parametrize("topo", [  # split programs with language dp2 (dp2-tp2 holds dp2 alone)
     pytest.param({"vision": (0, 2, 1), "language": (2, 2, 2)}, id="dp2-tp2"),
     pytest.param({"vision": (0, 2, 1), "language": (2, 2, 1, 2)}, id="dp2-pp2"),
     pytest.param({"vision": (0, 2, 1), "language": (2, 4, 1), "shard": "full"}, id="fsdp4"),
