@@ -11,6 +11,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import textwrap
 import sys
 import time
 
@@ -180,6 +181,34 @@ def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig, early):
   assert err.strip().splitlines()[-1].endswith(f"convert: interrupted ({sig.name}); nothing "
                                                f"was written to {tmp_path / 'out'}.")
   assert _leftovers(tmp_path) == []
+
+
+def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_traceback():
+  """A signal handler's exception cannot leave a garbage-collection callback (Python hands it to
+  `sys.unraisablehook`, which prints 'Exception ignored' and a traceback): the signal is recorded
+  for the conversion loop, and nothing is printed. Run in a child, where the hook is Python's own."""
+  script = textwrap.dedent("""
+      import gc, os, signal
+      from mimo_jax.data import conversations
+
+      def callback(phase, info):
+        if phase == "start":
+          os.kill(os.getpid(), signal.SIGINT)
+          for _ in range(1000):  # the handler runs between bytecodes
+            pass
+      with conversations._caught_signals() as caught:
+        gc.callbacks.append(callback)
+        try:
+          gc.collect()
+        finally:
+          gc.callbacks.remove(callback)
+      print(caught)
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120, check=False, cwd=ROOT, env=ENV)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == f"[{int(signal.SIGINT)}]"
+  assert proc.stderr == ""
 
 
 def test_a_rerun_after_a_kill_converts(src, tmp_path, capsys):
