@@ -67,10 +67,27 @@ def raise_if_interrupted() -> None:
 
 
 @contextlib.contextmanager
+def quiet_lost_interrupts() -> Iterator[None]:
+  """While the block runs, an `Interrupted` that cannot leave a garbage-collection callback or a
+  finalizer is not printed: Python hands it to `sys.unraisablehook`, whose default prints
+  'Exception ignored' and a traceback. Whoever raised it keeps a record and raises it again."""
+  kept = sys.unraisablehook
+
+  def hook(info):
+    if not isinstance(info.exc_value, Interrupted):
+      kept(info)
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = kept
+
+
+@contextlib.contextmanager
 def interrupts_as_exceptions() -> Iterator[None]:
   """SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block runs (and are
   recorded, so that `raise_if_interrupted` and `staged`'s publish see one whose exception was
-  lost)."""
+  lost, silently: see `quiet_lost_interrupts`)."""
   def handle(signum, frame):  # pylint: disable=unused-argument
     _PENDING.append(signum)
     raise Interrupted(signum)
@@ -82,7 +99,8 @@ def interrupts_as_exceptions() -> Iterator[None]:
     except ValueError:  # not the main thread: signals stay as they are
       pass
   try:
-    yield
+    with quiet_lost_interrupts():
+      yield
   finally:
     for s, h in kept.items():
       signal.signal(s, h)

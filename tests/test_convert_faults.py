@@ -183,31 +183,37 @@ def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig, early):
   assert _leftovers(tmp_path) == []
 
 
-def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_traceback():
+@pytest.mark.parametrize("context,sig,record", [
+    ("conversations._caught_signals()", signal.SIGINT, "caught"),
+    ("output.interrupts_as_exceptions()", signal.SIGTERM, "output._PENDING")])
+def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_traceback(
+    context, sig, record):
   """A signal handler's exception cannot leave a garbage-collection callback (Python hands it to
   `sys.unraisablehook`, which prints 'Exception ignored' and a traceback): the signal is recorded
-  for the conversion loop, and nothing is printed. Run in a child, where the hook is Python's own."""
-  script = textwrap.dedent("""
+  for the loop to raise again, and nothing is printed. Run in a child, where the hook is Python's
+  own."""
+  script = textwrap.dedent(f"""
       import gc, os, signal
+      from mimo_jax import output
       from mimo_jax.data import conversations
 
       def callback(phase, info):
         if phase == "start":
-          os.kill(os.getpid(), signal.SIGINT)
+          os.kill(os.getpid(), {int(sig)})
           for _ in range(1000):  # the handler runs between bytecodes
             pass
-      with conversations._caught_signals() as caught:
+      with {context} as caught:
         gc.callbacks.append(callback)
         try:
           gc.collect()
         finally:
           gc.callbacks.remove(callback)
-      print(caught)
+        print(list({record}))
   """)
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=120, check=False, cwd=ROOT, env=ENV)
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.strip() == f"[{int(signal.SIGINT)}]"
+  assert proc.stdout.strip() == f"[{int(sig)}]"
   assert proc.stderr == ""
 
 

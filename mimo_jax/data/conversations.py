@@ -462,26 +462,21 @@ def _caught_signals() -> Iterator[list[int]]:
   """Records SIGINT, SIGTERM and SIGHUP (where Python handles them) as they raise
   `output.Interrupted`. A handler's exception raised inside a garbage-collection callback or a
   finalizer cannot leave it: Python hands it to `sys.unraisablehook`, which would print a
-  traceback. That hook stays silent about it here, and the conversion loop looks at the record."""
+  traceback. It stays silent here (`output.quiet_lost_interrupts`), and the conversion loop looks at
+  the record."""
   caught, kept = [], {}
 
   def handle(signum, frame):  # pylint: disable=unused-argument
     caught.append(signum)
     raise output.Interrupted(signum)
-  unraisable = sys.unraisablehook
-
-  def quiet(info):
-    if not isinstance(info.exc_value, output.Interrupted):
-      unraisable(info)
   if threading.current_thread() is threading.main_thread():
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
       if callable(signal.getsignal(s)):
         kept[s] = signal.signal(s, handle)
-  sys.unraisablehook = quiet
   try:
-    yield caught
+    with output.quiet_lost_interrupts():
+      yield caught
   finally:
-    sys.unraisablehook = unraisable
     for s, h in kept.items():
       signal.signal(s, h)
 
