@@ -94,7 +94,7 @@ class Lock:
           "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):
       try:
-        fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        self._create(me)
       except FileExistsError:
         holder = self._holder()
         if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
@@ -114,11 +114,30 @@ class Lock:
         raise WorkdirError(
             f"{os.path.dirname(self.file)} is in use by another run ({who}); stop it or choose "
             f"another run.workdir. If that run is gone, delete {self.file}.") from None
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
       self._held = True
       return self
     raise WorkdirError(f"could not take {self.file}; delete it if no run uses this workdir.")
+
+  def _create(self, me: dict) -> None:
+    """Creates the lock file holding `me`, or raises FileExistsError. The file appears with its
+    contents (written aside, then hard-linked into place), so another process never reads an
+    empty lock and names no holder; where the filesystem has no hard links, it is created empty
+    and then written."""
+    aside = f"{self.file}.{me['host']}.{me['pid']}.tmp"
+    with open(aside, "w", encoding="utf-8") as f:
+      json.dump(me, f)
+    try:
+      os.link(aside, self.file)
+      return
+    except FileExistsError:
+      raise
+    except OSError:
+      pass  # no hard links here
+    finally:
+      os.remove(aside)
+    fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      json.dump(me, f)
 
   def _holder(self) -> dict:
     try:

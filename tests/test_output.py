@@ -131,3 +131,28 @@ def test_a_stale_lock_is_taken_over_once(tmp_path, monkeypatch):
   with pytest.raises(workdir.WorkdirError, match="in use by another run"):
     second.acquire()
   assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_a_lock_appears_with_its_holder_named(tmp_path, monkeypatch, links):
+  """The lock file is never seen empty (a second writer would name no holder): it is written
+  aside and hard-linked into place; without hard links it is created, then written."""
+  from mimo_jax import workdir  # pylint: disable=import-outside-toplevel
+  lock = tmp_path / ".o.lock"
+  link, seen = os.link, []
+
+  def watched(src, dst):  # what a reader finds the moment the lock appears
+    if not links:
+      raise PermissionError(1, "hard links not supported", dst)
+    link(src, dst)
+    seen.append(json.loads(lock.read_text()))
+  monkeypatch.setattr(workdir.os, "link", watched)
+  held = workdir.Lock(str(tmp_path), name=".o.lock").acquire()
+  assert json.loads(lock.read_text())["pid"] == os.getpid()
+  assert [s["pid"] for s in seen] == ([os.getpid()] if links else [])
+  assert sorted(p.name for p in tmp_path.iterdir()) == [".o.lock"]  # nothing left aside
+  with pytest.raises(workdir.WorkdirError, match=f"pid {os.getpid()}"):
+    workdir.Lock(str(tmp_path), name=".o.lock").acquire()
+  assert sorted(p.name for p in tmp_path.iterdir()) == [".o.lock"]
+  held.release()
+  assert not list(tmp_path.iterdir())
