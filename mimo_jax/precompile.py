@@ -12,9 +12,9 @@ Only the fused step (every module on one dp-only mesh: `GradMode.fused`) varies 
 the batch's shape in one program; split layouts compile their programs when met.
 
 With `run.while_compiling=pad` no step waits for a shape after the first: the full shape (every
-row and slot of a microbatch sent) compiles first, alone, and the first step runs on it; after
-that a microbatch whose own program is still compiling is sent padded to the smallest compiled
-shape that holds it (`Compiler.fit`). Padding sends more of the microbatch's empty rows and slots,
+row and slot of a microbatch sent) compiles first, alone, and the first step runs on it; the
+other shapes start once that step has ended, and until its own program is compiled a microbatch
+is sent padded to the smallest compiled shape that holds it (`Compiler.fit`). Padding sends more of the microbatch's empty rows and slots,
 which carry no loss: the loss and gradients are the same sums, though a program of another shape
 may round them differently (so a run's last bits depend on how fast its shapes compiled).
 """
@@ -56,8 +56,7 @@ class Compiler:
   """Compiles the fused step's program per microbatch shape in background threads; `wait` makes
   the loop take a compiled program (never a second compile of one being compiled)."""
 
-  def __init__(self, trainer: Step, state: dict, threads: int, say: Callable[[str], None],
-               pad: bool = False):
+  def __init__(self, trainer: Step, threads: int, say: Callable[[str], None], pad: bool = False):
     self.trainer = trainer
     self.say = say
     self.enabled = trainer.ctx.mode.fused and threads > 0
@@ -72,10 +71,16 @@ class Compiler:
     self._lock = threading.Lock()
     self._tracing = threading.Lock()  # one compile thread traces at a time (`_compile`)
     self.seconds: dict[str, float] = {}  # shape -> seconds its compile took (in its thread)
+    # With `pad`, the shapes after the full one start once the run's first step has ended: on a
+    # restart they load from the compilation cache, and each load's tracing would hold Python's
+    # lock against the first step's dispatch.
+    self._first_step = threading.Event()
     if not self.enabled:
       return
     pr = trainer.programs
-    self._params = abstract({n: state[n].params for n in trainer.plan.modules})
+    # The parameters as the plan lays them out (what a restored or initialised state holds): the
+    # programs compile while the state is still being restored.
+    self._params = abstract({n: trainer.plan[n].abstract_params for n in trainer.plan.modules})
     self._acc = pr.fused_accumulator.lower(self._params).out_info
     self._inv = jax.ShapeDtypeStruct((), np.float32,
                                      sharding=trainer.plan.sharding("language", REPLICATED))
@@ -137,6 +142,7 @@ class Compiler:
   def _compile(self, x: Batch, number: int) -> float:
     if self.pad and number > 1:  # the full shape alone first: the first step needs only it
       concurrent.futures.wait([self._futures[self._full]])
+      self._first_step.wait()
     started = time.perf_counter()
     name = describe(x)
     try:
@@ -167,11 +173,16 @@ class Compiler:
       self._futures[key].result()
     return time.perf_counter() - started
 
+  def first_step_ended(self) -> None:
+    """Lets the shapes after the full one start (with `pad`; see `__init__`)."""
+    self._first_step.set()
+
   @property
   def shapes(self) -> int:
     return len(self._futures)
 
   def close(self) -> None:
+    self._first_step.set()
     if self._pool is not None:
       self._pool.shutdown(wait=False, cancel_futures=True)  # a running compile finishes alone
 
@@ -232,6 +243,12 @@ class Ahead:
       self._done = True
       return
     self._buffer.append((batch, self.compiler.keys(batch) if self.compiler else []))
+
+  def prime(self) -> None:
+    """Reads the first step's batch now, so that its programs start compiling (while the run
+    restores its state)."""
+    if not self._buffer and not self._done:
+      self._read()
 
   def __next__(self) -> tuple[Batch, list[tuple]]:
     if not self._buffer:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -190,6 +192,29 @@ class _Window:
     return took, info
 
 
+class _Later:
+  """Lines said (by any thread) before the run's outputs are open, said in order once they are
+  (`to`); said at once after."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._lines: list[str] = []
+    self._say: Callable[[str], None] | None = None
+
+  def __call__(self, line: str) -> None:
+    with self._lock:
+      if self._say is None:
+        self._lines.append(line)
+        return
+    self._say(line)
+
+  def to(self, say: Callable[[str], None]) -> None:
+    with self._lock:
+      for line in self._lines:
+        say(line)
+      self._lines, self._say = [], say
+
+
 class _Loop:
   """One run's training loop: its state, the step whose metrics are still on the devices, what
   is saved and what is logged. `open`, then `run`; `close` always."""
@@ -224,11 +249,28 @@ class _Loop:
     self.window = _Window()
 
   def open(self, paths: dict, lock: workdir.Lock | None, early: _StopFlag) -> None:
-    """Restores (or initialises) the state, checks capacity, opens the outputs and the data."""
+    """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
+    (or initialises) the state meanwhile, and opens the outputs."""
     cfg, trainer, ckpt = self.cfg, self.trainer, self.ckpt
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     self.resumed = found is not None
     self.start = self.saved = found or 0
+    dp = trainer.topo.dp("language")
+    # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
+    capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
+                            progress=print if distributed.is_main() else None,
+                            stop=early.requested)
+    where = loader.locality(trainer.topo, loader.slot_counts(cfg))
+    said = _Later()  # the compile threads' lines, said once the outputs are open
+    if cfg.run.compile_ahead and trainer.ctx.mode.fused:  # else each shape compiles when met
+      self.compiler = precompile.Compiler(trainer, cfg.run.compile_threads, said,
+                                          pad=cfg.run.while_compiling == "pad")
+    self.batches = precompile.Ahead(
+        loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
+        self.compiler, cfg.run.compile_ahead if self.compiler else 0,
+        limit=cfg.train.steps - self.start)
+    if self.compiler is not None:
+      self.batches.prime()  # its programs compile while the state is restored
     meta = {}
     if found is not None:
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
@@ -239,11 +281,6 @@ class _Loop:
     checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
                          state_lib.frozen_paths(trainer.plan, self.lora))
     started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
-    dp = trainer.topo.dp("language")
-    # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
-    capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
-                            progress=print if distributed.is_main() else None,
-                            stop=early.requested)
     named = cfg.data.task in ("digits", "av_digits")  # tasks whose answers are digit words
     self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=named,
                                generated=eval_set.Generated(cfg, paths["eval"], dp)
@@ -256,21 +293,14 @@ class _Loop:
     self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                                 resume_after=self.start, enabled=distributed.is_main())
     self._announce(lock, started)
-    where = loader.locality(trainer.topo, loader.slot_counts(cfg))
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
                       "devices")
-    if cfg.run.compile_ahead and trainer.ctx.mode.fused:  # else each shape compiles when met
-      self.compiler = precompile.Compiler(trainer, self.state, cfg.run.compile_threads,
-                                          self.writer.say, pad=cfg.run.while_compiling == "pad")
     if cfg.run.while_compiling == "pad" and self.compiler is None:
       self.writer.say("run.while_compiling=pad does not apply: this layout compiles each shape "
                       "when met (padding to a compiled shape needs run.compile_ahead > 0 and "
                       "every module on one dp-only mesh)")
-    self.batches = precompile.Ahead(
-        loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
-        self.compiler, cfg.run.compile_ahead if self.compiler else 0,
-        limit=cfg.train.steps - self.start)
+    said.to(self.writer.say)
 
   def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
     """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
@@ -376,6 +406,8 @@ class _Loop:
   def _first_step(self, step: int, now: float) -> None:
     """Says how long the run took to its first step (start-up and compiling included)."""
     self.first_at, self.first_step = now, step
+    if self.compiler is not None:
+      self.compiler.first_step_ended()
     how = (f"waited {self.compile_wait:.1f} s for its programs, compiled ahead; "
            f"{self.compiler.shapes} step program shapes read so far" if self.compiler else
            "its programs compiled when met")

@@ -10,6 +10,7 @@ import types
 import jax
 import numpy as np
 
+from mimo_jax import precompile
 from mimo_jax.config import Config
 from mimo_jax.data import loader
 from mimo_jax.data.layout import Layout
@@ -55,6 +56,10 @@ def run_steps(cfg: Config, steps: int, batches=None) -> tuple[list[dict], Step, 
   for batch in batches[:steps]:
     state, metrics = step.train_step(state, batch)
     out.append(jax.device_get(metrics))
+  # Programs compiled ahead (precompile.py) are compiled for the plan's parameter layout before
+  # the state exists: the state must hold exactly that, or every step would compile again.
+  planned = precompile.abstract({n: step.plan[n].abstract_params for n in state})
+  assert precompile.abstract({n: s.params for n, s in state.items()}) == planned
   return out, step, state, init
 
 

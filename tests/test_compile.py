@@ -114,7 +114,7 @@ def test_step_programs_compiled_ahead_are_the_ones_the_steps_run(data_dir):
     path = loader.build_paths(cfg)["train"]
     ds = loader.train_dataset(cfg, path, step.ctx.groups)
     said = []
-    compiler = precompile.Compiler(step, state, threads=2, say=said.append)
+    compiler = precompile.Compiler(step, threads=2, say=said.append)
     ahead = precompile.Ahead(iter(ds[s] for s in range(steps + 5)), compiler, depth=1, limit=steps)
     ahead.close = lambda: None  # a plain iterator has nothing to close
     losses = []
@@ -143,17 +143,24 @@ def test_step_programs_compiled_ahead_are_the_ones_the_steps_run(data_dir):
 def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it(data_dir):
   """run.while_compiling=pad: while a microbatch's own program compiles, the step sends it padded
   to the full shape (compiled first, alone), which compiles nothing more and gives the loss and
-  gradient norm of the unpadded step up to float32 rounding; once its program is compiled the
-  microbatch goes as it is. With run.autotune=false (as configs/vlm.py:tuned pads) the programs
+  gradient norm of the unpadded step up to float32 rounding; the other shapes compile once the
+  first step has ended, and then the microbatch goes as it is. With run.autotune=false (as configs/vlm.py:tuned pads) the programs
   compiled ahead carry XLA's heuristic-kernel options and are still the ones the steps call."""
   cfg = _bucketed(data_dir)
   cfg.run.autotune = False
   step = Step.build(cfg)
   state = step.init_state(cfg.train.seed)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
-  compiler = precompile.Compiler(step, state, threads=2, say=lambda line: None, pad=True)
+  compiler = precompile.Compiler(step, threads=2, say=lambda line: None, pad=True)
   gate, compile_ = threading.Event(), compiler._compile
   compiler._compile = lambda x, number: compile_(x, number) if number == 1 or gate.wait() else 0
+  parked = threading.Semaphore(0)
+
+  class Parking(threading.Event):
+    def wait(self, timeout=None):
+      parked.release()
+      return super().wait(timeout)
+  compiler._first_step = Parking()
   batch = ds[0]
   keys = compiler.keys(batch)
   padded_batch, used, padded = compiler.fit(batch, keys)
@@ -171,7 +178,13 @@ def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it
     assert not [n for n in compiled if "fused_step" in n]  # the full shape's program ran
   finally:
     monitoring.unregister_event_duration_listener(listener)
+  # The other shapes start once the first step has ended (on a restart each would load from the
+  # cache beside it): released, they wait for it.
   gate.set()
+  for _ in set(keys):
+    assert parked.acquire(timeout=60)
+  assert not compiler.ready(keys)
+  compiler.first_step_ended()
   compiler.wait(keys)
   same, used, padded = compiler.fit(batch, keys)
   assert padded == 0 and same is batch and used == keys

@@ -132,7 +132,7 @@ class Run:
     self.flops = FlopModel.build(cfg, {n: m.abstract_params()
                                        for n, m in self.step.modules.items()})
     self.devices = {d for mesh in self.topo.meshes.values() for d in mesh.devices.flat}
-    self.compiler = precompile.Compiler(self.step, self.state, threads=2, say=print)
+    self.compiler = precompile.Compiler(self.step, threads=2, say=print)
     self.keys = {}  # step -> its program keys (compiled ahead)
     for s in range(ahead if self.compiler.enabled else 0):  # the first step's shapes first
       self.keys[s] = self.compiler.keys(self.dataset[s % len(self.dataset)])
