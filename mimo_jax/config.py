@@ -323,7 +323,8 @@ class RunConfig:
   compile_threads: int = 2  # threads compiling ahead
   # What a step does when a microbatch's shape is still compiling (fused layouts): wait for it,
   # or pad: run it padded to the smallest compiled shape that holds it (the full shape compiles
-  # first); the same loss, rounded by another program (precompile.py).
+  # first, the others once the first step has ended); the same loss, rounded by another program
+  # (precompile.py).
   while_compiling: str = "wait"
   # GPUs: XLA times candidate kernels for each matmul when it compiles a step program (the
   # fastest steps; the timing runs on the GPU, behind any step running there); false = its
