@@ -532,15 +532,23 @@ class Checkpointer:
     return {n: {k: v if v.dtype == wanted[n][k].dtype else v.astype(wanted[n][k].dtype)
                 for k, v in g.items()} for n, g in got.items()}
 
-  def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
-              fresh_opt_state=None) -> tuple[dict[str, ModuleState], dict]:
-    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first, and every
-    array read against the fingerprint saved with it. Optimizer state is read by the saved
-    structure and mapped onto this run's group by group: a group the step has no state for
-    (trained now, frozen then; or a step saved with parameters only) gets its part of
-    `fresh_opt_state(module, params)`, a group frozen now leaves its state on disk."""
+  def checked_meta(self, step: int, cfg: Config) -> dict:
+    """The metadata of `step`, checked against `cfg` (`check_compatible`): what `restore` checks
+    first, for a run to call before it starts anything else."""
     meta = self.read_meta(step)
     self.notes += check_compatible(meta, cfg, self.path, step)
+    return meta
+
+  def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
+              fresh_opt_state=None, meta: dict | None = None) -> tuple[dict[str, ModuleState], dict]:
+    """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first (unless
+    `meta` is `checked_meta`'s), and every array read against the fingerprint saved with it.
+    Optimizer state is read by the saved structure and mapped onto this run's group by group: a
+    group the step has no state for (trained now, frozen then; or a step saved with parameters
+    only) gets its part of `fresh_opt_state(module, params)`, a group frozen now leaves its state
+    on disk."""
+    if meta is None:
+      meta = self.checked_meta(step, cfg)
     where = f"checkpoint {self.path} step {step}"
     saved = self.saved_arrays(step, list(abstract))
     wanted = {n: fingerprint.paths(a) for n, a in abstract.items()}

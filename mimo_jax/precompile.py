@@ -75,6 +75,7 @@ class Compiler:
     # restart they load from the compilation cache, and each load's tracing would hold Python's
     # lock against the first step's dispatch.
     self._first_step = threading.Event()
+    self._closed = False
     if not self.enabled:
       return
     pr = trainer.programs
@@ -143,6 +144,8 @@ class Compiler:
     if self.pad and number > 1:  # the full shape alone first: the first step needs only it
       concurrent.futures.wait([self._futures[self._full]])
       self._first_step.wait()
+      if self._closed:  # the run ended before its first step: a process exit waits for compiles
+        raise concurrent.futures.CancelledError()
     started = time.perf_counter()
     name = describe(x)
     try:
@@ -182,6 +185,7 @@ class Compiler:
     return len(self._futures)
 
   def close(self) -> None:
+    self._closed = True
     self._first_step.set()
     if self._pool is not None:
       self._pool.shutdown(wait=False, cancel_futures=True)  # a running compile finishes alone

@@ -255,6 +255,8 @@ class _Loop:
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     self.resumed = found is not None
     self.start = self.saved = found or 0
+    # The checkpoint agrees with the config (model, modules, data) before anything else runs.
+    meta = ckpt.checked_meta(found, cfg) if found is not None else {}
     dp = trainer.topo.dp("language")
     # Every microbatch's slots and packed rows, from the metadata, before anything compiles.
     capacity.check_capacity(cfg, paths["train"], dp, self.start, cfg.train.steps,
@@ -269,12 +271,11 @@ class _Loop:
         loader.train_iterator(cfg, paths["train"], dp, start_step=self.start, where=where),
         self.compiler, cfg.run.compile_ahead if self.compiler else 0,
         limit=cfg.train.steps - self.start)
-    if self.compiler is not None:
+    if self.compiler is not None and not early.requested():
       self.batches.prime()  # its programs compile while the state is restored
-    meta = {}
     if found is not None:
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
-                                 trainer.fresh_opt_state)
+                                 trainer.fresh_opt_state, meta=meta)
       self.state = trainer.from_canonical(state)
     else:
       self.state = trainer.init_state(cfg.train.seed)
@@ -481,10 +482,10 @@ class _Loop:
 
   def close(self) -> None:
     """Stops the data's workers and closes the checkpoints and outputs."""
+    if self.compiler is not None:
+      self.compiler.close()  # first: nothing waits on the data's workers to stop
     if self.batches is not None:
       self.batches.close()  # stops grain's worker processes and threads
-    if self.compiler is not None:
-      self.compiler.close()
     self.ckpt.close()
     if self.writer is not None:
       self.writer.close()

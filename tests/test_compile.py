@@ -1,6 +1,7 @@
 """The persistent compilation cache (compile_cache.py) and the step programs compiled ahead
 (precompile.py)."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -193,6 +194,23 @@ def test_while_compiling_pad_runs_a_microbatch_on_a_compiled_shape_that_holds_it
   for name in ("loss", "grad_norm"):
     assert float(padded_metrics[name]) == pytest.approx(float(metrics[name]), rel=1e-6)
   compiler.close()
+
+
+def test_a_run_that_ends_before_its_first_step_compiles_no_more_shapes(data_dir):
+  """With pad, a run stopped (or failed) before its first step ended closes its compiler: the
+  shapes waiting for the first step never compile (a process exit would wait for them)."""
+  cfg = _bucketed(data_dir)
+  step = Step.build(cfg)
+  ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], step.ctx.groups)
+  said = []
+  compiler = precompile.Compiler(step, threads=2, say=said.append, pad=True)
+  keys = compiler.keys(ds[0])
+  compiler.fit(ds[0], keys)  # waits for the full shape
+  compiler.close()
+  for key in set(keys):
+    with pytest.raises(concurrent.futures.CancelledError):
+      compiler._futures[key].result(timeout=60)
+  assert len(compiler.seconds) == 1 and len(said) == 1, said  # the full shape's alone
 
 
 def test_padding_on_a_gpu_needs_heuristic_kernels_and_one_process(data_dir):
