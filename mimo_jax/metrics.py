@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl, TensorBoard scalars, and a progress bar or plain log lines."""
+"""Run outputs: metrics.jsonl, TensorBoard scalars, and a progress bar or plain log lines; the
+window of steps whose average a record logs, and lines said before the outputs are open."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import math
 import os
 import sys
+import threading
 import time
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -114,3 +117,66 @@ def format_record(record: dict) -> str:
       continue
     parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
   return " | ".join(parts)
+
+
+class StepWindow:
+  """The steps since the last record, whose average a record logs as its step time.
+
+  The run's first step compiles its programs: it is in no average (the first window starts when
+  it completes); logged alone, its whole time is.
+  """
+
+  def __init__(self):
+    self.start = None  # when the window's first step completed; None before the run's first
+    self.steps = 0
+    self.tokens = 0
+
+  def completed(self, now: float, tokens: int) -> None:
+    """Counts a step whose metrics have just been fetched."""
+    if self.start is None:
+      self.start = now
+    else:
+      self.steps += 1
+      self.tokens += tokens
+
+  def restart(self, now: float) -> None:
+    self.start, self.steps, self.tokens = now, 0, 0
+
+  def timing(self, now: float, dispatched: float, info: dict, last: bool) -> tuple[float, dict]:
+    """A record's step time, and its batch info with tokens averaged like it.
+
+    Averaged over the window: a single interval between completions is noisy when metrics are
+    fetched one step late. The last step has no successor whose dispatch hides its start, so it
+    is also timed from its own dispatch.
+    """
+    if self.steps:
+      took = (now - self.start) / self.steps
+      info = dict(info, tokens=self.tokens / self.steps)
+    else:  # the first step logged alone: from its dispatch, compilation included
+      took = now - dispatched
+    if last:
+      took = max(took, now - dispatched)
+    return took, info
+
+
+class SaidLater:
+  """Lines said (by any thread) before the run's outputs are open, said in order once they are
+  (`to`); said at once after."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._lines: list[str] = []
+    self._say: Callable[[str], None] | None = None
+
+  def __call__(self, line: str) -> None:
+    with self._lock:
+      if self._say is None:
+        self._lines.append(line)
+        return
+    self._say(line)
+
+  def to(self, say: Callable[[str], None]) -> None:
+    with self._lock:
+      for line in self._lines:
+        say(line)
+      self._lines, self._say = [], say

@@ -14,9 +14,10 @@ the batch's shape in one program; split layouts compile their programs when met.
 With `run.while_compiling=pad` no step waits for a shape after the first: the full shape (every
 row and slot of a microbatch sent) compiles first, alone, and the first step runs on it; the
 other shapes start once that step has ended, and until its own program is compiled a microbatch
-is sent padded to the smallest compiled shape that holds it (`Compiler.fit`). Padding sends more of the microbatch's empty rows and slots,
-which carry no loss: the loss and gradients are the same sums, though a program of another shape
-may round them differently (so a run's last bits depend on how fast its shapes compiled).
+is sent padded to the smallest compiled shape that holds it (`Compiler.fit`). Padding sends more
+of the microbatch's empty rows and slots, which carry no loss: the loss and gradients are the
+same sums, though a program of another shape may round them differently (so a run's last bits
+depend on how fast its shapes compiled).
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
-from typing import Callable
 
 import jax
 import numpy as np
@@ -25,7 +23,7 @@ from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
-from mimo_jax.metrics import MetricsWriter, NonFiniteError
+from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
 from mimo_jax.validation import validate, validate_backend, validate_data
@@ -152,69 +150,6 @@ def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float) 
       loop.close()
 
 
-class _Window:
-  """The steps since the last record, whose average a record logs as its step time.
-
-  The run's first step compiles its programs: it is in no average (the first window starts when
-  it completes); logged alone, its whole time is.
-  """
-
-  def __init__(self):
-    self.start = None  # when the window's first step completed; None before the run's first
-    self.steps = 0
-    self.tokens = 0
-
-  def completed(self, now: float, tokens: int) -> None:
-    """Counts a step whose metrics have just been fetched."""
-    if self.start is None:
-      self.start = now
-    else:
-      self.steps += 1
-      self.tokens += tokens
-
-  def restart(self, now: float) -> None:
-    self.start, self.steps, self.tokens = now, 0, 0
-
-  def timing(self, now: float, dispatched: float, info: dict, last: bool) -> tuple[float, dict]:
-    """A record's step time, and its batch info with tokens averaged like it.
-
-    Averaged over the window: a single interval between completions is noisy when metrics are
-    fetched one step late. The last step has no successor whose dispatch hides its start, so it
-    is also timed from its own dispatch.
-    """
-    if self.steps:
-      took = (now - self.start) / self.steps
-      info = dict(info, tokens=self.tokens / self.steps)
-    else:  # the first step logged alone: from its dispatch, compilation included
-      took = now - dispatched
-    if last:
-      took = max(took, now - dispatched)
-    return took, info
-
-
-class _Later:
-  """Lines said (by any thread) before the run's outputs are open, said in order once they are
-  (`to`); said at once after."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._lines: list[str] = []
-    self._say: Callable[[str], None] | None = None
-
-  def __call__(self, line: str) -> None:
-    with self._lock:
-      if self._say is None:
-        self._lines.append(line)
-        return
-    self._say(line)
-
-  def to(self, say: Callable[[str], None]) -> None:
-    with self._lock:
-      for line in self._lines:
-        say(line)
-      self._lines, self._say = [], say
-
-
 class _Loop:
   """One run's training loop: its state, the step whose metrics are still on the devices, what
   is saved and what is logged. `open`, then `run`; `close` always."""
@@ -246,7 +181,7 @@ class _Loop:
     # The loop's progress:
     self.pending = None  # (step, metrics, info, dispatched) of a step not fetched yet
     self.last = None  # (step, metrics) of the newest dispatched step
-    self.window = _Window()
+    self.window = StepWindow()
 
   def open(self, paths: dict, lock: workdir.Lock | None, early: _StopFlag) -> None:
     """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
@@ -263,7 +198,7 @@ class _Loop:
                             progress=print if distributed.is_main() else None,
                             stop=early.requested)
     where = loader.locality(trainer.topo, loader.slot_counts(cfg))
-    said = _Later()  # the compile threads' lines, said once the outputs are open
+    said = SaidLater()  # the compile threads' lines, said once the outputs are open
     if cfg.run.compile_ahead and trainer.ctx.mode.fused:  # else each shape compiles when met
       self.compiler = precompile.Compiler(trainer, cfg.run.compile_threads, said,
                                           pad=cfg.run.while_compiling == "pad")
