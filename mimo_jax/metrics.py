@@ -18,6 +18,22 @@ class NonFiniteError(FloatingPointError):
   """A logged metric is NaN or Inf."""
 
 
+def _summary_writer():
+  """tensorboardX's `SummaryWriter`, imported without torch. tensorboardX imports torch whenever it
+  is installed, only to recognise torch tensors (a run logs Python floats), and that import takes
+  seconds on the way to a run's first step; a process that has imported torch already keeps it."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError while this is here
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
 
@@ -44,9 +60,8 @@ class MetricsWriter:
     os.replace(tmp, path)
     self.evaluated = {json.loads(ln)["step"] for ln in kept if '"eval_' in ln}
     self._jsonl = open(path, "a", encoding="utf-8")
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     # Events of steps after the checkpoint (from the run that was cut short) are dropped.
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
+    self._tb = _summary_writer()(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
     use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
     self._bar = tqdm(total=total_steps, initial=min(resume_after, total_steps), unit="step",
                      dynamic_ncols=True) if use_bar else None

@@ -85,6 +85,27 @@ def test_digits_conversations_give_the_vocabulary_ids_and_loss(data_dir):
   assert m["samples"] == {"train": d.train_samples, "eval": d.eval_samples}
 
 
+def test_the_metrics_writer_does_not_import_torch(tmp_path):
+  """tensorboardX imports torch when it is installed (seconds before a run's first step); the
+  writer keeps it out, and leaves `import torch` working afterwards."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  fake = tmp_path / "site" / "torch"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("import os\nopen(os.environ['MARK'], 'a').write('x')\n")
+  code = ("import sys\nfrom mimo_jax.metrics import MetricsWriter\n"
+          f"w = MetricsWriter({str(tmp_path / 'run')!r}, 2, progress='lines')\n"
+          "w.write({'step': 1, 'loss': 1.5})\nw.close()\n"
+          "print('torch' in sys.modules)\nimport torch\nprint('torch' in sys.modules)\n")
+  env = dict(os.environ, MARK=str(tmp_path / "imported"),
+             PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.getcwd()]))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, check=True).stdout.split()
+  assert out[-2:] == ["False", "True"]  # not imported by the writer; importable after it
+  assert (tmp_path / "imported").read_text() == "x"  # once: by the explicit import
+  assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"loss"') == 1
+
+
 def test_metrics_lines_stay_strict_json_with_non_finite_values(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
   import pytest  # pylint: disable=import-outside-toplevel
