@@ -349,8 +349,10 @@ class Checkpointer:
                read_only: bool = False, host_gb: int | None = None, keep_steps: tuple = ()):
     """`host_gb`: at most this many GB of arrays copied off the devices and being written at a
     time by a save (orbax's defaults: no limit on the copies, 96 GB being written); a checkpointer
-    with a limit saves only (`tools.hf import`'s step 0), uncompressed. `keep_steps`: steps never
-    rotated away (a LoRA run's base, `Base`)."""
+    with a limit saves only (`tools.hf import`'s step 0). Saves are uncompressed: trained float32
+    weights and moments compress by a few percent, and decompressing them slows every restore (a
+    restart's way to its first step; docs/benchmarks.md). `keep_steps`: steps never rotated away
+    (a LoRA run's base, `Base`)."""
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder
@@ -377,7 +379,8 @@ class Checkpointer:
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only, **kept)
     self.host_batched = False  # whether a save copies `host_gb` at a time (else all at once)
     if host_gb is None:  # a restore reads by the saved structure, with placeholders: PyTree
-      handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96)
+      handlers = {n: ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
+                                                 use_compression=False)
                   for n in self.modules}
     else:  # the standard handler limits the bytes being written, not those copied to the host
       registry = batched_array_registry()
@@ -385,7 +388,7 @@ class Checkpointer:
       handlers = {n: ocp.PyTreeCheckpointHandler(
           save_concurrent_gb=host_gb, save_device_host_concurrent_gb=host_gb,
           enable_pinned_host_transfer=False,  # peak 11.0-11.3 GiB importing 1.65B, pinned 12.1-12.5
-          use_compression=False,  # 8B import: peak 24.8 GiB, compressed 30.9-33.0
+          use_compression=False,  # also the 8B import's peak: 24.8 GiB, compressed 30.9-33.0
           **({"type_handler_registry": registry} if registry else {})) for n in self.modules}
     self.source = None  # the config field naming this run when a new run starts from it
     self.base: Base | None = None  # where saves leave the frozen weights (a LoRA run's)

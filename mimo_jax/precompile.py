@@ -77,6 +77,7 @@ class Compiler:
     # lock against the first step's dispatch.
     self._first_step = threading.Event()
     self._closed = False
+    self._rest = None  # the programs around the microbatches' (`_compile_rest`)
     if not self.enabled:
       return
     pr = trainer.programs
@@ -86,6 +87,10 @@ class Compiler:
     self._acc = pr.fused_accumulator.lower(self._params).out_info
     self._inv = jax.ShapeDtypeStruct((), np.float32,
                                      sharding=trainer.plan.sharding("language", REPLICATED))
+    # The programs around the microbatches' (the accumulator, each module's gradient sum over
+    # ranks, squared norm and update) have one shape: compiled (or loaded from the cache) now,
+    # beside the first step program, not in the first step.
+    self._rest = self._pool.submit(self._compile_rest)
 
   def keys(self, batch: Batch) -> list[tuple]:
     """Submits every microbatch shape of `batch` not met yet; returns their keys."""
@@ -165,6 +170,35 @@ class Compiler:
     self.say(f"compiled step program {number} ({name}) in {took:.1f} s")
     return took
 
+  def _compile_rest(self) -> None:
+    tr = self.trainer
+    pr, plan, mode = tr.programs, tr.plan, tr.ctx.mode
+    try:
+      with self._tracing:
+        lowered = [pr.fused_accumulator.lower(self._params)]
+        grads = {}
+        for n in plan.modules:
+          grads[n] = self._acc["grads"][n]
+          if mode.keeps_per_rank(n):
+            lowered.append(pr.reduce[n].lower(grads[n]))
+            grads[n] = lowered[-1].out_info
+        sq = {}
+        for n in plan.modules:
+          lowered.append(pr.sq_norm[n].lower(grads[n]))
+          sq[n] = lowered[-1].out_info
+        opt = tr.abstract_state()
+        for n, p in plan.modules.items():
+          here = plan.sharding(n, REPLICATED)
+          sq_here = [jax.ShapeDtypeStruct(sq[k].shape, sq[k].dtype, sharding=here)
+                     for k in plan.modules]
+          lowered.append(pr.update[n].lower(p.trained(self._params[n]), opt[n]["opt_state"],
+                                            grads[n], sq_here))
+      for one in lowered:
+        one.compile()
+    except Exception as e:  # the step compiles them when met, and raises there if they fail
+      self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: {e}")
+      raise
+
   def ready(self, keys: list[tuple]) -> bool:
     """Whether the programs of `keys` are compiled (or failed: `wait` raises their error)."""
     return all(self._futures[key].done() for key in keys)
@@ -175,6 +209,8 @@ class Compiler:
     started = time.perf_counter()
     for key in keys:
       self._futures[key].result()
+    if self._rest is not None:  # not compiled twice at once (an error of its: raised when met)
+      concurrent.futures.wait([self._rest])
     return time.perf_counter() - started
 
   def first_step_ended(self) -> None:
