@@ -88,9 +88,9 @@ class Compiler:
     self._inv = jax.ShapeDtypeStruct((), np.float32,
                                      sharding=trainer.plan.sharding("language", REPLICATED))
     # The programs around the microbatches' (the accumulator, each module's gradient sum over
-    # ranks, squared norm and update) have one shape: compiled (or loaded from the cache) now,
-    # beside the first step program, not in the first step.
-    self._rest = self._pool.submit(self._compile_rest)
+    # ranks, squared norm and update) have one shape: compiled (or loaded from the cache) beside
+    # the first step program, once that is lowered (it is the longer), not in the first step.
+    self._lowered = threading.Event()  # the first step program is lowered (or failed to be)
 
   def keys(self, batch: Batch) -> list[tuple]:
     """Submits every microbatch shape of `batch` not met yet; returns their keys."""
@@ -108,6 +108,8 @@ class Compiler:
       if key not in self._futures:
         self._sizes[key] = _sizes(micro)
         self._futures[key] = self._pool.submit(self._compile, x, len(self._futures) + 1)
+        if self._rest is None:  # next in the queue: before the shapes after the first
+          self._rest = self._pool.submit(self._compile_rest)
     return key
 
   def fit(self, batch: Batch, keys: list[tuple]) -> tuple[Batch, list[tuple], int]:
@@ -159,8 +161,11 @@ class Compiler:
       # own Python work competes with one of them, not with every thread; XLA's compiles, which
       # release that lock, run side by side.
       with self._tracing:
-        lowered = self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots,
-                                                         x.text, self._inv)
+        try:
+          lowered = self.trainer.programs.fused_step.lower(self._params, self._acc, x.slots,
+                                                           x.text, self._inv)
+        finally:
+          self._lowered.set()
       lowered.compile()
     except Exception as e:  # raised where the loop waits for it; said here, in case it never does
       self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: {e}")
@@ -173,6 +178,9 @@ class Compiler:
   def _compile_rest(self) -> None:
     tr = self.trainer
     pr, plan, mode = tr.programs, tr.plan, tr.ctx.mode
+    self._lowered.wait()
+    if self._closed:
+      raise concurrent.futures.CancelledError()
     try:
       with self._tracing:
         lowered = [pr.fused_accumulator.lower(self._params)]
@@ -224,6 +232,8 @@ class Compiler:
   def close(self) -> None:
     self._closed = True
     self._first_step.set()
+    if self._rest is not None:
+      self._lowered.set()
     if self._pool is not None:
       self._pool.shutdown(wait=False, cancel_futures=True)  # a running compile finishes alone
 
