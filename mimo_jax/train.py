@@ -172,6 +172,7 @@ class _Loop:
     self.records: list[dict] = []
     # Set by `open`:
     self.resumed = False  # whether the run resumed from a checkpoint of its workdir
+    self.restored = (0.0, 0.0)  # GiB of state restored, and the seconds it took
     self.start = 0  # the step the run starts after (its checkpoint's, or 0)
     self.saved = 0  # the newest step on disk (finite by construction)
     self.state = None  # module -> the state of the newest dispatched step
@@ -209,9 +210,12 @@ class _Loop:
     if self.compiler is not None and not early.requested():
       self.batches.prime()  # its programs compile while the state is restored
     if found is not None:
+      began = time.time()
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
                                  trainer.fresh_opt_state, meta=meta)
       self.state = trainer.from_canonical(state)
+      arrays = jax.tree.leaves([(s.params, s.opt_state) for s in self.state.values()])
+      self.restored = (sum(a.nbytes for a in arrays) / 2**30, time.time() - began)
     else:
       self.state = trainer.init_state(cfg.train.seed)
     checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
@@ -248,7 +252,10 @@ class _Loop:
     say(f"topology: {self.trainer.topo.describe()}")
     say(compile_cache.describe())
     if self.resumed:
-      say(f"resumed from {self.ckpt.path} step {self.start}")
+      gib, took = self.restored
+      size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+      say(f"resumed from {self.ckpt.path} step {self.start} ({size} of state restored in "
+          f"{took:.1f} s)")
     for note in self.ckpt.notes:
       say(note)
     for (field, path, step) in sorted(set(started.values())):

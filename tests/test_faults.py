@@ -6,6 +6,7 @@ asserts that nothing is lost and that the run's last line is one sentence, witho
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -152,7 +153,9 @@ def test_two_runs_on_one_workdir_and_sigterm_mid_run(data_dir, tmp_path):
   again = _run(_args(data_dir, work, f"--config.train.steps={last + 2}"))
   assert again.returncode == 0, again.stderr[-3000:]
   assert "took over" in again.stdout and not (work / "run.lock").exists()
-  assert f"resumed from {work / 'checkpoints'} step {last}" in again.stdout
+  resumed = again.stdout.split(f"resumed from {work / 'checkpoints'} step {last} (")[1]
+  size, took = re.match(r"(\d+\.\d) MiB of state restored in (\d+\.\d) s\)", resumed).groups()
+  assert float(size) > 0 and float(took) > 0
   assert f"step {last + 2} | loss" in again.stdout
 
 

@@ -1,0 +1,133 @@
+"""Time to first step from a cold start and on restarts, each run a new process:
+
+  python -m tools.restart_bench --config=configs/vlm.py:tuned [--set field=value ...]
+      [--restarts 3] [--steps 2] [--log_compiles] [--keep DIR] [--json FILE]
+
+Runs `python -m mimo_jax.launch` with the config in a new workdir and a new compilation cache:
+first cold for `--steps` steps (sent SIGTERM once its last step has ended, so that it saves that
+step and skips the final eval), then `--restarts` times with more steps, each run resuming from
+the saved step with the cache filled and killed at its `time to first step` line (nothing after
+it is saved). From each run's own lines it reports the time to first step, the restore (GiB and
+seconds) and the first step program's compile or cache load. With `--log_compiles` the restarts
+run with `JAX_LOG_COMPILES=1` (every compile and cache load timed in the log); `--keep DIR` keeps
+the workdir, the cache and every run's log, each line stamped with the seconds since its spawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+FIRST = re.compile(r"time to first step: ([\d.]+) s")
+RESTORED = re.compile(r"\(([\d.]+) (GiB|MiB) of state restored in ([\d.]+) s\)")
+PROGRAM = re.compile(r"compiled step program 1 \(.*\) in ([\d.]+) s")
+
+
+def run(cmd: list[str], log: str, stop: str, term: bool, env: dict, timeout: float) -> dict:
+  """Runs `cmd` in its own process group, its output stamped into `log`; at the first line that
+  holds `stop`, sends SIGTERM and reads on (`term`) or kills the group. Returns the figures its
+  lines gave."""
+  t0 = time.time()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True, env=dict(env, PYTHONUNBUFFERED="1"))
+  out = {"stopped": False}
+  tail = []
+  try:
+    with open(log, "w", encoding="utf-8") as f:
+      for line in proc.stdout:
+        f.write(f"{time.time() - t0:8.2f} {line}")
+        tail = (tail + [line.rstrip()])[-15:]
+        for key, pattern in (("first_step_s", FIRST), ("program_1_s", PROGRAM)):
+          m = pattern.search(line)
+          if m and key not in out:
+            out[key] = float(m.group(1))
+        m = RESTORED.search(line)
+        if m:
+          out["restored_gib"] = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
+          out["restore_s"] = float(m.group(3))
+        if time.time() - t0 > timeout:
+          raise TimeoutError
+        if stop in line and not out["stopped"]:
+          out["stopped"] = True
+          if not term:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+          os.kill(proc.pid, signal.SIGTERM)
+  except TimeoutError:
+    os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  out["wall_s"] = time.time() - t0
+  if not out["stopped"]:
+    raise SystemExit(f"restart_bench: {' '.join(cmd[2:4])} ended (status {proc.returncode}) "
+                     f"without '{stop}'; its last lines:\n" + "\n".join(tail))
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tools.restart_bench", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="configs/vlm.py:tuned", help="config file[:variant]")
+  parser.add_argument("--set", action="append", default=[], help="field=value override")
+  parser.add_argument("--steps", type=int, default=2, help="steps of the cold run (then saved)")
+  parser.add_argument("--restarts", type=int, default=3)
+  parser.add_argument("--log_compiles", action="store_true",
+                      help="run the restarts with JAX_LOG_COMPILES=1")
+  parser.add_argument("--keep", default="", help="keep the workdir, cache and logs here")
+  parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
+  parser.add_argument("--json", default="", help="write the figures to this file")
+  args = parser.parse_args(argv)
+  if args.steps < 1 or args.restarts < 1:
+    parser.error("--steps and --restarts must be at least 1")
+  root = args.keep or tempfile.mkdtemp(prefix="restart_bench_")
+  if args.keep:
+    if os.path.exists(root) and os.listdir(root):
+      parser.error(f"--keep {root}: not empty; name a new or empty folder")
+    os.makedirs(root, exist_ok=True)
+  base = [sys.executable, "-m", "mimo_jax.launch", f"--config={args.config}",
+          *[f"--config.{s}" for s in args.set],
+          f"--config.run.workdir={os.path.join(root, 'workdir')}",
+          f"--config.run.compile_cache={os.path.join(root, 'cache')}",
+          "--config.run.progress=lines", "--config.run.log_every=1"]
+  env = {k: v for k, v in os.environ.items() if k != "MIMO_JAX_COMPILE_CACHE"}
+  rows = []
+  try:
+    print(f"cold: {args.steps} steps, saved at the end", flush=True)
+    rows.append(dict(run(base + [f"--config.train.steps={args.steps}"],
+                         os.path.join(root, "cold.log"), f"step {args.steps} ended", True, env,
+                         args.timeout), run="cold"))
+    restart_env = dict(env, JAX_LOG_COMPILES="1") if args.log_compiles else env
+    for i in range(1, args.restarts + 1):
+      rows.append(dict(run(base + [f"--config.train.steps={args.steps + 10}"],
+                           os.path.join(root, f"restart{i}.log"), "time to first step", False,
+                           restart_env, args.timeout), run=f"restart {i}"))
+      print(f"restart {i}: time to first step {rows[-1].get('first_step_s', float('nan')):.1f} s",
+            flush=True)
+  finally:
+    if not args.keep:
+      shutil.rmtree(root, ignore_errors=True)
+  fmt = lambda r, k, digits=1: f"{r[k]:.{digits}f}" if k in r else "–"
+  print("\n| run | time to first step s | restored GiB | restore s | step program 1 s |\n"
+        "|---|---:|---:|---:|---:|")
+  for r in rows:
+    print(f"| {r['run']} | {fmt(r, 'first_step_s')} | {fmt(r, 'restored_gib', 2)} | "
+          f"{fmt(r, 'restore_s')} | {fmt(r, 'program_1_s')} |")
+  restarts = sorted(r["first_step_s"] for r in rows[1:] if "first_step_s" in r)
+  if restarts:
+    print(f"\nrestarts: median {statistics.median(restarts):.1f} s "
+          f"(min {restarts[0]:.1f}, max {restarts[-1]:.1f})")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"config": args.config, "set": args.set, "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
