@@ -21,7 +21,9 @@ class NonFiniteError(FloatingPointError):
 def _summary_writer():
   """tensorboardX's `SummaryWriter`, imported without torch. tensorboardX imports torch whenever it
   is installed, only to recognise torch tensors (a run logs Python floats), and that import takes
-  seconds on the way to a run's first step; a process that has imported torch already keeps it."""
+  seconds on the way to a run's first step; a process that has imported torch already keeps it.
+  Called once, as this module is imported (before a run starts threads: while it runs, an
+  `import torch` elsewhere in the process would fail)."""
   if "torch" in sys.modules:
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     return SummaryWriter
@@ -32,6 +34,9 @@ def _summary_writer():
     if "torch" in sys.modules and sys.modules["torch"] is None:
       del sys.modules["torch"]
   return SummaryWriter
+
+
+SummaryWriter = _summary_writer()
 
 
 class MetricsWriter:
@@ -61,7 +66,7 @@ class MetricsWriter:
     self.evaluated = {json.loads(ln)["step"] for ln in kept if '"eval_' in ln}
     self._jsonl = open(path, "a", encoding="utf-8")
     # Events of steps after the checkpoint (from the run that was cut short) are dropped.
-    self._tb = _summary_writer()(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
     use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
     self._bar = tqdm(total=total_steps, initial=min(resume_after, total_steps), unit="step",
                      dynamic_ncols=True) if use_bar else None

@@ -202,6 +202,8 @@ class Compiler:
           lowered.append(pr.update[n].lower(p.trained(self._params[n]), opt[n]["opt_state"],
                                             grads[n], sq_here))
       for one in lowered:
+        if self._closed:  # the run ended: a process exit would wait for the compiles
+          raise concurrent.futures.CancelledError()
         one.compile()
     except Exception as e:  # the step compiles them when met, and raises there if they fail
       self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: {e}")
@@ -217,8 +219,8 @@ class Compiler:
     started = time.perf_counter()
     for key in keys:
       self._futures[key].result()
-    if self._rest is not None:  # not compiled twice at once (an error of its: raised when met)
-      concurrent.futures.wait([self._rest])
+    if self._rest is not None and not self._rest.cancelled():  # not compiled twice at once (an
+      concurrent.futures.wait([self._rest])  # error of its: raised when the step meets it)
     return time.perf_counter() - started
 
   def first_step_ended(self) -> None:

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 FIRST = re.compile(r"time to first step: ([\d.]+) s")
@@ -34,11 +35,15 @@ PROGRAM = re.compile(r"compiled step program 1 \(.*\) in ([\d.]+) s")
 
 def run(cmd: list[str], log: str, stop: str, term: bool, env: dict, timeout: float) -> dict:
   """Runs `cmd` in its own process group, its output stamped into `log`; at the first line that
-  holds `stop`, sends SIGTERM and reads on (`term`) or kills the group. Returns the figures its
-  lines gave."""
+  holds `stop`, sends SIGTERM and reads on to its exit (`term`) or kills the group. Returns the
+  figures its lines gave; raises SystemExit if it never printed `stop`, ran past `timeout`, or
+  (`term`) did not exit cleanly after the SIGTERM. The group never outlives this call."""
   t0 = time.time()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True, env=dict(env, PYTHONUNBUFFERED="1"))
+  kill = lambda: os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+  timer = threading.Timer(timeout, kill)  # a run that hangs without a word is killed too
+  timer.start()
   out = {"stopped": False}
   tail = []
   try:
@@ -54,21 +59,27 @@ def run(cmd: list[str], log: str, stop: str, term: bool, env: dict, timeout: flo
         if m:
           out["restored_gib"] = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
           out["restore_s"] = float(m.group(3))
-        if time.time() - t0 > timeout:
-          raise TimeoutError
         if stop in line and not out["stopped"]:
           out["stopped"] = True
           if not term:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill()
             break
           os.kill(proc.pid, signal.SIGTERM)
-  except TimeoutError:
-    os.killpg(proc.pid, signal.SIGKILL)
-  proc.wait()
+    proc.wait()
+  finally:
+    timer.cancel()
+    kill()  # an exception here (Ctrl-C among them) leaves no run behind
+    proc.wait()
+    proc.stdout.close()
   out["wall_s"] = time.time() - t0
-  if not out["stopped"]:
-    raise SystemExit(f"restart_bench: {' '.join(cmd[2:4])} ended (status {proc.returncode}) "
-                     f"without '{stop}'; its last lines:\n" + "\n".join(tail))
+  what = " ".join(cmd[2:4])
+  if out["wall_s"] >= timeout:
+    raise SystemExit(f"restart_bench: {what} ran past --timeout {timeout:g} s; its last "
+                     "lines:\n" + "\n".join(tail))
+  if not out["stopped"] or (term and proc.returncode != 0):
+    raise SystemExit(f"restart_bench: {what} ended (status {proc.returncode}) "
+                     f"{'after' if out['stopped'] else 'without'} '{stop}'; its last lines:\n"
+                     + "\n".join(tail))
   return out
 
 
@@ -87,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.steps < 1 or args.restarts < 1:
     parser.error("--steps and --restarts must be at least 1")
+  own = [s for s in args.set if s.split("=")[0] in ("run.workdir", "run.compile_cache",
+                                                     "train.steps", "run.progress")]
+  if own:
+    parser.error(f"--set {own[0]}: this tool sets that field itself (a new workdir and cache; "
+                 "--steps for the cold run's steps)")
   root = args.keep or tempfile.mkdtemp(prefix="restart_bench_")
   if args.keep:
     if os.path.exists(root) and os.listdir(root):
@@ -109,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
       rows.append(dict(run(base + [f"--config.train.steps={args.steps + 10}"],
                            os.path.join(root, f"restart{i}.log"), "time to first step", False,
                            restart_env, args.timeout), run=f"restart {i}"))
+      if "restore_s" not in rows[-1]:
+        raise SystemExit(f"restart_bench: restart {i} did not resume from the cold run's step "
+                         f"{args.steps} (see {os.path.join(root, f'restart{i}.log')} with --keep)")
       print(f"restart {i}: time to first step {rows[-1].get('first_step_s', float('nan')):.1f} s",
             flush=True)
   finally:
