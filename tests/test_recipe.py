@@ -107,10 +107,11 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
       outputs.append(_in_process(argv, tmp_path, capsys))
   stage1, stage2 = tmp_path / "runs" / "llava0", tmp_path / "runs" / "stage2"
   assert sorted(_losses(stage1)) == list(range(1, STEPS + 1))
-  # Logged every step: the first record is the compiling step's whole time, the others' are not.
+  # Logged every step, each with its time (that the first window leaves compilation out is
+  # test_stages.py's; which step is slowest depends on what compiled ahead).
   lines = (stage1 / "metrics.jsonl").read_text().splitlines()
   took = {r["step"]: r["step_time_s"] for r in map(json.loads, lines) if "loss" in r}
-  assert took[1] > max(took[s] for s in range(2, STEPS + 1)), took
+  assert sorted(took) == list(range(1, STEPS + 1)) and min(took.values()) > 0, took
   assert checkpoint.complete_steps(checkpoint.directory(str(stage1)))[-1] == STEPS
   # Stage 2 started from stage 1's newest step: its first loss is that step's on its first batch.
   cfg = _config(stage1)
