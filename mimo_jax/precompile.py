@@ -205,6 +205,8 @@ class Compiler:
         if self._closed:  # the run ended: a process exit would wait for the compiles
           raise concurrent.futures.CancelledError()
         one.compile()
+    except concurrent.futures.CancelledError:
+      raise
     except Exception as e:  # the step compiles them when met, and raises there if they fail
       self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: {e}")
       raise

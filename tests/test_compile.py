@@ -211,6 +211,7 @@ def test_a_run_that_ends_before_its_first_step_compiles_no_more_shapes(data_dir)
   for key in set(keys):
     with pytest.raises(concurrent.futures.CancelledError):
       compiler._futures[key].result(timeout=60)
+  concurrent.futures.wait([compiler._rest], timeout=60)  # compiled, or stopped by the close
   assert len(compiler.seconds) == 1 and len(said) == 1, said  # the full shape's alone
 
 
