@@ -351,8 +351,7 @@ class Checkpointer:
     time by a save (orbax's defaults: no limit on the copies, 96 GB being written); a checkpointer
     with a limit saves only (`tools.hf import`'s step 0). Saves are uncompressed: trained float32
     weights and moments compress by a few percent, for CPU time in every save and restore
-    (docs/benchmarks.md). `keep_steps`: steps never rotated away
-    (a LoRA run's base, `Base`)."""
+    (docs/benchmarks.md). `keep_steps`: steps never rotated away (a LoRA run's base, `Base`)."""
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder

@@ -176,31 +176,12 @@ class Compiler:
     return took
 
   def _compile_rest(self) -> None:
-    tr = self.trainer
-    pr, plan, mode = tr.programs, tr.plan, tr.ctx.mode
     self._lowered.wait()
     if self._closed:
       raise concurrent.futures.CancelledError()
     try:
       with self._tracing:
-        lowered = [pr.fused_accumulator.lower(self._params)]
-        grads = {}
-        for n in plan.modules:
-          grads[n] = self._acc["grads"][n]
-          if mode.keeps_per_rank(n):
-            lowered.append(pr.reduce[n].lower(grads[n]))
-            grads[n] = lowered[-1].out_info
-        sq = {}
-        for n in plan.modules:
-          lowered.append(pr.sq_norm[n].lower(grads[n]))
-          sq[n] = lowered[-1].out_info
-        opt = tr.abstract_state()
-        for n, p in plan.modules.items():
-          here = plan.sharding(n, REPLICATED)
-          sq_here = [jax.ShapeDtypeStruct(sq[k].shape, sq[k].dtype, sharding=here)
-                     for k in plan.modules]
-          lowered.append(pr.update[n].lower(p.trained(self._params[n]), opt[n]["opt_state"],
-                                            grads[n], sq_here))
+        lowered = self.trainer.lower_after_microbatches(self._params, self._acc)
       for one in lowered:
         if self._closed:  # the run ended: a process exit would wait for the compiles
           raise concurrent.futures.CancelledError()

@@ -245,6 +245,31 @@ class Step:
     metrics.update(loss=lang_acc["loss"], grad_norm=norm, mismatches=lang_acc["mismatches"])
     return new_state, metrics
 
+  def lower_after_microbatches(self, params, acc) -> list:
+    """The programs `_summed` and `_apply` run after a fused step's microbatches (its
+    accumulator, each module's gradient sum over ranks where kept, squared norm and update),
+    lowered for abstract parameters (the plan's layout) and accumulator: what they compile for."""
+    pr, plan = self.programs, self.plan
+    lowered = [pr.fused_accumulator.lower(params)]
+    grads = {}
+    for n in plan.modules:
+      grads[n] = acc["grads"][n]
+      if self.ctx.mode.keeps_per_rank(n):
+        lowered.append(pr.reduce[n].lower(grads[n]))
+        grads[n] = lowered[-1].out_info
+    sq = {}
+    for n in plan.modules:
+      lowered.append(pr.sq_norm[n].lower(grads[n]))
+      sq[n] = lowered[-1].out_info
+    opt = self.abstract_state()
+    for n, p in plan.modules.items():
+      here = plan.sharding(n, REPLICATED)  # as `_apply` transfers each module's norm
+      sq_here = [jax.ShapeDtypeStruct(sq[k].shape, sq[k].dtype, sharding=here)
+                 for k in plan.modules]
+      lowered.append(pr.update[n].lower(p.trained(params[n]), opt[n]["opt_state"], grads[n],
+                                        sq_here))
+    return lowered
+
   # The state's layout for checkpoints (state.py).
   def abstract_state(self, canonical: bool = False) -> dict[str, dict]:
     return state.abstract_state(self.plan, canonical)
