@@ -41,6 +41,12 @@ class LoraConfig:
   # language model and of an encoder whose slots name their rows (Encoder.dropout_rows: one
   # image or clip a slot, not packed slots); 0 = none (the program is that of a run without it).
   dropout: float = 0.0
+  # A PEFT adapter directory (adapter_config.json, adapter_model.safetensors; hf/peft.py) the
+  # adapters, and a projector PEFT saved whole, start from on a fresh start: a run continues
+  # training an adapter PEFT (or `tools.hf export --peft`) wrote, over the base its module starts
+  # from. Modules naming one directory read it together (LLaVA's tower and language model). Not
+  # read on resume.
+  init_from: str = ""
 
 
 @dataclasses.dataclass

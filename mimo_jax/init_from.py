@@ -2,16 +2,23 @@
 or a module's own `init_from` naming a run. The new run has a fresh optimizer at step 0 and its
 own data and schedule (a new training stage). A module's own `init_from` naming an HF directory
 is read through the module's mapping: an encoder's `load()` (mimo_jax/encoders), the language
-model's in mimo_jax/hf. `starts` gathers both for state.init_state."""
+model's in mimo_jax/hf. `starts` gathers both for state.init_state. A module's
+`lora.init_from` naming a PEFT adapter directory puts that adapter into the started parameters
+(`adapters`)."""
 
 from __future__ import annotations
 
 import os
 
-from mimo_jax import encoders, fingerprint, hf
+import jax
+import numpy as np
+
+from mimo_jax import encoders, fingerprint, hf, state
 from mimo_jax.checkpoint import (META, Checkpointer, CheckpointError, complete_steps, fill,
                                  model_differences, shape_differences)
-from mimo_jax.config import LANGUAGE, Config, run_source
+from mimo_jax.config import LANGUAGE, Config, lora_of, run_source
+from mimo_jax.hf import peft
+from mimo_jax.models.lora import A, B
 from mimo_jax.state import HFStart
 
 
@@ -117,3 +124,45 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
     finally:
       ckpt.close()
   return out
+
+
+def adapters(cfg: Config, plan, made: dict) -> dict:
+  """`made` (module -> ModuleState of a fresh start) with the adapters of each module whose
+  `model.<module>.lora.init_from` names a PEFT adapter directory read from it, and a projector
+  PEFT saved whole (hf/peft.read: an adapter that does not fit the module's lora config is
+  refused naming the file). Modules naming one directory read it together, the language model
+  last (LLaVA's tower and language model). The optimizer state stays fresh."""
+  groups = {}
+  for name in made:
+    lora = lora_of(cfg, name)
+    if lora is not None and lora.init_from:
+      groups.setdefault(lora.init_from, []).append(name)
+  if not groups:
+    return made
+  canonical = state.canonical(plan, made)
+  for path, names in groups.items():
+    modules = tuple(sorted(names, key=lambda n: (n == LANGUAGE, n)))
+    # Host stand-ins for the leaves an adapter replaces (zeros of their shapes: nothing is read
+    # back from the devices); peft.read puts new arrays where it reads, the rest stays as is.
+    held = {n: _stand_ins(canonical[n].params) for n in modules}
+    read = peft.read(path, cfg, held, modules)
+    for n in modules:
+      params = jax.tree.map(lambda new, old, dev: dev if new is old else
+                            jax.device_put(np.asarray(new, dev.dtype), dev.sharding),
+                            read[n], held[n], canonical[n].params)
+      canonical[n] = state.ModuleState(params, canonical[n].opt_state)
+  return state.from_canonical(plan, canonical)
+
+
+def _stand_ins(tree):
+  """`tree` with each adapter leaf (and the projector, which PEFT may save whole) a host array of
+  zeros of its shape; other leaves are the same objects."""
+  def visit(node, projector):
+    out = {}
+    for k, v in node.items():
+      if isinstance(v, dict):
+        out[k] = visit(v, projector or k == "projector")
+      else:
+        out[k] = np.zeros(v.shape, np.float32) if projector or k in (A, B) else v
+    return out
+  return visit(tree, False)

@@ -107,8 +107,9 @@ class Step:
 
   def init_state(self, seed: int, optimizer: bool = True) -> dict[str, ModuleState]:
     abstract = {n: self.plan[n].canonical_params for n in self.modules}
-    return state.init_state(self.plan, self.modules, seed, optimizer,
+    made = state.init_state(self.plan, self.modules, seed, optimizer,
                             init_from.starts(self.cfg, abstract))
+    return init_from.adapters(self.cfg, self.plan, made)
 
   def place(self, batch: Batch, put: Callable = put) -> Batch:
     """A microbatch (or a whole eval batch) on device: text on the language mesh, each encoder's

@@ -8,6 +8,7 @@ import os
 import pathlib
 
 from mimo_jax import encoders, hf, scoring
+from mimo_jax.hf import peft
 from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS,
                              SHARD_MODES, TASKS, Config, ConfigError, lora_of, parse_freeze,
                              parse_lr_mult, positive, require, run_source)
@@ -210,6 +211,23 @@ def _encoders(cfg: Config) -> None:
   for name in cfg.topology.modules():
     if getattr(cfg.model.module(name), "init_from", ""):
       _init_from(cfg, name)
+    _adapter_source(cfg, name)
+
+
+def _adapter_source(cfg: Config, name: str) -> None:
+  """model.<name>.lora.init_from: a PEFT adapter directory, for a module with adapters (whether
+  the adapter fits the module is hf/peft.read's check, when it is read)."""
+  lora = getattr(cfg.model.module(name), "lora", None)
+  if lora is None or not lora.init_from:
+    return
+  field = f"model.{name}.lora.init_from"
+  require(lora.rank > 0, field, f"names a PEFT adapter but model.{name}.lora.rank is 0; set the "
+          "rank (and alpha) to the adapter's r (and lora_alpha).")
+  missing = [f for f in (peft.CONFIG, peft.WEIGHTS)
+             if not os.path.isfile(os.path.join(lora.init_from, f))]
+  require(not missing, field, f"{lora.init_from} is not a PEFT adapter directory: it has no "
+          f"{' or '.join(missing)}; name the folder PEFT's save_pretrained (or tools.hf export "
+          "--peft) wrote.")
 
 
 def _data(cfg: Config) -> None:

@@ -6,15 +6,17 @@ import copy
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from mimo_jax import hf, modules, whole
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.hf import peft
 from mimo_jax.models import lora
+from mimo_jax.step import Step
 from mimo_jax.trees import paths
 from mimo_jax.validation import validate
 
@@ -121,6 +123,7 @@ def test_full_export_writes_the_merged_model(imported):
 
 
 LLAVA_ADAPTER = FIXTURES / "peft" / "llava15"
+CLIP_NORM = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +202,56 @@ def _nest(flat: dict) -> dict:
       node = node.setdefault(h, {})
     node[last] = v
   return out
+
+
+def test_a_run_starts_from_a_peft_adapter_over_its_hf_base(llava):
+  """`model.<module>.lora.init_from`: a fresh run's tower and language adapters and its projector
+  are PEFT's (read together from one directory) over the HF base its modules start from, so the
+  run begins at PEFT's adapted model and trains on from there."""
+  cfg, _, _, logits = llava
+  cfg = copy.deepcopy(cfg)
+  for n in ("vision", "language"):
+    cfg.model.module(n).init_from = str(FIXTURES / "hf" / "llava15")
+    cfg.model.module(n).lora.init_from = str(LLAVA_ADAPTER)
+  validate(cfg)
+  step = Step.build(cfg)
+  made = step.init_state(0)
+  params = {n: jax.device_get(s.params) for n, s in step.canonical(made).items()}
+  theirs = np.load(LLAVA_ADAPTER / "reference.npz")["logits"]
+  assert np.abs(logits(params) - theirs).max() <= 1e-5 * np.abs(theirs).max()
+  # The optimizer starts fresh: every moment of the adapters is zero.
+  assert all(not np.any(np.asarray(x)) for s in made.values()
+             for x in jax.tree.leaves(s.opt_state) if np.asarray(x).ndim > 0)
+
+
+def test_an_adapter_source_is_checked_before_the_run(llava, tmp_path):
+  cfg, _, _, _ = llava
+  cfg = copy.deepcopy(cfg)
+  cfg.model.language.lora.init_from = str(tmp_path)
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.init_from: .* is not a PEFT "
+                     r"adapter directory: it has no adapter_config\.json or "
+                     r"adapter_model\.safetensors"):
+    validate(cfg)
+  cfg.model.language.lora.init_from, cfg.model.language.lora.rank = str(LLAVA_ADAPTER), 0
+  with pytest.raises(ConfigError, match=r"model\.language\.lora\.init_from: names a PEFT adapter "
+                     r"but model\.language\.lora\.rank is 0"):
+    validate(cfg)
+
+
+def test_peft_loads_our_export_over_transformers_model(llava, tmp_path):
+  """Our PEFT export of the LLaVA adapters, loaded by peft.PeftModel.from_pretrained over the
+  transformers model of the base, gives the outputs PEFT's own adapter gave."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft_lib = pytest.importorskip("peft")
+  cfg, _, params, _ = llava
+  peft.write(tmp_path / "adapter", cfg, params, modules=("vision", "language"))
+  ref = np.load(LLAVA_ADAPTER / "reference.npz")
+  base = transformers.LlavaForConditionalGeneration.from_pretrained(
+      FIXTURES / "hf" / "llava15", torch_dtype=torch.float32)
+  model = peft_lib.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  mean, std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in CLIP_NORM)
+  pixels = (torch.from_numpy(ref["pixels"]).permute(0, 3, 1, 2) - mean) / std
+  with torch.no_grad():
+    got = model(input_ids=torch.from_numpy(ref["input_ids"]), pixel_values=pixels).logits.numpy()
+  assert np.abs(got - ref["logits"]).max() <= 1e-5 * np.abs(ref["logits"]).max()
