@@ -174,3 +174,16 @@ def test_greedy_generation_with_audio_matches_transformers(name):
     got = generate.generate(cfg, language, ids, np.ones_like(ids), want.shape[1],
                             embeds_bld=embeds)
     np.testing.assert_array_equal(got[0], want[i])
+
+
+@pytest.mark.parametrize("name", ["hf_audio/whisper_a", "hf_audio/qwen2_audio_a", "hf/llava15",
+                                  "hf/llama3", "hf/qwen2", "hf/siglip", "hf/clip"])
+def test_the_check_tool_agrees_with_transformers(name, capsys):
+  """`python -m tools.hf check` on each kind of fixture (where torch and transformers are
+  installed): transformers' own class and ours on the same random inputs, float32."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from tools import hf_check  # pylint: disable=import-outside-toplevel
+  err, rel = hf_check.check(str(FIXTURES.parent / name))
+  assert rel <= 1e-5, (err, rel)
+  assert "max abs difference" in capsys.readouterr().out
