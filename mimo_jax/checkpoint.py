@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed, encoders, fingerprint, optim
+from mimo_jax import bridge, distributed, encoders, fingerprint, optim, run_paths
 from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
@@ -434,8 +434,10 @@ class Checkpointer:
     it again), a third of the bytes to copy to the host; it pins no data (no fingerprint).
     `compact` (one process): a parameter whose float32 values are all bfloat16 values (weights
     imported from a bfloat16 checkpoint) is stored as bfloat16, half the bytes; restoring reads it
-    back as the same float32 values."""
-    meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
+    back as the same float32 values. The config is stored with its paths absolute
+    (run_paths.absolute): the tools that read it run from other directories."""
+    meta = {"step": step, "modules": self.modules,
+            "config": dataclasses.asdict(run_paths.absolute(cfg)),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
                      **{k: v for k, (_, v) in data_values(cfg).items()}},
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
