@@ -189,3 +189,43 @@ def test_resume_of_another_model_is_a_mismatch_not_damage(data_dir, stage1, tmp_
   assert "--config.model.language.mlp_dim=128" in lines[0]
   assert "damaged" not in lines[0]
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_without_a_module_of_the_run_names_the_flags_that_start_from_it(stage1):
+  """A step that lacks a module the run has: one error naming the module and the flags that
+  start a new stage from the modules it holds; not called damaged."""
+  stage1_dir, cfg, _ = stage1
+  path = checkpoint.directory(str(stage1_dir))
+  ckpt = checkpoint.Checkpointer(path, ["vision", "language"], read_only=True)
+  try:
+    meta = dict(ckpt.read_meta(STEPS), modules=["language"])
+  finally:
+    ckpt.close()
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    checkpoint.check_compatible(meta, cfg, path, STEPS)
+  message = str(e.value)
+  assert "has no module vision; it holds language" in message, message
+  assert f"--config.model.language.init_from={stage1_dir}" in message, message
+  assert "\n" not in message and "damaged" not in message
+
+
+def test_parameters_of_other_shapes_under_the_same_config_name_the_flag_to_start_afresh(
+    data_dir, stage1):
+  """A step whose parameters have other shapes than the run's model of the same config (the
+  model code changed): one error naming the shapes and the flag that starts afresh; not
+  called damaged."""
+  stage1_dir, cfg, _ = stage1
+  other = _cfg(data_dir, stage1_dir, "vision,language", STEPS)
+  other.model.language.mlp_dim = 64  # what other code would make of the same config
+  trainer = Step.build(other)
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(stage1_dir)), list(trainer.modules),
+                                 read_only=True)
+  try:
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      ckpt.restore(STEPS, trainer.abstract_state(canonical=True), cfg, trainer.fresh_opt_state)
+  finally:
+    ckpt.close()
+  message = str(e.value)
+  assert "holds other parameters than this run's model" in message and "128" in message, message
+  assert "--config.run.workdir=NEW_DIR" in message, message
+  assert "\n" not in message and "damaged" not in message
