@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import checkpoint, fingerprint, train
+from mimo_jax.batch import total
 from mimo_jax.data import loader
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
@@ -88,7 +89,8 @@ def test_first_window_step_time_excludes_compilation(stage1):
 def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   """Stage 1 -> stage 2 in the same workdir: optim.freeze=vision,language then vision. The
   language model starts with fresh Adam moments (and the LR schedule at the run's step), the
-  projector keeps its own, the step and the data position carry on."""
+  projector keeps its own, the step and the data position carry on. Then a resume that freezes
+  the language model again and changes optim.lr_mult."""
   stage1_dir, _, _ = stage1
   _copy(stage1_dir, tmp_path)
   cfg = _cfg(data_dir, tmp_path, "vision", STEPS + 1)
@@ -108,15 +110,36 @@ def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   assert {int(v) for k, v in vision.items() if k.endswith("count")} == {STEPS}
   before = {n: jax.device_get(s.params) for n, s in state.items()}
 
-  records = train.run(cfg)
-  assert [r["step"] for r in records if "loss" in r] == [STEPS + 1]
+  records = [r for r in train.run(cfg) if "loss" in r]
+  assert [r["step"] for r in records] == [STEPS + 1]
   assert "language starts with fresh optimizer state" in capsys.readouterr().out
+  # The data position carried on: step STEPS + 1 trained on the stream's batch STEPS.
+  trainer = Step.build(cfg)
+  stream = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], trainer.ctx.groups)
+  seen = lambda b: (total(b, lambda s: s.target_tokens), total(b, lambda s: s.items["vision"]))
+  assert (records[0]["target_tokens"], records[0]["images"]) == seen(stream[STEPS])
+  assert seen(stream[STEPS]) != seen(stream[0])
   after, _ = _restore(cfg, tmp_path, STEPS + 1)
-  changed = lambda n, part: any(
-      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before[n][part]),
-                                               jax.tree.leaves(after[n].params[part])))
+  changed = lambda n, part, was=before, now=after: any(
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(was[n][part]),
+                                               jax.tree.leaves(now[n].params[part])))
   assert changed("language", "blocks") and changed("vision", "projector")
   assert not changed("vision", "blocks")  # still frozen
+
+  # Then the language model frozen again and the projector at half the learning rate
+  # (optim.lr_mult): the language model's moments stay on disk, the projector's carry on.
+  cfg = _cfg(data_dir, tmp_path, "vision,language", STEPS + 2)
+  cfg.optim.lr_mult = "vision_projector=0.5"
+  state, notes = _restore(cfg, tmp_path, STEPS + 1)
+  assert any("language (now frozen) drops its" in n for n in notes), notes
+  assert not _opt(state, "language")
+  for k, v in _opt(state, "vision").items():
+    np.testing.assert_array_equal(v, _opt(after, "vision")[k], err_msg=k)
+  was = {n: jax.device_get(s.params) for n, s in after.items()}
+  assert [r["step"] for r in train.run(cfg) if "loss" in r] == [STEPS + 2]
+  last, _ = _restore(cfg, tmp_path, STEPS + 2)
+  assert changed("vision", "projector", was, last)
+  assert not changed("language", "blocks", was, last) and not changed("vision", "blocks", was, last)
 
 
 def test_init_from_starts_a_new_stage(data_dir, stage1, tmp_path):
