@@ -1,6 +1,7 @@
 """The README's LLaVA recipe, run as written at its tiny size: data, import, stage 1, stage 2 from
-stage 1's weights, export, generation; and the same stages on a SigLIP tower + Qwen2 pair imported
-from two directories. Stage 2's first loss is the loss of stage 1's weights on the same batch."""
+stage 1's weights, export, generation; and its second block, the same stages on a SigLIP tower +
+Qwen2 pair imported from two directories. Stage 1 trains the projector alone, stage 2 the language
+model too, and stage 2's first loss is the loss of stage 1's weights on the same batch."""
 
 from __future__ import annotations
 
