@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed, encoders, fingerprint, optim
+from mimo_jax import bridge, distributed, encoders, fingerprint, optim, run_paths
 from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
@@ -434,8 +434,10 @@ class Checkpointer:
     it again), a third of the bytes to copy to the host; it pins no data (no fingerprint).
     `compact` (one process): a parameter whose float32 values are all bfloat16 values (weights
     imported from a bfloat16 checkpoint) is stored as bfloat16, half the bytes; restoring reads it
-    back as the same float32 values."""
-    meta = {"step": step, "modules": self.modules, "config": dataclasses.asdict(cfg),
+    back as the same float32 values. The config is stored with its paths absolute
+    (run_paths.absolute): the tools that read it run from other directories."""
+    meta = {"step": step, "modules": self.modules,
+            "config": dataclasses.asdict(run_paths.absolute(cfg)),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,
                      **{k: v for k, (_, v) in data_values(cfg).items()}},
             "rng": {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed}}
@@ -563,8 +565,8 @@ class Checkpointer:
       raise CheckpointError(
           f"{where} holds other parameters than this run's model ({'; '.join(differ[:3])}"
           f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''}); the model config matches, "
-          "so the model code differs: resume with the code that wrote it, or start a new "
-          "run.workdir.")
+          "so the model code differs: resume with the code that wrote it, or train this model "
+          "afresh in a new workdir with --config.run.workdir=NEW_DIR.")
     opt = {n: {k: a for k, a in w.items() if k.startswith("opt_state/")} for n, w in wanted.items()}
     fresh = {n: [k for k, a in o.items() if k not in saved[n] or
                  tuple(saved[n][k].shape) != tuple(a.shape)] for n, o in opt.items()}
@@ -726,9 +728,14 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
   where = f"checkpoint {path} step {step}"
   missing = sorted(set(cfg.topology.modules()) - set(meta.get("modules", [])))
   if missing:
-    raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
-                          f"{', '.join(meta.get('modules', []))}. Resume with the modules it "
-                          "holds, or start a new run.workdir.")
+    held = [m for m in meta.get("modules", []) if m in cfg.topology.modules()]
+    start = " ".join(f"--config.model.{m}.init_from={os.path.dirname(path)}"
+                     for m in held) or "--config.run.workdir=NEW_DIR"
+    raise CheckpointError(
+        f"{where} has no module {', '.join(missing)}; it holds "
+        f"{', '.join(meta.get('modules', []))}. Resume with a config of the modules it holds, or "
+        f"start a new stage in a new run.workdir with {start} ({', '.join(missing)} from "
+        "the seed or its own init_from).")
   diffs = model_differences(meta["config"]["model"], cfg)
   if diffs:
     keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"

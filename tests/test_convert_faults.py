@@ -400,17 +400,32 @@ def test_manifest_paths_work_from_any_directory(src, tmp_path, capsys, monkeypat
   assert conversations.source_path(str(old), "tok") == str(old / "tok")
 
 
-def test_the_launch_line_trains_on_the_conversion(src, tmp_path, capsys):
+def test_the_launch_line_is_a_valid_run_whose_rows_hold_every_sample(src, tmp_path, capsys):
+  """The printed line, on the tiny config with its own other values, is a valid run whose rows
+  hold every sample of the conversion; its vocab_size is config.json's beside the tokenizer
+  (more ids than the tokenizer's)."""
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import capacity, loader  # pylint: disable=import-outside-toplevel
+  tok = tmp_path / "tok"
+  shutil.copytree(TOKENIZER, tok)
+  vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size() + 64
+  (tok / "config.json").write_text(json.dumps({"model_type": "llava",
+                                               "text_config": {"vocab_size": vocab}}))
+  cfg = tiny_config("", vision=(0, 1, 1), language=(0, 1, 1))
+  cfg.model.vision.image_size = 20  # the processor's
+  tokens = cfg.model.vision.tokens_per_image  # what an image takes in the tiny model's rows
   out = tmp_path / "a conversion"  # a space the shell must be told of
-  rc, err, printed = _main(_args(src, out, "--image_tokens", "4"), capsys)
+  rc, err, printed = _main(_args(src, out, "--image_tokens", str(tokens), "--tokenizer",
+                                 str(tok), "--global_batch", "4"), capsys)
   assert rc == 0, err
   line = shlex.split(printed.strip().splitlines()[-1])
   assert line[:4] == ["python", "-m", "mimo_jax.launch", "--config=MODEL_CONFIG"]
+  assert "MODEL_CONFIG: the model's config file" in printed
   flags = dict(f.removeprefix("--config.").split("=", 1) for f in line[4:])
   assert flags["data.dir"] == str(out) and flags["eval.samples"] == "3"
   assert flags["data.seq_len"] == str(conversations.manifest(flags["data.dir"])["longest"])
-  cfg = tiny_config("", vision=(0, 1, 1), language=(0, 1, 1))
-  cfg.eval.batch = 1
+  assert flags["data.global_batch"] == "4"
+  assert flags["model.language.vocab_size"] == str(vocab)
   for key, value in flags.items():
     section, field = key.rsplit(".", 1)
     parent = cfg
@@ -419,3 +434,8 @@ def test_the_launch_line_trains_on_the_conversion(src, tmp_path, capsys):
     setattr(parent, field, type(getattr(parent, field))(value))
   validation.validate(cfg, 8)
   validation.validate_data(cfg)
+  # Every train sample fits the line's rows, as the run checks before compiling (an epoch of
+  # steps).
+  paths = conversations.paths(cfg)
+  steps = -(-len(loader.open_shard(paths["train"])) // cfg.data.global_batch)
+  assert capacity.check_capacity(cfg, paths["train"], 1, 0, steps)

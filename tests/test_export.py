@@ -139,10 +139,12 @@ def test_generate_on_the_exports_import_gives_transformers_tokens(pairs, pair, t
   assert _generated(tmp_path / "again") == REF["generated"][pair]
 
 
-def _trained_run(pairs, tmp_path) -> pathlib.Path:
+def _trained_run(pairs, tmp_path, relative: bool = False) -> pathlib.Path:
   """The SigLIP + Qwen2 import as a run elsewhere would be (no hf_import.json, no init_from)
   on converted conversation data padded to squares (data.image_token 3; a manifest naming a
-  tokenizer of its own, marked by model_max_length 40)."""
+  tokenizer of its own, marked by model_max_length 40). `relative`: its config names
+  run.workdir and data.dir relative to `tmp_path`, where it was launched (as runs saved before
+  checkpoints stored paths absolute do)."""
   run, _ = pairs("siglip_qwen2")
   tok = tmp_path / "tokenizer"
   shutil.copytree(RECIPE / "qwen2", tok, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -159,7 +161,10 @@ def _trained_run(pairs, tmp_path) -> pathlib.Path:
   (trained / "hf_import.json").unlink()
   meta_file = trained / "checkpoints" / "0" / "meta" / "metadata"
   meta = _json(meta_file)
-  meta["config"]["data"].update(task="conversations", dir=str(data), image_token=3)
+  meta["config"]["data"].update(task="conversations", dir="data" if relative else str(data),
+                                image_token=3)
+  if relative:
+    meta["config"]["run"]["workdir"] = "trained"
   model = meta["config"]["model"]
   for section in (model["encoders"]["vision"], model["language"]):
     section["init_from"] = ""
@@ -187,6 +192,22 @@ def test_a_runs_export_takes_its_data_token_tokenizer_and_padding(pairs, tmp_pat
   _error(capsys, lambda: hf_tool.main(["export", str(trained), "--out", str(tmp_path / "o2")]),
          "--tokenizer DIR")
   assert not (tmp_path / "o2").exists()
+
+
+def test_a_runs_export_from_another_directory_finds_its_relative_data(pairs, tmp_path,
+                                                                      monkeypatch):
+  """A run whose config names data.dir relative to where it was launched, exported from another
+  directory: the data is found there, so the export pads images to squares as the data did and
+  holds the data's tokenizer."""
+  trained = _trained_run(pairs, tmp_path, relative=True)
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  hf_tool.main(["export", str(trained), "--out", str(tmp_path / "out")])
+  out = tmp_path / "out"
+  pre = _json(out / "preprocessor_config.json")
+  assert pre["image_processor_type"] == "LlavaImageProcessor" and pre["do_pad"] is True
+  assert _json(out / "tokenizer_config.json")["model_max_length"] == 40  # the data's tokenizer
+  assert _json(out / "config.json")["image_token_index"] == 3
 
 
 def test_a_later_stage_finds_its_import_through_init_from(pairs, tmp_path):

@@ -1,6 +1,7 @@
 """The README's LLaVA recipe, run as written at its tiny size: data, import, stage 1, stage 2 from
-stage 1's weights, export, generation; and the same stages on a SigLIP tower + Qwen2 pair imported
-from two directories. Stage 2's first loss is the loss of stage 1's weights on the same batch."""
+stage 1's weights, export, generation; and its second block, the same stages on a SigLIP tower +
+Qwen2 pair imported from two directories. Stage 1 trains the projector alone, stage 2 the language
+model too, and stage 2's first loss is the loss of stage 1's weights on the same batch."""
 
 from __future__ import annotations
 
@@ -17,24 +18,25 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, train
+from mimo_jax import checkpoint, checkpoint_reader, configfile, train
 from mimo_jax.config import from_dict
 from mimo_jax.data import loader
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "tests" / "fixtures" / "recipe"
 STEPS = 3  # a stage's steps here (the README's run 30)
 
 
-def readme_commands() -> list[list[str]]:
-  """The commands of the README's recipe block, continuation lines joined."""
+def readme_commands(block: int = 0) -> list[list[str]]:
+  """The commands of the README recipe section's `block`-th bash block (0: the recipe, 1: the
+  SigLIP + Qwen2 pair), continuation lines joined."""
   text = (ROOT / "README.md").read_text(encoding="utf-8")
   section = text[text.index("## The LLaVA recipe"):]
-  block = section[section.index("```bash\n") + 8:]
-  block = block[:block.index("```")]
-  return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+  section = section[:section.index("\n## ", 1)]
+  body = section.split("```bash\n")[block + 1]
+  body = body[:body.index("```")]
+  return [shlex.split(line) for line in body.replace("\\\n", " ").splitlines() if line.strip()]
 
 
 def _run(argv: list[str], cwd: pathlib.Path) -> str:
@@ -60,6 +62,49 @@ def _in_process(argv: list[str], cwd: pathlib.Path, capsys) -> str:
   out, err = capsys.readouterr()
   assert status in (0, None), f"{shlex.join(argv)}\n{out[-2000:]}\n{err[-3000:]}"
   return out
+
+
+def _launch_in_process(argv: list[str], cwd: pathlib.Path, steps: int) -> None:
+  """`python -m mimo_jax.launch --config=FILE --config.a.b=v ...` for `steps` steps, its config
+  read as launch reads it and trained by train.run in `cwd` (no process start)."""
+  assert argv[:3] == ["python", "-m", "mimo_jax.launch"], argv
+  spec, overrides, rest = configfile.split_args(argv[3:])
+  assert not rest, rest
+  here = os.getcwd()
+  os.chdir(cwd)
+  try:
+    cfg = configfile.load(spec, [*overrides, f"--config.train.steps={steps}"])
+    train.run(cfg)
+  finally:
+    os.chdir(here)
+
+
+def _params(workdir: pathlib.Path, step: int | None = None) -> dict:
+  """A step's parameters (default the newest) by module, on the host."""
+  reader = checkpoint_reader.Reader(str(workdir))
+  try:
+    step = checkpoint.complete_steps(checkpoint.directory(str(workdir)))[-1] if step is None \
+        else step
+    return reader.params_tree(step, reader.meta(step))
+  finally:
+    reader.close()
+
+
+def _changed(a: dict, b: dict) -> bool:
+  return any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _assert_stages_trained(stage1: pathlib.Path, stage2: pathlib.Path) -> None:
+  """Stage 1 changed the projector alone (its newest step against the import's step 0); stage 2
+  changed the language model and the projector, not the tower."""
+  imported, first, second = _params(stage1, 0), _params(stage1), _params(stage2)
+  tower = lambda p: {k: v for k, v in p["vision"].items() if k != "projector"}
+  assert _changed(imported["vision"]["projector"], first["vision"]["projector"])
+  assert not _changed(imported["language"], first["language"])
+  assert not _changed(tower(imported), tower(first))
+  assert _changed(first["language"], second["language"])
+  assert _changed(first["vision"]["projector"], second["vision"]["projector"])
+  assert not _changed(tower(first), tower(second))
 
 
 def _config(workdir: pathlib.Path):
@@ -126,6 +171,15 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
   finally:
     os.chdir(cwd)
   np.testing.assert_allclose(_losses(stage2)[1], want, rtol=1e-6)
+  _assert_stages_trained(stage1, stage2)
+  # The relative paths of stage 2's launch are stored absolute: tools read them from anywhere.
+  saved = checkpoint_reader.Reader(str(stage2))
+  try:
+    data, model = (saved.meta(STEPS)["config"][k] for k in ("data", "model"))
+  finally:
+    saved.close()
+  assert data["dir"] == str(tmp_path / "data" / "instruct")
+  assert model["init_from"] == str(tmp_path / "runs" / "llava0")
   export = tmp_path / "exports" / "llava-stage2"
   assert json.loads((export / "config.json").read_text())["architectures"] == [
       "LlavaForConditionalGeneration"]
@@ -135,41 +189,35 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
   assert outputs[-1].strip(), "tools.generate answered nothing"
 
 
-def test_a_tower_and_a_language_model_from_two_directories_train_both_stages(tmp_path, capsys):
-  """The recipe on a SigLIP tower + Qwen2 imported from two directories (in this process): the
-  projector alone, then projector and language model from stage 1's weights, then the export."""
-  # pylint: disable=import-outside-toplevel
-  from tools import convert, hf, recipe_data
-  assert convert.tower_tokens(str(RECIPE / "llava"))[0] == 16  # a LLaVA's vision_config
-  recipe_data.write(str(tmp_path / "data"), pretrain=24, instruct=24)
-  hf.main(["import", "--hf", str(RECIPE / "siglip"), "--hf", str(RECIPE / "qwen2"),
-           "--out", str(tmp_path / "pair0"), "--config=configs/llava_cpu.py"])
-  manifests = {}
-  for stage in ("pretrain", "instruct"):
-    assert convert.main(["--json", str(tmp_path / "data" / f"{stage}.json"),
-                         "--images", str(tmp_path / "data" / "images"),
-                         "--tokenizer", str(RECIPE / "qwen2"),
-                         "--processor", str(RECIPE / "siglip"), "--out", str(tmp_path / stage),
-                         "--eval", "8", "--seq_len", "256", "--workers", "1"]) == 0
-    # No --image_tokens: the tower's 4x4 patches of its config.json count in the launch line.
-    assert "an image takes 16 tokens (4x4 patches" in capsys.readouterr().err
-    manifests[stage] = json.loads((tmp_path / stage / "conversations.json").read_text())
-  token = manifests["pretrain"]["image_token"]
-  stage1 = tmp_path / "pair0"
+def test_the_readme_pair_recipe_runs_as_written(tmp_path, capsys):
+  """The README's SigLIP tower + Qwen2 block (24 records a stage, its commands in this process):
+  a projector as wide as the language model, the projector alone, then projector and language
+  model from stage 1's weights, then the export as LLaVA."""
+  from tools import recipe_data  # pylint: disable=import-outside-toplevel
+  for name in ("tests", "configs"):
+    (tmp_path / name).symlink_to(ROOT / name)
+  recipe_data.write(str(tmp_path / "data" / "recipe"), pretrain=24, instruct=24)
+  commands = readme_commands(1)
+  assert [c[2] for c in commands] == ["tools.hf", "tools.convert", "mimo_jax.launch",
+                                      "tools.convert", "mimo_jax.launch", "tools.hf"]
+  for argv in commands:
+    if argv[2] == "mimo_jax.launch":
+      _launch_in_process(argv, tmp_path, STEPS)
+    else:
+      printed = _in_process(argv, tmp_path, capsys)
+      if argv[2] == "tools.convert":  # the image token the README's launch lines give
+        assert "--config.data.image_token=3 " in printed, printed
+  stage1, stage2 = tmp_path / "runs" / "pair0", tmp_path / "runs" / "pair-stage2"
   cfg = _config(stage1)
-  cfg.data.dir, cfg.data.image_token = str(tmp_path / "pretrain"), token
-  cfg.optim.freeze, cfg.train.steps = "vision,language", STEPS
-  assert sorted(r["step"] for r in train.run(cfg) if "loss" in r) == list(range(1, STEPS + 1))
-
+  assert not cfg.model.vision.final_norm
+  assert cfg.model.vision.projector_hidden == cfg.model.language.dim  # LLaVA's projector
+  _assert_stages_trained(stage1, stage2)
   cfg = _config(stage1)
-  cfg.run.workdir, cfg.model.init_from = str(tmp_path / "stage2"), str(stage1)
-  cfg.data.dir, cfg.data.image_token = str(tmp_path / "instruct"), token
-  cfg.optim.freeze, cfg.optim.lr, cfg.train.steps = "vision", 2e-4, 1
-  first = [r["loss"] for r in train.run(cfg) if "loss" in r]
-  np.testing.assert_allclose(first[0], _first_loss_of(cfg, stage1), rtol=1e-6)
-
-  hf.main(["export", str(tmp_path / "stage2"), "--out", str(tmp_path / "export")])
-  config = json.loads((tmp_path / "export" / "config.json").read_text())
+  cfg.run.workdir, cfg.model.init_from = str(stage2), str(stage1)
+  cfg.data.dir, cfg.data.image_token = str(tmp_path / "data" / "pair-instruct"), 3
+  cfg.optim.freeze, cfg.optim.lr, cfg.train.steps = "vision", 2e-4, STEPS
+  np.testing.assert_allclose(_losses(stage2)[1], _first_loss_of(cfg, stage1), rtol=1e-6)
+  config = json.loads((tmp_path / "exports" / "pair-stage2" / "config.json").read_text())
   assert config["architectures"] == ["LlavaForConditionalGeneration"]
   assert config["vision_config"]["model_type"] == "siglip_vision_model"
   assert config["text_config"]["model_type"] == "qwen2"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mimo_jax import checkpoint, fingerprint, train
+from mimo_jax.batch import total
 from mimo_jax.data import loader
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
@@ -88,7 +89,8 @@ def test_first_window_step_time_excludes_compilation(stage1):
 def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   """Stage 1 -> stage 2 in the same workdir: optim.freeze=vision,language then vision. The
   language model starts with fresh Adam moments (and the LR schedule at the run's step), the
-  projector keeps its own, the step and the data position carry on."""
+  projector keeps its own, the step and the data position carry on. Then a resume that freezes
+  the language model again and changes optim.lr_mult."""
   stage1_dir, _, _ = stage1
   _copy(stage1_dir, tmp_path)
   cfg = _cfg(data_dir, tmp_path, "vision", STEPS + 1)
@@ -108,15 +110,36 @@ def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   assert {int(v) for k, v in vision.items() if k.endswith("count")} == {STEPS}
   before = {n: jax.device_get(s.params) for n, s in state.items()}
 
-  records = train.run(cfg)
-  assert [r["step"] for r in records if "loss" in r] == [STEPS + 1]
+  records = [r for r in train.run(cfg) if "loss" in r]
+  assert [r["step"] for r in records] == [STEPS + 1]
   assert "language starts with fresh optimizer state" in capsys.readouterr().out
+  # The data position carried on: step STEPS + 1 trained on the stream's batch STEPS.
+  trainer = Step.build(cfg)
+  stream = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], trainer.ctx.groups)
+  seen = lambda b: (total(b, lambda s: s.target_tokens), total(b, lambda s: s.items["vision"]))
+  assert (records[0]["target_tokens"], records[0]["images"]) == seen(stream[STEPS])
+  assert seen(stream[STEPS]) != seen(stream[0])
   after, _ = _restore(cfg, tmp_path, STEPS + 1)
-  changed = lambda n, part: any(
-      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before[n][part]),
-                                               jax.tree.leaves(after[n].params[part])))
+  changed = lambda n, part, was=before, now=after: any(
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(was[n][part]),
+                                               jax.tree.leaves(now[n].params[part])))
   assert changed("language", "blocks") and changed("vision", "projector")
   assert not changed("vision", "blocks")  # still frozen
+
+  # Then the language model frozen again and the projector at half the learning rate
+  # (optim.lr_mult): the language model's moments stay on disk, the projector's carry on.
+  cfg = _cfg(data_dir, tmp_path, "vision,language", STEPS + 2)
+  cfg.optim.lr_mult = "vision_projector=0.5"
+  state, notes = _restore(cfg, tmp_path, STEPS + 1)
+  assert any("language (now frozen) drops its" in n for n in notes), notes
+  assert not _opt(state, "language")
+  for k, v in _opt(state, "vision").items():
+    np.testing.assert_array_equal(v, _opt(after, "vision")[k], err_msg=k)
+  was = {n: jax.device_get(s.params) for n, s in after.items()}
+  assert [r["step"] for r in train.run(cfg) if "loss" in r] == [STEPS + 2]
+  last, _ = _restore(cfg, tmp_path, STEPS + 2)
+  assert changed("vision", "projector", was, last)
+  assert not changed("language", "blocks", was, last) and not changed("vision", "blocks", was, last)
 
 
 def test_init_from_starts_a_new_stage(data_dir, stage1, tmp_path):
@@ -189,3 +212,43 @@ def test_resume_of_another_model_is_a_mismatch_not_damage(data_dir, stage1, tmp_
   assert "--config.model.language.mlp_dim=128" in lines[0]
   assert "damaged" not in lines[0]
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_without_a_module_of_the_run_names_the_flags_that_start_from_it(stage1):
+  """A step that lacks a module the run has: one error naming the module and the flags that
+  start a new stage from the modules it holds; not called damaged."""
+  stage1_dir, cfg, _ = stage1
+  path = checkpoint.directory(str(stage1_dir))
+  ckpt = checkpoint.Checkpointer(path, ["vision", "language"], read_only=True)
+  try:
+    meta = dict(ckpt.read_meta(STEPS), modules=["language"])
+  finally:
+    ckpt.close()
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    checkpoint.check_compatible(meta, cfg, path, STEPS)
+  message = str(e.value)
+  assert "has no module vision; it holds language" in message, message
+  assert f"--config.model.language.init_from={stage1_dir}" in message, message
+  assert "\n" not in message and "damaged" not in message
+
+
+def test_parameters_of_other_shapes_under_the_same_config_name_the_flag_to_start_afresh(
+    data_dir, stage1):
+  """A step whose parameters have other shapes than the run's model of the same config (the
+  model code changed): one error naming the shapes and the flag that starts afresh; not
+  called damaged."""
+  stage1_dir, cfg, _ = stage1
+  other = _cfg(data_dir, stage1_dir, "vision,language", STEPS)
+  other.model.language.mlp_dim = 64  # what other code would make of the same config
+  trainer = Step.build(other)
+  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(stage1_dir)), list(trainer.modules),
+                                 read_only=True)
+  try:
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      ckpt.restore(STEPS, trainer.abstract_state(canonical=True), cfg, trainer.fresh_opt_state)
+  finally:
+    ckpt.close()
+  message = str(e.value)
+  assert "holds other parameters than this run's model" in message and "128" in message, message
+  assert "--config.run.workdir=NEW_DIR" in message, message
+  assert "\n" not in message and "damaged" not in message

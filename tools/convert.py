@@ -2,6 +2,7 @@
 
   python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
+      [--global_batch 32] \\
       [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N] \\
       [--allow_outside_images] [--audio DIR] [--audio_token "<|AUDIO|>"] \\
       [--audio_markers "<|audio_bos|><|AUDIO|><|audio_eos|>"] [--mel_bins 128] [--audio_pool 2] \\
@@ -65,9 +66,12 @@ training checks against model.audio.audio_token and model.audio.mel_bins.
 
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
-each image taking `--image_tokens`), model.vision.max_images (with max_images + 1
-data.image_probs, which converted data does not use but validation checks), eval.samples (the eval split), and the image size, channels and
-vocabulary the model needs.
+each image taking `--image_tokens`), data.global_batch (`--global_batch`), model.vision.max_images
+(with max_images + 1 data.image_probs, which converted data does not use but validation checks),
+eval.samples (the eval split), the image size and channels, and model.language.vocab_size: the
+vocab_size of config.json beside the tokenizer (a LLaVA's text_config's; it may exceed the
+tokenizer's count), else the tokenizer's count. MODEL_CONFIG in that line is the model's config
+file: the WORKDIR/config.py that `python -m tools.hf import` wrote, or a configs/ file.
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio, audio_records, conversations
 from tools.display import count
+
+GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
+MODEL_CONFIG = ("the model's config file: the WORKDIR/config.py `python -m tools.hf import` "
+                "wrote, or a configs/ file")
 
 
 def tower_tokens(directory: str) -> tuple[int | None, str]:
@@ -129,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                       "line's data.seq_len (default: the tower's patches, (image_size / "
                       "patch_size)^2, from config.json in --processor's or --tokenizer's "
                       "directory; 1, with a note, when it has none)")
+  parser.add_argument("--global_batch", type=int, default=GLOBAL_BATCH,
+                      help="samples a step, for the launch line's data.global_batch (default "
+                      f"{GLOBAL_BATCH}, configs/vlm.py's; 8 for configs/llava_cpu.py's CPU runs)")
   parser.add_argument("--image_token", default="<image>", help="the text that marks an image, "
                       "one special token of the tokenizer")
   parser.add_argument("--pad_to_square", action="store_true",
@@ -165,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
             file=sys.stderr)
   if (args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0 or args.audio_pool < 1
-      or args.audio_window < 1):
-    return _error("--workers, --image_tokens, --audio_pool and --audio_window must be at least 1, "
-                  "--seq_len at least 0.")
+      or args.audio_window < 1 or args.global_batch < 1):
+    return _error("--workers, --image_tokens, --audio_pool, --audio_window and --global_batch must "
+                  "be at least 1, --seq_len at least 0.")
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
@@ -208,17 +219,34 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
-  print("train with (MODEL_CONFIG: the model's config file; a model with a larger vocabulary "
-        "than the tokenizer's keeps its own vocab_size):\n  "
+  vocab = model_vocab(args.tokenizer, m["vocab_size"])
+  print(f"train with (MODEL_CONFIG: {MODEL_CONFIG}):\n  "
         + " ".join(["python -m mimo_jax.launch --config=MODEL_CONFIG"]
-                   + launch_flags(out, m, args.seq_len)))
+                   + launch_flags(out, m, args.seq_len, args.global_batch, vocab)))
   return 0
 
 
-def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
-  """The launch flags that train on conversion `out` with manifest `m`, quoted for a shell."""
+def model_vocab(tokenizer: str, tokens: int) -> int:
+  """The model's vocabulary for the launch line: the vocab_size of config.json beside the
+  tokenizer (a LLaVA's text_config's), which may hold more ids than the tokenizer's `tokens`
+  (LLaVA-1.5: 32064 for 32002), else `tokens`."""
+  try:
+    config = json.loads((pathlib.Path(tokenizer) / "config.json").read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return tokens
+  text = config.get("text_config", config) if isinstance(config, dict) else {}
+  vocab = text.get("vocab_size") if isinstance(text, dict) else None
+  usable = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= tokens
+  return vocab if usable else tokens
+
+
+def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int = GLOBAL_BATCH,
+                 vocab: int = 0) -> list[str]:
+  """The launch flags that train on conversion `out` with manifest `m`, quoted for a shell: the
+  model's `vocab` (default the tokenizer's)."""
   flags = {"data.task": "conversations", "data.dir": str(out),
-           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
+           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"],
+           "data.global_batch": global_batch}
   if m["max_images"]:
     k = m["max_images"]
     flags["model.vision.max_images"] = k
@@ -235,7 +263,7 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0) -> list[str]:
     flags["model.audio.max_windows"] = m["max_windows"]
     if m["audio_window_frames"] != audio.WINDOW_FRAMES:
       flags["model.audio.positions"] = m["audio_window_frames"] // 2
-  flags["model.language.vocab_size"] = m["vocab_size"]
+  flags["model.language.vocab_size"] = vocab or m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 
 

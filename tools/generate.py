@@ -49,13 +49,13 @@ import argparse
 import json
 import logging
 import math
-import os
 import pathlib
 import sys
 
 import numpy as np
 
 from mimo_jax import checkpoint_reader, output
+from mimo_jax.run_paths import bases, launch_dir, resolve
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
 from tools.display import count, printable
@@ -63,38 +63,6 @@ from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
-
-
-def launch_dir(workdir: str, cfg: Config) -> pathlib.Path | None:
-  """The directory the run was launched from, where its run.workdir was relative: the given
-  workdir's path without that relative tail (None where that cannot be told)."""
-  rel = pathlib.PurePath(os.path.normpath(cfg.run.workdir)) if cfg.run.workdir else None
-  given = pathlib.Path(os.path.abspath(workdir))
-  if rel is None or rel.is_absolute() or ".." in rel.parts:
-    return None
-  n = len(rel.parts)
-  return pathlib.Path(*given.parts[:-n]) if given.parts[-n:] == rel.parts else None
-
-
-def _bases(*dirs) -> list[pathlib.Path]:
-  """Where a relative path of a record is looked for, in order, each once."""
-  out = []
-  for d in [*dirs, pathlib.Path.cwd()]:
-    if d is not None and pathlib.Path(d).resolve() not in [b.resolve() for b in out]:
-      out.append(pathlib.Path(d))
-  return out
-
-
-def resolve(path: str, wanted: str, bases: list[pathlib.Path]) -> str:
-  """A record's directory `path` holding the file `wanted` (or, with "", existing): itself if
-  absolute, else the first of `bases`/path that does ("" if none does)."""
-  if not path:
-    return ""
-  p = pathlib.Path(path)
-  for candidate in [p] if p.is_absolute() else [b / p for b in bases]:
-    if (candidate / wanted).is_file() if wanted else candidate.is_dir():
-      return str(candidate)
-  return ""
 
 
 def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
@@ -127,9 +95,9 @@ def defaults(workdir: str, cfg: Config) -> dict:
          "context": hf_tool.source_context(record, sources)}
   # An import (or a run started from one) without converted data of its own: the HF directories.
   if (d.task != "conversations" or not d.dir) and any(sources.values()):
-    bases = _bases(work, launched)
+    where = bases(work, launched)
     first = lambda paths, wanted: next(
-        (r for r in (resolve(p, wanted, bases) for p in paths) if r), "")
+        (r for r in (resolve(p, wanted, where) for p in paths) if r), "")
     own = work / "hf_import.json"
     return dict(out, tokenizer=first(sources["language"], "tokenizer.json"),
                 processor=first(sources["vision"], "preprocessor_config.json"),
@@ -138,11 +106,11 @@ def defaults(workdir: str, cfg: Config) -> dict:
                        "processor": ", ".join(sources["vision"])})
   if d.task == "synthetic":
     return out
-  bases = _bases(launched, work)
+  where = bases(launched, work)
   if d.task == "conversations":
-    directory = resolve(d.dir, conversations.MANIFEST, bases)
+    directory = resolve(d.dir, conversations.MANIFEST, where)
   else:  # the digits (or av_digits) build: under data.dir (or the default folder)
-    root = resolve(d.dir, "", bases) if d.dir else ""
+    root = resolve(d.dir, "", where) if d.dir else ""
     build = (av_digits.directory(root, d.train_samples, d.eval_samples) if d.task == "av_digits"
              else digits.directory(root, d.train_samples, d.eval_samples, d.probs()))
     directory = str(build) if root or not d.dir else ""
@@ -152,9 +120,9 @@ def defaults(workdir: str, cfg: Config) -> dict:
   if not (directory / conversations.MANIFEST).is_file():
     return out
   m = conversations.manifest(str(directory))
-  bases = _bases(directory, work, launched)
-  return dict(out, tokenizer=resolve(m.get("tokenizer", ""), "tokenizer.json", bases),
-              processor=resolve(m.get("processor", ""), "preprocessor_config.json", bases),
+  where = bases(directory, work, launched)
+  return dict(out, tokenizer=resolve(m.get("tokenizer", ""), "tokenizer.json", where),
+              processor=resolve(m.get("processor", ""), "preprocessor_config.json", where),
               image_token=m.get("image_token_text", "<image>"),
               audio_token=m.get("audio_token_text", audio_records.QWEN2_AUDIO_TOKEN),
               pad_to_square=bool(m.get("pad_to_square", False)), vocab=m.get("vocab_size"),

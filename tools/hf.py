@@ -75,7 +75,7 @@ import time
 
 import numpy as np
 
-from mimo_jax import checkpoint_reader, configfile, hf, output
+from mimo_jax import checkpoint_reader, configfile, hf, output, run_paths
 from mimo_jax.hf import export as hf_export
 from mimo_jax.hf import audio as hf_audio
 from mimo_jax.hf import vision as hf_vision
@@ -317,15 +317,18 @@ def export(args) -> None:
     sys.exit(130)
 
 
-def _run_data(cfg: Config) -> dict:
+def _run_data(workdir: str, cfg: Config) -> dict:
   """What the run's converted data (data.task conversations or digits: its manifest) says of the
-  tokenizer, the image processor, the image token and pad to square; {} without one."""
+  tokenizer, the image processor, the image token and pad to square; {} without one. A relative
+  data.dir (a run saved before checkpoints stored it absolute) is looked for where the run was
+  launched from, in the workdir, then here."""
   from mimo_jax.data import conversations, digits  # pylint: disable=import-outside-toplevel
-  d = cfg.data
+  d, where = cfg.data, run_paths.bases(run_paths.launch_dir(workdir, cfg), workdir)
   if d.task == "conversations":
-    directory = pathlib.Path(d.dir)
+    directory = pathlib.Path(run_paths.resolve(d.dir, conversations.MANIFEST, where) or d.dir)
   elif d.task == "digits":
-    directory = digits.directory(d.dir, d.train_samples, d.eval_samples, d.probs())
+    root = (run_paths.resolve(d.dir, "", where) or d.dir) if d.dir else ""
+    directory = digits.directory(root, d.train_samples, d.eval_samples, d.probs())
   else:
     return {}
   if not (directory / conversations.MANIFEST).is_file():
@@ -339,7 +342,9 @@ def _run_data(cfg: Config) -> dict:
 
 def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, list[str]]]:
   """The import record (hf_import.json) and the HF directories each module came from (nearest
-  first), of this run and of the runs it started from (init_from=WORKDIR: training stages)."""
+  first), of this run and of the runs it started from (init_from=WORKDIR: training stages).
+  Relative paths (of runs and imports saved before they were stored absolute) are looked for
+  where each run was launched from, in its workdir, then here."""
   from mimo_jax.checkpoint import Checkpointer, complete_steps  # pylint: disable=import-outside-toplevel
   from mimo_jax.config import run_source  # pylint: disable=import-outside-toplevel
   sources: dict[str, list[str]] = {"vision": [], "language": []}
@@ -350,10 +355,11 @@ def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, li
       continue
     seen.add(path.resolve())
     record = record or rec
+    where = run_paths.bases(run_paths.launch_dir(str(path), c), path)
     for module, p in rec.get("sources", {}).items():
-      sources.setdefault(module, []).append(p)
+      sources.setdefault(module, []).append(run_paths.resolve(p, "", where) or p)
     for module in ("vision", "language"):
-      spec = c.model.module(module).init_from or c.model.init_from
+      spec = run_paths.resolve_spec(c.model.module(module).init_from or c.model.init_from, where)
       run = run_source(spec)
       if run is None:
         if spec:
@@ -504,7 +510,7 @@ def _export(args) -> None:
   if wanted is not None and wanted not in cfg.model.encoders and wanted != "language":
     _fail(f"{args.workdir}: the run has no {wanted} module (model.{wanted}); export one "
           f"of {', '.join([*cfg.model.encoders, 'language'])}.")
-  data = _run_data(cfg)
+  data = _run_data(args.workdir, cfg)
   tok = _tokenizer(args, sources, data) if kind not in ("tower", "audio") else None
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     _fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "

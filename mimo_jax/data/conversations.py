@@ -373,7 +373,7 @@ def convert_record(record: dict, where: str) -> dict:
   if not mask.any():
     raise RecordError("no assistant turn", f"{where}: no assistant turn to learn from.")
   clip_tokens = [c.tokens(opts.audio.pool) for c in clips]
-  length = audio_records.positions(positions(len(ids), len(files), opts.image_tokens), clip_tokens)
+  length = positions(len(ids), len(files), opts.image_tokens, clip_tokens)
   if opts.seq_len and length > opts.seq_len:
     raise RecordError("too long", f"{where}: {length} tokens ({len(files)} images of "
                       f"{opts.image_tokens}, clips of {clip_tokens}) exceed --seq_len "
@@ -381,10 +381,10 @@ def convert_record(record: dict, where: str) -> dict:
   return {"tokens": ids, "loss_mask": mask, IMAGES: pixels, **audio_records.fields(clips)}
 
 
-def positions(tokens: int, image_count: int, image_tokens: int) -> int:
+def positions(tokens: int, image_count: int, image_tokens: int, clip_tokens=()) -> int:
   """Positions a sample takes in a row: every token but the last is an input (as the layout
-  counts), each image `image_tokens` of them."""
-  return tokens - 1 + image_count * (image_tokens - 1)
+  counts), each image `image_tokens` of them, each clip its `clip_tokens`."""
+  return audio_records.positions(tokens, list(clip_tokens)) + image_count * (image_tokens - 1)
 
 
 def _work(item):
@@ -612,8 +612,8 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
     tally.clips.append(len(clip_tokens))
     tally.windows = max([tally.windows] + [-(-int(f) // opts.audio.window_frames)
                                            for f in sample.get(audio_records.FRAMES, ())])
-    tally.longest = max(tally.longest, audio_records.positions(
-        positions(len(sample["tokens"]), len(sample[IMAGES]), opts.image_tokens), clip_tokens))
+    tally.longest = max(tally.longest, positions(len(sample["tokens"]), len(sample[IMAGES]),
+                                                 opts.image_tokens, clip_tokens))
   if caught:  # after the last record
     raise output.Interrupted(caught[0])
   return tally
