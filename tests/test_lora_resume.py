@@ -182,3 +182,35 @@ def test_a_bfloat16_weight_saved_as_such_reads_back(data_dir, tmp_path):
   from tools import ckpt as ckpt_tool  # pylint: disable=import-outside-toplevel
   out = run_main(ckpt_tool.main, "check", tmp_path)
   assert out.returncode == 0 and "does not match" not in out.stdout, out.stdout + out.stderr
+
+
+def test_a_new_stage_from_a_lora_run_starts_from_its_trained_weights(data_dir, full_run, tmp_path):
+  """`model.init_from` naming a LoRA run: the new run starts from the step's adapters and
+  projector over the frozen weights its base step holds, saves them once as its own step 0 of
+  parameters only and names that step as its base from then on."""
+  from mimo_jax import checkpoint_reader  # pylint: disable=import-outside-toplevel
+  full_dir, _ = full_run
+  cfg = _cfg(data_dir, tmp_path / "stage", vision=(0, 1, 1), language=(1, 1, 1))
+  cfg.train.steps, cfg.checkpoint.every, cfg.eval.every = 1, 1, 0
+  cfg.model.init_from = f"{full_dir}:{STEPS}"
+  train.run(cfg)
+
+  def params(workdir, step):
+    reader = checkpoint_reader.Reader(str(workdir))
+    try:
+      meta = reader.meta(step)
+      return meta, reader.params_tree(step, meta)
+    finally:
+      reader.close()
+  _, source = params(full_dir, STEPS)
+  zero_meta, zero = params(tmp_path / "stage", 0)
+  one_meta, _ = params(tmp_path / "stage", 1)
+  assert zero_meta.get("params_only") and "base" not in zero_meta
+  assert (one_meta["base"]["path"], one_meta["base"]["step"]) == (".", 0)
+  flat = lambda tree, p="": ({k2: v2 for k, v in tree.items() for k2, v2 in flat(v, f"{p}{k}/").items()}
+                             if isinstance(tree, dict) else {p[:-1]: tree})
+  want, got = flat(source), flat(zero)
+  assert set(got) == set(want)
+  for k, v in want.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+  assert any(k.endswith("lora_b") and np.any(np.asarray(v)) for k, v in got.items())
