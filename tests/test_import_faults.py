@@ -1,10 +1,11 @@
 """tools.hf import under faults and bad input: non-finite weights, null or mistyped config.json
-fields, an --out that cannot be written, a kill midway or after the save (nothing is left), and
-what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
+fields, an --out that cannot be written, a save that fails midway, a kill midway or after the
+save (nothing is left), and what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
 restores from the directory it was renamed to."""
 
 import collections
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -15,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mimo_jax import checkpoint, hf, output
+from tests.helpers import file_size_limit
 from tools import hf as hf_tool
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -185,6 +187,23 @@ def test_an_import_interrupted_midway_or_killed_after_its_save_leaves_nothing(
                                                               tmp_path / "out"))
   assert "import interrupted; nothing was written" in line
   assert _left(tmp_path) == []
+
+
+def test_a_save_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, caplog,
+                                                                  monkeypatch):
+  """A file size limit (as a full disk) fails the step-0 save: tensorstore's error (a ValueError)
+  is one line naming --out and the reason; orbax's writer threads' tracebacks of it are not
+  printed."""
+  save = checkpoint.Checkpointer.save
+  def limited(self, *args, **kwargs):  # the limit on the save alone: not on compilation caches
+    with file_size_limit(20000):
+      return save(self, *args, **kwargs)
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", limited)
+  out = tmp_path / "out"
+  _error(capsys, lambda: _import(FIXTURES / "qwen2", out), f"--out={str(out)!r}",
+         "refused the write (File too large)")
+  assert _left(tmp_path) == []
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_a_finished_import_names_absolute_paths_and_a_complete_launch_line(

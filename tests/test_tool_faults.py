@@ -30,6 +30,7 @@ from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import conversations
 from mimo_jax.state import ModuleState
 from mimo_jax.validation import validate
+from tests.helpers import file_size_limit
 from tests.test_generate import _tokenizer
 from tools import ckpt
 from tools import generate as generate_tool
@@ -230,8 +231,8 @@ def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkey
   _error(capsys, "tools.ckpt", "step 20 was removed while being read", "steps 10 now")
 
 
-def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, monkeypatch,
-                                                                         capsys):
+def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_directory(
+    run, monkeypatch, capsys):
   import safetensors.numpy  # pylint: disable=import-outside-toplevel
   from mimo_jax import output  # pylint: disable=import-outside-toplevel
   out = run.parent / "out" / "model.safetensors"
@@ -246,14 +247,18 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, mo
   assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
   _error(capsys, "tools.ckpt", "GB at", "free space")
   monkeypatch.setattr(output.shutil, "disk_usage", real)
-
-  def full(tensors, path, metadata=None):  # pylint: disable=unused-argument
-    pathlib.Path(path).write_bytes(b"half a file")
-    raise OSError(28, os.strerror(28))
-  monkeypatch.setattr(safetensors.numpy, "save_file", full)
-  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
-  _error(capsys, "tools.ckpt", "refused the write")
+  # A write that fails midway (a file size limit, as a full disk): safetensors raises its
+  # SafetensorError, which is no OSError.
+  with file_size_limit(4096):
+    assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", f"--out={str(out)!r}", "refused the write (File too large)")
   assert os.listdir(out.parent) == []  # no partial file, no lock
+  # An existing directory is refused as --out.
+  out.mkdir()
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", f"--out={str(out)!r} is a directory", "model.safetensors")
+  assert os.listdir(out) == []
+  out.rmdir()
 
   def killed(tensors, path, metadata=None):  # pylint: disable=unused-argument
     pathlib.Path(path).write_bytes(b"half a file")
