@@ -1,7 +1,7 @@
 """The read-only tools beside a live run and under bad input, in-process: `tools.ckpt`
-check/inspect/export and `tools.generate` read committed steps only, take a step rotated away
-under them for gone (not damaged) and say that a run holds the workdir; `export` writes its file
-staged; no warning prints above an error line (garbage values that reach the fingerprint's
+check/inspect/export, `tools.generate` and `tools.eval` read committed steps only, take a step
+rotated away under them for gone (not damaged) and say that a run holds the workdir; `export`
+writes its file staged; no warning prints above an error line (garbage values that reach the fingerprint's
 bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer, unencodable
 words, oversized images and prompts past the context in one line, prepares images as the run's
 data was and finds a run's older relative paths from any directory."""
@@ -307,6 +307,35 @@ def test_generate_beside_a_live_run_answers_from_the_newest_step(run, monkeypatc
   assert out.splitlines()[0] == "> hello there" and len(out.splitlines()) == 2
   assert f"pid {os.getpid()}" in err and "step 30 was removed while being read" in err
   assert complete_steps(run / "checkpoints") == [10, 20]
+
+
+def test_eval_beside_a_live_run_takes_steps_rotated_away_before_or_during_the_load_for_gone(
+    run, monkeypatch, capsys):
+  """Step 30 is removed after the eval read its metadata, before its weights load; step 20 as
+  its weights are read: neither is damaged, the eval answers from the newest step left."""
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
+  _live(run)
+  meta, read = checkpoint_reader._meta, checkpoint.Checkpointer.read  # pylint: disable=protected-access
+
+  def meta_then_rotated(mngr, s):
+    got = meta(mngr, s)
+    shutil.rmtree(run / "checkpoints" / "30", ignore_errors=True)
+    return got
+
+  def rotated_when_read(self, s, *rest):
+    if s == 20:
+      shutil.rmtree(run / "checkpoints" / "20")
+    return read(self, s, *rest)
+  monkeypatch.setattr(checkpoint_reader, "_meta", meta_then_rotated)
+  monkeypatch.setattr(checkpoint.Checkpointer, "read", rotated_when_read)
+  out = run.parent / "preds.jsonl"
+  assert eval_tool.main([str(run), "--data", str(run.parent / "data"), "--max_new_tokens", "2",
+                         "--out", str(out)]) == 0
+  stdout, err = capsys.readouterr()
+  assert "step 20 was removed while being read" in err and f"pid {os.getpid()}" in err, err
+  assert "error" not in err and "at step 10:" in stdout, (stdout, err)
+  assert json.loads(out.with_suffix(".summary.json").read_text())["step"] == 10
 
 
 @pytest.mark.parametrize("flags,words", [
