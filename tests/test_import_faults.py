@@ -1,5 +1,5 @@
-"""tools.hf import under faults and bad input: non-finite weights, null or mistyped config.json
-fields, an --out that cannot be written, a save that fails midway, a kill midway or after the
+"""tools.hf import under faults and bad input: non-finite weights, safetensors headers that lie,
+null or mistyped config.json fields, an --out that cannot be written, a save that fails midway, a kill midway or after the
 save (nothing is left), and what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
 restores from the directory it was renamed to."""
 
@@ -94,6 +94,53 @@ def test_non_finite_weights_are_refused_as_each_tensor_is_read(tmp_path, capsys,
   with pytest.raises(hf.HFError, match=r"model\.norm\.weight holds NaN or infinite values "
                      r"\(inf at index \(7,\)\)"):
     hf.Source.open(src).read("model.norm.weight", (32,))
+
+
+def _lie(src: pathlib.Path, edit) -> pathlib.Path:
+  """src/model.safetensors rewritten with `edit(header, body) -> (header, body)`: the bytes of
+  the tensors kept, the header's claims about them changed."""
+  f = src / "model.safetensors"
+  data = f.read_bytes()
+  n = int.from_bytes(data[:8], "little")
+  header, body = edit(json.loads(data[8:8 + n]), data[8 + n:])
+  text = json.dumps(header).encode()
+  text += b" " * (-len(text) % 8)
+  f.write_bytes(len(text).to_bytes(8, "little") + text + body)
+  return f
+
+
+LIAR = "model.layers.1.mlp.down_proj.weight"
+
+
+def _set(key, value):
+  return lambda h, b: (dict(h, **{LIAR: dict(h[LIAR], **{key: value(h[LIAR])})}), b)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h, b: (h, b[:-100]),  # more bytes than the file holds
+    _set("dtype", lambda t: "BF16"),  # another dtype: half the bytes
+    _set("shape", lambda t: [t["shape"][0] * 2, t["shape"][1]]),  # a larger shape
+    _set("data_offsets", lambda t: [t["data_offsets"][0], t["data_offsets"][1] + 10**9]),
+], ids=["bytes", "dtype", "shape", "offsets"])
+def test_a_safetensors_header_that_lies_is_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                              edit):
+  src = _copy("qwen2", tmp_path / "qwen2")
+  f = _lie(src, edit)
+  _error(capsys, lambda: _import(src, tmp_path / "out"), str(f), "cannot be read as safetensors")
+  assert _left(tmp_path) == []
+
+
+def test_a_header_whose_lie_fits_the_bytes_is_refused_as_the_tensor_is_read(tmp_path):
+  """A dtype or shape that the file's bytes allow, but not the model's: an HFError naming the
+  tensor as it is read (which the import prints as its one line, as for every HFError)."""
+  for edit, match in ((_set("dtype", lambda t: "I32"), "has dtype int32, expected a floating"),
+                      (_set("shape", lambda t: t["shape"][::-1]), r"has shape \(48, 32\), but "
+                       r"config.json implies \(32, 48\)")):
+    src = _copy("qwen2", tmp_path / "qwen2")
+    _lie(src, edit)
+    with pytest.raises(hf.HFError, match=f"{LIAR} {match}"):
+      hf.Source.open(src).read(LIAR, (32, 48))
+    shutil.rmtree(src)
 
 
 @pytest.mark.parametrize("fixture,edit,words", [
