@@ -1,7 +1,8 @@
 """tools.hf import under faults and bad input: non-finite weights, safetensors headers that lie,
-null or mistyped config.json fields, an --out that cannot be written, a save that fails midway, a kill midway or after the
-save (nothing is left), and what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
-restores from the directory it was renamed to."""
+null or mistyped config.json fields, an --out that cannot be written, a save that fails midway, a
+kill midway or after the save (nothing is left), and what a finished import leaves: absolute
+source paths, a complete launch line, a checkpoint that restores from the directory it was
+renamed to."""
 
 import collections
 import json
