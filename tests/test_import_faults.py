@@ -2,7 +2,7 @@
 null or mistyped config.json fields, an --out that cannot be written, a save that fails midway, a
 kill midway or after the save (nothing is left), and what a finished import leaves: absolute
 source paths, a complete launch line, a checkpoint that restores from the directory it was
-renamed to."""
+renamed to, on a path that is not ASCII too."""
 
 import collections
 import json
@@ -252,6 +252,19 @@ def test_a_save_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, capsy
          "refused the write (File too large)")
   assert _left(tmp_path) == []
   assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_workdir_path_with_non_ascii_characters_imports_and_reads_back(tmp_path, capsys):
+  """Lock, staging directory, orbax's save and read, tools.ckpt's check: on a path that is not
+  ASCII (with a space)."""
+  from tools import ckpt  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "dönüş 数据" / "wörk dir"
+  _import(FIXTURES / "qwen2", out)
+  assert (out / "config.py").is_file()
+  capsys.readouterr()
+  assert ckpt.main(["check", str(out)]) == 0
+  assert "step 0: " in capsys.readouterr().out
+  assert sorted(p.name for p in out.parent.iterdir()) == ["wörk dir"]  # no lock, no staging
 
 
 def test_a_finished_import_names_absolute_paths_and_a_complete_launch_line(
