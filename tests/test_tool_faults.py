@@ -374,8 +374,21 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
       {f"x{i}": 64 + i for i in range(36)}))
   assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(bigger)]) == 2
   _error(capsys, "tools.generate", "--tokenizer", "100 tokens", "64")
+  # A manifest of an older conversion names no vocabulary size: the model's rows are the check,
+  # a tokenizer larger than them or smaller by more than padding is another model's.
+  manifest_file = launch / "data" / conversations.MANIFEST
+  older = json.loads(manifest_file.read_text())
+  del older["vocab_size"]
+  manifest_file.write_text(json.dumps(older))
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(bigger)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "has 100 tokens, more than the model's 64")
+  smaller = _variant(launch, "tok_smaller", lambda m: m.update(
+      vocab={k: i for k, i in m["vocab"].items() if i < 40}))
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(smaller)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "tokens where the model has 64")
+  manifest_file.write_text(json.dumps(dict(older, vocab_size=64)))
   strict = _variant(launch, "tok_strict", lambda m: m.update(unk_token="<none>"))
-  manifest = json.loads((launch / "data" / conversations.MANIFEST).read_text())
+  manifest = json.loads(manifest_file.read_text())
   assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \
       == 2 and manifest["vocab_size"] == 64
   _error(capsys, "tools.generate", "'hello zebra'", "cannot encode")
