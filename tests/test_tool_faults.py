@@ -1,10 +1,10 @@
 """The read-only tools beside a live run and under bad input, in-process: `tools.ckpt`
 check/inspect/export, `tools.generate` and `tools.eval` read committed steps only, take a step
 rotated away under them for gone (not damaged) and say that a run holds the workdir; `export`
-writes its file staged; no warning prints above an error line (garbage values that reach the fingerprint's
-bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer, unencodable
-words, oversized images and prompts past the context in one line, prepares images as the run's
-data was and finds a run's older relative paths from any directory."""
+writes its file staged; no warning prints above an error line (garbage values that reach the
+fingerprint's bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer,
+unencodable words, oversized images and prompts past the context in one line, prepares images as
+the run's data was and finds a run's older relative paths from any directory."""
 
 import json
 import os
@@ -316,7 +316,8 @@ def test_eval_beside_a_live_run_takes_steps_rotated_away_before_or_during_the_lo
   from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
   from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
   _live(run)
-  meta, read = checkpoint_reader._meta, checkpoint.Checkpointer.read  # pylint: disable=protected-access
+  meta = checkpoint_reader._meta  # pylint: disable=protected-access
+  read = checkpoint.Checkpointer.read
 
   def meta_then_rotated(mngr, s):
     got = meta(mngr, s)
