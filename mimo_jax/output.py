@@ -18,6 +18,9 @@
 - **Cleanup that cannot fail**: on any exception or signal the staging directory is removed with
   errors ignored, and the original exception propagates.
 - **Free space**: `check_space(path, nbytes, what)` before long work whose size is known.
+- **Failed writes**: inside `write_errors(what)` a write that fails (a full disk, a file size
+  limit) is one line naming the output and the reason, whichever library wrote: safetensors'
+  SafetensorError and orbax's tensorstore errors are no OSError, but name the one beneath them.
 - **Signals**: `interrupts_as_exceptions()` turns SIGTERM (and SIGHUP) into `Interrupted`, so a
   killed tool unwinds through its cleanup like Ctrl-C does.
 """
@@ -29,6 +32,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import sys
@@ -42,6 +46,9 @@ OLD = ".replaced-"  # a complete output moved aside while its replacement is ren
 # Every published output holds this file, naming what wrote it: only an output of the same kind
 # is ever replaced (a training workdir that happens to hold a config.json is not an export).
 MARKER = ".mimo_jax_output.json"
+# The OSError beneath a library's write error, as its text names it: safetensors' "(os error 27)",
+# tensorstore's "[os_error_code='27']".
+_OS_ERROR_CODE = re.compile(r"os[ _]error(?: |_code=')(\d+)")
 
 
 class OutputError(ConfigError):
@@ -215,6 +222,37 @@ def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
   if free < nbytes * 1.01:
     raise OutputError(f"{what} needs about {nbytes / 1e9:.2f} GB at {path}, where "
                       f"{free / 1e9:.2f} GB are free; free space or choose another place.")
+
+
+def write_failure(e: BaseException, what: str) -> str | None:
+  """One sentence for a failed write of `what` (`--out=...`): an OSError, or a library's error
+  naming the OSError beneath it; None for anything else (a bug, whose traceback is wanted)."""
+  seen = e
+  while seen is not None:
+    if isinstance(seen, OSError):
+      return workdir_lib.describe_os_error(seen, what)
+    seen = seen.__cause__ or seen.__context__
+  found = _OS_ERROR_CODE.search(str(e))
+  if found is None:
+    return None
+  code = int(found.group(1))
+  return workdir_lib.describe_os_error(OSError(code, os.strerror(code)), what)
+
+
+@contextlib.contextmanager
+def write_errors(what: str) -> Iterator[None]:
+  """A write failing inside the block (`write_failure`) raises OutputError: one line naming
+  `what` (`--out=...`) and the reason. Other exceptions, and errors that are already one line
+  (ConfigError), pass unchanged."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    message = write_failure(e, what)
+    if message is None:
+      raise
+    raise OutputError(message) from None
 
 
 @contextlib.contextmanager

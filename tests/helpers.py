@@ -116,3 +116,17 @@ def run_main(main, *args) -> types.SimpleNamespace:
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     status = main([str(a) for a in args])
   return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+  """While the block runs, a write past `nbytes` into any file fails in this process (EFBIG:
+  Python ignores SIGXFSZ), as a full disk fails it: a real failed write, whichever library
+  writes (RLIMIT_FSIZE; the limit before is put back)."""
+  import resource  # pylint: disable=import-outside-toplevel
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+  try:
+    yield
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

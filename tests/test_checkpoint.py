@@ -1,7 +1,11 @@
-"""Checkpoints: exact resume, restore onto other topologies, bad checkpoints, tools (preemption
-in real runs: test_faults.py)."""
+"""Checkpoints: exact resume, restore onto other topologies, bad checkpoints, a save killed with
+SIGKILL, tools (preemption in real runs: test_faults.py)."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -9,7 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from mimo_jax import checkpoint, train
-from mimo_jax.config import ConfigError
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
 from tests.helpers import run_main, tiny_config
 from tools import ckpt as ckpt_tool
@@ -84,6 +89,49 @@ def test_interrupted_save_is_ignored(data_dir, full_run, tmp_path):
   ckpt.close()
   resumed = _losses(train.run(_cfg(data_dir, tmp_path)))
   assert resumed == _losses(records, first=5)
+
+
+# Saves step 1, then step 2 until orbax renames its finished staging folder into place, where it
+# kills itself (SIGKILL): the last moment of a save, its folder complete but not yet the step.
+_KILLED_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+from mimo_jax.checkpoint import Checkpointer
+from mimo_jax.config import Config
+from mimo_jax.state import ModuleState
+ckpt = Checkpointer(sys.argv[1], ["language"], async_save=False)
+state = lambda v: {"language": ModuleState({"w": jnp.full((64, 64), v, jnp.float32)}, None)}
+ckpt.save(1, state(1.0), Config(), force=True, params_only=True)
+rename = os.rename
+def killed(src, dst, *args, **kwargs):
+  if os.path.basename(str(dst)) == "2":
+    os.kill(os.getpid(), signal.SIGKILL)
+  return rename(src, dst, *args, **kwargs)
+os.rename = killed
+ckpt.save(2, state(2.0), Config(), force=True, params_only=True)
+"""
+
+
+def test_a_save_killed_with_sigkill_leaves_the_steps_before_it_and_the_next_save_works(
+    tmp_path, capsys):
+  path = tmp_path / "checkpoints"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], cwd=root,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr
+  assert any(p.name.startswith("2.") for p in path.iterdir())  # the save it was in
+  assert checkpoint.complete_steps(str(path)) == [1]
+  assert ckpt_tool.main(["check", str(tmp_path)]) == 0
+  assert "step 1: " in capsys.readouterr().out
+  # The next writer (a rerun) saves step 2 again over what the killed one left.
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  ckpt.save(2, {"language": ModuleState({"w": np.full((64, 64), 2.0, np.float32)}, None)},
+            Config(), force=True, params_only=True)
+  ckpt.close()
+  assert checkpoint.complete_steps(str(path)) == [1, 2]
+  assert sorted(p.name for p in path.iterdir()) == ["1", "2"]
+  assert ckpt_tool.main(["check", str(tmp_path)]) == 0
 
 
 def test_mismatched_model_is_a_clear_error(data_dir, full_run, tmp_path):

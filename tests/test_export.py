@@ -3,14 +3,18 @@ a CLIP + Llama-3.1-style LLaVA, and a SigLIP tower + Qwen2 imported from two dir
 export holds the config (the source's context length), the image processor, LlavaProcessor's
 config, the tokenizer with its chat template and the generation config; mimo_jax's processor and
 greedy generation on the export's own import give transformers' references; the image token and
-the tokenizer of a run come from its data; the write is staged (a failure leaves nothing).
+the tokenizer of a run come from its data; the write is staged (a failed write, too little
+space or SIGTERM is one line and leaves nothing).
 
 With transformers installed, the export also loads as LlavaForConditionalGeneration with its
 AutoProcessor and generates what tools.generate does on the same workdir (skipped otherwise)."""
 
+import errno
 import json
+import os
 import pathlib
 import shutil
+import signal
 from unittest import mock
 
 import numpy as np
@@ -18,12 +22,12 @@ import PIL
 import pytest
 from PIL import Image
 
-from mimo_jax import checkpoint
+from mimo_jax import checkpoint, output
 from mimo_jax import generate as generate_lib
 from mimo_jax.data.images import ImageProcessor
 from tools import generate as generate_tool
 from tools import hf as hf_tool
-from tests.helpers import assert_hf_error
+from tests.helpers import assert_hf_error, file_size_limit
 
 RECIPE = pathlib.Path(__file__).parent / "fixtures" / "recipe"
 IMAGES = pathlib.Path(__file__).parent / "fixtures" / "images"
@@ -238,14 +242,7 @@ def test_the_export_is_staged_refuses_what_it_would_overwrite_and_refuses_non_fi
   run, _ = pairs("llava")
   out = tmp_path / "out"
   export = lambda *extra: hf_tool.main(["export", str(run), "--out", str(out), *extra])
-  # A write failing midway leaves nothing: no output, no staging directory, no lock.
-  real = hf_tool.shutil.copyfile
-  with mock.patch.object(hf_tool.shutil, "copyfile", side_effect=OSError("disk full")):
-    with pytest.raises(OSError):
-      export()
-  assert sorted(p.name for p in tmp_path.iterdir()) == []
-  assert hf_tool.shutil.copyfile is real
-  export()  # a rerun works
+  export()
   assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
   # A complete export is refused without --overwrite, replaced with it; any other content is
   # refused.
@@ -271,6 +268,46 @@ def test_the_export_is_staged_refuses_what_it_would_overwrite_and_refuses_non_fi
   _error(capsys, lambda: hf_tool.main(["export", str(run), "--out", str(tmp_path / "nan")]),
          "language_model.model.norm.weight", "NaN or Inf", "--step")
   assert not (tmp_path / "nan").exists()
+
+
+def test_a_failed_write_too_little_space_or_sigterm_leave_nothing(pairs, tmp_path, capsys,
+                                                                   monkeypatch):
+  """Each is one line naming --out and the reason (exit 2, SIGTERM 143); no output, no staging
+  directory, no lock is left, and a rerun works."""
+  run, _ = pairs("llava")
+  out = tmp_path / "out"
+  export = lambda: hf_tool.main(["export", str(run), "--out", str(out)])
+  # The weights' write under a file size limit, as on a full disk: safetensors raises its
+  # SafetensorError, which is no OSError.
+  with file_size_limit(4096):
+    _error(capsys, export, f"--out={str(out)!r}", "refused the write (File too large)")
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  # The tokenizer's copy on a full disk.
+  full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  with mock.patch.object(hf_tool.shutil, "copyfile", side_effect=full):
+    _error(capsys, export, f"--out={str(out)!r}", "No space left on device")
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  # Too little free space: refused before anything is written.
+  real = output.shutil.disk_usage
+  with mock.patch.object(output.shutil, "disk_usage", lambda p: real(p)._replace(free=1000)):
+    _error(capsys, export, "the export needs about", f"at {out}", "free space")
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  # SIGTERM while the weights are written.
+  write = hf_tool._write_safetensors  # pylint: disable=protected-access
+
+  def killed(tmp, tensors):
+    write(tmp, tensors)
+    os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(hf_tool, "_write_safetensors", killed)
+  with pytest.raises(SystemExit) as e:
+    export()
+  assert e.value.code == 128 + signal.SIGTERM
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"tools.hf: export interrupted; nothing was written to {out}"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  monkeypatch.setattr(hf_tool, "_write_safetensors", write)
+  export()  # a rerun works
+  assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
 # transformers' side: the export as transformers loads it.

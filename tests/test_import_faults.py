@@ -1,10 +1,12 @@
-"""tools.hf import under faults and bad input: non-finite weights, null or mistyped config.json
-fields, an --out that cannot be written, a kill midway or after the save (nothing is left), and
-what a finished import leaves: absolute source paths, a complete launch line, a checkpoint that
-restores from the directory it was renamed to."""
+"""tools.hf import under faults and bad input: non-finite weights, safetensors headers that lie,
+null or mistyped config.json fields, an --out that cannot be written, a save that fails midway, a
+kill midway or after the save (nothing is left), and what a finished import leaves: absolute
+source paths, a complete launch line, a checkpoint that restores from the directory it was
+renamed to, on a path that is not ASCII too."""
 
 import collections
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -15,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mimo_jax import checkpoint, hf, output
+from tests.helpers import file_size_limit
 from tools import hf as hf_tool
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -92,6 +95,53 @@ def test_non_finite_weights_are_refused_as_each_tensor_is_read(tmp_path, capsys,
   with pytest.raises(hf.HFError, match=r"model\.norm\.weight holds NaN or infinite values "
                      r"\(inf at index \(7,\)\)"):
     hf.Source.open(src).read("model.norm.weight", (32,))
+
+
+def _lie(src: pathlib.Path, edit) -> pathlib.Path:
+  """src/model.safetensors rewritten with `edit(header, body) -> (header, body)`: the bytes of
+  the tensors kept, the header's claims about them changed."""
+  f = src / "model.safetensors"
+  data = f.read_bytes()
+  n = int.from_bytes(data[:8], "little")
+  header, body = edit(json.loads(data[8:8 + n]), data[8 + n:])
+  text = json.dumps(header).encode()
+  text += b" " * (-len(text) % 8)
+  f.write_bytes(len(text).to_bytes(8, "little") + text + body)
+  return f
+
+
+LIAR = "model.layers.1.mlp.down_proj.weight"
+
+
+def _set(key, value):
+  return lambda h, b: (dict(h, **{LIAR: dict(h[LIAR], **{key: value(h[LIAR])})}), b)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h, b: (h, b[:-100]),  # more bytes than the file holds
+    _set("dtype", lambda t: "BF16"),  # another dtype: half the bytes
+    _set("shape", lambda t: [t["shape"][0] * 2, t["shape"][1]]),  # a larger shape
+    _set("data_offsets", lambda t: [t["data_offsets"][0], t["data_offsets"][1] + 10**9]),
+], ids=["bytes", "dtype", "shape", "offsets"])
+def test_a_safetensors_header_that_lies_is_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                              edit):
+  src = _copy("qwen2", tmp_path / "qwen2")
+  f = _lie(src, edit)
+  _error(capsys, lambda: _import(src, tmp_path / "out"), str(f), "cannot be read as safetensors")
+  assert _left(tmp_path) == []
+
+
+def test_a_header_whose_lie_fits_the_bytes_is_refused_as_the_tensor_is_read(tmp_path):
+  """A dtype or shape that the file's bytes allow, but not the model's: an HFError naming the
+  tensor as it is read (which the import prints as its one line, as for every HFError)."""
+  for edit, match in ((_set("dtype", lambda t: "I32"), "has dtype int32, expected a floating"),
+                      (_set("shape", lambda t: t["shape"][::-1]), r"has shape \(48, 32\), but "
+                       r"config.json implies \(32, 48\)")):
+    src = _copy("qwen2", tmp_path / "qwen2")
+    _lie(src, edit)
+    with pytest.raises(hf.HFError, match=f"{LIAR} {match}"):
+      hf.Source.open(src).read(LIAR, (32, 48))
+    shutil.rmtree(src)
 
 
 @pytest.mark.parametrize("fixture,edit,words", [
@@ -185,6 +235,36 @@ def test_an_import_interrupted_midway_or_killed_after_its_save_leaves_nothing(
                                                               tmp_path / "out"))
   assert "import interrupted; nothing was written" in line
   assert _left(tmp_path) == []
+
+
+def test_a_save_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, caplog,
+                                                                  monkeypatch):
+  """A file size limit (as a full disk) fails the step-0 save: tensorstore's error (a ValueError)
+  is one line naming --out and the reason; orbax's writer threads' tracebacks of it are not
+  printed."""
+  save = checkpoint.Checkpointer.save
+  def limited(self, *args, **kwargs):  # the limit on the save alone: not on compilation caches
+    with file_size_limit(20000):
+      return save(self, *args, **kwargs)
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", limited)
+  out = tmp_path / "out"
+  _error(capsys, lambda: _import(FIXTURES / "qwen2", out), f"--out={str(out)!r}",
+         "refused the write (File too large)")
+  assert _left(tmp_path) == []
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_workdir_path_with_non_ascii_characters_imports_and_reads_back(tmp_path, capsys):
+  """Lock, staging directory, orbax's save and read, tools.ckpt's check: on a path that is not
+  ASCII (with a space)."""
+  from tools import ckpt  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "dönüş 数据" / "wörk dir"
+  _import(FIXTURES / "qwen2", out)
+  assert (out / "config.py").is_file()
+  capsys.readouterr()
+  assert ckpt.main(["check", str(out)]) == 0
+  assert "step 0: " in capsys.readouterr().out
+  assert sorted(p.name for p in out.parent.iterdir()) == ["wörk dir"]  # no lock, no staging
 
 
 def test_a_finished_import_names_absolute_paths_and_a_complete_launch_line(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mimo_jax import hf, modules, whole
+from mimo_jax import hf, modules, output, whole
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.hf import peft
@@ -19,6 +19,7 @@ from mimo_jax.models import lora
 from mimo_jax.step import Step
 from mimo_jax.trees import paths
 from mimo_jax.validation import validate
+from tests.helpers import file_size_limit
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 ADAPTER = FIXTURES / "peft" / "llama3"
@@ -77,6 +78,17 @@ def test_export_has_peft_names_and_is_bitwise_the_imported_adapter(imported, tmp
   again = paths(peft.read(tmp_path / "adapter", cfg, {"language": params})["language"])
   for k, v in paths(params).items():
     np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_a_failed_write_is_one_error_naming_the_adapter_and_leaves_nothing(imported, tmp_path):
+  cfg, _, params = imported
+  out = tmp_path / "adapter"
+  # A file size limit, as a full disk: safetensors raises its SafetensorError, no OSError.
+  with file_size_limit(1024), pytest.raises(output.OutputError) as e:
+    peft.write(out, cfg, {"language": params})
+  assert str(e.value).startswith(f"--out={str(out)!r}: the file system refused the write (File "
+                                 "too large)"), e.value
+  assert list(tmp_path.iterdir()) == []  # no adapter, no staging directory, no lock
 
 
 def test_export_writes_lora_dropout_and_import_reads_it(imported, tmp_path):

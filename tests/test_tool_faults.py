@@ -1,10 +1,10 @@
 """The read-only tools beside a live run and under bad input, in-process: `tools.ckpt`
-check/inspect/export and `tools.generate` read committed steps only, take a step rotated away
-under them for gone (not damaged) and say that a run holds the workdir; `export` writes its file
-staged; no warning prints above an error line (garbage values that reach the fingerprint's
-bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer, unencodable
-words, oversized images and prompts past the context in one line, prepares images as the run's
-data was and finds a run's older relative paths from any directory."""
+check/inspect/export, `tools.generate` and `tools.eval` read committed steps only, take a step
+rotated away under them for gone (not damaged) and say that a run holds the workdir; `export`
+writes its file staged; no warning prints above an error line (garbage values that reach the
+fingerprint's bfloat16 cast included); `generate` refuses bad flags, another model's tokenizer,
+unencodable words, oversized images and prompts past the context in one line, prepares images as
+the run's data was and finds a run's older relative paths from any directory."""
 
 import json
 import os
@@ -30,6 +30,7 @@ from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import conversations
 from mimo_jax.state import ModuleState
 from mimo_jax.validation import validate
+from tests.helpers import file_size_limit
 from tests.test_generate import _tokenizer
 from tools import ckpt
 from tools import generate as generate_tool
@@ -232,8 +233,8 @@ def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkey
   _error(capsys, "tools.ckpt", "step 20 was removed while being read", "steps 10 now")
 
 
-def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, monkeypatch,
-                                                                         capsys):
+def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_directory(
+    run, monkeypatch, capsys):
   import safetensors.numpy  # pylint: disable=import-outside-toplevel
   from mimo_jax import output  # pylint: disable=import-outside-toplevel
   out = run.parent / "out" / "model.safetensors"
@@ -248,14 +249,18 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file(run, mo
   assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
   _error(capsys, "tools.ckpt", "GB at", "free space")
   monkeypatch.setattr(output.shutil, "disk_usage", real)
-
-  def full(tensors, path, metadata=None):  # pylint: disable=unused-argument
-    pathlib.Path(path).write_bytes(b"half a file")
-    raise OSError(28, os.strerror(28))
-  monkeypatch.setattr(safetensors.numpy, "save_file", full)
-  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
-  _error(capsys, "tools.ckpt", "refused the write")
+  # A write that fails midway (a file size limit, as a full disk): safetensors raises its
+  # SafetensorError, which is no OSError.
+  with file_size_limit(4096):
+    assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", f"--out={str(out)!r}", "refused the write (File too large)")
   assert os.listdir(out.parent) == []  # no partial file, no lock
+  # An existing directory is refused as --out.
+  out.mkdir()
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
+  _error(capsys, "tools.ckpt", f"--out={str(out)!r} is a directory", "model.safetensors")
+  assert os.listdir(out) == []
+  out.rmdir()
 
   def killed(tensors, path, metadata=None):  # pylint: disable=unused-argument
     pathlib.Path(path).write_bytes(b"half a file")
@@ -306,6 +311,36 @@ def test_generate_beside_a_live_run_answers_from_the_newest_step(run, monkeypatc
   assert complete_steps(run / "checkpoints") == [10, 20]
 
 
+def test_eval_beside_a_live_run_takes_steps_rotated_away_before_or_during_the_load_for_gone(
+    run, monkeypatch, capsys):
+  """Step 30 is removed after the eval read its metadata, before its weights load; step 20 as
+  its weights are read: neither is damaged, the eval answers from the newest step left."""
+  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
+  _live(run)
+  meta = checkpoint_reader._meta  # pylint: disable=protected-access
+  read = checkpoint.Checkpointer.read
+
+  def meta_then_rotated(mngr, s):
+    got = meta(mngr, s)
+    shutil.rmtree(run / "checkpoints" / "30", ignore_errors=True)
+    return got
+
+  def rotated_when_read(self, s, *rest):
+    if s == 20:
+      shutil.rmtree(run / "checkpoints" / "20")
+    return read(self, s, *rest)
+  monkeypatch.setattr(checkpoint_reader, "_meta", meta_then_rotated)
+  monkeypatch.setattr(checkpoint.Checkpointer, "read", rotated_when_read)
+  out = run.parent / "preds.jsonl"
+  assert eval_tool.main([str(run), "--data", str(run.parent / "data"), "--max_new_tokens", "2",
+                         "--out", str(out)]) == 0
+  stdout, err = capsys.readouterr()
+  assert "step 20 was removed while being read" in err and f"pid {os.getpid()}" in err, err
+  assert "error" not in err and "at step 10:" in stdout, (stdout, err)
+  assert json.loads(out.with_suffix(".summary.json").read_text())["step"] == 10
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--top_p", "0"], ["--top_p 0.0"]),
     (["--top_p", "-0.5"], ["--top_p -0.5"]),
@@ -342,8 +377,21 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
       {f"x{i}": 64 + i for i in range(36)}))
   assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(bigger)]) == 2
   _error(capsys, "tools.generate", "--tokenizer", "100 tokens", "64")
+  # A manifest of an older conversion names no vocabulary size: the model's rows are the check,
+  # a tokenizer larger than them or smaller by more than padding is another model's.
+  manifest_file = launch / "data" / conversations.MANIFEST
+  older = json.loads(manifest_file.read_text())
+  del older["vocab_size"]
+  manifest_file.write_text(json.dumps(older))
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(bigger)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "has 100 tokens, more than the model's 64")
+  smaller = _variant(launch, "tok_smaller", lambda m: m.update(
+      vocab={k: i for k, i in m["vocab"].items() if i < 40}))
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(smaller)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "tokens where the model has 64")
+  manifest_file.write_text(json.dumps(dict(older, vocab_size=64)))
   strict = _variant(launch, "tok_strict", lambda m: m.update(unk_token="<none>"))
-  manifest = json.loads((launch / "data" / conversations.MANIFEST).read_text())
+  manifest = json.loads(manifest_file.read_text())
   assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \
       == 2 and manifest["vocab_size"] == 64
   _error(capsys, "tools.generate", "'hello zebra'", "cannot encode")

@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax import checkpoint, checkpoint_reader, fingerprint, output, workdir as workdir_lib
+from mimo_jax import checkpoint, checkpoint_reader, fingerprint, output
 from mimo_jax.checkpoint_reader import (ROTATED, CkptError, Reader, StepGone, TryAgain,
                                         Unreadable, newest, who)
 from mimo_jax.config import ConfigError
@@ -97,15 +97,14 @@ def export(args: argparse.Namespace) -> None:
       return meta, reader.params(step, meta)
     step, (meta, tensors) = newest(reader, args.step, read)
     reader.close()
-    try:
+    # A full disk or a file size limit: safetensors raises SafetensorError, no OSError.
+    with output.write_errors(f"--out={args.out!r}"):
       save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
                 metadata={"step": str(step), "config": json.dumps(meta["config"])})
       output.readable_as_created(tmp)
       output.fsync(tmp)  # the bytes on disk before the name points at them
       os.replace(tmp, final)
       output.fsync(os.path.dirname(final) or ".")
-    except OSError as e:
-      raise output.OutputError(workdir_lib.describe_os_error(e, f"--out={args.out!r}")) from None
   except BaseException:
     output.remove(tmp)
     raise

@@ -24,6 +24,11 @@ appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
 after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean, the sample count, the step and the settings. Metrics: mimo_jax/scoring.py.
+
+Beside a run that is saving into WORKDIR, the eval reads committed steps only; a step that the
+run rotates away (checkpoint.keep) while it is read is gone, not damaged: the newest step is
+read instead (with a note), or, when every read lost its step, the eval stops with status 75:
+run it again.
 """
 
 from __future__ import annotations
@@ -354,6 +359,27 @@ def _config(args) -> tuple[int, Config]:
   return step, cfg
 
 
+def _parameters(args, trainer) -> tuple[int, dict]:
+  """(step, the eval's state holding its parameters): the step `_config` read, or the newest
+  one. A step that a live run's rotation (checkpoint.keep) removes between its metadata read and
+  its weights load, or during the load, is gone, not damaged: the newest step is loaded instead
+  (checkpoint_reader.newest; a given --step names the steps there are now)."""
+  cfg, reader = trainer.cfg, checkpoint_reader.Reader(args.workdir)
+
+  def load(step: int) -> dict:
+    cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
+    try:
+      return trainer.init_state(cfg.train.seed, optimizer=False)
+    except Exception:
+      if reader.gone(step):
+        raise checkpoint_reader.StepGone(step) from None
+      raise
+  try:
+    return checkpoint_reader.newest(reader, args.step, load, tool=TOOL)
+  finally:
+    reader.close()
+
+
 def _unused_id(samples: list[dict], vocab: int) -> int:
   """The vision encoder's placeholder for samples without images whose tokenizer has no image
   token (an audio model's): the largest id no prompt holds, since the built-in one may be a
@@ -384,7 +410,7 @@ def run(args: argparse.Namespace) -> dict:
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
   from mimo_jax.evaluate import Evaluator
-  step, cfg = _config(args)
+  _, cfg = _config(args)  # the step: `_parameters`, which follows a live run's rotation
   found = generate_tool.defaults(args.workdir, cfg)
   tok = ChatTokenizer.open(args.tokenizer or generate_tool._default_dir(  # pylint: disable=protected-access
       found, "tokenizer", "tokenizer.json", "--tokenizer", args.workdir))
@@ -407,22 +433,22 @@ def run(args: argparse.Namespace) -> dict:
     if image_id is None and "vision" in cfg.model.encoders:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
   trainer = _build(args, cfg, image_id)
-  out = pathlib.Path(args.out) if args.out else default_out(args, step)
-  settings = {"workdir": os.path.abspath(args.workdir), "step": step,
-              "data": os.path.abspath(args.data), "split": args.split,
-              "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
-              "samples": len(samples)}
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
   dp = trainer.topo.dp("language")
   bsz = eval_set.batch_size(cfg, dp, args.batch)  # every language rank an equal share
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
   eval_set.check_lengths(layout, samples, "--seq_len")
+  step, state = _parameters(args, trainer)
+  out = pathlib.Path(args.out) if args.out else default_out(args, step)
+  settings = {"workdir": os.path.abspath(args.workdir), "step": step,
+              "data": os.path.abspath(args.data), "split": args.split,
+              "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
+              "samples": len(samples)}
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
     evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
-    state = trainer.init_state(cfg.train.seed, optimizer=False)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
     started, generated, eos = time.time(), 0, eval_set.eos_id(tok)
@@ -458,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, ValueError) as e:
     sys.stdout.flush()
     print(f"{TOOL}: error: {e}", file=sys.stderr)
-    return 2
+    return 75 if isinstance(e, checkpoint_reader.TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
     print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}); the rows written are kept: run the same "

@@ -40,7 +40,8 @@ its chat template (the run's data's tokenizer, else the language model's source'
 `--image_token_index`, else the run's data.image_token, else the imported LLaVA's, else the
 tokenizer's <image>. A tower imported beside a language model (`--hf` twice) is read as LLaVA
 reads one (no final norm; a projector as wide as the language model), so it exports as LLaVA.
-Written staged and renamed into place; a non-empty --out is refused unless it holds a complete
+Written staged and renamed into place (a failed write, Ctrl-C or SIGTERM leaves nothing: one
+line, exit status 2, 130 or 143); a non-empty --out is refused unless it holds a complete
 export and `--overwrite` is given; NaN or Inf weights are refused. A module with LoRA adapters
 (model.<module>.lora) is written merged: the plain model.
 
@@ -177,24 +178,60 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
     if not ckpt.host_batched:
       print("note: this orbax version has no transfer callback to batch the save: it copies all "
             "parameters to the host at once (about their size in host memory)", flush=True)
-    try:
-      # Weights read from bfloat16 tensors are stored as bfloat16: half the bytes to copy and
-      # write. The metadata names `out` (cfg.run.workdir), where the staging directory goes.
-      ckpt.save(0, canonical, cfg, force=True, params_only=True, compact=True)
-    except BaseException:
-      with contextlib.suppress(Exception):
-        ckpt.close()  # its writer threads stop before the staging directory is removed
-      raise
-    ckpt.close()
+    # Weights read from bfloat16 tensors are stored as bfloat16: half the bytes to copy and
+    # write. The metadata names `out` (cfg.run.workdir), where the staging directory goes.
+    _save(ckpt, f"--out={str(out)!r}", 0, canonical, cfg, force=True, params_only=True,
+          compact=True)
     counts = ", ".join(f"{n}: {_count(state[n].params):,} parameters" for n in step.modules)
     report = [f"wrote step 0 ({counts}) in {time.time() - started:.1f} s; peak host memory "
               f"{read_peak:.2f} GiB reading, {_peak_gib():.2f} GiB with the checkpoint save "
               f"({base:.2f} GiB before reading)"] + _launch_lines(args, cfg, out, record)
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-    (tmp / "hf_import.json").write_text(json.dumps(record, indent=2) + "\n")
-    (tmp / "config.py").write_text(CONFIG_PY.format(  # last: the workdir is complete
-        source=" --hf ".join(dict.fromkeys(record["sources"].values()))))
+    with output.write_errors(f"--out={str(out)!r}"):
+      (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+      (tmp / "hf_import.json").write_text(json.dumps(record, indent=2) + "\n")
+      (tmp / "config.py").write_text(CONFIG_PY.format(  # last: the workdir is complete
+          source=" --hf ".join(dict.fromkeys(record["sources"].values()))))
   return report  # printed once `out` is in place: an interrupt until then leaves nothing
+
+
+def _save(ckpt, where: str, *args, **kwargs) -> None:
+  """`ckpt.save(*args, **kwargs)` (the import's step 0), then `ckpt` closed. A write that fails
+  (a full disk, a file size limit) is one line naming `where` (output.write_errors): orbax's
+  writer threads report that failure with tracebacks as it happens, which are held back and
+  dropped then (shown for any other failure), as are the reports of its closed event loop."""
+  import logging  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint import drop_closed_loop_reports  # pylint: disable=import-outside-toplevel
+  held, absl = [], logging.getLogger("absl")
+
+  def hold(record) -> bool:
+    held.append(record)
+    return False
+  absl.addFilter(hold)
+  running, hook = set(threading.enumerate()), drop_closed_loop_reports()
+  try:
+    with output.write_errors(where):
+      try:
+        ckpt.save(*args, **kwargs)
+      except BaseException:
+        with contextlib.suppress(Exception):
+          ckpt.close()  # its writer threads stop before the staging directory is removed
+        raise
+  except output.OutputError:
+    for thread in set(threading.enumerate()) - running:  # other modules' writes, failing too
+      with contextlib.suppress(Exception):  # orbax's threads raise their error on join
+        thread.join(timeout=60)
+    held.clear()
+    raise  # the closed event loop's reports stay dropped: its leftovers end later
+  except BaseException:
+    sys.unraisablehook = hook
+    raise
+  finally:
+    absl.removeFilter(hold)
+    for record in held:
+      absl.handle(record)
+  sys.unraisablehook = hook
+  ckpt.close()
 
 
 def _record(sources: list, taken: dict) -> dict:
@@ -312,9 +349,9 @@ def export(args) -> None:
   try:
     with output.interrupts_as_exceptions():
       _export(args)
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
     print(f"tools.hf: export interrupted; nothing was written to {args.out}", file=sys.stderr)
-    sys.exit(130)
+    sys.exit(128 + getattr(e, "signum", signal.SIGINT))
 
 
 def _run_data(workdir: str, cfg: Config) -> dict:
@@ -561,8 +598,11 @@ def _export(args) -> None:
   total = sum(x.nbytes for x in tensors.values())
   output.check_space(out, total + sum(f.stat().st_size for f in (tok.files if tok else [])),
                      "the export")
-  with output.staged(out, "HF export", "--out", complete="config.json",
-                     replace=args.overwrite) as tmp:
+  # A full disk or a file size limit midway (safetensors' SafetensorError, a copy's OSError): one
+  # line, and the staging directory removed.
+  with output.write_errors(f"--out={args.out!r}"), \
+      output.staged(out, "HF export", "--out", complete="config.json",
+                    replace=args.overwrite) as tmp:
     _write_safetensors(tmp, tensors)
     for f in tok.files if tok else []:
       if f.name not in files:

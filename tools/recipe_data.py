@@ -10,13 +10,15 @@ Writes, from scikit-learn's bundled handwritten digits (8x8 grayscale, saved as 
   OUT/instruct.json     stage 2: multi-turn conversations about the image, as LLaVA's instruction
                         data (which digit; the next or previous digit; its parity)
 Both are JSON lists of `{"id", "image", "conversations": [{"from", "value"}]}` records that
-`tools.convert --images OUT/images` reads. The output is written whole or not at all.
+`tools.convert --images OUT/images` reads. The output is written whole or not at all (a failed
+write is one line; Ctrl-C exits 130, SIGTERM 143).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import numpy as np
@@ -61,7 +63,7 @@ def write(out: str, pretrain: int, instruct: int, seed: int = 0) -> None:
                       f"than the {len(digits.images)} digits; ask for fewer.")
   rng = np.random.default_rng(seed)
   order = rng.permutation(len(digits.images))[:pretrain + instruct]
-  with output.interrupts_as_exceptions(), \
+  with output.interrupts_as_exceptions(), output.write_errors(f"--out={out!r}"), \
       output.staged(out, what="recipe data set", complete="instruct.json") as tmp:
     (tmp / "images").mkdir()
     sets = {"pretrain.json": [], "instruct.json": []}
@@ -92,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     write(args.out, args.pretrain, args.instruct, args.seed)
   except ConfigError as e:
     output.fail("tools.recipe_data", str(e))
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
     print("tools.recipe_data: interrupted; nothing written", file=sys.stderr)
-    return 130
+    return 128 + getattr(e, "signum", signal.SIGINT)
   print(f"wrote {args.out}: {args.pretrain} caption records (pretrain.json), {args.instruct} "
         f"conversations (instruct.json), images in {args.out}/images")
   return 0

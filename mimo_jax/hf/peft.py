@@ -171,12 +171,14 @@ def adapter_config(cfg: Config, params: dict, modules: tuple[str, ...] = (LANGUA
 
 def write(out: str | pathlib.Path, cfg: Config, params: dict, base: str = "",
           replace: bool = False, modules: tuple[str, ...] = (LANGUAGE,)) -> None:
-  """The adapter directory `out` of `modules` (written whole or not at all; output.staged);
-  `params`: module -> host parameters."""
+  """The adapter directory `out` of `modules` (written whole or not at all; output.staged; a
+  failed write, a full disk, is one OutputError naming `out`); `params`: module -> host
+  parameters."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   tensors = dict(adapter_tensors(cfg, params, modules))
   config = adapter_config(cfg, params, modules, base)
-  with output.staged(out, "a PEFT adapter", complete=WEIGHTS, replace=replace) as tmp:
+  with output.write_errors(f"--out={str(out)!r}"), \
+      output.staged(out, "a PEFT adapter", complete=WEIGHTS, replace=replace) as tmp:
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
