@@ -2,7 +2,8 @@
 (`tools.eval --metric NAME`, the training eval's `eval.metric`).
 
 A metric takes the prediction and the sample's references (one or more strings) and returns a
-score in [0, 1]; a run's figure is the mean over samples. Registered:
+score in [0, 1]; a run's figure is the mean over samples (a per-item metric's: over the samples'
+items, each sample weighing its item count). Registered:
 
   exact_match      the normalised prediction equals a normalised reference (lower case, no
                    punctuation, no articles a/an/the, spaces collapsed)
@@ -14,6 +15,9 @@ score in [0, 1]; a run's figure is the mean over samples. Registered:
   multiple_choice  the option letter of the prediction ("B", "(B)", "B. cat", "The answer is B")
                    equals the reference's
   contains         a normalised reference occurs in the normalised prediction as whole words
+  digit_accuracy   per item: of the sample's items (images, clips), the fraction the prediction
+                   names right, its k-th word against the reference's k-th; the digits tasks'
+                   eval_accuracy, over their digits
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ import re
 import string
 from typing import Callable, Sequence
 
-Metric = Callable[[str, Sequence[str]], float]
+Metric = Callable[..., float]
 METRICS: dict[str, Metric] = {}
+PER_ITEM: set[str] = set()  # metrics of a sample's items (images, clips), not of the sample
 
 
-def register(name: str) -> Callable[[Metric], Metric]:
-  """Makes a metric available by `name`."""
+def register(name: str, per_item: bool = False) -> Callable[[Metric], Metric]:
+  """Makes a metric available by `name`. A `per_item` metric is called with the sample's item
+  count too, scores no sample without items, and a run's figure is its mean over items."""
   def add(fn: Metric) -> Metric:
     METRICS[name] = fn
+    if per_item:
+      PER_ITEM.add(name)
     return fn
   return add
 
@@ -40,11 +48,25 @@ def get(name: str) -> Metric:
   return METRICS[name]
 
 
-def score(name: str, prediction: str, references: Sequence[str]) -> float:
-  """Metric `name` of one prediction; references must not be empty."""
+def score(name: str, prediction: str, references: Sequence[str], items: int = 0) -> float | None:
+  """Metric `name` of one prediction of a sample with `items` items (None: a per-item metric of a
+  sample without any); references must not be empty."""
   if not references:
     raise ValueError("a sample without references cannot be scored.")
-  return float(get(name)(prediction, list(references)))
+  fn = get(name)
+  if name not in PER_ITEM:
+    return float(fn(prediction, list(references)))
+  return float(fn(prediction, list(references), items)) if items else None
+
+
+def figure(name: str, scores: Sequence[float | None], items: Sequence[int]) -> tuple[float, int]:
+  """(A run's figure of metric `name`, what it counts) from its samples' scores and item counts:
+  the mean over the samples, or a per-item metric's over their items."""
+  if name not in PER_ITEM:
+    return (sum(scores) / len(scores) if scores else 0.0), len(scores)
+  scored = [(s, n) for s, n in zip(scores, items) if s is not None]
+  counted = sum(n for _, n in scored)
+  return sum(s * n for s, n in scored) / max(counted, 1), counted
 
 
 # Plain normalisation (exact match, contains).
@@ -163,3 +185,13 @@ def choice_letter(text: str) -> str:
 def multiple_choice(prediction: str, references: Sequence[str]) -> float:
   letter = choice_letter(prediction)
   return float(bool(letter) and any(letter == choice_letter(r) for r in references))
+
+
+# The digits tasks: an answer names its sample's items in order.
+
+@register("digit_accuracy", per_item=True)
+def digit_accuracy(prediction: str, references: Sequence[str], items: int) -> float:
+  """Of a sample's `items`, the fraction whose word in the prediction is the reference's (the
+  first `items` words of each, in order; the best reference)."""
+  said = prediction.split()[:items]
+  return max(sum(a == b for a, b in zip(said, r.split()[:items])) for r in references) / items

@@ -107,3 +107,22 @@ def test_a_registered_metric_is_used_by_name():
     assert scoring.score("first_word", "cat sits", ["cat"]) == 1.0
   finally:
     scoring.METRICS.pop("first_word")
+
+
+@pytest.mark.parametrize("prediction,references,items,expected", [
+    ("seven two", ["seven two"], 2, 1.0),
+    ("seven one", ["seven two"], 2, 0.5),  # each item's word in its place
+    ("two seven", ["seven two"], 2, 0.0),
+    ("seven", ["seven two"], 2, 0.5),  # a word not said is not named
+    ("seven two nine", ["seven two"], 2, 1.0),  # words past the items do not count
+    ("eight", ["eight"], 0, None),  # a sample without items (`after seven`) is not scored
+])
+def test_digit_accuracy_scores_each_item(prediction, references, items, expected):
+  assert scoring.score("digit_accuracy", prediction, references, items) == expected
+
+
+def test_a_per_item_figure_is_over_items_and_a_sample_figure_over_samples():
+  """The digits' accuracy: digits named right / digits, whatever samples hold them."""
+  scores, items = [1.0, 0.5, None, 1 / 3], [1, 2, 0, 3]
+  assert scoring.figure("digit_accuracy", scores, items) == (pytest.approx(3 / 6), 6)
+  assert scoring.figure("exact_match", [1.0, 0.0, 0.0], [0, 1, 2]) == (pytest.approx(1 / 3), 3)

@@ -379,7 +379,7 @@ def _build(args, cfg: Config, image_id: int | None):
 
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
-  from mimo_jax import encoders, eval_set
+  from mimo_jax import eval_set
   from mimo_jax.data import conversations
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> dict:
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
-    evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+    evaluator = Evaluator(trainer)
     state = trainer.init_state(cfg.train.seed, optimizer=False)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
@@ -434,11 +434,12 @@ def run(args: argparse.Namespace) -> dict:
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
         answers = [got[k] for k in range(len(chunk))]
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)
-        rows.append(eval_set.scored(chunk, answers, tok, args.metric))
+        rows.append(eval_set.scored(chunk, answers, tok, args.metric, layout))
         bar.update(len(chunk))
     took = time.time() - started
-    scores = [r["score"] for r in rows.done.values()]
-    summary = dict(settings, out=str(out), **{m: float(np.mean([s[m] for s in scores]))
+    scores = [rows.done[key(s)]["score"] for s in samples]
+    items = [eval_set.item_count(layout, s) for s in samples]
+    summary = dict(settings, out=str(out), **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                                               for m in args.metric},
                    answered_now=len(todo), new_tokens_per_s=generated / took if todo else None,
                    topology=trainer.topo.describe())
