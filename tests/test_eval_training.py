@@ -64,6 +64,16 @@ def test_bad_eval_generation_fields_are_refused(field, value, needle, tmp_path):
     validate(cfg)
 
 
+def test_eval_generate_needs_a_task_with_text(tmp_path):
+  cfg = tiny_config(str(tmp_path))
+  cfg.eval.generate = 4
+  validate(cfg)  # the digits tasks' answers are text
+  cfg.data.task, cfg.model.language.vocab_size = "synthetic", 64
+  with pytest.raises(ConfigError, match="eval.generate: answers are scored as text, which "
+                     "data.task=synthetic has none of"):
+    validate(cfg)
+
+
 def _scalars(tb: pathlib.Path) -> dict[str, dict[int, float]]:
   """TensorBoard's scalars as the run's event files hold them: tag -> step -> value (records
   framed as TFRecords: length, its CRC, the Event proto, its CRC)."""
