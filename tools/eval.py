@@ -23,7 +23,8 @@ the record's, or its index in the file where it has none; a converted split's ro
 appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
 after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
-each metric's mean, the sample count, the step and the settings. Metrics: mimo_jax/scoring.py.
+each metric's mean (a per-item metric's over the items), the sample count, the step and the
+settings. Metrics: mimo_jax/scoring.py.
 """
 
 from __future__ import annotations
