@@ -288,9 +288,9 @@ class TrainConfig:
 class EvalConfig:
   every: int = 0
   batch: int = 128
-  samples: int = 512  # held-out samples evaluated (loss and greedy per-digit accuracy)
+  samples: int = 512  # held-out samples evaluated (loss; the digits tasks' per-digit accuracy)
   # Of those, the first `generate` answered greedily and scored by `metric` (mimo_jax/scoring.py)
-  # at each eval, logged as eval_<metric> (data.task=conversations); 0 = none.
+  # at each eval, logged as eval_<metric> (not the synthetic task); 0 = none.
   generate: int = 0
   metric: str = "exact_match"
   max_new_tokens: int = 32

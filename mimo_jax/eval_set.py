@@ -1,5 +1,5 @@
 """An eval set as prompts and references, and its generated answers scored: what `tools.eval` and
-the training eval's `eval.generate` share.
+the training eval's generated answers (`eval.generate`, the digits tasks' accuracy) share.
 
 A sample's prompt is its conversation before its last assistant turn (the tokens before the last
 run of its loss mask), its reference that turn's text (or a record's own list of answers). For
@@ -15,10 +15,12 @@ import pathlib
 
 import numpy as np
 
-from mimo_jax import scoring
+from mimo_jax import encoders, scoring
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import conversations, loader
 from mimo_jax.data.chat import ChatTokenizer
+
+DIGIT_TASKS = ("digits", "av_digits")  # built-in tasks whose answers name their items' digits
 
 
 def split_answer(ids: np.ndarray, mask: np.ndarray, where: str) -> tuple[list[int], list[int]]:
@@ -110,40 +112,64 @@ def eos_id(tok: ChatTokenizer) -> int | None:
   return tok.token_id(text) if text else None
 
 
-def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list[str]) -> list:
+def item_count(layout: loader.Layout, s: dict) -> int:
+  """Sample `s`'s items (images, clips) of every encoder."""
+  return sum(len(e.items(s["sample"])) for e in layout.encoders)
+
+
+def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list[str],
+           layout: loader.Layout) -> list:
   """One row a sample: `id`, `position` (a converted shard's samples), `prompt`, `reference` (one,
-  or the list), `prediction` (the answer's text before its end token) and `score` by metric."""
+  or the list), `prediction` (the answer's text before its end token) and `score` by metric (None:
+  a per-item metric of a sample without items)."""
   eos, rows = eos_id(tok), []
   for s, answer in zip(samples, answers):
     answer = [int(t) for t in answer]
     answer = answer[:answer.index(eos)] if eos in answer else answer
     prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
-    refs = s["references"]
+    refs, items = s["references"], item_count(layout, s)
     rows.append({"id": s["id"], **({"position": s["position"]} if "position" in s else {}),
                  "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
                  "reference": refs[0] if len(refs) == 1 else refs, "prediction": prediction,
-                 "score": {m: scoring.score(m, prediction, refs) for m in metrics}})
+                 "score": {m: scoring.score(m, prediction, refs, items) for m in metrics}})
   return rows
 
 
 class Generated:
-  """The training eval's `eval.generate`: the first that many eval samples answered greedily
-  (`eval.max_new_tokens`) and scored by `eval.metric`, logged as `eval_<metric>`."""
+  """Eval samples answered greedily at each eval and scored by a metric: the first `count` of
+  `path`, answered up to `steps` tokens, logged as `names` (the metric's figure, what it counts)."""
 
-  def __init__(self, cfg: Config, path: str, dp: int):
-    m = conversations.manifest(cfg.data.dir)
-    self.tok = ChatTokenizer.open(conversations.source_path(cfg.data.dir, m["tokenizer"]))
-    self.metric, self.steps = cfg.eval.metric, cfg.eval.max_new_tokens
-    self.samples = converted(path, self.tok, cfg.eval.generate)
+  def __init__(self, cfg: Config, path: str, dp: int, count: int, metric: str, steps: int,
+               names: tuple[str, str]):
+    m = conversations.manifest(str(pathlib.Path(path).parent))
+    self.tok = ChatTokenizer.open(conversations.source_path(str(pathlib.Path(path).parent),
+                                                            m["tokenizer"]))
+    self.metric, self.steps, self.names = metric, steps, names
+    self.samples = converted(path, self.tok, count)
     bsz = batch_size(cfg, dp)
-    self.batches = batches(self.samples, layout_for(cfg, dp, bsz, self.samples), bsz,
-                           f"eval.generate: {path}")
+    self.layout = layout_for(cfg, dp, bsz, self.samples)
+    self.batches = batches(self.samples, self.layout, bsz, f"{names[0]}: {path}")
 
   def __call__(self, evaluator, state, stop=None) -> dict | None:
     got = evaluator.answers(state, self.batches, self.steps, eos_id(self.tok), stop=stop)
     if got is None:
       return None
     rows = scored(self.samples, [got[i] for i in range(len(self.samples))], self.tok,
-                  [self.metric])
-    return {f"eval_{self.metric}": float(np.mean([r["score"][self.metric] for r in rows])),
-            "eval_generated": len(rows)}
+                  [self.metric], self.layout)
+    value, counted = scoring.figure(self.metric, [r["score"][self.metric] for r in rows],
+                                    [item_count(self.layout, s) for s in self.samples])
+    return {self.names[0]: value, self.names[1]: counted}
+
+
+def generated(cfg: Config, path: str, dp: int) -> list[Generated]:
+  """What a run's eval answers besides its loss: on the digits tasks every eval sample, their
+  per-digit accuracy (`eval_accuracy` over `eval_digits`); `eval.generate`'s samples scored by
+  `eval.metric` (`eval_<metric>` over `eval_generated` samples)."""
+  out = []
+  if cfg.data.task in DIGIT_TASKS:  # an answer names the items: as many words as the most items
+    out.append(Generated(cfg, path, dp, cfg.eval.samples, "digit_accuracy",
+                         encoders.max_items(cfg), ("eval_accuracy", "eval_digits")))
+  if cfg.eval.generate:
+    out.append(Generated(cfg, path, dp, cfg.eval.generate, cfg.eval.metric,
+                         cfg.eval.max_new_tokens, (f"eval_{cfg.eval.metric}", "eval_generated")))
+  return out

@@ -1,13 +1,14 @@
 """Held-out evaluation: teacher-forced loss, and answers generated greedily after each sample's
 prompt (the generation's own decoder, generate.decode) on the run's meshes: the eval batches are
 laid out as training lays them out, the encoders run on their meshes, and the language model
-decodes every row on its dp ranks. The digits task names its digits this way (per-digit
-accuracy); `eval.generate` samples are scored by `eval.metric`, and `tools.eval` answers a whole
-eval set with the same program."""
+decodes every row on its dp ranks. The answers are scored on the host (eval_set.Generated): the
+digits tasks' per-digit accuracy, `eval.generate`'s samples by `eval.metric`; `tools.eval`
+answers a whole eval set with the same program."""
 
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,18 +41,6 @@ def language_eval(ctx: Context, params, tokens: dict, pos: dict, text: Text) -> 
   return {"loss_sum": jnp.sum(ce * text.loss_mask_rl), "tokens": jnp.sum(text.loss_mask_rl)}
 
 
-def digits_named(batch: Batch, answers_bs: np.ndarray) -> tuple[int, int]:
-  """(digits named right, digits) of a digits eval batch: each sample's first `items_b` answer
-  tokens against its targets after the ':' (one sample a row)."""
-  s, targets = batch.samples, batch.text.targets_rl
-  correct = digits = 0
-  for b in np.flatnonzero(s.ids_b >= 0):
-    n, at = int(s.items_b[b]), int(s.answer_b[b])
-    correct += int((answers_bs[b, :n] == targets[b, at:at + n]).sum())
-    digits += n
-  return correct, digits
-
-
 def language_answers(ctx: Context, steps: int, eos: int | None, params, tokens: dict, pos: dict,
                      text: Text, samples: Samples) -> jax.Array:
   """Greedy answers [b, steps] after each row's prompt (its tokens through `answer_b`); a row
@@ -64,11 +53,10 @@ def language_answers(ctx: Context, steps: int, eos: int | None, params, tokens: 
 class Evaluator:
   """Runs the eval batches through the same module meshes and bridge as training."""
 
-  def __init__(self, step: Step, max_images: int, accuracy: bool = True, generated=None):
-    """`accuracy`: also decode greedily and score the digits (the digits task only);
-    `generated`: eval_set.Generated (`eval.generate`), whose scores join the metrics."""
-    self.step, self.accuracy, self.max_images = step, accuracy, max_images
-    self.generated = generated
+  def __init__(self, step: Step, generated: Sequence = ()):
+    """`generated`: eval_set.Generated (the digits tasks' accuracy, `eval.generate`), whose scores
+    join the metrics."""
+    self.step, self.generated = step, list(generated)
     self._eval = jax.jit(functools.partial(language_eval, step.ctx))
     self._answers = {}  # (steps, eos) -> its program
 
@@ -101,28 +89,19 @@ class Evaluator:
     """Eval metrics over `batches` (and `generated`), or None if `stop()` turns true between
     batches."""
     totals = {"loss_sum": 0.0, "tokens": 0.0}
-    outs, named = [], []
+    outs = []
     for batch in batches:
       if stop is not None and stop():
         return None
       x = self.step.place(batch)
-      tokens = self.step.encode(state, x)
-      outs.append(self._eval(state["language"].params, tokens,
+      outs.append(self._eval(state["language"].params, self.step.encode(state, x),
                              {n: s.pos_rl for n, s in x.slots.items()}, x.text))
-      if self.accuracy:  # the digits: named by the answers' program, scored on the host
-        named.append((batch, self._answer(state, x, tokens, self.max_images, None)))
     for out in distributed.fetch(outs):
       for k in out:
         totals[k] += float(out[k])
     result = {"eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0)}
-    if self.accuracy:
-      answers = distributed.fetch([a for _, a in named])
-      right = [digits_named(b, np.asarray(a)) for (b, _), a in zip(named, answers)]
-      digits = sum(d for _, d in right)
-      result.update(eval_accuracy=sum(c for c, _ in right) / max(digits, 1.0),
-                    eval_digits=int(digits))
-    if self.generated is not None:
-      scores = self.generated(self, state, stop)
+    for generated in self.generated:
+      scores = generated(self, state, stop)
       if scores is None:
         return None
       result.update(scores)

@@ -221,10 +221,7 @@ class _Loop:
     checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
                          state_lib.frozen_paths(trainer.plan, self.lora))
     started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
-    named = cfg.data.task in ("digits", "av_digits")  # tasks whose answers are digit words
-    self.evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=named,
-                               generated=eval_set.Generated(cfg, paths["eval"], dp)
-                               if cfg.eval.generate else None)
+    self.evaluator = Evaluator(trainer, eval_set.generated(cfg, paths["eval"], dp))
     self.eval_batches = loader.eval_batches(cfg, paths["eval"], dp)
     # The whole LR table once: evaluating the schedule per step would queue behind the step's
     # work on device 0 and make the host wait there.

@@ -298,9 +298,8 @@ def _schedule_and_run(cfg: Config) -> None:
   require(0 <= cfg.eval.generate <= cfg.eval.samples, "eval.generate",
           f"{cfg.eval.generate}: give 0 (none) up to eval.samples ({cfg.eval.samples}).")
   task = cfg.data.task
-  require(cfg.eval.generate == 0 or task == "conversations", "eval.generate",
-          f"answers are scored as text, which data.task={task} has none of (the digits task "
-          "reports its per-digit accuracy anyway); leave it 0.")
+  require(cfg.eval.generate == 0 or task != "synthetic", "eval.generate",
+          f"answers are scored as text, which data.task={task} has none of; leave it 0.")
   require(cfg.eval.metric in scoring.METRICS, "eval.metric",
           f"{cfg.eval.metric!r} is no metric; registered: {', '.join(sorted(scoring.METRICS))}.")
   require(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0.")

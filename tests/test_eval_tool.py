@@ -3,16 +3,18 @@ ranks as on one, and as tools.generate gives each prompt alone), rows kept acros
 resumed without duplicates, bad input refused with one clear error."""
 
 import argparse
+import io
 import json
 import os
 import pathlib
 import signal
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from mimo_jax import encoders, eval_set
+from mimo_jax import eval_set
 from mimo_jax.data import conversations, loader
 from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.evaluate import Evaluator
@@ -106,6 +108,29 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   # Run again: everything is answered, nothing is appended.
   assert _eval(setup, out) == 0
   assert _rows(out) == one_device
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypatch, capsys):
+  """On a terminal the bar counts every sample, from those a resumed eval's rows hold; a log gets
+  no bar."""
+  rows = (setup / "one.jsonl").read_text().splitlines(keepends=True)
+  for name, kept in (("log", 5), ("tty", 2)):
+    (setup / f"{name}.jsonl").write_text("".join(rows[:kept]))
+    (setup / f"{name}.jsonl.settings.json").write_text(
+        (setup / "one.jsonl.settings.json").read_text())
+  assert _eval(setup, setup / "log.jsonl") == 0
+  assert "sample" not in capsys.readouterr().err
+  terminal = _Terminal()
+  monkeypatch.setattr(sys, "stderr", terminal)
+  assert _eval(setup, setup / "tty.jsonl") == 0
+  bar = terminal.getvalue()
+  assert "data.json step" in bar and " 2/5 " in bar and " 5/5 " in bar, bar
+  assert _rows(setup / "tty.jsonl") == one_device
 
 
 @pytest.mark.parametrize("change,message", [
@@ -216,7 +241,7 @@ def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setu
     batch = loader.layout_microbatch([s["sample"] for s in samples], list(range(len(samples))),
                                      eval_set.layout_for(cfg, 1, len(samples), samples),
                                      conversations.VOCABULARY)
-    evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+    evaluator = Evaluator(trainer)
     got = evaluator.answers(trainer.init_state(0, optimizer=False), [batch],
                             ref["generated"].shape[1])
   assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]

@@ -1,14 +1,15 @@
 """The training eval's `eval.generate`: the first eval samples answered and scored at each eval,
-logged beside eval_loss, with the scores tools.eval gives the same step; the digits task names its
-digits through the same answers program."""
+logged beside eval_loss, with the scores tools.eval gives the same step; the digits tasks' accuracy
+is such a score."""
 
 import json
+import pathlib
+import struct
 
 import numpy as np
 import pytest
 
-from mimo_jax import evaluate, scoring, train
-from mimo_jax.batch import Samples, Text
+from mimo_jax import scoring, train
 from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations, loader
 from mimo_jax.validation import validate
@@ -63,14 +64,60 @@ def test_bad_eval_generation_fields_are_refused(field, value, needle, tmp_path):
     validate(cfg)
 
 
-def test_the_digits_are_named_right_from_the_answers():
-  """Per-digit accuracy of a batch: each sample's first items_b answer tokens against its targets
-  after the ':' at answer_b; empty rows count nothing."""
-  targets = np.asarray([[9, 9, 3, 4, 9], [9, 5, 6, 7, 9], [0, 0, 0, 0, 0]])
-  text = Text(tokens_rl=targets, targets_rl=targets, loss_mask_rl=targets, positions_rl=targets,
-              segment_ids_rl=targets, token_sample_rl=targets, rows_sent=np.int32(3))
-  samples = Samples(ids_b=np.asarray([0, 1, -1]), answer_b=np.asarray([2, 1, 0]),
-                    items_b=np.asarray([2, 3, 0]), tokens_b=np.asarray([5, 5, 0]))
-  batch = evaluate.Batch(text=text, samples=samples, slots={}, stats=None)
-  answers = np.asarray([[3, 0, 0], [5, 6, 1], [0, 0, 0]])
-  assert evaluate.digits_named(batch, answers) == (3, 5)
+def test_eval_generate_needs_a_task_with_text(tmp_path):
+  cfg = tiny_config(str(tmp_path))
+  cfg.eval.generate = 4
+  validate(cfg)  # the digits tasks' answers are text
+  cfg.data.task, cfg.model.language.vocab_size = "synthetic", 64
+  with pytest.raises(ConfigError, match="eval.generate: answers are scored as text, which "
+                     "data.task=synthetic has none of"):
+    validate(cfg)
+
+
+def _scalars(tb: pathlib.Path) -> dict[str, dict[int, float]]:
+  """TensorBoard's scalars as the run's event files hold them: tag -> step -> value (records
+  framed as TFRecords: length, its CRC, the Event proto, its CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  out = {}
+  for path in sorted(tb.glob("events*")):
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      (n,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+      at += 12 + n + 4
+      for value in event.summary.value:
+        out.setdefault(value.tag, {})[event.step] = value.simple_value
+  return out
+
+
+def test_the_digits_accuracy_is_a_generated_score_as_tools_eval_scores_it(data_dir, tmp_path,
+                                                                          capsys):
+  """The digits run's eval_accuracy (over eval_digits) and eval.generate's score, beside eval_loss
+  in metrics.jsonl and TensorBoard; tools.eval on the run's data gives the same figures."""
+  cfg = tiny_config(data_dir)
+  cfg.run.workdir = str(tmp_path / "run")
+  cfg.train.steps = 1
+  cfg.eval.samples, cfg.eval.batch, cfg.eval.generate, cfg.eval.max_new_tokens = 16, 16, 16, 3
+  records = train.run(cfg)
+  evals = [r for r in records if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [1]
+  keys = ("eval_loss", "eval_accuracy", "eval_digits", "eval_exact_match", "eval_generated")
+  assert all(set(keys) <= set(r) and r["eval_generated"] == 16 for r in evals), evals
+  assert 0 < evals[-1]["eval_digits"] and 0 <= evals[-1]["eval_accuracy"] <= 1
+  logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r for r in logged if "eval_loss" in r] == evals
+  scalars = _scalars(tmp_path / "run" / "tb")
+  for k in keys:  # float32 in the event file
+    assert scalars[k] == {r["step"]: float(np.float32(r[k])) for r in evals}, k
+
+  data = pathlib.Path(loader.build_paths(cfg)["eval"]).parent
+  assert eval_tool.main([cfg.run.workdir, "--data", str(data), "--samples", "16", "--metric",
+                         "digit_accuracy", "--metric", "exact_match", "--max_new_tokens", "3",
+                         "--out", str(tmp_path / "preds.jsonl")]) == 0
+  summary = json.loads((tmp_path / "preds.summary.json").read_text())
+  assert summary["digit_accuracy"] == pytest.approx(evals[-1]["eval_accuracy"])
+  assert summary["exact_match"] == pytest.approx(evals[-1]["eval_exact_match"])
+  rows = [json.loads(x) for x in (tmp_path / "preds.jsonl").read_text().splitlines()]
+  named = [r for r in rows if r["score"]["digit_accuracy"] is not None]  # images: 1-3 digits
+  assert sum(len(r["reference"].split()) for r in named) == evals[-1]["eval_digits"]
+  assert f"16 samples of {data} at step 1" in capsys.readouterr().out

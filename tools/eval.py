@@ -23,7 +23,8 @@ the record's, or its index in the file where it has none; a converted split's ro
 appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
 after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
-each metric's mean, the sample count, the step and the settings. Metrics: mimo_jax/scoring.py.
+each metric's mean (a per-item metric's over the items), the sample count, the step and the
+settings. Metrics: mimo_jax/scoring.py.
 
 Beside a run that is saving into WORKDIR, the eval reads committed steps only; a step that the
 run rotates away (checkpoint.keep) while it is read is gone, not damaged: the newest step is
@@ -405,7 +406,7 @@ def _build(args, cfg: Config, image_id: int | None):
 
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
-  from mimo_jax import encoders, eval_set
+  from mimo_jax import eval_set
   from mimo_jax.data import conversations
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
@@ -448,7 +449,7 @@ def run(args: argparse.Namespace) -> dict:
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
-    evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+    evaluator = Evaluator(trainer)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
     started, generated, eos = time.time(), 0, eval_set.eos_id(tok)
@@ -460,11 +461,12 @@ def run(args: argparse.Namespace) -> dict:
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
         answers = [got[k] for k in range(len(chunk))]
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)
-        rows.append(eval_set.scored(chunk, answers, tok, args.metric))
+        rows.append(eval_set.scored(chunk, answers, tok, args.metric, layout))
         bar.update(len(chunk))
     took = time.time() - started
-    scores = [r["score"] for r in rows.done.values()]
-    summary = dict(settings, out=str(out), **{m: float(np.mean([s[m] for s in scores]))
+    scores = [rows.done[key(s)]["score"] for s in samples]
+    items = [eval_set.item_count(layout, s) for s in samples]
+    summary = dict(settings, out=str(out), **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                                               for m in args.metric},
                    answered_now=len(todo), new_tokens_per_s=generated / took if todo else None,
                    topology=trainer.topo.describe())

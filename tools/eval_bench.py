@@ -128,7 +128,7 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   """Imports the saved model and times the eval's answers program on the same prompts."""
   # pylint: disable=import-outside-toplevel
   import jax
-  from mimo_jax import encoders, eval_set
+  from mimo_jax import eval_set
   from mimo_jax.evaluate import Evaluator
   from tools import eval as eval_tool
   from tools import hf as hf_tool
@@ -153,7 +153,7 @@ def jax_stage(args, work: pathlib.Path) -> dict:
     samples.append({"sample": eval_set.eval_sample(ids, [4], {"images": [image]})})
   layout = eval_set.layout_for(cfg, 1, len(samples), samples)
   [batch] = eval_set.batches(samples, layout, len(samples), "eval_bench")
-  evaluator = Evaluator(trainer, encoders.max_items(cfg), accuracy=False)
+  evaluator = Evaluator(trainer)
   state = trainer.init_state(0, optimizer=False)
   run = lambda: evaluator.answers(state, [batch], args.new)
   got = run()
