@@ -3,8 +3,8 @@
 For every module, per device: its parameters (a frozen leaf in the compute dtype), optimizer
 state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
 step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
-activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units unless
-`remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
+activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units and the
+LoRA adapters' own activations unless `remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
 its microbatches under gpipe and circular, one chunk's and its microbatches in flight under 1f1b
 and interleaved_1f1b: `in_flight`).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
@@ -27,7 +27,9 @@ from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, ConfigError
 from mimo_jax.modules import build_modules
 from mimo_jax.pipeline import Schedule
 from mimo_jax.programs import Context
+from mimo_jax.models.lora import A
 from mimo_jax.sharding import AXES, Plan, with_shardings
+from mimo_jax.trees import paths
 
 GiB = 1024**3
 WARN = 0.85  # a bound above this share of the device's memory is warned about
@@ -55,8 +57,17 @@ def in_flight(cfg: Config, name: str) -> tuple[int, int]:
   return 1, schedule.held(micro)
 
 
-def _activations(cfg: Config, name: str) -> int:
-  """A lower bound on the bytes of activations the backward keeps a device (`in_flight`)."""
+def _adapter_rank(abstract_params) -> int:
+  """The ranks of a layer's LoRA adapters added up (models/lora.py): the width of the adapters'
+  own activations (x·A) a block keeps a token, 0 without adapters."""
+  blocks = abstract_params.get("blocks", {})
+  return sum(int(a.shape[-1]) for path, a in paths(blocks).items() if path.endswith(A))
+
+
+def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
+  """A lower bound on the bytes of activations the backward keeps a device (`in_flight`);
+  `adapter_rank`: the width of the LoRA adapters' own activations a block keeps a token
+  (`_adapter_rank`; none under remat=full, which keeps each layer's input alone)."""
   t = cfg.topology.module(name)
   d = cfg.data
   width = np.dtype(cfg.model.dtype).itemsize
@@ -64,13 +75,15 @@ def _activations(cfg: Config, name: str) -> int:
   layers = cfg.model.module(name).layers // t.pp
   chunk = layers // t.virtual if inputs else layers  # a backward task holds one chunk's
   outputs = d.microbatches if t.pp > 1 else 1  # the stack's outputs: every microbatch's
+  adapters = 0 if t.remat == "full" else adapter_rank
   if name != LANGUAGE:
     enc = encoders.get(name)
     one_input = enc.activation_bytes(cfg, dataclasses.replace(t, remat="full"))
-    return enc.activation_bytes(cfg, t) * chunk * internals + one_input * inputs
+    per_layer = enc.activation_bytes(cfg, t) + one_input * adapters // cfg.model.module(name).dim
+    return per_layer * chunk * internals + one_input * inputs
   m = cfg.model.language
   tokens = (d.pack_rows or d.micro_batch) // t.dp * d.seq_len  # a microbatch's on a device
-  kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)
+  kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp) + adapters
   vocab = m.vocab_size or DIGITS_VOCAB
   return tokens * (internals * chunk * kept + inputs * m.dim +
                    outputs * 2 * vocab // t.tp) * width  # the logits and their gradient
@@ -100,7 +113,7 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
     out[name] = {"parameters": _bytes(p.abstract_params),
                  "optimizer state": _bytes(with_shardings(p.opt_shapes, p.opt_sh)),
                  "gradients": grads if p.trainable else 0,
-                 "activations": _activations(cfg, name)}
+                 "activations": _activations(cfg, name, _adapter_rank(p.canonical_params))}
   return out
 
 

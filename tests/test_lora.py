@@ -161,6 +161,27 @@ def test_adapters_split_with_their_base_and_bytes_match_the_memory_check(tp2):
   assert 2 * adapters <= need["optimizer state"] < 2 * adapters + 1024
 
 
+def test_memory_check_counts_the_adapters_activations(data_dir):
+  """Each block keeps its adapters' own activations (x·A: their ranks added up, a token) unless
+  remat=full, on the language model and on a tower with adapters."""
+  cfg = lora_config(data_dir, vision_lora=True)
+  plain = lora_config(data_dir, vision_lora=True)
+  plain.model.language.lora.rank = plain.model.vision.lora.rank = 0
+  with_adapters, without = memory.module_bytes(cfg), memory.module_bytes(plain)
+  d, width = cfg.data, 4  # float32
+  lm, v = cfg.model.language, cfg.model.vision
+  tokens = d.micro_batch * d.seq_len
+  assert (with_adapters["language"]["activations"] - without["language"]["activations"] ==
+          tokens * lm.layers * 7 * lm.lora.rank * width)  # q, k, v, o, gate, up, down
+  vision_extra = (with_adapters["vision"]["activations"] -
+                  without["vision"]["activations"])
+  assert vision_extra > 0 and vision_extra % (v.layers * v.lora.rank * width) == 0
+  cfg.topology.language.remat = "full"
+  plain.topology.language.remat = "full"
+  assert (memory.module_bytes(cfg)["language"]["activations"] ==
+          memory.module_bytes(plain)["language"]["activations"])
+
+
 def test_layout_matches_single_device(data_dir, single):
   """Language dp4 beside a frozen vision tower on dp2 (split programs). Adapters in two pipeline
   stages, GPipe and 1F1B: tests/test_lora_dropout.py's layouts, whose adapters also drop."""
