@@ -43,6 +43,10 @@ class Mapping:
   extra_tensors: Callable[[Any], dict] = lambda section: {}
   # (Source, field, ours, theirs) -> whether our config's field agrees with the checkpoint's.
   agrees: Callable[[Any, str, Any, Any], bool] = _equal
+  # PEFT's module paths before each part's names (transformers' module tree, by which PEFT names
+  # adapters; hf/peft.py), "alone" and "combined" as in `names`. An export this leaves out has no
+  # PEFT adapter: hf/peft.py refuses it, naming the exports that have one.
+  peft: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache
