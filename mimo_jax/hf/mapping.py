@@ -4,7 +4,7 @@ The generic code (source.py, fields.py, tensors.py, export.py) handles the langu
 (Llama-3, Qwen2) and asks an encoder's `Mapping` for everything else: which checkpoints hold the
 encoder (alone, or beside a language model), its config fields, its tensor table and the names
 each HF class gives them. An encoder's mapping is `MAPPING` in hf/<name>.py; `mappings()` finds
-them by module name, as encoders.builtin finds the built-in encoders, so a new encoder adds its
+them by module name, as registry.builtin finds the built-in encoders, so a new encoder adds its
 file and nothing else.
 """
 
