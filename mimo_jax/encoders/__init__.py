@@ -19,8 +19,8 @@ language model is the one module that is not an encoder. Importing this registry
 nothing: each encoder's module ends with its own `register(...)` call, and the modules of this
 package (the built-in encoders) are imported the first time a name is looked up that is not yet
 registered (`builtin`). The tables live in mimo_jax/registry.py, below the config, which reads an
-encoder's section through them. A test registers a second, toy encoder (tests/toy_encoder.py) and trains the three
-modules on three meshes.
+encoder's section through them. A test registers a second, toy encoder (tests/toy_encoder.py)
+and trains the three modules on three meshes.
 """
 
 from __future__ import annotations
