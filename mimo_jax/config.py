@@ -7,8 +7,9 @@ the field and the fix, before anything is compiled.
 
 
 import dataclasses
-import importlib
 import os
+
+from mimo_jax import registry
 
 LANGUAGE = "language"  # the one module that is not an encoder (mimo_jax/encoders)
 # Activation rematerialisation policies (pipeline.py).
@@ -364,16 +365,10 @@ def row_segments(cfg: Config) -> int:
   return cfg.data.micro_batch + 1 if cfg.data.pack_rows else 0
 
 
-ENCODER_CONFIGS: dict[str, type] = {}  # config class of each registered encoder (encoders.register)
-# Fields of `data` an encoder took over into `model.<name>` (encoders.Encoder.moved_data_fields):
-# configs written before the move still read.
-MOVED_DATA_FIELDS: dict[str, tuple[str, ...]] = {}
-
-
 def from_dict(values: dict, cls=None, prefix: str = "config."):
   """A config from `dataclasses.asdict` output (a checkpoint's metadata, a workdir's
   config.json); fields it lacks keep their defaults, fields the dataclasses lack are errors.
-  Encoders are read back as their registered config classes (`ENCODER_CONFIGS`)."""
+  Encoders are read back as their registered config classes (`registry.CONFIGS`)."""
   cls = cls or Config
   obj = cls()
   known = {f.name: f for f in dataclasses.fields(cls)}
@@ -397,27 +392,25 @@ def _encoders_section(values: dict, known: dict) -> dict:
   """Configs written before `encoders` existed kept each registered encoder as a field of its own
   (`model.<name>`, `topology.<name>`) and the rest under `extra`: moved into `encoders`."""
   values, moved = dict(values), dict(values.get("encoders", {}))
-  for name in [n for n in values if n not in known and n in ENCODER_CONFIGS]:
+  for name in [n for n in values if n not in known and n in registry.CONFIGS]:
     moved[name] = values.pop(name)
   moved.update(values.pop("extra", None) or {})
   return {**values, "encoders": moved} if moved else values
 
 
 def _moved_data_fields(values: dict) -> dict:
-  """Configs written before an encoder took over fields of `data` (MOVED_DATA_FIELDS) hold them
-  there: moved into that encoder's section, `model.encoders.<name>`."""
+  """Configs written before an encoder took over fields of `data` (`registry.MOVED_DATA_FIELDS`)
+  hold them there: moved into that encoder's section, `model.encoders.<name>`."""
   data = values.get("data")
   known = {f.name for f in dataclasses.fields(DataConfig)}
   if not isinstance(data, dict) or all(k in known for k in data):
     return values
-  # The built-in encoders declare what they took over when they register (imported by name, as
-  # in _encoder_from_dict).
-  importlib.import_module("mimo_jax.encoders").builtin()
+  registry.builtin()  # the built-in encoders declare what they took over when they register
   model = _encoders_section(dict(values.get("model", {})),
                             {f.name for f in dataclasses.fields(ModelConfig)})
   data, sections = dict(data), dict(model.get("encoders", {}))
   for name, section in sections.items():
-    moved = {f: data.pop(f) for f in MOVED_DATA_FIELDS.get(name, ()) if f in data}
+    moved = {f: data.pop(f) for f in registry.MOVED_DATA_FIELDS.get(name, ()) if f in data}
     sections[name] = {**section, **moved}
   return {**values, "data": data, "model": {**model, "encoders": sections}}
 
@@ -425,14 +418,12 @@ def _moved_data_fields(values: dict) -> dict:
 def _encoder_from_dict(cls, name: str, values: dict, prefix: str):
   if cls is TopologyConfig:
     return from_dict(values, ModuleTopology, prefix)
-  if name not in ENCODER_CONFIGS:
-    # The registry imports this module, so it is found by name when a config names an encoder
-    # not yet registered; it imports the built-in encoders (mimo_jax/encoders).
-    importlib.import_module("mimo_jax.encoders").builtin()
-  if name not in ENCODER_CONFIGS:
+  if name not in registry.CONFIGS:
+    registry.builtin()  # a built-in encoder not imported yet
+  if name not in registry.CONFIGS:
     raise ConfigError(f"{prefix[:-1]}: no encoder {name!r} is registered (mimo_jax/encoders); "
-                      f"registered: {', '.join(ENCODER_CONFIGS) or 'none'}.")
-  return from_dict(values, ENCODER_CONFIGS[name], prefix)
+                      f"registered: {', '.join(registry.CONFIGS) or 'none'}.")
+  return from_dict(values, registry.CONFIGS[name], prefix)
 
 
 def require(ok: bool, field: str, message: str) -> None:

@@ -19,7 +19,8 @@ import re
 import typing
 from collections.abc import Sequence
 
-from mimo_jax.config import MOVED_DATA_FIELDS, Config, ConfigError
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.registry import MOVED_DATA_FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_HINT = "configs/digits.py"

@@ -17,25 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from mimo_jax import encoders
 from mimo_jax.batch import Batch
 from mimo_jax.config import Config
-from mimo_jax.trees import path_str
+from mimo_jax.trees import kernel_params
 
 H100_H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of one H100 / H200 SXM
-
-
-def kernel_params(params, prefix: str = "") -> int:
-  """Parameters of matmul kernels under `prefix` (every `kernel` leaf)."""
-  total = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    key = path_str(path)
-    if key.endswith("kernel") and key.startswith(prefix):
-      total += int(np.prod(leaf.shape))
-  return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 Flags -> config -> validation -> `train.run`. Every config field is documented in the README.
 
-The training modules (train, distributed, workdir, data.capacity, metrics) are imported inside
-`main` and `_explain`, once the config is valid and JAX's CPU device count is set: importing them
-imports JAX, which must not happen before that setting, and a bad flag answers without JAX.
+The training modules (train, distributed, data.capacity) are imported inside `main` and
+`_explain`, once the config is valid and JAX's CPU device count is set: importing them imports
+JAX, which must not happen before that setting, and a bad flag answers without JAX.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import traceback
 
 from absl import app, flags, logging
 
-from mimo_jax import configfile
+from mimo_jax import configfile, workdir
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.metrics import NonFiniteError
 from mimo_jax.validation import validate
 
 _COORDINATOR = flags.DEFINE_string(
@@ -124,9 +125,8 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
   for anything else, which is a bug and keeps its traceback."""
   # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
-  from mimo_jax import train, workdir
+  from mimo_jax import train
   from mimo_jax.data import capacity
-  from mimo_jax.metrics import NonFiniteError
   for x in _chain(e):
     if isinstance(x, (ConfigError, capacity.CapacityError)):
       return str(x), 2

@@ -26,9 +26,7 @@ import optax
 
 from mimo_jax.config import Config, parse_freeze, parse_lr_mult
 from mimo_jax.models import fp8
-
-FROZEN = "frozen"
-AMAX = "fp8_amax"  # an FP8 abs-max history (delayed scaling): not a parameter
+from mimo_jax.models.mimo import AMAX, FROZEN  # the labels that are no group's (Module.group)
 
 
 def trains(label: str) -> bool:

@@ -214,7 +214,7 @@ class Stack:
                trained=None, indexed: bool = False):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
-    (`_backward`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`).
+    (`_task_runner`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`).
     `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
     tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros).
     `indexed`: each layer is called `layer(params_i, x, index, *side)`, `index` its place in the
@@ -341,6 +341,46 @@ class Stack:
     stage = jax.lax.axis_index(PP)
     mask = self._mask(params)
     chunks = self._chunks(params)
+    run_task = self._task_runner(chunks, mask, side_m, stage)
+    ahead = [(i, (i + 1) % p) for i in range(p)]
+    back = [((i + 1) % p, i) for i in range(p)]
+
+    def tick(carry, row):
+      got_in, got_cot, inputs, cots, grads, dx = carry
+      task = row[stage]
+      recv_in, recv_cot = task[RECV_IN], task[RECV_COT]
+      i = jnp.maximum(recv_in, 0)
+      inputs = inputs.at[i].set(jnp.where(recv_in >= 0, got_in, inputs[i]))
+      i = jnp.maximum(recv_cot, 0)
+      cots = cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i]))
+      m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
+      h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
+      dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
+      out, d_in, grads = run_task(task[KIND], h, dy, m, local, grads)
+      # The first chunk's backward gives the stack input's cotangent.
+      dx = dx.at[m].add(jnp.where((first == 1) & (task[KIND] == RUN_BACKWARD), d_in, 0))
+      return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,
+              grads, dx), None
+
+    zero = jnp.zeros_like(x_m[0])
+    init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
+                          jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
+                         (PP,), to="varying")
+    grads0 = jax.tree.map(jnp.zeros_like, _part(mask, chunks, True))  # chunks vary already
+    init = init[:4] + (grads0,) + init[4:]
+    (_, _, _, _, grads, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
+    if self.schedule.virtual == 1:
+      grads = jax.tree.map(lambda g: g[0], grads)
+    return grads, jax.lax.psum(dx, PP)  # only stage 0 wrote: a broadcast
+
+  def _task_runner(self, chunks, mask, side_m: tuple, stage) -> Callable:
+    """`(kind, h, dy, m, local, grads) -> (output sent on, input's cotangent sent back, grads)`:
+    this stage's task `kind` (idle, forward or backward) on its chunk `local` for microbatch `m`,
+    a backward adding the trained leaves' gradients to `grads`.
+
+    Stages take different branches: a collective inside a chunk must stay within the stage (tp's
+    and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
+    runs both a forward and a backward and keeps the one its task asks for."""
     frozen = _part(mask, chunks, False)  # a constant of every backward: no gradient of it
 
     def chunk_fn(m, local):
@@ -352,8 +392,6 @@ class Stack:
       """A chunk's output and its vjp with respect to (its trained leaves, its input)."""
       run = lambda t, h: chunk_fn(m, local)(_join(mask, t, _at(frozen, local)), h)
       return jax.vjp(run, _at(_part(mask, chunks, True), local), h)
-    ahead = [(i, (i + 1) % p) for i in range(p)]
-    back = [((i + 1) % p, i) for i in range(p)]
 
     def idle(h, dy, m, local, grads):
       return jnp.zeros_like(h), jnp.zeros_like(h), grads
@@ -376,38 +414,6 @@ class Stack:
       return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), grads
 
     branch = branches_may_diverge(self.mesh) if self.branch is None else self.branch
-
-    def tick(carry, row):
-      got_in, got_cot, inputs, cots, grads, dx = carry
-      task = row[stage]
-      recv_in, recv_cot = task[RECV_IN], task[RECV_COT]
-      i = jnp.maximum(recv_in, 0)
-      inputs = inputs.at[i].set(jnp.where(recv_in >= 0, got_in, inputs[i]))
-      i = jnp.maximum(recv_cot, 0)
-      cots = cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i]))
-      m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
-      h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
-      dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
-      # Stages take different branches: a collective inside a chunk must stay within the stage
-      # (tp's and dp's do), and where the runtime cannot hold that (`branches_may_diverge`),
-      # every stage runs both a forward and a backward and keeps the one its task asks for.
-      if branch:
-        out, d_in, grads = jax.lax.switch(task[KIND], (idle, forward, backward),
-                                          h, dy, m, local, grads)
-      else:
-        out, d_in, grads = every_task(task[KIND], h, dy, m, local, grads)
-      # The first chunk's backward gives the stack input's cotangent.
-      dx = dx.at[m].add(jnp.where((first == 1) & (task[KIND] == RUN_BACKWARD), d_in, 0))
-      return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,
-              grads, dx), None
-
-    zero = jnp.zeros_like(x_m[0])
-    init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
-                          jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
-                         (PP,), to="varying")
-    grads0 = jax.tree.map(jnp.zeros_like, _part(mask, chunks, True))  # chunks vary already
-    init = init[:4] + (grads0,) + init[4:]
-    (_, _, _, _, grads, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
-    if self.schedule.virtual == 1:
-      grads = jax.tree.map(lambda g: g[0], grads)
-    return grads, jax.lax.psum(dx, PP)  # only stage 0 wrote: a broadcast
+    if branch:
+      return lambda kind, *args: jax.lax.switch(kind, (idle, forward, backward), *args)
+    return every_task

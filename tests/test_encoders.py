@@ -221,3 +221,18 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
   assert checkpoint.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]
   # A step written before encoders had their own section names the same field.
   assert checkpoint.model_differences(old["model"], cfg) == ["model.vision.dim=32 (this run: 48)"]
+
+
+def test_a_registered_encoder_s_config_reads_back_typed(data_dir):
+  """A config holding the toy encoder (registered by the test, not built in) reads back from its
+  JSON form with `model.signal` and `topology.signal` typed, equal to the config written; once
+  the encoder is unregistered, the section is one error naming it."""
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  cfg.model.signal.dim, cfg.topology.signal.remat = 16, "full"
+  saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  again = from_dict(saved)
+  assert isinstance(again.model.signal, toy_encoder.SignalConfig) and again == cfg
+  encoders.unregister("signal")
+  with pytest.raises(ConfigError, match=r"^config\.model\.encoders\.signal: no encoder 'signal' "
+                     r"is registered"):
+    from_dict(saved)

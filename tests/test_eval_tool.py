@@ -233,8 +233,8 @@ def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setu
   args = argparse.Namespace(workdir=str(workdir), step=None, layout="", seq_len=96,
                             data=str(workdir))
   with jax.default_matmul_precision("highest"):
-    _, cfg = eval_tool._config(args)
-    trainer = eval_tool._build(args, cfg, image_id)
+    _, cfg = eval_tool.run_config(args)
+    trainer = eval_tool.build_step(args, cfg, image_id)
     tokens = cfg.model.vision.tokens_per_image
     samples = [{"sample": eval_set.eval_sample(ids, [4], {"images": pixels})}
                for ids, pixels in _hf_prompts(ref, image_id, tokens)]

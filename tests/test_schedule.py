@@ -329,7 +329,7 @@ def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
   assert plan.module_time(1.0, gpipe["language"]) == pytest.approx(9 / 8)
   assert plan.module_time(1.0, one["language"]) == pytest.approx(5 / 3 * 9 / 8)
   assert every["vision=0/2/1,language=2/2/1"]["language"]["schedule"] == "none"
-  cfg = plan._config(spec, sets, "language=2/1/1/2/1@1f1b")  # pylint: disable=protected-access
+  cfg = plan.layout_config(spec, sets, "language=2/1/1/2/1@1f1b")
   assert (cfg.topology.language.pp, cfg.topology.language.schedule) == (2, "1f1b")
   with pytest.raises(ConfigError, match=r"topology\.language: .*offset/dp/tp\[/pp\[/virtual\]\]"
                      r"\[@schedule\]"):

@@ -21,6 +21,7 @@ from mimo_jax import encoders
 from mimo_jax.config import Config, ModuleTopology, require
 from mimo_jax.models.layers import GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.models.mimo import Module
+from mimo_jax.trees import kernel_params
 
 PLACEHOLDER = 4  # a token id the test's texts use for nothing else
 
@@ -128,5 +129,4 @@ class Signal(encoders.Encoder):
     return jax.vmap(model.finish)(run_blocks(x, ()))
 
   def flops(self, cfg: Config, params, work: dict[str, int]) -> float:
-    from mimo_jax.flops import kernel_params  # pylint: disable=import-outside-toplevel
     return 6.0 * kernel_params(params) * work["signals"] * self.config(cfg).tokens

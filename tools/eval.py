@@ -334,9 +334,9 @@ def cpu_devices(args) -> int:
   return RunConfig().cpu_devices
 
 
-def _config(args) -> tuple[int, Config]:
+def run_config(args) -> tuple[int, Config]:
   """(step, the run's config as the eval runs it: parameters from that step, --layout and
-  --seq_len applied)."""
+  --seq_len applied); `args` holds the flags workdir, step, layout and seq_len."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.config import from_dict, set_layout
@@ -389,8 +389,9 @@ def _unused_id(samples: list[dict], vocab: int) -> int:
   return next(i for i in range(vocab - 1, -1, -1) if i not in used)
 
 
-def _build(args, cfg: Config, image_id: int | None):
-  """The eval's Step (meshes and programs), after checking the config."""
+def build_step(args, cfg: Config, image_id: int | None):
+  """The eval's Step (meshes and programs), after checking the config (`run_config`'s) against
+  the flag data."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.step import Step
@@ -411,9 +412,9 @@ def run(args: argparse.Namespace) -> dict:
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
   from mimo_jax.evaluate import Evaluator
-  _, cfg = _config(args)  # the step: `_parameters`, which follows a live run's rotation
+  _, cfg = run_config(args)  # the step: `_parameters`, which follows a live run's rotation
   found = generate_tool.defaults(args.workdir, cfg)
-  tok = ChatTokenizer.open(args.tokenizer or generate_tool._default_dir(  # pylint: disable=protected-access
+  tok = ChatTokenizer.open(args.tokenizer or generate_tool.default_dir(
       found, "tokenizer", "tokenizer.json", "--tokenizer", args.workdir))
   generate_tool.check_vocab(tok, cfg, found, bool(args.tokenizer))
   image_token = args.image_token or found["image_token"]
@@ -426,14 +427,14 @@ def run(args: argparse.Namespace) -> dict:
     samples = converted_samples(args, tok)
   else:
     pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
-    proc = lambda: ImageProcessor.open(args.processor or generate_tool._default_dir(  # pylint: disable=protected-access
+    proc = lambda: ImageProcessor.open(args.processor or generate_tool.default_dir(
         found, "processor", "preprocessor_config.json", "--processor", args.workdir),
                                        pad_to_square=pad)
     samples = json_samples(args, cfg, tok, proc, image_token,
                            audio_settings(args, cfg, tok, found))
     if image_id is None and "vision" in cfg.model.encoders:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
-  trainer = _build(args, cfg, image_id)
+  trainer = build_step(args, cfg, image_id)
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
   dp = trainer.topo.dp("language")

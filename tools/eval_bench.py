@@ -140,11 +140,11 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   tokens = shapes(args.tiny)["image_tokens"]
   ns = argparse.Namespace(workdir=str(work / "run"), step=None, layout="",
                           seq_len=p["ids"].shape[1] + 1, data=str(work / "run"))
-  _, cfg = eval_tool._config(ns)  # pylint: disable=protected-access
+  _, cfg = eval_tool.run_config(ns)
   cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
   cfg.data.image_probs = "0,1"
   cfg.data.task, cfg.data.image_token = "conversations", image_id  # as an imported run's eval
-  trainer = eval_tool._build(ns, cfg, image_id)  # pylint: disable=protected-access
+  trainer = eval_tool.build_step(ns, cfg, image_id)
   samples = []
   for row, m, image in zip(p["ids"], p["mask"], p["images"]):
     ids = row[m == 1].tolist()

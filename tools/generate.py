@@ -130,7 +130,9 @@ def defaults(workdir: str, cfg: Config) -> dict:
               named={"tokenizer": m.get("tokenizer", ""), "processor": m.get("processor", "")})
 
 
-def _default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) -> str:
+def default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) -> str:
+  """The directory of the run's `key` ("tokenizer" or "processor") that `defaults` found, or a
+  ConfigError saying where it looked and to give `flag`."""
   if found[key]:
     return found[key]
   named = found["named"].get(key)
@@ -259,13 +261,13 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   from mimo_jax.data.images import ImageProcessor
   found = defaults(workdir, cfg)
   image_token = args.image_token or found["image_token"]
-  tok = ChatTokenizer.open(args.tokenizer or _default_dir(found, "tokenizer", "tokenizer.json",
-                                                          "--tokenizer", workdir))
+  tok = ChatTokenizer.open(args.tokenizer or default_dir(found, "tokenizer", "tokenizer.json",
+                                                         "--tokenizer", workdir))
   check_vocab(tok, cfg, found, bool(args.tokenizer))
   pixels = None
   if args.image:
     pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
-    proc = ImageProcessor.open(args.processor or _default_dir(
+    proc = ImageProcessor.open(args.processor or default_dir(
         found, "processor", "preprocessor_config.json", "--processor", workdir),
                                pad_to_square=pad)
     pixels = load_images(args.image, proc, cfg)

@@ -93,7 +93,9 @@ def _pixels(rng, n: int, h: int = IMAGE, w: int = IMAGE) -> np.ndarray:
   return rng.integers(0, 256, (n, h, w, CHANNELS)).astype(np.float32) / np.float32(255)
 
 
-def _normalised(torch, pixels, norm):
+def normalised(torch, pixels, norm):
+  """Pixels [b, h, w, c] in [0, 1] as transformers' vision models take them: a float tensor
+  [b, c, h, w] normalised by `norm` (mean, std per channel), made with the given `torch` module."""
   mean, std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in norm)
   return (torch.from_numpy(pixels).permute(0, 3, 1, 2) - mean) / std
 
@@ -123,13 +125,13 @@ def build(root: pathlib.Path) -> None:
     model = make().eval()
     pixels = _pixels(rng, BATCH)
     with torch.no_grad():
-      hidden = model(pixel_values=_normalised(torch, pixels, norm)).last_hidden_state.numpy()
+      hidden = model(pixel_values=normalised(torch, pixels, norm)).last_hidden_state.numpy()
       resized = {}
       for h, w in RESIZED:
         px = _pixels(rng, BATCH, h, w)
         resized[f"pixels_{h}x{w}"] = px
         resized[f"last_hidden_state_{h}x{w}"] = model(
-            pixel_values=_normalised(torch, px, norm),
+            pixel_values=normalised(torch, px, norm),
             interpolate_pos_encoding=True).last_hidden_state.numpy()
     _save(model, root / name)
     _preprocessor(root / name, norm)
@@ -148,7 +150,7 @@ def build(root: pathlib.Path) -> None:
     pixels = _pixels(rng, BATCH)
     with torch.no_grad():
       out = model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-                  pixel_values=_normalised(torch, pixels, norm))
+                  pixel_values=normalised(torch, pixels, norm))
     _save(model, root / name)
     _preprocessor(root / name, norm)
     np.savez(root / name / "reference.npz", input_ids=ids, labels=labels, pixels=pixels,
@@ -184,7 +186,7 @@ def generations(root: pathlib.Path) -> None:
     with torch.no_grad():
       out = model.generate(input_ids=torch.from_numpy(ids),
                            attention_mask=torch.from_numpy(mask),
-                           pixel_values=_normalised(torch, pixels, norm), do_sample=False,
+                           pixel_values=normalised(torch, pixels, norm), do_sample=False,
                            max_new_tokens=GENERATE, min_new_tokens=GENERATE, eos_token_id=None,
                            pad_token_id=0)
     generated = out.numpy()[:, width:]

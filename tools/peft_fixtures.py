@@ -53,7 +53,7 @@ def build_llava(out: pathlib.Path) -> None:
   import peft  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from tools.hf_fixtures import CLIP_NORM, _normalised  # pylint: disable=import-outside-toplevel
+  from tools.hf_fixtures import CLIP_NORM, normalised  # pylint: disable=import-outside-toplevel
   torch.manual_seed(0)
   base = transformers.LlavaForConditionalGeneration.from_pretrained(LLAVA,
                                                                     torch_dtype=torch.float32)
@@ -70,7 +70,7 @@ def build_llava(out: pathlib.Path) -> None:
   ref = np.load(LLAVA / "reference.npz")
   with torch.no_grad():
     logits = model(input_ids=torch.from_numpy(ref["input_ids"]),
-                   pixel_values=_normalised(torch, ref["pixels"], CLIP_NORM)).logits.numpy()
+                   pixel_values=normalised(torch, ref["pixels"], CLIP_NORM)).logits.numpy()
   _finish(out, LLAVA, input_ids=ref["input_ids"], pixels=ref["pixels"], logits=logits)
 
 

@@ -73,7 +73,7 @@ import sys
 import numpy as np
 
 from mimo_jax import configfile, encoders, memory
-from mimo_jax.config import ConfigError, set_layout
+from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.pipeline import Schedule
@@ -87,7 +87,9 @@ def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
   return [(n // tp, tp) for tp in range(1, n + 1) if n % tp == 0 and (not max_tp or tp <= max_tp)]
 
 
-def _config(cfg_spec: str, sets: list[str], layout: str = ""):
+def layout_config(cfg_spec: str, sets: list[str], layout: str = "") -> Config:
+  """The config of `cfg_spec` (configfile.load) with `sets` (`a.b=v` overrides) and `layout`
+  (`config.set_layout`'s form, e.g. vision=0/2/1,language=2/2/1) applied; exits naming a bad one."""
   try:
     cfg = configfile.load(cfg_spec, [f"--config.{s}" for s in sets])
   except ConfigError as e:
@@ -150,7 +152,7 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
   options = lambda g: module_layouts(g, max_tp, pps, schedules, virtual)  # noqa: E731
 
   def add(layout: str, kind: str, gv: int, gl: int) -> None:
-    cfg = _config(cfg_spec, sets, layout)
+    cfg = layout_config(cfg_spec, sets, layout)
     try:
       validate_topology(cfg, gpus)
     except ConfigError:
@@ -215,7 +217,7 @@ class Costs:
     table: dict[tuple[str, int, int], list[float]] = {}
     factors: dict[int, list[float]] = {}
     for r in rows:
-      cfg = _config(cfg_spec, sets, r["layout"])
+      cfg = layout_config(cfg_spec, sets, r["layout"])
       if any(getattr(cfg.topology, m).pp > 1 for m in MODULES):
         continue  # costs are of unpipelined modules; a pipeline's come from them (stretch)
       w = work_of(cfg)
@@ -367,13 +369,13 @@ def main(argv: list[str] | None = None) -> None:
     return
   if not profiles:
     raise SystemExit("plan: error: --profile is needed for predictions")
-  cfg = _config(cfg_spec, sets)
+  cfg = layout_config(cfg_spec, sets)
   path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
   work_of = lambda c: work(c, path, args.data_steps)
   costs = Costs([r for prof in profiles for r in prof["rows"]], cfg_spec, sets, work_of)
   bridge_s = bridge_bytes(cfg) / (args.bridge_gbps * 1e9)
   for c in cands:
-    ccfg = _config(cfg_spec, sets, c["layout"])
+    ccfg = layout_config(cfg_spec, sets, c["layout"])
     w = work_of(ccfg)
     times, notes = {}, []
     for m in MODULES:

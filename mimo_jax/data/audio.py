@@ -20,6 +20,8 @@ import os
 
 import numpy as np
 
+from mimo_jax.models.whisper_windows import window_tokens
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
@@ -173,16 +175,6 @@ def check_tokens(path: str, frames_w: list[int], pool: int) -> None:
     raise AudioError(os.fspath(path), f"{ms} ms of audio ({sum(frames_w)} mel frames) yield no "
                      f"audio token with pooling by {pool}; a clip needs more than {need} ms "
                      "(drop it or pad it with silence).")
-
-
-def window_tokens(frames, pool: int = 1):
-  """Encoder tokens of a window whose first `frames` (>= 0) frames hold audio: Whisper's stride-2
-  convolution makes ceil(frames / 2) positions, then (Qwen2-Audio: pool 2) average pooling keeps
-  a token of every whole `pool` of them (transformers' _get_feat_extract_output_lengths:
-  (conv - pool) // pool + 1, which is conv // pool). 3000 frames → 1500 tokens, 750 with pool 2.
-  The one formula of the project: integers, NumPy and JAX arrays alike (models/whisper.py uses it
-  on device)."""
-  return (frames + 1) // 2 // pool
 
 
 def clip_tokens(frames: list[int] | int, pool: int = 1, window: int = WINDOW_FRAMES) -> int:

@@ -23,6 +23,7 @@ import pathlib
 
 import numpy as np
 
+from mimo_jax.config import ConfigError
 from mimo_jax.data import audio
 from mimo_jax.data.record_error import RecordError
 
@@ -218,7 +219,6 @@ def manifest(s: Settings, token_id: int | None, counts: list[int], windows: int)
 
 def check_config(cfg, directory: str, m: dict) -> None:
   """The run's model.audio against a conversion's clips: one ConfigError naming both."""
-  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
   if not m.get("audios"):
     return
   a = getattr(cfg.model, "audio", None)

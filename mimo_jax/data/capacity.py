@@ -10,7 +10,7 @@ import grain
 
 from mimo_jax.config import Config
 from mimo_jax.data import loader, reorder
-from mimo_jax.data.layout import first_fit
+from mimo_jax.data.layout import Layout, first_fit
 
 
 class CapacityError(ValueError):
@@ -28,10 +28,8 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
   layout = loader.make_layout(cfg, lang_dp)
   records = loader.Records(path, d.task, tuple(e.name for e in layout.encoders))
   order = grain.MapDataset.range(len(records)).shuffle(seed=d.seed).repeat()
-  G, micro = layout.groups, d.micro_batch
-  per = micro // G
-  # record -> ({encoder: [item tokens]}, text tokens, {encoder: [item rooms]}); once a record
-  tokens_of = {}
+  micro = d.micro_batch
+  tokens_of = {}  # record -> _tokens(...); once a record
   need = {e.name: (0, None) for e in layout.encoders}  # most slots a rank needs, and where
   rows_need, worst_len = (0, None), (0, None)
   first, last = start * d.microbatches, steps * d.microbatches
@@ -44,45 +42,77 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
     indices = [order[i] for i in ids]
     for i, index in zip(ids, indices):
       if index not in tokens_of:
-        m = records.meta[index]
-        sizes = {e.name: e.sizes({"meta": m}) for e in layout.encoders}
-        tokens = {e.name: [e.item_tokens(size, i) for size in sizes[e.name]]
-                  for e in layout.encoders}
-        tokens_of[index] = (tokens, m.text_tokens,
-                            {e.name: [e.item_room(size, t) for size, t in
-                                      zip(sizes[e.name], tokens[e.name])]
-                             for e in layout.encoders})
-    items = [tokens_of[index][0] for index in indices]
-    rooms = [tokens_of[index][2] for index in indices]
-    lengths = [text + sum(sum(t) for t in it.values()) - 1
-               for it, text in zip(items, (tokens_of[x][1] for x in indices))]
-    costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), tokens_of[x][1],
-                                 d.image_token_cost, d.text_token_cost)
-             for it, x in zip(items, indices)]
-    # With microbatch_fill=pack: stream order's microbatches laid out as pack lays them out, the
-    # bound that pack's microbatches keep to (loader._pack_step).
-    ranks = loader.sample_order(lengths, costs, G, d, d.microbatch_fill == "pack")
+        tokens_of[index] = _tokens(layout, records.meta[index], i)
+    samples = [tokens_of[index] for index in indices]
+    lengths, ranks = _order(cfg, layout, samples)
     where = f"step {mb // d.microbatches + 1}, microbatch {mb % d.microbatches}"
-    for g in range(G):
-      mine = ranks[g * per:(g + 1) * per]
-      for e in layout.encoders:
-        sizes = [r for b in mine for r in rooms[b][e.name]]
-        too_big = [r for r in sizes if r > e.room]
-        if too_big:
-          what = "tokens" if e.room == e.slot_tokens else "of a slot's room"
-          raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} {what} does not fit a slot "
-                              f"of {e.room}; raise "
-                              f"{e.tokens_field or f'the slot tokens of encoder {e.name}'}.")
-        n = first_fit(sizes, e.room, e.slot_items)
-        if n > need[e.name][0]:
-          need[e.name] = (n, f"{where}, language dp rank {g}")
-      if layout.pack_rows:
-        n = first_fit([lengths[b] for b in mine], layout.seq_len)
-        if n > rows_need[0]:
-          rows_need = (n, f"{where}, language dp rank {g}")
+    rows_need = _fill(layout, ranks, [s[2] for s in samples], lengths, where, need, rows_need)
     longest = max(lengths)
     if longest > worst_len[0]:
       worst_len = (longest, f"{where}, sample {ids[lengths.index(longest)]}")
+  _refuse(layout, need, rows_need, worst_len, start, steps)
+  return True
+
+
+def _tokens(layout: Layout, m, sid: int) -> tuple[dict, int, dict]:
+  """A record's ({encoder: [item tokens]}, text tokens, {encoder: [item rooms]}) from its
+  metadata `m`; an item no slot can take is an error naming sample `sid`."""
+  sizes = {e.name: e.sizes({"meta": m}) for e in layout.encoders}
+  tokens = {e.name: [e.item_tokens(size, sid) for size in sizes[e.name]]
+            for e in layout.encoders}
+  rooms = {e.name: [e.item_room(size, t) for size, t in zip(sizes[e.name], tokens[e.name])]
+           for e in layout.encoders}
+  return tokens, m.text_tokens, rooms
+
+
+def _order(cfg: Config, layout: Layout, samples: list[tuple]) -> tuple[list, list]:
+  """A microbatch's samples' lengths (language positions) and the loader's order of them over
+  the language dp ranks (`layout.groups` shares, one after the other)."""
+  d = cfg.data
+  items = [s[0] for s in samples]
+  lengths = [text + sum(sum(t) for t in it.values()) - 1
+             for it, text in zip(items, (s[1] for s in samples))]
+  costs = [reorder.sample_cost(sum(sum(t) for t in it.values()), s[1],
+                               d.image_token_cost, d.text_token_cost)
+           for it, s in zip(items, samples)]
+  # With microbatch_fill=pack: stream order's microbatches laid out as pack lays them out, the
+  # bound that pack's microbatches keep to (loader._pack_step).
+  return lengths, loader.sample_order(lengths, costs, layout.groups, d,
+                                      d.microbatch_fill == "pack")
+
+
+def _fill(layout: Layout, ranks: list, rooms: list[dict], lengths: list[int], where: str,
+          need: dict, rows_need: tuple) -> tuple:
+  """Each rank's share of a microbatch (`ranks`) first-fit into each encoder's slots (raising
+  `need`, encoder -> most slots a rank needs and where) and into packed rows (returned: the
+  most rows a rank needs and where). An item larger than a slot is a CapacityError."""
+  G = layout.groups
+  per = len(lengths) // G
+  for g in range(G):
+    mine = ranks[g * per:(g + 1) * per]
+    for e in layout.encoders:
+      sizes = [r for b in mine for r in rooms[b][e.name]]
+      too_big = [r for r in sizes if r > e.room]
+      if too_big:
+        what = "tokens" if e.room == e.slot_tokens else "of a slot's room"
+        raise CapacityError(f"{where}: a {e.noun} of {too_big[0]} {what} does not fit a slot "
+                            f"of {e.room}; raise "
+                            f"{e.tokens_field or f'the slot tokens of encoder {e.name}'}.")
+      n = first_fit(sizes, e.room, e.slot_items)
+      if n > need[e.name][0]:
+        need[e.name] = (n, f"{where}, language dp rank {g}")
+    if layout.pack_rows:
+      n = first_fit([lengths[b] for b in mine], layout.seq_len)
+      if n > rows_need[0]:
+        rows_need = (n, f"{where}, language dp rank {g}")
+  return rows_need
+
+
+def _refuse(layout: Layout, need: dict, rows_need: tuple, worst_len: tuple, start: int,
+            steps: int) -> None:
+  """The CapacityError of the first limit the run's microbatches exceed: data.seq_len, an
+  encoder's slots, data.pack_rows; each gives the value enough for steps start+1..steps."""
+  G = layout.groups
   if worst_len[0] > layout.seq_len:
     raise CapacityError(f"{worst_len[1]} needs {worst_len[0]} tokens but data.seq_len is "
                         f"{layout.seq_len}; raise data.seq_len to {worst_len[0]}.")
@@ -100,4 +130,3 @@ def check_capacity(cfg: Config, path: str, lang_dp: int, start: int, steps: int,
         f"{rows_need[0]} rows, {layout.pack_rows // G} a rank are configured; set "
         f"data.pack_rows={rows_need[0] * G} (enough for every microbatch of steps "
         f"{start + 1}-{steps}).")
-  return True

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import pathlib
 import warnings
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -235,9 +236,9 @@ def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[i
                       "set model.vision.slot_patches, or convert with a processor that crops.")
 
 
-def synthetic_shapes(cfg: Config) -> tuple[list[tuple[int, int]], int, int]:
-  """The sizes the synthetic task draws its images from (data.image_sizes; default the vision
+def synthetic_shapes(cfg: Config, tower: Any) -> tuple[list[tuple[int, int]], int, int]:
+  """The sizes the synthetic task draws its images from (data.image_sizes; default the image
   tower's image_size, square), their channels, and the pixels an image token covers on each side
-  (patch_size * downsample)."""
-  d, v = cfg.data, cfg.model.vision
-  return d.sizes(v.image_size), v.channels, v.patch_size * v.downsample
+  (patch_size * downsample); `tower` is the image encoder's config (model.vision, a ViTConfig)."""
+  return (cfg.data.sizes(tower.image_size), tower.channels,
+          tower.patch_size * tower.downsample)

@@ -28,6 +28,7 @@ import tempfile
 import numpy as np
 from array_record.python import array_record_module
 
+from mimo_jax import encoders
 from mimo_jax.config import Config
 from mimo_jax.data import images, meta, records
 from mimo_jax.data.text import TokenIds
@@ -55,11 +56,17 @@ class SyntheticAudio:
     return f"-a{self.clips}_{self.frames}_{self.windows}_{self.mel_bins}_{self.token}"
 
 
+def _taking(cfg: Config, sample_key: str) -> str | None:
+  """The run's encoder whose items are a sample's `sample_key` field, or None."""
+  return next((n for n in cfg.model.encoders if encoders.get(n).sample_key == sample_key), None)
+
+
 def audio_of(cfg: Config) -> SyntheticAudio | None:
-  """The run's synthetic clips, or None without an audio encoder."""
-  if "audio" not in cfg.model.encoders:
+  """The run's synthetic clips, or None without an encoder of clips (a sample's "audios")."""
+  name = _taking(cfg, "audios")
+  if name is None:
     return None
-  a = cfg.model.audio
+  a = cfg.model.module(name)
   tokens = lambda f: sum(a.window_tokens(min(a.frames, f - s)) for s in range(0, f, a.frames))
   return SyntheticAudio(a.max_audios, a.frames, a.max_windows, a.mel_bins, a.audio_token, tokens)
 
@@ -145,10 +152,11 @@ def decode(record: bytes, source: str, index: int) -> dict:
 def paths(cfg: Config, progress=None) -> dict[str, str]:
   """The run's train and eval shards (`build` with its data fields and image shapes)."""
   d = cfg.data
-  if "vision" in cfg.model.encoders:
-    sizes, channels, token_pixels = images.synthetic_shapes(cfg)
+  tower = _taking(cfg, "images")
+  if tower is not None:
+    sizes, channels, token_pixels = images.synthetic_shapes(cfg, cfg.model.module(tower))
     probs = d.probs()
-  else:  # no images: every sample has none
+  else:  # no image encoder: every sample has no images
     sizes, channels, token_pixels, probs = [(1, 1)], 1, 1, [1.0]
   return build(d.dir, d.train_samples, d.eval_samples, probs, sizes, channels, token_pixels,
                d.seq_len, d.text_len, d.text_len_sigma, cfg.model.language.vocab_size, progress,

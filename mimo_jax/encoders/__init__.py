@@ -18,23 +18,24 @@ Topology (`topology.<name>`) and model config (`model.<name>`) are keyed by regi
 language model is the one module that is not an encoder. Importing this registry registers
 nothing: each encoder's module ends with its own `register(...)` call, and the modules of this
 package (the built-in encoders) are imported the first time a name is looked up that is not yet
-registered. A test registers a second, toy encoder (tests/toy_encoder.py) and trains the three
-modules on three meshes.
+registered (`builtin`). The tables live in mimo_jax/registry.py, below the config, which reads an
+encoder's section through them. A test registers a second, toy encoder (tests/toy_encoder.py)
+and trains the three modules on three meshes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Any
 
 import numpy as np
 
 from mimo_jax import config as config_lib
+from mimo_jax import registry
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.registry import builtin
 
-REGISTRY: dict[str, "Encoder"] = {}
+REGISTRY: dict[str, "Encoder"] = registry.ENCODERS  # the registered encoders by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,22 +183,16 @@ def register(encoder: Encoder) -> Encoder:
     raise ValueError(f"an encoder needs a name other than 'language', got {encoder.name!r}")
   REGISTRY[encoder.name] = encoder
   if encoder.config_class is not None:
-    config_lib.ENCODER_CONFIGS[encoder.name] = encoder.config_class
+    registry.CONFIGS[encoder.name] = encoder.config_class
   if encoder.moved_data_fields:
-    config_lib.MOVED_DATA_FIELDS[encoder.name] = encoder.moved_data_fields
+    registry.MOVED_DATA_FIELDS[encoder.name] = encoder.moved_data_fields
   return encoder
 
 
 def unregister(name: str) -> None:
   REGISTRY.pop(name, None)
-  config_lib.ENCODER_CONFIGS.pop(name, None)
-  config_lib.MOVED_DATA_FIELDS.pop(name, None)
-
-
-def builtin() -> None:
-  """Imports the built-in encoders (this package's modules), each of which registers itself."""
-  for info in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{info.name}")
+  registry.CONFIGS.pop(name, None)
+  registry.MOVED_DATA_FIELDS.pop(name, None)
 
 
 def get(name: str) -> Encoder:

@@ -30,10 +30,10 @@ import numpy as np
 
 from mimo_jax import encoders, hf
 from mimo_jax.config import ACTIVATIONS, Config, ModuleTopology, positive, require
-from mimo_jax.data.audio import window_tokens
-from mimo_jax.flops import kernel_params
 from mimo_jax.models import lora, mimo, whisper
 from mimo_jax.models.whisper import PROJECTORS, WhisperConfig
+from mimo_jax.models.whisper_windows import window_tokens
+from mimo_jax.trees import kernel_params
 
 AUDIO_TOKEN = 4  # the default placeholder id (the built-in tokenizer's texts never use it)
 

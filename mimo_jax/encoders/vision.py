@@ -25,10 +25,10 @@ import numpy as np
 from mimo_jax import encoders, hf
 from mimo_jax.config import (ACTIVATIONS, BUILTIN_IMAGE_TOKEN, Config, ConfigError,
                              ModuleTopology, positive, require)
-from mimo_jax.flops import kernel_params
 from mimo_jax.models import lora, mimo, vit
 from mimo_jax.models.vit import POSITION_RESIZE, ViTConfig
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
+from mimo_jax.trees import kernel_params
 
 PIXELS = ("images_nhwc", "patches_nqk")  # uint8, scaled to [0, 1] on device
 PIXEL_MAX = 255.0

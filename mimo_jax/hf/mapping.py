@@ -4,7 +4,7 @@ The generic code (source.py, fields.py, tensors.py, export.py) handles the langu
 (Llama-3, Qwen2) and asks an encoder's `Mapping` for everything else: which checkpoints hold the
 encoder (alone, or beside a language model), its config fields, its tensor table and the names
 each HF class gives them. An encoder's mapping is `MAPPING` in hf/<name>.py; `mappings()` finds
-them by module name, as encoders.builtin finds the built-in encoders, so a new encoder adds its
+them by module name, as registry.builtin finds the built-in encoders, so a new encoder adds its
 file and nothing else.
 """
 
@@ -43,6 +43,10 @@ class Mapping:
   extra_tensors: Callable[[Any], dict] = lambda section: {}
   # (Source, field, ours, theirs) -> whether our config's field agrees with the checkpoint's.
   agrees: Callable[[Any, str, Any, Any], bool] = _equal
+  # PEFT's module paths before each part's names (transformers' module tree, by which PEFT names
+  # adapters; hf/peft.py), "alone" and "combined" as in `names`. An export this leaves out has no
+  # PEFT adapter: hf/peft.py refuses it, naming the exports that have one.
+  peft: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache

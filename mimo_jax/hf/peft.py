@@ -1,20 +1,21 @@
 """A run's LoRA adapters (models/lora.py) as a PEFT adapter directory, and back.
 
-`write` gives what `peft.PeftModel.from_pretrained(base, dir)` loads over the HF export of the
-same modules (tools.hf export without --peft): a language model alone (LlamaForCausalLM /
-Qwen2ForCausalLM), the vision tower alone, or both as LLaVA. `adapter_config.json` holds LORA, r,
-lora_alpha (a module of another rank or alpha in `rank_pattern` / `alpha_pattern`) and the
-adapted layers (their HF names; a regular expression of their module paths where the export has
-several modules), and `adapter_model.safetensors` PEFT's names,
-`base_model.model.<module path>.lora_A.weight` [rank, in] and `.lora_B.weight` [out, rank] (our
-A [in, rank] and B [rank, out], transposed). The module paths are transformers' (`PEFT_NAMES`:
-LLaVA's parts under `model.`). A trained projector beside adapters is saved whole as PEFT's
-`modules_to_save`. A module that trains its own weights (no adapters, not frozen) has no place in
-an adapter: the export is refused, naming it. `read` puts such an adapter's tensors into our
-parameters exactly (a run continues from it); an adapter whose rank, alpha, variant or tensors do
-not fit `model.<module>.lora` is refused naming the file. `lora_dropout` is the
-`lora.dropout` of the module `r` is (PEFT has no per-module pattern for it); `dropout` reads it
-back.
+`write` gives what `peft.PeftModel.from_pretrained(base, dir)` loads over the HF export of the same
+modules (tools.hf export without --peft): a language model alone (LlamaForCausalLM /
+Qwen2ForCausalLM), an encoder alone, or an encoder and the language model (LLaVA).
+`adapter_config.json` holds LORA, r, lora_alpha (a module of another rank or alpha in `rank_pattern`
+/ `alpha_pattern`) and the adapted layers (their HF names; a regular expression of their module
+paths where the export has several modules), and `adapter_model.safetensors` PEFT's names,
+`base_model.model.<module path>.lora_A.weight` [rank, in] and `.lora_B.weight` [out, rank] (our A
+[in, rank] and B [rank, out], transposed). The module paths are transformers' (`peft_names`: the
+language model's here, an encoder's from its HF mapping's `peft`, e.g. LLaVA's parts under
+`model.`); an encoder whose mapping gives none has no PEFT adapter. A trained projector beside
+adapters is saved whole as PEFT's `modules_to_save`. A module that trains its own weights (no
+adapters, not frozen) has no place in an adapter: the export is refused, naming it. `read` puts such
+an adapter's tensors into our parameters exactly (a run continues from it); an adapter whose rank,
+alpha, variant or tensors do not fit `model.<module>.lora` is refused naming the file.
+`lora_dropout` is the `lora.dropout` of the module `r` is (PEFT has no per-module pattern for it);
+`dropout` reads it back.
 """
 
 from __future__ import annotations
@@ -35,23 +36,39 @@ from mimo_jax.models.lora import A, B
 
 PREFIX = "base_model.model."  # PeftModel's own prefix before the base model's names
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-# The module paths transformers gives each part of an export, by what is exported (PEFT names
-# adapters by them): a language model or a tower alone as save_pretrained names it, LLaVA's parts
-# under `model.` (transformers 5's LlavaForConditionalGeneration).
-PEFT_NAMES = {
-    (LANGUAGE,): {LANGUAGE: "model."},
-    ("vision",): {"vision": ""},
-    ("vision", LANGUAGE): {"vision": "model.vision_tower.", LANGUAGE: "model.language_model.",
-                           "projector": "model.multi_modal_projector."},
-}
+# The module path transformers gives the language model alone (LlamaForCausalLM /
+# Qwen2ForCausalLM's decoder, as save_pretrained names it).
+LANGUAGE_NAMES = {LANGUAGE: "model."}
 SAVED_WHOLE = {"projector": "multi_modal_projector"}  # trained parts PEFT saves whole
+KINDS = {1: "alone", 2: "combined"}  # an encoder's export by its modules: (name,), (name, language)
+
+
+def _exports() -> list[str]:
+  """The exports that have PEFT names, as their modules are joined in errors."""
+  out = [LANGUAGE]
+  for name, m in mapping.mappings().items():
+    out += [" and ".join((name, LANGUAGE)[:n]) for n, kind in KINDS.items() if kind in m.peft]
+  return out
+
+
+def peft_names(modules: tuple[str, ...]) -> dict[str, str]:
+  """The module path transformers gives each part of an export of `modules` (PEFT names adapters
+  by them): the language model's alone, else the encoder's mapping's `peft` for it alone or
+  beside the language model. HFError for an export without PEFT names."""
+  if modules == (LANGUAGE,):
+    return LANGUAGE_NAMES
+  kind = KINDS.get(len(modules)) if modules[1:] in ((), (LANGUAGE,)) else None
+  found = mapping.mappings().get(modules[0]) if kind else None
+  names = found.peft.get(kind) if found is not None else None
+  if not names:
+    raise HFError(f"a PEFT adapter of {' and '.join(modules)}: PEFT names exist for "
+                  f"{', '.join(_exports())} (an encoder's come from its HF mapping's `peft`); "
+                  "export that module merged instead (tools.hf export without --peft).")
+  return names
 
 
 def _check_modules(cfg: Config, modules: tuple[str, ...]) -> None:
-  if modules not in PEFT_NAMES:
-    raise HFError(f"a PEFT adapter of {' and '.join(modules)}: PEFT names exist for the language "
-                  "model, the vision tower, or both (LLaVA); export that module merged instead "
-                  "(tools.hf export without --peft).")
+  peft_names(modules)
   if not any(lora_of(cfg, n) for n in modules):
     raise HFError(f"no adapters to export: model.<module>.lora.rank is 0 for "
                   f"{', '.join(modules)}.")
@@ -85,7 +102,7 @@ def _adapted(cfg: Config, params: dict, modules: tuple[str, ...]):
 
 
 def _module_path(modules: tuple[str, ...], t: Tensor, name: str) -> str:
-  return PEFT_NAMES[modules][t.part] + name.removesuffix(".weight")
+  return peft_names(modules)[t.part] + name.removesuffix(".weight")
 
 
 def _names(modules: tuple[str, ...], t: Tensor, name: str) -> tuple[str, str]:
@@ -110,7 +127,7 @@ def _whole(cfg: Config, modules: tuple[str, ...]) -> list[tuple[str, Tensor]]:
     group = _group(cfg, n, t.path)
     if group is None or group in frozen:
       continue
-    if t.part in SAVED_WHOLE and t.part in PEFT_NAMES[modules]:
+    if t.part in SAVED_WHOLE and t.part in peft_names(modules):
       out.append((n, t))
       continue
     raise HFError(f"model.{n} trains {'/'.join(t.path)} (parameter group {group}): a PEFT "
@@ -132,7 +149,7 @@ def adapter_tensors(cfg: Config, params: dict,
       yield name_b, np.ascontiguousarray(b[i].T)
   for n, t in _whole(cfg, modules):
     x = np.asarray(_node(params[n], t.path), np.float32)
-    yield PREFIX + PEFT_NAMES[modules][t.part] + t.name, np.ascontiguousarray(t.to_theirs(x))
+    yield PREFIX + peft_names(modules)[t.part] + t.name, np.ascontiguousarray(t.to_theirs(x))
 
 
 def _pattern(modules: tuple[str, ...], t: Tensor) -> str:
@@ -155,7 +172,7 @@ def adapter_config(cfg: Config, params: dict, modules: tuple[str, ...] = (LANGUA
     targets = "|".join(sorted({_pattern(modules, t) for _, t, _ in adapted}))
   ranks, alphas = {}, {}
   for n, lora in loras.items():
-    key = re.escape(PEFT_NAMES[modules][n]) + ".*"
+    key = re.escape(peft_names(modules)[n]) + ".*"
     if lora.rank != main.rank:
       ranks[key] = lora.rank
     if lora.alpha != main.alpha:
@@ -194,7 +211,7 @@ def _fits(path: pathlib.Path, config: dict, cfg: Config, modules: tuple[str, ...
     lora = lora_of(cfg, n)
     if lora is None:
       continue
-    key = re.escape(PEFT_NAMES[modules][n]) + ".*"
+    key = re.escape(peft_names(modules)[n]) + ".*"
     for field, ours, pattern in (("r", lora.rank, "rank_pattern"),
                                  ("lora_alpha", lora.alpha, "alpha_pattern")):
       theirs = (config.get(pattern) or {}).get(key, config.get(field))
@@ -261,7 +278,7 @@ def read(path: str | pathlib.Path, cfg: Config, params: dict,
   if config.get("modules_to_save"):
     for n, t in _whole(cfg, modules):
       node = _node(out[n], t.path[:-1])
-      x = take(PREFIX + PEFT_NAMES[modules][t.part] + t.name, t.shape, f"model.{n}'s {t.part}")
+      x = take(PREFIX + peft_names(modules)[t.part] + t.name, t.shape, f"model.{n}'s {t.part}")
       node[t.path[-1]] = np.asarray(t.to_ours(x), np.float32)
   extra = sorted(set(tensors) - used)
   if extra:

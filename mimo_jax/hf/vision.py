@@ -32,6 +32,13 @@ NAMES = {
     "combined": {"vision": "vision_tower.", "projector": "multi_modal_projector.",
                  "language": "language_model.model.", "head": "language_model.lm_head.weight"},
 }
+# PEFT's module paths: the tower's own class as save_pretrained names it, LLaVA's parts under
+# `model.` (transformers 5's LlavaForConditionalGeneration).
+PEFT = {
+    "alone": {"vision": ""},
+    "combined": {"vision": "model.vision_tower.", "language": "model.language_model.",
+                 "projector": "model.multi_modal_projector."},
+}
 
 
 def feature_layers(src: Source) -> int:
@@ -297,4 +304,5 @@ def llava_processor_json(v, image_token: str) -> dict:
 
 
 MAPPING = Mapping(name="vision", types=TYPES, combined="llava", prefixes=PREFIXES, names=NAMES,
-                  fields=fields, tensors=tensors, extra_tensors=extra_tensors, agrees=agrees)
+                  fields=fields, tensors=tensors, extra_tensors=extra_tensors, agrees=agrees,
+                  peft=PEFT)

@@ -20,10 +20,14 @@ from mimo_jax.config import Config, LoraConfig
 from mimo_jax.models.llm import LanguageModel
 from mimo_jax.models.lora import is_adapter
 from mimo_jax.models.fp8 import is_history
-from mimo_jax.optim import AMAX, FROZEN
 from mimo_jax.trees import path_str
 
 Params = dict
+# The parameter-group labels (`Module.group`) that are not a group's name: a leaf that never trains
+# (a frozen group, a LoRA base), and an FP8 abs-max history (delayed scaling), which is not a
+# parameter; optim.py gives neither an optimizer update.
+FROZEN = "frozen"
+AMAX = "fp8_amax"
 # (x [M, ...], per-microbatch side inputs, each [M, ...]) -> x after every block.
 RunBlocks = Callable[[jax.Array, tuple], jax.Array]
 
@@ -77,7 +81,7 @@ class Module:
     """Parameter group of a path, for freezing and learning-rate multipliers."""
     if path in self.fixed:
       return FROZEN
-    if is_history(path):  # FP8 delayed scaling's state, not a parameter (optim.AMAX)
+    if is_history(path):  # FP8 delayed scaling's state, not a parameter (AMAX)
       return AMAX
     if self.lora is not None and is_adapter(path):
       return f"{self.name}_lora"

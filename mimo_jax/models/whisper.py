@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig, LoraConfig
-from mimo_jax.data.audio import window_tokens
 from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.layers import (ACTIVATIONS, Attention, GeluMLP, LayerNorm, linear,
                                     stacked)
+from mimo_jax.models.whisper_windows import window_tokens
 
 PROJECTORS = ("linear", "mlp")
 # Whisper's encoder shapes (dim, layers, heads, mlp_dim, mel_bins), for `shaped`.
@@ -78,7 +78,7 @@ class WhisperConfig:
     return self.positions // self.pool
 
   def window_tokens(self, frames: int) -> int:
-    """Tokens kept of a window whose first `frames` frames hold audio (audio.window_tokens)."""
+    """Tokens kept of a window whose first `frames` frames hold audio (`window_tokens`)."""
     return int(window_tokens(frames, self.pool))
 
 
