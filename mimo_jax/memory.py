@@ -4,9 +4,11 @@ For every module, per device: its parameters (a frozen leaf in the compute dtype
 state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
 step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
 activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units and the
-LoRA adapters' own activations unless `remat=full`, the logits and their gradient in the compute dtype; a pipelined module holds all
-its microbatches under gpipe and circular, one chunk's and its microbatches in flight under 1f1b
-and interleaved_1f1b: `in_flight`).
+LoRA adapters' own activations unless `remat=full`; one microbatch's logits and their gradient
+in the compute dtype, every microbatch's stack outputs where a pipelined language model runs its
+head a microbatch at a time; a pipelined module holds all its microbatches' internals under
+gpipe and circular, one chunk's and its microbatches in flight under 1f1b and
+interleaved_1f1b: `in_flight`).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
 and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
 buffers, the optimizer update's, the gathered layers under FSDP), so a layout whose bound comes
@@ -74,7 +76,7 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
   internals, inputs = in_flight(cfg, name)
   layers = cfg.model.module(name).layers // t.pp
   chunk = layers // t.virtual if inputs else layers  # a backward task holds one chunk's
-  outputs = d.microbatches if t.pp > 1 else 1  # the stack's outputs: every microbatch's
+  outputs = d.microbatches if t.pp > 1 else 0  # the stack's outputs: every microbatch's
   adapters = 0 if t.remat == "full" else adapter_rank
   if name != LANGUAGE:
     enc = encoders.get(name)
@@ -85,8 +87,10 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
   tokens = (d.pack_rows or d.micro_batch) // t.dp * d.seq_len  # a microbatch's on a device
   kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp) + adapters
   vocab = m.vocab_size or DIGITS_VOCAB
-  return tokens * (internals * chunk * kept + inputs * m.dim +
-                   outputs * 2 * vocab // t.tp) * width  # the logits and their gradient
+  # A pipelined head takes the stack's outputs a microbatch at a time (programs.language_loss):
+  # one microbatch's logits and their gradient at once, every microbatch's outputs kept for it.
+  return tokens * (internals * chunk * kept + inputs * m.dim + outputs * m.dim +
+                   2 * vocab // t.tp) * width
 
 
 def context(cfg: Config) -> Context:

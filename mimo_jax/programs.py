@@ -36,7 +36,7 @@ from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
 from mimo_jax.config import Config, lora_of
 from mimo_jax.encoders import Encoder
 from mimo_jax.models import lora
-from mimo_jax.models.mimo import Module, language_logits, slot_mismatches
+from mimo_jax.models.mimo import Module, language_hidden, language_logits, slot_mismatches
 from mimo_jax.pipeline import Stack
 from mimo_jax.sharding import BLOCKS, REPLICATED, ModulePlan, Plan
 
@@ -172,13 +172,22 @@ class Context:
     """The language model on stacked microbatches of rows with every encoder's tokens merged
     (`packed`: rows hold several samples, attention is masked to each). `train`: its LoRA
     adapters' input dropped, if it has `lora.dropout` (evaluation never drops)."""
+    return self._language(language_logits, params, text, tokens, pos, groups, packed, train)[1]
+
+  def hidden(self, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
+             train: bool = False):
+    """As `logits`, up to the blocks' outputs: (the bound model, whose `logits` makes the
+    logits of them, the outputs [M, rows, l, d])."""
+    return self._language(language_hidden, params, text, tokens, pos, groups, packed, train)
+
+  def _language(self, fn, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
+                train: bool):
     params = self.frozen_stopped("language", params)
     seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
                              text.positions_rl) if train and "language" in self.dropping else None
-    return language_logits(self.bind("language", params),
-                           self.run_blocks("language", params, seeds),
-                           text.tokens_rl, tokens, pos, groups, text.positions_rl,
-                           text.segment_ids_rl if packed else None)
+    model = self.bind("language", params)
+    return model, fn(model, self.run_blocks("language", params, seeds), text.tokens_rl, tokens,
+                     pos, groups, text.positions_rl, text.segment_ids_rl if packed else None)
 
 
 def _trained_blocks(p: ModulePlan):
@@ -230,10 +239,22 @@ def encoder_backward(labels, vjp, d_tokens: list, acc):
 # ---- the language model ---------------------------------------------------------------------
 
 def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) -> jax.Array:
-  """The language model's share of the step's loss on stacked microbatches."""
-  logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
-  return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
+  """The language model's share of the step's loss on stacked microbatches. A pipelined model's
+  microbatches (all of the step's, at once) go through the head and the loss one at a time,
+  each recomputed in the backward pass: the step holds one microbatch's logits, not all of
+  them (which would undo what a schedule with backward tasks saves)."""
+  if not ctx.plan["language"].schedule.pipelined:
+    logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
+    return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
+  model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
+
+  @jax.checkpoint
+  def one(h, targets, mask):
+    ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(h), targets)
+    return jnp.sum(ce * mask)
+  sums = jax.lax.map(lambda a: one(*a), (h_m, x.text.targets_rl, x.text.loss_mask_rl))
+  return jnp.sum(sums) * inv_tokens
 
 
 def mismatches(ctx: Context, x: LanguageIn) -> jax.Array:

@@ -140,12 +140,20 @@ def embed_merged(model: LanguageModel, tokens_bl: jax.Array, embs: dict[str, jax
   return x_bld
 
 
+def language_hidden(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,
+                    embs_m: dict[str, jax.Array], img_pos_m: dict[str, jax.Array], groups: int,
+                    positions_m: jax.Array, segment_ids_m: jax.Array | None = None) -> jax.Array:
+  """M microbatches of text [M, b, l] with every encoder's image tokens merged -> the blocks'
+  outputs [M, b, l, d] (`model.logits` makes the logits of them). With `segment_ids_m` (packed
+  rows) a token attends only to earlier tokens of its own segment."""
+  x_m = jax.vmap(lambda *a: embed_merged(model, *a, groups))(tokens_m, embs_m, img_pos_m)
+  side = (positions_m,) if segment_ids_m is None else (positions_m, segment_ids_m)
+  return run_blocks(x_m, side)
+
+
 def language_logits(model: LanguageModel, run_blocks: RunBlocks, tokens_m: jax.Array,
                     embs_m: dict[str, jax.Array], img_pos_m: dict[str, jax.Array], groups: int,
                     positions_m: jax.Array, segment_ids_m: jax.Array | None = None) -> jax.Array:
-  """M microbatches of text [M, b, l] with every encoder's image tokens merged -> float32 logits
-  [M, b, l, vocab]. With `segment_ids_m` (packed rows) a token attends only to earlier tokens of
-  its own segment."""
-  x_m = jax.vmap(lambda *a: embed_merged(model, *a, groups))(tokens_m, embs_m, img_pos_m)
-  side = (positions_m,) if segment_ids_m is None else (positions_m, segment_ids_m)
-  return jax.vmap(model.logits)(run_blocks(x_m, side))
+  """As `language_hidden`, through the final norm and the head: float32 logits [M, b, l, vocab]."""
+  return jax.vmap(model.logits)(language_hidden(model, run_blocks, tokens_m, embs_m, img_pos_m,
+                                                groups, positions_m, segment_ids_m))
