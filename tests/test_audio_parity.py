@@ -1,10 +1,11 @@
 """The audio encoder trains beside vision and the language model on its own layouts with the
 single-device float32 trajectory (4 steps, 1e-4 on loss and gradient norm): three disjoint
 meshes, audio fan-in (more audio ranks than language ranks) under FSDP, fan-out with audio in
-two pipeline stages, audio colocated with the language model with its own tp under ZeRO-1 and
-full remat, a run resumed onto another layout, and clips packed several a slot on the fan-in
-layout against their own single-device run. Samples carry synthetic log-mel clips of
-varying length (0-2 windows), so padding tokens are dropped and each clip's tokens differ."""
+two pipeline stages, audio colocated with the language model with its own tp (2, the language
+model's 1) under ZeRO-1 and full remat, a run resumed onto another layout, and clips packed
+several a slot on the fan-in layout against their own single-device run. Samples carry synthetic
+log-mel clips of varying length (0-2 windows), so padding tokens are dropped and each clip's
+tokens differ."""
 
 import dataclasses
 
@@ -99,7 +100,8 @@ LAYOUTS = {
     "three_meshes": dict(vision=(0, 2, 1), audio=(2, 2, 1), language=(4, 2, 2)),
     "fan_in_fsdp": dict(vision=(0, 1, 1), audio=(1, 4, 1), language=(5, 2, 1), shard="full"),
     "fan_out_pp": dict(vision=(0, 1, 1), audio=(1, 1, 1, 2), language=(4, 4, 1)),
-    "colocated_tp_zero1": dict(vision=(0, 2, 1), audio=(4, 2, 2), language=(4, 2, 2),
+    # Audio tp2 where the language model on the same devices is tp1 (dp2 -> dp4).
+    "colocated_tp_zero1": dict(vision=(0, 2, 1), audio=(4, 2, 2), language=(4, 4, 1),
                                shard="optimizer", remat="full"),
 }
 
