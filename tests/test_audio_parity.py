@@ -3,9 +3,9 @@ single-device float32 trajectory (4 steps, 1e-4 on loss and gradient norm): thre
 meshes, audio fan-in (more audio ranks than language ranks) under FSDP, fan-out with audio in
 two pipeline stages, audio colocated with the language model with its own tp (2, the language
 model's 1) under ZeRO-1 and full remat, a run resumed onto another layout, and clips packed
-several a slot on the fan-in layout against their own single-device run. Samples carry synthetic
-log-mel clips of varying length (0-2 windows), so padding tokens are dropped and each clip's
-tokens differ."""
+several a slot on the fan-in layout against their own single-device run; the three meshes' audio
+remats with the "dots" policy. Samples carry synthetic log-mel clips of varying length (0-2
+windows), so padding tokens are dropped and each clip's tokens differ."""
 
 import dataclasses
 
@@ -97,7 +97,7 @@ def reference(data_dir):
 
 
 LAYOUTS = {
-    "three_meshes": dict(vision=(0, 2, 1), audio=(2, 2, 1), language=(4, 2, 2)),
+    "three_meshes": dict(vision=(0, 2, 1), audio=(2, 2, 1), language=(4, 2, 2), remat="dots"),
     "fan_in_fsdp": dict(vision=(0, 1, 1), audio=(1, 4, 1), language=(5, 2, 1), shard="full"),
     "fan_out_pp": dict(vision=(0, 1, 1), audio=(1, 1, 1, 2), language=(4, 4, 1)),
     # Audio tp2 where the language model on the same devices is tp1 (dp2 -> dp4).
