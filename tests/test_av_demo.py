@@ -1,23 +1,27 @@
 """The audio-visual digits demo (configs/av_digits.py): a digit's image and a dialled digit's DTMF
 clip, both converted by the conversation path (a WAV through tools.convert's audio features),
 are named on held-out images and clips far above chance, with the demo's layout (vision 4 -> 2
-fan-in, audio 1 -> 2 fan-out, three disjoint meshes); the converter's short feature windows
+fan-in, audio 1 -> 2 fan-out, three disjoint meshes), and the README's question about an image
+and a clip together gets its answer from tools.generate; the converter's short feature windows
 that its toy tower reads, and its shards of highly compressible features."""
 
 import json
 import pathlib
+import shlex
 import shutil
 
 import numpy as np
+import pytest
 import soundfile
 
 from configs import av_digits as av_config
 from mimo_jax import train
 from mimo_jax.data import audio, av_digits, conversations, records
 from tests.helpers import run_main
-from tools import convert
+from tools import convert, generate
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "audio"
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
 
 def _config(data_dir, workdir):
@@ -31,10 +35,17 @@ def _config(data_dir, workdir):
   return cfg
 
 
-def test_both_digits_are_named_on_held_out_images_and_clips(tmp_path):
-  cfg = _config(tmp_path / "data", tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The shortened demo, trained once for this module: its config and last metrics."""
+  root = tmp_path_factory.mktemp("av_demo")
+  cfg = _config(root / "data", root / "run")
+  return cfg, train.run(cfg)[-1]
+
+
+def test_both_digits_are_named_on_held_out_images_and_clips(trained):
+  cfg, final = trained
   built = av_digits.directory(cfg.data.dir, cfg.data.train_samples, cfg.data.eval_samples)
-  final = train.run(cfg)[-1]
   # Each answer names two digits, one from each bridge; a model blind to either modality names at
   # most half of them plus a tenth of the other half (55%).
   assert final["step"] == 200 and final["eval_digits"] == 200, final
@@ -60,6 +71,40 @@ def test_both_digits_are_named_on_held_out_images_and_clips(tmp_path):
   feats, frames = audio.file_features(source / "audio" / first["audio"], 80, window_s=1)
   np.testing.assert_array_equal(clips[0], feats)
   assert header["audio_frames"] == frames
+
+
+def test_the_readme_asks_about_an_image_and_a_clip_at_once_and_gets_its_answer(trained):
+  """tools.generate --image --audio (the image's tokens merged, then the clip's over them): the
+  README's question, put to the shortened run, gets the README's answer, which names the first
+  eval record's image and the second's clip, a pair no sample holds."""
+  cfg, _ = trained
+  block = README[README.index("D=~/.cache/mimo_jax/av_digits/"):]
+  folder, line = block.split("\n")[:2]
+  full = av_config.get_config().data
+  assert folder == "D=~/" + str(pathlib.Path(av_digits.directory(
+      av_digits.default_dir(), full.train_samples, full.eval_samples), "source").relative_to(
+          pathlib.Path.home()))
+  command = shlex.split(line)
+  assert command[:4] == ["python", "-m", "tools.generate", "runs/av_digits"]
+  shown = block[block.index("```\n>") + 4:]
+  shown = shown[:shown.index("```")].strip()
+  source = av_digits.directory(cfg.data.dir, cfg.data.train_samples,
+                               cfg.data.eval_samples) / "source"
+  args = [a.replace("$D", str(source)) for a in command[4:]]
+  proc = run_main(generate.main, cfg.run.workdir, *args)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == shown
+
+  # The eval records the README names (its full run's numbers; the eval records are drawn alike
+  # whatever the train count): the first's image, the second's clip, and their digits.
+  lines = (source / "conversations.jsonl").read_text().splitlines()
+  first, second = (json.loads(x) for x in lines[cfg.data.train_samples:][:2])
+  assert f"eval record {full.train_samples}'s" in README
+  assert f"record {full.train_samples + 1}'s" in README
+  assert args[args.index("--image") + 1].endswith("/images/" + first["image"])
+  assert args[args.index("--audio") + 1].endswith("/audio/" + second["audio"])
+  answers = [r["conversations"][1]["value"].split() for r in (first, second)]
+  assert shown.splitlines()[-1] == f"{answers[0][0]} {answers[1][1]}"
 
 
 def test_short_windows_equal_the_extractors_and_convert_for_a_tower_of_their_positions(tmp_path):

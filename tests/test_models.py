@@ -1,12 +1,14 @@
-"""Unit tests of the model modules: layers, the ViT and the decoder."""
+"""Unit tests of the model modules: layers, the ViT and the decoder, and Whisper's named shapes."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig
 from mimo_jax.encoders.vision import VisionConfig
-from mimo_jax.models import layers, llm, vit
+from mimo_jax.models import layers, llm, vit, whisper
+from mimo_jax.trees import paths
 
 
 def test_rmsnorm_and_layernorm_follow_their_formulas():
@@ -50,3 +52,24 @@ def test_vit_and_decoder_shapes():
   h = dec.embed(jnp.zeros((2, 5), jnp.int32))
   assert h.shape == (2, 5, lm.dim) and dec.logits(h).shape == (2, 5, 17)
   assert dec.logits(h).dtype == jnp.float32
+
+
+# Whisper's published encoder sizes (the openai/whisper model cards and HF configs): layers,
+# width, heads, mel bins; the MLP is 4 x the width and a 30 s window 1500 positions.
+WHISPER = {"tiny": (4, 384, 6, 80), "base": (6, 512, 8, 80), "small": (12, 768, 12, 80),
+           "medium": (24, 1024, 16, 80), "large": (32, 1280, 20, 80),
+           "large-v2": (32, 1280, 20, 80), "large-v3": (32, 1280, 20, 128)}
+
+
+@pytest.mark.parametrize("name", WHISPER)
+def test_whisper_shapes_by_name_are_the_published_ones(name):
+  depth, dim, heads, mels = WHISPER[name]
+  cfg = whisper.shaped(name, pool=2)
+  assert (cfg.layers, cfg.dim, cfg.heads, cfg.mlp_dim, cfg.mel_bins, cfg.positions, cfg.pool) == (
+      depth, dim, heads, 4 * dim, mels, 1500, 2)
+  enc = nnx.eval_shape(lambda: whisper.WhisperEncoder(nnx.Rngs(0), cfg, LanguageConfig(),
+                                                      jnp.float32))
+  shapes = {k: v.shape for k, v in paths(nnx.state(enc, nnx.Param)).items()}
+  assert shapes["conv1/kernel/value"] == (3, mels, dim) and shapes["pos/value"] == (1500, dim)
+  assert shapes["blocks/attn/q/kernel/value"] == (depth, dim, dim)
+  assert shapes["blocks/mlp/up/kernel/value"] == (depth, dim, 4 * dim)

@@ -1,9 +1,11 @@
 """Audio clips and transformers' WhisperFeatureExtractor features of them, for the audio feature
 tests (tests/test_audio_features.py).
 
-  python -m tools.audio_fixtures [--out tests/fixtures/audio]
+  python -m tools.audio_fixtures [--out tests/fixtures/audio] [--keep_tokens]
 
-Needs transformers, soundfile and soxr (`pip install -e '.[hf]'`); the tests need no torch.
+Needs transformers, soundfile and soxr (`pip install -e '.[hf]'`), and torch for the token counts
+(`--keep_tokens` keeps those of the reference already in --out instead); the tests need no torch.
+It writes the clips and reference.npz into --out and leaves the folder's other files.
 The clips are synthetic and speech-like (a glottal pulse train with a wandering pitch through
 three formant resonators, in syllables; the long ones quiet, to keep them small), stored as 16-bit FLAC: speech (3 s), silence (2 s),
 a 1 s clip, 29.9 s and 45 s clips (one window nearly full; two windows), an 8 kHz source, a
@@ -14,9 +16,9 @@ averaged, resampled to 16 kHz by soxr (HQ) when the source is not, called direct
 into consecutive 30 s windows, each featurised as one example. Its NumPy path
 (`_np_extract_fbank_features`, float64 STFT) is used: its torch path computes the STFT in
 float32 and differs from the NumPy path itself by up to ~2e-5 in frames of low energy.
-`reference.npz` holds, per clip and bin count, the features at a set of frames (every frame of
-the short clips; for the long ones a stride plus the frames around each window's end of audio)
-and their frame indices, each window's audio frames (the extractor's attention mask), and
+`reference.npz` holds, per clip, the features at 80 and at 128 bins at a set of frames (every
+frame of the short clips; for the long ones a stride plus the frames around each window's end of
+audio) and their frame indices, each window's audio frames (the extractor's attention mask), and
 transformers' Qwen2-Audio `_get_feat_extract_output_lengths` of frame counts 1..3000.
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import shutil
 
 import numpy as np
 
@@ -97,22 +98,39 @@ def kept_frames(frames_w: list[int], full: bool) -> np.ndarray:
   return np.array(sorted(keep), np.int64)
 
 
+def token_counts() -> dict[str, np.ndarray]:
+  """transformers' Qwen2-Audio `_get_feat_extract_output_lengths` of frame counts 1..3000."""
+  import torch
+  from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+  lengths = torch.arange(1, 3001)
+  conv, pooled = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, lengths)
+  return {"tokens/frames": lengths.numpy(), "tokens/conv": conv.numpy(),
+          "tokens/pooled": pooled.numpy()}
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=str(ROOT / "tests/fixtures/audio"))
-  out = pathlib.Path(p.parse_args().out)
+  p.add_argument("--keep_tokens", action="store_true",
+                 help="keep the token counts of OUT/reference.npz instead of computing them "
+                 "(they need torch; the features do not)")
+  args = p.parse_args()
+  out = pathlib.Path(args.out)
+  if args.keep_tokens:
+    if not (out / "reference.npz").is_file():
+      p.error(f"--keep_tokens: {out / 'reference.npz'} does not exist; leave out --keep_tokens "
+              "(with torch installed) to compute the token counts.")
+    with np.load(out / "reference.npz") as z:
+      tokens = {k: z[k] for k in z.files if k.startswith("tokens/")}
+  else:
+    tokens = token_counts()
   import soundfile
-  import torch
   import transformers.models.whisper.feature_extraction_whisper as fw
   from transformers import WhisperFeatureExtractor
-  from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
   fw.is_torch_available = lambda: False  # the NumPy path (see the docstring)
-  if out.exists():
-    shutil.rmtree(out)
-  out.mkdir(parents=True)
+  out.mkdir(parents=True, exist_ok=True)  # beside other tools' fixtures (window_1s.npz)
   ref: dict[str, np.ndarray] = {}
   short = {"speech", "silence", "one_second", "source_8k", "stereo_44k", "stereo_16k"}
-  with_128 = {"speech", "long_45s", "stereo_44k"}
   for name, (wave, rate) in clips().items():
     path = out / f"{name}.flac"
     soundfile.write(str(path), wave, rate, subtype="PCM_16")
@@ -125,20 +143,14 @@ def main() -> None:
     keep = kept_frames(frames_w, name in short)
     ref[f"{name}/frames"] = keep
     for bins in (80, 128):
-      if bins == 128 and name not in with_128:
-        continue
       fe = WhisperFeatureExtractor(feature_size=bins)
       mel = np.concatenate([fe(w, sampling_rate=16000, return_tensors="np").input_features[0].T
                             for w in windows])
       ref[f"{name}/mel{bins}"] = mel[keep].astype(np.float32)
-  lengths = torch.arange(1, 3001)
-  conv, pooled = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, lengths)
-  ref["tokens/frames"] = lengths.numpy()
-  ref["tokens/conv"], ref["tokens/pooled"] = conv.numpy(), pooled.numpy()
-  np.savez_compressed(out / "reference.npz", **ref)
-  total = sum(f.stat().st_size for f in out.iterdir())
-  print(f"wrote {len(list(out.iterdir()))} files, {total / 1e6:.2f} MB, to {out}")
-
+  np.savez_compressed(out / "reference.npz", **ref, **tokens)
+  names = [f"{n}.flac" for n in clips()] + ["reference.npz"]
+  total = sum((out / n).stat().st_size for n in names)
+  print(f"wrote {len(names)} files, {total / 1e6:.2f} MB, to {out}")
 
 if __name__ == "__main__":
   main()
