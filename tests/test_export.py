@@ -330,16 +330,18 @@ def test_transformers_loads_the_export_and_generates_what_mimo_jax_does(pairs):
     text = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"<image>\n{REF['prompt']}"}], add_generation_prompt=True,
         tokenize=False)
-    with Image.open(IMAGES / REF["image"]) as image:
-      inputs = processor(text=text, images=image.convert("RGB"), return_tensors="pt",
-                         add_special_tokens=False)
     image_id = model.config.image_token_index
-    assert int((inputs["input_ids"] == image_id).sum()) == 16  # (16 / 4)^2 image tokens
-    with torch.no_grad():
-      seq = model.generate(**inputs, do_sample=False, max_new_tokens=REF["max_new_tokens"])
-    theirs = seq[0, inputs["input_ids"].shape[1]:].tolist()
-    assert theirs == REF["generated"][pair], pair
-    assert _generated(run) == theirs, pair
+    # transformers' PIL processor, and AutoProcessor as it comes (its fast image processor).
+    for each in (processor, transformers.AutoProcessor.from_pretrained(str(out))):
+      with Image.open(IMAGES / REF["image"]) as image:
+        inputs = each(text=text, images=image.convert("RGB"), return_tensors="pt",
+                      add_special_tokens=False)
+      assert int((inputs["input_ids"] == image_id).sum()) == 16  # (16 / 4)^2 image tokens
+      with torch.no_grad():
+        seq = model.generate(**inputs, do_sample=False, max_new_tokens=REF["max_new_tokens"])
+      theirs = seq[0, inputs["input_ids"].shape[1]:].tolist()
+      assert theirs == REF["generated"][pair], (pair, type(each.image_processor).__name__)
+      assert _generated(run) == theirs, pair
 
 
 def test_transformers_pads_images_to_squares_as_the_conversion_did(pairs, tmp_path):
