@@ -20,13 +20,17 @@ def _split_spec(spec: str) -> tuple[str, str]:
 
 def absolute(cfg: Config) -> Config:
   """A copy of `cfg` with data.dir, checkpoint.base and every init_from (`PATH[:STEP]`) made
-  absolute against the current directory; "" stays "" (each field's default)."""
+  absolute against the current directory, and each `lora.init_from`; "" stays "" (each field's
+  default)."""
   out = copy.deepcopy(cfg)
   full = lambda p: os.path.abspath(os.path.expanduser(p)) if p else p
   out.data.dir, out.checkpoint.base = full(out.data.dir), full(out.checkpoint.base)
   for section in (out.model, *(out.model.module(n) for n in out.topology.modules())):
-    path, step = _split_spec(section.init_from)
-    section.init_from = full(path) + step
+    if hasattr(section, "init_from"):  # an encoder's config may have none
+      path, step = _split_spec(section.init_from)
+      section.init_from = full(path) + step
+    if getattr(section, "lora", None) is not None:  # a PEFT adapter directory
+      section.lora.init_from = full(section.lora.init_from)
   return out
 
 

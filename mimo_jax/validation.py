@@ -8,7 +8,6 @@ import os
 import pathlib
 
 from mimo_jax import encoders, hf, scoring
-from mimo_jax.hf import peft
 from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, REMAT, ROPE_SCALINGS,
                              SHARD_MODES, TASKS, Config, ConfigError, lora_of, parse_freeze,
                              parse_lr_mult, positive, require, run_source)
@@ -223,6 +222,15 @@ def _adapter_source(cfg: Config, name: str) -> None:
   field = f"model.{name}.lora.init_from"
   require(lora.rank > 0, field, f"names a PEFT adapter but model.{name}.lora.rank is 0; set the "
           "rank (and alpha) to the adapter's r (and lora_alpha).")
+  # hf/peft imports JAX, which launch configures after validation: imported here.
+  from mimo_jax.hf import peft  # pylint: disable=import-outside-toplevel
+  together = tuple(sorted((n for n in cfg.topology.modules()
+                           if getattr(getattr(cfg.model.module(n), "lora", None), "init_from", "")
+                           == lora.init_from), key=lambda n: (n == LANGUAGE, n)))
+  try:
+    peft.peft_names(together)
+  except hf.HFError as e:
+    raise ConfigError(f"config.{field}: {e}") from None
   missing = [f for f in (peft.CONFIG, peft.WEIGHTS)
              if not os.path.isfile(os.path.join(lora.init_from, f))]
   require(not missing, field, f"{lora.init_from} is not a PEFT adapter directory: it has no "

@@ -4,6 +4,7 @@ and the language model on three meshes, with the single-device float32 trajector
 import dataclasses
 import functools
 import json
+import os
 import types
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, encoders, memory, optim
+from mimo_jax import checkpoint, encoders, memory, optim, run_paths
 from mimo_jax.batch import stack
 from mimo_jax.config import ConfigError, ModuleTopology, from_dict, param_groups
 from mimo_jax.data import digits, loader, meta
@@ -221,6 +222,16 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
   assert checkpoint.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]
   # A step written before encoders had their own section names the same field.
   assert checkpoint.model_differences(old["model"], cfg) == ["model.vision.dim=32 (this run: 48)"]
+
+
+def test_a_checkpoint_saves_the_paths_of_an_encoder_without_init_from(data_dir, tmp_path):
+  """A plug-in encoder's config need not have `init_from` (the toy's has none): the config a
+  checkpoint stores, its paths made absolute, leaves that section as it is."""
+  cfg = _config(data_dir, (0, 1, 1), (0, 1, 1), (0, 1, 1))
+  cfg.model.language.init_from = "runs/a:3"
+  saved = run_paths.absolute(cfg)
+  assert saved.model.signal == cfg.model.signal
+  assert saved.model.language.init_from == f"{os.path.abspath('runs/a')}:3"
 
 
 def test_a_registered_encoder_s_config_reads_back_typed(data_dir):

@@ -120,13 +120,18 @@ def test_the_export_is_a_complete_hf_directory(pairs, pair):
   generation = _json(out / "generation_config.json")
   assert generation == ({"bos_token_id": 0, "eos_token_id": [4, 1], "pad_token_id": 1} if clip
                         else {"eos_token_id": [2], "pad_token_id": 0})
-  # mimo_jax's processor reads the export's and prepares odd-sized images as transformers does.
-  # The references are Pillow 13's resampling; Pillow 12's rounds some of the SigLIP resize's
-  # values one level apart (transformers' PIL processor and ours alike; the transformers-side
-  # test below compares the two on one Pillow).
+
+
+@pytest.mark.skipif(int(PIL.__version__.split(".")[0]) < 13,
+                    reason="the references are Pillow 13's resampling")
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_the_exports_processor_prepares_images_as_transformers_did(pairs, pair):
+  """mimo_jax's processor reads the export's and prepares odd-sized images as transformers'
+  did for the references. Pillow 12 rounds some of the SigLIP resize's values one level apart
+  (transformers' PIL processor and ours alike; the transformers-side test below compares the
+  two on one Pillow)."""
+  _, out = pairs(pair)
   proc = ImageProcessor.open(out)
-  if int(PIL.__version__.split(".")[0]) < 13:
-    return
   pixels = np.load(RECIPE / "reference.npz")
   for f in REF["images"]:
     with Image.open(IMAGES / f) as image:

@@ -250,6 +250,17 @@ def test_an_adapter_source_is_checked_before_the_run(llava, tmp_path):
     validate(cfg)
 
 
+def test_an_adapter_for_a_module_without_peft_names_is_refused_before_the_run(llava):
+  from mimo_jax.encoders.audio import AudioConfig  # pylint: disable=import-outside-toplevel
+  cfg, _, _, _ = llava
+  cfg = copy.deepcopy(cfg)
+  cfg.add_encoder("audio", AudioConfig())
+  cfg.model.audio.lora.rank, cfg.model.audio.lora.init_from = 2, str(LLAVA_ADAPTER)
+  with pytest.raises(ConfigError, match=r"model\.audio\.lora\.init_from: a PEFT adapter of "
+                     r"audio: PEFT names exist for"):
+    validate(cfg)
+
+
 def test_peft_loads_our_export_over_transformers_model(llava, tmp_path):
   """Our PEFT export of the LLaVA adapters, loaded by peft.PeftModel.from_pretrained over the
   transformers model of the base, gives the outputs PEFT's own adapter gave."""

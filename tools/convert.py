@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                       "directory; 1, with a note, when it has none)")
   parser.add_argument("--global_batch", type=int, default=GLOBAL_BATCH,
                       help="samples a step, for the launch line's data.global_batch (default "
-                      f"{GLOBAL_BATCH}, configs/vlm.py's; 8 for configs/llava_cpu.py's CPU runs)")
+                      f"{GLOBAL_BATCH}, configs/vlm.py's; 8 for configs/llava_cpu.py's CPU runs); "
+                      "a multiple of the config's data.microbatches, which launch checks")
   parser.add_argument("--image_token", default="<image>", help="the text that marks an image, "
                       "one special token of the tokenizer")
   parser.add_argument("--pad_to_square", action="store_true",

@@ -352,6 +352,8 @@ def run_config(args) -> tuple[int, Config]:
     module = cfg.model.module(name)
     if hasattr(module, "init_from"):
       module.init_from = ""
+    if getattr(module, "lora", None) is not None:  # the step holds the adapters it trained
+      module.lora.init_from = ""
   cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
   if args.layout:
     set_layout(cfg, args.layout)
@@ -361,7 +363,7 @@ def run_config(args) -> tuple[int, Config]:
 
 
 def _parameters(args, trainer) -> tuple[int, dict]:
-  """(step, the eval's state holding its parameters): the step `_config` read, or the newest
+  """(step, the eval's state holding its parameters): the step `run_config` read, or the newest
   one. A step that a live run's rotation (checkpoint.keep) removes between its metadata read and
   its weights load, or during the load, is gone, not damaged: the newest step is loaded instead
   (checkpoint_reader.newest; a given --step names the steps there are now)."""
