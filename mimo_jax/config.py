@@ -488,16 +488,19 @@ def parse_lr_mult(cfg: Config) -> dict[str, float]:
   return out
 
 
+def split_spec(spec: str) -> tuple[str, int | None]:
+  """An init_from `PATH[:STEP]` as (PATH, STEP or None)."""
+  head, sep, tail = spec.rpartition(":")
+  return (head, int(tail)) if sep and head and tail.isdigit() else (spec, None)
+
+
 def run_source(spec: str) -> tuple[str, int | None] | None:
   """An `init_from` that names a mimo_jax run, `WORKDIR[:STEP]` (a workdir or its checkpoints/
   folder): (that checkpoints folder, STEP or None for the newest); None for anything else (an HF
   directory, or "")."""
   if not spec:
     return None
-  path, step = spec, None
-  head, sep, tail = spec.rpartition(":")
-  if sep and head and tail.isdigit():
-    path, step = head, int(tail)
+  path, step = split_spec(spec)
   path = os.path.abspath(os.path.expanduser(path))
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), step

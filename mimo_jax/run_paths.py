@@ -9,13 +9,13 @@ import copy
 import os
 import pathlib
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, split_spec
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
   """An init_from `PATH[:STEP]` as (PATH, ":STEP" or "")."""
-  head, sep, tail = spec.rpartition(":")
-  return (head, f":{tail}") if sep and head and tail.isdigit() else (spec, "")
+  path, step = split_spec(spec)
+  return path, "" if step is None else f":{step}"
 
 
 def absolute(cfg: Config) -> Config:
