@@ -19,6 +19,7 @@ from mimo_jax.data import conversations, loader
 from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.evaluate import Evaluator
 
+from tests.helpers import file_size_limit
 from tests.test_generate import FIXTURES, _tokenizer
 from tools import eval as eval_tool
 from tools import generate as generate_tool
@@ -108,6 +109,25 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   # Run again: everything is answered, nothing is appended.
   assert _eval(setup, out) == 0
   assert _rows(out) == one_device
+
+
+def test_a_failed_write_of_the_rows_is_one_line_and_keeps_the_rows_before_it(setup, one_device,
+                                                                             capsys):
+  """A write refused midway (a file size limit, as a full disk) ends the eval with one line
+  naming --out; the rows written before it stay, and the same command goes on from them."""
+  out = setup / "full.jsonl"
+  first = "".join(json.dumps(row) + "\n" for row in one_device[:2]).encode()
+  with file_size_limit(len(first) + 8):  # the first batch's rows fit, the second's do not
+    assert _eval(setup, out, "--batch", "2") == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("tools.eval: error: ")
+  assert f"--out={str(out)!r}" in err[0] and "File too large" in err[0]
+  assert out.read_bytes().startswith(first) and len(out.read_bytes()) <= len(first) + 8
+  assert not (setup / "full.summary.json").exists()
+  assert not list(setup.glob(".full.jsonl.lock*"))  # the lock is released
+  assert _eval(setup, out, "--batch", "2") == 0
+  assert _rows(out) == one_device
+  assert json.loads((setup / "full.summary.json").read_text())["answered_now"] == 3
 
 
 class _Terminal(io.StringIO):

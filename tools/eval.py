@@ -21,8 +21,9 @@ Writes `--out` (default WORKDIR/eval/<data name>.step<N>.jsonl): one JSON row a 
 the record's, or its index in the file where it has none; a converted split's rows add
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
-under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, and the same command goes on
-after the samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
+under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
+(a full disk: one line naming `--out`, status 2), and the same command goes on after the
+samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean (a per-item metric's over the items), the sample count, the step and the
 settings. Metrics: mimo_jax/scoring.py.
 
@@ -267,14 +268,18 @@ def key(row: dict) -> str:
 
 
 class Rows:
-  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends."""
+  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends. A
+  failed write (a full disk) is one line naming `--out` (output.write_errors); the rows before
+  it stay, and the same command goes on from them."""
 
   def __init__(self, out: pathlib.Path, settings: dict):
     self.out, self.settings = out, settings
+    self.what = f"--out={str(out)!r}"
     self.lock = output.lock(out, "--out")
     self.done: dict[str, dict] = {}
     try:
-      self._open()
+      with output.write_errors(self.what):
+        self._open()
     except BaseException:
       self.lock.release()
       raise
@@ -300,13 +305,19 @@ class Rows:
   def append(self, rows: list[dict]) -> None:
     for row in rows:
       self.done[key(row)] = row
-    self.file.write("".join(json.dumps(r) + "\n" for r in rows))
-    self.file.flush()
-    os.fsync(self.file.fileno())
+    with output.write_errors(self.what):
+      self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+      self.file.flush()
+      os.fsync(self.file.fileno())
 
   def close(self) -> None:
-    self.file.close()
-    self.lock.release()
+    try:
+      # Every append was flushed and synced: only a failed one's bytes (reported) can fail again.
+      self.file.close()
+    except OSError:
+      pass
+    finally:
+      self.lock.release()
 
 
 def _write_whole(path: pathlib.Path, value: dict) -> None:
@@ -473,7 +484,8 @@ def run(args: argparse.Namespace) -> dict:
                                               for m in args.metric},
                    answered_now=len(todo), new_tokens_per_s=generated / took if todo else None,
                    topology=trainer.topo.describe())
-    _write_whole(summary_path(out), summary)
+    with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
+      _write_whole(summary_path(out), summary)
     return summary
   finally:
     rows.close()
