@@ -3,7 +3,11 @@ never asserted here)."""
 
 import importlib.util
 import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -13,7 +17,7 @@ from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
 from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
-from tools import bench, encoder_bench, hf_llava_bench, plan
+from tools import bench, encoder_bench, hf_llava_bench, kernels, plan
 
 
 def _abstract(cfg):
@@ -265,3 +269,46 @@ def test_hf_llava_bench_names_the_missing_package_of_an_option(flag, module):
     pytest.skip(f"{module} is installed here")
   with pytest.raises(SystemExit, match=rf"{flag} needs the {module} package.*pip install"):
     hf_llava_bench.main([flag])
+
+
+_TRACED = """import sys
+from tools import kernels
+kernels.dump_hlo(sys.argv[1])
+import jax
+import jax.numpy as jnp
+def inner(x):
+  return jnp.sin(x) * 2  # line 7
+def outer(x):
+  return jnp.sum(inner(x) + 1)
+jax.jit(outer)(jnp.ones((64, 64)))
+"""
+
+
+def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
+  """tools.kernels --hlo: XLA's dump of a real program is read back, an emitted kernel (named
+  after its instruction, '.' written '_') is traced to the line that made it and its model
+  file, a library kernel to neither; a directory holding files already is refused."""
+  script, dump = tmp_path / "traced.py", tmp_path / "hlo"
+  script.write_text(_TRACED)
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, str(script), str(dump)], check=True, cwd=root, env=env,
+                 timeout=120)
+  hlo = kernels.read_hlo(str(dump))
+  sine = [(name, i) for name, i in hlo["jit_outer"].items() if i.op == "jit(outer)/sin"]
+  assert sine, "the sine's instruction is in the dumped program"
+  name, found = sine[0]
+  assert kernels.source(found.frames) == "traced.py:7 inner"
+  assert [f.rsplit(" ", 1)[1] for f in found.frames[:2]] == ["inner", "outer"]
+  events = [{"ph": "X", "pid": 1, "name": n, "dur": d, "args": {"hlo_module": "jit_outer"}}
+            for n, d in ((name.replace(".", "_"), 3e5), ("nvjet_sm90_gemm", 1e6))]
+  summary = kernels.summarize(events, {1: "/device:GPU:0"}, hlo)
+  assert summary["sources"][0] == {"source": "(no instruction: a library kernel)", "s": 1.0,
+                                   "example": ""}
+  assert summary["sources"][1]["source"] == "traced.py:7 inner"
+  assert summary["sources"][1]["s"] == pytest.approx(0.3)
+  kind = kernels.category(name.replace(".", "_"), "")
+  assert summary["parts"] == {"(library kernels) / matmul": 1.0, f"traced.py / {kind}": 0.3}
+  assert "| `traced.py:7 inner` |" in kernels.report(summary, 1, 1.3, 5)
+  with pytest.raises(SystemExit, match="holds files already"):
+    kernels.dump_hlo(str(dump))

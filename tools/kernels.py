@@ -17,6 +17,13 @@ Trains `--warmup` steps (compilation), then `--steps` steps as training dispatch
 
 Shares are of the summed kernel time on the device (busy time; idle gaps are not kernels), which
 is also printed beside the wall time of the traced steps.
+
+With `--hlo DIR` (a new or empty directory) XLA writes each program's optimized HLO there as
+text, and each kernel that XLA emitted (its fusions; library kernels such as cuBLAS's and cuDNN's
+are named by the library, not by an instruction) is traced to the source line that made it,
+through the HLO's stack frames: the time by **part** (the model file it belongs to, e.g.
+models/vit.py or models/llm.py, else the innermost source file outside installed packages) and
+category, and the `--top` source lines by time, each with an instruction's shape and operation.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import os
 import re
 import time
+from typing import NamedTuple
 
 import jax
 
@@ -68,11 +76,119 @@ def read_trace(directory: str) -> tuple[list[dict], dict[int, str]]:
   return events, procs
 
 
-def summarize(events: list[dict], procs: dict[int, str]) -> dict:
-  """Kernel time by category, by program and category, and by kernel, on the device tracks."""
+# Model files that hold shared layers: a kernel of theirs belongs to the model file that calls them.
+SHARED_MODEL_FILES = ("layers.py", "fp8.py", "lora.py")
+
+
+class Instruction(NamedTuple):
+  shape: str
+  op: str  # its metadata's op_name
+  frames: tuple[str, ...]  # "path:line function", innermost first
+
+
+def read_hlo(directory: str) -> dict[str, dict[str, Instruction]]:
+  """The optimized HLO that XLA dumped as text into `directory`: program name -> instruction
+  name -> Instruction (programs of one name are merged)."""
+  programs: dict[str, dict[str, Instruction]] = {}
+  for path in sorted(glob.glob(os.path.join(directory, "*after_optimizations.txt"))):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    head = re.match(r"HloModule ([^\s,]+)", text)
+    if head:
+      programs.setdefault(head.group(1), {}).update(_instructions(text))
+  return programs
+
+
+def _tables(text: str) -> dict[str, dict[int, str]]:
+  """The HLO text's stack-frame tables (FileNames, FunctionNames, FileLocations, StackFrames):
+  table -> id -> its entry as written."""
+  tables: dict[str, dict[int, str]] = {}
+  current = None
+  for line in text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(line, {})
+    elif current is not None and (entry := re.match(r"(\d+) (.*)$", line)):
+      current[int(entry.group(1))] = entry.group(2)
+    elif not line.strip():
+      current = None
+  return tables
+
+
+def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, ...]]:
+  """Stack frame id -> its frames, innermost first, each "path:line function". A frame's
+  parent_frame_id is written one above the parent's id (so 1 is no parent)."""
+  files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+  locations = {}
+  for i, entry in tables.get("FileLocations", {}).items():
+    fields = dict(re.findall(r"(\w+)=(\d+)", entry))
+    file = files.get(int(fields["file_name_id"]), "?").strip('"')
+    function = functions.get(int(fields["function_name_id"]), "?").strip('"')
+    locations[i] = f"{file}:{fields['line']} {function}"
+  frames: dict[int, tuple[str, ...]] = {}
+  for i in sorted(tables.get("StackFrames", {})):
+    fields = dict(re.findall(r"(\w+)=(\d+)", tables["StackFrames"][i]))
+    parent = int(fields["parent_frame_id"]) - 1
+    frames[i] = (locations.get(int(fields["file_location_id"]), "?"),) + frames.get(parent, ())
+  return frames
+
+
+def _instructions(text: str) -> dict[str, Instruction]:
+  frames = _frames(_tables(text))
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\((.*)$", text, re.M):
+    rest = m.group(3)
+    op = re.search(r'op_name="([^"]*)"', rest)
+    frame = re.search(r"stack_frame_id=(\d+)", rest)
+    out.setdefault(m.group(1), Instruction(m.group(2), op.group(1) if op else "",
+                                           frames.get(int(frame.group(1)), ()) if frame else ()))
+  return out
+
+
+def instruction(hlo: dict[str, dict[str, Instruction]], prog: str, name: str,
+                op: str) -> Instruction | None:
+  """The instruction a kernel ran for: its trace's HLO op, or the instruction its name is made
+  from (XLA names an emitted kernel after its instruction, '.' written '_')."""
+  found = hlo.get(prog, {})
+  for key in (op, name, re.sub(r"_(\d+)$", r".\1", name)):
+    if key in found:
+      return found[key]
+  return None
+
+
+def source(frames: tuple[str, ...]) -> str:
+  """The innermost frame outside installed packages (and Python's own), or "?"."""
+  for frame in frames:
+    if not frame.startswith("<") and not re.search(r"[/\\](site|dist)-packages[/\\]|^/usr/lib/",
+                                                   frame):
+      return _short(frame)
+  return "?"
+
+
+def part(frames: tuple[str, ...]) -> str:
+  """The model file a kernel belongs to (models/<file>.py, but not the shared layers'), else
+  the file of its `source`."""
+  for frame in frames:
+    path = frame.rsplit(":", 1)[0]
+    if re.search(r"[/\\]models[/\\]", path) and os.path.basename(path) not in SHARED_MODEL_FILES:
+      return _short(path)
+  return source(frames).rsplit(":", 1)[0]
+
+
+def _short(path: str) -> str:
+  """A path from its mimo_jax/ or tools/ folder on, else its file name."""
+  m = re.search(r"(?:^|[/\\])((?:mimo_jax|tools|tests)[/\\].*)$", path)
+  return m.group(1) if m else os.path.basename(path)
+
+
+def summarize(events: list[dict], procs: dict[int, str],
+              hlo: dict[str, dict[str, Instruction]] | None = None) -> dict:
+  """Kernel time by category, by program and category, and by kernel, on the device tracks;
+  with `hlo` (read_hlo), also by part and category and by source line."""
   device = {pid for pid, name in procs.items() if "/device:" in name}
   by_cat, by_prog, by_kernel, counts = (collections.Counter(), collections.Counter(),
                                         collections.Counter(), collections.Counter())
+  by_part, by_source = collections.Counter(), collections.Counter()
+  examples: dict[str, str] = {}
   ops: dict[tuple[str, str], collections.Counter] = {}  # kernel -> the HLO ops it ran for
   total = 0.0
   for e in events:
@@ -91,7 +207,18 @@ def summarize(events: list[dict], procs: dict[int, str]) -> dict:
     by_kernel[key] += dur
     counts[key] += 1
     ops.setdefault(key, collections.Counter())[f"{prog}: {op}"[:200]] += dur
-  return {"total_s": total, "categories": dict(by_cat),
+    if hlo is not None:
+      found = instruction(hlo, prog, name, op)
+      where = source(found.frames) if found else "(no instruction: a library kernel)"
+      by_part[(part(found.frames) if found else "(library kernels)", cat)] += dur
+      by_source[where] += dur
+      if found:
+        examples.setdefault(where, f"{found.shape} {found.op.rsplit('/', 1)[-1]}"[:80])
+  hlo_figures = {} if hlo is None else {
+      "parts": {f"{p} / {c}": v for (p, c), v in by_part.items()},
+      "sources": [{"source": k, "s": v, "example": examples.get(k, "")}
+                  for k, v in by_source.most_common()]}
+  return {"total_s": total, "categories": dict(by_cat), **hlo_figures,
           "programs": {f"{p} / {c}": v for (p, c), v in by_prog.items()},
           "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)],
                        "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)]}
@@ -114,7 +241,27 @@ def report(summary: dict, steps: int, wall_s: float, top: int) -> str:
   for k in summary["kernels"][:top]:
     lines.append(f"| `{k['name']}` | {k['category']} | {k['count'] / steps:g} | "
                  f"{k['s'] / steps:.4f} | {k['s'] / total:.1%} |")
+  if "parts" in summary:
+    lines += ["", "| part / category | s/step | share |", "|---|---:|---:|"]
+    for key, v in sorted(summary["parts"].items(), key=lambda kv: -kv[1]):
+      lines.append(f"| {key} | {v / steps:.4f} | {v / total:.1%} |")
+    lines += ["", "| source line | an instruction of it | s/step | share |", "|---|---|---:|---:|"]
+    for k in summary["sources"][:top]:
+      lines.append(f"| `{k['source']}` | `{k['example']}` | {k['s'] / steps:.4f} | "
+                   f"{k['s'] / total:.1%} |")
   return "\n".join(lines)
+
+
+def dump_hlo(directory: str) -> None:
+  """Has XLA write every program it compiles from now on as optimized HLO text into
+  `directory`, which must be new or empty (files of another run would be read as this one's);
+  before JAX's backend starts."""
+  if os.path.isdir(directory) and os.listdir(directory):
+    raise SystemExit(f"kernels: --hlo {directory} holds files already; name a new or empty "
+                     "directory")
+  os.makedirs(directory, exist_ok=True)
+  flags = f"--xla_dump_to={directory} --xla_dump_hlo_as_text"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--out", default="/tmp/mimo_jax_trace", help="where the trace is kept")
   parser.add_argument("--json", default="", help="write the summary to this file")
+  parser.add_argument("--hlo", default="", help="a new or empty directory: XLA writes the "
+                      "programs' optimized HLO there and kernels are traced to source lines")
   args = parser.parse_args(argv)
+  if args.hlo:
+    dump_hlo(args.hlo)
   cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
   set_layout(cfg, args.layout)
   run = Run(cfg)
@@ -140,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
   with jax.profiler.trace(args.out, create_perfetto_trace=True):
     run.steps(args.steps)
   wall = time.perf_counter() - start
-  summary = summarize(*read_trace(args.out))
+  summary = summarize(*read_trace(args.out), hlo=read_hlo(args.hlo) if args.hlo else None)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(dict(summary, steps=args.steps, wall_s=wall), f, indent=1)
