@@ -303,8 +303,7 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
   events = [{"ph": "X", "pid": 1, "name": n, "dur": d, "args": {"hlo_module": "jit_outer"}}
             for n, d in ((name.replace(".", "_"), 3e5), ("nvjet_sm90_gemm", 1e6))]
   summary = kernels.summarize(events, {1: "/device:GPU:0"}, hlo)
-  assert summary["sources"][0] == {"source": "(no instruction: a library kernel)", "s": 1.0,
-                                   "example": ""}
+  assert summary["sources"][0] == {"source": kernels.UNTRACED, "s": 1.0, "example": ""}
   assert summary["sources"][1]["source"] == "traced.py:7 inner"
   assert summary["sources"][1]["s"] == pytest.approx(0.3)
   kind = kernels.category(name.replace(".", "_"), "")

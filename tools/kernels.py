@@ -76,6 +76,9 @@ def read_trace(directory: str) -> tuple[list[dict], dict[int, str]]:
   return events, procs
 
 
+# A kernel of no instruction in the dump: a library's (cuBLAS, cuDNN), or one of a program that
+# was not compiled while dumping (loaded from a compilation cache).
+UNTRACED = "(no instruction: a library kernel)"
 # Model files that hold shared layers: a kernel of theirs belongs to the model file that calls them.
 SHARED_MODEL_FILES = ("layers.py", "fp8.py", "lora.py")
 
@@ -155,19 +158,21 @@ def instruction(hlo: dict[str, dict[str, Instruction]], prog: str, name: str,
   return None
 
 
+def _ours(frame: str) -> bool:
+  """A frame outside installed packages and Python's own modules."""
+  return not frame.startswith("<") and not re.search(
+      r"[/\\](site|dist)-packages[/\\]|^/usr/lib/", frame)
+
+
 def source(frames: tuple[str, ...]) -> str:
   """The innermost frame outside installed packages (and Python's own), or "?"."""
-  for frame in frames:
-    if not frame.startswith("<") and not re.search(r"[/\\](site|dist)-packages[/\\]|^/usr/lib/",
-                                                   frame):
-      return _short(frame)
-  return "?"
+  return next((_short(frame) for frame in frames if _ours(frame)), "?")
 
 
 def part(frames: tuple[str, ...]) -> str:
   """The model file a kernel belongs to (models/<file>.py, but not the shared layers'), else
   the file of its `source`."""
-  for frame in frames:
+  for frame in filter(_ours, frames):
     path = frame.rsplit(":", 1)[0]
     if re.search(r"[/\\]models[/\\]", path) and os.path.basename(path) not in SHARED_MODEL_FILES:
       return _short(path)
@@ -209,7 +214,7 @@ def summarize(events: list[dict], procs: dict[int, str],
     ops.setdefault(key, collections.Counter())[f"{prog}: {op}"[:200]] += dur
     if hlo is not None:
       found = instruction(hlo, prog, name, op)
-      where = source(found.frames) if found else "(no instruction: a library kernel)"
+      where = source(found.frames) if found else UNTRACED
       by_part[(part(found.frames) if found else "(library kernels)", cat)] += dur
       by_source[where] += dur
       if found:
@@ -262,6 +267,7 @@ def dump_hlo(directory: str) -> None:
   os.makedirs(directory, exist_ok=True)
   flags = f"--xla_dump_to={directory} --xla_dump_hlo_as_text"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+  jax.config.update("jax_enable_compilation_cache", False)  # a program loaded is not dumped
 
 
 def main(argv: list[str] | None = None) -> None:
