@@ -392,7 +392,7 @@ class _Loop:
       self.ckpt.wait()
       say(f"{stop.signal}: saved step {steps} to {self.ckpt.path}; the final eval was skipped.")
       return
-    if steps in self.writer.evaluated:
+    if self._evaluated(steps):
       return  # this step's eval is on record already
     result = self.evaluator(self.state, self.eval_batches,
                             stop=None if jax.process_count() > 1 else stop.requested)
@@ -402,6 +402,14 @@ class _Loop:
           "short.")
       return
     self._log({"step": steps, **result})
+
+  def _evaluated(self, step: int) -> bool:
+    """Whether `step`'s eval is on record already: process 0's metrics say (the other processes'
+    writers read none), and every process takes its answer, since the eval runs on all."""
+    known = step in self.writer.evaluated
+    if jax.process_count() > 1:
+      known = bool(multihost_utils.broadcast_one_to_all(np.int32(known)))
+    return known
 
   def _emergency_save(self, error: Exception) -> None:
     """After an exception in the loop, saves the newest dispatched step if it finished and is

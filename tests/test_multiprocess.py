@@ -114,6 +114,13 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, reference, 
     resumed = _train_records(again)
     assert sorted(resumed) == [3, 4]  # trained only what the checkpoint did not cover
     assert {s: resumed[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
+    # The finished run again: nothing to train and its final eval on record, for both processes
+    # (process 0 alone reads the metrics), which end at once.
+    records = (again / "metrics.jsonl").read_text()
+    proc = _launch(*_args(data_dir, again, topo, "--config.checkpoint.every=2", *extra))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "step 4 >= train.steps=4: nothing to train" in proc.stdout
+    assert (again / "metrics.jsonl").read_text() == records
   # The same two-process checkpoint restored in one process on one device.
   single = tmp_path / "single"
   shutil.copytree(first / "checkpoints", single / "checkpoints")
