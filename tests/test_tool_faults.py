@@ -270,6 +270,13 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_dire
   assert "interrupted (SIGTERM)" in capsys.readouterr().err
   assert os.listdir(out.parent) == []
 
+  def ctrl_c(tensors, path, metadata=None):  # pylint: disable=unused-argument
+    raise KeyboardInterrupt
+  monkeypatch.setattr(safetensors.numpy, "save_file", ctrl_c)
+  assert ckpt.main(["export", str(run), "--out", str(out)]) == 130
+  assert "interrupted (Ctrl-C); nothing was written" in capsys.readouterr().err
+  assert os.listdir(out.parent) == []
+
 
 def test_export_and_generate_refuse_a_damaged_step(run, capsys):
   _damage(run, 30)

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     return 75 if isinstance(e, TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"tools.ckpt: interrupted ({e or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
+    print(f"tools.ckpt: interrupted ({str(e) or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
           flush=True)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   return 0

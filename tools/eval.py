@@ -17,7 +17,8 @@ greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each en
 own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
 
-Writes `--out` (default WORKDIR/eval/<data name>.step<N>.jsonl): one JSON row a sample (`id`:
+Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
+directory's): one JSON row a sample (`id`:
 the record's, or its index in the file where it has none; a converted split's rows add
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     return 75 if isinstance(e, checkpoint_reader.TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}); the rows written are kept: run the same "
+    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}); the rows written are kept: run the same "
           "command to go on.", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)
   metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"{TOOL}: interrupted ({e or 'Ctrl-C'}).", file=sys.stderr)
+    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}).", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   for r, (prompt, answer) in enumerate(zip(args.prompt, answers)):
     shown = " ".join(f"[{pathlib.Path(f).name}]"
