@@ -18,7 +18,7 @@ from absl import app, flags, logging
 from mimo_jax import configfile, workdir
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.metrics import NonFiniteError
-from mimo_jax.validation import validate
+from mimo_jax.validation import data_source, validate
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator", None, "Multi-host: HOST:PORT of process 0's coordinator (with --num_processes "
@@ -56,6 +56,7 @@ def main(argv: list[str]) -> None:
     _fail(f"unexpected arguments {argv[1:]}; flags look like --config.train.steps=10.")
   cfg = _CONFIG[0]
   try:
+    data_source(cfg)  # the data first: the fields that depend on it come from its converter
     validate(cfg)  # device-independent checks, before JAX starts
   except ConfigError as e:
     _fail(str(e))

@@ -107,6 +107,17 @@ def _init_from(cfg: Config, name: str) -> None:
           "fields as the checkpoint has them.")
 
 
+def data_source(cfg: Config) -> None:
+  """A run's converted data directory (data.task=conversations), checked before the rest of the
+  config: the converter's launch line sets the fields that depend on it (launch calls this; the
+  tools that do not read the run's data do not)."""
+  d = cfg.data
+  if d.task == "conversations" and d.dir:
+    require(os.path.isdir(d.dir), "data.dir",
+            f"{d.dir} not found; data.task=conversations reads the directory `python -m "
+            "tools.convert` wrote.")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
   """Raises ConfigError for the first bad field. `num_devices` enables the device-range checks."""
   _finite(cfg, "")

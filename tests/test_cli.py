@@ -24,6 +24,9 @@ def _launch(*args, cwd=None):
     (["--config=configs/nope.py"], "nope.py"),
     (["--config=configs/digits.py:bogus"], "bogus"),
     (["stray"], "stray"),
+    # Converted data that is not there is named first (not the fields its launch line sets).
+    (["--config.data.task=conversations", "--config.data.dir=/nonexistent/llava"],
+     "config.data.dir: /nonexistent/llava not found"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, args, needle):
   workdir = tmp_path / "run"
