@@ -43,13 +43,14 @@ class MetricsWriter:
   """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
 
   def __init__(self, workdir: str, total_steps: int, progress: str = "auto",
-               resume_after: int = 0, enabled: bool = True):
+               resume_after: int = 0, enabled: bool = True, started: float | None = None):
     """`resume_after` > 0 keeps the records of steps up to it (those a checkpoint covers).
+    `started`: the time (time.time()) the console lines' clock counts from (default: now).
 
     A disabled writer (processes other than 0) writes and prints nothing but still checks values.
     """
     self.enabled = enabled
-    self._t0 = time.time()
+    self._t0 = time.time() if started is None else started
     self.evaluated = set()  # steps whose eval record is kept from before
     if not enabled:
       return

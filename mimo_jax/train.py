@@ -228,7 +228,8 @@ class _Loop:
     self.lr_at = np.asarray(jax.device_get(jax.jit(jax.vmap(schedule(cfg)))(
         np.arange(cfg.train.steps))))
     self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
-                                resume_after=self.start, enabled=distributed.is_main())
+                                resume_after=self.start, enabled=distributed.is_main(),
+                                started=self.started)  # its clock: the time to first step's
     self._announce(lock, started)
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
@@ -349,7 +350,8 @@ class _Loop:
     if self.compiler is not None:
       self.compiler.first_step_ended()
     how = (f"waited {self.compile_wait:.1f} s for its programs, compiled ahead; "
-           f"{self.compiler.shapes} step program shapes read so far" if self.compiler else
+           f"{self.compiler.shapes} step program shape{'' if self.compiler.shapes == 1 else 's'} "
+           "read so far" if self.compiler else
            "its programs compiled when met")
     self.writer.say(f"time to first step: {now - self.started:.1f} s (step {step}; {how})")
 

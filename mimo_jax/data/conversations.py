@@ -355,7 +355,7 @@ def convert_record(record: dict, where: str) -> dict:
   marks = sum(m["content"].count(opts.image_token) for m in msgs)
   if marks != len(files):
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
-                      f"lists {len(files)} images.")
+                      f"lists {len(files)} image{'' if len(files) == 1 else 's'}.")
   pixels = [_read_image(f, where) for f in files]
   msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
   try:
