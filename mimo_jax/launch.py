@@ -1,11 +1,19 @@
-"""Command line: `python -m mimo_jax.launch [--config=configs/NAME.py[:ARG]] [--config.a.b=v ...]`.
+"""Trains: `python -m mimo_jax.launch [--config=configs/NAME.py[:ARG]] [--config.a.b=value ...]`.
 
-Flags -> config -> validation -> `train.run`. Every config field is documented in the README.
+  --config=FILE[:ARG]  the config file (default configs/digits.py) and its variant, e.g.
+                       --config=configs/vlm.py:tuned
+  --config.a.b=VALUE   any field of the config, e.g. --config.train.steps=100; every field and
+                       its default is in the README's tables (--helpfull lists them too)
 
-The training modules (train, distributed, data.capacity) are imported inside `main` and
-`_explain`, once the config is valid and JAX's CPU device count is set: importing them imports
-JAX, which must not happen before that setting, and a bad flag answers without JAX.
+A run in a run.workdir that holds checkpoints resumes from the newest: after an interruption the
+same command goes on. The flags below are for several hosts (one machine's processes:
+`python -m tools.launch_local -n N -- FLAGS`); a bad flag or value is one line and exit code 2.
 """
+
+# Flags -> config -> validation -> `train.run`. The training modules (train, distributed,
+# data.capacity) are imported inside `main` and `_explain`, once the config is valid and JAX's
+# CPU device count is set: importing them imports JAX, which must not happen before that
+# setting, and a bad flag answers without JAX.
 
 from __future__ import annotations
 
