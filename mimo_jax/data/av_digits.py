@@ -133,6 +133,7 @@ def build(root: str, train_samples: int, eval_samples: int) -> str:
   if digits.complete(final):
     return str(final)
   final.parent.mkdir(parents=True, exist_ok=True)
+  print(f"av_digits: building the task's records in {final} (once)", flush=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
   try:
     _write_source(tmp, train_samples, eval_samples)
