@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, distributed, encoders, fingerprint, optim, run_paths
-from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict
+from mimo_jax.config import Config, ConfigError, ModelConfig, from_dict, lora_of
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 from mimo_jax.trees import path_str
@@ -696,11 +696,10 @@ def model_fields(model: dict) -> dict:
   return out
 
 
-def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> list[str]:
-  """`field=saved (this run: value)` for every model field under `only` that differs, runtime
-  fields and encoders' data settings aside. A field newer than the checkpoint had its default's
-  behaviour when it was written; a config written before encoders had their own section reads as
-  it is now (config.from_dict)."""
+def _model_values(saved_model: dict, cfg: Config) -> tuple[dict, dict]:
+  """A step's model config and this run's as `model_fields` keys them. A field newer than the
+  checkpoint had its default's behaviour when it was written; a config written before encoders
+  had their own section reads as it is now (config.from_dict)."""
   try:
     saved_model = dataclasses.asdict(from_dict(saved_model, ModelConfig, "model."))
   except ConfigError:  # a field this version lacks: compared as written
@@ -708,11 +707,29 @@ def model_differences(saved_model: dict, cfg: Config, only: str = "model.") -> l
   saved = model_fields(saved_model)
   current = model_fields(dataclasses.asdict(cfg.model))
   default = model_fields(dataclasses.asdict(type(cfg.model)()))
-  saved = {k: saved.get(k, default.get(k)) for k in current}
+  return {k: saved.get(k, default.get(k)) for k in current}, current
+
+
+def model_differences(saved_model: dict, cfg: Config, only: str = "model.",
+                      fresh: tuple[str, ...] = ()) -> list[str]:
+  """`field=saved (this run: value)` for every model field under `only` that differs, runtime
+  fields and encoders' data settings aside, and the lora fields of the modules in `fresh`
+  (`gains_adapters`: their adapters do not come from the step)."""
+  saved, current = _model_values(saved_model, cfg)
   settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
+  aside = tuple(f"model.{n}.lora." for n in fresh)
   return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
           if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and k not in settings and
-          not k.endswith((".init_from", ".lora.dropout")) and saved[k] != current[k]]
+          not k.endswith((".init_from", ".lora.dropout")) and not k.startswith(aside) and
+          saved[k] != current[k]]
+
+
+def gains_adapters(saved_model: dict, cfg: Config, names: list[str]) -> tuple[str, ...]:
+  """The modules of `names` this run gives LoRA adapters where the step's model (`saved_model`)
+  gave them none: each starts from the step's weights with fresh adapters (B = 0, so at the
+  step's outputs exactly)."""
+  saved, _ = _model_values(saved_model, cfg)
+  return tuple(n for n in names if lora_of(cfg, n) and not saved.get(f"model.{n}.lora.rank"))
 
 
 def data_values(cfg: Config) -> dict[str, tuple[str, object]]:

@@ -124,7 +124,8 @@ class ModelConfig(Modules):
   language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
   # A mimo_jax run to start from, WORKDIR[:STEP] (default its newest step): every module's
   # parameters, with a fresh optimizer at step 0 (a new training stage: its own data and
-  # schedule). Its model config must match. A module's own init_from naming a run takes
+  # schedule). Its model config must match (but for the lora fields of a module it has no
+  # adapters on: they start fresh). A module's own init_from naming a run takes
   # precedence; one naming an HF directory (as an import's config carries) gives way to it.
   init_from: str = ""
 

@@ -15,10 +15,10 @@ import numpy as np
 
 from mimo_jax import encoders, fingerprint, hf, state
 from mimo_jax.checkpoint import (META, Checkpointer, CheckpointError, complete_steps, fill,
-                                 model_differences, shape_differences)
+                                 gains_adapters, model_differences, shape_differences)
 from mimo_jax.config import LANGUAGE, Config, lora_of, run_source
 from mimo_jax.hf import peft
-from mimo_jax.models.lora import A, B
+from mimo_jax.models.lora import A, B, is_adapter
 from mimo_jax.state import HFStart
 
 
@@ -80,8 +80,11 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
   straight into those shardings; modules without such a source are not in the result. Each
   source is checked first: it holds the module, was written for the same model (every model
   field for model.init_from, the module's own for its init_from; runtime fields aside) and its
-  parameters have this run's shapes. With `read` false only the checks (before anything is
-  written)."""
+  parameters have this run's shapes. A module this run gives LoRA adapters where the source's
+  model gave it none (`gains_adapters`) reads its other weights and leaves its adapters abstract:
+  state.init_state draws them from the seed (B = 0), whatever its lora config. A source with
+  adapters needs this run's lora config and gives its adapters. With `read` false only the
+  checks (before anything is written)."""
   runs = {}
   for name, source in sources(cfg, list(abstract)).items():
     runs.setdefault(source, []).append(name)
@@ -100,15 +103,16 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
         raise CheckpointError(f"{where} has no module {', '.join(missing)}; it holds "
                               f"{', '.join(meta.get('modules', []))}.")
       only = "model." if field == "model.init_from" else f"model.{names[0]}."
-      diffs = model_differences(meta["config"]["model"], cfg, only)
+      fresh = gains_adapters(meta["config"]["model"], cfg, names)
+      diffs = model_differences(meta["config"]["model"], cfg, only, fresh)
       if diffs:
         keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
                         for d in diffs[:3])
         raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
                               f"Start from it with that run's model config ({keep}).")
       saved = ckpt.saved_arrays(step, names)
-      wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()}
-                for n in names}
+      wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()
+                    if n not in fresh or not is_adapter(k)} for n in names}
       from_base = ckpt.left_to_base(meta, saved, wanted)  # a LoRA run's frozen weights
       wanted = {n: {k: a for k, a in w.items() if k not in from_base[n]} for n, w in wanted.items()}
       differ = [d for n in names for d in shape_differences(saved[n], wanted[n], n)]
@@ -120,7 +124,8 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
         for n, got in ckpt.read_base(step, meta, from_base).items():
           arrays[n].update(got)
         for n in names:
-          out[n] = fill(abstract[n], {k[len("params/"):]: v for k, v in arrays[n].items()})
+          out[n] = fill(abstract[n], {k[len("params/"):]: v for k, v in arrays[n].items()},
+                        keep_others=n in fresh)
     finally:
       ckpt.close()
   return out

@@ -38,8 +38,9 @@ def init_state(plan: Plan, modules: dict, seed: int, optimizer: bool = True,
                starts: dict | None = None) -> dict[str, ModuleState]:
   """Parameters born sharded on their module's mesh; values depend only on the seed, except for
   a module in `starts` (init_from.starts: what the config names to start from): canonical
-  parameters of a mimo_jax run, or an `HFStart`. The optimizer state is fresh (step 0); without
-  `optimizer` it is None (a checkpoint of parameters only)."""
+  parameters of a mimo_jax run (a leaf left abstract, a fresh adapter, is the seed's), or an
+  `HFStart`. The optimizer state is fresh (step 0); without `optimizer` it is None (a checkpoint
+  of parameters only)."""
   starts = dict(starts or {})
   state = {}
   for name, module in modules.items():
@@ -49,7 +50,8 @@ def init_state(plan: Plan, modules: dict, seed: int, optimizer: bool = True,
     if isinstance(start, HFStart):
       params = _from_hf(p, module, seed, start, name)
     elif start is not None:
-      params = jax.jit(stored, out_shardings=p.param_sh, donate_argnums=0)(start)
+      params = jax.jit(stored, out_shardings=p.param_sh,
+                       donate_argnums=0)(_seed_abstract(p, module, seed, start))
     else:
       init = lambda seed, module=module, stored=stored: stored(module.init(seed))
       params = jax.jit(init, static_argnums=0, out_shardings=p.param_sh)(seed)
@@ -57,6 +59,23 @@ def init_state(plan: Plan, modules: dict, seed: int, optimizer: bool = True,
                          out_shardings=p.opt_sh)(params) if optimizer else None)
     state[name] = ModuleState(params, opt_state)
   return state
+
+
+def _seed_abstract(p, module, seed: int, start):
+  """Canonical parameters `start` with each leaf it leaves abstract drawn from the seed, as a
+  fresh start draws it (only those leaves are computed)."""
+  leaves, treedef = jax.tree.flatten(start)
+  missing = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+  if not missing:
+    return start
+  target = jax.tree.leaves(p.canonical_params)
+  init = lambda seed: [jax.tree.leaves(optim.cast(module.init(seed), p.canonical_params))[i]
+                       for i in missing]
+  drawn = jax.jit(init, static_argnums=0,
+                  out_shardings=[target[i].sharding for i in missing])(seed)
+  for i, x in zip(missing, drawn):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _from_hf(p, module, seed: int, start: HFStart, name: str):

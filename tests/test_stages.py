@@ -14,9 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, fingerprint, train
+from mimo_jax import checkpoint, checkpoint_reader, fingerprint, train
 from mimo_jax.batch import total
 from mimo_jax.data import loader
+from mimo_jax.models import lora as lora_module
+from mimo_jax.modules import build_modules
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
@@ -142,13 +144,20 @@ def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   assert not changed("language", "blocks", was, last) and not changed("vision", "blocks", was, last)
 
 
-def test_init_from_starts_a_new_stage(data_dir, stage1, tmp_path):
-  """Stage 2 as LLaVA runs it: a new workdir with model.init_from=STAGE1 and optim.freeze=vision.
-  Its first loss is the loss of stage 1's final weights on the same batch."""
-  stage1_dir, cfg1, _ = stage1
-  cfg = _cfg(data_dir, tmp_path / "stage2", "vision", 1)
+@pytest.fixture(scope="module")
+def stage2(data_dir, stage1, tmp_path_factory):
+  """Stage 2 as LLaVA runs it: a new workdir with model.init_from=STAGE1 and optim.freeze=vision,
+  one step: its config and records."""
+  stage1_dir, _, _ = stage1
+  cfg = _cfg(data_dir, tmp_path_factory.mktemp("stage2"), "vision", 1)
   cfg.model.init_from = str(stage1_dir)
-  records = train.run(cfg)
+  return cfg, train.run(cfg)
+
+
+def test_init_from_starts_a_new_stage(data_dir, stage1, stage2, tmp_path):
+  """Stage 2's first loss is the loss of stage 1's final weights on the same batch."""
+  stage1_dir, cfg1, _ = stage1
+  cfg, records = stage2
   first = [r for r in records if "loss" in r]
   assert [r["step"] for r in first] == [1]
 
@@ -172,6 +181,66 @@ def test_init_from_starts_a_new_stage(data_dir, stage1, tmp_path):
   init = trainer.init_state(cfg.train.seed)
   for a, b in zip(jax.tree.leaves(init["vision"].params), jax.tree.leaves(vision)):
     np.testing.assert_array_equal(np.asarray(a), b)  # the trained projector too
+
+
+def test_a_lora_stage_over_a_run_without_adapters_starts_at_its_outputs(data_dir, stage1, stage2,
+                                                                        tmp_path):
+  """Language LoRA over stage 1, which has no adapters (model.init_from, or the language model's
+  own init_from): its weights with fresh adapters from the seed (B = 0), so the first loss is
+  exactly stage 2's (stage 1's weights without adapters); then the adapters train over the frozen
+  base. A source with adapters of another rank is another model still."""
+  stage1_dir, _, _ = stage1
+
+  def lora(workdir, rank=4):
+    cfg = _cfg(data_dir, workdir, "vision", 1)
+    cfg.model.language.lora.rank, cfg.model.language.lora.alpha = rank, 8.0
+    cfg.checkpoint.every, cfg.eval.every = 1, 0
+    return cfg
+  cfg = lora(tmp_path / "lora")
+  cfg.model.init_from = str(stage1_dir)
+  records = train.run(cfg)
+  first = [r["loss"] for r in records if "loss" in r]
+  assert first == [r["loss"] for r in stage2[1] if "loss" in r]
+
+  reader = lambda workdir: checkpoint_reader.Reader(str(workdir))
+  source, lora_run = reader(stage1_dir), reader(tmp_path / "lora")
+  try:
+    was = source.params(STEPS, source.meta(STEPS))
+    start, end = (lora_run.params(s, lora_run.meta(s)) for s in (0, 1))
+  finally:
+    source.close()
+    lora_run.close()
+  seed = fingerprint.paths(build_modules(cfg)["language"].init(cfg.train.seed))
+  adapters = {k for k in start if lora_module.is_adapter(k)}
+  assert adapters and set(start) - adapters == set(was)
+  for k in adapters:  # the seed's: A drawn, B zero
+    np.testing.assert_array_equal(start[k], seed[k[len("language/"):]], err_msg=k)
+    assert k.endswith("lora_a") or not start[k].any(), k
+  for k, v in was.items():
+    np.testing.assert_array_equal(start[k], v, err_msg=k)
+  assert all(not np.array_equal(end[k], start[k]) for k in adapters)
+  for k, v in start.items():
+    if k not in adapters and not k.startswith("vision/projector/"):
+      np.testing.assert_array_equal(end[k], v, err_msg=k)  # the frozen base
+
+  # The language model's own init_from naming stage 1: the same start.
+  own = lora(tmp_path / "own")
+  own.model.language.init_from = f"{stage1_dir}:{STEPS}"
+  trainer = Step.build(own)
+  got = fingerprint.paths(jax.device_get(trainer.canonical(trainer.init_state(own.train.seed))["language"]
+                             .params))
+  assert set(got) == {k[len("language/"):] for k in start if k.startswith("language/")}
+  for k, v in got.items():
+    np.testing.assert_array_equal(v, start["language/" + k], err_msg=k)
+
+  # A source with adapters needs this run's lora config.
+  other = lora(tmp_path / "rank8", rank=8)
+  other.model.init_from = str(tmp_path / "lora")
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"was written for another model: model\.language\.lora\.rank=4 "
+                           r"\(this run: 8\)"):
+    train.run(other)
+  assert not (tmp_path / "rank8").exists()
 
 
 def test_init_from_another_model_is_one_error(data_dir, stage1, tmp_path):
