@@ -376,6 +376,12 @@ def test_bad_flags_and_files_are_one_line_and_write_nothing(src, tmp_path, capsy
     _one_line_error(rc, err, words)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before, extra
   assert (tmp_path / "file").read_text() == "keep"
+  # A missing input is the only line: no note on the tower's tokens before it.
+  for flag, path in (("--json", tmp_path / "none.jsonl"), ("--tokenizer", tmp_path / "none")):
+    rc, err, _ = _main(_args(src, out) + [flag, str(path)], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        f"convert: error: {flag} {path}: not found "
+        f"({'a file' if flag == '--json' else 'a directory'} is needed)."], err
 
 
 # Paths that work from any directory, and the launch line.
