@@ -105,10 +105,13 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
     f.write('{"id": "q2", "predic')  # a row cut by a crash
   assert _eval(setup, out, "--batch", "2") == 0
   assert _rows(out) == one_device
-  assert json.loads((setup / "cut.summary.json").read_text())["answered_now"] == 3
-  # Run again: everything is answered, nothing is appended.
+  resumed = json.loads((setup / "cut.summary.json").read_text())
+  assert resumed["answered_now"] == 3 and resumed["new_tokens_per_s"] > 0
+  # Run again: everything is answered, nothing is appended; the summary keeps the speed.
   assert _eval(setup, out) == 0
   assert _rows(out) == one_device
+  again = json.loads((setup / "cut.summary.json").read_text())
+  assert again == dict(resumed, answered_now=0)
 
 
 def test_a_failed_write_of_the_rows_is_one_line_and_keeps_the_rows_before_it(setup, one_device,

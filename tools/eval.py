@@ -321,6 +321,14 @@ class Rows:
       self.lock.release()
 
 
+def _earlier_speed(out: pathlib.Path) -> float | None:
+  """The answering speed `out`'s summary holds (a run that answers nothing keeps it), or None."""
+  try:
+    return json.loads(summary_path(out).read_text()).get("new_tokens_per_s")
+  except (OSError, ValueError):
+    return None
+
+
 def _write_whole(path: pathlib.Path, value: dict) -> None:
   """`path` holds `value` as JSON whole or not at all (a temporary file renamed over it)."""
   tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -483,7 +491,8 @@ def run(args: argparse.Namespace) -> dict:
     items = [eval_set.item_count(layout, s) for s in samples]
     summary = dict(settings, out=str(out), **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                                               for m in args.metric},
-                   answered_now=len(todo), new_tokens_per_s=generated / took if todo else None,
+                   answered_now=len(todo),
+                   new_tokens_per_s=generated / took if todo else _earlier_speed(out),
                    topology=trainer.topo.describe())
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
       _write_whole(summary_path(out), summary)
