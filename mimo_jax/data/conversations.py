@@ -340,6 +340,17 @@ def _read_image(f: str, where: str):
     raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 
 
+def _held(images: int, image_tokens: int, clip_tokens: list[int]) -> str:
+  """" (2 images of 576 tokens; clips of 750, 375 tokens)": what a sample's media take."""
+  held = []
+  if images:
+    held.append(f"{images} image{'' if images == 1 else 's'} of {image_tokens} tokens")
+  if clip_tokens:
+    held.append(f"clip{'' if len(clip_tokens) == 1 else 's'} of "
+                f"{', '.join(map(str, clip_tokens))} tokens")
+  return f" ({'; '.join(held)})" if held else ""
+
+
 def convert_record(record: dict, where: str) -> dict:
   """One record -> a sample (`tokens`, `loss_mask`, `images`), or RecordError (after `_init`)."""
   w, opts = _WORKER, _WORKER["opts"]
@@ -375,8 +386,8 @@ def convert_record(record: dict, where: str) -> dict:
   clip_tokens = [c.tokens(opts.audio.pool) for c in clips]
   length = positions(len(ids), len(files), opts.image_tokens, clip_tokens)
   if opts.seq_len and length > opts.seq_len:
-    raise RecordError("too long", f"{where}: {length} tokens ({len(files)} images of "
-                      f"{opts.image_tokens}, clips of {clip_tokens}) exceed --seq_len "
+    raise RecordError("too long", f"{where}: {length} tokens"
+                      f"{_held(len(files), opts.image_tokens, clip_tokens)} exceed --seq_len "
                       f"{opts.seq_len}.")
   return {"tokens": ids, "loss_mask": mask, IMAGES: pixels, **audio_records.fields(clips)}
 
