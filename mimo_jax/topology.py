@@ -37,12 +37,18 @@ class Topology:
     return set(self.meshes[a].devices.flat) == set(self.meshes[b].devices.flat)
 
   def describe(self) -> str:
+    """Each module's mesh and devices, as the topology fields count them (places in
+    jax.devices(), from the module's offset), with their processes on several."""
+    place = {d: i for i, d in enumerate(jax.devices())}
     parts = []
     for name, mesh in self.meshes.items():
-      ids = [d.id for d in mesh.devices.flat]
+      at = sorted(place[d] for d in mesh.devices.flat)
       pp = f" pp={mesh.shape['pp']}" if mesh.shape["pp"] > 1 else ""
+      procs = sorted({d.process_index for d in mesh.devices.flat})
+      where = "" if jax.process_count() == 1 else \
+          f" (process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))})"
       parts.append(f"{name}: dp={mesh.shape['dp']} tp={mesh.shape['tp']}{pp} devices "
-                   f"{ids[0]}..{ids[-1]}")
+                   f"{at[0]}..{at[-1]}{where}")
     return "; ".join(parts)
 
 

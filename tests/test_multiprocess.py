@@ -103,6 +103,9 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, reference, 
       assert axes == {("all",), ("process",)}, (module, axes)
       assert all(s["partition_spec"] == ["all"] for s in saved if s["axis_names"] == ["all"])
   if topo is SPANNING:
+    # Devices are counted as the topology fields count them, with the processes that hold them.
+    assert ("topology: vision: dp=2 tp=1 devices 0..1 (process 0); language: dp=2 tp=2 devices "
+            "2..5 (processes 0, 1)") in proc.stdout, proc.stdout[-3000:]
     # Resume from step 2 with the same two processes, each reading its own shards: bitwise the
     # same steps 3 and 4.
     again = tmp_path / "again"
