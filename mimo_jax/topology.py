@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from mimo_jax.config import Config
 from mimo_jax.sharding import AXES, BATCH
 from mimo_jax.validation import validate_topology
+from mimo_jax.words import noun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Topology:
       pp = f" pp={mesh.shape['pp']}" if mesh.shape["pp"] > 1 else ""
       procs = sorted({d.process_index for d in mesh.devices.flat})
       where = "" if jax.process_count() == 1 else \
-          f" (process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))})"
+          f" ({noun(len(procs), 'process', 'processes')} {', '.join(map(str, procs))})"
       parts.append(f"{name}: dp={mesh.shape['dp']} tp={mesh.shape['tp']}{pp} devices "
                    f"{at[0]}..{at[-1]}{where}")
     return "; ".join(parts)

@@ -27,6 +27,7 @@ from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindo
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
 from mimo_jax.validation import validate, validate_backend, validate_data
+from mimo_jax.words import count
 
 
 class BridgeMismatchError(RuntimeError):
@@ -350,8 +351,7 @@ class _Loop:
     if self.compiler is not None:
       self.compiler.first_step_ended()
     how = (f"waited {self.compile_wait:.1f} s for its programs, compiled ahead; "
-           f"{self.compiler.shapes} step program shape{'' if self.compiler.shapes == 1 else 's'} "
-           "read so far" if self.compiler else
+           f"{count(self.compiler.shapes, 'step program shape')} read so far" if self.compiler else
            "its programs compiled when met")
     self.writer.say(f"time to first step: {now - self.started:.1f} s (step {step}; {how})")
 

@@ -166,11 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="seconds a window of features (Whisper's 30; the audio tower's "
                       "model.audio.positions / 50)")
   args = parser.parse_args(argv)
-  for flag, path, there in (("--json", args.json, os.path.isfile),
-                            ("--tokenizer", args.tokenizer, os.path.isdir)):
+  for flag, path, there, kind in (("--json", args.json, os.path.isfile, "a file"),
+                                  ("--tokenizer", args.tokenizer, os.path.isdir, "a directory")):
     if not there(path):  # before the notes below, which would read as if all were well
-      return _error(f"{flag} {path}: not found ({'a file' if flag == '--json' else 'a directory'}"
-                    " is needed).")
+      return _error(f"{flag} {path}: not found ({kind} is needed).")
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
     if args.image_tokens is None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import unicodedata
 
+from mimo_jax.words import count  # noqa: F401  (the tools count through display)
+
 _KEPT = "\n\t"  # an answer's own lines and tabs stay as they are
 
 
-def count(n: int, noun: str, plural: str = "") -> str:
-  """`n` and `noun` in its number: "1 prompt", "2 prompts" (`plural` where it is not noun+s)."""
-  return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def printable(text: str) -> str:

@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from mimo_jax import encoders, output
+from mimo_jax import encoders, output, words
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio, audio_records, images, meta, records
 from mimo_jax.data.record_error import RecordError
@@ -344,10 +344,10 @@ def _held(images: int, image_tokens: int, clip_tokens: list[int]) -> str:
   """" (2 images of 576 tokens; clips of 750, 375 tokens)": what a sample's media take."""
   held = []
   if images:
-    held.append(f"{images} image{'' if images == 1 else 's'} of {image_tokens} tokens")
+    held.append(f"{words.count(images, 'image')} of {image_tokens} tokens")
   if clip_tokens:
-    held.append(f"clip{'' if len(clip_tokens) == 1 else 's'} of "
-                f"{', '.join(map(str, clip_tokens))} tokens")
+    sizes = ", ".join(map(str, clip_tokens))
+    held.append(f"{words.noun(len(clip_tokens), 'clip')} of {sizes} tokens")
   return f" ({'; '.join(held)})" if held else ""
 
 
@@ -366,7 +366,7 @@ def convert_record(record: dict, where: str) -> dict:
   marks = sum(m["content"].count(opts.image_token) for m in msgs)
   if marks != len(files):
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
-                      f"lists {len(files)} image{'' if len(files) == 1 else 's'}.")
+                      f"lists {words.count(len(files), 'image')}.")
   pixels = [_read_image(f, where) for f in files]
   msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
   try:

@@ -1,0 +1,13 @@
+"""Counts in words for the lines a person reads: a noun in its number."""
+
+from __future__ import annotations
+
+
+def noun(n: int, singular: str, plural: str = "") -> str:
+  """`singular` for 1, else `plural` (default singular + "s")."""
+  return singular if n == 1 else plural or singular + "s"
+
+
+def count(n: int, singular: str, plural: str = "") -> str:
+  """`n` and its noun: "1 prompt", "2 prompts" (`plural` where it is not singular + "s")."""
+  return f"{n} {noun(n, singular, plural)}"
