@@ -5,7 +5,7 @@ state and gradient accumulators (the trained leaves' alone), exactly, from the p
 step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
 activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units and the
 LoRA adapters' own activations unless `remat=full`; one microbatch's logits and their gradient
-in the compute dtype, every microbatch's stack outputs where a pipelined language model runs its
+in the compute dtype, or with `train.loss_chunk` one chunk's, every microbatch's stack outputs where a pipelined language model runs its
 head a microbatch at a time; a pipelined module holds all its microbatches' internals under
 gpipe and circular, one chunk's and its microbatches in flight under 1f1b and
 interleaved_1f1b: `in_flight`).
@@ -88,9 +88,12 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
   kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp) + adapters
   vocab = m.vocab_size or DIGITS_VOCAB
   # A pipelined head takes the stack's outputs a microbatch at a time (programs.language_loss):
-  # one microbatch's logits and their gradient at once, every microbatch's outputs kept for it.
-  return tokens * (internals * chunk * kept + inputs * m.dim + outputs * m.dim +
-                   2 * vocab // t.tp) * width
+  # one microbatch's logits and their gradient at once, every microbatch's outputs kept for it;
+  # with train.loss_chunk, a chunk's logits and their gradient, beside the gathered outputs'
+  # gradient (models/head_loss.py).
+  positions = min(cfg.train.loss_chunk, tokens) if cfg.train.loss_chunk else tokens
+  head = (positions * 2 * vocab // t.tp + (tokens * m.dim if cfg.train.loss_chunk else 0)) * width
+  return tokens * (internals * chunk * kept + inputs * m.dim + outputs * m.dim) * width + head
 
 
 def context(cfg: Config) -> Context:

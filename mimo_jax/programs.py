@@ -35,7 +35,7 @@ from mimo_jax import bridge, optim, trees
 from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
 from mimo_jax.config import Config, lora_of
 from mimo_jax.encoders import Encoder
-from mimo_jax.models import lora
+from mimo_jax.models import head_loss, lora
 from mimo_jax.models.mimo import Module, language_hidden, language_logits, slot_mismatches
 from mimo_jax.pipeline import Stack
 from mimo_jax.sharding import BLOCKS, REPLICATED, ModulePlan, Plan
@@ -239,18 +239,27 @@ def encoder_backward(labels, vjp, d_tokens: list, acc):
 # ---- the language model ---------------------------------------------------------------------
 
 def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) -> jax.Array:
-  """The language model's share of the step's loss on stacked microbatches. A pipelined model's
-  microbatches (all of the step's, at once) go through the head and the loss one at a time,
-  each recomputed in the backward pass: the step holds one microbatch's logits, not all of
-  them (which would undo what a schedule with backward tasks saves)."""
+  """The language model's share of the step's loss on stacked microbatches: with
+  `train.loss_chunk`, the head and the cross-entropy run only where a target carries loss, a
+  chunk of positions at a time (models/head_loss.py), else over every position at once. A
+  pipelined model's microbatches (all of the step's, at once) go through the head and the loss
+  one at a time, each recomputed in the backward pass: the step holds one microbatch's logits
+  (or chunk's), not all of them (which would undo what a schedule with backward tasks saves)."""
+  chunk = ctx.cfg.train.loss_chunk
   if not ctx.plan["language"].schedule.pipelined:
-    logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
-    return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
+    if not chunk:
+      logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
+      return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
+    model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
+    return head_loss.label_loss(model, h_m, x.text.targets_rl, x.text.loss_mask_rl, groups,
+                                chunk) * inv_tokens
   model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
 
   @jax.checkpoint
   def one(h, targets, mask):
+    if chunk:
+      return head_loss.label_loss(model, h, targets, mask, groups, chunk)
     ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(h), targets)
     return jnp.sum(ce * mask)
   sums = jax.lax.map(lambda a: one(*a), (h_m, x.text.targets_rl, x.text.loss_mask_rl))

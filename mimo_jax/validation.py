@@ -311,6 +311,9 @@ def _optim(cfg: Config) -> None:
 def _schedule_and_run(cfg: Config) -> None:
   """train, eval, checkpoint and run."""
   require(cfg.train.steps > 0, "train.steps", "must be > 0.")
+  require(cfg.train.loss_chunk >= 0, "train.loss_chunk",
+          f"must be >= 0 (positions a chunk; 0 = every position at once), got "
+          f"{cfg.train.loss_chunk}.")
   require(cfg.eval.every >= 0, "eval.every", "must be >= 0 (0 = only at the end).")
   require(cfg.eval.batch > 0, "eval.batch", "must be > 0.")
   require(cfg.eval.samples > 0, "eval.samples", "must be > 0.")

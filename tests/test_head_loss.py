@@ -1,0 +1,99 @@
+"""The head and cross-entropy only where a target carries loss, a chunk at a time
+(models/head_loss.py, train.loss_chunk): the loss and gradients of the logits at every position."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mimo_jax.config import LanguageConfig
+from mimo_jax.models import head_loss
+from mimo_jax.models.llm import LanguageModel
+from tests.helpers import assert_close_trajectory, run_steps, tiny_config
+
+VOCAB = 50
+
+
+def _model(tied: bool):
+  cfg = LanguageConfig(dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64, tie_embeddings=tied)
+  return nnx.split(LanguageModel(nnx.Rngs(0), cfg, VOCAB, jnp.float32))
+
+
+def _rows(share: float, seed: int = 0):
+  """h [2 microbatches, 4 rows, 12 positions, 32], targets, and weights: `share` of them 1."""
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.normal(size=(2, 4, 12, 32)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, VOCAB, size=(2, 4, 12)))
+  weights = jnp.asarray((rng.random((2, 4, 12)) < share).astype(np.float32))
+  return h, targets, weights
+
+
+def _every_position(graphdef, state, h, targets, weights):
+  logits = nnx.merge(graphdef, state).logits(h)
+  return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+@pytest.mark.parametrize("groups,chunk", [(1, 4), (2, 5), (4, 64)])
+def test_the_loss_and_gradients_are_those_of_every_positions_logits(tied, groups, chunk):
+  """Groups of rows compacted on their own (dp ranks), chunks that divide a group's positions or
+  not, one chunk holding them all; the head's parameters and the rows' gradients, jitted."""
+  graphdef, state = _model(tied)
+  h, targets, weights = _rows(0.3)
+  assert 0 < float(weights.sum()) < weights.size
+  want, (g_state, g_h) = jax.value_and_grad(_every_position, argnums=(1, 2))(
+      graphdef, state, h, targets, weights)
+  chunked = lambda s, h: head_loss.label_loss(nnx.merge(graphdef, s), h, targets, weights,
+                                              groups, chunk)
+  got, (c_state, c_h) = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(state, h)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(chunked)(state, h), want, rtol=1e-6)  # no gradients asked
+  for a, b in zip(jax.tree.leaves(c_state), jax.tree.leaves(g_state), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(c_h, g_h, rtol=1e-5, atol=1e-6)
+  # Positions without loss get no gradient; a frozen head (stop_gradient) still passes it on.
+  assert not np.any(np.asarray(c_h)[np.asarray(weights) == 0])
+  frozen = jax.grad(lambda h: chunked(jax.lax.stop_gradient(state), h))(h)
+  np.testing.assert_allclose(frozen, g_h, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_loss_give_zero_loss_and_gradients():
+  graphdef, state = _model(False)
+  h, targets, _ = _rows(0.0)
+  loss, (g_state, g_h) = jax.value_and_grad(
+      lambda s, h: head_loss.label_loss(nnx.merge(graphdef, s), h, targets, jnp.zeros(h.shape[:3]),
+                                        2, 4), argnums=(0, 1))(state, h)
+  assert float(loss) == 0
+  assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves((g_state, g_h)))
+
+
+def test_a_rank_holds_one_chunks_logits():
+  """XLA's memory analysis of the loss and its gradients over 8192 positions of a 16384-word
+  vocabulary: the logits of every position are 512 MiB in float32, a chunk of 512's 32 MiB."""
+  graphdef, state = nnx.split(LanguageModel(
+      nnx.Rngs(0), LanguageConfig(dim=64, layers=1, heads=4, kv_heads=2, mlp_dim=64), 16384,
+      jnp.float32))
+  h = jax.ShapeDtypeStruct((1, 4, 2048, 64), jnp.float32)
+  targets = jax.ShapeDtypeStruct((1, 4, 2048), jnp.int32)
+  weights = jax.ShapeDtypeStruct((1, 4, 2048), jnp.float32)
+
+  def temporaries(loss):
+    fn = jax.jit(jax.grad(lambda s, h, t, w: loss(nnx.merge(graphdef, s), h, t, w),
+                          argnums=(0, 1)))
+    return fn.lower(state, h, targets, weights).compile().memory_analysis().temp_size_in_bytes
+  every = temporaries(lambda m, h, t, w: jnp.sum(
+      optax.softmax_cross_entropy_with_integer_labels(m.logits(h), t) * w))
+  chunked = temporaries(lambda m, h, t, w: head_loss.label_loss(m, h, t, w, 1, 512))
+  assert every >= 512 * 2**20, every
+  assert chunked < every / 4, (chunked, every)
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["every-position", "chunks-of-5"])
+def test_a_training_run_gives_the_single_device_trajectory(data_dir, single_reference, chunk):
+  """The reference runs the default (a chunk larger than a rank's positions: one); chunks of 5
+  split each microbatch's targets over several, 0 computes every position's logits."""
+  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  cfg.train.loss_chunk = chunk
+  assert_close_trajectory(single_reference[:3], run_steps(cfg, 3)[0], rtol=1e-5)
