@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import sys
 
@@ -288,3 +289,27 @@ def test_the_benchmark_runs_both_sides_at_tiny_size(capsys):
   assert eval_bench.main(["--tiny", "--batch", "2", "--prompt", "8", "--new", "4",
                           "--reps", "1"]) == 0
   assert "new tokens equal in both: 100.0%" in capsys.readouterr().out
+
+
+def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_path, capsys):
+  """The default `--out` of an eval whose file holds another eval's rows is the next numbered
+  one, and the same command finds its own again (nothing answered twice)."""
+  run = tmp_path / "run"
+  shutil.copytree(setup / "run", run, symlinks=True)
+  args = lambda *extra: [str(run), "--data", str(setup / "data.json"), "--images", str(IMAGES),
+                         "--tokenizer", str(setup / "tok"), "--processor", str(setup / "tok"),
+                         "--batch", "4", "--seq_len", "96", "--samples", "2", *extra]
+  folder = run / "eval"
+  assert eval_tool.main(args("--max_new_tokens", "2")) == 0
+  first = sorted(p.name for p in folder.glob("*.jsonl"))
+  assert eval_tool.main(args("--max_new_tokens", "3")) == 0
+  assert eval_tool.main(args("--max_new_tokens", "2")) == 0  # again: its rows are there
+  capsys.readouterr()
+  files = sorted(p.name for p in folder.glob("*.jsonl"))
+  assert len(first) == 1 and len(files) == 2, files
+  one, two = folder / first[0], folder / files[0 if files[1] == first[0] else 1]
+  assert two.name == one.name.replace(".jsonl", ".2.jsonl")
+  summaries = [json.loads(eval_tool.summary_path(p).read_text()) for p in (one, two)]
+  assert [s["max_new_tokens"] for s in summaries] == [2, 3]
+  assert summaries[0]["answered_now"] == 0 and summaries[1]["answered_now"] == 2
+  assert len(_rows(one)) == len(_rows(two)) == 2

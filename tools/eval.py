@@ -18,8 +18,9 @@ own devices, the language model decoding on its dp ranks with a key-value cache,
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
 
 Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
-directory's): one JSON row a sample (`id`:
-the record's, or its index in the file where it has none; a converted split's rows add
+directory's; where that holds an eval of other settings (metrics, --max_new_tokens, samples), the
+first of <...>.2.jsonl, .3.jsonl, ... holding this eval's rows or none): one JSON row a sample
+(`id`: the record's, or its index in the file where it has none; a converted split's rows add
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import os
@@ -110,10 +112,29 @@ def check_flags(args: argparse.Namespace) -> None:
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
 
 
-def default_out(args: argparse.Namespace, step: int) -> pathlib.Path:
+def default_out(args: argparse.Namespace, step: int, settings: dict) -> pathlib.Path:
+  """WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, or where that holds the rows of an eval
+  of other settings, the first of <...>.2.jsonl, .3.jsonl, ... that holds this eval's or
+  nothing (so that the same command finds its rows again)."""
   name = pathlib.Path(os.path.normpath(args.data)).name.removesuffix(".jsonl").removesuffix(".json")
   split = f".{args.split}" if os.path.isdir(args.data) else ""
-  return pathlib.Path(args.workdir) / "eval" / f"{name}{split}.step{step}.jsonl"
+  folder, stem = pathlib.Path(args.workdir) / "eval", f"{name}{split}.step{step}"
+  for k in itertools.count(1):
+    out = folder / (f"{stem}.jsonl" if k == 1 else f"{stem}.{k}.jsonl")
+    if not out.exists() or _recorded_settings(out) == settings:
+      return out
+
+
+def _recorded_settings(out: pathlib.Path) -> dict | None:
+  """The settings `Rows` recorded beside `out`, or None where there are none to read."""
+  try:
+    return json.loads(settings_path(out).read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def settings_path(out: pathlib.Path) -> pathlib.Path:
+  return out.with_name(out.name + ".settings.json")
 
 
 def summary_path(out: pathlib.Path) -> pathlib.Path:
@@ -286,7 +307,7 @@ class Rows:
       raise
 
   def _open(self) -> None:
-    record = self.out.with_name(self.out.name + ".settings.json")
+    record = settings_path(self.out)
     if self.out.exists():
       if not record.exists() or json.loads(record.read_text()) != self.settings:
         raise output.OutputError(f"--out {self.out} holds rows of another eval (other workdir, "
@@ -464,11 +485,11 @@ def run(args: argparse.Namespace) -> dict:
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
   eval_set.check_lengths(layout, samples, "--seq_len")
   step, state = _parameters(args, trainer)
-  out = pathlib.Path(args.out) if args.out else default_out(args, step)
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
               "data": os.path.abspath(args.data), "split": args.split,
               "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
               "samples": len(samples)}
+  out = pathlib.Path(args.out) if args.out else default_out(args, step, settings)
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
