@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mimo_jax import checkpoint, train
+from mimo_jax import checkpoint, checkpoint_config, train
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
@@ -162,7 +162,7 @@ def test_missing_module_and_corrupt_checkpoint(data_dir, full_run, tmp_path):
   cfg = _cfg(data_dir, tmp_path)
   meta = {"modules": ["language"], "config": {}, "data": {}}
   with pytest.raises(checkpoint.CheckpointError, match="has no module vision"):
-    checkpoint.check_compatible(meta, cfg, "ckpt", 2)
+    checkpoint_config.check_compatible(meta, cfg, "ckpt", 2)
   chunks = [f for f in (tmp_path / "checkpoints" / "2" / "language").rglob("*")
             if f.is_file() and f.parent.name == "d"]  # the array data files
   assert chunks

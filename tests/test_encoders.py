@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, encoders, memory, optim, run_paths
+from mimo_jax import checkpoint, checkpoint_config, encoders, memory, optim, run_paths
 from mimo_jax.batch import stack
 from mimo_jax.config import ConfigError, ModuleTopology, from_dict, param_groups
 from mimo_jax.data import digits, loader, meta
@@ -217,11 +217,12 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
           "data": {"max_images": 3, "image_probs": cfg.data.image_probs}}
   with pytest.raises(ConfigError, match=r"trained on other data: model\.vision\.max_images=3 "
                      r"\(this run: 2\)\. .* Keep --config\.model\.vision\.max_images=3,"):
-    checkpoint.check_compatible(meta, cfg, "ckpt", 1)
+    checkpoint_config.check_compatible(meta, cfg, "ckpt", 1)
   v.image_slots, v.slot_patches, v.max_images, v.dim = 16, 4, 3, 48
-  assert checkpoint.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]
+  assert checkpoint_config.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]
   # A step written before encoders had their own section names the same field.
-  assert checkpoint.model_differences(old["model"], cfg) == ["model.vision.dim=32 (this run: 48)"]
+  assert (checkpoint_config.model_differences(old["model"], cfg) ==
+          ["model.vision.dim=32 (this run: 48)"])
 
 
 def test_a_checkpoint_saves_the_paths_of_an_encoder_without_init_from(data_dir, tmp_path):

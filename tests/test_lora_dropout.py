@@ -81,7 +81,7 @@ def test_dropout_scales_what_it_keeps():
 def test_a_resume_may_change_the_rate_not_the_adapters(data_dir):
   """The rate is how a run trains: a checkpoint of another rate is no other model."""
   from dataclasses import asdict
-  from mimo_jax.checkpoint import model_differences
+  from mimo_jax.checkpoint_config import model_differences
   saved = asdict(dropout_config(data_dir, rate=0.1).model)
   assert model_differences(saved, dropout_config(data_dir, rate=0.2)) == []
   other = dropout_config(data_dir, rate=0.2)

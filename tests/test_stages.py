@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, checkpoint_reader, fingerprint, train
+from mimo_jax import checkpoint, checkpoint_config, checkpoint_reader, fingerprint, train
 from mimo_jax.batch import total
 from mimo_jax.data import loader
 from mimo_jax.models import lora as lora_module
@@ -294,7 +294,7 @@ def test_a_checkpoint_without_a_module_of_the_run_names_the_flags_that_start_fro
   finally:
     ckpt.close()
   with pytest.raises(checkpoint.CheckpointError) as e:
-    checkpoint.check_compatible(meta, cfg, path, STEPS)
+    checkpoint_config.check_compatible(meta, cfg, path, STEPS)
   message = str(e.value)
   assert "has no module vision; it holds language" in message, message
   assert f"--config.model.language.init_from={stage1_dir}" in message, message

@@ -1,6 +1,6 @@
 """What identifies a run's data beyond its config fields: a converted data set's manifest, shards
 and tokenizer, digested. A checkpoint records it, and a resume on other data is refused unless
-`checkpoint.allow_data_change` (checkpoint.check_compatible)."""
+`checkpoint.allow_data_change` (checkpoint_config.check_compatible)."""
 
 from __future__ import annotations
 

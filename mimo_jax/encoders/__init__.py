@@ -106,7 +106,7 @@ class Encoder:
   seed_salt: int = 0  # parameters depend on train.seed and this
   slots_field: str = ""  # the field of `model.<name>` setting its slots a microbatch, for errors
   # Fields of `model.<name>` that set the data and its slots, not the module's parameters: a
-  # resume may change them (checkpoint.model_differences skips them).
+  # resume may change them (checkpoint_config.model_differences skips them).
   data_settings: tuple[str, ...] = ()
   # Those of them that change the sample order or the eval set: a checkpoint records them, and a
   # resume on other values is refused (checkpoint.py).
