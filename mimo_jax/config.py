@@ -287,7 +287,7 @@ class TrainConfig:
   # The language model's head and cross-entropy run only at positions whose target carries loss
   # (not an image's tokens, not a prompt's), this many positions at a time, each chunk's
   # gradients made with it (models/head_loss.py): less work and one chunk's logits in memory
-  # instead of a microbatch's. 0 = the logits of every position at once.
+  # instead of a microbatch's; the eval loss likewise. 0 = the logits of every position at once.
   loss_chunk: int = 2048
 
 

@@ -97,3 +97,18 @@ def test_a_training_run_gives_the_single_device_trajectory(data_dir, single_refe
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
   cfg.train.loss_chunk = chunk
   assert_close_trajectory(single_reference[:3], run_steps(cfg, 3)[0], rtol=1e-5)
+
+
+def test_the_eval_loss_is_that_of_every_positions_logits(data_dir):
+  from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
+  from mimo_jax.evaluate import Evaluator  # pylint: disable=import-outside-toplevel
+  from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
+  losses = []
+  for chunk in (0, 5):
+    cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+    cfg.train.loss_chunk = chunk
+    step = Step.build(cfg)
+    batches = loader.eval_batches(cfg, loader.build_paths(cfg)["eval"], 1)[:2]
+    losses.append(Evaluator(step)(step.init_state(0), batches)["eval_loss"])
+  assert np.isfinite(losses[0]) and losses[0] > 0
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
