@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 # JAX releases whose private names below were tested; outside them only the public paths run.
 TESTED = ((0, 10), (0, 11))
@@ -107,6 +108,19 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Arra
   return cudnn.dot_product_attention(
       q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
       scale=q.shape[-1] ** -0.5, mask_type=mask)
+
+
+def share(name: str, value: str | None, timeout_s: int) -> str:
+  """Process 0's `value` on every process (the others pass None), through the coordination
+  service's key-value store where possible, else through a device collective
+  (`multihost_utils.broadcast_one_to_all`, of a value that fits an int32)."""
+  client = _distributed.global_state.client if PRIVATE_OK else None
+  if client is not None:
+    if value is not None:
+      client.key_value_set(name, value)
+    return client.blocking_key_value_get(name, timeout_s * 1000)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return str(int(multihost_utils.broadcast_one_to_all(np.int32(int(value or 0)))))
 
 
 def barrier(name: str, timeout_s: int) -> None:

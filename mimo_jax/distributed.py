@@ -72,6 +72,18 @@ def barrier(tag: str, timeout_s: int = 300) -> None:
   compat.barrier(f"mimo_jax_{tag}_{_barriers[0]}", timeout_s)
 
 
+def main_says(tag: str, flag: bool, timeout_s: int = 300) -> bool:
+  """Process 0's `flag` on every process, through the coordination service (as `barrier`: no
+  device collective, which could wait on the devices' threads while a cross-process copy of a
+  save still needs them)."""
+  if jax.process_count() == 1:
+    return flag
+  _barriers[0] += 1
+  said = compat.share(f"mimo_jax_{tag}_{_barriers[0]}", str(int(flag)) if is_main() else None,
+                      timeout_s)
+  return said == "1"
+
+
 def is_main() -> bool:
   return jax.process_index() == 0
 

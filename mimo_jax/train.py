@@ -408,10 +408,7 @@ class _Loop:
   def _evaluated(self, step: int) -> bool:
     """Whether `step`'s eval is on record already: process 0's metrics say (the other processes'
     writers read none), and every process takes its answer, since the eval runs on all."""
-    known = step in self.writer.evaluated
-    if jax.process_count() > 1:
-      known = bool(multihost_utils.broadcast_one_to_all(np.int32(known)))
-    return known
+    return distributed.main_says("final_eval_known", step in self.writer.evaluated)
 
   def _emergency_save(self, error: Exception) -> None:
     """After an exception in the loop, saves the newest dispatched step if it finished and is
