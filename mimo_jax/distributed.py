@@ -73,14 +73,16 @@ def barrier(tag: str, timeout_s: int = 300) -> None:
 
 
 def main_says(tag: str, flag: bool, timeout_s: int = 300) -> bool:
-  """Process 0's `flag` on every process, through the coordination service (as `barrier`: no
-  device collective, which could wait on the devices' threads while a cross-process copy of a
-  save still needs them)."""
+  """Process 0's `flag` on every process, once every process has reached this point: through
+  the coordination service, as `barrier` (a device collective here could hold the devices'
+  threads while another process still waits for a cross-process copy they serve, such as its
+  share of the last step's metrics)."""
   if jax.process_count() == 1:
     return flag
   _barriers[0] += 1
-  said = compat.share(f"mimo_jax_{tag}_{_barriers[0]}", str(int(flag)) if is_main() else None,
-                      timeout_s)
+  name = f"mimo_jax_{tag}_{_barriers[0]}"
+  said = compat.share(name, str(int(flag)) if is_main() else None, timeout_s)
+  compat.barrier(f"{name}_taken", timeout_s)
   return said == "1"
 
 
