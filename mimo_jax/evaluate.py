@@ -13,7 +13,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from mimo_jax import distributed, generate
 from mimo_jax.batch import Batch, Samples, Text
@@ -38,16 +37,10 @@ def language_eval(ctx: Context, params, tokens: dict, pos: dict, text: Text) -> 
   """Loss sums of an eval batch (one sample a row); with `train.loss_chunk`, the head only where
   a target carries loss, as in training (models/head_loss.py)."""
   one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # a chunk of one microbatch
-  tokens_sum = jnp.sum(text.loss_mask_rl)
-  if ctx.cfg.train.loss_chunk:
-    model, h = ctx.hidden(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)
-    return {"loss_sum": head_loss.label_loss(model, h, text.targets_rl[None],
-                                             text.loss_mask_rl[None], ctx.groups,
-                                             ctx.cfg.train.loss_chunk),
-            "tokens": tokens_sum}
-  logits = ctx.logits(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)[0]
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, text.targets_rl)
-  return {"loss_sum": jnp.sum(ce * text.loss_mask_rl), "tokens": tokens_sum}
+  model, h = ctx.hidden(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)
+  loss_sum = head_loss.loss_sum(model, h, one(text.targets_rl), one(text.loss_mask_rl),
+                                ctx.groups, ctx.cfg.train.loss_chunk)
+  return {"loss_sum": loss_sum, "tokens": jnp.sum(text.loss_mask_rl)}
 
 
 def language_answers(ctx: Context, steps: int, eos: int | None, params, tokens: dict, pos: dict,

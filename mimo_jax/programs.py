@@ -245,23 +245,12 @@ def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) 
   pipelined model's microbatches (all of the step's, at once) go through the head and the loss
   one at a time, each recomputed in the backward pass: the step holds one microbatch's logits
   (or chunk's), not all of them (which would undo what a schedule with backward tasks saves)."""
-  chunk = ctx.cfg.train.loss_chunk
-  if not ctx.plan["language"].schedule.pipelined:
-    if not chunk:
-      logits = ctx.logits(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, x.text.targets_rl)
-      return jnp.sum(ce * x.text.loss_mask_rl) * inv_tokens
-    model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
-    return head_loss.label_loss(model, h_m, x.text.targets_rl, x.text.loss_mask_rl, groups,
-                                chunk) * inv_tokens
   model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
-
-  @jax.checkpoint
-  def one(h, targets, mask):
-    if chunk:
-      return head_loss.label_loss(model, h, targets, mask, groups, chunk)
-    ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(h), targets)
-    return jnp.sum(ce * mask)
+  loss = lambda h, targets, mask: head_loss.loss_sum(model, h, targets, mask, groups,
+                                                     ctx.cfg.train.loss_chunk)
+  if not ctx.plan["language"].schedule.pipelined:
+    return loss(h_m, x.text.targets_rl, x.text.loss_mask_rl) * inv_tokens
+  one = jax.checkpoint(loss)
   sums = jax.lax.map(lambda a: one(*a), (h_m, x.text.targets_rl, x.text.loss_mask_rl))
   return jnp.sum(sums) * inv_tokens
 

@@ -307,9 +307,8 @@ class Rows:
       raise
 
   def _open(self) -> None:
-    record = settings_path(self.out)
     if self.out.exists():
-      if not record.exists() or json.loads(record.read_text()) != self.settings:
+      if _recorded_settings(self.out) != self.settings:
         raise output.OutputError(f"--out {self.out} holds rows of another eval (other workdir, "
                                  "step, data or settings); give another --out or remove it.")
       data = self.out.read_bytes()
@@ -321,7 +320,7 @@ class Rows:
         row = json.loads(line)
         self.done[key(row)] = row
     else:
-      _write_whole(record, self.settings)
+      _write_whole(settings_path(self.out), self.settings)
     self.file = open(self.out, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
   def append(self, rows: list[dict]) -> None:

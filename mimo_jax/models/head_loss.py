@@ -33,6 +33,16 @@ def head(model) -> tuple:
   return state, lambda s, x: nnx.merge(graphdef, s)(x).astype(jnp.float32)
 
 
+def loss_sum(model, h_rld: jax.Array, targets_rl: jax.Array, weights_rl: jax.Array, groups: int,
+             chunk: int) -> jax.Array:
+  """Σ weights · cross-entropy(model.logits(h), targets): `label_loss` with a chunk (> 0), else
+  the logits of every position at once."""
+  if chunk:
+    return label_loss(model, h_rld, targets_rl, weights_rl, groups, chunk)
+  ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(h_rld), targets_rl)
+  return jnp.sum(ce * weights_rl)
+
+
 def label_loss(model, h_rld: jax.Array, targets_rl: jax.Array, weights_rl: jax.Array,
                groups: int, chunk: int) -> jax.Array:
   """Σ weights · cross-entropy(model.logits(h), targets) over every position of rows [..., r, l]
@@ -98,16 +108,14 @@ def _chunked(apply, chunk, params, x, targets, weights, count):
   return _loop(apply, chunk, params, x, targets, weights, count, False, False)[0]
 
 
-def _perturbed(tree) -> bool:
-  return any(leaf.perturbed for leaf in jax.tree.leaves(
-      tree, is_leaf=lambda a: isinstance(a, jax.custom_derivatives.CustomVJPPrimal)))
+def _primal(a) -> bool:
+  return isinstance(a, jax.custom_derivatives.CustomVJPPrimal)
 
 
 def _chunked_fwd(apply, chunk, params, x, targets, weights, count):
-  wrt_params, wrt_x = _perturbed(params), x.perturbed
-  values = lambda t: jax.tree.map(lambda a: a.value, t, is_leaf=lambda a: isinstance(
-      a, jax.custom_derivatives.CustomVJPPrimal))
-  params, x = values(params), x.value
+  wrt_params = any(p.perturbed for p in jax.tree.leaves(params, is_leaf=_primal))
+  wrt_x = x.perturbed
+  params, x = jax.tree.map(lambda a: a.value, params, is_leaf=_primal), x.value
   loss, d_params, d_x = _loop(apply, chunk, params, x, targets.value, weights.value,
                               count.value, wrt_params, wrt_x)
   d_params = (jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params) if wrt_params
