@@ -120,40 +120,43 @@ def test_the_language_step_holds_fp8_dots(data_dir, fan_in_tp_run):
   assert hlo and "f8e4m3fn" in hlo and "f8e5m2" in hlo
 
 
-def test_linears_on_a_shared_input_match_each_layer_and_its_gradients():
+def test_joined_linears_match_each_layer_and_its_gradients():
+  """q, k, v (or gate and up) run as one FP8 matmul of their joined kernels, quantized at one
+  scale. Where each kernel's and each incoming gradient's abs-max is the same, that scale is
+  each layer's own: the results and every gradient are each layer's FP8 ones."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from mimo_jax.models.layers import linear  # pylint: disable=import-outside-toplevel
+  from mimo_jax.models import layers as L  # pylint: disable=import-outside-toplevel
   rngs = nnx.Rngs(params=0)
-  layers = [linear(rngs, 256, n, jnp.bfloat16, bias=b, fp8=True)
-            for n, b in ((128, True), (64, False), (64, True))]
-  for layer in layers:
+  ls = [L.linear(rngs, 256, n, jnp.bfloat16, bias=b, fp8=True)
+        for n, b in ((128, True), (64, False), (64, True))]
+  for i, layer in enumerate(ls):
+    layer.kernel[...] = layer.kernel[...].at[i, 0].set(0.5)  # one abs-max for every kernel
     if layer.bias is not None:
       layer.bias[...] = jax.random.normal(jax.random.key(3), layer.bias.shape)
   x = jax.random.normal(jax.random.key(0), (2, 16, 256), jnp.bfloat16)
-  gs = [jax.random.normal(jax.random.key(4 + i), (2, 16, l.out_features)) for i, l in
-        enumerate(layers)]
-  shared = fp8.linears(x, layers)
-  each = [layer(x) for layer in layers]
-  for a, b in zip(shared, each):
+  gs = [jax.random.normal(jax.random.key(4 + i), (2, 16, l.out_features)).at[0, 0, 0].set(8.0)
+        for i, l in enumerate(ls)]
+  graph, params = nnx.split(nnx.List(ls))
+
+  def loss(joined):
+    def f(x, params):
+      model = list(nnx.merge(graph, params))
+      ys = L._apply(x, model, True, groups=4) if joined else [layer(x) for layer in model]
+      return sum(jnp.sum(y.astype(jnp.float32) * g) for y, g in zip(ys, gs)), ys
+    return f
+  (_, got), got_grads = jax.value_and_grad(loss(True), (0, 1), has_aux=True)(x, params)
+  (_, want), want_grads = jax.value_and_grad(loss(False), (0, 1), has_aux=True)(x, params)
+  for a, b in zip(got, want):
     assert a.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-  graph, params = nnx.split(nnx.List(layers))
-
-  def loss(shared):
-    def f(x, params):
-      ls = list(nnx.merge(graph, params))
-      ys = fp8.linears(x, ls) if shared else [layer(x) for layer in ls]
-      return sum(jnp.sum(y.astype(jnp.float32) * g) for y, g in zip(ys, gs))
-    return f
-  got = jax.grad(loss(True), (0, 1))(x, params)
-  want = jax.grad(loss(False), (0, 1))(x, params)
-  # The kernels' gradients are the same products; x's sums three in bfloat16, in either order.
-  assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
-  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+  # The kernels' gradients are the same products; x's sums three in one product against three
+  # rounded to bfloat16 and added.
+  assert jax.tree.structure(got_grads[1]) == jax.tree.structure(want_grads[1])
+  for a, b in zip(jax.tree.leaves(got_grads[1]), jax.tree.leaves(want_grads[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
-                             rtol=2**-7, atol=2**-7 * float(jnp.max(jnp.abs(want[0]))))
+  np.testing.assert_allclose(np.asarray(got_grads[0], np.float32),
+                             np.asarray(want_grads[0], np.float32), rtol=2**-7,
+                             atol=2**-7 * float(jnp.max(jnp.abs(want_grads[0]))))
 
 
 @pytest.mark.parametrize("remat", ["dots", "dots_attention"])

@@ -16,8 +16,9 @@ runs it as a cuBLASLt FP8 GEMM (twice bfloat16's peak) that writes bfloat16; els
 the same values at higher precision. (Written as XLA's dequantize pattern instead, `dot(convert(q_a)
 · scale_a, convert(q_b) · scale_b)`, the dots ran as bfloat16 GEMMs with jax 0.11.2 on an H200.)
 
-Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) quantize it once
-(`linears`). The matmuls keep their FP8 operands for the backward pass, half the bytes of bfloat16
+Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) run as one, of their
+kernels joined (models/layers.py), so the input, the joined kernel and the joined gradient are
+each quantized once. The matmuls keep their FP8 operands for the backward pass, half the bytes of bfloat16
 ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their checkpoint
 name is `OPERAND`), so the backward pass does not quantize an input again; the kernels are
 quantized again instead, which costs little and keeps no gathered copy of a sharded (FSDP) kernel
@@ -164,17 +165,6 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   return matmuls(lhs, [rhs], preferred_element_type)[0]
 
 
-def linears(x: jax.Array, layers: Sequence) -> list[jax.Array]:
-  """`layer(x)` for each `nnx.Linear` of `layers` (built with `dot_general` above), x quantized
-  once: attention's q, k and v, SwiGLU's gate and up."""
-  dtype = layers[0].dtype or x.dtype
-  x = x.astype(dtype)
-  ws = [layer.kernel[...].astype(dtype) for layer in layers]
-  ys = matmuls(x, ws, dtype)
-  return [y if layer.bias is None else y + layer.bias[...].astype(dtype)
-          for y, layer in zip(ys, layers)]
-
-
 # ---- delayed scaling --------------------------------------------------------------------------
 
 INPUT_HISTORY, GRAD_HISTORY = "fp8_input_amax", "fp8_grad_amax"  # a linear layer's variables
@@ -230,11 +220,12 @@ def _delayed_backward(dtypes, res, gs):
   n = qx.ndim - 1
   lead = tuple(range(n))
   dx, dws, recorded_g = None, [], []
-  for (qw, sw), g, history in zip(qws, gs, g_histories):
+  for (qw, sw), g, histories in zip(qws, gs, g_histories):
     qw = _loaded(qw, FORWARD)
-    sg = history_scale([history], BACKWARD)
+    sg = history_scale(histories, BACKWARD)
     qg = cast(g, sg, BACKWARD)
-    recorded_g.append(_recorded(abs_max(g), history))
+    amax_g = abs_max(g)
+    recorded_g.append([_recorded(amax_g, h) for h in histories])
     d = _product(qg, sg, qw, sw, (((n,), (1,)), ((), ())), dtypes[1])
     dx = d if dx is None else dx + d
     dws.append(_product(qx, sx, qg, sg, ((lead, lead), ((), ())), dtypes[2]))
@@ -245,18 +236,21 @@ _delayed.defvjp(_delayed_forward, _delayed_backward)
 
 
 def delayed_matmuls(x: jax.Array, ws: Sequence[jax.Array], x_histories: Sequence[jax.Array],
-                    g_histories: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
-  """`matmuls` with delayed scaling: x cast at the scale of `x_histories`' maximum (one per
-  kernel; they hold the same values), each result's incoming gradient at its own of
-  `g_histories`. Their gradients are the abs-maxes recorded (`AmaxHistory`)."""
+                    g_histories: Sequence, out_dtype=None) -> tuple[jax.Array, ...]:
+  """`matmuls` with delayed scaling: x cast at the scale of `x_histories`' maximum, each result's
+  incoming gradient at the scale of its own entry of `g_histories` (one a kernel: a history, or
+  the histories of the layers a joined kernel holds, whose maximum it takes and each of which
+  records the gradient's abs-max). Their gradients are the abs-maxes recorded (`AmaxHistory`)."""
   if not ws or any(w.ndim != 2 or w.shape[0] != x.shape[-1] for w in ws):
     raise ValueError(f"fp8.delayed_matmuls: kernels [k, n] with k = {x.shape[-1]}, got "
                      f"{[w.shape for w in ws]}")
-  if not len(ws) == len(x_histories) == len(g_histories):
-    raise ValueError(f"fp8.delayed_matmuls: one input and one gradient history a kernel, got "
-                     f"{len(ws)} kernels, {len(x_histories)} and {len(g_histories)} histories")
+  if not x_histories or len(ws) != len(g_histories):
+    raise ValueError(f"fp8.delayed_matmuls: input histories and one gradient entry a kernel, "
+                     f"got {len(ws)} kernels, {len(x_histories)} input histories and "
+                     f"{len(g_histories)} gradient entries")
+  g_lists = [list(h) if isinstance(h, (list, tuple)) else [h] for h in g_histories]
   out = jnp.dtype(out_dtype or x.dtype)
-  return _delayed(x, list(ws), list(x_histories), list(g_histories),
+  return _delayed(x, list(ws), list(x_histories), g_lists,
                   (out.name, x.dtype.name, ws[0].dtype.name))
 
 
@@ -269,17 +263,6 @@ def add_histories(layer, length: int) -> None:
 def delayed(layer) -> bool:
   """Whether a linear layer has histories (`add_histories`)."""
   return hasattr(layer, INPUT_HISTORY)
-
-
-def delayed_linears(x: jax.Array, layers: Sequence) -> list[jax.Array]:
-  """`linears` for layers with histories (`add_histories`)."""
-  dtype = layers[0].dtype or x.dtype
-  x = x.astype(dtype)
-  ws = [layer.kernel[...].astype(dtype) for layer in layers]
-  ys = delayed_matmuls(x, ws, [getattr(l, INPUT_HISTORY)[...] for l in layers],
-                       [getattr(l, GRAD_HISTORY)[...] for l in layers], dtype)
-  return [y if layer.bias is None else y + layer.bias[...].astype(dtype)
-          for y, layer in zip(ys, layers)]
 
 
 def history_length(section) -> int:

@@ -40,17 +40,65 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool =
   return layer
 
 
-def _apply(x: jax.Array, layers, fp8: bool) -> list[jax.Array]:
-  """Each linear layer of `layers` on the same input; in FP8 the input is quantized once (LoRA
-  adapters, models/lora.py, in the compute dtype beside the FP8 base)."""
-  if not fp8:
-    return [layer(x) for layer in layers]
-  ys = (fp8_ops.delayed_linears if fp8_ops.delayed(layers[0]) else fp8_ops.linears)(x, layers)
-  return [y + lora.delta(layer, x) for y, layer in zip(ys, layers)]
+def _apply(x: jax.Array, layers, fp8: bool, groups: int = 1) -> list[jax.Array]:
+  """Each linear layer of `layers` on the same input x [..., k] (attention's q, k and v; SwiGLU's
+  gate and up), as one matmul of their kernels side by side (`join`): one GEMM for the forward
+  pass, one for the input's gradient and one for the kernels' instead of one each per layer. In
+  FP8 the input, the joined kernel and the joined incoming gradient are quantized once (one scale
+  each, as a fused projection has). `groups` divides every layer's output features into blocks
+  that tensor parallelism keeps together (heads, hidden units): see `join`. LoRA adapters
+  (models/lora.py) run beside it in the compute dtype."""
+  if len(layers) == 1 and not (fp8 and fp8_ops.delayed(layers[0])):
+    return [layers[0](x)]
+  first = layers[0]
+  dtype = first.dtype or jnp.result_type(x, first.kernel[...])
+  x = x.astype(dtype)
+  widths = [layer.kernel.shape[-1] for layer in layers]
+  w = join([layer.kernel[...].astype(dtype) for layer in layers], groups)
+  if fp8 and fp8_ops.delayed(first):
+    y = fp8_ops.delayed_matmuls(
+        x, [w], [getattr(l, fp8_ops.INPUT_HISTORY)[...] for l in layers],
+        [[getattr(l, fp8_ops.GRAD_HISTORY)[...] for l in layers]], dtype)[0]
+  elif fp8:
+    y = fp8_ops.matmuls(x, [w], dtype)[0]
+  else:
+    extra = {} if first.preferred_element_type is None else {
+        "preferred_element_type": first.preferred_element_type}
+    y = first.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision,
+                          **extra)
+  ys = split(y, widths, groups)
+  return [y + lora.delta(layer, x) if layer.bias is None
+          else y + layer.bias[...].astype(dtype) + lora.delta(layer, x)
+          for y, layer in zip(ys, layers)]
+
+
+def join(kernels: list[jax.Array], groups: int) -> jax.Array:
+  """Kernels [k, n_i] side by side as one [k, sum n_i], block by block: each kernel's features
+  are seen as [groups, n_i / groups] and the i-th blocks of every kernel are put together. Tensor
+  parallelism splits the features of each kernel into contiguous parts of whole blocks (heads,
+  hidden units; `groups` a multiple of tp), so a device's part of the joined kernel is its parts of
+  the kernels: joining moves nothing between devices. `split` undoes it on a result."""
+  if len(kernels) == 1:
+    return kernels[0]
+  k = kernels[0].shape[0]
+  parts = [w.reshape(k, groups, w.shape[-1] // groups) for w in kernels]
+  return jnp.concatenate(parts, axis=-1).reshape(k, -1)
+
+
+def split(y: jax.Array, widths: list[int], groups: int) -> list[jax.Array]:
+  """A result [..., sum n_i] of a joined kernel (`join`) as each kernel's [..., n_i]."""
+  if len(widths) == 1:
+    return [y]
+  lead = y.shape[:-1]
+  blocks = y.reshape(*lead, groups, -1)
+  cuts = [0]
+  for n in widths:
+    cuts.append(cuts[-1] + n // groups)
+  return [blocks[..., a:b].reshape(*lead, n) for a, b, n in zip(cuts, cuts[1:], widths)]
 
 
 def _call(layer: nnx.Linear, x: jax.Array) -> jax.Array:
-  """`layer(x)`, or with delayed FP8 scaling, its histories' matmul (`fp8.delayed_linears`)."""
+  """`layer(x)`, or with delayed FP8 scaling, its histories' matmul (`fp8.delayed_matmuls`)."""
   return _apply(x, (layer,), True)[0] if fp8_ops.delayed(layer) else layer(x)
 
 
@@ -245,7 +293,7 @@ class Attention(nnx.Module):
   def _qkv(self, x_bld: jax.Array, positions_bl: jax.Array | None) -> tuple[jax.Array, ...]:
     """Queries [b, l, heads, head_dim], keys and values [b, l, kv_heads, head_dim], RoPE applied."""
     b, l, _ = x_bld.shape
-    q, k, v = _apply(x_bld, (self.q, self.k, self.v), self.fp8)
+    q, k, v = _apply(x_bld, (self.q, self.k, self.v), self.fp8, groups=self.kv_heads)
     q = q.reshape(b, l, self.heads, self.head_dim)
     k = k.reshape(b, l, self.kv_heads, self.head_dim)
     v = v.reshape(b, l, self.kv_heads, self.head_dim)
@@ -275,7 +323,7 @@ class SwiGLU(nnx.Module):
     self.fp8 = fp8
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate, up = _apply(x, (self.gate, self.up), self.fp8)
+    gate, up = _apply(x, (self.gate, self.up), self.fp8, groups=self.up.kernel.shape[-1])
     return _call(self.down, _hidden(jax.nn.silu(gate) * up, self.fp8))
 
 
