@@ -18,8 +18,8 @@ the same values at higher precision. (Written as XLA's dequantize pattern instea
 
 Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) run as one, of their
 kernels joined (models/layers.py), so the input, the joined kernel and the joined gradient are
-each quantized once. The matmuls keep their FP8 operands for the backward pass, half the bytes of bfloat16
-ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their checkpoint
+each quantized once. The matmuls keep their FP8 operands for the backward pass, half the bytes of
+bfloat16 ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their checkpoint
 name is `OPERAND`), so the backward pass does not quantize an input again; the kernels are
 quantized again instead, which costs little and keeps no gathered copy of a sharded (FSDP) kernel
 across the layers.
@@ -32,7 +32,8 @@ ones (tests/test_fp8.py).
 incoming gradient's scale come from the largest abs-max that operand had over the last
 `fp8_history` steps (`AmaxHistory`, two on each linear layer, stacked with its layers), so the
 cast needs no reduction over the operand first and can fuse into the kernel that produces it.
-The call still records the operand's abs-max (a reduction nothing waits on). The recorded values
+Layers run as one joined matmul (q, k, v; gate, up) cast at the largest of their histories, and
+each of them records the joined operand's abs-max. The call still records the operand's abs-max (a reduction nothing waits on). The recorded values
 leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): the step combines
 them by maximum wherever it adds gradients (microbatches, dp ranks: optim.combine,
 optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the optimizer. A
