@@ -42,65 +42,34 @@ def test_causal_attention_sees_only_earlier_tokens():
   assert not np.allclose(out[:, 4:], changed[:, 4:])
 
 
-def _linears(dtype, sizes, seed=0, lora_rank=0):
-  from mimo_jax.config import LoraConfig  # pylint: disable=import-outside-toplevel
-  from mimo_jax.models import lora  # pylint: disable=import-outside-toplevel
-  rngs = nnx.Rngs(params=seed)
-  out = nnx.List([layers.linear(rngs, 32, n, dtype, bias=b) for n, b in sizes])
-  for i, layer in enumerate(out):
-    if layer.bias is not None:
-      layer.bias[...] = jax.random.normal(jax.random.key(10 + i), layer.bias.shape)
-  if lora_rank:
-    lora.attach(out, LoraConfig(rank=lora_rank, alpha=2 * lora_rank, targets="0|2"), rngs)
-    for layer in out:
-      if hasattr(layer, "lora_b"):
-        layer.lora_b[...] = jax.random.normal(jax.random.key(20), layer.lora_b.shape)
-  return out
-
-
-@pytest.mark.parametrize("groups,lora_rank", [(1, 0), (4, 0), (4, 2)])
-def test_joined_linears_are_each_layer_and_so_are_their_gradients(groups, lora_rank):
-  """Layers sharing an input run as one matmul of their joined kernels (q, k, v; gate, up): each
-  result, the input's gradient and every parameter's gradient are those of the layers alone."""
-  ls = _linears(jnp.float32, ((64, True), (16, False), (16, True)), lora_rank=lora_rank)
-  x = jax.random.normal(jax.random.key(1), (2, 5, 32))
-  gs = [jax.random.normal(jax.random.key(2 + i), (2, 5, l.out_features)) for i, l in
-        enumerate(ls)]
-  graph, params = nnx.split(ls)
-
-  def loss(joined):
-    def f(x, params):
-      model = list(nnx.merge(graph, params))
-      ys = layers._apply(x, model, False, groups) if joined else [l(x) for l in model]
-      return sum(jnp.sum(y * g) for y, g in zip(ys, gs)), ys
-    return f
-  (_, got), got_grads = jax.value_and_grad(loss(True), (0, 1), has_aux=True)(x, params)
-  (_, want), want_grads = jax.value_and_grad(loss(False), (0, 1), has_aux=True)(x, params)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-  assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
-  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_joined_kernels_result_splits_into_each_kernels(groups):
+  """FP8's q, k, v (gate, up) run as one matmul of their joined kernels (layers.join): the split
+  result is each kernel's product."""
+  ws = [jax.random.normal(jax.random.key(i), (32, n)) for i, n in enumerate((64, 16, 16))]
+  x = jax.random.normal(jax.random.key(5), (2, 5, 32))
+  got = layers.split(x @ layers.join(ws, groups), [64, 16, 16], groups)
+  for a, w in zip(got, ws):
+    np.testing.assert_allclose(a, x @ w, rtol=1e-6, atol=1e-6)
 
 
 def test_joined_kernels_move_nothing_between_tensor_parallel_devices():
-  """Kernels split over tp by whole heads (or hidden units) join on each device: the step of a
-  joined q, k, v under a column-split sharding holds no collective."""
+  """Kernels split over tp by whole heads (or hidden units) join on each device: a joined q, k, v
+  matmul and its gradient, under a column-split sharding, hold no collective."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-  ls = _linears(jnp.float32, ((64, True), (16, False), (16, True)))
-  graph, params = nnx.split(ls)
-  params = jax.tree.map(
-      lambda a: jax.device_put(a, NamedSharding(mesh, P(*(None,) * (a.ndim - 1), "tp"))), params)
+  column = NamedSharding(mesh, P(None, "tp"))
+  ws = [jax.device_put(jax.random.normal(jax.random.key(i), (32, n)), column)
+        for i, n in enumerate((64, 16, 16))]
   x = jax.device_put(jnp.ones((4, 32)), NamedSharding(mesh, P()))
 
-  def f(params, x):
-    ys = layers._apply(x, list(nnx.merge(graph, params)), False, 4)
-    return [jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, "tp"))) for y in ys]
-  compiled = jax.jit(jax.grad(lambda p, x: sum(jnp.sum(y ** 2) for y in f(p, x)))).lower(
-      params, x).compile().as_text()
-  forward = jax.jit(f).lower(params, x).compile().as_text()
-  for hlo in (forward, compiled):
+  def f(ws, x):
+    ys = layers.split(x @ layers.join(ws, 4), [64, 16, 16], 4)
+    return [jax.lax.with_sharding_constraint(y, column) for y in ys]
+  backward = jax.jit(jax.grad(lambda ws, x: sum(jnp.sum(y ** 2) for y in f(ws, x)))).lower(
+      ws, x).compile().as_text()
+  forward = jax.jit(f).lower(ws, x).compile().as_text()
+  for hlo in (forward, backward):
     for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
       assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
 

@@ -42,30 +42,28 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool =
 
 def _apply(x: jax.Array, layers, fp8: bool, groups: int = 1) -> list[jax.Array]:
   """Each linear layer of `layers` on the same input x [..., k] (attention's q, k and v; SwiGLU's
-  gate and up), as one matmul of their kernels side by side (`join`): one GEMM for the forward
-  pass, one for the input's gradient and one for the kernels' instead of one each per layer. In
-  FP8 the input, the joined kernel and the joined incoming gradient are quantized once (one scale
-  each, as a fused projection has). `groups` divides every layer's output features into blocks
-  that tensor parallelism keeps together (heads, hidden units): see `join`. LoRA adapters
-  (models/lora.py) run beside it in the compute dtype."""
-  if len(layers) == 1 and not (fp8 and fp8_ops.delayed(layers[0])):
-    return [layers[0](x)]
+  gate and up). In FP8 they run as one matmul of their kernels side by side (`join`; `groups`
+  divides every layer's output features into the blocks that tensor parallelism keeps together,
+  heads or hidden units): one GEMM for the forward pass, one for the input's gradient and one for
+  the kernels' instead of one each per layer, and the input, the joined kernel and the joined
+  incoming gradient quantized once (one scale each, as a fused projection has): a dense FP8 step
+  on an H200 measured 1.1% faster so (docs/benchmarks.md). In other dtypes each layer runs alone:
+  joined, the bfloat16 step measured the same, and the joined kernel would be a value of its own,
+  which the remat policy `none` keeps for the backward pass where FSDP gathers the kernels (the
+  FP8 matmul keeps its quantized kernel either way). LoRA adapters (models/lora.py) run beside
+  the FP8 matmul in the compute dtype."""
+  if not fp8:
+    return [layer(x) for layer in layers]
   first = layers[0]
-  dtype = first.dtype or jnp.result_type(x, first.kernel[...])
-  x = x.astype(dtype)
+  dtype = first.dtype or x.dtype
   widths = [layer.kernel.shape[-1] for layer in layers]
   w = join([layer.kernel[...].astype(dtype) for layer in layers], groups)
-  if fp8 and fp8_ops.delayed(first):
+  if fp8_ops.delayed(first):
     y = fp8_ops.delayed_matmuls(
-        x, [w], [getattr(l, fp8_ops.INPUT_HISTORY)[...] for l in layers],
+        x.astype(dtype), [w], [getattr(l, fp8_ops.INPUT_HISTORY)[...] for l in layers],
         [[getattr(l, fp8_ops.GRAD_HISTORY)[...] for l in layers]], dtype)[0]
-  elif fp8:
-    y = fp8_ops.matmuls(x, [w], dtype)[0]
   else:
-    extra = {} if first.preferred_element_type is None else {
-        "preferred_element_type": first.preferred_element_type}
-    y = first.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision,
-                          **extra)
+    y = fp8_ops.matmuls(x.astype(dtype), [w], dtype)[0]
   ys = split(y, widths, groups)
   return [y + lora.delta(layer, x) if layer.bias is None
           else y + layer.bias[...].astype(dtype) + lora.delta(layer, x)
