@@ -32,9 +32,9 @@ ones (tests/test_fp8.py).
 incoming gradient's scale come from the largest abs-max that operand had over the last
 `fp8_history` steps (`AmaxHistory`, two on each linear layer, stacked with its layers), so the
 cast needs no reduction over the operand first and can fuse into the kernel that produces it.
-Layers run as one joined matmul (q, k, v; gate, up) cast at the largest of their histories, and
-each of them records the joined operand's abs-max. The call still records the operand's abs-max (a reduction nothing waits on). The recorded values
-leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): the step combines
+The call still records the operand's abs-max (a reduction nothing waits on); layers that run as
+one joined matmul (q, k, v; gate, up) are cast at the largest of their histories, and each of
+them records the joined operand's abs-max. The recorded values leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): the step combines
 them by maximum wherever it adds gradients (microbatches, dp ranks: optim.combine,
 optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the optimizer. A
 value beyond the history's scale saturates at the FP8 maximum (clipped, never NaN); an empty
