@@ -210,7 +210,7 @@ def test_record_clips_marks_and_tokens():
 
 def test_bad_audio_records(tmp_path):
   from mimo_jax.data import audio_records as ar
-  from mimo_jax.data.conversations import RecordError
+  from mimo_jax.data.record_error import RecordError
   where = "r.json: record 3 (id 'x')"
   (tmp_path / "broken.flac").write_bytes(b"not audio at all")
   (tmp_path / "clip.aac").write_bytes(b"\0" * 32)

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from mimo_jax import output, validation
-from mimo_jax.data import conversations, digits
+from mimo_jax.data import conversations, conversion, digits
 from mimo_jax.data.chat import ChatTokenizer
 from tests.helpers import tiny_config
 from tools import convert
@@ -152,7 +152,7 @@ def test_a_full_disk_stops_the_conversion_at_once_and_leaves_nothing(src, tmp_pa
 
 def test_too_little_free_space_is_refused_before_converting(src, tmp_path, capsys, monkeypatch):
   free = shutil.disk_usage(tmp_path).free
-  monkeypatch.setattr(conversations, "estimate_bytes", lambda records, proc: free * 2)
+  monkeypatch.setattr(conversion, "estimate_bytes", lambda records, proc: free * 2)
   rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
   _one_line_error(rc, err, "GB are free")
   assert "converting:" not in err and _leftovers(tmp_path) == []
@@ -184,7 +184,7 @@ def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig, early):
 
 
 @pytest.mark.parametrize("context,sig,record", [
-    ("conversations._caught_signals()", signal.SIGINT, "caught"),
+    ("conversion._caught_signals()", signal.SIGINT, "caught"),
     ("output.interrupts_as_exceptions()", signal.SIGTERM, "output._PENDING")])
 def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_traceback(
     context, sig, record):
@@ -195,7 +195,7 @@ def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_tra
   script = textwrap.dedent(f"""
       import gc, os, signal
       from mimo_jax import output
-      from mimo_jax.data import conversations
+      from mimo_jax.data import conversion
 
       def callback(phase, info):
         if phase == "start":
@@ -241,7 +241,7 @@ def test_the_default_eval_split_is_not_empty(src, tmp_path, capsys):
   rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
   assert rc == 0, err
   assert _counts(tmp_path / "out") == {"train": 27, "eval": 3}  # a tenth of 30
-  assert [conversations.default_eval(n) for n in (1, 30, 200, 5000, 10 ** 6)] == [1, 3, 10, 50,
+  assert [conversion.default_eval(n) for n in (1, 30, 200, 5000, 10 ** 6)] == [1, 3, 10, 50,
                                                                                    1000]
 
 

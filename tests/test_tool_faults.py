@@ -27,7 +27,7 @@ from mimo_jax import modules
 from mimo_jax.checkpoint import Checkpointer, complete_steps
 from mimo_jax.config import Config
 from mimo_jax.encoders.vision import VisionConfig
-from mimo_jax.data import conversations
+from mimo_jax.data import conversations, conversion
 from mimo_jax.state import ModuleState
 from mimo_jax.validation import validate
 from tests.helpers import file_size_limit
@@ -53,7 +53,7 @@ def launch(tmp_path_factory) -> pathlib.Path:
       "id": i, "image": IMAGE.name, "conversations": [
           {"from": "human", "value": "<image>\nwhat is in the picture"},
           {"from": "gpt", "value": "hello there"}]} for i in ("a", "b")]))
-  conversations.convert(root / "records.json", root / "data", conversations.Options(
+  conversion.convert(root / "records.json", root / "data", conversion.Options(
       tokenizer=str(root / "tok"), images=str(IMAGE.parent), pad_to_square=True),
                         eval_ids=[1], progress=False)
   manifest = json.loads((root / "data" / conversations.MANIFEST).read_text())

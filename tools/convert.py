@@ -91,7 +91,7 @@ import jax  # pylint: disable=unused-import
 
 from mimo_jax import output
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, conversations
+from mimo_jax.data import audio, audio_records, conversion, conversations
 from tools.display import count
 
 GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       "or empty)")
   parser.add_argument("--eval", type=int, default=None,
                       help="records held out for eval, at least 1 (default: 1%% of the records, "
-                      f"at least {conversations.EVAL_MIN} and at most {conversations.EVAL_MAX}, "
+                      f"at least {conversion.EVAL_MIN} and at most {conversion.EVAL_MAX}, "
                       "at most a tenth)")
   parser.add_argument("--seq_len", type=int, default=0, help="longest sample in tokens "
                       "(0 = no limit)")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
-  opts = conversations.Options(
+  opts = conversion.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
       image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     with output.interrupts_as_exceptions():
       with output.staged(out, what="conversion", flag="--out",
                          complete=conversations.MANIFEST) as tmp:
-        m = conversations.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
+        m = conversion.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
                                   progress=sys.stderr.isatty())
   except ConfigError as e:
     return _error(str(e))

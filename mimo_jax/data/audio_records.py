@@ -8,7 +8,7 @@ the placeholder (`<|AUDIO|>`) stands for all the clip's tokens, as `<image>` doe
 the layout expands it (`expand` gives the same ids written out, as Qwen2AudioProcessor writes
 them). A clip's tokens are its windows' (audio.py: padding's are dropped).
 
-Bad records raise conversations.RecordError with a reason the converter counts: a bad `audio`
+Bad records raise record_error.RecordError with a reason the converter counts: a bad `audio`
 field, a mark count other than the clips listed, a clip missing, empty, too short for one token
 (pool 2: 20 ms or less), corrupt or of a format the installed libsndfile does not decode, or one
 leading out of the audio folder.
@@ -112,12 +112,12 @@ def expand(ids: np.ndarray, placeholder: int, tokens: list[int]) -> np.ndarray:
 
 
 def positions(tokens: int, clip_tokens: list[int]) -> int:
-  """Positions a sample takes in a row (as conversations.positions): every token but the last is
+  """Positions a sample takes in a row (as conversion.positions): every token but the last is
   an input, each clip's placeholder its tokens."""
   return tokens - 1 + sum(t - 1 for t in clip_tokens)
 
 
-# Hooks of conversations.py: a sample's clips in records, and their conversion.
+# Hooks of conversion.py: a sample's clips in records, and their conversion.
 
 AUDIOS, FRAMES = "audios", "audio_frames"  # a sample's clips and each clip's audio frames
 

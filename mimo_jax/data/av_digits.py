@@ -1,6 +1,6 @@
 """The audio-visual digits task (README): a digit shown as an image and a digit dialled as a
 telephone's DTMF tones, named in that order, written as LLaVA-format conversations with WAV
-clips and converted by the same path as any conversation data (conversations.py, audio.py).
+clips and converted by the same path as any conversation data (conversion.py, audio.py).
 
 A sample's user turn is `<img> <audio>` (one 8x8 digit of scikit-learn's set, as the digits task
 draws them, and one clip) and the assistant answers `seven two`: the image's digit, then the
@@ -20,7 +20,7 @@ converter's resampling to 16 kHz and log-mel features (audio.py) see a real file
   source/images/{train,eval}/NNNN.png  the digit images (digits.py)
   source/audio/{train,eval}/NNNNN.wav  one clip a sample
   source/tokenizer/                  the digits tokenizer (digits.py) plus `<aud>`, the audio token
-  train.array_record, ...            what `conversations.convert` makes of them (manifest included)
+  train.array_record, ...            what `conversion.convert` makes of them (manifest included)
 
 Features are Whisper's log-mel features of 80 bins in windows of WINDOW_S = 1 s (the feature
 extractor's chunk_length; `tools.convert --audio_window 1`), for a toy tower of 50 positions
@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 
 from mimo_jax.config import AV_DIGITS_VOCAB
-from mimo_jax.data import audio_records, conversations, digits
+from mimo_jax.data import audio_records, conversion, digits
 from mimo_jax.data.tokenizer import DIGIT_WORDS
 
 FORMAT_VERSION = 1
@@ -138,14 +138,14 @@ def build(root: str, train_samples: int, eval_samples: int) -> str:
   try:
     _write_source(tmp, train_samples, eval_samples)
     src = tmp / "source"
-    opts = conversations.Options(
+    opts = conversion.Options(
         tokenizer=str(src / "tokenizer"), images=str(src / "images"),
         image_token=digits.IMAGE_TOKEN, on_error="fail", workers=1,
         audio=audio_records.Settings(folder=str(src / "audio"), token=AUDIO_TOKEN_TEXT,
                                      markers=AUDIO_TOKEN_TEXT, mel_bins=MEL_BINS, pool=POOL,
                                      window_s=WINDOW_S))
     evals = range(train_samples, train_samples + eval_samples)
-    conversations.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
+    conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
     if final.exists() and not digits.complete(final):
       shutil.rmtree(final)
     try:

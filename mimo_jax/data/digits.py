@@ -1,5 +1,5 @@
 """The digits-captioning task (README), written as LLaVA-format conversations and converted by the
-same path as any conversation data (conversations.py).
+same path as any conversation data (conversion.py).
 
 A sample is 0..k images of scikit-learn's 8x8 handwritten digits plus text. With images the user
 turn is the images (`<img> <img>`) and the assistant names the digits in order (`seven two`);
@@ -14,7 +14,7 @@ training.
   source/tokenizer/            a word-level tokenizer.json (built with `tokenizers`), its
                                tokenizer_config.json with a chat template, and the "tower's"
                                preprocessor_config.json (8x8, one channel)
-  train.array_record, ...      what `conversations.convert` makes of them (manifest included)
+  train.array_record, ...      what `conversion.convert` makes of them (manifest included)
 
 The chat template renders a conversation as `<bos>{user} : {assistant} <eos>`, which gives the
 token ids of the digits vocabulary (tokenizer.py) with `<img>` = 3 as the image token, and a loss
@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from mimo_jax.data import conversations
+from mimo_jax.data import conversion, conversations
 from mimo_jax.data.tokenizer import DIGIT_WORDS, SPECIALS, Tokenizer
 
 FORMAT_VERSION = 2
@@ -164,10 +164,10 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
     _write_source(tmp, train_samples, eval_samples, probs)
     src = tmp / "source"
     workers = min(os.cpu_count() or 1, 4) if train_samples > 4000 else 1
-    opts = conversations.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
+    opts = conversion.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
                                  image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
     evals = range(train_samples, train_samples + eval_samples)  # the records after train's
-    conversations.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
+    conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
     if final.exists() and not complete(final):
       shutil.rmtree(final)
     try:

@@ -1,4 +1,4 @@
-"""The error of a record that cannot be converted, shared by conversations.py and the modules of
+"""The error of a record that cannot be converted, shared by conversion.py and the modules of
 its items (audio_records.py), so neither imports the other to raise it."""
 
 
