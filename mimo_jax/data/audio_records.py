@@ -17,7 +17,6 @@ leading out of the audio folder.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio
+from mimo_jax.data import record_error
 from mimo_jax.data.record_error import RecordError
 
 MARK = "<audio>"  # the mark of a clip in LLaVA-style text
@@ -56,13 +56,7 @@ def audio_files(record: dict, where: str) -> list[str]:
                       "under one of them.")
   if not given:
     return []
-  files = record[given[0]]
-  if isinstance(files, str):
-    return [files]
-  if isinstance(files, list) and all(isinstance(f, str) for f in files):
-    return files
-  raise RecordError("bad audio field", f"{where}: \"{given[0]}\" is {json.dumps(files)[:60]}, "
-                    "not a path or a list of paths.")
+  return record_error.paths(record[given[0]], given[0], "audio", where)
 
 
 def check_marks(msgs: list[dict], files: list[str], where: str, mark: str = MARK) -> None:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from mimo_jax import encoders, output, words
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, images, meta
+from mimo_jax.data import audio, audio_records, images, meta, record_error
 from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
 from mimo_jax.data.conversations import (FORMAT_VERSION, IMAGES, MANIFEST, SPLITS, VOCABULARY,
                                            encode)
@@ -192,15 +192,7 @@ def _workers_ignore_sigint() -> Iterator[None]:
 
 
 def _image_files(record: dict, where: str) -> list[str]:
-  files = record.get("image")
-  if files is None:
-    return []
-  if isinstance(files, str):
-    return [files]
-  if isinstance(files, list) and all(isinstance(f, str) for f in files):
-    return files
-  raise RecordError("bad image field", f"{where}: \"image\" is {json.dumps(files)[:60]}, not a "
-                    "path or a list of paths.")
+  return record_error.paths(record.get("image"), "image", "image", where)
 
 
 def _read_image(f: str, where: str):

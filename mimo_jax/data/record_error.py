@@ -1,6 +1,8 @@
 """The error of a record that cannot be converted, shared by conversion.py and the modules of
 its items (audio_records.py), so neither imports the other to raise it."""
 
+import json
+
 
 class RecordError(ValueError):
   """A record that cannot be converted: the reason (a short key) and the message."""
@@ -8,3 +10,16 @@ class RecordError(ValueError):
   def __init__(self, reason: str, message: str):
     super().__init__(message)
     self.reason = reason
+
+
+def paths(value, key: str, kind: str, where: str) -> list[str]:
+  """A record's field `key` that lists files (absent: None): a path or a list of paths; anything
+  else is a RecordError of reason "bad `kind` field" naming the record (`where`)."""
+  if value is None:
+    return []
+  if isinstance(value, str):
+    return [value]
+  if isinstance(value, list) and all(isinstance(f, str) for f in value):
+    return value
+  raise RecordError(f"bad {kind} field", f"{where}: \"{key}\" is {json.dumps(value)[:60]}, not "
+                    "a path or a list of paths.")
