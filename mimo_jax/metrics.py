@@ -64,7 +64,7 @@ class MetricsWriter:
     with open(tmp, "w", encoding="utf-8") as f:
       f.writelines(kept)
     os.replace(tmp, path)
-    self.evaluated = {json.loads(ln)["step"] for ln in kept if '"eval_' in ln}
+    self.evaluated = _evaluated(kept)
     self._jsonl = open(path, "a", encoding="utf-8")
     # Events of steps after the checkpoint (from the run that was cut short) are dropped.
     self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_after + 1)
@@ -106,6 +106,17 @@ class MetricsWriter:
       self._bar.close()
     self._tb.close()
     self._jsonl.close()
+
+
+def evaluated_through(workdir: str, step: int) -> set[int]:
+  """The steps with an eval record among `workdir`'s records up to `step` (those a run resuming
+  from a checkpoint of `step` keeps)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  return _evaluated(_records_through(path, step)) if os.path.exists(path) else set()
+
+
+def _evaluated(lines: list[str]) -> set[int]:
+  return {json.loads(ln)["step"] for ln in lines if '"eval_' in ln}
 
 
 def _records_through(path: str, step: int) -> list[str]:

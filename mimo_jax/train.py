@@ -23,7 +23,7 @@ from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
-from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow
+from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow, evaluated_through
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
 from mimo_jax.validation import validate, validate_backend, validate_data
@@ -210,7 +210,9 @@ class _Loop:
         limit=cfg.train.steps - self.start)
     if self.compiler is not None and not early.requested():
       self.batches.prime()  # its programs compile while the state is restored
-    if found is not None:
+    if found is not None and self._finished(found):
+      pass  # nothing to train or evaluate: the state is not restored
+    elif found is not None:
       began = time.time()
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
                                  trainer.fresh_opt_state, meta=meta)
@@ -241,6 +243,14 @@ class _Loop:
                       "every module on one dp-only mesh)")
     said.to(self.writer.say)
 
+  def _finished(self, found: int) -> bool:
+    """Whether the checkpoint `found` is the last step and its final eval is on record (process
+    0 reads the records; every process takes its answer): a run of it has nothing to do."""
+    steps = self.cfg.train.steps
+    return found >= steps and distributed.main_says(
+        "finished_at_open", distributed.is_main() and
+        steps in evaluated_through(self.cfg.run.workdir, found))
+
   def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
     """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
     say = self.writer.say
@@ -250,7 +260,10 @@ class _Loop:
       say(f"moved {moved} aside (not a complete step of this run)")
     say(f"topology: {self.trainer.topo.describe()}")
     say(compile_cache.describe())
-    if self.resumed:
+    if self.resumed and self.state is None:
+      say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "
+          "record: the state is not restored")
+    elif self.resumed:
       gib, took = self.restored
       size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
       say(f"resumed from {self.ckpt.path} step {self.start} ({size} of state restored in "

@@ -183,6 +183,9 @@ def test_sigterm_during_the_final_save_and_eval(data_dir, tmp_path):
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-3000:]
   evals = [r for r in _records(work) if "eval_loss" in r]
   assert len(evals) == 1 and evals[0]["step"] == 6
+  # The second rerun found the final eval on record: it restored nothing.
+  assert "its final eval on record: the state is not restored" in again.stdout, again.stdout
+  assert "resumed from" not in again.stdout
 
 
 def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):

@@ -123,6 +123,7 @@ def test_two_process_checkpoint_save_and_restore(data_dir, tmp_path, reference, 
     proc = _launch(*_args(data_dir, again, topo, "--config.checkpoint.every=2", *extra))
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "step 4 >= train.steps=4: nothing to train" in proc.stdout
+    assert "its final eval on record: the state is not restored" in proc.stdout
     assert (again / "metrics.jsonl").read_text() == records
   # The same two-process checkpoint restored in one process on one device.
   single = tmp_path / "single"
