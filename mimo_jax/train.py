@@ -174,6 +174,7 @@ class _Loop:
     # Set by `open`:
     self.resumed = False  # whether the run resumed from a checkpoint of its workdir
     self.restored = (0.0, 0.0)  # GiB of state restored, and the seconds it took
+    self.finished = False  # its checkpoint is the last step, whose final eval is on record
     self.start = 0  # the step the run starts after (its checkpoint's, or 0)
     self.saved = 0  # the newest step on disk (finite by construction)
     self.state = None  # module -> the state of the newest dispatched step
@@ -210,16 +211,16 @@ class _Loop:
         limit=cfg.train.steps - self.start)
     if self.compiler is not None and not early.requested():
       self.batches.prime()  # its programs compile while the state is restored
-    if found is not None and self._finished(found):
-      pass  # nothing to train or evaluate: the state is not restored
-    elif found is not None:
+    # A finished run whose final eval is on record has nothing to do: its state is not restored.
+    self.finished = found is not None and self._finished(found)
+    if found is not None and not self.finished:
       began = time.time()
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
                                  trainer.fresh_opt_state, meta=meta)
       self.state = trainer.from_canonical(state)
       arrays = jax.tree.leaves([(s.params, s.opt_state) for s in self.state.values()])
       self.restored = (sum(a.nbytes for a in arrays) / 2**30, time.time() - began)
-    else:
+    elif found is None:
       self.state = trainer.init_state(cfg.train.seed)
     checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
                          state_lib.frozen_paths(trainer.plan, self.lora))
@@ -260,7 +261,7 @@ class _Loop:
       say(f"moved {moved} aside (not a complete step of this run)")
     say(f"topology: {self.trainer.topo.describe()}")
     say(compile_cache.describe())
-    if self.resumed and self.state is None:
+    if self.finished:
       say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "
           "record: the state is not restored")
     elif self.resumed:
@@ -407,7 +408,7 @@ class _Loop:
       self.ckpt.wait()
       say(f"{stop.signal}: saved step {steps} to {self.ckpt.path}; the final eval was skipped.")
       return
-    if self._evaluated(steps):
+    if self.finished or self._evaluated(steps):
       return  # this step's eval is on record already
     result = self.evaluator(self.state, self.eval_batches,
                             stop=None if jax.process_count() > 1 else stop.requested)

@@ -16,9 +16,9 @@ images' uint8 bytes. Each `<image>` of the text is one token, the image token
 tokens; the loss mask is 1 on every assistant token and its end-of-turn token.
 
 `conversion.convert` writes such a directory from LLaVA-format records (`tools.convert` is its
-command line; the digits tasks build their shards with it too). Paths in the manifest (tokenizer, processor, source) are absolute, or
-relative to the directory where they lie inside it; `source_path` resolves them, older relative
-ones against the directory, then the working directory.
+command line; the digits tasks build their shards with it too). Paths in the manifest (tokenizer,
+processor, source) are absolute, or relative to the directory where they lie inside it;
+`source_path` resolves them, older relative ones against the directory, then the working directory.
 """
 
 from __future__ import annotations

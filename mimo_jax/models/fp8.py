@@ -17,34 +17,33 @@ the same values at higher precision. (Written as XLA's dequantize pattern instea
 · scale_a, convert(q_b) · scale_b)`, the dots ran as bfloat16 GEMMs with jax 0.11.2 on an H200.)
 
 Matmuls that share an input (attention's q, k and v; SwiGLU's gate and up) run as one, of their
-kernels joined (models/layers.py), so the input, the joined kernel and the joined gradient are
-each quantized once. The matmuls keep their FP8 operands for the backward pass, half the bytes of
-bfloat16 ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their checkpoint
-name is `OPERAND`), so the backward pass does not quantize an input again; the kernels are
-quantized again instead, which costs little and keeps no gathered copy of a sharded (FSDP) kernel
-across the layers.
+kernels joined (models/layers.py), so the input, the joined kernel and the joined gradient are each
+quantized once. The matmuls keep their FP8 operands for the backward pass, half the bytes of
+bfloat16 ones. A remat policy that keeps matmul outputs keeps the quantized inputs too (their
+checkpoint name is `OPERAND`), so the backward pass does not quantize an input again; the kernels
+are quantized again instead, which costs little and keeps no gathered copy of a sharded (FSDP)
+kernel across the layers.
 
 A matmul's result differs from the bfloat16 one by the FP8 rounding of its operands: about 4%
 (relative, over a whole product of random data) with e4m3 operands, 6% for the gradients with e5m2
 ones (tests/test_fp8.py).
 
-**Delayed scaling** (Transformer Engine's recipe; `fp8_scaling=delayed`): an input's and an
-incoming gradient's scale come from the largest abs-max that operand had over the last
-`fp8_history` steps (`AmaxHistory`, two on each linear layer, stacked with its layers), so the
-cast needs no reduction over the operand first and can fuse into the kernel that produces it.
-The call still records the operand's abs-max (a reduction nothing waits on); layers that run as
-one joined matmul (q, k, v; gate, up) are cast at the largest of their histories, and each of
-them records the joined operand's abs-max. The recorded values leave the custom VJP as the "gradients" of the histories (index 0, the rest 0): the step combines
-them by maximum wherever it adds gradients (microbatches, dp ranks: optim.combine,
-optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the optimizer. A
-value beyond the history's scale saturates at the FP8 maximum (clipped, never NaN); an empty
-history (a fresh run's first step) gives scale 1, as Transformer Engine's initial scale (for that
-step values beyond the type's range saturate and those below its smallest subnormal, small
-gradients among them, flush to zero). Kernels
-keep current scaling: a kernel's reduction is small and its cast reads a parameter, not an
-activation being produced. Under `jax.vmap` or a loop that reuses a layer within one
-differentiation, autodiff would add the recorded values: validation refuses delayed scaling on a
-pipelined module, whose stages run microbatches in such loops.
+**Delayed scaling** (Transformer Engine's recipe; `fp8_scaling=delayed`): an input's and an incoming
+gradient's scale come from the largest abs-max that operand had over the last `fp8_history` steps
+(`AmaxHistory`, two on each linear layer, stacked with its layers), so the cast needs no reduction
+over the operand first and can fuse into the kernel that produces it. The call still records the
+operand's abs-max (a reduction nothing waits on); layers that run as one joined matmul (q, k, v;
+gate, up) are cast at the largest of their histories, and each of them records the joined operand's
+abs-max. The recorded values leave the custom VJP as the "gradients" of the histories (index 0, the
+rest 0): the step combines them by maximum wherever it adds gradients (microbatches, dp ranks:
+optim.combine, optim.reduce_ranks) and the update rolls them in (`roll`) instead of applying the
+optimizer. A value beyond the history's scale saturates at the FP8 maximum (clipped, never NaN); an
+empty history (a fresh run's first step) gives scale 1, as Transformer Engine's initial scale (for
+that step values beyond the type's range saturate and those below its smallest subnormal, small
+gradients among them, flush to zero). Kernels keep current scaling: a kernel's reduction is small
+and its cast reads a parameter, not an activation being produced. Under `jax.vmap` or a loop that
+reuses a layer within one differentiation, autodiff would add the recorded values: validation
+refuses delayed scaling on a pipelined module, whose stages run microbatches in such loops.
 """
 
 from __future__ import annotations

@@ -54,11 +54,10 @@ def _apply(x: jax.Array, layers, fp8: bool, groups: int = 1) -> list[jax.Array]:
   the FP8 matmul in the compute dtype."""
   if not fp8:
     return [layer(x) for layer in layers]
-  first = layers[0]
-  dtype = first.dtype or x.dtype
+  dtype = layers[0].dtype or x.dtype
   widths = [layer.kernel.shape[-1] for layer in layers]
   w = join([layer.kernel[...].astype(dtype) for layer in layers], groups)
-  if fp8_ops.delayed(first):
+  if fp8_ops.delayed(layers[0]):
     y = fp8_ops.delayed_matmuls(
         x.astype(dtype), [w], [getattr(l, fp8_ops.INPUT_HISTORY)[...] for l in layers],
         [[getattr(l, fp8_ops.GRAD_HISTORY)[...] for l in layers]], dtype)[0]
