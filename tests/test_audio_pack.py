@@ -118,7 +118,7 @@ def test_the_layout_packs_clips_and_counts_their_room(data_dir):
     validate(_config(data_dir, 2, slot_frames=30), len(jax.devices()))
   odd = _config(data_dir, 2, slot_frames=34)  # 17 positions
   odd.model.attention = "cudnn"
-  with pytest.raises(ValueError, match="model.attention.*the audio tower's are 17"):
+  with pytest.raises(ValueError, match="model.attention.*packed slots are 17 positions"):
     validate(odd, len(jax.devices()))
   one = dataclasses.replace(e, slots=1)
   with pytest.raises(ValueError, match="model.audio.audio_slots"):

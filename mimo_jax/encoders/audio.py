@@ -161,10 +161,9 @@ class Audio(encoders.Encoder):
 
   def module(self, cfg: Config) -> mimo.Module:
     a, lm = cfg.model.audio, cfg.model.language
-    rows = a.slot_frames // 2 or a.positions
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, rows)
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
     # Runs of equal segment ids a packed slot may hold: a window a position at most, padding.
-    segments = rows + 1 if a.slot_frames else 0
+    segments = a.slot_frames // 2 + 1 if a.slot_frames else 0
     return mimo.Module(self.name,
                        lambda rngs: whisper.WhisperEncoder(rngs, a, lm, dtype, att),
                        lambda rngs: whisper.WhisperBlock(rngs, a, dtype, att, segments),
@@ -208,11 +207,11 @@ class Audio(encoders.Encoder):
     require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
     require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
     require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
-    rows = a.slot_frames // 2 or a.positions
+    rows = a.slot_frames // 2
     require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
-            f"cuDNN's fused attention trains even sequence lengths only, and the audio tower's "
-            f"are {rows}; use auto (XLA's attention for the tower, cuDNN's elsewhere) or xla, or "
-            "a model.audio.slot_frames of a multiple of 4.")
+            f"cuDNN's packed attention trains even slot lengths only, and the audio tower's "
+            f"packed slots are {rows} positions (model.audio.slot_frames / 2); make "
+            "model.audio.slot_frames a multiple of 4, or use xla.")
     require(a.slot_frames == 0 or (a.slot_frames % 2 == 0 and
                                    a.slot_frames >= a.max_windows * a.frames),
             "model.audio.slot_frames",

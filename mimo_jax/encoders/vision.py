@@ -161,9 +161,7 @@ class Vision(encoders.Encoder):
 
   def module(self, cfg: Config):
     v, lm = cfg.model.vision, cfg.model.language
-    # A tower's rows: its patches (and class token), or a packed slot's patches.
-    rows = v.slot_patches or v.positions
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg, rows)
+    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
     # Runs of equal segment ids a packed slot holds (packed attention is sized by them): its
     # images and the padding after them.
     segments = slot_images(cfg) + 1 if v.slot_patches else 0
@@ -306,10 +304,9 @@ def _variants(cfg: Config) -> None:
       require(all(math.isfinite(x) for x in values), f"model.vision.{field}",
               f"{getattr(v, field)!r}: values must be finite numbers.")
     require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
-  rows = v.slot_patches or v.positions
-  require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
-          f"cuDNN's fused attention trains even sequence lengths only, and the vision tower's "
-          f"are {rows}; use auto (XLA's attention for the tower, cuDNN's elsewhere) or xla.")
+  require(not (cfg.model.attention == "cudnn" and v.slot_patches % 2), "model.attention",
+          f"cuDNN's packed attention trains even slot lengths only, and "
+          f"model.vision.slot_patches is {v.slot_patches}; make it even, or use xla.")
   require(not (v.class_token and v.slot_patches), "model.vision.class_token",
           "a class token needs one image a slot; set model.vision.slot_patches=0.")
 

@@ -201,6 +201,30 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
   return compat.packed_attention(q, k, v, offsets, lengths, causal)
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
+              implementation: str) -> jax.Array:
+  """`jax.nn.dot_product_attention` over rows [b, l, heads, head_dim]. cuDNN's kernels train even
+  lengths only: rows of an odd length (a CLIP tower's 577 positions with its class token,
+  SigLIP-so400m's 729) run through them padded by one position (`even_attention`)."""
+  if implementation == "cudnn" and mask is None and q.shape[1] % 2:
+    return even_attention(q, k, v, causal, implementation)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                      implementation=implementation)
+
+
+def even_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
+                   implementation: str) -> jax.Array:
+  """Attention of rows of an odd length l, computed on l + 1 positions: the added key is outside
+  every row's key length, so no query sees it, and the added query's output is dropped."""
+  b, l = q.shape[:2]
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+  lengths = jnp.full((b,), l, jnp.int32)
+  out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal,
+                                     query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  return out[:, :l]
+
+
 class KVCache(NamedTuple):
   """The keys and values of a batch's tokens so far, for generation: `k`, `v` [b, T, kv_heads,
   head_dim] for one attention layer (a model stacks its layers' on a leading axis). The tokens
@@ -283,8 +307,7 @@ class Attention(nnx.Module):
       if segment_ids_bl is not None:  # packed rows: no attention across samples
         mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
         implementation = "xla"
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                         implementation=implementation)
+      out = attention(q, k, v, mask, causal, implementation)
     return _call(self.o, out.reshape(b, l, self.heads * self.head_dim))
 
   def _qkv(self, x_bld: jax.Array, positions_bl: jax.Array | None) -> tuple[jax.Array, ...]:

@@ -93,14 +93,13 @@ class Module:
     return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)
 
 
-def attention_implementation(cfg: Config, seq_len: int | None = None) -> str:
-  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16 where it trains
-  the module's `seq_len` (even lengths only, e.g. not SigLIP-so400m's 729 patches), else XLA's."""
+def attention_implementation(cfg: Config) -> str:
+  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16, else XLA's (rows
+  of an odd length run padded to an even one: `layers.attention`)."""
   if cfg.model.attention != "auto":
     return cfg.model.attention
   gpu = jax.default_backend() == "gpu"
-  even = seq_len is None or seq_len % 2 == 0
-  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" and even else "xla"
+  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" else "xla"
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
