@@ -1,6 +1,7 @@
 """Attention over packed rows: the segment runs handed to cuDNN describe exactly the segment-id
 mask, and (on a Hopper GPU) cuDNN's packed attention matches XLA's masked attention, forward and
-backward, for the ViT's packed images and the decoder's packed rows."""
+backward, for the ViT's packed images and the decoder's packed rows. Rows of an odd length, which
+cuDNN runs padded by one position, give the unpadded attention."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from mimo_jax.config import row_segments
 from mimo_jax.encoders.vision import slot_images
 from mimo_jax.data.layout import place_items
-from mimo_jax.models.layers import packed_attention, segment_runs
+from mimo_jax.models.layers import attention, even_attention, packed_attention, segment_runs
 from tests.helpers import image_layout
 from tests.test_synthetic import _config as synthetic_config
 
@@ -60,6 +61,26 @@ def test_layout_never_packs_more_images_into_a_slot_than_the_bound():
   assert slots == [0, 0, 0, 1, 1]  # the fourth image goes to the next slot although slot 0 has room
   with pytest.raises(ValueError, match="model.vision.image_slots"):
     place_items([[1] * 7], [9], layout.encoders[0])
+
+
+@pytest.mark.parametrize("causal,heads,kv_heads", [(False, 4, 4), (True, 4, 2)])
+def test_odd_rows_padded_by_one_position_give_the_unpadded_attention(causal, heads, kv_heads):
+  """The padding as cuDNN gets it (`even_attention`), run by XLA here: no query sees the added
+  key and the added query is dropped, forward and backward."""
+  b, l = 3, 9
+  keys = jax.random.split(jax.random.key(2), 4)
+  q = jax.random.normal(keys[0], (b, l, heads, 16), jnp.float32)
+  k = jax.random.normal(keys[1], (b, l, kv_heads, 16), jnp.float32)
+  v = jax.random.normal(keys[2], (b, l, kv_heads, 16), jnp.float32)
+  dout = jax.random.normal(keys[3], (b, l, heads, 16), jnp.float32)
+  plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  padded = lambda q, k, v: even_attention(q, k, v, causal, "xla")
+  want, want_vjp = jax.vjp(plain, q, k, v)
+  got, got_vjp = jax.vjp(padded, q, k, v)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, w in zip(got_vjp(dout), want_vjp(dout)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 gpu = pytest.mark.skipif(
@@ -122,3 +143,24 @@ def test_cudnn_packed_attention_sharded_over_rows_or_heads(axis):
   # A shard may pick another kernel tiling: a few bfloat16 ulps; wrong offsets would be O(1) off.
   np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=2e-2)
   assert np.abs(want).max() > 0.5
+
+
+@gpu
+@pytest.mark.parametrize("l,head_dim", [(577, 64), (729, 72)])  # CLIP-336 + class token; SigLIP
+def test_cudnn_attention_of_odd_rows_matches_xla(l, head_dim):
+  """cuDNN refuses to train odd lengths as they are; padded (`attention`), it is as close to the
+  float32 reference as XLA in bfloat16."""
+  keys = jax.random.split(jax.random.key(3), 4)
+  q, k, v, dout = (jax.random.normal(key, (4, l, 4, head_dim), jnp.float32) for key in keys)
+
+  def value_and_grads(fn, dtype):
+    out, vjp = jax.vjp(jax.jit(fn), *(a.astype(dtype) for a in (q, k, v)))
+    return [np.asarray(x, np.float32) for x in (out, *vjp(dout.astype(dtype)))]
+
+  xla = lambda q, k, v: attention(q, k, v, None, False, "xla")
+  reference, xla_bf16 = value_and_grads(xla, jnp.float32), value_and_grads(xla, jnp.bfloat16)
+  cudnn_bf16 = value_and_grads(lambda q, k, v: attention(q, k, v, None, False, "cudnn"),
+                               jnp.bfloat16)
+  for name, want, base, got in zip(("out", "dq", "dk", "dv"), reference, xla_bf16, cudnn_bf16):
+    err, base_err = np.max(np.abs(got - want)), np.max(np.abs(base - want))
+    assert err <= 2 * base_err + 1e-3, (name, err, base_err)
