@@ -16,6 +16,7 @@ from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.encoders import audio as audio_encoder
 from tools import generate as generate_tool
 from tools import hf as hf_tool
+from tools import hf_export
 from tools.hf_audio_fixtures import PROMPTS
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -42,7 +43,7 @@ def test_a_batch_with_and_without_clips_equals_transformers(imported):
   """All PROMPTS in one left-padded batch (a text-only row between rows of one and two clips,
   8 kHz and 44.1 kHz stereo sources among them) answer as transformers' one prompt a call, with
   the parameters the import wrote."""
-  cfg, params, _, _ = hf_tool._read_checkpoint(str(imported), 0)  # pylint: disable=protected-access
+  cfg, params, _, _ = hf_export._read_checkpoint(str(imported), 0)  # pylint: disable=protected-access
   audio, language = params["audio"], params["language"]
   tok = ChatTokenizer.open(CHAT)
   rows, tokens = [], []

@@ -102,13 +102,14 @@ def test_tools_hf_imports_qwen2_audio_into_a_run(tmp_path, capsys):
   config.json and writes their tensors as the step-0 checkpoint (the vision encoder from the
   seed); a config without model.audio is one error naming it, with nothing written."""
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(FIXTURES / "qwen2_audio_a")
   run = ["--config.data.task=synthetic", "--config.model.vision.max_images=1",
          "--config.data.image_probs=0.25,0.75", "--config.data.text_len=8",
          "--config.eval.samples=16"]
   hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
                 "--config=tests/configs/tiny_audio.py", *run])
-  cfg, params, _, _ = hf_tool._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
+  cfg, params, _, _ = hf_export._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
   assert (cfg.model.audio.pool, cfg.model.audio.projector) == (2, "linear")
   assert cfg.model.audio.audio_token == src.config["audio_token_index"]
   assert cfg.model.audio.init_from == str(src.path.resolve())

@@ -27,6 +27,7 @@ from mimo_jax import generate as generate_lib
 from mimo_jax.data.images import ImageProcessor
 from tools import generate as generate_tool
 from tools import hf as hf_tool
+from tools import hf_export
 from tests.helpers import assert_hf_error, file_size_limit
 
 RECIPE = pathlib.Path(__file__).parent / "fixtures" / "recipe"
@@ -262,14 +263,14 @@ def test_the_export_is_staged_refuses_what_it_would_overwrite_and_refuses_non_fi
          "not empty", "notes.txt")
   assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
   # A checkpoint with a NaN weight is refused, naming the tensor; nothing is written.
-  read = hf_tool._read_checkpoint
+  read = hf_export._read_checkpoint
 
   def with_nan(*args):
     cfg, params, step, record = read(*args)
     params["language"]["norm"]["scale"] = np.full_like(params["language"]["norm"]["scale"],
                                                        np.nan)
     return cfg, params, step, record
-  monkeypatch.setattr(hf_tool, "_read_checkpoint", with_nan)
+  monkeypatch.setattr(hf_export, "_read_checkpoint", with_nan)
   _error(capsys, lambda: hf_tool.main(["export", str(run), "--out", str(tmp_path / "nan")]),
          "language_model.model.norm.weight", "NaN or Inf", "--step")
   assert not (tmp_path / "nan").exists()
@@ -289,7 +290,7 @@ def test_a_failed_write_too_little_space_or_sigterm_leave_nothing(pairs, tmp_pat
   assert sorted(p.name for p in tmp_path.iterdir()) == []
   # The tokenizer's copy on a full disk.
   full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-  with mock.patch.object(hf_tool.shutil, "copyfile", side_effect=full):
+  with mock.patch.object(shutil, "copyfile", side_effect=full):
     _error(capsys, export, f"--out={str(out)!r}", "No space left on device")
   assert sorted(p.name for p in tmp_path.iterdir()) == []
   # Too little free space: refused before anything is written.
@@ -298,19 +299,19 @@ def test_a_failed_write_too_little_space_or_sigterm_leave_nothing(pairs, tmp_pat
     _error(capsys, export, "the export needs about", f"at {out}", "free space")
   assert sorted(p.name for p in tmp_path.iterdir()) == []
   # SIGTERM while the weights are written.
-  write = hf_tool._write_safetensors  # pylint: disable=protected-access
+  write = hf_export._write_safetensors  # pylint: disable=protected-access
 
   def killed(tmp, tensors):
     write(tmp, tensors)
     os.kill(os.getpid(), signal.SIGTERM)
-  monkeypatch.setattr(hf_tool, "_write_safetensors", killed)
+  monkeypatch.setattr(hf_export, "_write_safetensors", killed)
   with pytest.raises(SystemExit) as e:
     export()
   assert e.value.code == 128 + signal.SIGTERM
   assert capsys.readouterr().err.strip().splitlines() == [
       f"tools.hf: export interrupted; nothing was written to {out}"]
   assert sorted(p.name for p in tmp_path.iterdir()) == []
-  monkeypatch.setattr(hf_tool, "_write_safetensors", write)
+  monkeypatch.setattr(hf_export, "_write_safetensors", write)
   export()  # a rerun works
   assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 

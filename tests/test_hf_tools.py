@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mimo_jax import checkpoint_reader
+from mimo_jax import checkpoint_reader, hf
+from mimo_jax.config import from_dict
 from tools import hf as hf_tool
+from tools import hf_export, hf_import
 from tests.helpers import assert_hf_error
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -38,7 +40,7 @@ def _tensors(directory) -> dict[str, np.ndarray]:
 
 
 def _params(workdir, step=0):
-  _, params, _, _ = hf_tool._read_checkpoint(str(workdir), step)
+  _, params, _, _ = hf_export._read_checkpoint(str(workdir), step)
   return params
 
 
@@ -69,7 +71,7 @@ def test_import_export_round_trip(tmp_path):
   # import(export(x)) is x, bit for bit.
   _import(tmp_path / "hf", tmp_path / "b")
   first, second = _params(tmp_path / "a"), _params(tmp_path / "b")
-  flat = lambda t: dict(hf_tool.hf.flatten(t))
+  flat = lambda t: dict(hf.flatten(t))
   for module in ("vision", "language"):
     a, b = flat(first[module]), flat(second[module])
     assert set(a) == set(b)
@@ -120,12 +122,12 @@ def test_a_tower_and_a_language_model_from_two_directories(tmp_path):
   _import([FIXTURES / "siglip", FIXTURES / "qwen2"], tmp_path / "run",
           "--config.model.vision.projector_hidden=24")
   params = _params(tmp_path / "run")
-  flat = lambda t: dict(hf_tool.hf.flatten(t))
+  flat = lambda t: dict(hf.flatten(t))
   for module, name in (("vision", "siglip"), ("language", "qwen2")):
-    src = hf_tool.hf.Source.open(FIXTURES / name)
-    cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+    src = hf.Source.open(FIXTURES / name)
+    cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
     got = flat(params[module])
-    for path, read in hf_tool.hf.leaves(src, module, cfg):
+    for path, read in hf.leaves(src, module, cfg):
       np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
   assert flat(params["vision"])[("projector", "up", "kernel")].shape == (16, 24)  # the seed's
 
@@ -134,12 +136,12 @@ def test_the_step_0_save_takes_arrays_larger_than_its_host_limit(tmp_path, monke
   """The save copies a few GB to the host at a time and orbax refuses an array larger than
   that: the import raises the limit to its largest array (here every array is larger than a
   limit of 1 kB)."""
-  monkeypatch.setattr(hf_tool, "SAVE_HOST_GB", 1e-6)
+  monkeypatch.setattr(hf_import, "SAVE_HOST_GB", 1e-6)
   _import(FIXTURES / "llama3", tmp_path / "run")
-  src = hf_tool.hf.Source.open(FIXTURES / "llama3")
-  cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
-  got = dict(hf_tool.hf.flatten(_params(tmp_path / "run")["language"]))
-  for path, read in hf_tool.hf.leaves(src, "language", cfg):
+  src = hf.Source.open(FIXTURES / "llama3")
+  cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+  got = dict(hf.flatten(_params(tmp_path / "run")["language"]))
+  for path, read in hf.leaves(src, "language", cfg):
     np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
 
 
@@ -191,10 +193,10 @@ def test_bfloat16_weights_are_stored_as_bfloat16_and_read_back_exactly(tmp_path,
   dtypes = {str(v.dtype) for v in stored.values()}
   assert "bfloat16" in dtypes, dtypes
   params = _params(tmp_path / "run")
-  cfg = hf_tool.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+  cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
   for module in ("vision", "language"):
-    got = dict(hf_tool.hf.flatten(params[module]))
-    for path, read in hf_tool.hf.leaves(hf_tool.hf.Source.open(src), module, cfg):
+    got = dict(hf.flatten(params[module]))
+    for path, read in hf.leaves(hf.Source.open(src), module, cfg):
       assert got[path].dtype == np.float32
       np.testing.assert_array_equal(got[path], read(), err_msg="/".join(path))
   capsys.readouterr()

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 from mimo_jax import checkpoint, hf, output
 from tests.helpers import file_size_limit
 from tools import hf as hf_tool
+from tools import hf_import
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 RUN = ["--config=tests/configs/tiny.py", "--config.data.task=synthetic",
@@ -274,7 +275,7 @@ def test_a_finished_import_names_absolute_paths_and_a_complete_launch_line(
   GPU-sized default on a CPU, and its checkpoint restores from where the staging directory was
   renamed to."""
   from tools import ckpt  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(hf_tool, "DEFAULT_BASE", "tests/configs/tiny.py")
+  monkeypatch.setattr(hf_import, "DEFAULT_BASE", "tests/configs/tiny.py")
   monkeypatch.chdir(tmp_path)
   shutil.copytree(FIXTURES / "llava15", tmp_path / "models" / "llava")
   run = [a for a in RUN if not a.startswith("--config=")]

@@ -68,14 +68,14 @@ DEFAULT_NEW_TOKENS = 64
 def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
   """The import record (hf_import.json) and the HF directories each module came from (nearest
   first), of this run and of the runs it started from: as `tools.hf export` reads them."""
-  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
   record_file = pathlib.Path(workdir) / "hf_import.json"
   try:
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
   except ValueError as e:
     raise ConfigError(f"{record_file}: not JSON ({e}); give --tokenizer DIR and --processor "
                       "DIR.") from None
-  return hf_tool.history(workdir, cfg, record)
+  return hf_export.history(workdir, cfg, record)
 
 
 def defaults(workdir: str, cfg: Config) -> dict:
@@ -85,14 +85,14 @@ def defaults(workdir: str, cfg: Config) -> dict:
   the model was imported or started from, else of the digits task's build."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.data import av_digits, conversations, digits
-  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
   d, work = cfg.data, pathlib.Path(workdir)
   launched = launch_dir(workdir, cfg)
   record, sources = imported(workdir, cfg)
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
          "audio_token": audio_records.QWEN2_AUDIO_TOKEN,
          "vocab": None, "record": "", "named": {},
-         "context": hf_tool.source_context(record, sources)}
+         "context": hf_export.source_context(record, sources)}
   # An import (or a run started from one) without converted data of its own: the HF directories.
   if (d.task != "conversations" or not d.dir) and any(sources.values()):
     where = bases(work, launched)
