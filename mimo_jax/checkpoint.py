@@ -17,107 +17,34 @@ it is: each process writes and reads its own shards (an FSDP language model is n
 orbax refuses arrays that live on the devices of some processes only (a module whose mesh sits on
 one host): those are first moved, through the bridge, to a layout over every process ("global"):
 split on the first axis over every device where it divides evenly, else on one device of each
-process; restore reverses the path onto the current topology.
+process; restore reverses the path onto the current topology (checkpoint_layout.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gc
 import hashlib
 import json
 import logging
 import os
-import re
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, distributed, fingerprint, optim, run_paths
+from mimo_jax import checkpoint_layout as layout
+from mimo_jax import distributed, fingerprint, optim, run_paths
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
+from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, drop_closed_loop_reports,
+                                      not_read_only_notice, read_failure)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 from mimo_jax.trees import path_str
 
 META = "meta"
-
-
-def read_failure(e: Exception) -> str:
-  """The first line of a failed read's error, without the storage spec tensorstore appends."""
-  return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
-
-
-def _is_closed_loop_report(unraisable) -> bool:
-  return (isinstance(unraisable.exc_value, RuntimeError) and
-          str(unraisable.exc_value) == "Event loop is closed")
-
-
-def _collect() -> None:
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
-    gc.collect()
-
-
-def drop_closed_loop_reports():
-  """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
-  closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
-  read until its checkpointer is closed those reports, and only those, are dropped; returns the
-  hook to restore then."""
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _is_closed_loop_report(unraisable):
-      previous(unraisable)
-  sys.unraisablehook = hook
-  _collect()  # the failed read's leftovers that are already garbage
-  return previous
-
-
-def _all_deferred(record) -> bool:
-  """A log filter: orbax warns on every batched save that no array is prioritized, which is the
-  point of it."""
-  return "No prioritized params found" not in record.getMessage()
-
-
-def _not_read_only_notice(record) -> bool:
-  """A log filter: orbax warns that a read-only manager is read-only, which is what was asked."""
-  message = record.getMessage()
-  return not ("read_only=True, setting" in message or "Given directory is read only" in message)
-
-
-def batched_array_registry():
-  """orbax's handlers for a save that copies arrays off the devices and writes them a batch at a
-  time (at most `save_device_host_concurrent_gb` a batch), so that the host holds one batch, not
-  the whole tree: orbax applies that limit only to arrays its transfer callback defers, and its
-  default callback defers none. Only jax arrays (the parameters a save-only checkpointer writes).
-  None where this orbax has no such callback."""
-  try:
-    # pylint: disable-next=import-outside-toplevel
-    from orbax.checkpoint._src.serialization import types as serialization_types
-    priority = serialization_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
-    base = serialization_types.DefaultSerializationStatusCallback
-  except (ImportError, AttributeError):
-    return None
-
-  class Deferred(base):
-    def key_priority(self, _):
-      return priority
-
-  try:
-    handler = ocp.type_handlers.ArrayHandler(callback=Deferred())
-  except TypeError:
-    return None
-  if _all_deferred not in logging.getLogger("absl").filters:
-    logging.getLogger("absl").addFilter(_all_deferred)
-  return ocp.type_handlers.create_type_handler_registry((jax.Array, handler))
 
 
 def directory(workdir: str) -> str:
@@ -189,61 +116,6 @@ def shape_differences(saved: dict, wanted: dict, module: str) -> list[str]:
   return out
 
 
-@functools.lru_cache(maxsize=1)
-def _every_device() -> jax.sharding.Mesh:
-  return jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
-
-
-def _split(shape) -> bool:
-  """Whether an array of this shape is split by rows in the global layout: where its first axis
-  divides evenly over every device of every process."""
-  return bool(shape) and shape[0] % _every_device().devices.size == 0
-
-
-def _rows(mesh, shape) -> NamedSharding:
-  """On `mesh`: split by rows over all its devices for an array `_split` splits (where they
-  divide), else replicated; the layouts the bridge moves between meshes."""
-  split = _split(shape) and shape[0] % mesh.devices.size == 0
-  return NamedSharding(mesh, P(tuple(mesh.axis_names)) if split else P())
-
-
-def _global_sharding(shape) -> NamedSharding:
-  """Where an array of a module on some processes only is saved from and restored to (the
-  "global" layout): split by rows over every device of every process, each holding a 1/N part,
-  where its first axis divides evenly; else on one device of each process."""
-  return _rows(_every_device(), shape) if _split(shape) else distributed.report_sharding()
-
-
-def _spans_processes(tree) -> bool:
-  """Whether every array of `tree` (arrays or abstract ones) lives on devices of every process."""
-  every = set(range(jax.process_count()))
-  return all({d.process_index for d in a.sharding.device_set} == every
-             for a in jax.tree.leaves(tree))
-
-
-def _to_global(tree):
-  """A module's arrays in the global layout: split by rows over its own mesh (one jit), then
-  moved device to device by the bridge."""
-  rows = jax.tree.map(lambda a: _rows(a.sharding.mesh, a.shape), tree)
-  tree = jax.jit(lambda t: t, out_shardings=rows)(tree)
-  return jax.tree.map(lambda a: bridge.transfer(a, _global_sharding(a.shape)), tree)
-
-
-def _settle(tree) -> None:
-  """Every process holds its copies before orbax's device-collective barriers start: a process
-  blocked in such a collective would otherwise stall the copies another process waits for."""
-  jax.block_until_ready(tree)
-  distributed.barrier("checkpoint")
-
-
-def _from_global(tree, abstract):
-  """Arrays in the global layout -> the shardings of `abstract` (this run's topology): moved by
-  rows onto the module's mesh, then resharded there (one jit)."""
-  moved = jax.tree.map(lambda a, t: bridge.transfer(a, _rows(t.sharding.mesh, t.shape)),
-                       tree, abstract)
-  return jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda t: t.sharding, abstract))(moved)
-
-
 @dataclasses.dataclass(frozen=True)
 class Base:
   """Where the frozen weights of a run with LoRA adapters are held: a step of a checkpoint
@@ -306,12 +178,6 @@ def name_base(ckpt: "Checkpointer", cfg: Config, found: int | None, meta: dict, 
     ckpt.base = Base(".", 0, held(meta["fingerprints"]))
 
 
-def _global_abstract(abstract):
-  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype,
-                                                     sharding=_global_sharding(t.shape)),
-                      abstract)
-
-
 def _as_saved(target: jax.ShapeDtypeStruct, saved) -> jax.ShapeDtypeStruct:
   """`target` in the dtype `saved` (orbax's metadata of the stored array) was written in."""
   dtype = getattr(saved, "dtype", None) or target.dtype
@@ -341,9 +207,9 @@ class Checkpointer:
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
     async_save = async_save and jax.process_count() == 1 and not read_only
-    if read_only and _not_read_only_notice not in logging.getLogger("absl").filters:
+    if read_only and not_read_only_notice not in logging.getLogger("absl").filters:
       # Before the options: their construction warns that a read-only manager is read-only.
-      logging.getLogger("absl").addFilter(_not_read_only_notice)
+      logging.getLogger("absl").addFilter(not_read_only_notice)
     kept = {}
     if keep and keep_steps and not read_only:
       policies = ocp.checkpoint_managers
@@ -433,8 +299,8 @@ class Checkpointer:
       trees = {n: dict(t, params=jax.tree.map(_bfloat16_if_exact, t["params"]))
                for n, t in trees.items()}
     if jax.process_count() > 1:
-      trees = {n: t if _spans_processes(t) else _to_global(t) for n, t in trees.items()}
-      _settle(trees)
+      trees = {n: t if layout.spans_processes(t) else layout.to_global(t) for n, t in trees.items()}
+      layout.settle(trees)
     items = {n: ocp.args.PyTreeSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
@@ -478,8 +344,8 @@ class Checkpointer:
     the wanted dtype (a frozen leaf saved in float32, read into a bfloat16 run, or the reverse).
     Per module: path -> array."""
     multi = jax.process_count() > 1
-    gathered = {n for n, w in wanted.items() if multi and w and not _spans_processes(w)}
-    targets = {n: _global_abstract(w) if n in gathered else w for n, w in wanted.items()}
+    gathered = {n for n, w in wanted.items() if multi and w and not layout.spans_processes(w)}
+    targets = {n: layout.global_abstract(w) if n in gathered else w for n, w in wanted.items()}
     args = {}
     try:
       items = self._mngr.item_metadata(step)
@@ -502,8 +368,8 @@ class Checkpointer:
     if failed:
       self._fail(step, failed)
     if multi:
-      got = {n: _from_global(got[n], wanted[n]) if n in gathered else got[n] for n in got}
-      _settle(got)
+      got = {n: layout.from_global(got[n], wanted[n]) if n in gathered else got[n] for n in got}
+      layout.settle(got)
     saved = meta.get("fingerprints", {})
     bad = [m for n in got if n in saved for m in mismatches(saved[n], got[n], n)]
     if bad:
@@ -639,7 +505,7 @@ class Checkpointer:
     self._mngr.wait_until_finished()
     self._mngr.close()
     if self._hook is not None:
-      _collect()
+      collect()
       sys.unraisablehook, self._hook = self._hook, None
 
 

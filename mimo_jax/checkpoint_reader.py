@@ -25,8 +25,8 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 from mimo_jax import fingerprint, workdir as workdir_lib
-from mimo_jax.checkpoint import (base_folder, complete_steps, drop_closed_loop_reports,
-                                 params_restore_dtype, read_failure)
+from mimo_jax.checkpoint import base_folder, complete_steps, params_restore_dtype
+from mimo_jax.checkpoint_orbax import drop_closed_loop_reports, read_failure
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 

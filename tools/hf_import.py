@@ -139,7 +139,7 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
   dropped then (shown for any other failure), as are the reports of its closed event loop."""
   import logging  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
-  from mimo_jax.checkpoint import drop_closed_loop_reports  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint_orbax import drop_closed_loop_reports  # pylint: disable=import-outside-toplevel
   held, absl = [], logging.getLogger("absl")
 
   def hold(record) -> bool:

@@ -52,7 +52,7 @@ def one(variant: str, gib: int) -> None:
   elif variant.startswith("pytree"):
     kw = {}
     if variant.startswith("pytree_batched"):
-      from mimo_jax.checkpoint import batched_array_registry
+      from mimo_jax.checkpoint_orbax import batched_array_registry
       kw["type_handler_registry"] = batched_array_registry()
       if variant.endswith("unpinned"):
         kw["enable_pinned_host_transfer"] = False

@@ -1,0 +1,84 @@
+"""What orbax does that mimo_jax's checkpoints work around: its errors' storage specs, the
+"Event loop is closed" reports a failed read leaves behind, notices logged on every save or
+read-only open, and a save that writes a batch of arrays at a time."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import sys
+import warnings
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def read_failure(e: Exception) -> str:
+  """The first line of a failed read's error, without the storage spec tensorstore appends."""
+  return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
+
+
+def _is_closed_loop_report(unraisable) -> bool:
+  return (isinstance(unraisable.exc_value, RuntimeError) and
+          str(unraisable.exc_value) == "Event loop is closed")
+
+
+def collect() -> None:
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "coroutine ... was never awaited"
+    gc.collect()
+
+
+def drop_closed_loop_reports():
+  """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
+  closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
+  read until its checkpointer is closed those reports, and only those, are dropped; returns the
+  hook to restore then."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_closed_loop_report(unraisable):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  collect()  # the failed read's leftovers that are already garbage
+  return previous
+
+
+def _all_deferred(record) -> bool:
+  """A log filter: orbax warns on every batched save that no array is prioritized, which is the
+  point of it."""
+  return "No prioritized params found" not in record.getMessage()
+
+
+def not_read_only_notice(record) -> bool:
+  """A log filter: orbax warns that a read-only manager is read-only, which is what was asked."""
+  message = record.getMessage()
+  return not ("read_only=True, setting" in message or "Given directory is read only" in message)
+
+
+def batched_array_registry():
+  """orbax's handlers for a save that copies arrays off the devices and writes them a batch at a
+  time (at most `save_device_host_concurrent_gb` a batch), so that the host holds one batch, not
+  the whole tree: orbax applies that limit only to arrays its transfer callback defers, and its
+  default callback defers none. Only jax arrays (the parameters a save-only checkpointer writes).
+  None where this orbax has no such callback."""
+  try:
+    # pylint: disable-next=import-outside-toplevel
+    from orbax.checkpoint._src.serialization import types as serialization_types
+    priority = serialization_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+    base = serialization_types.DefaultSerializationStatusCallback
+  except (ImportError, AttributeError):
+    return None
+
+  class Deferred(base):
+    def key_priority(self, _):
+      return priority
+
+  try:
+    handler = ocp.type_handlers.ArrayHandler(callback=Deferred())
+  except TypeError:
+    return None
+  if _all_deferred not in logging.getLogger("absl").filters:
+    logging.getLogger("absl").addFilter(_all_deferred)
+  return ocp.type_handlers.create_type_handler_registry((jax.Array, handler))
