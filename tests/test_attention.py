@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax.config import row_segments
+from mimo_jax.config import Config, row_segments
 from mimo_jax.encoders.vision import slot_images
+from mimo_jax.models.mimo import attention_implementation
 from mimo_jax.data.layout import place_items
 from mimo_jax.models.layers import attention, even_attention, packed_attention, segment_runs
 from tests.helpers import image_layout
@@ -164,3 +165,36 @@ def test_cudnn_attention_of_odd_rows_matches_xla(l, head_dim):
   for name, want, base, got in zip(("out", "dq", "dk", "dv"), reference, xla_bf16, cudnn_bf16):
     err, base_err = np.max(np.abs(got - want)), np.max(np.abs(base - want))
     assert err <= 2 * base_err + 1e-3, (name, err, base_err)
+
+
+def test_padded_cudnn_attention_traces_under_vmap(monkeypatch):
+  """`pipeline.Stack` runs its layers under vmap over microbatches: the padded rows' key lengths
+  must follow the added axis (a constant [b] made jax's cuDNN batcher fail to reshape them).
+  Traced only (no GPU here): jax's checks for a cuDNN GPU are stood in for."""
+  fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+  for name, value in (("check_cudnn_version", lambda: 91000),
+                      ("check_compute_capability", lambda capability: True),
+                      ("is_cuda_compute_capability_equal", lambda capability: False)):
+    if not hasattr(fa, name):
+      pytest.skip(f"this jax has no {name} to stand in for")
+    monkeypatch.setattr(fa, name, value)
+  # [microbatch, b, l, heads, head_dim], l odd
+  q, k, v, w = (jnp.ones((2, 3, 9, 4, 16), jnp.bfloat16) for _ in range(4))
+
+  def loss(q, k, v, w):
+    return jnp.sum(attention(q, k, v, None, False, "cudnn").astype(jnp.float32) * w)
+  jaxpr = jax.make_jaxpr(jax.vmap(jax.value_and_grad(loss, (0, 1, 2))))(q, k, v, w)
+  assert "dot_product_attention" in str(jaxpr)
+
+
+def test_auto_gives_cudnn_odd_plain_rows_and_xla_odd_packed_ones(monkeypatch):
+  """Plain rows of any length train with cuDNN (odd ones padded); packed rows of an odd length
+  (cuDNN's packed attention refuses them) get XLA's attention."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  cfg = Config()
+  cfg.model.dtype = "bfloat16"
+  assert attention_implementation(cfg) == "cudnn"  # any plain rows, 577 included
+  assert attention_implementation(cfg, packed=2048) == "cudnn"
+  assert attention_implementation(cfg, packed=17) == "xla"
+  cfg.model.dtype = "float32"
+  assert attention_implementation(cfg) == "xla"

@@ -118,8 +118,13 @@ def test_the_layout_packs_clips_and_counts_their_room(data_dir):
     validate(_config(data_dir, 2, slot_frames=30), len(jax.devices()))
   odd = _config(data_dir, 2, slot_frames=34)  # 17 positions
   odd.model.attention = "cudnn"
-  with pytest.raises(ValueError, match="model.attention.*packed slots are 17 positions"):
+  with pytest.raises(ValueError, match="model.attention.*packed rows are 17 positions"):
     validate(odd, len(jax.devices()))
+  # windows whose padding is masked are packed rows too (cuDNN's packed attention): odd refused
+  masked = _config(data_dir, 1, positions=9, mask_padding=True, slot_frames=0)
+  masked.model.attention = "cudnn"
+  with pytest.raises(ValueError, match="model.attention.*packed rows are 9 positions"):
+    validate(masked, len(jax.devices()))
   one = dataclasses.replace(e, slots=1)
   with pytest.raises(ValueError, match="model.audio.audio_slots"):
     place_items([[t] for t in tokens], [10, 11, 12, 13, 14], one,

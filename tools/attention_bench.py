@@ -1,7 +1,7 @@
 """Attention's forward and backward at a tower's shapes on a GPU: cuDNN's fused kernels as
-`jax.nn.dot_product_attention` runs them, XLA's attention, and mimo_jax's (`layers.attention`,
-which runs rows of an odd length through cuDNN padded by one position), in bfloat16, with each
-result's distance from XLA's in float32.
+`jax.nn.dot_product_attention` runs them (jax 0.11.2 refuses odd lengths in training), XLA's
+attention, and mimo_jax's (`layers.attention`, which runs rows of an odd length through cuDNN padded
+by one position), in bfloat16, with each result's distance from XLA's in float32.
 
   python -m tools.attention_bench [--shapes 48x577x16x64,48x576x16x64,48x729x16x72] [--repeat 20]
 

@@ -57,6 +57,13 @@ class AudioConfig(WhisperConfig):
   slot_frames: int = 0
 
 
+def packed_positions(a: AudioConfig) -> int:
+  """The length of the tower's rows where they are packed segments (cuDNN's packed attention):
+  a packed slot's positions, or a window's with mask_padding (its valid positions and its
+  padding); 0 where they are plain rows."""
+  return a.slot_frames // 2 or (a.positions if a.mask_padding else 0)
+
+
 def clip_windows(frames: int, window: int) -> list[int]:
   """Audio frames of each window of a clip of `frames` frames."""
   return [min(window, frames - s) for s in range(0, max(frames, 1), window)]
@@ -161,7 +168,8 @@ class Audio(encoders.Encoder):
 
   def module(self, cfg: Config) -> mimo.Module:
     a, lm = cfg.model.audio, cfg.model.language
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
+    dtype = jnp.dtype(cfg.model.dtype)
+    att = mimo.attention_implementation(cfg, packed_positions(a))
     # Runs of equal segment ids a packed slot may hold: a window a position at most, padding.
     segments = a.slot_frames // 2 + 1 if a.slot_frames else 0
     return mimo.Module(self.name,
@@ -207,11 +215,11 @@ class Audio(encoders.Encoder):
     require(a.norm_eps > 0, "model.audio.norm_eps", f"must be > 0, got {a.norm_eps}.")
     require(a.audio_slots >= 0, "model.audio.audio_slots", "must be >= 0 (0 = worst case).")
     require(a.audio_token >= 0, "model.audio.audio_token", "must be a token id (>= 0).")
-    rows = a.slot_frames // 2
+    rows = packed_positions(a)
     require(not (cfg.model.attention == "cudnn" and rows % 2), "model.attention",
-            f"cuDNN's packed attention trains even slot lengths only, and the audio tower's "
-            f"packed slots are {rows} positions (model.audio.slot_frames / 2); make "
-            "model.audio.slot_frames a multiple of 4, or use xla.")
+            f"cuDNN's packed attention trains even lengths only, and the audio tower's packed "
+            f"rows are {rows} positions (model.audio.slot_frames / 2, or its positions with "
+            "mask_padding); make them even (slot_frames a multiple of 4), or use auto or xla.")
     require(a.slot_frames == 0 or (a.slot_frames % 2 == 0 and
                                    a.slot_frames >= a.max_windows * a.frames),
             "model.audio.slot_frames",

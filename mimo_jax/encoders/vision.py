@@ -161,7 +161,8 @@ class Vision(encoders.Encoder):
 
   def module(self, cfg: Config):
     v, lm = cfg.model.vision, cfg.model.language
-    dtype, att = jnp.dtype(cfg.model.dtype), mimo.attention_implementation(cfg)
+    dtype = jnp.dtype(cfg.model.dtype)
+    att = mimo.attention_implementation(cfg, v.slot_patches)
     # Runs of equal segment ids a packed slot holds (packed attention is sized by them): its
     # images and the padding after them.
     segments = slot_images(cfg) + 1 if v.slot_patches else 0
@@ -306,7 +307,7 @@ def _variants(cfg: Config) -> None:
     require(all(x > 0 for x in std), "model.vision.pixel_std", "values must be > 0.")
   require(not (cfg.model.attention == "cudnn" and v.slot_patches % 2), "model.attention",
           f"cuDNN's packed attention trains even slot lengths only, and "
-          f"model.vision.slot_patches is {v.slot_patches}; make it even, or use xla.")
+          f"model.vision.slot_patches is {v.slot_patches}; make it even, or use auto or xla.")
   require(not (v.class_token and v.slot_patches), "model.vision.class_token",
           "a class token needs one image a slot; set model.vision.slot_patches=0.")
 

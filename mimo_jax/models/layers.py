@@ -203,9 +203,10 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
               implementation: str) -> jax.Array:
-  """`jax.nn.dot_product_attention` over rows [b, l, heads, head_dim]. cuDNN's kernels train even
-  lengths only: rows of an odd length (a CLIP tower's 577 positions with its class token,
-  SigLIP-so400m's 729) run through them padded by one position (`even_attention`)."""
+  """`jax.nn.dot_product_attention` over rows [b, l, heads, head_dim]. jax's cuDNN attention
+  refuses to train odd lengths (jax 0.11.2): rows of an odd length (a CLIP tower's 577 positions
+  with its class token, SigLIP-so400m's 729) run through it padded by one position
+  (`even_attention`)."""
   if implementation == "cudnn" and mask is None and q.shape[1] % 2:
     return even_attention(q, k, v, causal, implementation)
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
@@ -216,9 +217,13 @@ def even_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
                    implementation: str) -> jax.Array:
   """Attention of rows of an odd length l, computed on l + 1 positions: the added key is outside
   every row's key length, so no query sees it, and the added query's output is dropped."""
-  b, l = q.shape[:2]
+  l = q.shape[1]
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
-  lengths = jnp.full((b,), l, jnp.int32)
+  # The lengths [b] are made from q, so that they follow its batch: a leading axis that vmap
+  # adds, and its batch sharding (a constant would be whole on every data-parallel shard). The
+  # heads are reduced, not sliced, as tensor parallelism splits them.
+  first = jnp.max(q[:, 0, :, 0].astype(jnp.float32), axis=-1)
+  lengths = jnp.where(jnp.isnan(first), l, l).astype(jnp.int32)
   out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal,
                                      query_seq_lengths=lengths, key_value_seq_lengths=lengths,
                                      implementation=implementation)

@@ -93,13 +93,15 @@ class Module:
     return jax.tree_util.tree_map_with_path(lambda path, _: self.group(path_str(path)), params)
 
 
-def attention_implementation(cfg: Config) -> str:
-  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16, else XLA's (rows
-  of an odd length run padded to an even one: `layers.attention`)."""
+def attention_implementation(cfg: Config, packed: int = 0) -> str:
+  """`model.attention`, with auto = cuDNN's fused attention on GPUs in bfloat16, else XLA's.
+  Plain rows of an odd length run through cuDNN padded to an even one (`layers.attention`);
+  `packed` > 0: the module's rows are packed segments of that length, which cuDNN's packed
+  attention trains at even lengths only, so auto gives an odd one XLA's."""
   if cfg.model.attention != "auto":
     return cfg.model.attention
   gpu = jax.default_backend() == "gpu"
-  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" else "xla"
+  return "cudnn" if gpu and cfg.model.dtype == "bfloat16" and packed % 2 == 0 else "xla"
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
