@@ -23,6 +23,7 @@ from mimo_jax.evaluate import Evaluator
 from tests.helpers import file_size_limit
 from tests.test_generate import FIXTURES, _tokenizer
 from tools import eval as eval_tool
+from tools import eval_samples
 from tools import generate as generate_tool
 from tools import hf as hf_tool
 
@@ -220,7 +221,7 @@ def test_converted_samples_are_named_by_their_records_ids_and_kept_by_position(t
   assert eval_tool.key({"id": 2, "prediction": "x"}) == eval_tool.key(got[2])
   (tmp_path / conversations.MANIFEST).write_text(json.dumps({"format": 1}))
   args = argparse.Namespace(data=str(tmp_path), split="eval", samples=0)
-  assert eval_tool.converted_samples(args, tok) == got
+  assert eval_samples.converted_samples(args, tok) == got
   assert "converted before the records' ids were kept" in capsys.readouterr().err
 
 

@@ -1,0 +1,153 @@
+"""tools.eval's samples (tools/eval.py says what it does): a prompt of token ids, the encoders'
+items and the references, from a converted directory's split or a LLaVA-format JSON."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from mimo_jax.config import Config, ConfigError
+from tools.display import count
+
+
+def converted_samples(args, tok) -> list[dict]:
+  """The samples of a converted directory's split (ids: the records' own, where the conversion
+  kept them)."""
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax import eval_set
+  from mimo_jax.data import conversations  # pylint: disable=import-outside-toplevel
+  m = conversations.manifest(args.data)
+  path = pathlib.Path(args.data) / f"{args.split}.array_record"
+  if not path.is_file():
+    raise ConfigError(f"--split {args.split}: {path} not found; a converted directory holds "
+                      f"{' and '.join(conversations.SPLITS)}.")
+  if m.get("vocab_size") not in (None, tok.tokenizer.get_vocab_size()):
+    raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, the "
+                      f"tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}; give the "
+                      "data's tokenizer with --tokenizer DIR.")
+  samples = eval_set.converted(str(path), tok, args.samples)
+  if any(s["id"] is None for s in samples):
+    print(f"note: {args.data} was converted before the records' ids were kept: its rows' id is "
+          "null and their position in the split names them; convert it again for the ids.",
+          file=sys.stderr)
+  return samples
+
+
+def audio_settings(args, cfg: Config, tok, found: dict):
+  """The JSON's clips' settings (audio_records.Settings) and the placeholder's id, checked
+  against the model's; (None, None) for a model without an audio encoder."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import audio_records
+  a = getattr(cfg.model, "audio", None)
+  if a is None:
+    return None, None
+  token = args.audio_token or found["audio_token"]
+  markers = args.audio_markers or (audio_records.QWEN2_AUDIO if token ==
+                                   audio_records.QWEN2_AUDIO_TOKEN else token)
+  if token not in markers:
+    raise ConfigError(f"--audio_markers {markers!r} does not hold the audio token {token!r}.")
+  folder = args.audio or str(pathlib.Path(args.data).parent)
+  settings = audio_records.Settings(folder=folder, token=token, markers=markers,
+                                    mel_bins=a.mel_bins, pool=a.pool, allow_outside=True)
+  if tok.tokenizer.token_to_id(token) is None:
+    return settings, None
+  if tok.token_id(token) != a.audio_token:
+    raise ConfigError(f"the tokenizer {tok.path}'s {token} is id {tok.token_id(token)} where the "
+                      f"model's audio placeholder (model.audio.audio_token) is {a.audio_token}; "
+                      "give the model's tokenizer (--tokenizer) or its token (--audio_token).")
+  return settings, a.audio_token
+
+
+def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, None)) -> list[dict]:
+  """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
+  turn, its images prepared by the processor `proc()` (opened at the first image), its clips
+  as `audio` (`audio_settings`) has them read."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax import eval_set
+  from mimo_jax.data import audio_records, conversion, conversations, images
+  from mimo_jax.data.chat import ChatError, TokenizeError, messages
+  from mimo_jax.data.record_error import RecordError
+  settings, audio_id = audio
+  try:
+    records = conversion.read_records(pathlib.Path(args.data))
+  except ConfigError as e:
+    raise ConfigError(str(e).replace("--json", "--data")) from None
+  folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
+  image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
+      else None
+  out, seen, opened = [], set(), []
+  for i, r in enumerate(records[:args.samples or None]):
+    key = r.get("id", i)
+    where = f"--data {args.data}: record {i} (id {key!r})"
+    if json.dumps(key) in seen:
+      raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "
+                        "each record its own.")
+    seen.add(json.dumps(key))
+    try:
+      msgs = messages(r.get("conversations") or [], f"{where}: ")
+    except ChatError as e:
+      raise ConfigError(str(e)) from None
+    last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    answers = r.get("answers")
+    if answers is not None and (not isinstance(answers, list) or not answers
+                                or not all(isinstance(a, str) for a in answers)):
+      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
+                        "strings.")
+    if last is None and not answers:
+      raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                        "answer with; give each record a reference.")
+    before = msgs[:last] if last is not None else msgs
+    if not before:
+      raise ConfigError(f"{where}: nothing before its answer to prompt with.")
+    references = answers or [msgs[last]["content"].strip()]
+    turn = msgs[last]["content"] if last is not None else references[0]
+    files = r.get("image") or []
+    files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+      raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
+                        "a list of paths.")
+    pixels = []
+    for f in files:
+      if not opened:
+        opened.append(proc())
+      try:
+        pixels.append(images.load(folder / f, opened[0]))
+      except FileNotFoundError:
+        raise ConfigError(f"{where}: image {folder / f} not found; give the image folder with "
+                          "--images DIR.") from None
+      except Exception as e:  # pylint: disable=broad-except
+        raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
+    try:
+      if audio_records.listed([r]) and settings is None:
+        raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
+                          "encoder (model.audio).")
+      if settings is None:
+        clips = []
+      else:
+        before, clips = audio_records.convert(r, before, where, settings)
+    except RecordError as e:
+      raise ConfigError(f"{e}{'; give the audio folder with --audio DIR' if 'missing' in e.reason else ''}"
+                        ) from None
+    try:
+      ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}])
+    except (ChatError, TokenizeError) as e:
+      raise ConfigError(f"{where}: {e}") from None
+    prompt, answer = eval_set.split_answer(ids, mask, where)
+    if prompt.count(image_id) != len(pixels):
+      raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
+                        f"{count(len(pixels), 'image')}.")
+    try:
+      if clips:
+        audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
+    except RecordError as e:
+      raise ConfigError(str(e)) from None
+    items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
+    out.append({"id": key, "sample": eval_set.eval_sample(prompt, answer, items),
+                "prompt_ids": prompt, "references": references})
+  return out
+
+
+# The output: rows appended and synced, kept across interruptions.
