@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from mimo_jax import output, validation
-from mimo_jax.data import conversations, conversion, digits
+from mimo_jax.data import conversations, conversion, digits, llava_json
 from mimo_jax.data.chat import ChatTokenizer
 from tests.helpers import tiny_config
 from tools import convert
@@ -241,7 +241,7 @@ def test_the_default_eval_split_is_not_empty(src, tmp_path, capsys):
   rc, err, _ = _main(_args(src, tmp_path / "out"), capsys)
   assert rc == 0, err
   assert _counts(tmp_path / "out") == {"train": 27, "eval": 3}  # a tenth of 30
-  assert [conversion.default_eval(n) for n in (1, 30, 200, 5000, 10 ** 6)] == [1, 3, 10, 50,
+  assert [llava_json.default_eval(n) for n in (1, 30, 200, 5000, 10 ** 6)] == [1, 3, 10, 50,
                                                                                    1000]
 
 

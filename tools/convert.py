@@ -91,7 +91,7 @@ import jax  # pylint: disable=unused-import
 
 from mimo_jax import output
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, conversion, conversations
+from mimo_jax.data import audio, audio_records, conversion, conversations, llava_json
 from tools.display import count
 
 GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       "or empty)")
   parser.add_argument("--eval", type=int, default=None,
                       help="records held out for eval, at least 1 (default: 1%% of the records, "
-                      f"at least {conversion.EVAL_MIN} and at most {conversion.EVAL_MAX}, "
+                      f"at least {llava_json.EVAL_MIN} and at most {llava_json.EVAL_MAX}, "
                       "at most a tenth)")
   parser.add_argument("--seq_len", type=int, default=0, help="longest sample in tokens "
                       "(0 = no limit)")

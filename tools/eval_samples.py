@@ -67,12 +67,12 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   as `audio` (`audio_settings`) has them read."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
-  from mimo_jax.data import audio_records, conversion, conversations, images
+  from mimo_jax.data import audio_records, conversations, images, llava_json
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
   from mimo_jax.data.record_error import RecordError
   settings, audio_id = audio
   try:
-    records = conversion.read_records(pathlib.Path(args.data))
+    records = llava_json.read_records(pathlib.Path(args.data))
   except ConfigError as e:
     raise ConfigError(str(e).replace("--json", "--data")) from None
   folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
