@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax.config import Config
 from mimo_jax.sharding import AXES, BATCH
-from mimo_jax.validation import validate_topology
+from mimo_jax.validation_topology import validate_topology
 from mimo_jax.words import noun
 
 

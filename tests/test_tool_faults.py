@@ -55,7 +55,7 @@ def launch(tmp_path_factory) -> pathlib.Path:
           {"from": "gpt", "value": "hello there"}]} for i in ("a", "b")]))
   conversion.convert(root / "records.json", root / "data", conversion.Options(
       tokenizer=str(root / "tok"), images=str(IMAGE.parent), pad_to_square=True),
-                        eval_ids=[1], progress=False)
+                     eval_ids=[1], progress=False)
   manifest = json.loads((root / "data" / conversations.MANIFEST).read_text())
   manifest.update(tokenizer="tok", processor="tok")  # relative to the converter's directory
   (root / "data" / conversations.MANIFEST).write_text(json.dumps(manifest))

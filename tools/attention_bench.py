@@ -14,13 +14,12 @@ three inputs, divided by `--repeat` (one program, so no dispatch gaps between ca
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from mimo_jax.models import layers
+from tools.common import median_time
 
 KINDS = {
     "cudnn as jax runs it": lambda q, k, v: jax.nn.dot_product_attention(
@@ -42,13 +41,7 @@ def seconds(fn, q, k, v, repeat: int) -> float:
     return jax.lax.fori_loop(0, repeat, body, jnp.zeros((), jnp.float32))
 
   run = jax.jit(run)
-  jax.block_until_ready(run(q, k, v))
-  times = []
-  for _ in range(5):
-    t = time.perf_counter()
-    jax.block_until_ready(run(q, k, v))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times) / repeat
+  return median_time(lambda: run(q, k, v)) / repeat
 
 
 def distance(fn, q, k, v, dout) -> float:

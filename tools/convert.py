@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
       with output.staged(out, what="conversion", flag="--out",
                          complete=conversations.MANIFEST) as tmp:
         m = conversion.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
-                                  progress=sys.stderr.isatty())
+                               progress=sys.stderr.isatty())
   except ConfigError as e:
     return _error(str(e))
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)

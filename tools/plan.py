@@ -77,7 +77,7 @@ from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.pipeline import Schedule
-from mimo_jax.validation import validate_topology
+from mimo_jax.validation_topology import validate_topology
 
 MODULES = ("vision", "language")
 

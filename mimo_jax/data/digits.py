@@ -165,7 +165,7 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
     src = tmp / "source"
     workers = min(os.cpu_count() or 1, 4) if train_samples > 4000 else 1
     opts = conversion.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
-                                 image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
+                              image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
     evals = range(train_samples, train_samples + eval_samples)  # the records after train's
     conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
     if final.exists() and not complete(final):
