@@ -298,16 +298,39 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
   sine = [(name, i) for name, i in hlo["jit_outer"].items() if i.op == "jit(outer)/sin"]
   assert sine, "the sine's instruction is in the dumped program"
   name, found = sine[0]
+  assert found.bytes == 2 * 64 * 64 * 4  # reads x once, writes sin(x) once
   assert kernels.source(found.frames) == "traced.py:7 inner"
   assert [f.rsplit(" ", 1)[1] for f in found.frames[:2]] == ["inner", "outer"]
   events = [{"ph": "X", "pid": 1, "name": n, "dur": d, "args": {"hlo_module": "jit_outer"}}
             for n, d in ((name.replace(".", "_"), 3e5), ("nvjet_sm90_gemm", 1e6))]
   summary = kernels.summarize(events, {1: "/device:GPU:0"}, hlo)
-  assert summary["sources"][0] == {"source": kernels.UNTRACED, "s": 1.0, "example": ""}
+  assert summary["sources"][0] == {"source": kernels.UNTRACED, "s": 1.0, "example": "",
+                                   "bytes": 0}
   assert summary["sources"][1]["source"] == "traced.py:7 inner"
   assert summary["sources"][1]["s"] == pytest.approx(0.3)
+  assert summary["sources"][1]["bytes"] == 32768
   kind = kernels.category(name.replace(".", "_"), "")
   assert summary["parts"] == {"(library kernels) / matmul": 1.0, f"traced.py / {kind}": 0.3}
-  assert "| `traced.py:7 inner` |" in kernels.report(summary, 1, 1.3, 5)
+  assert {k["name"]: k["bytes"] for k in summary["kernels"]} == {
+      name.replace(".", "_"): 32768, "nvjet_sm90_gemm": 0}
+  text = kernels.report(summary, 1, 1.3, 5)
+  assert "| `traced.py:7 inner` |" in text
+  assert "| `nvjet_sm90_gemm` | matmul | 1 | 1.0000 | 76.9% | – | – |" in text
   with pytest.raises(SystemExit, match="holds files already"):
     kernels.dump_hlo(str(dump))
+
+
+def test_kernels_count_the_bytes_of_an_instructions_operands_and_results(tmp_path):
+  """tools.kernels --hlo: an instruction moves its results and its operands once each; an
+  operand `%t#k` is the k-th array of a tuple, a whole tuple counts all of them."""
+  (tmp_path / "m.after_optimizations.txt").write_text("""HloModule jit_t
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %t = (f32[8]{0}, bf16[4]{0}) custom-call(%p), custom_call_target="x"
+  %g = f8e4m3fn[8]{0} fusion(%t), kind=kLoop, calls=%c1
+  ROOT %f = f32[8]{0} fusion(%t#1, %p, /*index=2*/%g), kind=kLoop, calls=%c2, metadata={op_name="jit(t)/mul"}
+}
+""")
+  moved = {n: i.bytes for n, i in kernels.read_hlo(str(tmp_path))["jit_t"].items()}
+  assert moved == {"p": 32, "t": 32 + 8 + 32, "g": 8 + 40, "f": 32 + 8 + 32 + 8}
+  assert kernels.shape_bytes("(bf16[16,2]{1,0}, f32[3]{0}, pred[], s8[2,2])") == [64, 12, 1, 4]

@@ -23,7 +23,10 @@ text, and each kernel that XLA emitted (its fusions; library kernels such as cuB
 are named by the library, not by an instruction) is traced to the source line that made it,
 through the HLO's stack frames: the time by **part** (the model file it belongs to, e.g.
 models/vit.py or models/llm.py, else the innermost source file outside installed packages) and
-category, and the `--top` source lines by time, each with an instruction's shape and operation.
+category, and the `--top` source lines by time, each with an instruction's shape and operation,
+and the bytes its kernels read and write a step (each instruction's operands and results once,
+from their shapes in the HLO) with the bandwidth that makes: a memory-bound kernel far below the
+GPU's memory bandwidth moves its bytes badly, one near it can only gain by moving fewer.
 """
 
 from __future__ import annotations
@@ -87,6 +90,39 @@ class Instruction(NamedTuple):
   shape: str
   op: str  # its metadata's op_name
   frames: tuple[str, ...]  # "path:line function", innermost first
+  bytes: int = 0  # its operands' and results' sizes: what a kernel of it reads and writes once
+
+
+# Bytes an element of each HLO element type (the types a shape is written with, e.g. bf16[8,4]).
+_ELEMENT_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+                  "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                  "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
+
+def shape_bytes(shape: str) -> list[int]:
+  """The sizes of the arrays a shape names (one, or a tuple's elements in order); an FP8 type
+  (f8e4m3fn, ...) takes a byte an element."""
+  sizes = []
+  for dtype, dims in _ARRAY.findall(shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    sizes.append(n * (1 if dtype.startswith("f8") else _ELEMENT_BYTES.get(dtype, 0)))
+  return sizes
+
+
+def _operands(rest: str) -> list[tuple[str, int | None]]:
+  """An instruction's operands from the text after its opcode's '(': (name, tuple index or
+  None), to the parenthesis that closes the list."""
+  depth, end = 1, len(rest)
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      end = i
+      break
+  return [(name, int(index) if index else None)
+          for name, index in re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[:end])]
 
 
 def read_hlo(directory: str) -> dict[str, dict[str, Instruction]]:
@@ -137,13 +173,21 @@ def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, ...]]:
 
 def _instructions(text: str) -> dict[str, Instruction]:
   frames = _frames(_tables(text))
+  found = list(re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\((.*)$",
+                           text, re.M))
+  sizes = {m.group(1): shape_bytes(m.group(2)) for m in found}
   out = {}
-  for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\((.*)$", text, re.M):
+  for m in found:
     rest = m.group(3)
     op = re.search(r'op_name="([^"]*)"', rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
+    moved = sum(sizes[m.group(1)])
+    for name, index in _operands(rest):
+      parts = sizes.get(name, [])
+      moved += (parts[index] if index is not None and index < len(parts) else sum(parts))
     out.setdefault(m.group(1), Instruction(m.group(2), op.group(1) if op else "",
-                                           frames.get(int(frame.group(1)), ()) if frame else ()))
+                                           frames.get(int(frame.group(1)), ()) if frame else (),
+                                           moved))
   return out
 
 
@@ -192,7 +236,7 @@ def summarize(events: list[dict], procs: dict[int, str],
   device = {pid for pid, name in procs.items() if "/device:" in name}
   by_cat, by_prog, by_kernel, counts = (collections.Counter(), collections.Counter(),
                                         collections.Counter(), collections.Counter())
-  by_part, by_source = collections.Counter(), collections.Counter()
+  by_part, by_source, moved = collections.Counter(), collections.Counter(), collections.Counter()
   examples: dict[str, str] = {}
   ops: dict[tuple[str, str], collections.Counter] = {}  # kernel -> the HLO ops it ran for
   total = 0.0
@@ -218,15 +262,18 @@ def summarize(events: list[dict], procs: dict[int, str],
       by_part[(part(found.frames) if found else "(library kernels)", cat)] += dur
       by_source[where] += dur
       if found:
+        moved[where] += found.bytes
+        moved[key] += found.bytes
         examples.setdefault(where, f"{found.shape} {found.op.rsplit('/', 1)[-1]}"[:80])
   hlo_figures = {} if hlo is None else {
       "parts": {f"{p} / {c}": v for (p, c), v in by_part.items()},
-      "sources": [{"source": k, "s": v, "example": examples.get(k, "")}
+      "sources": [{"source": k, "s": v, "example": examples.get(k, ""), "bytes": moved[k]}
                   for k, v in by_source.most_common()]}
   return {"total_s": total, "categories": dict(by_cat), **hlo_figures,
           "programs": {f"{p} / {c}": v for (p, c), v in by_prog.items()},
           "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)],
-                       "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)]}
+                       "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)],
+                       **({"bytes": moved[(n, c)]} if hlo is not None else {})}
                       for (n, c), v in by_kernel.most_common()],
           "device_tracks": sorted(procs[p] for p in device)}
 
@@ -242,19 +289,31 @@ def report(summary: dict, steps: int, wall_s: float, top: int) -> str:
   lines += ["", "| program / category | s/step | share |", "|---|---:|---:|"]
   for key, v in sorted(summary["programs"].items(), key=lambda kv: -kv[1])[:20]:
     lines.append(f"| {key} | {v / steps:.4f} | {v / total:.1%} |")
-  lines += ["", "| kernel | category | calls/step | s/step | share |", "|---|---|---:|---:|---:|"]
+  traced = "parts" in summary  # with the HLO: each kernel's bytes and bandwidth too
+  lines += ["", "| kernel | category | calls/step | s/step | share |" +
+            (" GB/step | TB/s |" if traced else ""),
+            "|---|---|---:|---:|---:|" + ("---:|---:|" if traced else "")]
   for k in summary["kernels"][:top]:
     lines.append(f"| `{k['name']}` | {k['category']} | {k['count'] / steps:g} | "
-                 f"{k['s'] / steps:.4f} | {k['s'] / total:.1%} |")
+                 f"{k['s'] / steps:.4f} | {k['s'] / total:.1%} |" +
+                 (_traffic(k.get("bytes", 0), k["s"], steps) if traced else ""))
   if "parts" in summary:
     lines += ["", "| part / category | s/step | share |", "|---|---:|---:|"]
     for key, v in sorted(summary["parts"].items(), key=lambda kv: -kv[1]):
       lines.append(f"| {key} | {v / steps:.4f} | {v / total:.1%} |")
-    lines += ["", "| source line | an instruction of it | s/step | share |", "|---|---|---:|---:|"]
+    lines += ["", "| source line | an instruction of it | s/step | share | GB/step | TB/s |",
+              "|---|---|---:|---:|---:|---:|"]
     for k in summary["sources"][:top]:
       lines.append(f"| `{k['source']}` | `{k['example']}` | {k['s'] / steps:.4f} | "
-                   f"{k['s'] / total:.1%} |")
+                   f"{k['s'] / total:.1%} |" + _traffic(k.get("bytes", 0), k["s"], steps))
   return "\n".join(lines)
+
+
+def _traffic(moved: int, seconds: float, steps: int) -> str:
+  """Table cells: GB a step and TB/s, or dashes for a kernel of no traced instruction."""
+  if not moved or not seconds:
+    return " – | – |"
+  return f" {moved / 1e9 / steps:.2f} | {moved / seconds / 1e12:.2f} |"
 
 
 def dump_hlo(directory: str) -> None:
