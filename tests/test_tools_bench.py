@@ -322,15 +322,32 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
 
 def test_kernels_count_the_bytes_of_an_instructions_operands_and_results(tmp_path):
   """tools.kernels --hlo: an instruction moves its results and its operands once each; an
-  operand `%t#k` is the k-th array of a tuple, a whole tuple counts all of them."""
-  (tmp_path / "m.after_optimizations.txt").write_text("""HloModule jit_t
+  operand `%t#k` is the k-th array of a tuple, a whole tuple counts all of them; an operand
+  that a fusion only slices counts the slice; an instruction that two programs of one name
+  give different shapes has no bytes (the trace cannot say which ran)."""
+  program = """HloModule jit_t
+%c2 (q0: bf16[4], q1: f32[8], q2: f8e4m3fn[8]) -> f32[8] {
+  %q0 = bf16[4]{0} parameter(0)
+  %q1 = f32[8]{0} parameter(1)
+  %q2 = f8e4m3fn[8]{0} parameter(2)
+  %s = f32[2]{0} slice(%q1), slice={[0:2]}
+  ROOT %r = f32[8]{0} pad(%s, %q0), padding=0_6
+}
+
 ENTRY %main (p: f32[8]) -> f32[8] {
   %p = f32[8]{0} parameter(0)
   %t = (f32[8]{0}, bf16[4]{0}) custom-call(%p), custom_call_target="x"
   %g = f8e4m3fn[8]{0} fusion(%t), kind=kLoop, calls=%c1
   ROOT %f = f32[8]{0} fusion(%t#1, %p, /*index=2*/%g), kind=kLoop, calls=%c2, metadata={op_name="jit(t)/mul"}
 }
-""")
-  moved = {n: i.bytes for n, i in kernels.read_hlo(str(tmp_path))["jit_t"].items()}
-  assert moved == {"p": 32, "t": 32 + 8 + 32, "g": 8 + 40, "f": 32 + 8 + 32 + 8}
+"""
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "m.after_optimizations.txt").write_text(program)
+  moved = {n: i.bytes for n, i in kernels.read_hlo(str(tmp_path / "a"))["jit_t"].items()}
+  assert moved["p"] == 32 and moved["t"] == 32 + 8 + 32 and moved["g"] == 8 + 40
+  assert moved["f"] == 32 + 8 + 8 + 8  # of p's 32 bytes, the fusion reads the 8 it slices
+  (tmp_path / "a" / "n.after_optimizations.txt").write_text(
+      program.replace("ROOT %f = f32[8]{0}", "ROOT %f = f32[16]{0}"))
+  merged = kernels.read_hlo(str(tmp_path / "a"))["jit_t"]
+  assert (merged["f"].bytes, merged["f"].op, merged["g"].bytes) == (0, "jit(t)/mul", 48)
   assert kernels.shape_bytes("(bf16[16,2]{1,0}, f32[3]{0}, pred[], s8[2,2])") == [64, 12, 1, 4]

@@ -127,14 +127,21 @@ def _operands(rest: str) -> list[tuple[str, int | None]]:
 
 def read_hlo(directory: str) -> dict[str, dict[str, Instruction]]:
   """The optimized HLO that XLA dumped as text into `directory`: program name -> instruction
-  name -> Instruction (programs of one name are merged)."""
+  name -> Instruction. Programs of one name are merged (a trace names a kernel's program by
+  name only); an instruction name that two of them give different shapes keeps the first's
+  source but no bytes, as the trace cannot say which it ran."""
   programs: dict[str, dict[str, Instruction]] = {}
   for path in sorted(glob.glob(os.path.join(directory, "*after_optimizations.txt"))):
     with open(path, encoding="utf-8") as f:
       text = f.read()
     head = re.match(r"HloModule ([^\s,]+)", text)
-    if head:
-      programs.setdefault(head.group(1), {}).update(_instructions(text))
+    if not head:
+      continue
+    merged = programs.setdefault(head.group(1), {})
+    for name, found in _instructions(text).items():
+      known = merged.setdefault(name, found)
+      if (known.shape, known.bytes) != (found.shape, found.bytes):
+        merged[name] = known._replace(bytes=0)
   return programs
 
 
@@ -171,24 +178,52 @@ def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, ...]]:
   return frames
 
 
+# An instruction: its name, its shape (a tuple's may hold /*index=N*/ marks), opcode, the rest.
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\((?:/\*index=\d+\*/|[^()=])*\)|\S+) "
+                         r"([\w\-]+)\((.*)$", re.M)
+# Ops that read only the part of their operand that they return.
+_PART_READS = ("slice", "dynamic-slice")
+
+
 def _instructions(text: str) -> dict[str, Instruction]:
   frames = _frames(_tables(text))
-  found = list(re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\((.*)$",
-                           text, re.M))
+  found = list(_DEFINITION.finditer(text))
   sizes = {m.group(1): shape_bytes(m.group(2)) for m in found}
+  reads = _fused_reads(text, sizes)
   out = {}
   for m in found:
-    rest = m.group(3)
+    name, shape, rest = m.group(1), m.group(2), m.group(4)
     op = re.search(r'op_name="([^"]*)"', rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
-    moved = sum(sizes[m.group(1)])
-    for name, index in _operands(rest):
-      parts = sizes.get(name, [])
-      moved += (parts[index] if index is not None and index < len(parts) else sum(parts))
-    out.setdefault(m.group(1), Instruction(m.group(2), op.group(1) if op else "",
-                                           frames.get(int(frame.group(1)), ()) if frame else (),
-                                           moved))
+    fused = re.search(r"\bcalls=%([\w.\-]+)", rest)
+    part_reads = reads.get(fused.group(1), {}) if fused else {}
+    moved = sum(sizes[name])
+    for k, (operand, index) in enumerate(_operands(rest)):
+      parts = sizes.get(operand, [])
+      whole = parts[index] if index is not None and index < len(parts) else sum(parts)
+      moved += min(whole, part_reads.get(k, whole))
+    out.setdefault(name, Instruction(shape, op.group(1) if op else "",
+                                     frames.get(int(frame.group(1)), ()) if frame else (), moved))
   return out
+
+
+def _fused_reads(text: str, sizes: dict[str, list[int]]) -> dict[str, dict[int, int]]:
+  """Computation name -> {parameter number: bytes read} for the parameters that the
+  computation only slices: a fusion reads those parts of its operand, not all of it."""
+  reads: dict[str, dict[int, int]] = {}
+  for body in re.finditer(r"^%([\w.\-]+) \(.*?\{\n(.*?)^\}", text, re.M | re.S):
+    defs = list(_DEFINITION.finditer(body.group(2)))
+    params = {m.group(1): int(re.match(r"(\d+)", m.group(4)).group(1))
+              for m in defs if m.group(3) == "parameter"}
+    users: dict[str, list[tuple[str, str]]] = {p: [] for p in params}
+    for m in defs:
+      for operand, _ in _operands(m.group(4)):
+        if operand in users:
+          users[operand].append((m.group(3), m.group(1)))
+    reads[body.group(1)] = {
+        params[p]: sum(sum(sizes.get(u, [])) for _, u in used)
+        for p, used in users.items() if used and all(kind in _PART_READS for kind, _ in used)}
+  return reads
 
 
 def instruction(hlo: dict[str, dict[str, Instruction]], prog: str, name: str,
