@@ -271,7 +271,8 @@ def summarize(events: list[dict], procs: dict[int, str],
   device = {pid for pid, name in procs.items() if "/device:" in name}
   by_cat, by_prog, by_kernel, counts = (collections.Counter(), collections.Counter(),
                                         collections.Counter(), collections.Counter())
-  by_part, by_source, moved = collections.Counter(), collections.Counter(), collections.Counter()
+  by_part, by_source = collections.Counter(), collections.Counter()
+  source_bytes, kernel_bytes = collections.Counter(), collections.Counter()
   examples: dict[str, str] = {}
   ops: dict[tuple[str, str], collections.Counter] = {}  # kernel -> the HLO ops it ran for
   total = 0.0
@@ -297,18 +298,18 @@ def summarize(events: list[dict], procs: dict[int, str],
       by_part[(part(found.frames) if found else "(library kernels)", cat)] += dur
       by_source[where] += dur
       if found:
-        moved[where] += found.bytes
-        moved[key] += found.bytes
+        source_bytes[where] += found.bytes
+        kernel_bytes[key] += found.bytes
         examples.setdefault(where, f"{found.shape} {found.op.rsplit('/', 1)[-1]}"[:80])
   hlo_figures = {} if hlo is None else {
       "parts": {f"{p} / {c}": v for (p, c), v in by_part.items()},
-      "sources": [{"source": k, "s": v, "example": examples.get(k, ""), "bytes": moved[k]}
+      "sources": [{"source": k, "s": v, "example": examples.get(k, ""), "bytes": source_bytes[k]}
                   for k, v in by_source.most_common()]}
   return {"total_s": total, "categories": dict(by_cat), **hlo_figures,
           "programs": {f"{p} / {c}": v for (p, c), v in by_prog.items()},
           "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)],
                        "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)],
-                       **({"bytes": moved[(n, c)]} if hlo is not None else {})}
+                       **({"bytes": kernel_bytes[(n, c)]} if hlo is not None else {})}
                       for (n, c), v in by_kernel.most_common()],
           "device_tracks": sorted(procs[p] for p in device)}
 
