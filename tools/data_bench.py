@@ -3,7 +3,7 @@
   python -m tools.data_bench [--config=configs/vlm.py] [--workers=0,2,4,8] [--processes=0,4]
                              [--dps=2,4,8] [--record]
 
-Prints four tables:
+Prints up to five tables (the fifth with buckets set):
 
 1. **samples/s vs grain worker processes and read threads** (`data.worker_processes`,
    `data.workers`): the training loader (read, decode, layout, stack), all records read, timed
@@ -101,7 +101,7 @@ def fill_stats(cfg, path: str, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.data_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--set", action="append", default=[], help="field=value override")
