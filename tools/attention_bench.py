@@ -57,7 +57,7 @@ def distance(fn, q, k, v, dout) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.attention_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="48x577x16x64,48x576x16x64,48x729x16x72")
   parser.add_argument("--repeat", type=int, default=20)

@@ -109,7 +109,8 @@ def token_counts() -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(prog="python -m tools.audio_fixtures",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--out", default=str(ROOT / "tests/fixtures/audio"))
   p.add_argument("--keep_tokens", action="store_true",
                  help="keep the token counts of OUT/reference.npz instead of computing them "

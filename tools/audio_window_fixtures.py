@@ -24,7 +24,8 @@ SECONDS, MEL_BINS = 1, 80
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.audio_window_fixtures",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "audio" / "window_1s.npz"))
   args = parser.parse_args(argv)
   import soundfile  # pylint: disable=import-outside-toplevel

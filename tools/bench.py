@@ -336,7 +336,7 @@ def _per_shape(seconds: list[float] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--layouts", required=True, help="';'-separated module=o/dp/tp[/pp[/v]]")

@@ -49,7 +49,7 @@ def _sharding(flag: str, spec: str) -> NamedSharding:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.bridge_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--src", default="0:1", help="source devices, OFFSET:DP")
   parser.add_argument("--dst", default="1:1", help="destination devices, OFFSET:DP")

@@ -155,7 +155,8 @@ def build(root: pathlib.Path) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.chat_fixtures",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "chat"))
   args = parser.parse_args()
   build(pathlib.Path(args.out))

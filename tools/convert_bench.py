@@ -57,7 +57,7 @@ def make(out: pathlib.Path, records: int, seed: int = 0) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.convert_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--records", type=int, default=400)
   parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")

@@ -66,7 +66,7 @@ def measure(cfg, images: int, reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.encoder_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--images", type=int, default=24, help="images a call (full size)")

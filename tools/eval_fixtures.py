@@ -56,7 +56,8 @@ def build(root: pathlib.Path) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.eval_fixtures",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--root", default=str(ROOT / "tests" / "fixtures" / "hf"),
                       help="the folder of the LLaVA fixtures (llava15, llava_siglip)")
   build(pathlib.Path(parser.parse_args().root))

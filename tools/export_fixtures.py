@@ -222,7 +222,8 @@ def references(root: pathlib.Path) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.export_fixtures",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "recipe"))
   parser.add_argument("--only", choices=("all", "models", "references"), default="all")
   args = parser.parse_args()

@@ -256,7 +256,8 @@ def qwen2_audio_chat(out: pathlib.Path) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.hf_audio_fixtures",
+                                   description=__doc__.split("\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf_audio"))
   parser.add_argument("--only", choices=("generate", "chat"), default=None,
                       help="write only generate.npz beside the saved Qwen2-Audio models, or only "

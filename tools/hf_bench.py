@@ -80,7 +80,8 @@ def _run(args: list[str]) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.hf_bench",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--phases", default="make,import,check,train",
                       help="which phases to run, in order (comma-separated)")
   parser.add_argument("--steps", type=int, default=20,

@@ -202,7 +202,8 @@ def _preprocessor(out: pathlib.Path, norm) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.hf_fixtures",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf"))
   parser.add_argument("--only", choices=("all", "generate"), default="all",
                       help="generate: only the generation references of the saved LLaVAs")

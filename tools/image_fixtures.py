@@ -39,7 +39,7 @@ def images(rng: np.random.Generator) -> dict[str, Image.Image]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m tools.image_fixtures", description=__doc__)
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "images"),
                       help="the folder to write (replaced whole)")
   out = pathlib.Path(parser.parse_args(argv).out)

@@ -101,7 +101,8 @@ def build(out: pathlib.Path) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m tools.peft_fixtures",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "peft"))
   out = pathlib.Path(parser.parse_args().out)
   build(out / "llama3")

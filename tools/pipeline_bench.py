@@ -83,7 +83,7 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.pipeline_bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--pp", default="1,2,4", help="pipeline sizes (GPUs) to measure")
   parser.add_argument("--microbatches", default="4,8,16", help="microbatch counts M")

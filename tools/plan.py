@@ -302,7 +302,7 @@ def _pipelines(c: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--profile", action="append", default=[],
                       help="tools/bench.py JSON of the profiling run (repeatable)")
