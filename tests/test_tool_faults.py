@@ -474,3 +474,23 @@ def test_damaged_float32_bytes_fail_the_fingerprint_quietly():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert not checkpoint_reader.matches(garbage.view(np.float32), [0, 0])
+
+
+def test_digit_images_refuses_bad_flags_writing_nothing_and_writes_whole_files(tmp_path, capsys):
+  """tools.digit_images: a count past the eval set, a scale below 1 or a file as --out is one
+  line with exit 2 and no folder made; good flags write the PNGs (no temporary file left)."""
+  from tools import digit_images  # pylint: disable=import-outside-toplevel
+  (tmp_path / "file").write_text("")
+  for flags, words in ((["--count", "0"], "--count 0: the eval set has"),
+                       (["--scale", "-2"], "--scale -2: give a whole number"),
+                       (["--out", str(tmp_path / "file")], "is a file; give a folder")):
+    out = ["--out", str(tmp_path / "new")] if "--out" not in flags else []
+    with pytest.raises(SystemExit) as exit_:
+      digit_images.main(out + flags)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+  digit_images.main(["--out", str(tmp_path / "new"), "--count", "3", "--scale", "2"])
+  written = sorted(p.name for p in (tmp_path / "new").iterdir())
+  assert [n.split("-")[1] for n in written] == ["0000", "0001", "0002"] and len(written) == 3
+  assert Image.open(tmp_path / "new" / written[0]).size == (16, 16)
+

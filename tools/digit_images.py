@@ -3,12 +3,14 @@
 
 Each is an eval-set image (never trained on) as the digits task stores it (0..255 grayscale),
 enlarged `--scale` times with nearest-neighbour pixels so that it is visible; the task's image
-processor (an 8x8 box-filter resize) turns it back into the stored 8x8 pixels exactly.
+processor (an 8x8 box-filter resize) turns it back into the stored 8x8 pixels exactly. Files of
+the same names in `--out` are replaced (each written whole: a temporary file renamed over it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 
 from mimo_jax.data import digits
@@ -22,15 +24,32 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--count", type=int, default=2)
   parser.add_argument("--scale", type=int, default=8)
   args = parser.parse_args(argv)
-  from PIL import Image  # pylint: disable=import-outside-toplevel
   _, _, images, labels = digits.split_images()
+  if not 1 <= args.count <= len(images):
+    parser.error(f"--count {args.count}: the eval set has {len(images)} images; give 1 to "
+                 f"{len(images)}.")
+  if args.scale < 1:
+    parser.error(f"--scale {args.scale}: give a whole number of pixels an image pixel, 1 or more.")
   out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  for i in range(args.count):
-    image = Image.fromarray(digits.pixels(images[i]), mode="L")
-    path = out / f"eval-{i:04d}-{DIGIT_WORDS[int(labels[i])]}.png"
-    image.resize((8 * args.scale,) * 2, Image.Resampling.NEAREST).save(path, optimize=True)
-    print(path)
+  if out.exists() and not out.is_dir():
+    parser.error(f"--out {args.out} is a file; give a folder.")
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(args.count):
+      image = Image.fromarray(digits.pixels(images[i]), mode="L")
+      path = out / f"eval-{i:04d}-{DIGIT_WORDS[int(labels[i])]}.png"
+      tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+      try:
+        image.resize((8 * args.scale,) * 2, Image.Resampling.NEAREST).save(tmp, format="PNG",
+                                                                            optimize=True)
+        os.replace(tmp, path)
+      finally:
+        tmp.unlink(missing_ok=True)
+      print(path)
+  except OSError as e:
+    parser.exit(2, f"{parser.prog}: error: --out {args.out}: {e.strerror or e}; choose a "
+                   "writable folder.\n")
 
 
 if __name__ == "__main__":
