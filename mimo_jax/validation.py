@@ -187,8 +187,11 @@ def _task(cfg: Config) -> None:
             f"the av_digits task has a vocabulary of {AV_DIGITS_VOCAB}; set it "
             f"(configs/av_digits.py does).")
   else:
+    tokens = _manifest_field(cfg, "vocab_size") if d.task == "conversations" else None
     require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
-            f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), e.g. 32000.")
+            f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), " +
+            (f"e.g. {tokens}: its tokenizer's ({d.dir}/conversations.json), as the launch line "
+             "tools.convert printed sets it." if tokens else "e.g. 32000."))
     positive(d, "data", ("text_len",))
     require(d.text_len_sigma >= 0, "data.text_len_sigma", "must be >= 0.")
   if d.task == "conversations":
@@ -288,8 +291,12 @@ def _seq_len(cfg: Config) -> None:
   most = [(e.max_items(cfg), e.tokens_per_item(cfg), e.noun) for e in encoders.of(cfg).values()]
   min_len = max(sum(k * (t + 1) for k, t, _ in most) + 2, 5)
   items = ", ".join(f"{k} {noun}s of {t} tokens" for k, t, noun in most) or "no items"
+  longest = _manifest_field(cfg, "longest") if cfg.data.task == "conversations" else None
+  need = max(min_len, longest or 0)
   require(cfg.data.seq_len >= min_len, "data.seq_len",
-          f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {min_len}.")
+          f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {need}" +
+          (f" (the longest sample of {cfg.data.dir} takes {longest} positions: its "
+           "conversations.json)" if need > min_len else "") + ".")
   _seq_len_fits(cfg)
 
 
@@ -347,17 +354,38 @@ def _schedule_and_run(cfg: Config) -> None:
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
 
 
+def _manifest_field(cfg: Config, key: str):
+  """A field of the manifest of the converted data in data.dir, or None where there is none."""
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax.data import conversations
+  try:
+    return conversations.manifest(cfg.data.dir).get(key) if cfg.data.dir else None
+  except ConfigError:
+    return None
+
+
 def validate_data(cfg: Config) -> None:
   """The config against the run's data, before anything is written: converted data
   (data.task=conversations) must agree with its manifest (conversations.paths), hold an eval split
   of at least eval.samples, and hold no token id the model's vocabulary lacks (each shard's
   metadata sidecar records its records' largest id; data/meta.py). The built-in tasks make their
   data from the config (synthetic ids are drawn below vocab_size), which `validate` checks."""
-  if cfg.data.task != "conversations":
-    return
   # pylint: disable-next=import-outside-toplevel  (they import JAX and grain; launch validates
   from mimo_jax.data import conversations, loader  # the flags before JAX is configured)
+  if cfg.data.task != "conversations":
+    converted = os.path.join(cfg.data.dir, conversations.MANIFEST) if cfg.data.dir else ""
+    require(not (converted and os.path.exists(converted)), "data.task",
+            f"{cfg.data.task}, but data.dir {cfg.data.dir} holds converted data ({converted}), "
+            f"where the {cfg.data.task} task would build data of its own; set "
+            "--config.data.task=conversations and the other fields of the launch line that "
+            f"tools.convert printed, or give {cfg.data.task} another data.dir.")
+    return
   paths = conversations.paths(cfg)
+  longest = conversations.manifest(cfg.data.dir).get("longest") or 0
+  require(cfg.data.seq_len >= longest, "data.seq_len",
+          f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} positions "
+          "(its conversations.json); use >= "
+          f"{longest}, as the launch line that tools.convert printed does.")
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"]))
   require(held_out > 0, "data.dir",

@@ -1,6 +1,7 @@
 """Config against data, refused before anything is written: an eval split smaller than
-eval.samples, an empty eval split (an older conversion with --eval 0) and token ids the model's
-vocabulary lacks each end in one `ConfigError` naming the field and a fix that applies."""
+eval.samples, an empty eval split (an older conversion with --eval 0), token ids the model's
+vocabulary lacks, rows shorter than the longest converted sample and a built-in task pointed at
+converted data each end in one `ConfigError` naming the field and a fix that applies."""
 
 import json
 import os
@@ -157,3 +158,34 @@ def test_an_unset_image_token_says_where_the_data_names_it(tmp_path):
   with pytest.raises(ConfigError, match=r"^config\.data\.image_token: is not set; set the image "
                      r"token id that tools\.convert reports"):
     validate(cfg)
+
+
+def test_fields_that_converted_data_decides_are_named_with_its_manifests_values(converted,
+                                                                                 tmp_path):
+  """Without the converter's launch line: a built-in task is refused converted data (it would
+  build its own data in that folder), a missing vocabulary and rows shorter than the longest
+  converted sample are refused with the manifest's values as the fix."""
+  directory, workdir = converted[2], tmp_path / "run"
+  manifest = json.loads((directory / conversations.MANIFEST).read_text())
+  cfg = _config(directory, workdir)
+  cfg.data.task = "digits"
+  with pytest.raises(ConfigError, match=rf"^config\.data\.task: digits, but data\.dir {directory} "
+                     r"holds converted data .*set --config\.data\.task=conversations"):
+    validate_data(cfg)
+  cfg = _config(directory, workdir)
+  cfg.model.language.vocab_size = 0
+  with pytest.raises(ConfigError, match=rf"needs a vocabulary \(> 17\), e\.g\. "
+                     rf"{manifest['vocab_size']}: its tokenizer's"):
+    validate(cfg, 4)
+  longest = manifest["longest"]
+  cfg = _config(directory, workdir)
+  cfg.model.vision.max_images, cfg.data.image_probs = 1, "0.5,0.5"  # rows that hold an image
+  cfg.data.seq_len = longest - 1
+  validate(cfg, 4)
+  with pytest.raises(ConfigError, match=rf"^config\.data\.seq_len: {longest - 1}, but the longest "
+                     rf"sample of {directory} takes {longest} positions .*use >= {longest},"):
+    validate_data(cfg)
+  cfg.data.seq_len = longest
+  validate_data(cfg)
+  assert not workdir.exists()
+
