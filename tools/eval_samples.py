@@ -25,9 +25,12 @@ def converted_samples(args, tok) -> list[dict]:
     raise ConfigError(f"--split {args.split}: {path} not found; a converted directory holds "
                       f"{' and '.join(conversations.SPLITS)}.")
   if m.get("vocab_size") not in (None, tok.tokenizer.get_vocab_size()):
-    raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, the "
-                      f"tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}; give the "
-                      "data's tokenizer with --tokenizer DIR.")
+    # The tokenizer is the model's (check_vocab held it to the run's): the data is another's.
+    raise ConfigError(f"--data {args.data} was tokenized with {m['vocab_size']} tokens, but this "
+                      f"model's tokenizer {tok.path} has {tok.tokenizer.get_vocab_size()}: the "
+                      "data was converted for another model; evaluate it with that model's run, "
+                      f"or convert it again with `python -m tools.convert ... --tokenizer "
+                      f"{tok.path}`.")
   samples = eval_set.converted(str(path), tok, args.samples)
   if any(s["id"] is None for s in samples):
     print(f"note: {args.data} was converted before the records' ids were kept: its rows' id is "
