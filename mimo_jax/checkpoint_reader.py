@@ -101,6 +101,12 @@ class Reader:
     self.workdir = os.path.dirname(self.path)
     self.live = workdir_lib.live_run(self.workdir)  # the live run's lock, or None
     steps = self.steps()
+    parent = os.path.dirname(self.path)
+    if not steps and os.path.basename(self.path).isdigit() and os.path.basename(parent) == \
+        "checkpoints":  # a step's own folder: the tools take the run and the step apart
+      raise CkptError(f"{path} is one step's folder; give the run's workdir "
+                      f"{os.path.dirname(parent)} (or its checkpoints/ folder) with --step "
+                      f"{int(os.path.basename(self.path))}.")
     if not steps:
       raise CkptError(f"{self.path} holds no finished checkpoint" + (
           f" yet; a run ({who(self.live)}) is using {self.workdir}: wait for its first save."

@@ -206,6 +206,12 @@ def test_check_fails_only_damaged_steps_and_never_advises_moving_good_ones(run, 
   assert "restore_step" not in last and f"pid {os.getpid()}" in last
 
 
+def test_a_steps_own_folder_is_named_with_the_workdir_and_step_to_give(run, capsys):
+  assert ckpt.main(["check", str(run / "checkpoints" / "30")]) == 2
+  _error(capsys, "tools.ckpt", "checkpoints/30 is one step's folder; give the run's workdir "
+         f"{run} (or its checkpoints/ folder) with --step 30.")
+
+
 def test_check_names_only_the_module_whose_metadata_is_damaged(run, capsys):
   (run / "checkpoints" / "30" / "vision" / "_METADATA").write_text("garbage{")
   assert ckpt.main(["check", str(run)]) == 2
