@@ -117,15 +117,20 @@ class Reader:
     self.mngr = ocp.CheckpointManager(self.path, options=options, item_handlers=handlers)
 
   def _items(self, steps: list[int]) -> list[str]:
-    """The item names (modules and meta) of the newest step that is still there."""
-    for step in reversed(steps):
+    """The item names (modules and meta) of every step that is still there: a step that lost
+    one of its items is damaged, and the steps beside it are still read whole."""
+    names, found = set(), False
+    for step in steps:
+      folder = os.path.join(self.path, str(step))
       try:
-        folder = os.path.join(self.path, str(step))
-        return [d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
+        names.update(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
+        found = True
       except FileNotFoundError:
         continue
-    raise TryAgain(f"every step of {self.path} was removed while being read ({ROTATED}); run "
-                   "again.")
+    if not found:
+      raise TryAgain(f"every step of {self.path} was removed while being read ({ROTATED}); run "
+                     "again.")
+    return sorted(names)
 
   def steps(self) -> list[int]:
     """The committed steps, oldest first."""

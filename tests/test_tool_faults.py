@@ -212,6 +212,16 @@ def test_a_steps_own_folder_is_named_with_the_workdir_and_step_to_give(run, caps
          f"{run} (or its checkpoints/ folder) with --step 30.")
 
 
+def test_a_step_missing_a_modules_folder_fails_alone(run, capsys):
+  """The newest step without its language folder is damaged; the steps before it still pass
+  (their items are read with handlers for every item any step holds)."""
+  shutil.rmtree(run / "checkpoints" / "30" / "language")
+  assert ckpt.main(["check", str(run)]) == 2
+  out = capsys.readouterr().out
+  assert "step 30: FAILED" in out and "step 20: FAILED" not in out and "step 10: FAILED" not in out
+  assert ckpt.main(["check", str(run), "--step", "20"]) == 0
+
+
 def test_check_names_only_the_module_whose_metadata_is_damaged(run, capsys):
   (run / "checkpoints" / "30" / "vision" / "_METADATA").write_text("garbage{")
   assert ckpt.main(["check", str(run)]) == 2
