@@ -183,6 +183,17 @@ def _trained_run(pairs, tmp_path, relative: bool = False) -> pathlib.Path:
   return trained
 
 
+def test_an_import_for_conversations_exports_its_llavas_image_token(tmp_path):
+  """An import whose config trains on converted data (configs/llava_cpu.py), exported before
+  any data was given (data.image_token unset): the token is the import's image_token_index, not
+  the built-in tasks' placeholder."""
+  run = tmp_path / "run"
+  hf_tool.main(["import", "--hf", str(RECIPE / "llava"), "--out", str(run),
+                "--config=configs/llava_cpu.py"])
+  hf_tool.main(["export", str(run), "--out", str(tmp_path / "out")])
+  assert _json(tmp_path / "out" / "config.json")["image_token_index"] == 5
+
+
 def test_a_runs_export_takes_its_data_token_tokenizer_and_padding(pairs, tmp_path, capsys):
   """A run on converted data: the image token is data.image_token, the tokenizer the
   manifest's, and data padded to squares gives LLaVA's padding image processor; no

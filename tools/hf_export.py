@@ -159,11 +159,13 @@ def _tokenizer(args, sources: dict[str, list[str]], data: dict) -> "hf_files.Tok
 
 
 def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int, str]:
-  """LLaVA's image token (id, text): --image_token_index, the run's data (data.image_token), the
-  import's record (a LLaVA's image_token_index), else the tokenizer's <image>."""
+  """LLaVA's image token (id, text): --image_token_index, the run's data (data.image_token, set,
+  or the digits task's built-in), the import's record (a LLaVA's image_token_index), else the
+  tokenizer's <image>."""
   if args.image_token_index is not None:
     token, where = args.image_token_index, "--image_token_index"
-  elif cfg.data.task in ("conversations", "digits"):
+  elif cfg.data.task == "digits" or (cfg.data.task == "conversations" and
+                                     cfg.data.image_token >= 0):
     token, where = cfg.data.placeholder, f"config.data.image_token ({data.get('where', 'run')})"
   elif record.get("image_token_index") is not None:
     token, where = int(record["image_token_index"]), "hf_import.json's image_token_index"
