@@ -189,3 +189,22 @@ def test_fields_that_converted_data_decides_are_named_with_its_manifests_values(
   validate_data(cfg)
   assert not workdir.exists()
 
+
+def test_a_shard_that_is_not_one_names_the_conversion_or_the_rebuild(converted, tmp_path,
+                                                                      monkeypatch):
+  """A truncated shard is one line naming the fix for its kind of data, also when the reader's
+  exception has no message (its type is named then)."""
+  shard = tmp_path / "train.array_record"
+  data = (converted[2] / "train.array_record").read_bytes()
+  shard.write_bytes(data[:len(data) // 2])
+  with pytest.raises(loader.DataError, match=r"cannot be opened as a shard \(.+\); convert the "
+                     r"data again with `python -m tools\.convert`, or check data\.dir\.$"):
+    loader.Records(str(shard), "conversations")
+
+  def unreadable(paths):
+    raise RuntimeError("")
+  monkeypatch.setattr(loader.grain.sources, "ArrayRecordDataSource", unreadable)
+  with pytest.raises(loader.DataError, match=r"as a shard \(RuntimeError\); delete it and run "
+                     r"again to rebuild it"):
+    loader.open_shard(str(shard), "digits")
+

@@ -94,14 +94,17 @@ class _Decode(grain.transforms.Map):
     return index, read_record(lambda: record, self._path, index, self._decode)
 
 
-def open_shard(path: str) -> grain.sources.ArrayRecordDataSource:
+def open_shard(path: str, task: str = "conversations") -> grain.sources.ArrayRecordDataSource:
   """A shard's records by index (its length is read from the file, no record is); a file that is
-  not a shard is a DataError."""
+  not a shard (a truncated one, say) is a DataError naming the fix for `task`'s shards."""
   try:
     return grain.sources.ArrayRecordDataSource([path])
   except Exception as e:  # pylint: disable=broad-except
-    raise DataError(f"{path} cannot be opened as a shard ({str(e).splitlines()[0]}); delete "
-                    "it and run again to rebuild it, or check data.dir.") from None
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    fix = ("convert the data again with `python -m tools.convert`" if task == "conversations"
+           else "delete it and run again to rebuild it")
+    raise DataError(f"{path} cannot be opened as a shard ({reason}); {fix}, or check "
+                    "data.dir.") from None
 
 
 def empty_shard(path: str, task: str) -> str:
@@ -191,7 +194,7 @@ class Records:
 
   def __init__(self, path: str, task: str, names: tuple[str, ...] | None = None):
     self.path, self._decode = path, TASKS[task].decode
-    self.source = open_shard(path)
+    self.source = open_shard(path, task)
     if len(self.source) == 0:
       raise DataError(empty_shard(path, task))
     if names is None:
