@@ -382,6 +382,13 @@ def test_bad_flags_and_files_are_one_line_and_write_nothing(src, tmp_path, capsy
     assert rc == 2 and err.strip().splitlines() == [
         f"convert: error: {flag} {path}: not found "
         f"({'a file' if flag == '--json' else 'a directory'} is needed)."], err
+  # So is a directory given for the JSON, and a flag out of its range.
+  rc, err, _ = _main(_args(src, out) + ["--json", str(tmp_path / "full")], capsys)
+  assert rc == 2 and err.strip().splitlines() == [
+      f"convert: error: --json {tmp_path / 'full'}: a directory (a file is needed)."], err
+  rc, err, _ = _main(_args(src, out) + ["--seed", "-1"], capsys)
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "--seed at least 0" in err, err
+  assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
 # Paths that work from any directory, and the launch line.

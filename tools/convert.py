@@ -169,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
   for flag, path, there, kind in (("--json", args.json, os.path.isfile, "a file"),
                                   ("--tokenizer", args.tokenizer, os.path.isdir, "a directory")):
     if not there(path):  # before the notes below, which would read as if all were well
-      return _error(f"{flag} {path}: not found ({kind} is needed).")
+      found = "a directory" if os.path.isdir(path) else "a file" if os.path.exists(path) else \
+          "not found"
+      return _error(f"{flag} {path}: {found} ({kind} is needed).")
+  if (args.workers < 1 or (args.image_tokens is not None and args.image_tokens < 1)
+      or args.seq_len < 0 or args.audio_pool < 1 or args.audio_window < 1
+      or args.global_batch < 1 or args.seed < 0):
+    return _error("--workers, --image_tokens, --audio_pool, --audio_window and --global_batch must "
+                  "be at least 1, --seq_len and --seed at least 0.")
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
     if args.image_tokens is None:
@@ -180,10 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
       print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
             file=sys.stderr)
-  if (args.workers < 1 or args.image_tokens < 1 or args.seq_len < 0 or args.audio_pool < 1
-      or args.audio_window < 1 or args.global_batch < 1):
-    return _error("--workers, --image_tokens, --audio_pool, --audio_window and --global_batch must "
-                  "be at least 1, --seq_len at least 0.")
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.pretrain < 1 or args.instruct < 1:
       raise ConfigError("--pretrain and --instruct need at least one record each.")
+    if args.seed < 0:
+      raise ConfigError(f"--seed {args.seed}: give a seed of 0 or more.")
     write(args.out, args.pretrain, args.instruct, args.seed)
   except ConfigError as e:
     output.fail("tools.recipe_data", str(e))
