@@ -502,8 +502,10 @@ class Checkpointer:
     self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    try:
+      self._mngr.wait_until_finished()  # raises a save's failure
+    finally:
+      self._mngr.close()
     if self._hook is not None:
       collect()
       sys.unraisablehook, self._hook = self._hook, None

@@ -93,7 +93,10 @@ def main(argv: list[str]) -> None:
     if jax.process_count() == 1:
       print(f"mimo_jax: error: {message}", file=sys.stderr, flush=True)
       distributed.silence_stderr()  # nothing may follow the error line
-      sys.exit(status)
+      # The run has closed what it wrote; a library's threads may not end (orbax's, waiting on
+      # a save that failed), and the interpreter's exit would wait for them for ever.
+      sys.stdout.flush()
+      os._exit(status)  # pylint: disable=protected-access
     # Every process reports its own failure, tagged, so a multi-host log says who failed.
     print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
           flush=True)

@@ -430,22 +430,27 @@ class _Loop:
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
-    saved = self.saved
     try:
       self._save(step, metrics, force=True)
       self.ckpt.wait()
     except Exception as e:  # pylint: disable=broad-except
+      # The steps committed, not those asked for: an earlier asynchronous save may have failed.
+      done = checkpoint.complete_steps(self.ckpt.path)
       self.writer.say(f"after {type(error).__name__}: could not save step {step} "
-                      f"({type(e).__name__}: {e}); the newest checkpoint is step {saved}.")
+                      f"({type(e).__name__}: {e}); " +
+                      (f"the newest checkpoint is step {done[-1]}." if done else
+                       "no step of this run is saved."))
       return
     self.writer.say(f"after {type(error).__name__}: saved step {step} to {self.ckpt.path}.")
 
   def close(self) -> None:
     """Stops the data's workers and closes the checkpoints and outputs."""
-    if self.compiler is not None:
-      self.compiler.close()  # first: nothing waits on the data's workers to stop
-    if self.batches is not None:
-      self.batches.close()  # stops grain's worker processes and threads
-    self.ckpt.close()
-    if self.writer is not None:
-      self.writer.close()
+    try:
+      if self.compiler is not None:
+        self.compiler.close()  # first: nothing waits on the data's workers to stop
+      if self.batches is not None:
+        self.batches.close()  # stops grain's worker processes and threads
+      self.ckpt.close()  # raises a save's failure
+    finally:
+      if self.writer is not None:
+        self.writer.close()

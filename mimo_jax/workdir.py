@@ -40,19 +40,24 @@ def describe_os_error(e: OSError, what: str) -> str:
 
 
 def check(workdir: str) -> str:
-  """The absolute workdir, created if missing; an error if it is not a writable directory."""
+  """The absolute workdir, created if missing; an error if it, or a checkpoints/ folder it
+  holds already (where the run saves), is not a writable directory."""
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     raise WorkdirError(f"run.workdir={workdir!r} is a file, not a directory; choose another "
                        "run.workdir.")
-  try:
-    os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, f".write_test.{os.getpid()}")
-    with open(probe, "w", encoding="utf-8") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise WorkdirError(describe_os_error(e, f"run.workdir={workdir!r}")) from None
+  saves = os.path.join(path, "checkpoints")
+  for folder, name in ((path, f"run.workdir={workdir!r}"), (saves, f"the run's checkpoints folder {saves}")):
+    if folder == saves and not os.path.isdir(saves):
+      continue  # made in a writable workdir when the first step is saved
+    try:
+      os.makedirs(folder, exist_ok=True)
+      probe = os.path.join(folder, f".write_test.{os.getpid()}")
+      with open(probe, "w", encoding="utf-8") as f:
+        f.write("ok")
+      os.remove(probe)
+    except OSError as e:
+      raise WorkdirError(describe_os_error(e, name)) from None
   return path
 
 

@@ -219,6 +219,32 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   _one_line_error(_run(_args(data_dir, readonly, "--config.train.steps=3")), 2, "run.workdir")
 
 
+# A save that fails after leaving a thread that never ends, as orbax's signalling threads wait for
+# ever on a save whose directory could not be made.
+STUCK_SAVE = ("import runpy, sys, threading; from mimo_jax import checkpoint\n"
+              "def save(self, step, *a, **k):\n"
+              "  if step > 2:\n"
+              "    threading.Thread(target=threading.Event().wait).start()\n"
+              "    raise PermissionError(13, 'Permission denied', f'{self.path}/{step}.tmp')\n"
+              "  return real(self, step, *a, **k)\n"
+              "real, checkpoint.Checkpointer.save = checkpoint.Checkpointer.save, save\n"
+              "sys.argv = ['mimo_jax.launch'] + sys.argv[1:]\n"
+              "runpy.run_module('mimo_jax.launch', run_name='__main__')")
+
+
+def test_a_save_that_fails_leaving_a_thread_behind_ends_the_run(data_dir, tmp_path):
+  """The error line, then the exit: a library thread left waiting by a failed save does not
+  keep the process alive; the note names the newest step committed."""
+  work = tmp_path / "run"
+  args = _args(data_dir, work, "--config.train.steps=6", "--config.checkpoint.every=2")
+  proc = subprocess.run([sys.executable, "-c", STUCK_SAVE, *args[3:]],  # the flags after -m ...
+                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=180)  # a hang fails in minutes, not the suite's time
+  _one_line_error(proc, 1, f"{work}/checkpoints/4.tmp", "Permission denied")
+  assert "); the newest checkpoint is step 2." in proc.stdout + proc.stderr, proc.stdout[-2000:]
+  assert complete_steps(work / "checkpoints") == [2]
+
+
 LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
            "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
            "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
