@@ -434,7 +434,12 @@ class _Loop:
       self._save(step, metrics, force=True)
       self.ckpt.wait()
     except Exception as e:  # pylint: disable=broad-except
-      # The steps committed, not those asked for: an earlier asynchronous save may have failed.
+      # The steps committed, not those asked for: an earlier asynchronous save may have failed,
+      # or be committing still (waited for here).
+      try:
+        self.ckpt.wait()
+      except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
+        pass
       done = checkpoint.complete_steps(self.ckpt.path)
       self.writer.say(f"after {type(error).__name__}: could not save step {step} "
                       f"({type(e).__name__}: {e}); " +

@@ -157,6 +157,27 @@ def test_a_bad_clip_under_fail_is_one_line_and_writes_nothing(source, tmp_path, 
   assert not out.exists()
 
 
+def test_non_finite_samples_and_bad_audio_fields_skip_their_record_alone(source, tmp_path,
+                                                                        capsys):
+  """A float clip holding NaN or infinity is corrupt audio; an audio field that names no clip
+  (empty, a number) is a bad field of its record, and does not make a tokenizer without audio
+  tokens refuse the whole conversion."""
+  wave = np.full(audio.SAMPLE_RATE, 0.1, np.float32)
+  wave[100], wave[200] = np.nan, np.inf
+  soundfile.write(source / "audio" / "nan.wav", wave, audio.SAMPLE_RATE, subtype="FLOAT")
+  (source / "nan.json").write_text(json.dumps([GOOD[1], _rec("nan", "<audio>?", audio="nan.wav"),
+                                               GOOD[0]]))
+  assert convert.main(_args(source, tmp_path / "a", "nan.json", "--eval", "1")) == 0
+  assert conversations.manifest(str(tmp_path / "a"))["skipped"] == {"corrupt audio": 1}
+  (source / "fields.json").write_text(json.dumps(
+      [GOOD[0], _rec("none", "Hi.", audio=None), _rec("no list", "Hi.", audios=[]),
+       _rec("empty", "Hi.", audio=""), _rec("number", "Hi.", audio=5), GOOD[0]]))
+  plain = ["--tokenizer", str(FIXTURES / "chat" / "llama3")]  # no audio tokens
+  assert convert.main(_args(source, tmp_path / "b", "fields.json", "--eval", "1") + plain) == 0
+  m = conversations.manifest(str(tmp_path / "b"))
+  assert m["skipped"] == {"bad audio field": 2} and sum(m["samples"].values()) == 4
+
+
 def test_an_audio_token_the_tokenizer_lacks_is_one_error(source, tmp_path, capsys):
   assert convert.main(_args(source, tmp_path / "out", "good.json", "--audio_token", "<|A|>",
                             "--audio_markers", "<|A|>")) == 2

@@ -68,6 +68,10 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
                      f"{e}") from None
   if wave_sc.size == 0:
     raise AudioError(path, "holds no samples (empty clip).")
+  if not np.isfinite(wave_sc).all():  # a float file can hold NaN or infinity; features would too
+    bad = int(np.size(wave_sc) - np.isfinite(wave_sc).sum())
+    raise AudioError(path, f"cannot be used: {bad} of its {wave_sc.size} samples are NaN or "
+                     "infinite (corrupt?).")
   wave_s = wave_sc.mean(axis=1, dtype=np.float32) if wave_sc.shape[1] > 1 else wave_sc[:, 0]
   return resample(wave_s, rate, sample_rate)
 

@@ -117,8 +117,11 @@ AUDIOS, FRAMES = "audios", "audio_frames"  # a sample's clips and each clip's au
 
 
 def listed(records: list[dict]) -> bool:
-  """Whether any record lists clips (then the converter needs an audio token)."""
-  return any(f in r for r in records for f in FIELDS)
+  """Whether any record lists clips (then the converter needs an audio token): a path, or a
+  list of some; a field of another value is that record's fault (skipped as a bad audio field
+  by `audio_files`), not the conversion's."""
+  return any(bool(v) and isinstance(v, (str, list))
+             for r in records for v in (r.get(f) for f in FIELDS))
 
 
 def estimate_bytes(records: list[dict], mel_bins: int,

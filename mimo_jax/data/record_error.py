@@ -17,9 +17,9 @@ def paths(value, key: str, kind: str, where: str) -> list[str]:
   else is a RecordError of reason "bad `kind` field" naming the record (`where`)."""
   if value is None:
     return []
-  if isinstance(value, str):
+  if isinstance(value, str) and value:
     return [value]
-  if isinstance(value, list) and all(isinstance(f, str) for f in value):
+  if isinstance(value, list) and all(isinstance(f, str) and f for f in value):
     return value
   raise RecordError(f"bad {kind} field", f"{where}: \"{key}\" is {json.dumps(value)[:60]}, not "
                     "a path or a list of paths.")
