@@ -208,3 +208,20 @@ def test_a_shard_that_is_not_one_names_the_conversion_or_the_rebuild(converted, 
                      r"again to rebuild it"):
     loader.open_shard(str(shard), "digits")
 
+
+def test_a_missing_or_garbage_sidecar_is_rebuilt_with_the_conversions_placeholders(converted,
+                                                                                  tmp_path):
+  """The sidecar of a converted shard, made again from its records, marks items with the
+  manifest's image token (not the built-in tasks'): the same table as the converter's."""
+  directory = tmp_path / "data"
+  shutil.copytree(converted[2], directory)
+  shard = str(directory / "train.array_record")
+  want = loader.Records(shard, "conversations", ("vision",)).meta
+  for damage in (lambda p: p.unlink(), lambda p: p.write_bytes(b"not a sidecar")):
+    damage(pathlib.Path(meta.path_of(shard)))
+    got = loader.Records(shard, "conversations", ("vision",)).meta
+    np.testing.assert_array_equal(got.text_tokens, want.text_tokens)
+    np.testing.assert_array_equal(got.loss_tokens, want.loss_tokens)
+    assert [got[i].sizes for i in range(len(got.text_tokens))] == \
+        [want[i].sizes for i in range(len(want.text_tokens))]
+

@@ -94,6 +94,25 @@ def manifest(directory: str) -> dict:
   return out
 
 
+def placeholders(image_id: int | None, audio_id: int | None) -> dict[str, int]:
+  """The registered encoders that read a sample's images or clips, each with the image or audio
+  token as its placeholder (a conversion's marks: not the built-in tasks')."""
+  from mimo_jax import encoders  # pylint: disable=import-outside-toplevel
+  ids = {IMAGES: image_id, audio_records.AUDIOS: audio_id}
+  return {e.name: ids[e.sample_key] for e in encoders.REGISTRY.values()
+          if ids.get(e.sample_key) is not None}
+
+
+def shard_placeholders(shard: str) -> dict[str, int] | None:
+  """The placeholders of a converted shard's samples, from the manifest beside it; None if it
+  has none (a shard read on its own)."""
+  try:
+    m = json.loads((pathlib.Path(shard).parent / MANIFEST).read_text())
+  except (OSError, ValueError):
+    return None
+  return placeholders(m.get("image_token"), m.get("audio_token"))
+
+
 def paths(cfg: Config, directory: str = "") -> dict[str, str]:
   """The converted train and eval shards of `directory` (default `data.dir`), after checking that
   the run's fields agree with its manifest."""

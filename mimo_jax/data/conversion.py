@@ -30,7 +30,7 @@ from mimo_jax.data import audio, audio_records, images, meta, record_error
 from mimo_jax.data.llava_json import default_eval, eval_split, read_records
 from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
 from mimo_jax.data.conversations import (FORMAT_VERSION, IMAGES, MANIFEST, SPLITS, VOCABULARY,
-                                           encode)
+                                           encode, placeholders)
 from mimo_jax.data.record_error import RecordError
 from mimo_jax.workdir import describe_os_error
 
@@ -375,14 +375,6 @@ class _Tally:
   windows: int = 0  # 30 s windows of the longest clip
 
 
-def _marks(image_id: int, audio_id: int | None) -> dict[str, int]:
-  """The registered encoders that read a sample's images or clips, each with the image or audio
-  token as its placeholder."""
-  ids = {IMAGES: image_id, audio_records.AUDIOS: audio_id}
-  return {e.name: ids[e.sample_key] for e in encoders.REGISTRY.values()
-          if ids.get(e.sample_key) is not None}
-
-
 def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progress: bool,
            caught: list[int]) -> _Tally:
   """Converts `items` (index, record, source) in this process or `opts.workers` ones and writes
@@ -394,7 +386,7 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
     results = files.pool.imap(_work, items, chunksize=16)
   else:
     results = map(_work, items)
-  tally, marks, done = _Tally(), _marks(_WORKER["image_id"], _WORKER["audio_id"]), 0
+  tally, marks, done = _Tally(), placeholders(_WORKER["image_id"], _WORKER["audio_id"]), 0
   for index, sample, error in tqdm(results, total=len(items), desc="converting",
                                    unit="record", file=sys.stderr, mininterval=1.0,
                                    disable=not progress):

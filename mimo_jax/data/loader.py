@@ -200,7 +200,8 @@ class Records:
     if names is None:
       encoders.builtin()
       names = tuple(encoders.REGISTRY)
-    self.meta = meta.load(path, len(self.source), self.read, names, TASKS[task].vocabulary)
+    marks = conversations.shard_placeholders(path) if task == "conversations" else None
+    self.meta = meta.load(path, len(self.source), self.read, names, TASKS[task].vocabulary, marks)
 
   def __len__(self) -> int:
     return len(self.source)

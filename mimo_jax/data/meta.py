@@ -64,10 +64,11 @@ def path_of(shard: str) -> str:
   return shard + ".meta.npz"
 
 
-def write(shard: str, samples, tok: Vocabulary | None) -> None:
+def write(shard: str, samples, tok: Vocabulary | None,
+          placeholders: dict[str, int] | None = None) -> None:
   """Writes the sidecar of `shard` from its samples (in record order, of the task whose
-  vocabulary is `tok`), atomically."""
-  save(shard, [row(s, tok) for s in samples])
+  vocabulary is `tok`, items marked as `row` says), atomically."""
+  save(shard, [row(s, tok, placeholders) for s in samples])
 
 
 def save(shard: str, rows: list[Meta]) -> None:
@@ -125,16 +126,18 @@ def _read(path: str, count: int, names) -> Table | None:
   return table
 
 
-def load(shard: str, count: int, read, names=(), tok: Vocabulary | None = None) -> Table:
+def load(shard: str, count: int, read, names=(), tok: Vocabulary | None = None,
+         placeholders: dict[str, int] | None = None) -> Table:
   """The sidecar of `shard` (`count` records, items of the encoders in `names`); built by scanning
   with `read(i)` if missing, stale or of another format (`tok`: the task's vocabulary, which
-  samples without their own loss mask need)."""
+  samples without their own loss mask need; `placeholders`: the ids that mark items, as `row`
+  takes them, for converted data)."""
   path = path_of(shard)
   if os.path.exists(path):
     table = _read(path, count, names)
     if table is not None:
       return table
-  write(shard, (read(i) for i in range(count)), tok)
+  write(shard, (read(i) for i in range(count)), tok, placeholders)
   table = _read(path, count, names)
   if table is None:
     missing = [n for n in names if n not in encoders.REGISTRY]
