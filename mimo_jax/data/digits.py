@@ -154,7 +154,7 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
   if complete(final):
     return str(final)
   final.parent.mkdir(parents=True, exist_ok=True)
-  print(f"digits: building the task's records in {final} (once; about a minute on 2 cores)",
+  print(f"digits: building the task's records in {final} (once; about 10 s on 2 cores)",
         flush=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
   mask = os.umask(0)
