@@ -366,12 +366,12 @@ def _manifest_field(cfg: Config, key: str):
 
 def validate_data(cfg: Config) -> None:
   """The config against the run's data, before anything is written: converted data
-  (data.task=conversations) must agree with its manifest (conversations.paths), hold an eval split
-  of at least eval.samples, and hold no token id the model's vocabulary lacks (each shard's
-  metadata sidecar records its records' largest id; data/meta.py). The built-in tasks make their
-  data from the config (synthetic ids are drawn below vocab_size), which `validate` checks."""
-  # pylint: disable-next=import-outside-toplevel  (they import JAX and grain; launch validates
-  from mimo_jax.data import conversations, loader  # the flags before JAX is configured)
+  (data.task=conversations) must agree with its manifest (conversations.paths), fit its longest
+  sample in a row, hold an eval split of at least eval.samples, and hold no token id the model's
+  vocabulary lacks (each shard's metadata sidecar records its records' largest id;
+  data/meta.py). The built-in tasks make their data from the config (synthetic ids are drawn
+  below vocab_size), which `validate` checks, in a data.dir that holds no converted data."""
+  from mimo_jax.data import conversations  # pylint: disable=import-outside-toplevel
   if cfg.data.task != "conversations":
     converted = os.path.join(cfg.data.dir, conversations.MANIFEST) if cfg.data.dir else ""
     require(not (converted and os.path.exists(converted)), "data.task",
@@ -380,12 +380,14 @@ def validate_data(cfg: Config) -> None:
             "--config.data.task=conversations and the other fields of the launch line that "
             f"tools.convert printed, or give {cfg.data.task} another data.dir.")
     return
+  # pylint: disable-next=import-outside-toplevel  (it imports JAX and grain; launch validates
+  from mimo_jax.data import loader  # the flags before JAX is configured)
   paths = conversations.paths(cfg)
   longest = conversations.manifest(cfg.data.dir).get("longest") or 0
   require(cfg.data.seq_len >= longest, "data.seq_len",
           f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} positions "
-          "(its conversations.json); use >= "
-          f"{longest}, as the launch line that tools.convert printed does.")
+          f"(its conversations.json); use >= {longest}, as the launch line that tools.convert "
+          "printed does.")
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"]))
   require(held_out > 0, "data.dir",
