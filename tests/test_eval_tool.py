@@ -162,6 +162,7 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
     (["--metric", "bleu"], "--metric bleu: no such metric; registered: contains"),
     (["--data", "/nonexistent.json"], "--data /nonexistent.json: not found"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
+    (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
     (["--seq_len", "40"], "sample 'q2' needs 46 positions, more than the eval rows' 40; give "
      "--seq_len 46 or more"),
 ])

@@ -108,6 +108,9 @@ def check_flags(args: argparse.Namespace) -> None:
   for flag in ("max_new_tokens", "batch", "samples", "seq_len"):
     if getattr(args, flag) < (1 if flag == "max_new_tokens" else 0):
       raise ConfigError(f"--{flag} {getattr(args, flag)}: give a positive number.")
+  if args.out and os.path.isdir(args.out):
+    raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
+                      "(PREDS.jsonl).")
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
 
