@@ -182,6 +182,18 @@ def test_a_null_pixel_mean_names_preprocessor_config(tmp_path, capsys):
   _error(capsys, lambda: _import(src, tmp_path / "out"), str(pre), "field image_mean is null")
 
 
+def test_a_tower_without_pixel_statistics_is_imported_with_a_note_saying_so(tmp_path, capsys):
+  """Without preprocessor_config.json a tower would take images unnormalised: the import says so
+  and how to give them; with them set, nothing is said."""
+  src = _copy("llava15", tmp_path / "llava")
+  (src / "preprocessor_config.json").unlink()
+  _import(src, tmp_path / "out")
+  assert "images go into the tower unnormalised" in capsys.readouterr().out
+  _import(src, tmp_path / "out2", "--config.model.vision.pixel_mean=0.5,0.5,0.5",
+          "--config.model.vision.pixel_std=0.25,0.25,0.25")
+  assert "unnormalised" not in capsys.readouterr().out
+
+
 def test_a_bad_base_config_or_override_is_one_line(tmp_path, capsys):
   run = [a for a in RUN if not a.startswith("--config=")]
   _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out",

@@ -85,6 +85,11 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
       v.projector_hidden = cfg.model.language.dim
     print(f"model.vision: read as LLaVA reads a tower: final_norm={str(v.final_norm).lower()} "
           f"(no post_layernorm), projector_hidden={v.projector_hidden}", flush=True)
+  if "vision" in taken and cfg.model.vision.pixel_norm() is None:
+    print(f"model.vision: {taken['vision']} has no preprocessor_config.json with image_mean and "
+          "image_std: images go into the tower unnormalised; put the tower's "
+          "preprocessor_config.json beside its config.json and import again, or set "
+          "--config.model.vision.pixel_mean and pixel_std", flush=True)
   cfg.run.workdir = str(out)
   record = _record(sources, taken)
   import jax  # pylint: disable=import-outside-toplevel
