@@ -45,7 +45,7 @@ def converted(path: str, tok: ChatTokenizer, count: int = 0) -> list[dict]:
   """The first `count` (0: all) samples of a converted shard: `id` (the LLaVA record's id, as
   the converter kept it; None in older conversions), `position` (the sample's index in the
   shard: records may share an id), `sample`, `prompt_ids`, `references`."""
-  source = loader.open_shard(str(path))
+  source = loader.open_shard(str(path), "conversations")
   out = []
   for i in range(min(count, len(source)) if count else len(source)):
     data = source[i]

@@ -389,7 +389,7 @@ def validate_data(cfg: Config) -> None:
           f"(its conversations.json); use >= {longest}, as the launch line that tools.convert "
           "printed does.")
   n = cfg.eval.samples
-  held_out = len(loader.open_shard(paths["eval"]))
+  held_out = len(loader.open_shard(paths["eval"], "conversations"))
   require(held_out > 0, "data.dir",
           f"{paths['eval']} holds no held-out samples (converted with --eval 0) and a run "
           f"evaluates eval.samples={n} of them; convert the data again with --eval {n} (or "

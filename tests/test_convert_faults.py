@@ -450,5 +450,5 @@ def test_the_launch_line_is_a_valid_run_whose_rows_hold_every_sample(src, tmp_pa
   # Every train sample fits the line's rows, as the run checks before compiling (an epoch of
   # steps).
   paths = conversations.paths(cfg)
-  steps = -(-len(loader.open_shard(paths["train"])) // cfg.data.global_batch)
+  steps = -(-len(loader.open_shard(paths["train"], "conversations")) // cfg.data.global_batch)
   assert capacity.check_capacity(cfg, paths["train"], 1, 0, steps)

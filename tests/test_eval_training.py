@@ -45,7 +45,7 @@ def test_generated_answers_are_scored_at_each_eval_as_tools_eval_scores_them(con
   rows = [json.loads(x) for x in (tmp_path / "preds.jsonl").read_text().splitlines()]
   assert len(rows) == 3 and all(r["reference"] for r in rows)
   # Each row names its record by the id the converter kept, and its place in the split.
-  shard = loader.open_shard(str(converted / "eval.array_record"))
+  shard = loader.open_shard(str(converted / "eval.array_record"), "conversations")
   assert [(r["id"], r["position"]) for r in rows] == [
       (conversations.record_id(shard[i], "eval", i), i) for i in range(3)]
   assert all(isinstance(r["id"], str) and "-" in r["id"] for r in rows), rows

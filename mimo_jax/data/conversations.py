@@ -28,6 +28,7 @@ import pathlib
 
 import numpy as np
 
+from mimo_jax import encoders
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records, images, records
 from mimo_jax.data.text import TokenIds
@@ -97,7 +98,6 @@ def manifest(directory: str) -> dict:
 def placeholders(image_id: int | None, audio_id: int | None) -> dict[str, int]:
   """The registered encoders that read a sample's images or clips, each with the image or audio
   token as its placeholder (a conversion's marks: not the built-in tasks')."""
-  from mimo_jax import encoders  # pylint: disable=import-outside-toplevel
   ids = {IMAGES: image_id, audio_records.AUDIOS: audio_id}
   return {e.name: ids[e.sample_key] for e in encoders.REGISTRY.values()
           if ids.get(e.sample_key) is not None}

@@ -94,7 +94,7 @@ class _Decode(grain.transforms.Map):
     return index, read_record(lambda: record, self._path, index, self._decode)
 
 
-def open_shard(path: str, task: str = "conversations") -> grain.sources.ArrayRecordDataSource:
+def open_shard(path: str, task: str) -> grain.sources.ArrayRecordDataSource:
   """A shard's records by index (its length is read from the file, no record is); a file that is
   not a shard (a truncated one, say) is a DataError naming the fix for `task`'s shards."""
   try:
