@@ -30,19 +30,27 @@ def collect() -> None:
     gc.collect()
 
 
-def drop_closed_loop_reports():
+def drop_closed_loop_reports(collect_now: bool = True):
   """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
   closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
   read until its checkpointer is closed those reports, and only those, are dropped; returns the
-  hook to restore then."""
+  hook to restore then. `collect_now` collects the failed read's leftovers that are already
+  garbage (false: installed before reading)."""
   previous = sys.unraisablehook
 
   def hook(unraisable):
     if not _is_closed_loop_report(unraisable):
       previous(unraisable)
+  hook.drops_closed_loop_reports = True
   sys.unraisablehook = hook
-  collect()  # the failed read's leftovers that are already garbage
+  if collect_now:
+    collect()
   return previous
+
+
+def dropping_closed_loop_reports() -> bool:
+  """Whether `sys.unraisablehook` is one `drop_closed_loop_reports` installed."""
+  return getattr(sys.unraisablehook, "drops_closed_loop_reports", False)
 
 
 def _all_deferred(record) -> bool:

@@ -77,17 +77,21 @@ def raise_if_interrupted() -> None:
 def quiet_lost_interrupts() -> Iterator[None]:
   """While the block runs, an `Interrupted` that cannot leave a garbage-collection callback or a
   finalizer is not printed: Python hands it to `sys.unraisablehook`, whose default prints
-  'Exception ignored' and a traceback. Whoever raised it keeps a record and raises it again."""
-  kept = sys.unraisablehook
+  'Exception ignored' and a traceback. Whoever raised it keeps a record and raises it again.
+  A hook installed over it inside the block stays after it (the checkpoint reader's, which drops
+  the reports a failed read leaves behind until the process ends), this one passing all through."""
+  kept, active = sys.unraisablehook, [True]
 
   def hook(info):
-    if not isinstance(info.exc_value, Interrupted):
+    if not (active[0] and isinstance(info.exc_value, Interrupted)):
       kept(info)
   sys.unraisablehook = hook
   try:
     yield
   finally:
-    sys.unraisablehook = kept
+    active[0] = False
+    if sys.unraisablehook is hook:
+      sys.unraisablehook = kept
 
 
 @contextlib.contextmanager

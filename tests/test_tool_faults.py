@@ -222,6 +222,31 @@ def test_a_step_missing_a_modules_folder_fails_alone(run, capsys):
   assert ckpt.main(["check", str(run), "--step", "20"]) == 0
 
 
+def test_check_of_a_truncated_step_prints_no_closed_loop_reports(run, monkeypatch, capsys):
+  """A step's file cut to 0 bytes: orbax's reads left behind report "Event loop is closed" from
+  its threads, some before the failure reaches the reader and some after the tool's `main` (its
+  interrupt handling put back the hooks it found): none may print around the error line."""
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)
+  closed = lambda: sys.unraisablehook(  # pylint: disable=unnecessary-lambda-assignment
+      type("Report", (), {"exc_type": RuntimeError, "object": None, "err_msg": None,
+                          "exc_value": RuntimeError("Event loop is closed"),
+                          "exc_traceback": None})())
+  real = checkpoint_reader._read_module  # pylint: disable=protected-access
+
+  def read_module(mngr, step, module):
+    if step == 30:
+      closed()  # a leftover of the failed read, before the failure reaches the reader
+    return real(mngr, step, module)
+  monkeypatch.setattr(checkpoint_reader, "_read_module", read_module)
+  largest = max((run / "checkpoints" / "30").rglob("d/*"), key=lambda p: p.stat().st_size)
+  largest.write_bytes(b"")
+  assert ckpt.main(["check", str(run)]) == 2
+  closed()  # one after main
+  _error(capsys, "tools.ckpt", "step 30", "--config.checkpoint.restore_step=20")
+  assert seen == []
+
+
 def test_check_names_only_the_module_whose_metadata_is_damaged(run, capsys):
   (run / "checkpoints" / "30" / "vision" / "_METADATA").write_text("garbage{")
   assert ckpt.main(["check", str(run)]) == 2
