@@ -166,6 +166,8 @@ def test_a_header_whose_lie_fits_the_bytes_is_refused_as_the_tensor_is_read(tmp_
     ("llava15", lambda c: c["vision_config"].update(layer_norm_eps="1e-5"),
      ("vision_config.layer_norm_eps",)),
     ("llava15", lambda c: c.update(image_token_index="<image>"), ("image_token_index",)),
+    ("llava15", lambda c: c.update(image_token_index=64), ("field image_token_index is 64",
+                                                           "text_config.vocab_size 64")),
 ])
 def test_null_missing_or_mistyped_config_fields_are_one_line(tmp_path, capsys, fixture, edit,
                                                              words):

@@ -16,9 +16,10 @@ the launch command, with placeholders for the data the run still needs (data.dir
 data.image_token unless a LLaVA's config.json gives it), and a note when the default base is used
 on a machine with CPUs only.
 An override that contradicts config.json is an error naming both values; so is a config.json
-field that is missing, null or of another type, a tensor holding NaN or infinity (refused as it
-is read), an --out that is a file or a non-empty directory (a WORKDIR that holds checkpoints
-among them), or too little free space: each before anything is written. The workdir is written
+field that is missing, null or of another type, a LLaVA's image_token_index past its
+text_config.vocab_size, a tensor holding NaN or infinity (refused as it is read), an --out that
+is a file or a non-empty directory (a WORKDIR that holds checkpoints among them), or too little
+free space: each before anything is written. The workdir is written
 in a staging directory beside it that becomes WORKDIR in one rename with config.py in it; an
 import that fails, is interrupted (Ctrl-C) or killed (SIGTERM) leaves nothing (exit status
 130 or 143).

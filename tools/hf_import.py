@@ -91,7 +91,7 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
           "preprocessor_config.json beside its config.json and import again, or set "
           "--config.model.vision.pixel_mean and pixel_std", flush=True)
   cfg.run.workdir = str(out)
-  record = _record(sources, taken)
+  record = _record(sources, taken, cfg.model.language.vocab_size)
   import jax  # pylint: disable=import-outside-toplevel
   from mimo_jax.state import host_gib  # pylint: disable=import-outside-toplevel
   from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
@@ -177,13 +177,19 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
   ckpt.close()
 
 
-def _record(sources: list, taken: dict) -> dict:
+def _record(sources: list, taken: dict, vocab: int) -> dict:
   """hf_import.json: the directories (absolute: readers run elsewhere), the module each gave, and
-  what the export writes back (LLaVA's image token, the language model's context)."""
+  what the export writes back (LLaVA's image token, which must be an id of the language model's
+  `vocab`, and the language model's context)."""
   token = next((s.config.get("image_token_index") for s in sources if s.kind == "llava"), None)
-  if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
-    fail(f"{next(s for s in sources if s.kind == 'llava').path / 'config.json'}: field "
-          f"image_token_index is {json.dumps(token)}; set it to the tokenizer's <image> id.")
+  if token is not None:
+    where = next(s for s in sources if s.kind == "llava").path / "config.json"
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+      fail(f"{where}: field image_token_index is {json.dumps(token)}; set it to the tokenizer's "
+           "<image> id.")
+    if vocab and token >= vocab:
+      fail(f"{where}: field image_token_index is {token}, past the vocabulary (text_config."
+           f"vocab_size {vocab}: ids 0 to {vocab - 1}); set it to the tokenizer's <image> id.")
   context = next((hf.field(hf.text_config(s), "max_position_embeddings",
                            str(s.path / "config.json"), int, None,
                            "text_config" if s.kind == "llava" else "", nullable=True)
