@@ -130,3 +130,18 @@ def file_size_limit(nbytes: int):
     yield
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def deep_images(image, folder) -> dict:
+  """Image file `image` as 8-bit grayscale ("8"), as a 16-bit PNG ("16") and as a float TIFF
+  ("float") of the same values, and as a float TIFF of values past [0, 1] ("past"), in `folder`:
+  their paths."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  gray = np.asarray(Image.open(image).convert("L"))
+  files = {k: folder / f for k, f in (("8", "gray8.png"), ("16", "gray16.png"),
+                                      ("float", "gray.tif"), ("past", "past.tif"))}
+  Image.fromarray(gray).save(files["8"])
+  Image.fromarray(gray.astype(np.uint16) * 257).save(files["16"])  # 255 -> 65535
+  Image.fromarray(gray.astype(np.float32) / 255, "F").save(files["float"])
+  Image.fromarray(gray.astype(np.float32), "F").save(files["past"])  # 0..255 as floats
+  return files

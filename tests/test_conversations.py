@@ -19,7 +19,7 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations
 from mimo_jax.data.chat import ChatTokenizer, messages
 from mimo_jax.data.images import ImageProcessor
-from tests.helpers import tiny_config
+from tests.helpers import deep_images, tiny_config
 from tools import convert
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -126,6 +126,38 @@ def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys, 
   monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
   assert convert.main(_args(source, tmp_path / "out2", "--workers", "1")) == 0
   assert "converting: 100%" in capsys.readouterr().err
+
+
+def test_16_bit_and_float_images_convert_as_their_8_bit_values(tmp_path, capsys):
+  """A 16-bit PNG and a float TIFF in [0, 1] hold the 8-bit image's values (Pillow's own
+  conversion clips them: almost white, black); a float image past [0, 1] is a bad record."""
+  files = deep_images(FIXTURES / "images" / "portrait.png", tmp_path)
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(
+      {"id": k, "image": f.name, "conversations": [{"from": "human", "value": "<image> what?"},
+                                                   {"from": "gpt", "value": "x"}]})
+      for k, f in files.items()))
+  out = tmp_path / "out"
+  args = ["--json", str(tmp_path / "d.jsonl"), "--images", str(tmp_path), "--tokenizer",
+          str(TOKENIZER), "--processor", str(PROCESSOR), "--out", str(out), "--workers", "1",
+          "--eval", "1"]
+  assert convert.main(args) == 0
+  err = capsys.readouterr().err
+  assert re.search(r"past\.tif is a float image with values from \d+ to \d+, where float pixels "
+                   r"are read as \[0, 1\]", err), err
+  assert conversations.manifest(str(out))["skipped"] == {"unsupported image": 1}
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  got = {}
+  for split in conversations.SPLITS:
+    path = str(out / f"{split}.array_record")
+    reader = array_record_module.ArrayRecordReader(path)
+    for i in range(reader.num_records()):
+      record = reader.read([i])[0]
+      got[conversations.record_id(record, path, i)] = conversations.decode(record, path, i)
+  assert sorted(got) == ["16", "8", "float"]
+  np.testing.assert_array_equal(got["8"]["images"][0],
+                                ImageProcessor.open(PROCESSOR)(Image.open(files["8"])))
+  for k in ("16", "float"):
+    np.testing.assert_array_equal(got[k]["images"][0], got["8"]["images"][0])
 
 
 def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(source, tmp_path, capsys):

@@ -30,7 +30,7 @@ from mimo_jax.encoders.vision import VisionConfig
 from mimo_jax.data import conversations, conversion
 from mimo_jax.state import ModuleState
 from mimo_jax.validation import validate
-from tests.helpers import file_size_limit
+from tests.helpers import deep_images, file_size_limit
 from tests.test_generate import _tokenizer
 from tools import ckpt
 from tools import generate as generate_tool
@@ -492,6 +492,25 @@ def test_generate_prepares_images_as_the_runs_data_from_another_directory(run, m
   with pytest.raises(_Prepared) as got:
     generate_tool.main([str(run), "--image", str(IMAGE), "--no-pad_to_square"])
   np.testing.assert_array_equal(np.rint(got.value.args[0][0] * 255).astype(np.uint8), unpadded)
+
+
+def test_generate_reads_16_bit_and_float_images_as_the_converter_does(run, monkeypatch, capsys):
+  from mimo_jax.encoders import vision as vision_encoder  # pylint: disable=import-outside-toplevel
+
+  def tokens(cfg, params, images):  # pylint: disable=unused-argument
+    raise _Prepared(images)
+  monkeypatch.setattr(vision_encoder, "image_tokens", tokens)
+  files = deep_images(IMAGE, run.parent)
+  prepared = {}
+  for k in ("8", "16", "float"):
+    with pytest.raises(_Prepared) as got:
+      generate_tool.main([str(run), "--image", str(files[k])])
+    prepared[k] = got.value.args[0][0]
+  np.testing.assert_array_equal(prepared["16"], prepared["8"])
+  np.testing.assert_array_equal(prepared["float"], prepared["8"])
+  assert generate_tool.main([str(run), "--image", str(files["past"])]) == 2
+  _error(capsys, "tools.generate", "past.tif", "float image with values from 9 to 247",
+         "[0, 1]")
 
 
 def test_check_with_every_step_rotated_away_says_try_again_not_damaged(run, monkeypatch, capsys):

@@ -15,7 +15,8 @@ relative to `--images`. Each record is rendered with the language model's chat t
 becoming the image token, with a loss mask on the assistant turns; each image is prepared by the
 vision tower's processor (`--processor`, default the tokenizer's directory:
 preprocessor_config.json; mimo_jax/data/images.py) and stored decoded, as uint8 pixels at the
-processor's size (no decoding while training).
+processor's size (no decoding while training); a 16-bit grayscale image is scaled to 8 bits and a
+float one read as [0, 1].
 
 Output in `--out`: `train.array_record` and `eval.array_record` (each sample with its record's
 `"id"`, or its index in `--json` where it has none) with their metadata sidecars, and
@@ -36,13 +37,14 @@ failed write (a full disk, a quota, a file size limit) stops the conversion at o
 reason. An `--out` that is a file, a non-empty folder that holds no conversion, a folder with a
 conversion, or a place that cannot be written is refused.
 
-Bad records (a missing, corrupt or too large image, an image field that is not a path or a list of
-paths, an image path leading out of `--images` by `..`, an absolute path or a symbolic link, an
-`<image>` count other than the images listed, turns that are not objects with text values, a word
-the tokenizer cannot encode, a sample longer than `--seq_len` once each image takes
-`--image_tokens`, an unknown role, no assistant turn) are skipped and counted by reason, each
-reported with its record id and file (`--on_error skip`, the default), or stop the conversion
-with that message and exit status 2, writing nothing (`--on_error fail`).
+Bad records (a missing, corrupt or too large image, an unsupported one (a float image with values
+outside [0, 1], a 32-bit integer image), an image field that is not a path or a list of paths, an
+image path leading out of `--images` by `..`, an absolute path or a symbolic link, an `<image>`
+count other than the images listed, turns that are not objects with text values, a word the
+tokenizer cannot encode, a sample longer than `--seq_len` once each image takes `--image_tokens`, an
+unknown role, no assistant turn) are skipped and counted by reason, each reported with its record id
+and file (`--on_error skip`, the default), or stop the conversion with that message and exit status
+2, writing nothing (`--on_error fail`).
 `--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
 template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
 one error line, exit status 2.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import audio_records
+from mimo_jax.data import audio_records, images
 from tools.display import count
 
 
@@ -83,6 +83,8 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
     except Image.DecompressionBombError as e:
       raise ConfigError(f"{f}: refused as a possible decompression bomb ({e}); give a smaller "
                         "image.") from None
+    except images.UnsupportedImage as e:  # as the converter refuses it
+      raise ConfigError(f"{f}: {e}.") from None
     except (OSError, ValueError) as e:
       raise ConfigError(f"{f}: cannot be read as an image ({e}).") from None
   size, channels = cfg.model.vision.image_size, cfg.model.vision.channels

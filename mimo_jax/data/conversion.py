@@ -134,6 +134,8 @@ def _read_image(f: str, where: str):
   except images.TOO_LARGE as e:
     raise RecordError("image too large", f"{where}: image {path} is too large to decode ({e}).") \
         from None
+  except images.UnsupportedImage as e:
+    raise RecordError("unsupported image", f"{where}: image {path} is {e}.") from None
   except Exception as e:  # pylint: disable=broad-except
     raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 

@@ -7,6 +7,8 @@
 Steps, as transformers' PIL backend runs them (`CLIPImageProcessorPil`, `SiglipImageProcessorPil`,
 the processors without torchvision):
 
+0. A 16-bit grayscale image is scaled to 8 bits (by 255 / 65535), a float one read as [0, 1]
+   (`eight_bit`; Pillow's conversion would clip them), each rounded.
 1. RGB: an image with transparency is composited onto white, grayscale and palette images become
    RGB. With `do_convert_rgb: false` an image keeps its bands: a grayscale image stays one channel
    ([h, w, 1]; the digits task's tower reads one channel).
@@ -112,7 +114,9 @@ class ImageProcessor:
 
   def __call__(self, image: Image.Image) -> np.ndarray:
     """A PIL image -> uint8 pixels [h, w, 3] ([h, w, bands] without RGB conversion), resized and
-    cropped as the processor does."""
+    cropped as the processor does; 16-bit and float grayscale images become 8-bit first
+    (`eight_bit`)."""
+    image = eight_bit(image)
     if self.convert_rgb:
       image = rgb(image)
     elif image.mode not in ("L", "RGB"):
@@ -136,6 +140,45 @@ class ImageProcessor:
     x = pixels.astype(np.float32) / np.float32(255)
     x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
     return np.moveaxis(x, -1, 0)
+
+
+class UnsupportedImage(ValueError):
+  """An image whose pixel values have no defined 8-bit meaning (`eight_bit`)."""
+
+
+# Half an 8-bit step: float values this far outside [0, 1] round to 0 or 255 all the same.
+FLOAT_SLACK = 0.5 / 255
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+  """A grayscale image of more than 8 bits as 8-bit grayscale ("L"), other images as they are:
+  16-bit ("I;16", and a PNG's "I", as older Pillow opens 16-bit PNGs) scaled by 255 / 65535,
+  float ("F") taken as [0, 1] and scaled by 255, both rounded. Pillow's own conversion clips
+  instead (a 16-bit image comes out almost white, a float one black). A float image with values
+  outside [0, 1] (or NaN), or a 32-bit integer image, is UnsupportedImage: its range is not
+  known."""
+  mode = image.mode
+  if mode.startswith("I;16") or (mode == "I" and image.format == "PNG"):
+    x = np.asarray(image).astype(np.uint32)
+    if x.max(initial=0) > 65535:
+      raise UnsupportedImage(f"a 16-bit image with values up to {x.max()} (past 65535)")
+    return Image.fromarray(((x * 255 + 32767) // 65535).astype(np.uint8), "L")
+  if mode == "F":
+    x = np.asarray(image, np.float64)
+    if x.size and not (np.isfinite(x).all() and -FLOAT_SLACK <= x.min()
+                       and x.max() <= 1 + FLOAT_SLACK):
+      seen = x[~np.isnan(x)]
+      found = f"from {seen.min():.4g} to {seen.max():.4g}" if seen.size else "NaN only"
+      raise UnsupportedImage(f"a float image with values {found}"
+                             f"{' and NaN' if seen.size < x.size and seen.size else ''}, where "
+                             "float pixels "
+                             "are read as [0, 1]; save it as 8- or 16-bit, or scale it to "
+                             "[0, 1]")
+    return Image.fromarray(np.clip(np.round(x * 255), 0, 255).astype(np.uint8), "L")
+  if mode == "I":
+    raise UnsupportedImage("a 32-bit integer image, whose range is not known; save it as 8- or "
+                           "16-bit")
+  return image
 
 
 def rgb(image: Image.Image) -> Image.Image:
