@@ -290,7 +290,8 @@ def bad(src, tmp_path_factory):
            "bad conversation": [rec(3, conversations=["<img> seven", "seven"]),
                                 rec(4, conversations=[{"from": "human", "value": 7},
                                                       {"from": "gpt", "value": "seven"}])],
-           "untokenizable": [rec(5, text="<img> zebra")]}
+           "untokenizable": [rec(5, text="<img> zebra")],
+           "bad id field": [rec(6, id=float("nan")), rec(7, id={"b": 7}), rec(8, id=None)]}
   good = [rec(10 + k) for k in range(6)]
   for reason, records in cases.items():
     _write(root / f"{reason.replace(' ', '_')}.jsonl", records + good)
@@ -315,13 +316,14 @@ def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monke
 
 
 @pytest.mark.parametrize("reason", ["image too large", "bad image field", "bad conversation",
-                                    "untokenizable"])
+                                    "untokenizable", "bad id field"])
 def test_a_bad_record_under_fail_is_one_line(bad, tmp_path, capsys, monkeypatch, reason):
   root, _ = bad
   monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
   data = f"{reason.replace(' ', '_')}.jsonl"
   rc, err, _ = _main(_bad_args(root, tmp_path / "out", data, "--on_error", "fail"), capsys)
-  _one_line_error(rc, err, "(id 'b", "--on_error skip converts the rest")
+  _one_line_error(rc, err, "record 0 (id ", "--on_error skip converts the rest",
+                  "\"id\" is NaN, not a string or an integer" if reason == "bad id field" else "")
   assert _leftovers(tmp_path) == []
 
 

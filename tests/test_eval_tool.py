@@ -186,6 +186,9 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
     ({"id": 1, "image": str(IMAGES / "landscape.png"), "conversations": [
         {"from": "human", "value": "hello"}, {"from": "gpt", "value": "there"}]},
      "its prompt has 0 <image> for 1 image."),
+    ({"id": float("nan"), "conversations": [{"from": "human", "value": "hello"},
+                                            {"from": "gpt", "value": "there"}]},
+     "\"id\" is NaN, not a string or an integer"),
 ])
 def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   data = setup / "bad.json"
@@ -194,7 +197,7 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
                          str(setup / "tok"), "--processor", str(setup / "tok"),
                          "--out", str(setup / "bad.jsonl")]) == 2
   err = capsys.readouterr().err
-  assert "record 0 (id 1)" in err and message in err
+  assert ("record 0 (id 1)" if record["id"] == 1 else "record 0: ") in err and message in err
   assert not (setup / "bad.jsonl").exists()
 
 

@@ -38,13 +38,13 @@ reason. An `--out` that is a file, a non-empty folder that holds no conversion, 
 conversion, or a place that cannot be written is refused.
 
 Bad records (a missing, corrupt or too large image, an unsupported one (a float image with values
-outside [0, 1], a 32-bit integer image), an image field that is not a path or a list of paths, an
-image path leading out of `--images` by `..`, an absolute path or a symbolic link, an `<image>`
-count other than the images listed, turns that are not objects with text values, a word the
-tokenizer cannot encode, a sample longer than `--seq_len` once each image takes `--image_tokens`, an
-unknown role, no assistant turn) are skipped and counted by reason, each reported with its record id
-and file (`--on_error skip`, the default), or stop the conversion with that message and exit status
-2, writing nothing (`--on_error fail`).
+outside [0, 1], a 32-bit integer image), an id that is not a string or an integer, an image field
+that is not a path or a list of paths, an image path leading out of `--images` by `..`, an absolute
+path or a symbolic link, an `<image>` count other than the images listed, turns that are not objects
+with text values, a word the tokenizer cannot encode, a sample longer than `--seq_len` once each
+image takes `--image_tokens`, an unknown role, no assistant turn) are skipped and counted by reason,
+each reported with its record id and file (`--on_error skip`, the default), or stop the conversion
+with that message and exit status 2, writing nothing (`--on_error fail`).
 `--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
 template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
 one error line, exit status 2.

@@ -72,7 +72,7 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   from mimo_jax import eval_set
   from mimo_jax.data import audio_records, conversations, images, llava_json
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
-  from mimo_jax.data.record_error import RecordError
+  from mimo_jax.data.record_error import RecordError, record_id
   settings, audio_id = audio
   try:
     records = llava_json.read_records(pathlib.Path(args.data))
@@ -83,7 +83,11 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
       else None
   out, seen, opened = [], set(), []
   for i, r in enumerate(records[:args.samples or None]):
-    key = r.get("id", i)
+    try:
+      key = record_id(r, f"--data {args.data}: record {i}")
+    except RecordError as e:  # rows are kept by id, in JSON
+      raise ConfigError(str(e)) from None
+    key = i if key is None else key
     where = f"--data {args.data}: record {i} (id {key!r})"
     if json.dumps(key) in seen:
       raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "

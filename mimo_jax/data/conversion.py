@@ -154,6 +154,7 @@ def _held(images: int, image_tokens: int, clip_tokens: list[int]) -> str:
 def convert_record(record: dict, where: str) -> dict:
   """One record -> a sample (`tokens`, `loss_mask`, `images`), or RecordError (after `_init`)."""
   w, opts = _WORKER, _WORKER["opts"]
+  record_error.record_id(record, where)
   turns = record.get("conversations")
   if not isinstance(turns, list) or not turns:
     raise RecordError("no conversations", f"{where}: no conversations list.")

@@ -23,3 +23,16 @@ def paths(value, key: str, kind: str, where: str) -> list[str]:
     return value
   raise RecordError(f"bad {kind} field", f"{where}: \"{key}\" is {json.dumps(value)[:60]}, not "
                     "a path or a list of paths.")
+
+
+def record_id(record: dict, where: str):
+  """A record's "id": a string or an integer (absent: None); anything else (null, NaN, a float,
+  a bool, a list, an object) is a RecordError of reason "bad id field" naming the record
+  (`where`): a sample keeps its id, and records of one id stay on one side of the eval split."""
+  if "id" not in record:
+    return None
+  value = record["id"]
+  if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+    return value
+  raise RecordError("bad id field", f"{where}: \"id\" is {json.dumps(value)[:60]}, not a string "
+                    "or an integer; give the record a string id, or none (its index names it).")
