@@ -69,7 +69,8 @@ def source(tmp_path_factory):
 def _args(source, out, *extra):
   return ["--json", str(source / "data.jsonl"), "--images", str(source / "images"),
           "--tokenizer", str(TOKENIZER), "--processor", str(PROCESSOR), "--out", str(out),
-          "--seq_len", "170", "--image_tokens", "25", "--eval", "4", *extra]
+          "--seq_len", "170", "--image_tokens", "25", "--eval", "4",
+          "--max_skipped_fraction", "1", *extra]  # 5 bad records of 17
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_16_bit_and_float_images_convert_as_their_8_bit_values(tmp_path, capsys)
   out = tmp_path / "out"
   args = ["--json", str(tmp_path / "d.jsonl"), "--images", str(tmp_path), "--tokenizer",
           str(TOKENIZER), "--processor", str(PROCESSOR), "--out", str(out), "--workers", "1",
-          "--eval", "1"]
+          "--eval", "1", "--max_skipped_fraction", "0.25"]  # 1 of 4
   assert convert.main(args) == 0
   err = capsys.readouterr().err
   assert re.search(r"past\.tif is a float image with values from \d+ to \d+, where float pixels "

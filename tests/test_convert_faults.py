@@ -302,7 +302,7 @@ def bad(src, tmp_path_factory):
 def _bad_args(root, out, data, *extra):
   return ["--json", str(root / data), "--images", str(root / "images"), "--tokenizer",
           str(root / "tok"), "--image_token", "<img>", "--out", str(out), "--workers", "1",
-          "--eval", "1", *extra]
+          "--eval", "1", "--max_skipped_fraction", "1", *extra]
 
 
 def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monkeypatch):
@@ -313,6 +313,41 @@ def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monke
   assert "Traceback" not in err
   assert conversations.manifest(str(tmp_path / "out"))["skipped"] == expected
   assert sum(_counts(tmp_path / "out").values()) == 6
+
+
+def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_path, capsys,
+                                                                       monkeypatch):
+  """9 of 15 records bad: past the default 5% the conversion fails naming the reasons and first
+  records; allowed, it ends with that summary and the file that lists every skipped record."""
+  root, expected = bad
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
+  args = _bad_args(root, tmp_path / "out", "all.jsonl", "--eval", "2")
+  at = args.index("--max_skipped_fraction")
+  del args[at:at + 2]  # the default limit
+  rc, err, _ = _main(args, capsys)
+  summary = ("9 of 15 records (60.0%) were skipped: bad id field 3 (record 12, record 13, "
+             "record 14), image too large 2 ('b0', 'b1'), bad conversation 2 ('b3', 'b4'), bad "
+             "image field 1 ('b2'), untokenizable 1 ('b5')")
+  _one_line_error(rc, err, summary, "more than --max_skipped_fraction 0.05 allows")
+  assert _leftovers(tmp_path) == []
+  rc, err, _ = _main(args + ["--max_skipped_fraction", "0.7"], capsys)
+  assert rc == 0, err
+  listed = tmp_path / "out" / conversion.SKIPPED
+  assert f"convert: warning: {summary}; each with its error in {listed} " in err, err
+  rows = [json.loads(line) for line in listed.read_text().splitlines()]
+  assert [r["record"] for r in rows] == list(range(6, 15))
+  assert {r["reason"]: sum(x["reason"] == r["reason"] for x in rows) for r in rows} == expected
+  assert rows[0]["id"] == "b0" and rows[-1]["id"] is None and "(id 'b0')" in rows[0]["error"]
+  # 1 of 21 (4.8%) under the default: converted, with the summary.
+  good = json.loads((root / "all.jsonl").read_text().splitlines()[0])
+  _write(tmp_path / "few.jsonl", [dict(good, id=f"g{k}") for k in range(20)]
+         + [dict(good, id="odd", image=5)])
+  instead = {str(root / "all.jsonl"): str(tmp_path / "few.jsonl"),
+             str(tmp_path / "out"): str(tmp_path / "few")}
+  rc, err, _ = _main([instead.get(a, a) for a in args], capsys)
+  assert rc == 0, err
+  assert ("convert: warning: 1 of 21 records (4.8%) was skipped: bad image field 1 ('odd'); "
+          "each with its error in ") in err, err
 
 
 @pytest.mark.parametrize("reason", ["image too large", "bad image field", "bad conversation",
@@ -339,7 +374,8 @@ def test_image_paths_out_of_images_are_refused_unless_allowed(src, tmp_path, cap
   records += [_record(10 + k, image="in.png") for k in range(4)]
   _write(tmp_path / "d.jsonl", records)
   args = ["--json", str(tmp_path / "d.jsonl"), "--images", str(images), "--tokenizer",
-          str(TOKENIZER), "--processor", str(PROCESSOR), "--workers", "1", "--eval", "2"]
+          str(TOKENIZER), "--processor", str(PROCESSOR), "--workers", "1", "--eval", "2",
+          "--max_skipped_fraction", "1"]
   rc, err, _ = _main(args + ["--out", str(tmp_path / "strict")], capsys)
   assert rc == 0, err
   assert conversations.manifest(str(tmp_path / "strict"))["skipped"] == {"outside --images": 3}

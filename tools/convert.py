@@ -3,7 +3,8 @@
   python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
       [--global_batch 32] \\
-      [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] [--workers N] \\
+      [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] \\
+      [--max_skipped_fraction 0.05] [--workers N] \\
       [--allow_outside_images] [--audio DIR] [--audio_token "<|AUDIO|>"] \\
       [--audio_markers "<|audio_bos|><|AUDIO|><|audio_eos|>"] [--mel_bins 128] [--audio_pool 2] \\
       [--audio_window 30]
@@ -44,7 +45,11 @@ path or a symbolic link, an `<image>` count other than the images listed, turns 
 with text values, a word the tokenizer cannot encode, a sample longer than `--seq_len` once each
 image takes `--image_tokens`, an unknown role, no assistant turn) are skipped and counted by reason,
 each reported with its record id and file (`--on_error skip`, the default), or stop the conversion
-with that message and exit status 2, writing nothing (`--on_error fail`).
+with that message and exit status 2, writing nothing (`--on_error fail`). Skipped records end the
+conversion with a warning that counts them by reason with each reason's first records, and are
+listed in `skipped.jsonl` in `--out` (`record`, `id`, `reason`, `error` a row); more of them than
+`--max_skipped_fraction` of the records (default 0.05; 1: never) fail the conversion with that
+summary, exit status 2, writing nothing.
 `--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
 template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
 one error line, exit status 2.
@@ -148,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--pad_to_square", action="store_true",
                       help="LLaVA's pad to square (on the processor's mean colour)")
   parser.add_argument("--on_error", choices=("skip", "fail"), default="skip")
+  parser.add_argument("--max_skipped_fraction", type=float,
+                      default=conversion.MAX_SKIPPED_FRACTION,
+                      help="with --on_error skip: the conversion fails, writing nothing, when "
+                      "more than this fraction of the records is skipped (default "
+                      f"{conversion.MAX_SKIPPED_FRACTION:g}; 1: never)")
   parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--seed", type=int, default=0, help="seed of the eval draw")
   parser.add_argument("--allow_outside_images", action="store_true",
@@ -179,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
       or args.global_batch < 1 or args.seed < 0):
     return _error("--workers, --image_tokens, --audio_pool, --audio_window and --global_batch must "
                   "be at least 1, --seq_len and --seed at least 0.")
+  if not 0 <= args.max_skipped_fraction <= 1:  # NaN too
+    return _error(f"--max_skipped_fraction {args.max_skipped_fraction:g}: a fraction of the "
+                  "records, from 0 (none may be skipped) to 1 (any may).")
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
     if args.image_tokens is None:
@@ -197,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
       image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
       allow_outside_images=args.allow_outside_images,
+      max_skipped_fraction=args.max_skipped_fraction,
       audio=audio_records.Settings(args.audio, args.audio_token, args.audio_markers,
                                    args.mel_bins, args.audio_pool, args.allow_outside_images,
                                    args.audio_window))
@@ -229,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(skipped.values())} skipped"
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
+  if m["skipped_records"]:
+    print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
+          f"each with its error in {out / conversion.SKIPPED} (--max_skipped_fraction "
+          f"{args.max_skipped_fraction:g} fails a conversion that skips more).", file=sys.stderr)
   vocab = model_vocab(args.tokenizer, m["vocab_size"])
   print(f"train with (MODEL_CONFIG: {MODEL_CONFIG}):\n  "
         + " ".join(["python -m mimo_jax.launch --config=MODEL_CONFIG"]

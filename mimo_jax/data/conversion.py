@@ -39,6 +39,10 @@ from mimo_jax.workdir import describe_os_error
 # compressed (zlib's fastest level: the writer's own compression shrinks records at least about as
 # much; audio features' padding shrinks some hundredfold), has failed.
 WRITE_LAG = 64 << 20
+# The most records a conversion may skip, as a fraction of those read (`--max_skipped_fraction`):
+# a few bad records are skipped, many mean a wrong flag or a broken source.
+MAX_SKIPPED_FRACTION = 0.05
+SKIPPED = "skipped.jsonl"  # in the output: each skipped record, its reason and error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Options:
   on_error: str = "skip"  # or "fail"
   workers: int = 1  # processes; 1 = in this process
   allow_outside_images: bool = False  # read image paths that lead out of `images`
+  max_skipped_fraction: float = MAX_SKIPPED_FRACTION  # more skipped records fail the conversion
   audio: audio_records.Settings = audio_records.Settings()  # clips: folder, token, features
 
 
@@ -297,12 +302,14 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
             seed: int = 0, eval_ids=None, progress: bool = True) -> dict:
   """Converts the LLaVA-format records of `source` into directory `out` (shards, sidecars,
   manifest) and returns the manifest, with the seconds it took under `seconds`, the records read
-  under `records` and the ids several records share under `shared_ids`. Eval takes `eval_count`
-  records (None: `default_eval`) drawn with `seed`, every record of an id on one side, or the
-  record indices `eval_ids`. Bad records are skipped and counted (`on_error="skip"`, each reported
-  on stderr) or raise ConfigError with nothing written; a failed write is a ConfigError naming the
-  file system's reason; any failure or interrupt removes what this conversion wrote. Callers that
-  publish `out` as a whole (tools.convert) pass a fresh staging directory."""
+  under `records`, the ids several records share under `shared_ids` and the skipped records
+  (`SKIPPED`'s rows, in order) under `skipped_records`. Eval takes `eval_count` records (None:
+  `default_eval`) drawn with `seed`, every record of an id on one side, or the record indices
+  `eval_ids`. Bad records are skipped and counted (`on_error="skip"`, each reported on stderr and
+  listed in SKIPPED; more than `opts.max_skipped_fraction` of the records is a ConfigError with
+  nothing written) or raise ConfigError with nothing written; a failed write is a ConfigError
+  naming the file system's reason; any failure or interrupt removes what this conversion wrote.
+  Callers that publish `out` as a whole (tools.convert) pass a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
     return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
                     progress, caught)
@@ -337,12 +344,12 @@ def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count:
     tally = _write(files, items, eval_ids, opts, progress, caught)
     files.close_pool()
     written = _manifest(source, out, opts, tally, bool(eval_ids))
-    files.publish(written, tally.rows)
+    files.publish(written, tally.rows, tally.skipped_records)
   except BaseException:  # nothing of this conversion stays behind; this cleanup cannot fail
     files.remove(made)
     raise
   return dict(written, seconds=time.perf_counter() - started, records=len(records),
-              shared_ids=shared)
+              shared_ids=shared, skipped_records=tally.skipped_records)
 
 
 def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dict]:
@@ -372,6 +379,7 @@ class _Tally:
   """What a conversion wrote, for its sidecars and manifest."""
   rows: dict[str, list] = dataclasses.field(default_factory=lambda: {s: [] for s in SPLITS})
   skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  skipped_records: list[dict] = dataclasses.field(default_factory=list)  # SKIPPED's rows
   image_stats: images.Tally = dataclasses.field(default_factory=images.Tally)
   longest: int = 0  # positions of the longest sample
   clips: list[int] = dataclasses.field(default_factory=list)  # clips of each sample
@@ -401,6 +409,10 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
       if opts.on_error == "fail":
         raise ConfigError(message + " (--on_error skip converts the rest)")
       tally.skipped[reason] += 1
+      rid = items[index][1].get("id")
+      tally.skipped_records.append({
+          "record": index, "id": rid if isinstance(rid, (str, int)) and not isinstance(rid, bool)
+          else None, "reason": reason, "error": message})
       tqdm.write(f"skipped: {message}", file=sys.stderr)
       continue
     split = "eval" if index in eval_ids else "train"
@@ -423,10 +435,28 @@ def _write(files: _Files, items: list, eval_ids: set[int], opts: Options, progre
   return tally
 
 
+def skipped_summary(skipped: list[dict], read: int, shown: int = 3) -> str:
+  """"5 of 40 records (12.5%) were skipped: missing image 4 ('a', 'b', record 7, ...), ..."
+  for the rows `skipped` (`SKIPPED`'s) of `read` records, each reason with its first records."""
+  by_reason: dict[str, list[dict]] = {}
+  for r in skipped:
+    by_reason.setdefault(r["reason"], []).append(r)
+  parts = []
+  for reason, rows in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+    named = [repr(r["id"]) if r["id"] is not None else f"record {r['record']}"
+             for r in rows[:shown]]
+    more = ", ..." if len(rows) > shown else ""
+    parts.append(f"{reason} {len(rows)} ({', '.join(named)}{more})")
+  share = 100 * len(skipped) / max(read, 1)
+  return (f"{len(skipped)} of {words.count(read, 'record')} ({share:.1f}%) "
+          f"{'was' if len(skipped) == 1 else 'were'} skipped: {', '.join(parts)}")
+
+
 def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Tally,
               held_out: bool) -> dict:
-  """The manifest of a conversion that wrote `tally`; a ConfigError if train is left empty, or
-  eval while records were `held_out` for it."""
+  """The manifest of a conversion that wrote `tally`; a ConfigError if train is left empty, eval
+  while records were `held_out` for it, or more records were skipped than
+  `opts.max_skipped_fraction` of them."""
   counts = {s: len(r) for s, r in tally.rows.items()}
   if not counts["train"]:
     raise ConfigError(f"--json {source}: no record could be converted for train "
@@ -434,6 +464,13 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
   if held_out and not counts["eval"]:
     raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
                       f"({dict(tally.skipped)}); hold out more with --eval, or fix the records.")
+  read = sum(counts.values()) + len(tally.skipped_records)
+  if len(tally.skipped_records) > opts.max_skipped_fraction * read:
+    raise ConfigError(f"--json {source}: {skipped_summary(tally.skipped_records, read)}, more "
+                      f"than --max_skipped_fraction {opts.max_skipped_fraction:g} allows; each is "
+                      "named above on a `skipped:` line. Fix the records or the flags that "
+                      "reject them, or raise --max_skipped_fraction (1 keeps every good record "
+                      "whatever the rest).")
   proc, pictures = _WORKER["proc"], tally.image_stats
   return {"format": FORMAT_VERSION, "image_token": _WORKER["image_id"],
           "image_token_text": opts.image_token, "image_size": pictures.size(proc),
@@ -470,15 +507,18 @@ class _Files:
       self.pool.close()
       self.pool.join()
 
-  def publish(self, written: dict, rows: dict[str, list]) -> None:
-    """Closes each shard and gives it its name once its sidecar (`rows`) is written, then writes
-    the manifest `written`; a failed write is a ConfigError naming the file system's reason."""
+  def publish(self, written: dict, rows: dict[str, list], skipped: list[dict]) -> None:
+    """Closes each shard and gives it its name once its sidecar (`rows`) is written, writes the
+    `skipped` records' rows (SKIPPED, where there are any), then the manifest `written`; a failed
+    write is a ConfigError naming the file system's reason."""
     try:
       for s in SPLITS:  # each shard complete before its name appears
         self.shards[s].close()
         final = self.out / f"{s}.array_record"
         meta.save(str(final), rows[s])
         os.replace(self.tmp[s], final)
+      if skipped:
+        (self.out / SKIPPED).write_text("".join(json.dumps(r) + "\n" for r in skipped))
       part = self.out / (MANIFEST + ".tmp")
       part.write_text(json.dumps(written, indent=1))
       os.replace(part, self.out / MANIFEST)
@@ -501,7 +541,7 @@ class _Files:
       for s in SPLITS:
         final = self.out / f"{s}.array_record"
         for p in (self.tmp[s], final, pathlib.Path(meta.path_of(str(final))),
-                  self.out / (MANIFEST + ".tmp")):
+                  self.out / (MANIFEST + ".tmp"), self.out / SKIPPED):
           output.remove(p)
     if made:
       try:
