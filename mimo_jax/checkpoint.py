@@ -197,6 +197,9 @@ class Checkpointer:
     self.path, self.modules = path, list(modules)
     self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
     self.set_aside = []  # step folders moved aside when this run opened the folder
+    # Made by this checkpointer (orbax's manager creates it): removed by `close` if still empty,
+    # so a run that fails before its first save leaves no empty checkpoints folder behind.
+    self._made = not read_only and distributed.is_main() and not os.path.lexists(path)
     if not read_only and distributed.is_main() and os.path.isdir(path):
       complete = set(complete_steps(path))
       for d in sorted(os.listdir(path)):
@@ -506,6 +509,11 @@ class Checkpointer:
       self._mngr.wait_until_finished()  # raises a save's failure
     finally:
       self._mngr.close()
+      if self._made:
+        try:
+          os.rmdir(self.path)  # only if empty: nothing was saved
+        except OSError:
+          pass
     if self._hook is not None:
       collect()
       sys.unraisablehook, self._hook = self._hook, None

@@ -216,6 +216,19 @@ def test_keep_holds_the_newest_checkpoints(data_dir, tmp_path):
   assert checkpoint.complete_steps(checkpoint.directory(str(tmp_path))) == [3, 4]
 
 
+def test_a_checkpointer_that_saved_nothing_leaves_no_folder_it_made(tmp_path):
+  """A run that fails before its first save (the capacity check, its first step out of memory)
+  leaves no empty checkpoints folder, which would read as a run that saved; a folder that was
+  there already stays."""
+  made = tmp_path / "new" / "checkpoints"
+  checkpoint.Checkpointer(str(made), ["language"], async_save=False).close()
+  assert not made.exists() and (tmp_path / "new").is_dir()
+  found = tmp_path / "old" / "checkpoints"
+  found.mkdir(parents=True)
+  checkpoint.Checkpointer(str(found), ["language"], async_save=False).close()
+  assert found.is_dir()
+
+
 def test_a_host_limited_save_copies_a_batch_at_a_time(tmp_path, caplog):
   """With `host_gb` every array is deferred, so orbax copies them off the devices in batches of
   at most that many GB (its default copies all at once, ignoring the limit); the arrays read back
