@@ -118,6 +118,10 @@ class ModelConfig(Modules):
   # runs, else xla). Packed rows (data.pack_rows, an encoder's packed slots) use cuDNN's packed
   # attention with cudnn (Hopper GPUs and later), XLA's masked attention with xla.
   attention: str = "auto"
+  # LayerNorm of the vision tower's blocks: xla, pallas (one-pass Pallas kernels each way, the
+  # residual stream's gradient added in the backward one: GPUs, the module on one device a
+  # replica, topology dp = tp = 1), or auto (pallas where it runs, else xla).
+  layer_norm: str = "auto"
   # Each encoder's config by registered name (mimo_jax/encoders), in dispatch order; `model.<name>`
   # is short for `model.encoders.<name>`. A config file adds them with `Config.add_encoder`.
   encoders: dict = dataclasses.field(default_factory=dict)

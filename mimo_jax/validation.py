@@ -11,6 +11,7 @@ from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, ROPE_SCALINGS, TASKS, Config,
                              ConfigError, lora_of, parse_freeze, parse_lr_mult, positive, require,
                              run_source)
+from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_topology import validate_topology
 
 
@@ -137,6 +138,8 @@ def _model(cfg: Config) -> None:
           f"must be float32 or bfloat16, got {cfg.model.dtype!r}.")
   require(cfg.model.attention in ("auto", "xla", "cudnn"), "model.attention",
           f"must be auto, xla or cudnn, got {cfg.model.attention!r}.")
+  require(cfg.model.layer_norm in ("auto", "xla", "pallas"), "model.layer_norm",
+          f"must be auto, xla or pallas, got {cfg.model.layer_norm!r}.")
   for name in [*cfg.model.encoders, LANGUAGE]:
     section = cfg.model.module(name)
     require(not getattr(section, "fp8", False) or cfg.model.dtype == "bfloat16",
@@ -425,6 +428,15 @@ def validate_backend(cfg: Config, backend: str, processes: int = 1) -> None:
           "shapes compiling while the steps run time their kernels on the GPU behind the steps "
           "(minutes a shape instead of seconds); set run.autotune=false, or "
           "run.while_compiling=wait.")
+  if cfg.model.layer_norm == "pallas":
+    require(backend == "gpu", "model.layer_norm",
+            f"pallas runs on GPUs (the backend here is {backend}); use auto or xla.")
+    split = [f"{n} (dp={t.dp}, tp={t.tp})" for n, t in cfg.topology.modules().items()
+             if isinstance(cfg.model.encoders.get(n), ViTConfig) and t.dp * t.tp > 1]
+    require(not split, "model.layer_norm",
+            f"pallas needs each module on one device a replica, and {', '.join(split)} "
+            "splits its rows over devices (XLA's partitioner would gather them for the "
+            "kernels); use auto (XLA's norms there) or xla.")
   # Each process pads by what it has compiled: processes whose compiles end at other times
   # would run programs of other shapes in one step, and their collectives would not meet.
   require(not (processes > 1 and cfg.run.while_compiling == "pad"), "run.while_compiling",

@@ -166,9 +166,10 @@ class Vision(encoders.Encoder):
     # Runs of equal segment ids a packed slot holds (packed attention is sized by them): its
     # images and the padding after them.
     segments = slot_images(cfg) + 1 if v.slot_patches else 0
+    norm = mimo.layer_norm_kernel(cfg, self.name)
     return mimo.Module(self.name,
-                       lambda rngs: vit.VisionEncoder(rngs, v, lm, dtype, att, segments),
-                       lambda rngs: vit.ViTBlock(rngs, v, dtype, att, segments),
+                       lambda rngs: vit.VisionEncoder(rngs, v, lm, dtype, att, segments, norm),
+                       lambda rngs: vit.ViTBlock(rngs, v, dtype, att, segments, norm),
                        seed_salt=self.seed_salt)
 
   def load(self, path: str, cfg: Config):

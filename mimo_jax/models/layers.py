@@ -19,6 +19,7 @@ from flax import nnx
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
 from mimo_jax.models import lora
+from mimo_jax.models import norm_kernels
 
 def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
   """`n` layers built by `make(rngs)`, parameters stacked on a new leading axis (one key each), so
@@ -113,19 +114,30 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-  """LayerNorm computed in float32."""
+  """LayerNorm computed in float32; with `kernel`, by the Pallas kernels of norm_kernels.py where
+  they run (a GPU, a width that is a power of two), else by XLA."""
 
-  def __init__(self, dim: int, eps: float = 1e-6):
+  def __init__(self, dim: int, eps: float = 1e-6, kernel: bool = False):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
     self.eps = eps
+    self.kernel = kernel
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.kernel and norm_kernels.supported(x.shape[-1]):
+      return norm_kernels.layer_norm(x, self.scale[...], self.bias[...], self.eps)
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
     return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+  def with_residual(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x, self(x)) for a pre-norm block whose residual stream carries x on (with the kernels,
+    the stream's gradient joins the norm's in one backward kernel)."""
+    if self.kernel and norm_kernels.supported(x.shape[-1]):
+      return norm_kernels.residual_layer_norm(x, self.scale[...], self.bias[...], self.eps)
+    return x, self(x)
 
 
 ACTIVATIONS = {

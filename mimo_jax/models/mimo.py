@@ -104,6 +104,16 @@ def attention_implementation(cfg: Config, packed: int = 0) -> str:
   return "cudnn" if gpu and cfg.model.dtype == "bfloat16" and packed % 2 == 0 else "xla"
 
 
+def layer_norm_kernel(cfg: Config, name: str) -> bool:
+  """`model.layer_norm` for module `name`'s blocks: whether their LayerNorms run as the Pallas
+  kernels of norm_kernels.py. auto: on GPUs, where the module runs on one device a replica
+  (topology dp = tp = 1; a `pallas_call` under XLA's partitioner would gather its rows)."""
+  if cfg.model.layer_norm != "auto":
+    return cfg.model.layer_norm == "pallas"
+  t = cfg.topology.modules()[name]
+  return jax.default_backend() == "gpu" and t.dp == 1 and t.tp == 1
+
+
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
   return x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
 

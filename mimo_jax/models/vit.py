@@ -84,19 +84,23 @@ class ViTConfig:
 class ViTBlock(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, cfg: ViTConfig, dtype: jnp.dtype, attention: str = "xla",
-               max_segments: int = 0):
-    self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps)
+               max_segments: int = 0, norm_kernel: bool = False):
+    """`norm_kernel`: the LayerNorms through the Pallas kernels (layers.LayerNorm)."""
+    kernel = norm_kernel
+    self.norm1 = LayerNorm(cfg.dim, cfg.norm_eps, kernel)
     self.attn = Attention(rngs, cfg.dim, cfg.heads, cfg.heads, dtype, bias=True,
                           implementation=attention, max_segments=max_segments, fp8=cfg.fp8,
                           fp8_history=history_length(cfg))
-    self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps)
+    self.norm2 = LayerNorm(cfg.dim, cfg.norm_eps, kernel)
     self.mlp = GeluMLP(rngs, cfg.dim, cfg.mlp_dim, dtype, activation=cfg.activation, fp8=cfg.fp8,
                        fp8_history=history_length(cfg))
 
   def __call__(self, x_npd: jax.Array, segment_ids_np: jax.Array | None = None) -> jax.Array:
     """With `segment_ids_np` (images packed into rows) a patch attends only to its own image's."""
-    x_npd = x_npd + self.attn(self.norm1(x_npd), segment_ids_bl=segment_ids_np)
-    return x_npd + self.mlp(self.norm2(x_npd))
+    x_npd, y_npd = self.norm1.with_residual(x_npd)
+    x_npd = x_npd + self.attn(y_npd, segment_ids_bl=segment_ids_np)
+    x_npd, y_npd = self.norm2.with_residual(x_npd)
+    return x_npd + self.mlp(y_npd)
 
 
 class VisionEncoder(nnx.Module):
@@ -112,7 +116,7 @@ class VisionEncoder(nnx.Module):
   `finish` drops; `final_norm` off gives the hidden states LLaVA reads."""
 
   def __init__(self, rngs: nnx.Rngs, cfg: ViTConfig, lm: LanguageConfig, dtype: jnp.dtype,
-               attention: str = "xla", max_segments: int = 0):
+               attention: str = "xla", max_segments: int = 0, norm_kernel: bool = False):
     self.patch, self.downsample = cfg.patch_size, cfg.downsample
     self.grid, self.position_resize = cfg.image_size // cfg.patch_size, cfg.position_resize
     self.dtype = dtype
@@ -125,8 +129,8 @@ class VisionEncoder(nnx.Module):
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.positions, cfg.dim)))
     if cfg.pre_norm:
       self.pre_norm = LayerNorm(cfg.dim, cfg.norm_eps)
-    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention, max_segments), cfg.layers,
-                          rngs)
+    self.blocks = stacked(lambda r: ViTBlock(r, cfg, dtype, attention, max_segments, norm_kernel),
+                          cfg.layers, rngs)
     if cfg.final_norm:
       self.norm = LayerNorm(cfg.dim, cfg.norm_eps)
     # LLaVA's two-layer MLP projector, mapping encoder features to the language model's width.
