@@ -22,7 +22,7 @@ DATA_FIELDS = ("task", "seed", "global_batch", "train_samples", "eval_samples", 
 # Where a run started from (init_from, of the model or a module) does not matter once a
 # checkpoint exists.
 # and every `init_from` and `lora.dropout` (how a run trains, not what it trains)
-RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention")
+RUNTIME_MODEL_FIELDS = ("model.dtype", "model.attention", "model.layer_norm")
 ALLOW_DATA = "--config.checkpoint.allow_data_change=true"
 
 

@@ -11,6 +11,7 @@ from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, ROPE_SCALINGS, TASKS, Config,
                              ConfigError, lora_of, parse_freeze, parse_lr_mult, positive, require,
                              run_source)
+from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_topology import validate_topology
 
@@ -431,8 +432,13 @@ def validate_backend(cfg: Config, backend: str, processes: int = 1) -> None:
   if cfg.model.layer_norm == "pallas":
     require(backend == "gpu", "model.layer_norm",
             f"pallas runs on GPUs (the backend here is {backend}); use auto or xla.")
+    towers = {n: v for n, v in cfg.model.encoders.items() if isinstance(v, ViTConfig)}
+    for n, v in towers.items():
+      require(norm_kernels.supported(v.dim, backend), f"model.{n}.dim",
+              f"model.layer_norm=pallas needs a width that is a power of two from 16 to 8192 "
+              f"(Triton's blocks), and model.{n}.dim is {v.dim}; use auto or xla.")
     split = [f"{n} (dp={t.dp}, tp={t.tp})" for n, t in cfg.topology.modules().items()
-             if isinstance(cfg.model.encoders.get(n), ViTConfig) and t.dp * t.tp > 1]
+             if n in towers and t.dp * t.tp > 1]
     require(not split, "model.layer_norm",
             f"pallas needs each module on one device a replica, and {', '.join(split)} "
             "splits its rows over devices (XLA's partitioner would gather them for the "

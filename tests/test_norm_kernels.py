@@ -119,6 +119,10 @@ def test_pallas_layer_norm_is_refused_where_it_cannot_run():
   with pytest.raises(ConfigError, match=r"model\.layer_norm: pallas runs on GPUs"):
     validate_backend(cfg, "cpu")
   validate_backend(cfg, "gpu")
+  cfg.model.vision.dim = 1152  # SigLIP-so400m's
+  with pytest.raises(ConfigError, match=r"model\.vision\.dim: .*power of two.* is 1152"):
+    validate_backend(cfg, "gpu")
+  cfg.model.vision.dim = 1024
   cfg.topology.vision.dp = 2
   with pytest.raises(ConfigError, match=r"vision \(dp=2, tp=1\) splits its rows"):
     validate_backend(cfg, "gpu")
