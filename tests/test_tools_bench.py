@@ -320,6 +320,14 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
     kernels.dump_hlo(str(dump))
 
 
+def test_kernels_count_the_layer_norm_kernels_as_fusions():
+  """The Pallas LayerNorm kernels (models/norm_kernels.py) are memory-bound norms, as XLA's
+  fusions of them are: a category of their own would hide them from the fusions they replace."""
+  for name in ("layer_norm_forward", "layer_norm_backward__1"):
+    assert kernels.category(name, "") == "fusion"
+  assert kernels.category("some_custom_kernel", "") == "other"
+
+
 def test_kernels_count_the_bytes_of_an_instructions_operands_and_results(tmp_path):
   """tools.kernels --hlo: an instruction moves its results and its operands once each; an
   operand `%t#k` is the k-th array of a tuple, a whole tuple counts all of them; an operand

@@ -9,7 +9,8 @@ Trains `--warmup` steps (compilation), then `--steps` steps as training dispatch
 
 * by **category** of kernel: `matmul` (cuBLAS/cuBLASLt/CUTLASS kernels and XLA's Triton GEMM
   fusions), `attention` (cuDNN's fused attention), `fusion` (XLA's elementwise and reduction
-  fusions: norms, activations, bias and residual adds, casts, the loss; memory-bound), `copy`
+  fusions: norms, activations, bias and residual adds, casts, the loss; and the vision tower's
+  LayerNorm kernels, models/norm_kernels.py; memory-bound), `copy`
   (memcpy, memset, dynamic-update-slice and copy kernels), `collective` (NCCL), `other`;
 * by **program** (the compiled XLA module a kernel belongs to, e.g. the vision encoder's or the
   language model's step) and category;
@@ -55,7 +56,7 @@ CATEGORIES = (
     ("copy", re.compile(r"memcpy|memset|copy|dynamic_update_slice|dynamic-update-slice|"
                         r"concatenate|transpose", re.I)),
     ("fusion", re.compile(r"fusion|loop_|input_|reduce|convert|multiply|add|broadcast|select|"
-                          r"triton", re.I)),
+                          r"triton|layer_norm", re.I)),
 )
 
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# Rows a kernel instance normalises at a time, and its warps: the fastest on an H200 for rows of
-# 1024 (docs/benchmarks.md). Fewer rows where they do not divide the rows.
+# Rows a kernel instance normalises at a time, and its warps: chosen on an H200 for rows of 1024
+# (docs/benchmarks.md). Fewer rows where they do not divide the rows.
 ROWS = 8
 WARPS = 4
 INTERPRET = False  # tests: run the kernels through Pallas' interpreter (any backend)
