@@ -320,6 +320,17 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
     kernels.dump_hlo(str(dump))
 
 
+def test_norm_bench_refuses_bad_flags_and_a_machine_without_a_gpu():
+  """tools.norm_bench: each is one line (tests/test_norm_kernels.py checks the kernels)."""
+  from tools import norm_bench
+  for flags, said in ((["--rows", "3"], "--rows '3': give powers of two"),
+                      (["--shapes", "48x576"], "--shapes '48x576': give images x positions"),
+                      (["--repeat", "0"], "--repeat 0: give 1 or more"),
+                      ([], "needs a GPU")):
+    with pytest.raises(SystemExit, match=said):
+      norm_bench.main(flags)
+
+
 def test_kernels_count_the_layer_norm_kernels_as_fusions():
   """The Pallas LayerNorm kernels (models/norm_kernels.py) are memory-bound norms, as XLA's
   fusions of them are: a category of their own would hide them from the fusions they replace."""
