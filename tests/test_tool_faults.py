@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mimo_jax import checkpoint_reader, hf, run_paths
+from mimo_jax import checkpoint, checkpoint_reader, hf, run_paths
 from mimo_jax import modules
 from mimo_jax.checkpoint import Checkpointer, complete_steps
 from mimo_jax.config import Config
@@ -204,6 +204,30 @@ def test_check_fails_only_damaged_steps_and_never_advises_moving_good_ones(run, 
   last = err.strip().splitlines()[-1]
   assert last.startswith("tools.ckpt: error: ") and "Traceback" not in err
   assert "restore_step" not in last and f"pid {os.getpid()}" in last
+
+
+def test_check_never_advises_deleting_the_frozen_base_a_passing_step_reads(run, monkeypatch,
+                                                                           capsys):
+  """A LoRA run's later steps read its frozen weights from its step 0 (here steps 20 and 30 name
+  step 10): that step failing makes them unusable, so it is not one of "the failed steps never
+  read", and a step checked alone brings its base into the check."""
+  real = checkpoint_reader.Reader.meta
+
+  def meta(self, step):
+    m = dict(real(self, step))
+    if step != 10:
+      m["base"] = {"path": ".", "step": 10, "fingerprints": {}}
+      m["digest"] = checkpoint.digest(m)
+    return m
+  monkeypatch.setattr(checkpoint_reader.Reader, "meta", meta)
+  _damage(run, 10)
+  assert ckpt.main(["check", str(run)]) == 2
+  last = _error(capsys, "tools.ckpt", "steps 20, 30 passed but read the frozen weights of step "
+                "10, which failed: do not delete it", "--config.checkpoint.base=DIR")
+  assert "nothing to do" not in last
+  assert ckpt.main(["check", str(run), "--step", "30"]) == 2
+  out = capsys.readouterr().out
+  assert "step 30: " in out and "step 10: FAILED" in out and "step 20" not in out
 
 
 def test_a_steps_own_folder_is_named_with_the_workdir_and_step_to_give(run, capsys):

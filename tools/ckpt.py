@@ -114,14 +114,17 @@ def export(args: argparse.Namespace) -> None:
   print(f"wrote {len(tensors)} tensors ({size / 2**20:.1f} MiB) of step {step} to {args.out}")
 
 
-def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int]:
+def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int, int | None]:
   """What is wrong with one step (its metadata, and every array of every module against its
-  fingerprint and for non-finite values; [] if nothing), and the parameter and optimizer-state
-  arrays read. StepGone if the step is removed under the check."""
+  fingerprint and for non-finite values; [] if nothing), the parameter and optimizer-state
+  arrays read, and the step of this folder that holds its frozen weights (a LoRA run's base;
+  None if another folder does, or none). StepGone if the step is removed under the check."""
   try:
     meta = reader.meta(step)
   except Unreadable as e:
-    return [f"meta: unreadable ({e.reason})"], 0, 0
+    return [f"meta: unreadable ({e.reason})"], 0, 0, None
+  base = meta.get("base") or {}
+  base_step = base.get("step") if base.get("path") == "." and base.get("step") != step else None
   problems, counts = [], [0, 0]
   if meta.get("digest", checkpoint.digest(meta)) != checkpoint.digest(meta):
     problems.append("meta: does not match its digest")
@@ -151,17 +154,28 @@ def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int]:
                  not np.all(np.isfinite(v))]
   if problems and reader.gone(step):  # files deleted under the reads, not damaged ones
     raise StepGone(step)
-  return problems, counts[0], counts[1]
+  return problems, counts[0], counts[1], base_step
 
 
 def _advice(reader: Reader, checked: list[int], passed: list[int], bad: list[int],
-            whole: bool) -> str:
-  """What to do about failed steps: never to move good steps aside, and nothing while a run is
-  live (it writes its next step itself; a resume would fight it)."""
+            whole: bool, bases: dict[int, int]) -> str:
+  """What to do about failed steps: never to move good steps aside, never to delete a step
+  another one reads its frozen weights from (`bases`: step -> its base step in this folder), and
+  nothing while a run is live (it writes its next step itself; a resume would fight it)."""
   if reader.live:
     return (f"a run ({who(reader.live)}) is using {reader.workdir}: leave its steps as they are "
             "while it runs (it resumes from its newest step, and saves new ones); check again "
             "once it has stopped.")
+  needed = sorted({bases[s] for s in passed if bases.get(s) in bad})
+  if needed:
+    readers = [s for s in passed if bases.get(s) in needed]
+    return (f"step{'s' if len(readers) > 1 else ''} {', '.join(map(str, readers))} passed but "
+            f"read{'' if len(readers) > 1 else 's'} the frozen weights of step "
+            f"{', '.join(map(str, needed))}, which failed: do not delete it. Put back an intact "
+            "copy of its folder, or make it again as it was made (the same tools.hf import, or "
+            "the weights the run started from) in another workdir and name that with "
+            "--config.checkpoint.base=DIR: the run checks its weights against their "
+            "fingerprints.")
   if not whole:
     return "check every step (without --step) to find one to resume from."
   if passed and passed[-1] == checked[-1]:
@@ -179,10 +193,12 @@ def check(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
   reader.note("tools.ckpt")
   steps = [reader.pick(args.step)] if args.step is not None else reader.steps()
-  bad, passed, checked = [], [], []
-  for step in steps:
+  bad, passed, checked, bases = [], [], [], {}
+  for step in steps:  # with --step, the step its frozen weights are read from joins the list
     try:
-      problems, params, opt = _check_step(reader, step)
+      problems, params, opt, bases[step] = _check_step(reader, step)
+      if bases[step] is not None and bases[step] not in steps:
+        steps.append(bases[step])
     except StepGone as e:
       print(f"{e}: gone, not damaged")
       continue
@@ -200,7 +216,7 @@ def check(args: argparse.Namespace) -> None:
   if bad:
     raise CkptError(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of "
                     f"{reader.path} failed the check (above); "
-                    + _advice(reader, checked, passed, bad, args.step is None))
+                    + _advice(reader, checked, passed, bad, args.step is None, bases))
   if not checked:
     raise TryAgain(f"every step of {reader.path} was removed while being read ({ROTATED}); "
                    "check again.")
