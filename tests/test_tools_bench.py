@@ -1,6 +1,7 @@
 """The MFU formula, the split planner and a smoke run of tools/bench.py (speed is measured on GPUs,
 never asserted here)."""
 
+import importlib
 import importlib.util
 import json
 import os
@@ -169,8 +170,11 @@ def test_encoder_bench_runs_split_and_fused(capsys):
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| none |")
           or l.startswith("| dots |")]
   assert len(rows) == 2 * 2 * 2  # each printed as measured, then in the table
-  with pytest.raises(SystemExit, match="unknown policy 'bogus'"):
+  with pytest.raises(SystemExit) as raised:
     encoder_bench.main(["--config=tests/configs/tiny_vlm.py", "--images=2", "--remat=bogus"])
+  assert raised.value.code == 2
+  assert "encoder_bench: error: config.topology.vision.remat: unknown policy 'bogus'" in \
+      capsys.readouterr().err
 
 
 def test_bench_profiles_a_fused_layout_module_by_module(tmp_path):
@@ -370,3 +374,45 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   merged = kernels.read_hlo(str(tmp_path / "a"))["jit_t"]
   assert (merged["f"].bytes, merged["f"].op, merged["g"].bytes) == (0, "jit(t)/mul", 48)
   assert kernels.shape_bytes("(bf16[16,2]{1,0}, f32[3]{0}, pred[], s8[2,2])") == [64, 12, 1, 4]
+
+
+_CASES = [  # (tool, argv, words of the one line)
+    ("data_bench", ["--config=configs/digits.py", "--set", "model.layer_norm=bogus"],
+     ["config.model.layer_norm: must be auto, xla or pallas, got 'bogus'"]),
+    ("data_bench", ["--config=configs/digits.py", "--set", "optim.lr=nan"],
+     ["config.optim.lr: must be a finite number"]),
+    ("kernels", ["--set", "model.layer_norm=bogus"], ["config.model.layer_norm"]),
+    ("kernels", ["--set", "model.layer_norm=pallas"], ["model.layer_norm", "pallas"]),
+    ("kernels", ["--set", "model.nope=1"], ["--set model.nope=1: unknown config field 'nope'"]),
+    ("kernels", ["--set", "train.steps=x"], ["--set train.steps=x: not an int."]),
+    ("kernels", ["--set", "optim.lr"], ["--set optim.lr: needs a value: --set optim.lr=VALUE."]),
+    ("bench", ["--layouts=vision=0/1/1,language=0/1/1", "--set", "model.nope=1"],
+     ["--set model.nope=1: unknown config field 'nope'"]),
+    ("bench", ["--layouts=vision=0/1/1,language=0/1/1;vision=0/9/1,language=0/1/1"],
+     ["[vision=0/9/1,language=0/1/1] "]),
+    ("plan", ["--config=configs/vlm.py", "--gpus=4", "--set", "model.nope=1"],
+     ["--set model.nope=1: "]),
+    ("encoder_bench", ["--config=tests/configs/tiny_vlm.py", "--set", "model.nope=1"],
+     ["--set model.nope=1: "]),
+    ("fp8_check", ["--set", "optim.lr=inf", "--out", "/nonexistent/fp8_check_never_made"],
+     ["config.optim.lr: must be a finite number"]),
+    ("restart_bench", ["--set", "model.nope=1"], ["--set model.nope=1: "]),
+]
+
+
+@pytest.mark.parametrize("tool,argv,words", _CASES, ids=[f"{c[0]}-{c[1][-1]}" for c in _CASES])
+def test_a_measuring_tools_bad_config_is_one_line_naming_the_flag_as_typed(tool, argv, words,
+                                                                          capsys):
+  """--set overrides and the config they make are checked before any work: one line
+  `tool: error: ...`, exit status 2, the flag as the user typed it (not --config.a.b=value)."""
+  module = importlib.import_module(f"tools.{tool}")
+  with pytest.raises(SystemExit) as raised:
+    module.main(argv)
+  assert raised.value.code == 2
+  out, err = capsys.readouterr()
+  assert "Traceback" not in err and "--config." not in err, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"{tool}: error: "), err
+  for w in words:
+    assert w in lines[0], (w, lines[0])
+  assert "compiling" not in out, out

@@ -53,14 +53,14 @@ import time
 import jax
 import numpy as np
 
-from mimo_jax import bridge, compat, compile_cache, configfile, memory, precompile
+from mimo_jax import bridge, compat, compile_cache, memory, precompile
 from mimo_jax.batch import total
 from mimo_jax.config import Config, ConfigError, set_layout
 from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.step import Probe, Step
 from mimo_jax.validation import validate, validate_backend
-from tools.common import median_times, record
+from tools.common import config, fail, load_config, median_times, record
 
 
 def moved_bytes(x, dst) -> int:
@@ -352,19 +352,21 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   args = parser.parse_args(argv)
   compat.use_private_bridge(args.bridge == "private")
-  try:  # before anything compiles
-    compile_cache.enable(configfile.load(args.config, [f"--config.{s}" for s in args.set])
-                         .run.compile_cache)
-  except ConfigError as e:
-    raise SystemExit(f"bench: error: {e}") from None
+  layouts = [s.strip() for s in args.layouts.split(";") if s.strip()]
+  cfg = load_config("bench", args.config, args.set)
+  for layout in layouts:  # every layout checked before anything compiles
+    try:
+      config(args.config, args.set, layout, devices=True)
+    except ConfigError as e:
+      fail("bench", f"[{layout}] {e}")
+  compile_cache.enable(cfg.run.compile_cache)
   print(compile_cache.describe(), flush=True)
   rows = []
-  for layout in [s.strip() for s in args.layouts.split(";") if s.strip()]:
+  for layout in layouts:
     try:
-      cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
-      rows.append(measure(cfg, layout, args))
+      rows.append(measure(load_config("bench", args.config, args.set), layout, args))
     except ConfigError as e:
-      raise SystemExit(f"bench: error: [{layout}] {e}") from None
+      fail("bench", f"[{layout}] {e}")
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(
           {"config": args.config, "set": args.set, "rows": rows}, indent=1))

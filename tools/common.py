@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark tools: timing and recording results in docs/benchmarks.md."""
+"""Shared helpers of the benchmark tools: their config from `--config` and `--set a.b=value`,
+timing, and recording results in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -7,12 +8,68 @@ import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import NoReturn
 
 import jax
 import numpy as np
 
+from mimo_jax import configfile
+from mimo_jax.config import Config, ConfigError, set_layout
+from mimo_jax.validation import validate, validate_backend
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def fail(tool: str, message: str) -> NoReturn:
+  """Bad input, as launch and tools.convert report it: one line `tool: error: message` on stderr
+  and exit status 2."""
+  print(f"{tool}: error: {message}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
+
+
+def overrides(cfg: Config, sets: Sequence[str]) -> Config:
+  """Applies `--set a.b=value` overrides (`a.b=value` each, typed as configfile types
+  `--config.a.b=value`) in order; ConfigError naming the flag as typed (`--set a.b=value: ...`)."""
+  for s in sets:
+    flag = f"--set {s}"
+    try:
+      name, text = configfile.parse_override(f"--config.{s}")
+    except ConfigError:
+      raise ConfigError(f"{flag}: overrides look like --set a.b=value.") from None
+    try:
+      configfile.set_field(cfg, name, text)
+    except ConfigError as e:
+      raise ConfigError(f"{flag}: {str(e).replace(f'--config.{name}=', f'--set {name}=')}") from None
+  return cfg
+
+
+def config(spec: str, sets: Sequence[str], layout: str = "", check: bool = True,
+           devices: bool = False) -> Config:
+  """A measuring tool's config: the file `spec` (`--config`), the `--set` overrides `sets`, the
+  layout (`config.set_layout`'s form) if given, checked as launch checks a run's before anything
+  compiles: `validate` (`check`), with `devices` against jax's devices and backend as well
+  (`validate_backend`). ConfigError, one line, for a bad file, flag or field."""
+  cfg = overrides(configfile.load_file(spec), sets)
+  if layout:
+    set_layout(cfg, layout)
+  if devices:
+    validate(cfg, len(jax.devices()))
+    validate_backend(cfg, jax.default_backend(), jax.process_count())
+  elif check:
+    validate(cfg)
+  return cfg
+
+
+def load_config(tool: str, spec: str, sets: Sequence[str], layout: str = "",
+                check: bool = True, devices: bool = False) -> Config:
+  """`config`, with its ConfigError as `fail` reports it: one line `tool: error: ...`, exit
+  status 2."""
+  try:
+    return config(spec, sets, layout, check, devices)
+  except ConfigError as e:
+    fail(tool, str(e))
 
 
 def median_time(fn, reps: int = 5) -> float:

@@ -32,12 +32,9 @@ import time
 
 import numpy as np
 
-from mimo_jax import configfile
-from mimo_jax.config import ConfigError
 from mimo_jax.data import loader
 from mimo_jax.encoders.vision import slot_tokens
-from mimo_jax.validation import validate
-from tools.common import record
+from tools.common import load_config, record
 
 
 def _ints(s: str) -> list[int]:
@@ -116,13 +113,9 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   def config():
-    try:
-      return configfile.load(args.config, [f"--config.{s}" for s in args.set])
-    except ConfigError as e:
-      raise SystemExit(f"data_bench: error: {e}") from None
+    return load_config("data_bench", args.config, args.set)
 
   cfg = config()
-  validate(cfg)
   path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
   tables = []
   rows = [f"| {p} | {w} | {throughput(config(), path, w, p, args.steps):.1f} |"

@@ -21,16 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mimo_jax import configfile
 from mimo_jax.config import ConfigError
 from mimo_jax.flops import FlopModel
 from mimo_jax.step import Step
 from mimo_jax.validation import validate
-from tools.common import median_time, record
+from tools.common import fail, load_config, median_time, record
 
 
 def measure(cfg, images: int, reps: int) -> dict:
-  validate(cfg, len(jax.devices()))
   step = Step.build(cfg)
   params = step.init_state(cfg.train.seed)["vision"].params
   v = cfg.model.vision
@@ -80,16 +78,17 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   unrolls = [u.strip().lower() for u in args.unroll.split(",") if u.strip()]
   if not set(unrolls) <= {"true", "false"}:
-    raise SystemExit(f"encoder_bench: error: --unroll takes true/false values, got {args.unroll}")
+    fail("encoder_bench", f"--unroll takes true/false values, got {args.unroll}")
   lines = ["| remat | layers | forward s | TFLOP/s | split fwd+bwd s | TFLOP/s | fused fwd+bwd s "
            "| TFLOP/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
   for remat, unroll in itertools.product([r.strip() for r in args.remat.split(",")], unrolls):
+    cfg = load_config("encoder_bench", args.config, args.set, check=False)
+    cfg.topology.vision.remat, cfg.topology.vision.unroll = remat, unroll == "true"
     try:
-      cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
-      cfg.topology.vision.remat, cfg.topology.vision.unroll = remat, unroll == "true"
-      r = measure(cfg, args.images, args.reps)
+      validate(cfg, len(jax.devices()))
     except ConfigError as e:
-      raise SystemExit(f"encoder_bench: error: {e}") from None
+      fail("encoder_bench", str(e))
+    r = measure(cfg, args.images, args.reps)
     loop = "unrolled" if unroll == "true" else "rolled"
     lines.append(f"| {remat} | {loop} | {r['forward_s']:.4f} | {r['forward_tflops']:.0f} | "
                  f"{r['split_s']:.4f} | {r['split_tflops']:.0f} | {r['fused_s']:.4f} | "

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from tools.common import load_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = ("loss", "eval_loss", "eval_accuracy")
 
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
   if len(seeds) < 2:
     parser.error("--seeds: at least two, for a spread")
+  load_config("fp8_check", args.config, args.set)  # before any run: one line, status 2
   out = pathlib.Path(args.out)
   if out.exists() and any(out.iterdir()):
     parser.error(f"--out: {out} is not empty; name a new folder (runs would resume from it)")

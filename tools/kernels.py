@@ -44,9 +44,8 @@ from typing import NamedTuple
 
 import jax
 
-from mimo_jax import configfile
-from mimo_jax.config import set_layout
 from tools.bench import Run
+from tools.common import load_config
 
 CATEGORIES = (
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective", re.I)),
@@ -383,8 +382,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.hlo:
     dump_hlo(args.hlo)
-  cfg = configfile.load(args.config, [f"--config.{s}" for s in args.set])
-  set_layout(cfg, args.layout)
+  cfg = load_config("kernels", args.config, args.set, args.layout, devices=True)
   run = Run(cfg)
   print(f"{run.topo.describe()}; compiling and warming up", flush=True)
   run.steps(args.warmup)

@@ -72,12 +72,13 @@ import sys
 
 import numpy as np
 
-from mimo_jax import configfile, encoders, memory
-from mimo_jax.config import Config, ConfigError, set_layout
+from mimo_jax import encoders, memory
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.pipeline import Schedule
 from mimo_jax.validation_topology import validate_topology
+from tools.common import load_config
 
 MODULES = ("vision", "language")
 
@@ -88,15 +89,10 @@ def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
 
 
 def layout_config(cfg_spec: str, sets: list[str], layout: str = "") -> Config:
-  """The config of `cfg_spec` (configfile.load) with `sets` (`a.b=v` overrides) and `layout`
-  (`config.set_layout`'s form, e.g. vision=0/2/1,language=2/2/1) applied; exits naming a bad one."""
-  try:
-    cfg = configfile.load(cfg_spec, [f"--config.{s}" for s in sets])
-  except ConfigError as e:
-    raise SystemExit(f"plan: error: {e}") from None
-  if layout:
-    set_layout(cfg, layout)
-  return cfg
+  """The config of `cfg_spec` with `sets` (`a.b=v` overrides) and `layout` (`config.set_layout`'s
+  form, e.g. vision=0/2/1,language=2/2/1) applied; a bad one is one line and exit status 2
+  (tools.common.load_config)."""
+  return load_config("plan", cfg_spec, sets, layout, check=False)
 
 
 def _shape(cfg, module: str) -> tuple[int, int]:

@@ -28,6 +28,8 @@ import tempfile
 import threading
 import time
 
+from tools.common import load_config
+
 FIRST = re.compile(r"time to first step: ([\d.]+) s")
 RESTORED = re.compile(r"\(([\d.]+) (GiB|MiB) of state restored in ([\d.]+) s\)")
 PROGRAM = re.compile(r"compiled step program 1 \(.*\) in ([\d.]+) s")
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
   if own:
     parser.error(f"--set {own[0]}: this tool sets that field itself (a new workdir and cache; "
                  "--steps for the cold run's steps)")
+  load_config("restart_bench", args.config, args.set)  # before any run: one line, status 2
   root = args.keep or tempfile.mkdtemp(prefix="restart_bench_")
   if args.keep:
     if os.path.exists(root) and os.listdir(root):
