@@ -41,7 +41,8 @@ def overrides(cfg: Config, sets: Sequence[str]) -> Config:
     try:
       configfile.set_field(cfg, name, text)
     except ConfigError as e:
-      raise ConfigError(f"{flag}: {str(e).replace(f'--config.{name}=', f'--set {name}=')}") from None
+      said = str(e).replace(f"--config.{name}=", f"--set {name}=")
+      raise ConfigError(f"{flag}: {said}") from None
   return cfg
 
 
