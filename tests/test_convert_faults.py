@@ -350,6 +350,39 @@ def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_
           "each with its error in ") in err, err
 
 
+def test_eval_records_that_are_skipped_are_named_and_a_fraction_of_1_sets_no_limit(bad, tmp_path,
+                                                                                  capsys):
+  """Eval is drawn before records are skipped (and not redrawn): the end says how many of the
+  drawn records eval holds. --max_skipped_fraction 1 (no limit) is not said to fail anything."""
+  root, _ = bad  # all.jsonl: 6 good records, then the bad ones
+  rc, err, _ = _main(_bad_args(root, tmp_path / "out", "all.jsonl", "--eval", "8"), capsys)
+  assert rc == 0, err
+  held = _counts(tmp_path / "out")["eval"]
+  assert 0 < held < 8, held  # seed 0 draws bad records too
+  assert (f"convert: warning: eval holds {held} of the 8 records --eval 8 drew: {8 - held} of "
+          f"them {'was' if 8 - held == 1 else 'were'} skipped (a skipped record is not replaced; "
+          "a larger --eval holds more).") in err.splitlines(), err
+  assert "fails a conversion" not in err and "--max_skipped_fraction" not in err, err
+  # Eval whole: no such line; a limit below 1 is named.
+  rc, err, _ = _main(_bad_args(root, tmp_path / "all", "bad_image_field.jsonl",
+                               "--max_skipped_fraction", "0.5"), capsys)
+  assert rc == 0, err
+  assert "eval holds" not in err and "(--max_skipped_fraction 0.5 fails a conversion" in err, err
+  assert _counts(tmp_path / "all")["eval"] == 1
+
+
+@pytest.mark.parametrize("flag,value,said", [("--max_skipped_fraction", "abc", "not a number"),
+                                             ("--workers", "two", "not an integer"),
+                                             ("--on_error", "ignore", "invalid choice")])
+def test_a_flag_argparse_refuses_is_one_line(src, tmp_path, capsys, flag, value, said):
+  rc, err, _ = _main(_args(src, tmp_path / "out") + [flag, value], capsys)
+  assert rc == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith(f"convert: error: ") and said in err and "usage:" not in err, err
+  if said.startswith("not"):
+    assert err.strip() == f"convert: error: {flag} {value}: {said}.", err
+  assert _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("reason", ["image too large", "bad image field", "bad conversation",
                                     "untokenizable", "bad id field"])
 def test_a_bad_record_under_fail_is_one_line(bad, tmp_path, capsys, monkeypatch, reason):

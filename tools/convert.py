@@ -87,6 +87,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shlex
 import signal
 import sys
@@ -122,9 +123,24 @@ def tower_tokens(directory: str) -> tuple[int | None, str]:
   return (size // patch) ** 2, f"{size // patch}x{size // patch} patches of the tower in {path}"
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse's own errors (a value that is not a number, a missing flag) as the tool's others:
+  one line `convert: error: ...`, exit status 2, without the usage block."""
+
+  def error(self, message: str):
+    m = re.fullmatch(r"argument (--\w+): invalid (int|float) value: '(.*)'", message, re.DOTALL)
+    if m:  # `--seed x`: as the range errors name a flag, with the value given
+      flag, kind, value = m.groups()
+      message = f"{flag} {value}: not {'an integer' if kind == 'int' else 'a number'}."
+    else:
+      message = f"{message} (--help lists the flags)."
+    print(f"convert: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = _Parser(prog="python -m tools.convert", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
   parser.add_argument("--images", required=True, help="the folder image paths are relative to")
   parser.add_argument("--tokenizer", required=True, help="HF directory: tokenizer.json and "
@@ -244,9 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped
            else ""))
   if m["skipped_records"]:
+    limit = (f" (--max_skipped_fraction {args.max_skipped_fraction:g} fails a conversion that "
+             "skips more)" if args.max_skipped_fraction < 1 else "")
     print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
-          f"each with its error in {out / conversion.SKIPPED} (--max_skipped_fraction "
-          f"{args.max_skipped_fraction:g} fails a conversion that skips more).", file=sys.stderr)
+          f"each with its error in {out / conversion.SKIPPED}{limit}.", file=sys.stderr)
+  if counts["eval"] < m["eval_drawn"]:
+    drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
+    drew = f"--eval {args.eval} drew" if args.eval == drawn else "were drawn for it"
+    print(f"convert: warning: eval holds {counts['eval']} of the {drawn} records {drew}: "
+          f"{lost} of them {'was' if lost == 1 else 'were'} skipped (a skipped record is not "
+          "replaced; a larger --eval holds more).", file=sys.stderr)
   vocab = model_vocab(args.tokenizer, m["vocab_size"])
   print(f"train with (MODEL_CONFIG: {MODEL_CONFIG}):\n  "
         + " ".join(["python -m mimo_jax.launch --config=MODEL_CONFIG"]

@@ -302,14 +302,15 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
             seed: int = 0, eval_ids=None, progress: bool = True) -> dict:
   """Converts the LLaVA-format records of `source` into directory `out` (shards, sidecars,
   manifest) and returns the manifest, with the seconds it took under `seconds`, the records read
-  under `records`, the ids several records share under `shared_ids` and the skipped records
-  (`SKIPPED`'s rows, in order) under `skipped_records`. Eval takes `eval_count` records (None:
-  `default_eval`) drawn with `seed`, every record of an id on one side, or the record indices
-  `eval_ids`. Bad records are skipped and counted (`on_error="skip"`, each reported on stderr and
-  listed in SKIPPED; more than `opts.max_skipped_fraction` of the records is a ConfigError with
-  nothing written) or raise ConfigError with nothing written; a failed write is a ConfigError
-  naming the file system's reason; any failure or interrupt removes what this conversion wrote.
-  Callers that publish `out` as a whole (tools.convert) pass a fresh staging directory."""
+  under `records`, the ids several records share under `shared_ids`, the skipped records
+  (`SKIPPED`'s rows, in order) under `skipped_records` and the records drawn for eval under
+  `eval_drawn` (a skipped one is not replaced: eval holds fewer samples). Eval takes
+  `eval_count` records (None: `default_eval`) drawn with `seed`, every record of an id on one
+  side, or the record indices `eval_ids`. Bad records are skipped and counted (`on_error="skip"`,
+  each reported on stderr and listed in SKIPPED; more than `opts.max_skipped_fraction` of the
+  records is a ConfigError with nothing written) or raise ConfigError with nothing written; a
+  failed write is a ConfigError naming the file system's reason; any failure or interrupt
+  removes what this conversion wrote. Callers that publish `out` as a whole (tools.convert) pass a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
     return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
                     progress, caught)
@@ -349,7 +350,8 @@ def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count:
     files.remove(made)
     raise
   return dict(written, seconds=time.perf_counter() - started, records=len(records),
-              shared_ids=shared, skipped_records=tally.skipped_records)
+              shared_ids=shared, skipped_records=tally.skipped_records,
+              eval_drawn=len(eval_ids))
 
 
 def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dict]:
