@@ -310,7 +310,8 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   each reported on stderr and listed in SKIPPED; more than `opts.max_skipped_fraction` of the
   records is a ConfigError with nothing written) or raise ConfigError with nothing written; a
   failed write is a ConfigError naming the file system's reason; any failure or interrupt
-  removes what this conversion wrote. Callers that publish `out` as a whole (tools.convert) pass a fresh staging directory."""
+  removes what this conversion wrote. Callers that publish `out` as a whole (tools.convert) pass
+  a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
     return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
                     progress, caught)
