@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from mimo_jax import checkpoint_layout as layout
 from mimo_jax import distributed, fingerprint, optim, run_paths
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, drop_closed_loop_reports,
+                                      drop_lost_task_logs, dropping_closed_loop_reports,
                                       not_read_only_notice, read_failure)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
@@ -195,7 +195,7 @@ class Checkpointer:
     weights and moments compress by a few percent, for CPU time in every save and restore
     (docs/benchmarks.md). `keep_steps`: steps never rotated away (a LoRA run's base, `Base`)."""
     self.path, self.modules = path, list(modules)
-    self._hook = None  # the unraisable hook to restore once a failed restore's reads are gone
+    self._failed = False  # a restore failed: its abandoned reads are collected on close
     self.set_aside = []  # step folders moved aside when this run opened the folder
     # Made by this checkpointer (orbax's manager creates it): removed by `close` if still empty,
     # so a run that fails before its first save leaves no empty checkpoints folder behind.
@@ -316,7 +316,17 @@ class Checkpointer:
       self._data[key] = identity.fingerprint(cfg)
     return self._data[key]
 
+  def _quiet_failed_reads(self) -> None:
+    """From a restore on, the reports a failed restore's abandoned reads leave (orbax's closed
+    event loop, the reads' own failures, asyncio's lost tasks) are dropped for the rest of the
+    process: some come before the failure reaches `_fail`, which names the step once, and some
+    after the checkpointer is closed."""
+    if not dropping_closed_loop_reports():
+      drop_closed_loop_reports(collect_now=False)
+    drop_lost_task_logs()
+
   def read_meta(self, step: int) -> dict:
+    self._quiet_failed_reads()
     try:
       meta = self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
@@ -331,6 +341,7 @@ class Checkpointer:
   def saved_arrays(self, step: int, modules: list[str]) -> dict[str, dict]:
     """Each module's saved arrays by path (`params/...`, `opt_state/...`): their metadata, as
     orbax recorded the tree it wrote."""
+    self._quiet_failed_reads()
     try:
       items = self._mngr.item_metadata(step)
       trees = {n: getattr(items[n], "tree", items[n]) for n in modules}
@@ -350,6 +361,7 @@ class Checkpointer:
     gathered = {n for n, w in wanted.items() if multi and w and not layout.spans_processes(w)}
     targets = {n: layout.global_abstract(w) if n in gathered else w for n, w in wanted.items()}
     args = {}
+    self._quiet_failed_reads()
     try:
       items = self._mngr.item_metadata(step)
       for n, target in targets.items():
@@ -485,8 +497,9 @@ class Checkpointer:
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside
     the `except` block, whose exception holds it)."""
-    if self._hook is None:
-      self._hook = drop_closed_loop_reports()
+    self._quiet_failed_reads()
+    self._failed = True
+    collect()  # the failed read's leftovers already garbage, while their reports are dropped
     older = [s for s in complete_steps(self.path) if s < step]
     if older and older[-1] > 0:
       fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}, "
@@ -514,9 +527,8 @@ class Checkpointer:
           os.rmdir(self.path)  # only if empty: nothing was saved
         except OSError:
           pass
-    if self._hook is not None:
+    if self._failed:
       collect()
-      sys.unraisablehook, self._hook = self._hook, None
 
 
 def _bfloat16_if_exact(x: jax.Array) -> jax.Array:

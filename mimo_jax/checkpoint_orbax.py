@@ -14,14 +14,40 @@ import jax
 import orbax.checkpoint as ocp
 
 
-def read_failure(e: Exception) -> str:
-  """The first line of a failed read's error, without the storage spec tensorstore appends."""
-  return re.sub(r" \[tensorstore_spec.*", "", str(e).splitlines()[0] if str(e) else repr(e))
+def read_failure(e: BaseException) -> str:
+  """The first line of a failed read's error, without the storage spec tensorstore appends; where
+  orbax wraps tensorstore's error ("Encountered error while reading array index ..."), the first
+  line of that error, which names the array and the file ("OUT_OF_RANGE: Error reading ...")."""
+  first = lambda x: str(x).splitlines()[0] if str(x) else repr(x)
+  line, cause = first(e), e.__cause__ or e.__context__
+  for _ in range(8):
+    if cause is None:
+      break
+    if re.match(r"[A-Z][A-Z_]+: ", first(cause)):  # an absl status: tensorstore's own error
+      line = first(cause)
+      break
+    cause = cause.__cause__ or cause.__context__
+  line = re.sub(r" \[tensorstore_spec.*", "", line)
+  return re.sub(r"\.? See full TensorStore details:.*", ".", line)
 
 
 def _is_closed_loop_report(unraisable) -> bool:
-  return (isinstance(unraisable.exc_value, RuntimeError) and
-          str(unraisable.exc_value) == "Event loop is closed")
+  """A report a failed restore's abandoned reads leave: orbax's closed event loop, or one of the
+  reads' own failures, collected after the one that was raised."""
+  exc = unraisable.exc_value
+  return ((isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or
+          str(exc).startswith("Encountered error while reading"))
+
+
+def _no_lost_task_reports(record) -> bool:
+  return "exception was never retrieved" not in record.getMessage()
+
+
+def drop_lost_task_logs() -> None:
+  """The abandoned reads of a failed restore fail later, and asyncio logs each, with a traceback,
+  as its task is collected: those logs are dropped (the failed step is named once, by whoever
+  read it)."""
+  logging.getLogger("asyncio").addFilter(_no_lost_task_reports)
 
 
 def collect() -> None:

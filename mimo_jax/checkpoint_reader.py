@@ -12,7 +12,6 @@ tools.ckpt, tools.hf export and tools.generate read checkpoints through it.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -27,7 +26,8 @@ import orbax.checkpoint as ocp
 from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint import base_folder, complete_steps, params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_closed_loop_reports,
-                                      dropping_closed_loop_reports, read_failure)
+                                      drop_lost_task_logs, dropping_closed_loop_reports,
+                                      read_failure)
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 
@@ -52,11 +52,7 @@ class StepGone(CkptError):
     self.step = step
     # Reads of the abandoned restore still in flight fail later and asyncio logs them, with a
     # traceback, when their tasks are collected: the step is gone, which the tool has said.
-    logging.getLogger("asyncio").addFilter(_no_lost_task_reports)
-
-
-def _no_lost_task_reports(record) -> bool:
-  return "exception was never retrieved" not in record.getMessage()
+    drop_lost_task_logs()
 
 
 class TryAgain(CkptError):
@@ -175,8 +171,7 @@ class Reader:
         return fn()
       except Exception as e:  # pylint: disable=broad-except
         reason = read_failure(e)
-      # The abandoned reads' failures, which asyncio logs as their tasks are collected.
-      logging.getLogger("asyncio").addFilter(_no_lost_task_reports)
+      drop_lost_task_logs()
       collect()  # those of the leftovers already garbage, while the reports are dropped
       if self.gone(step):
         raise StepGone(step)

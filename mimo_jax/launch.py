@@ -118,8 +118,10 @@ _UNRAISABLE_SEEN = set()
 def _unraisable_once(unraisable) -> None:
   """Exceptions Python ignores (raised in finalizers or callbacks of a closed event loop, as
   orbax's leave after a failed save): one line per kind, tracebacks with --debug."""
+  # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
+  from mimo_jax.checkpoint_orbax import read_failure
   exc = unraisable.exc_value
-  key = (type(exc).__name__, str(exc))
+  key = (type(exc).__name__, read_failure(exc))  # one line: no storage spec
   if key not in _UNRAISABLE_SEEN:
     _UNRAISABLE_SEEN.add(key)
     print(f"mimo_jax: note: ignored {key[0]}: {key[1]} (--debug shows its traceback)",

@@ -52,6 +52,29 @@ def _resume_from(full_dir, workdir, step: int) -> None:
       shutil.rmtree(d)
 
 
+def test_a_failed_reads_line_names_the_array_and_file_not_the_storage_spec():
+  """orbax wraps tensorstore's error, which names the array and the file, in one whose first line
+  runs into a multi-line storage spec: the line said is tensorstore's."""
+  from mimo_jax.checkpoint_orbax import read_failure
+  cause = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0.0" in OCDBT database at local '
+                     'file "/c/30/vision/": Requested byte range [0, 64) is not valid for value '
+                     'of size 50\n[tensorstore_spec=...]')
+  try:
+    try:
+      raise cause
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full "
+                      "TensorStore details: <bound method spec of TensorStore({\n  'base': {"
+                      ) from e
+  except Exception as e:  # pylint: disable=broad-except
+    said = read_failure(e)
+  assert said == ('OUT_OF_RANGE: Error reading "params.w/0.0.0" in OCDBT database at local file '
+                  '"/c/30/vision/": Requested byte range [0, 64) is not valid for value of size 50')
+  alone = Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full "
+                    "TensorStore details: <bound method spec of TensorStore({\n  'base': {")
+  assert read_failure(alone) == "Encountered error while reading array index: (slice(0, 2, 1),)."
+
+
 def test_resume_is_bitwise(data_dir, full_run, tmp_path):
   full_dir, records = full_run
   _resume_from(full_dir, tmp_path, 2)
