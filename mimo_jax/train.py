@@ -30,6 +30,14 @@ from mimo_jax.validation import validate, validate_backend, validate_data
 from mimo_jax.words import count
 
 
+def _why_aside(moved: str) -> str:
+  """Why checkpoint.py moved a step folder aside, from the suffix it gave it (`30.replaced-2`)."""
+  why = os.path.basename(moved).split(".", 1)[-1].split("-")[0]
+  return {"uncommitted": "its save never completed: not a step",
+          "replaced": "newer than checkpoint.restore_step: this run writes its own"}.get(
+              why, "not a step of this run")
+
+
 class BridgeMismatchError(RuntimeError):
   """Image tokens reached the text of a different sample."""
 
@@ -258,7 +266,7 @@ class _Loop:
     if lock is not None and lock.note:
       say(lock.note)
     for moved in self.ckpt.set_aside:
-      say(f"moved {moved} aside (not a complete step of this run)")
+      say(f"moved {moved} aside ({_why_aside(moved)})")
     say(f"topology: {self.trainer.topo.describe()}")
     say(compile_cache.describe())
     if self.finished:

@@ -75,6 +75,14 @@ def test_a_failed_reads_line_names_the_array_and_file_not_the_storage_spec():
   assert read_failure(alone) == "Encountered error while reading array index: (slice(0, 2, 1),)."
 
 
+def test_a_step_moved_aside_is_said_with_its_reason():
+  """A run's opening line for each step folder it moved aside says why, by the suffix the
+  checkpointer gave it (a restore_step's newer steps were called "not a complete step")."""
+  from mimo_jax.train import _why_aside
+  assert "newer than checkpoint.restore_step" in _why_aside("/w.1/checkpoints/30.replaced-2")
+  assert "never completed" in _why_aside("/w/checkpoints/12.uncommitted")
+
+
 def test_resume_is_bitwise(data_dir, full_run, tmp_path):
   full_dir, records = full_run
   _resume_from(full_dir, tmp_path, 2)
