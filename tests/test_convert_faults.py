@@ -377,7 +377,7 @@ def test_eval_records_that_are_skipped_are_named_and_a_fraction_of_1_sets_no_lim
 def test_a_flag_argparse_refuses_is_one_line(src, tmp_path, capsys, flag, value, said):
   rc, err, _ = _main(_args(src, tmp_path / "out") + [flag, value], capsys)
   assert rc == 2 and len(err.strip().splitlines()) == 1, err
-  assert err.startswith(f"convert: error: ") and said in err and "usage:" not in err, err
+  assert err.startswith("convert: error: ") and said in err and "usage:" not in err, err
   if said.startswith("not"):
     assert err.strip() == f"convert: error: {flag} {value}: {said}.", err
   assert _leftovers(tmp_path) == []
