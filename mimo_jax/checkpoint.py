@@ -501,11 +501,16 @@ class Checkpointer:
     self._failed = True
     collect()  # the failed read's leftovers already garbage, while their reports are dropped
     older = [s for s in complete_steps(self.path) if s < step]
+    # An older step may be damaged too: the tool that reads every step says which are intact
+    # (each failed resume would move one more step aside).
+    checked = (f" (`python -m tools.ckpt check {os.path.dirname(self.path)}` says first whether "
+               "it is intact)")
     if older and older[-1] > 0:
-      fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}, "
-             "or start in a new run.workdir")
+      fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
+             f"{checked}, or start in a new run.workdir")
     elif older:  # restore_step=0 means the newest: step 0 is resumed by moving this one away
-      fix = f"move {self.path}/{step} away to resume from step 0, or start in a new run.workdir"
+      fix = (f"move {self.path}/{step} away to resume from step 0{checked}, or start in a new "
+             "run.workdir")
     else:
       fix = f"move {self.path}/{step} away to start from scratch, or start in a new run.workdir"
     if self.source is not None:  # a run a new one starts from (init_from)

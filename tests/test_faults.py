@@ -85,7 +85,8 @@ def test_damaged_checkpoints_and_a_stale_step_folder(data_dir, tmp_path):
   assert "step 4" in advice and "--config.checkpoint.restore_step=2" in advice, advice
   # A resume refuses step 4 and names the flag that takes step 2.
   again = _run(_args(data_dir, work, "--config.train.steps=6"))
-  _one_line_error(again, 2, "step 4", "--config.checkpoint.restore_step=2")
+  _one_line_error(again, 2, "step 4", "--config.checkpoint.restore_step=2",
+                  f"python -m tools.ckpt check {work}")  # step 2 may be damaged too
   assert complete_steps(ckpts) == [2, 4]  # nothing written, nothing lost
   # A stale step folder (a save cut short: no commit_success.txt) is moved aside, never counted.
   shutil.copytree(ckpts / "2", ckpts / "6")
