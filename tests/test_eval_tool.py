@@ -203,7 +203,8 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
 
 def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
-  assert "holds rows of another eval" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "holds rows of another eval (max_new_tokens " in err and "3 here)" in err, err
   assert _rows(setup / "one.jsonl") == one_device
 
 

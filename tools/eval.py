@@ -170,9 +170,13 @@ class Rows:
 
   def _open(self) -> None:
     if self.out.exists():
-      if _recorded_settings(self.out) != self.settings:
-        raise output.OutputError(f"--out {self.out} holds rows of another eval (other workdir, "
-                                 "step, data or settings); give another --out or remove it.")
+      recorded = _recorded_settings(self.out)
+      if recorded != self.settings:
+        differ = ("its settings file is missing or unreadable" if recorded is None else
+                  "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
+                            for k, v in self.settings.items() if recorded.get(k) != v))
+        raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
+                                 "another --out or remove it.")
       data = self.out.read_bytes()
       keep = data[:data.rfind(b"\n") + 1]  # a line cut by a crash is written again
       if len(keep) != len(data):
