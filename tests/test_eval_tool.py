@@ -201,6 +201,17 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   assert not (setup / "bad.jsonl").exists()
 
 
+def test_a_missing_image_under_the_images_given_names_that_folder(setup, capsys):
+  data = setup / "missing.json"
+  data.write_text(json.dumps([{"id": 1, "image": "missing.png", "conversations": [
+      {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]}]))
+  assert eval_tool.main([str(setup / "run"), "--data", str(data), "--tokenizer",
+                         str(setup / "tok"), "--processor", str(setup / "tok"),
+                         "--images", str(setup), "--out", str(setup / "missing.jsonl")]) == 2
+  err = capsys.readouterr().err
+  assert f"not found; it is not in --images {setup}: give the folder that holds it." in err, err
+
+
 def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
   err = capsys.readouterr().err

@@ -123,8 +123,9 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
       try:
         pixels.append(images.load(folder / f, opened[0]))
       except FileNotFoundError:
-        raise ConfigError(f"{where}: image {folder / f} not found; give the image folder with "
-                          "--images DIR.") from None
+        fix = (f"it is not in --images {args.images}: give the folder that holds it" if args.images
+               else "give the image folder with --images DIR (the default is the JSON's folder)")
+        raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
       except Exception as e:  # pylint: disable=broad-except
         raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
     try:
