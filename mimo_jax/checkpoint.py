@@ -36,9 +36,8 @@ import orbax.checkpoint as ocp
 from mimo_jax import checkpoint_layout as layout
 from mimo_jax import distributed, fingerprint, optim, run_paths
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
-from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, drop_closed_loop_reports,
-                                      drop_lost_task_logs, dropping_closed_loop_reports,
-                                      not_read_only_notice, read_failure)
+from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
+                                      quiet_failed_reads, read_failure)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
@@ -316,17 +315,8 @@ class Checkpointer:
       self._data[key] = identity.fingerprint(cfg)
     return self._data[key]
 
-  def _quiet_failed_reads(self) -> None:
-    """From a restore on, the reports a failed restore's abandoned reads leave (orbax's closed
-    event loop, the reads' own failures, asyncio's lost tasks) are dropped for the rest of the
-    process: some come before the failure reaches `_fail`, which names the step once, and some
-    after the checkpointer is closed."""
-    if not dropping_closed_loop_reports():
-      drop_closed_loop_reports(collect_now=False)
-    drop_lost_task_logs()
-
   def read_meta(self, step: int) -> dict:
-    self._quiet_failed_reads()
+    quiet_failed_reads()
     try:
       meta = self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
@@ -341,7 +331,7 @@ class Checkpointer:
   def saved_arrays(self, step: int, modules: list[str]) -> dict[str, dict]:
     """Each module's saved arrays by path (`params/...`, `opt_state/...`): their metadata, as
     orbax recorded the tree it wrote."""
-    self._quiet_failed_reads()
+    quiet_failed_reads()
     try:
       items = self._mngr.item_metadata(step)
       trees = {n: getattr(items[n], "tree", items[n]) for n in modules}
@@ -361,7 +351,7 @@ class Checkpointer:
     gathered = {n for n, w in wanted.items() if multi and w and not layout.spans_processes(w)}
     targets = {n: layout.global_abstract(w) if n in gathered else w for n, w in wanted.items()}
     args = {}
-    self._quiet_failed_reads()
+    quiet_failed_reads()
     try:
       items = self._mngr.item_metadata(step)
       for n, target in targets.items():
@@ -497,7 +487,6 @@ class Checkpointer:
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside
     the `except` block, whose exception holds it)."""
-    self._quiet_failed_reads()
     self._failed = True
     collect()  # the failed read's leftovers already garbage, while their reports are dropped
     older = [s for s in complete_steps(self.path) if s < step]

@@ -57,11 +57,11 @@ def collect() -> None:
 
 
 def drop_closed_loop_reports(collect_now: bool = True):
-  """A failed restore leaves orbax's other reads behind, bound to an event loop that orbax has
-  closed: as each ends, or is collected, Python reports "Event loop is closed". From a failed
-  read until its checkpointer is closed those reports, and only those, are dropped; returns the
-  hook to restore then. `collect_now` collects the failed read's leftovers that are already
-  garbage (false: installed before reading)."""
+  """A failed restore or save leaves orbax's other reads or writes behind, bound to an event loop
+  that orbax has closed: as each ends, or is collected, Python reports "Event loop is closed" (a
+  read also its own failure). From now on those reports, and only those, are dropped; returns
+  the hook this one passes the rest to, for a caller that puts it back. `collect_now` collects
+  the leftovers already garbage (false: installed before reading)."""
   previous = sys.unraisablehook
 
   def hook(unraisable):
@@ -74,9 +74,14 @@ def drop_closed_loop_reports(collect_now: bool = True):
   return previous
 
 
-def dropping_closed_loop_reports() -> bool:
-  """Whether `sys.unraisablehook` is one `drop_closed_loop_reports` installed."""
-  return getattr(sys.unraisablehook, "drops_closed_loop_reports", False)
+def quiet_failed_reads() -> None:
+  """From a read on, for the rest of the process, the reports a failed restore's abandoned reads
+  leave (`drop_closed_loop_reports`, `drop_lost_task_logs`) are dropped: some come before its
+  failure reaches the reader, which names the step once, and some after the reader is closed.
+  Installed again where a hook installed over it was put back."""
+  if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+    drop_closed_loop_reports(collect_now=False)
+  drop_lost_task_logs()
 
 
 def _all_deferred(record) -> bool:

@@ -25,8 +25,7 @@ import orbax.checkpoint as ocp
 
 from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint import base_folder, complete_steps, params_restore_dtype
-from mimo_jax.checkpoint_orbax import (collect, drop_closed_loop_reports,
-                                      drop_lost_task_logs, dropping_closed_loop_reports,
+from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
                                       read_failure)
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
@@ -66,15 +65,6 @@ class Unreadable(CkptError):
   def __init__(self, path: str, step: int, reason: str):
     super().__init__(f"step {step} of {path} cannot be read ({reason}): {DAMAGED}")
     self.step, self.reason = step, reason
-
-
-def _drop_closed_loop_reports() -> None:
-  """After a failed read its leftovers report "Event loop is closed" on their way out, some before
-  the failure reaches the reader (orbax closes its loop first): from a read on, those reports are
-  dropped (the check goes on with the other items; the tool names the step). Installed again
-  where a hook installed before it was put back (the end of a `quiet_lost_interrupts` block)."""
-  if not dropping_closed_loop_reports():
-    drop_closed_loop_reports(collect_now=False)
 
 
 def who(holder: dict) -> str:
@@ -165,13 +155,12 @@ class Reader:
   def read(self, step: int, fn: Callable[[], T]) -> T:
     """fn() reading `step`: StepGone if the step vanished under it, Unreadable if the step is
     still there (after one more try while a run is live)."""
-    _drop_closed_loop_reports()
+    quiet_failed_reads()
     for _ in range(2 if self.live else 1):
       try:
         return fn()
       except Exception as e:  # pylint: disable=broad-except
         reason = read_failure(e)
-      drop_lost_task_logs()
       collect()  # those of the leftovers already garbage, while the reports are dropped
       if self.gone(step):
         raise StepGone(step)

@@ -47,7 +47,8 @@ def check(workdir: str) -> str:
     raise WorkdirError(f"run.workdir={workdir!r} is a file, not a directory; choose another "
                        "run.workdir.")
   saves = os.path.join(path, "checkpoints")
-  for folder, name in ((path, f"run.workdir={workdir!r}"), (saves, f"the run's checkpoints folder {saves}")):
+  for folder, name in ((path, f"run.workdir={workdir!r}"),
+                       (saves, f"the run's checkpoints folder {saves}")):
     if folder == saves and not os.path.isdir(saves):
       continue  # made in a writable workdir when the first step is saved
     try:

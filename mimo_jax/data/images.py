@@ -171,9 +171,8 @@ def eight_bit(image: Image.Image) -> Image.Image:
       found = f"from {seen.min():.4g} to {seen.max():.4g}" if seen.size else "NaN only"
       raise UnsupportedImage(f"a float image with values {found}"
                              f"{' and NaN' if seen.size < x.size and seen.size else ''}, where "
-                             "float pixels "
-                             "are read as [0, 1]; save it as 8- or 16-bit, or scale it to "
-                             "[0, 1]")
+                             "float pixels are read as [0, 1]; save it as 8- or 16-bit, or "
+                             "scale it to [0, 1]")
     return Image.fromarray(np.clip(np.round(x * 255), 0, 255).astype(np.uint8), "L")
   if mode == "I":
     raise UnsupportedImage("a 32-bit integer image, whose range is not known; save it as 8- or "
