@@ -2,12 +2,16 @@
 sizes, on a GPU (needs torch and transformers: `pip install -e '.[hf]'`).
 
   python -m tools.hf_llava_bench [--compile] [--fp8] [--liger] [--mb 8] [--micro 4] [--steps 5]
+      [--feature_layer -1]
 
-The model: a CLIP ViT-L/14 at 336 px (24 layers of width 1024; LLaVA's features from layer -2,
-class token dropped: 576 tokens an image), LLaVA's two-layer GELU projector and a Llama decoder of
-16 layers of width 2048 (32 heads, 8 key-value heads, SwiGLU 8192, vocabulary 32000), randomly
-initialised. A step is `--micro` microbatches of `--mb` samples, each sample `--images` images
-and text filling it to 2048 tokens, with the loss on every text token; float32 weights, bfloat16
+The model: a CLIP ViT-L/14 at 336 px (24 layers of width 1024; class token dropped: 576 tokens an
+image), LLaVA's two-layer GELU projector and a Llama decoder of 16 layers of width 2048 (32
+heads, 8 key-value heads, SwiGLU 8192, vocabulary 32000), randomly initialised. The projector
+takes the tower's last layer (`--feature_layer -1`), as configs/vlm.py's 24-layer tower gives it
+its last: the same model. LLaVA-1.5's `--feature_layer -2` leaves the last layer's output unused
+(its backward pass is not run, and torch.compile may drop its forward): a tower of 23 layers in
+effect, less work than mimo_jax's. A step is `--micro` microbatches of `--mb` samples, each
+sample `--images` images and text filling it to 2048 tokens, with the loss on every text token; float32 weights, bfloat16
 autocast, SDPA attention, fused AdamW, gradients accumulated over the microbatches. `--compile`
 runs the model under `torch.compile`. The peer's own speed-ups, so that it is measured at its
 best:
@@ -49,6 +53,17 @@ def check_packages(args) -> None:
           "one with it, then pip install the wheel).")
 
 
+def feature_layer(text: str) -> int:
+  """--feature_layer's value: a layer of the 24, counted from the end."""
+  try:
+    k = int(text)
+  except ValueError:
+    k = 0
+  if not -24 <= k <= -1:
+    raise argparse.ArgumentTypeError(f"{text!r}: give -24 to -1 (-1: the tower's last layer)")
+  return k
+
+
 def float8_filter(module, fqn: str) -> bool:
   """The linears torchao converts to float8: all but lm_head and the patch embedding, and only
   those whose sizes the FP8 matmul takes (multiples of 16)."""
@@ -68,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="untimed steps first (the first one compiles under --compile)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps: s/step is their median")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  parser.add_argument("--feature_layer", type=feature_layer, default=-1,
+                      help="the tower's layer that feeds the projector, -24 to -1 from the end "
+                      "(-1: the last, as configs/vlm.py's tower)")
   parser.add_argument("--fp8", action="store_true",
                       help="torchao float8 training (tensorwise) on every Linear but lm_head")
   parser.add_argument("--liger", action="store_true",
@@ -90,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                      rope_theta=500_000.0, max_position_embeddings=4096,
                      tie_word_embeddings=False)
   config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
-                       projector_hidden_act="gelu", vision_feature_layer=-2,
+                       projector_hidden_act="gelu",
+                       vision_feature_layer=args.feature_layer,
                        vision_feature_select_strategy="default",
                        image_seq_length=IMAGE_TOKENS)
   for c in (config, vision, text):
@@ -153,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
   queued = ended[0].elapsed_time(ended[-1]) / 1e3 / max(args.steps - 1, 1)
   tokens = args.mb * args.micro * SEQ
   print(f"hf_llava compile={args.compile} fp8={args.fp8} ({converted} Linear in float8) "
-        f"liger={args.liger} {args.mb}x{args.micro}: {params / 1e9:.3f} B parameters, "
+        f"liger={args.liger} feature_layer={args.feature_layer} {args.mb}x{args.micro}: "
+        f"{params / 1e9:.3f} B parameters, "
         f"{seconds:.3f} s/step (queued {queued:.4f}), {tokens / seconds:,.0f} tokens/s, "
         f"loss {loss:.3f}, peak "
         f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; compile (first step) "

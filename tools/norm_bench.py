@@ -10,9 +10,9 @@ microbatch of configs/vlm.py's dense step). The work timed is a block's norm as 
 its output from the residual stream, then the gradients of the stream, the scale and the bias from
 the output's gradient and the stream's own gradient (the kernels add the latter in their backward
 pass). Times are the median over 5 runs of one compiled program that takes `--repeat` such
-gradients, divided by `--repeat`; the bandwidth counts the six passes over [images x positions x
-width] that one read or write of each array needs (x and y forward; x, the two incoming gradients
-and dx backward). The kernels' rows and warps a kernel instance takes are `norm_kernels.ROWS` and
+gradients in turn (each pass's input gradient is the next one's input), divided by `--repeat`;
+the bandwidth counts the six passes over [images x positions x width] that one read or write
+of each array needs (x and y forward; x, the two incoming gradients and dx backward). The kernels' rows and warps a kernel instance takes are `norm_kernels.ROWS` and
 `WARPS`: the rows whose figures are lowest are the ones to set there.
 """
 
@@ -46,12 +46,14 @@ def gradients(fn, x, scale, bias, dres, dy):
 
 
 def seconds(fn, x, scale, bias, dres, dy, repeat: int) -> float:
-  """fn's forward and backward, one of `repeat` in one program."""
+  """fn's forward and backward, one of `repeat` in one program. The passes are unrolled (a loop
+  on the GPU would add its own per-pass wait) and each takes the last one's gradients as its
+  input, scale and bias, so that every element of every output is computed."""
   def run(x, scale, bias, dres, dy):
-    def body(_, c):  # each pass reads the last one's result, so none is left out
-      dx, _, _ = gradients(fn, x + c.astype(x.dtype), scale, bias, dres, dy)
-      return c + dx[0, 0, 0].astype(jnp.float32) * 1e-9
-    return jax.lax.fori_loop(0, repeat, body, jnp.zeros((), jnp.float32))
+    for _ in range(repeat):
+      dx, dscale, dbias = gradients(fn, x, scale, bias, dres, dy)
+      x, scale, bias = dx, scale + 1e-9 * dscale, bias + 1e-9 * dbias
+    return x, scale, bias
 
   run = jax.jit(run)
   return median_time(lambda: run(x, scale, bias, dres, dy)) / repeat
