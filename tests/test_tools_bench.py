@@ -275,6 +275,15 @@ def test_hf_llava_bench_names_the_missing_package_of_an_option(flag, module):
     hf_llava_bench.main([flag])
 
 
+
+@pytest.mark.parametrize("value", ["0", "-25", "last"])
+def test_hf_llava_bench_refuses_a_feature_layer_outside_the_tower(value, capsys):
+  """--feature_layer counts the tower's 24 layers from the end: anything else is one line."""
+  with pytest.raises(SystemExit) as stop:
+    hf_llava_bench.main(["--feature_layer", value])
+  assert stop.value.code == 2
+  assert f"'{value}': give -24 to -1" in capsys.readouterr().err
+
 _TRACED = """import sys
 from tools import kernels
 kernels.dump_hlo(sys.argv[1])
