@@ -135,15 +135,18 @@ def run(cfg: Config) -> list[dict]:
     # written.
     init_from.params(cfg, {n: a["params"] for n, a in
                                  trainer.abstract_state(canonical=True).items()}, read=False)
+  # What the workdir holds before the run writes there: a run that ends before its first step
+  # (an error, a signal) removes what it made, its workdir too, and leaves nothing behind.
+  made = workdir.Made(cfg.run.workdir) if distributed.is_main() else None
   lock = None
-  if distributed.is_main():
-    workdir.check(cfg.run.workdir)
-    lock = workdir.Lock(cfg.run.workdir).acquire()
   try:
+    if made is not None:
+      workdir.check(cfg.run.workdir)
+      lock = workdir.Lock(cfg.run.workdir).acquire()
     return _run(cfg, trainer, lock, started)
   finally:
-    if lock is not None:
-      lock.release()
+    if made is not None:
+      made.remove_unused(lock)  # releases the lock
 
 
 def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float) -> list[dict]:

@@ -3,6 +3,8 @@
 `<workdir>/run.lock` holds the host, pid and start time of the run that uses the workdir (process
 0 of a multi-process run). A second run on the same workdir stops with an error naming the first;
 a lock left by a process that is gone (same host, pid no longer running) is taken over with a note.
+A run that ends with nothing of value in it (it failed or was stopped before its first step)
+removes what it made there (`Made`): its workdir, if it made it, is gone again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import time
 from mimo_jax.config import ConfigError
 
 LOCK = "run.lock"
+# What a run writes beside its checkpoints (metrics.MetricsWriter): the records, the file they are
+# rewritten through on resume, and TensorBoard's events.
+METRICS, METRICS_TMP, TB = "metrics.jsonl", "metrics.jsonl.tmp", "tb"
 
 
 class WorkdirError(ConfigError):
@@ -60,6 +65,58 @@ def check(workdir: str) -> str:
     except OSError as e:
       raise WorkdirError(describe_os_error(e, name)) from None
   return path
+
+
+class Made:
+  """What a run is about to make in its workdir, noted before it makes anything, so that a run
+  that ends with nothing of value there (it failed or was stopped before its first step: no
+  checkpoints folder, no record in its metrics) leaves nothing behind. Only what was not there
+  before is removed, and a folder only when it is empty."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.abspath(workdir)
+    # The workdir's folders that do not exist yet, innermost first (check makes its parents too).
+    self.folders = []
+    folder = self.path
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+      self.folders.append(folder)
+      folder = os.path.dirname(folder)
+    self.files = {n for n in (METRICS, METRICS_TMP, TB)
+                  if not os.path.lexists(os.path.join(self.path, n))}
+
+  def remove_unused(self, lock: "Lock | None") -> None:
+    """Removes the files the run made if they hold nothing (only under its `lock`: without it,
+    they may be another run's), releases `lock`, then removes the folders it made if empty."""
+    try:
+      if lock is not None and not os.path.lexists(os.path.join(self.path, "checkpoints")):
+        self._remove_files()  # (a checkpoints folder: a step may be saved; everything stays)
+    finally:
+      if lock is not None:
+        lock.release()
+    for folder in self.folders:
+      try:
+        os.rmdir(folder)  # only if empty
+      except OSError:
+        return
+
+  def _remove_files(self) -> None:
+    """The metrics file this run made, if it holds no record, with its TensorBoard folder (whose
+    events are the records'), and a rewrite of it left behind."""
+    metrics = os.path.join(self.path, METRICS)
+    try:
+      if METRICS in self.files and os.path.isfile(metrics) and os.path.getsize(metrics) == 0:
+        os.remove(metrics)
+      rewrite = os.path.join(self.path, METRICS_TMP)
+      if METRICS_TMP in self.files and os.path.isfile(rewrite):
+        os.remove(rewrite)
+      tb = os.path.join(self.path, TB)
+      if TB in self.files and not os.path.lexists(metrics) and os.path.isdir(tb):
+        for name in os.listdir(tb):
+          if name.startswith("events.out.tfevents."):
+            os.remove(os.path.join(tb, name))
+        os.rmdir(tb)  # only if empty: nothing else was written there
+    except OSError:
+      pass  # a file that cannot be removed stays; the run's own error is the one reported
 
 
 def _alive(pid: int) -> bool:

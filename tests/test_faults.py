@@ -197,7 +197,7 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   _one_line_error(proc, 2, "model.vision.image_slots=8 is too small",
                   "set model.vision.image_slots=")
   assert "step 1 |" not in proc.stdout
-  assert not (work / "checkpoints").exists()  # no empty folder, as if it had saved
+  assert not work.exists()  # nothing it made: no empty workdir or checkpoints folder
   # A damaged shard names itself and how to rebuild it.
   broken = tmp_path / "data"
   shutil.copytree(data_dir, broken)
@@ -206,6 +206,7 @@ def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
   shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
   proc = _run(_args(broken, tmp_path / "shard", "--config.train.steps=3"))
   _one_line_error(proc, 2, str(shard), "delete it")
+  assert not (tmp_path / "shard").exists()
   # A workdir that is a file, and one that cannot be written.
   afile = tmp_path / "afile"
   afile.write_text("not a directory")
