@@ -18,139 +18,35 @@ orbax refuses arrays that live on the devices of some processes only (a module w
 one host): those are first moved, through the bridge, to a layout over every process ("global"):
 split on the first axis over every device where it divides evenly, else on one device of each
 process; restore reverses the path onto the current topology (checkpoint_layout.py).
+
+The folder's steps and the base a LoRA run's steps name are in checkpoint_steps.py, the
+checks and conversions of a step's arrays in checkpoint_arrays.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from mimo_jax import checkpoint_layout as layout
 from mimo_jax import distributed, fingerprint, optim, run_paths
+from mimo_jax.checkpoint_arrays import (as_saved, bfloat16_if_exact, fill, mismatches, regrouped,
+                                        shape_differences, without)
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
                                       quiet_failed_reads, read_failure)
+from mimo_jax.checkpoint_steps import Base, base_folder, complete_steps, digest, move_aside
+from mimo_jax.checkpoint_steps import directory  # noqa: F401  (train reads it here)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
 from mimo_jax.trees import path_str
 
 META = "meta"
-
-
-def directory(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
-
-
-def complete_steps(path: str) -> list[int]:
-  """Steps whose save finished: orbax writes `commit_success.txt` last. A step folder without it
-  (a save cut short on a file system without atomic renames) is never restored."""
-  if not os.path.isdir(path):
-    return []
-  return sorted(int(d) for d in os.listdir(path)
-                if d.isdigit() and os.path.exists(os.path.join(path, d, "commit_success.txt")))
-
-
-def _set_aside(path: str, step: int, why: str) -> str:
-  """Renames `path/step` to `path/step.why` (or `.why-2`, ...); returns the new name."""
-  n, target = 1, os.path.join(path, f"{step}.{why}")
-  while os.path.exists(target):
-    n += 1
-    target = os.path.join(path, f"{step}.{why}-{n}")
-  os.rename(os.path.join(path, str(step)), target)
-  return target
-
-
-def digest(meta: dict) -> str:
-  """The digest a step's metadata holds of itself (`meta["digest"]`): sha256 of the rest."""
-  body = {k: v for k, v in meta.items() if k != "digest"}
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def mismatches(saved: dict, tree: dict, module: str) -> list[str]:
-  """The arrays of `tree` (what was read of one module: params and opt_state, or some of them)
-  whose fingerprints differ from `saved`, as `module path`. A bfloat16 array read as stored
-  may hold float32 values that a `compact` save fingerprinted as float32: widened, it matches."""
-  got = fingerprint.on_device(tree)
-  named = fingerprint.paths(tree)
-  wide = {k: named[k].astype(jnp.float32) for k in got
-          if saved.get(k) != got[k] and named[k].dtype == jnp.bfloat16}
-  got.update(fingerprint.on_device(wide) if wide else {})
-  return [f"{module} {k}" for k in sorted(got) if saved.get(k) != got[k]]
-
-
-def _group(path: str) -> str:
-  """The parameter group of an optimizer-state path (`opt_state/inner_states/<group>/...`)."""
-  parts = path.split("/")
-  return parts[2] if len(parts) > 2 and parts[1] == "inner_states" else parts[-1]
-
-
-def fill(tree, arrays: dict, keep_others: bool = False):
-  """`tree` with each leaf replaced by `arrays[path]` (fingerprint.paths names); with
-  `keep_others` a leaf `arrays` lacks stays as it is."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  named = [path_str(p) for p, _ in leaves]
-  return jax.tree_util.tree_unflatten(
-      treedef, [arrays.get(k, x) if keep_others else arrays[k]
-                for k, (_, x) in zip(named, leaves)])
-
-
-def shape_differences(saved: dict, wanted: dict, module: str) -> list[str]:
-  """`module path: saved shape (this run: shape)` for each array of `wanted` the step holds with
-  another shape or dtype kind, or not at all."""
-  out = []
-  for k, a in wanted.items():
-    if k not in saved:
-      out.append(f"{module} {k}: not in the step")
-    elif tuple(saved[k].shape) != tuple(a.shape):
-      out.append(f"{module} {k}: {tuple(saved[k].shape)} (this run: {tuple(a.shape)})")
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Base:
-  """Where the frozen weights of a run with LoRA adapters are held: a step of a checkpoint
-  folder (`path` relative to the folder of the checkpoints naming it: "." for their own) that
-  holds every parameter (an import's step 0, or the step 0 a run writes of the weights it starts
-  from), and the fingerprints that step holds of them: module -> `params/<path>` -> fingerprint.
-  The run's later steps hold the trained parameters and name this one (`meta["base"]`)."""
-  path: str
-  step: int
-  fingerprints: dict
-
-  def as_meta(self) -> dict:
-    return {"path": self.path, "step": self.step, "fingerprints": self.fingerprints}
-
-
-def base_folder(own: str, recorded: str, moved: str = "") -> str:
-  """The folder a base lives in: `moved` (checkpoint.base: a workdir or its checkpoints folder)
-  where given, else the one recorded, relative to `own` (the naming checkpoints' folder)."""
-  if moved:
-    return directory(moved) if os.path.isdir(os.path.join(moved, "checkpoints")) else \
-        os.path.abspath(moved)
-  return os.path.normpath(os.path.join(own, recorded))
-
-
-def without(tree: dict, paths: set, prefix: str = "") -> dict:
-  """The nested dicts of `tree` without the leaves whose paths (`a/b/c`) are in `paths`."""
-  out = {}
-  for k, v in tree.items():
-    path = f"{prefix}{k}"
-    if isinstance(v, dict):
-      kept = without(v, paths, path + "/")
-      if kept:
-        out[k] = kept
-    elif path not in paths:
-      out[k] = v
-  return out
 
 
 def name_base(ckpt: "Checkpointer", cfg: Config, found: int | None, meta: dict, canonical,
@@ -177,12 +73,6 @@ def name_base(ckpt: "Checkpointer", cfg: Config, found: int | None, meta: dict, 
     ckpt.base = Base(".", 0, held(meta["fingerprints"]))
 
 
-def _as_saved(target: jax.ShapeDtypeStruct, saved) -> jax.ShapeDtypeStruct:
-  """`target` in the dtype `saved` (orbax's metadata of the stored array) was written in."""
-  dtype = getattr(saved, "dtype", None) or target.dtype
-  return jax.ShapeDtypeStruct(target.shape, dtype, sharding=target.sharding)
-
-
 class Checkpointer:
   """Saves and restores training state under `<workdir>/checkpoints`."""
 
@@ -203,7 +93,7 @@ class Checkpointer:
       complete = set(complete_steps(path))
       for d in sorted(os.listdir(path)):
         if d.isdigit() and int(d) not in complete:
-          self.set_aside.append(_set_aside(path, int(d), "uncommitted"))
+          self.set_aside.append(move_aside(path, int(d), "uncommitted"))
     distributed.barrier("checkpoint_open")
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
@@ -258,7 +148,7 @@ class Checkpointer:
           f"holds {', '.join(map(str, steps)) or 'none'}.")
     newer = [s for s in steps if s > wanted]
     if newer and distributed.is_main():
-      self.set_aside += [_set_aside(self.path, s, "replaced") for s in newer]
+      self.set_aside += [move_aside(self.path, s, "replaced") for s in newer]
     distributed.barrier("checkpoint_resume")
     if newer:
       self._mngr.reload()
@@ -267,7 +157,7 @@ class Checkpointer:
   def set_aside_step(self, step: int, why: str) -> None:
     """Moves a saved step aside as `<step>.<why>` (kept on disk, no longer a step)."""
     if distributed.is_main():
-      self.set_aside.append(_set_aside(self.path, step, why))
+      self.set_aside.append(move_aside(self.path, step, why))
     distributed.barrier("checkpoint_set_aside")
     self._mngr.reload()
 
@@ -298,7 +188,7 @@ class Checkpointer:
     meta["fingerprints"] = {n: fingerprint.on_device(t) for n, t in trees.items()}
     meta["digest"] = digest(meta)
     if compact and jax.process_count() == 1:
-      trees = {n: dict(t, params=jax.tree.map(_bfloat16_if_exact, t["params"]))
+      trees = {n: dict(t, params=jax.tree.map(bfloat16_if_exact, t["params"]))
                for n, t in trees.items()}
     if jax.process_count() > 1:
       trees = {n: t if layout.spans_processes(t) else layout.to_global(t) for n, t in trees.items()}
@@ -357,7 +247,7 @@ class Checkpointer:
       for n, target in targets.items():
         tree = getattr(items[n], "tree", items[n])
         item = jax.tree_util.tree_map_with_path(
-            lambda p, x, t=target: _as_saved(t[path_str(p)], x) if path_str(p) in t else
+            lambda p, x, t=target: as_saved(t[path_str(p)], x) if path_str(p) in t else
             ocp.PLACEHOLDER, tree)
         restore_args = jax.tree.map(
             lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
@@ -390,8 +280,8 @@ class Checkpointer:
     self.notes += check_compatible(meta, cfg, self.path, step)
     return meta
 
-  def restore(self, step: int, abstract: dict[str, dict], cfg: Config,
-              fresh_opt_state=None, meta: dict | None = None) -> tuple[dict[str, ModuleState], dict]:
+  def restore(self, step: int, abstract: dict[str, dict], cfg: Config, fresh_opt_state=None,
+              meta: dict | None = None) -> tuple[dict[str, ModuleState], dict]:
     """Restores `step` onto the shardings in `abstract`; checks it matches `cfg` first (unless
     `meta` is `checked_meta`'s), and every array read against the fingerprint saved with it.
     Optimizer state is read by the saved structure and mapped onto this run's group by group: a
@@ -438,7 +328,7 @@ class Checkpointer:
         opt_state = fill(tree["opt_state"], saved_opt)
       state[n] = ModuleState(module, opt_state)
     if not meta.get("params_only"):
-      self.notes += _regrouped(meta, cfg, step, saved, fresh, opt)
+      self.notes += regrouped(meta, cfg, step, saved, fresh, opt)
     return state, meta
 
   @staticmethod
@@ -523,40 +413,3 @@ class Checkpointer:
           pass
     if self._failed:
       collect()
-
-
-def _bfloat16_if_exact(x: jax.Array) -> jax.Array:
-  """`x` as bfloat16 where that holds its float32 values exactly, else `x`."""
-  if x.dtype != jnp.float32:
-    return x
-  y = x.astype(jnp.bfloat16)
-  return y if bool(jnp.all(y.astype(jnp.float32) == x)) else x
-
-
-def compact_nbytes(x: jax.Array) -> int:
-  """The bytes a `compact` save stores of `x`."""
-  return _bfloat16_if_exact(x).nbytes
-
-
-def params_restore_dtype(stored_dtype):
-  """The dtype a stored parameter is read back as: parameters are float32, and one stored as
-  bfloat16 (a `compact` save) holds float32 values exactly."""
-  return np.float32 if np.dtype(stored_dtype) == jnp.bfloat16 else None
-
-
-def _regrouped(meta: dict, cfg: Config, step: int, saved: dict, fresh: dict, opt: dict) -> list:
-  """The note of a restore that mapped the optimizer state onto other trained groups."""
-  new = sorted({_group(k) for keys in fresh.values() for k in keys})
-  dropped = sorted({_group(k) for n, arrays in saved.items() for k in arrays
-                    if k.startswith("opt_state/") and k not in opt[n]} - set(new))
-  if not new and not dropped:
-    return []
-  was = meta["config"].get("optim", {})
-  parts = []
-  if new:
-    parts.append(f"{', '.join(new)} start{'s' * (len(new) == 1)} with fresh optimizer state")
-  if dropped:
-    parts.append(f"{', '.join(dropped)} (now frozen) "
-                 f"{'drops its' if len(dropped) == 1 else 'drop theirs'}")
-  return [f"step {step} was trained with optim.freeze={was.get('freeze', '')!r}, this run has "
-          f"{cfg.optim.freeze!r}: {'; '.join(parts)}; the step and the data position carry on."]

@@ -24,9 +24,10 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 from mimo_jax import fingerprint, workdir as workdir_lib
-from mimo_jax.checkpoint import base_folder, complete_steps, params_restore_dtype
+from mimo_jax.checkpoint_arrays import params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
                                       read_failure)
+from mimo_jax.checkpoint_steps import base_folder, complete_steps
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 
@@ -213,7 +214,7 @@ class Reader:
     return flat
 
   def _base(self, step: int, base: dict, have: dict) -> dict[str, np.ndarray]:
-    """The frozen weights a step leaves to its base (checkpoint.Base), read from there after
+    """The frozen weights a step leaves to its base (checkpoint_steps.Base), read from there after
     checking that it holds the weights the run was trained on."""
     folder = base_folder(self.path, base["path"])
     named, where = f"{folder} step {base['step']}", f"step {step} of {self.path}"

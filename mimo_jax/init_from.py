@@ -14,8 +14,10 @@ import jax
 import numpy as np
 
 from mimo_jax import encoders, fingerprint, hf, state
-from mimo_jax.checkpoint import META, Checkpointer, complete_steps, fill, shape_differences
+from mimo_jax.checkpoint import META, Checkpointer
+from mimo_jax.checkpoint_arrays import fill, shape_differences
 from mimo_jax.checkpoint_config import CheckpointError, gains_adapters, model_differences
+from mimo_jax.checkpoint_steps import complete_steps
 from mimo_jax.config import LANGUAGE, Config, lora_of, run_source
 from mimo_jax.hf import peft
 from mimo_jax.models.lora import A, B, is_adapter

@@ -146,7 +146,7 @@ def _set_layer(stacked, x, i):
 
 def frozen_paths(plan: Plan, lora: bool) -> dict[str, set]:
   """Module -> `params/<path>` of its frozen leaves, for a run with LoRA adapters (`lora`;
-  empty sets otherwise): what its checkpoints leave to their base (checkpoint.Base)."""
+  empty sets otherwise): what its checkpoints leave to their base (checkpoint_steps.Base)."""
   return {n: {f"params/{k}" for k, label in paths(p.labels).items()
               if lora and label == optim.FROZEN} for n, p in plan.modules.items()}
 

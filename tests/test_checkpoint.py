@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mimo_jax import checkpoint, checkpoint_config, train
+from mimo_jax import checkpoint, checkpoint_config, checkpoint_steps, train
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
@@ -114,7 +114,7 @@ def test_interrupted_save_is_ignored(data_dir, full_run, tmp_path):
   unfinished = tmp_path / "checkpoints" / "8" / "language"  # no commit marker
   unfinished.mkdir(parents=True)
   (unfinished / "junk").write_bytes(b"\0" * 100)
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path)), ["vision", "language"],
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(tmp_path)), ["vision", "language"],
                                  read_only=True)
   assert ckpt.latest_step() == 4
   ckpt.close()
@@ -152,7 +152,7 @@ def test_a_save_killed_with_sigkill_leaves_the_steps_before_it_and_the_next_save
                         text=True, timeout=120)
   assert proc.returncode == -signal.SIGKILL, proc.stderr
   assert any(p.name.startswith("2.") for p in path.iterdir())  # the save it was in
-  assert checkpoint.complete_steps(str(path)) == [1]
+  assert checkpoint_steps.complete_steps(str(path)) == [1]
   assert ckpt_tool.main(["check", str(tmp_path)]) == 0
   assert "step 1: " in capsys.readouterr().out
   # The next writer (a rerun) saves step 2 again over what the killed one left.
@@ -160,7 +160,7 @@ def test_a_save_killed_with_sigkill_leaves_the_steps_before_it_and_the_next_save
   ckpt.save(2, {"language": ModuleState({"w": np.full((64, 64), 2.0, np.float32)}, None)},
             Config(), force=True, params_only=True)
   ckpt.close()
-  assert checkpoint.complete_steps(str(path)) == [1, 2]
+  assert checkpoint_steps.complete_steps(str(path)) == [1, 2]
   assert sorted(p.name for p in path.iterdir()) == ["1", "2"]
   assert ckpt_tool.main(["check", str(tmp_path)]) == 0
 
@@ -223,7 +223,7 @@ def test_tools_inspect_export_check(data_dir, full_run, tmp_path):
   out = run("export", str(full_dir), "--step", "4", "--out", str(target))
   assert out.returncode == 0, out.stderr
   tensors = load_file(str(target))
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(full_dir)), list(stepper.modules),
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(full_dir)), list(stepper.modules),
                                  read_only=True)
   state, _ = ckpt.restore(4, stepper.abstract_state(), cfg)
   ckpt.close()
@@ -244,7 +244,7 @@ def test_keep_holds_the_newest_checkpoints(data_dir, tmp_path):
   cfg.checkpoint.every, cfg.checkpoint.keep = 1, 2
   cfg.train.steps = 4
   train.run(cfg)
-  assert checkpoint.complete_steps(checkpoint.directory(str(tmp_path))) == [3, 4]
+  assert checkpoint_steps.complete_steps(checkpoint_steps.directory(str(tmp_path))) == [3, 4]
 
 
 def test_a_checkpointer_that_saved_nothing_leaves_no_folder_it_made(tmp_path):

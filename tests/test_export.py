@@ -22,7 +22,7 @@ import PIL
 import pytest
 from PIL import Image
 
-from mimo_jax import checkpoint, output
+from mimo_jax import checkpoint_steps, output
 from mimo_jax import generate as generate_lib
 from mimo_jax.data.images import ImageProcessor
 from tools import generate as generate_tool
@@ -178,7 +178,7 @@ def _trained_run(pairs, tmp_path, relative: bool = False) -> pathlib.Path:
   model = meta["config"]["model"]
   for section in (model["encoders"]["vision"], model["language"]):
     section["init_from"] = ""
-  meta["digest"] = checkpoint.digest(meta)
+  meta["digest"] = checkpoint_steps.digest(meta)
   meta_file.write_text(json.dumps(meta))
   return trained
 
@@ -245,7 +245,7 @@ def test_a_later_stage_finds_its_import_through_init_from(pairs, tmp_path):
   model = meta["config"]["model"]
   for section in (model["encoders"]["vision"], model["language"]):
     section["init_from"] = ""
-  meta["digest"] = checkpoint.digest(meta)
+  meta["digest"] = checkpoint_steps.digest(meta)
   meta_file.write_text(json.dumps(meta))
   hf_tool.main(["export", str(stage), "--out", str(tmp_path / "out")])
   config = _json(tmp_path / "out" / "config.json")

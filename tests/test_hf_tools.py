@@ -148,9 +148,10 @@ def test_the_step_0_save_takes_arrays_larger_than_its_host_limit(tmp_path, monke
 def _run_equals_init_from(hf_dir, tmp_path):
   """Two steps from the import's step 0 (restored, the optimizer fresh) equal two steps of a run
   that reads the HF directory itself (init_from)."""
-  from mimo_jax import checkpoint, train  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint, checkpoint_steps, train
   from mimo_jax.config import from_dict  # pylint: disable=import-outside-toplevel
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(tmp_path / "run")),
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(tmp_path / "run")),
                                  ["vision", "language"], read_only=True)
   assert ckpt.read_meta(0).get("params_only") is True
   cfg = from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))

@@ -90,12 +90,13 @@ def test_peft_export_of_a_run(full_run, tmp_path):
 
 
 def test_steps_hold_the_trained_weights_and_name_their_base(full_run):
-  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint, checkpoint_steps
   full_dir, _ = full_run
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(full_dir)), ["language", "vision"],
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(full_dir)), ["language", "vision"],
                                  read_only=True)
   try:
-    assert checkpoint.complete_steps(ckpt.path) == [0, 2, 4]
+    assert checkpoint_steps.complete_steps(ckpt.path) == [0, 2, 4]
     zero, four = ckpt.read_meta(0), ckpt.read_meta(4)
     assert zero.get("params_only") and "base" not in zero
     assert (four["base"]["path"], four["base"]["step"]) == (".", 0)
@@ -149,7 +150,7 @@ def test_a_moved_or_changed_base_is_refused(data_dir, full_run, tmp_path):
 
 def test_the_base_step_is_never_rotated_away(data_dir, tmp_path):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint, checkpoint_steps  # pylint: disable=import-outside-toplevel
   from mimo_jax.state import ModuleState  # pylint: disable=import-outside-toplevel
   cfg = _cfg(data_dir, tmp_path)
   ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), ["m"], keep=1, keep_steps=(0,))
@@ -157,7 +158,7 @@ def test_the_base_step_is_never_rotated_away(data_dir, tmp_path):
     ckpt.save(step, {"m": ModuleState({"w": jnp.full((3,), step)}, None)}, cfg, params_only=True)
     ckpt.wait()
   ckpt.close()
-  assert checkpoint.complete_steps(str(tmp_path / "c")) == [0, 3]
+  assert checkpoint_steps.complete_steps(str(tmp_path / "c")) == [0, 3]
 
 
 def test_a_bfloat16_weight_saved_as_such_reads_back(data_dir, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from mimo_jax import train
 from mimo_jax.data import loader
-from mimo_jax.checkpoint import complete_steps
+from mimo_jax.checkpoint_steps import complete_steps
 from tests.helpers import tiny_config, topology_arg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

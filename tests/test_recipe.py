@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, checkpoint_reader, configfile, train
+from mimo_jax import checkpoint, checkpoint_reader, checkpoint_steps, configfile, train
 from mimo_jax.config import from_dict
 from mimo_jax.data import loader
 from mimo_jax.state import ModuleState
@@ -83,8 +83,8 @@ def _params(workdir: pathlib.Path, step: int | None = None) -> dict:
   """A step's parameters (default the newest) by module, on the host."""
   reader = checkpoint_reader.Reader(str(workdir))
   try:
-    step = checkpoint.complete_steps(checkpoint.directory(str(workdir)))[-1] if step is None \
-        else step
+    step = checkpoint_steps.complete_steps(checkpoint_steps.directory(str(workdir)))[-1] \
+        if step is None else step
     return reader.params_tree(step, reader.meta(step))
   finally:
     reader.close()
@@ -116,10 +116,10 @@ def _first_loss_of(cfg, source: pathlib.Path) -> float:
   without its init_from, the step restored as saved)."""
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=""))
   trainer = Step.build(cfg)
-  path = checkpoint.directory(str(source))
+  path = checkpoint_steps.directory(str(source))
   ckpt = checkpoint.Checkpointer(path, list(trainer.modules), read_only=True)
   try:
-    step = checkpoint.complete_steps(path)[-1]
+    step = checkpoint_steps.complete_steps(path)[-1]
     saved_cfg = from_dict(ckpt.read_meta(step)["config"])  # the step's own run
     saved, _ = ckpt.restore(step, trainer.abstract_state(canonical=True), saved_cfg,
                             trainer.fresh_opt_state)
@@ -157,7 +157,7 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
   lines = (stage1 / "metrics.jsonl").read_text().splitlines()
   took = {r["step"]: r["step_time_s"] for r in map(json.loads, lines) if "loss" in r}
   assert sorted(took) == list(range(1, STEPS + 1)) and min(took.values()) > 0, took
-  assert checkpoint.complete_steps(checkpoint.directory(str(stage1)))[-1] == STEPS
+  assert checkpoint_steps.complete_steps(checkpoint_steps.directory(str(stage1)))[-1] == STEPS
   # Stage 2 started from stage 1's newest step: its first loss is that step's on its first batch.
   cfg = _config(stage1)
   cfg.run.workdir = str(stage2)

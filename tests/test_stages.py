@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, checkpoint_config, checkpoint_reader, fingerprint, train
+from mimo_jax import (checkpoint, checkpoint_config, checkpoint_reader, checkpoint_steps,
+                      fingerprint, train)
 from mimo_jax.batch import total
 from mimo_jax.data import loader
 from mimo_jax.models import lora as lora_module
@@ -65,7 +66,7 @@ def _copy(stage1_dir, workdir):
 def _restore(cfg, workdir, step):
   """`step` of `workdir` restored for `cfg` (and the checkpointer's notes)."""
   trainer = Step.build(cfg)
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(workdir)), list(trainer.modules),
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(workdir)), list(trainer.modules),
                                  read_only=True)
   try:
     state, _ = ckpt.restore(step, trainer.abstract_state(canonical=True), cfg,
@@ -287,7 +288,7 @@ def test_a_checkpoint_without_a_module_of_the_run_names_the_flags_that_start_fro
   """A step that lacks a module the run has: one error naming the module and the flags that
   start a new stage from the modules it holds; not called damaged."""
   stage1_dir, cfg, _ = stage1
-  path = checkpoint.directory(str(stage1_dir))
+  path = checkpoint_steps.directory(str(stage1_dir))
   ckpt = checkpoint.Checkpointer(path, ["vision", "language"], read_only=True)
   try:
     meta = dict(ckpt.read_meta(STEPS), modules=["language"])
@@ -310,7 +311,7 @@ def test_parameters_of_other_shapes_under_the_same_config_name_the_flag_to_start
   other = _cfg(data_dir, stage1_dir, "vision,language", STEPS)
   other.model.language.mlp_dim = 64  # what other code would make of the same config
   trainer = Step.build(other)
-  ckpt = checkpoint.Checkpointer(checkpoint.directory(str(stage1_dir)), list(trainer.modules),
+  ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(str(stage1_dir)), list(trainer.modules),
                                  read_only=True)
   try:
     with pytest.raises(checkpoint.CheckpointError) as e:

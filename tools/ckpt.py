@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from mimo_jax import checkpoint, checkpoint_reader, fingerprint, output
+from mimo_jax import checkpoint_reader, checkpoint_steps, fingerprint, output
 from mimo_jax.checkpoint_reader import (ROTATED, CkptError, Reader, StepGone, TryAgain,
                                         Unreadable, newest, who)
 from mimo_jax.config import ConfigError
@@ -126,7 +126,7 @@ def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int, int | N
   base = meta.get("base") or {}
   base_step = base.get("step") if base.get("path") == "." and base.get("step") != step else None
   problems, counts = [], [0, 0]
-  if meta.get("digest", checkpoint.digest(meta)) != checkpoint.digest(meta):
+  if meta.get("digest", checkpoint_steps.digest(meta)) != checkpoint_steps.digest(meta):
     problems.append("meta: does not match its digest")
   saved = meta.get("fingerprints")
   if saved is None:

@@ -80,8 +80,10 @@ def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, li
   first), of this run and of the runs it started from (init_from=WORKDIR: training stages).
   Relative paths (of runs and imports saved before they were stored absolute) are looked for
   where each run was launched from, in its workdir, then here."""
-  from mimo_jax.checkpoint import Checkpointer, complete_steps  # pylint: disable=import-outside-toplevel
-  from mimo_jax.config import run_source  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint import Checkpointer
+  from mimo_jax.checkpoint_steps import complete_steps
+  from mimo_jax.config import run_source
   sources: dict[str, list[str]] = {"vision": [], "language": []}
   todo, seen = [(pathlib.Path(workdir), cfg, record)], set()
   while todo:

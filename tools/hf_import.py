@@ -46,7 +46,10 @@ def import_(args, extra: list[str]) -> None:
 def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
   """The import into workdir `out`: checked before any tensor is read, written through a staging
   directory that becomes `out` in one rename once config.py is in it. Returns what to print."""
-  from mimo_jax.checkpoint import Checkpointer, compact_nbytes, complete_steps, directory  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint import Checkpointer
+  from mimo_jax.checkpoint_arrays import compact_nbytes
+  from mimo_jax.checkpoint_steps import complete_steps, directory
   ckpts = directory(str(out))
   if os.path.isdir(ckpts) and complete_steps(ckpts):
     fail(f"{out} already holds checkpoints ({ckpts}); choose a new --out.")

@@ -1,0 +1,63 @@
+"""A checkpoints folder on disk: a workdir's (`directory`), its committed steps (orbax writes
+`commit_success.txt` last), a step folder moved aside, the digest a step's metadata holds of
+itself, and where a LoRA run's frozen weights are held (`Base`, `base_folder`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+
+def directory(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def complete_steps(path: str) -> list[int]:
+  """Steps whose save finished: orbax writes `commit_success.txt` last. A step folder without it
+  (a save cut short on a file system without atomic renames) is never restored."""
+  if not os.path.isdir(path):
+    return []
+  return sorted(int(d) for d in os.listdir(path)
+                if d.isdigit() and os.path.exists(os.path.join(path, d, "commit_success.txt")))
+
+
+def move_aside(path: str, step: int, why: str) -> str:
+  """Renames `path/step` to `path/step.why` (or `.why-2`, ...); returns the new name."""
+  n, target = 1, os.path.join(path, f"{step}.{why}")
+  while os.path.exists(target):
+    n += 1
+    target = os.path.join(path, f"{step}.{why}-{n}")
+  os.rename(os.path.join(path, str(step)), target)
+  return target
+
+
+def digest(meta: dict) -> str:
+  """The digest a step's metadata holds of itself (`meta["digest"]`): sha256 of the rest."""
+  body = {k: v for k, v in meta.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """Where the frozen weights of a run with LoRA adapters are held: a step of a checkpoint
+  folder (`path` relative to the folder of the checkpoints naming it: "." for their own) that
+  holds every parameter (an import's step 0, or the step 0 a run writes of the weights it starts
+  from), and the fingerprints that step holds of them: module -> `params/<path>` -> fingerprint.
+  The run's later steps hold the trained parameters and name this one (`meta["base"]`)."""
+  path: str
+  step: int
+  fingerprints: dict
+
+  def as_meta(self) -> dict:
+    return {"path": self.path, "step": self.step, "fingerprints": self.fingerprints}
+
+
+def base_folder(own: str, recorded: str, moved: str = "") -> str:
+  """The folder a base lives in: `moved` (checkpoint.base: a workdir or its checkpoints folder)
+  where given, else the one recorded, relative to `own` (the naming checkpoints' folder)."""
+  if moved:
+    return directory(moved) if os.path.isdir(os.path.join(moved, "checkpoints")) else \
+        os.path.abspath(moved)
+  return os.path.normpath(os.path.join(own, recorded))
