@@ -2,6 +2,7 @@
 the LLaVA fixtures (a batch of left-padded prompts with images), sampling follows its seed and
 top-p, and `tools.generate` answers prompts from a workdir."""
 
+import functools
 import json
 import pathlib
 
@@ -24,7 +25,10 @@ from tools import hf as hf_tool
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 
 
+@functools.cache
 def _fixture(name: str):
+  """The fixture's config, language parameters, references and merged prompt embeddings: loaded
+  once (under the callers' highest matmul precision)."""
   src = hf.Source.open(FIXTURES / name)
   cfg = Config()
   cfg.add_encoder("vision", VisionConfig())
@@ -32,7 +36,7 @@ def _fixture(name: str):
   cfg.model.language.vocab_size = 64
   hf.configure(cfg, src)
   validate(cfg)
-  ref = np.load(src.path / "generate.npz")
+  ref = dict(np.load(src.path / "generate.npz"))
   built = modules.build_modules(cfg)
   vision, language = (hf.load(src, m, cfg, built[m].init(0)) for m in ("vision", "language"))
   embeds = whole.merged_embeddings(cfg, language, ref["input_ids"],
@@ -83,7 +87,25 @@ def test_a_row_stops_at_its_end_token():
   np.testing.assert_array_equal(got[1, :stop], ref["generated"][1, :stop])
 
 
-
+def test_chunks_decode_the_tokens_of_one_loop_and_a_stop_waits_for_one():
+  """Chunks of 3 new tokens (which do not divide 10) give the tokens of a single chunk of 10,
+  greedy, with rows stopped at their end token and sampled, from one compiled chunk program;
+  asked to stop, `generate` stops before its next chunk."""
+  with jax.default_matmul_precision("highest"):
+    cfg, language, ref, embeds = _fixture("llava15")
+    run = lambda chunk, **kw: generate.generate(cfg, language, ref["input_ids"],
+                                                ref["attention_mask"], 10, embeds_bld=embeds,
+                                                chunk=chunk, **kw)
+    for kw in (dict(), dict(eos=int(ref["generated"][0, 2])),
+               dict(sampling=generate.Sampling(temperature=2.0, seed=1))):
+      single = run(10, **kw)
+      programs = generate._chunk._cache_size()  # pylint: disable=protected-access
+      np.testing.assert_array_equal(run(3, **kw), single)
+      assert generate._chunk._cache_size() == programs  # pylint: disable=protected-access
+    asked = []
+    with pytest.raises(generate.Stopped, match="^after 6 of 10 new tokens$"):
+      run(3, stop=lambda: asked.append(0) or len(asked) == 3)  # before the third chunk
+  assert len(asked) == 3
 
 
 def _tiny_model() -> LanguageModel:

@@ -413,6 +413,34 @@ def test_eval_beside_a_live_run_takes_steps_rotated_away_before_or_during_the_lo
   assert json.loads(out.with_suffix(".summary.json").read_text())["step"] == 10
 
 
+@pytest.mark.parametrize("sig,at,said", [
+    (signal.SIGTERM, 1, "interrupted (SIGTERM) while decoding, after 2 of 6 new tokens"),
+    (signal.SIGINT, 3, "interrupted (Ctrl-C) as decoding ended"),
+], ids=["SIGTERM", "Ctrl-C"])
+def test_generate_stops_at_a_signal_after_the_chunk_under_way(run, monkeypatch, capsys, sig, at,
+                                                              said):
+  """Chunks of 2 of the 6 new tokens: a signal sent during chunk `at` stops the tool after it, in
+  one line, with no answer printed and the signal's handler as it was."""
+  from mimo_jax import generate  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(generate, "CHUNK", 2)
+  real, chunks = generate._chunk, []  # pylint: disable=protected-access
+
+  def chunk(*args, **kwargs):
+    chunks.append(real(*args, **kwargs))
+    if len(chunks) == at:
+      os.kill(os.getpid(), sig)
+    return chunks[-1]
+  monkeypatch.setattr(generate, "_chunk", chunk)
+  handler = signal.getsignal(sig)
+  assert generate_tool.main([str(run), "--prompt", "hello there", "--max_new_tokens", "6"]) \
+      == 128 + sig
+  out, err = capsys.readouterr()
+  assert out == "" and len(chunks) == at, (out, err)
+  assert err.splitlines()[1:] == [f"tools.generate: {said}; no answer printed."], err
+  assert err.startswith(f"{run}: 1 prompt of up to "), err
+  assert signal.getsignal(sig) is handler
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--top_p", "0"], ["--top_p 0.0"]),
     (["--top_p", "-0.5"], ["--top_p -0.5"]),

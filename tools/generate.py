@@ -39,6 +39,11 @@ data.seq_len (the positions it trained on); `--max_new_tokens` defaults to 64 or
 answer is printed after its prompt, with its control characters but newlines and tabs escaped
 (`\\x1b`, `\\r`): an untrained model's tokens would act on the terminal.
 
+The new tokens are decoded `mimo_jax.generate.CHUNK` (32) at a time: a SIGTERM, SIGHUP or Ctrl-C
+while they decode is acted on after the chunk under way, and the tool stops with one line saying
+how many were decoded (status 143, 129 or 130; a second Ctrl-C leaves at once). Stopped at any
+point before the answers are printed, it prints none of them.
+
 Beside a run that is saving into WORKDIR (its run.lock), only committed steps are read; a step
 the run rotates away while it is read is followed by the newest one.
 """
@@ -49,7 +54,9 @@ import argparse
 import json
 import logging
 import math
+import os
 import pathlib
+import signal
 import sys
 
 import numpy as np
@@ -63,6 +70,45 @@ from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
+
+
+class _Stopped(output.Interrupted):
+  """A signal acted on between two chunks of new tokens; `detail` says how far they got."""
+
+  def __init__(self, signum: int, detail: str):
+    super().__init__(signum)
+    self.detail = detail
+
+
+class _StopFlag:
+  """SIGTERM, SIGINT and SIGHUP taken while the prompts decode are noted, not raised: the decoder
+  acts on them between two chunks (an exception raised inside JAX's dispatch could be lost). A
+  second SIGINT leaves at once (status 130), as training's does."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._old: dict = {}
+
+  def __enter__(self) -> "_StopFlag":
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: signals stay as they are
+        pass
+    return self
+
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    if self.signum is not None and signum == signal.SIGINT:
+      os.write(2, f"{TOOL}: second interrupt: stopped at once; no answer printed.\n".encode())
+      os._exit(130)  # pylint: disable=protected-access
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, handler in self._old.items():
+      signal.signal(sig, handler)
 
 
 def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
@@ -243,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}).", file=sys.stderr)
-    return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
+    signum = getattr(e, "signum", signal.SIGINT)
+    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"{TOOL}: interrupted ({shown}){getattr(e, 'detail', '')}; no answer printed.",
+          file=sys.stderr)
+    return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
   for r, (prompt, answer) in enumerate(zip(args.prompt, answers)):
     shown = " ".join(f"[{pathlib.Path(f).name}]"
                      for f in files_of(args, r, args.image) + files_of(args, r, args.audio))
@@ -355,9 +404,16 @@ def run(args: argparse.Namespace) -> list[str]:
   print(f"{args.workdir}: {count(len(rows), 'prompt')} of up to {width} tokens on "
         f"{jax.devices()[0]}",
         file=sys.stderr)
-  out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
-                          generate.Sampling(args.temperature, args.top_p, args.seed),
-                          embeds, eos=tok.token_id(eos) if eos else None)
+  with _StopFlag() as flag:
+    try:
+      out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
+                              generate.Sampling(args.temperature, args.top_p, args.seed),
+                              embeds, eos=tok.token_id(eos) if eos else None,
+                              stop=flag.requested)
+    except generate.Stopped as e:
+      raise _Stopped(flag.signum, f" while decoding, {e}") from None
+  if flag.signum is not None:  # taken during the last chunk: a stop asked for is a stop
+    raise _Stopped(flag.signum, " as decoding ended")
   return [tok.tokenizer.decode([int(t) for t in row], skip_special_tokens=True).strip()
           for row in out]
 
