@@ -1,5 +1,11 @@
-"""A run that fails or stops before its first step leaves nothing it made behind: not its workdir,
-an empty metrics file, TensorBoard's folder or a lock; what was there before it stays."""
+"""Faults at start-up. A run that fails or stops before its first step leaves nothing it made
+behind: not its workdir, an empty metrics file, TensorBoard's folder or a lock; what was there
+before it stays. The measuring tools that plan or spawn runs (tools.plan, tools.fp8_check,
+tools.restart_bench) refuse a bad flag, input file or run config in one line before any work."""
+
+import importlib
+import json
+import subprocess
 
 import pytest
 
@@ -81,3 +87,52 @@ def test_only_what_the_run_made_and_holds_nothing_is_removed(tmp_path):
   (old / "metrics.jsonl").write_text("")
   run_writes(old, "")
   assert sorted(p.name for p in old.iterdir()) == ["metrics.jsonl", "tb"]
+
+
+_TOOL_CASES = [  # (tool, argv with {tmp} for the test's folder, words of the one line)
+    ("plan", ["--gpus=0", "--config=configs/vlm.py"], ["--gpus=0: must be at least 1."]),
+    ("plan", ["--gpus=4", "--bridge_gbps=0"], ["--bridge_gbps=0: must be more than 0"]),
+    ("plan", ["--gpus=x"], ["--gpus=x: not an integer."]),
+    ("plan", ["--gpus=4", "--bogus"], ["unrecognized arguments: --bogus"]),
+    ("plan", ["--gpus=4"], ["give --config or a --profile"]),
+    ("plan", ["--gpus=4", "--config=configs/vlm.py", "--pp=x"], ["--pp=x: not stage counts"]),
+    ("plan", ["--gpus=4", "--config=configs/vlm.py"], ["--profile is needed for predictions"]),
+    ("plan", ["--gpus=4", "--profile={tmp}/missing.json"],
+     ["--profile={tmp}/missing.json: No such file or directory"]),
+    ("plan", ["--gpus=4", "--profile={tmp}/garbled.json"], ["garbled.json: not JSON"]),
+    ("plan", ["--gpus=4", "--config=configs/vlm.py", "--layouts_only",
+              "--measured={tmp}/rowless.json"], ["not a tools/bench.py --json file"]),
+    ("plan", ["--gpus=1", "--profile={tmp}/no_data.json"], ["config.data.dir: {tmp}/none"]),
+]
+
+
+@pytest.mark.parametrize("tool,argv,words", _TOOL_CASES,
+                         ids=[f"{c[0]}-{' '.join(c[1])}" for c in _TOOL_CASES])
+def test_a_tools_bad_input_is_one_line_before_any_work(tool, argv, words, tmp_path, capsys,
+                                                       monkeypatch):
+  """Flags, input files and each spawned run's config are checked first: one line `TOOL: error:
+  ...`, exit status 2, no run started and no folder made."""
+  (tmp_path / "afile").write_text("")
+  (tmp_path / "garbled.json").write_text("{rows")
+  (tmp_path / "rowless.json").write_text(json.dumps({"config": "configs/vlm.py", "set": []}))
+  (tmp_path / "no_data.json").write_text(json.dumps({
+      "config": "tests/configs/tiny_vlm.py", "set": ["data.task=conversations",
+                                                     f"data.dir={tmp_path}/none"],
+      "rows": [{"layout": "vision=0/1/1,language=0/1/1", "step_s": 1.0, "busy_vision_s": 0.3,
+                "busy_language_s": 0.6}]}))
+  before = sorted(tmp_path.iterdir())
+
+  def spawned(*args, **kw):
+    raise AssertionError(f"a run was started: {args}")
+  monkeypatch.setattr(subprocess, "Popen", spawned)
+  monkeypatch.setattr(subprocess, "run", spawned)
+  with pytest.raises(SystemExit) as raised:
+    importlib.import_module(f"tools.{tool}").main([a.format(tmp=tmp_path) for a in argv])
+  assert raised.value.code == 2
+  out, err = capsys.readouterr()
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"{tool}: error: "), err
+  assert "Traceback" not in err and lines[0].endswith("."), lines[0]
+  for w in words:
+    assert w.format(tmp=tmp_path) in lines[0], (w, lines[0])
+  assert sorted(tmp_path.iterdir()) == before and not out, out

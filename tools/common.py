@@ -1,10 +1,15 @@
 """Shared helpers of the benchmark tools: their config from `--config` and `--set a.b=value`,
-timing, and recording results in docs/benchmarks.md."""
+their flags and input files checked in one line each, timing, and recording results in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
+import math
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +29,75 @@ BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 
 def fail(tool: str, message: str) -> NoReturn:
   """Bad input, as launch and tools.convert report it: one line `tool: error: message` on stderr
-  and exit status 2."""
+  and exit status 2 (the SystemExit's text is the message, for a caller in the same process)."""
   print(f"{tool}: error: {message}", file=sys.stderr, flush=True)
-  raise SystemExit(2)
+  stop = SystemExit(message)
+  stop.code = 2
+  raise stop
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse's own errors (a value that is not a number, a missing or unknown flag) as the tool's
+  others: one line `TOOL: error: ...`, exit status 2, without the usage block."""
+
+  def __init__(self, tool: str, **kw):
+    super().__init__(prog=f"python -m tools.{tool}", **kw)
+    self.tool = tool
+
+  def error(self, message: str) -> NoReturn:
+    m = re.fullmatch(r"argument (--\w+): invalid (int|float) value: '(.*)'", message, re.DOTALL)
+    if m:  # `--gpus x`: the flag with the value given, as `--gpus=x`
+      kind = "an integer" if m.group(2) == "int" else "a number"
+      message = f"{m.group(1)}={m.group(3)}: not {kind}."
+    elif (m := re.fullmatch(r"argument (--\w+): (.*)", message, re.DOTALL)):
+      # A `number` type's refusal starts `=VALUE: `; argparse's own (a choice) does not.
+      rest = m.group(2)
+      message = f"{m.group(1)}{rest if rest.startswith('=') else ': ' + rest}."
+    else:
+      message = f"{message} (--help lists the flags)."
+    fail(self.tool, message)
+
+
+def number(kind: type = int, least: float | None = None, above: float | None = None):
+  """An argparse type: a finite `kind` (int or float) at least `least` or more than `above`; a
+  value that is not is one line naming the flag and the value (Parser)."""
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"={text}: not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value):
+      raise argparse.ArgumentTypeError(f"={text}: not a finite number")
+    if least is not None and value < least:
+      raise argparse.ArgumentTypeError(f"={text}: must be at least {least}")
+    if above is not None and value <= above:
+      raise argparse.ArgumentTypeError(f"={text}: must be more than {above}")
+    return value
+  return parse
+
+
+def read_json(tool: str, flag: str, path: str, rows: tuple[str, ...] = ()) -> dict:
+  """The JSON object in file `path` given as `flag`; with `rows`, one whose `rows` list holds
+  objects with those keys (a tools/bench.py --json file). Anything else is one line (`fail`)."""
+  what = f"{flag}={path}"
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except OSError as e:
+    fail(tool, f"{what}: {e.strerror or e}; give a file that exists and can be read.")
+  except (ValueError, UnicodeDecodeError) as e:
+    fail(tool, f"{what}: not JSON ({str(e).splitlines()[0]}).")
+  if not isinstance(data, dict):
+    fail(tool, f"{what}: not a JSON object.")
+  if rows:
+    listed = data.get("rows")
+    if not isinstance(listed, list) or not all(
+        isinstance(r, dict) and all(k in r for k in rows) for r in listed):
+      fail(tool, f"{what}: not a tools/bench.py --json file (a 'rows' list of objects with "
+           f"{', '.join(rows)}); make it with python -m tools.bench --json={path}.")
+  return data
 
 
 def overrides(cfg: Config, sets: Sequence[str]) -> Config:

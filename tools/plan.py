@@ -67,18 +67,17 @@ recommended layout is from the best measured.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 
-from mimo_jax import encoders, memory
+from mimo_jax import encoders, memory, workdir
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import slot_tokens
 from mimo_jax.data import loader
 from mimo_jax.pipeline import Schedule
 from mimo_jax.validation_topology import validate_topology
-from tools.common import load_config
+from tools.common import Parser, fail, load_config, number, read_json
 
 MODULES = ("vision", "language")
 
@@ -138,12 +137,13 @@ def stretch(cfg, module: str) -> dict:
 
 def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
                memory_gb: float = 0.0, refused: list | None = None, pps: tuple[int, ...] = (1,),
-               schedules: tuple[str, ...] = SCHEDULES, virtual: int = 1) -> list[dict]:
+               schedules: tuple[str, ...] = SCHEDULES, virtual: int = 1,
+               invalid: list | None = None) -> list[dict]:
   """Every layout on `gpus` GPUs the config accepts: colocated and non-colocated splits, each
   module on pp stages of `pps` under each of `schedules` too (`module_layouts`). With
   `memory_gb`, a layout whose devices cannot hold what it needs (mimo_jax/memory.py's lower
   bound, from the config's shard and remat choices and the layout's schedules) is left out and
-  added to `refused`."""
+  added to `refused`; a layout the config does not accept, with why, to `invalid`."""
   out = []
   options = lambda g: module_layouts(g, max_tp, pps, schedules, virtual)  # noqa: E731
 
@@ -151,7 +151,9 @@ def candidates(cfg_spec: str, sets: list[str], gpus: int, max_tp: int = 0,
     cfg = layout_config(cfg_spec, sets, layout)
     try:
       validate_topology(cfg, gpus)
-    except ConfigError:
+    except ConfigError as e:
+      if invalid is not None:
+        invalid.append((layout, str(e)))
       return
     c = {"layout": layout, "kind": kind, "vision_gpus": gv, "language_gpus": gl,
          "tp": cfg.topology.vision.tp + cfg.topology.language.tp}
@@ -226,8 +228,8 @@ class Costs:
         if busy:
           factors.setdefault(cfg.topology.vision.dp, []).append(r["step_s"] / busy)
     if not table:
-      raise SystemExit("plan: error: no profile row has busy times (busy_<module>_s); make the "
-                       "profile with tools/bench.py --json")
+      fail("plan", "no profile row has busy times (busy_<module>_s); make the profile with "
+           "python -m tools.bench --json=FILE.")
     self.table = {k: float(np.mean(v)) for k, v in table.items()}
     self.factors = {g: float(np.mean(v)) for g, v in factors.items()}
 
@@ -238,7 +240,8 @@ class Costs:
       return _interp(same, dp)
     same = {d: c for (m, d, t), c in self.table.items() if m == module and t == 1}
     if not same:
-      raise SystemExit(f"plan: error: no profile of {module} at tp 1 or {tp}")
+      fail("plan", f"no profile of {module} at tp 1 or {tp}; add a profile of the layouts "
+           "--profile_layouts prints (python -m tools.bench --json=FILE).")
     return _interp(same, dp * tp)[0], f"as dp{dp * tp}"  # tp GPUs counted as dp ones
 
   def factor(self, gpus: int) -> float:
@@ -297,19 +300,21 @@ def _pipelines(c: dict) -> str:
   return "; ".join(parts) or "–"
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _args(argv: list[str] | None) -> argparse.Namespace:
+  """The flags, each checked: a bad one is one line `plan: error: ...`, exit status 2."""
+  parser = Parser("plan", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--profile", action="append", default=[],
                       help="tools/bench.py JSON of the profiling run (repeatable)")
   parser.add_argument("--config", default="", help="config[:variant] (default: the profile's)")
   parser.add_argument("--set", action="append", default=None,
                       help="field=value overrides (default: the profile's)")
-  parser.add_argument("--gpus", type=int, required=True)
-  parser.add_argument("--max_tp", type=int, default=0, help="largest tp considered (0 = any)")
-  parser.add_argument("--bridge_gbps", type=float, default=300.0,
+  parser.add_argument("--gpus", type=number(int, least=1), required=True)
+  parser.add_argument("--max_tp", type=number(int, least=0), default=0,
+                      help="largest tp considered (0 = any)")
+  parser.add_argument("--bridge_gbps", type=number(float, above=0), default=300.0,
                       help="bridge bandwidth for the unhidden microbatch (GB/s)")
-  parser.add_argument("--data_steps", type=int, default=16,
+  parser.add_argument("--data_steps", type=number(int, least=1), default=16,
                       help="steps of data laid out to count each candidate's computed work")
   parser.add_argument("--layouts_only", action="store_true",
                       help="print the candidate layouts for tools/bench.py and stop")
@@ -322,49 +327,77 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--schedules", default=",".join(SCHEDULES),
                       help="pipeline schedules weighed where pp > 1 (gpipe, 1f1b, circular, "
                       "interleaved_1f1b; the last two need --virtual > 1)")
-  parser.add_argument("--virtual", type=int, default=1,
+  parser.add_argument("--virtual", type=number(int, least=1), default=1,
                       help="chunks a stage for circular and interleaved_1f1b")
-  parser.add_argument("--memory_gb", type=float, default=0.0,
+  parser.add_argument("--memory_gb", type=number(float, least=0), default=0.0,
                       help="memory of one GPU (GiB): layouts that cannot fit are left out "
                       "(0 = not checked)")
   args = parser.parse_args(argv)
+  try:
+    args.pp = tuple(int(p) for p in args.pp.split(","))
+  except ValueError:
+    fail("plan", f"--pp={args.pp}: not stage counts such as 1,2,4.")
+  if min(args.pp) < 1:
+    fail("plan", f"--pp={','.join(map(str, args.pp))}: stage counts are at least 1.")
+  args.schedules = tuple(s for s in args.schedules.split(",") if s)
+  unknown = [s for s in args.schedules if s not in SCHEDULES + VIRTUAL]
+  if unknown or not args.schedules:
+    fail("plan", f"--schedules={','.join(args.schedules)}: schedules are "
+         f"{', '.join(SCHEDULES + VIRTUAL)}, comma-separated.")
+  return args
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _args(argv)
   if args.profile_layouts:
     print(";".join(profile_layouts(args.gpus)))
     return
-  profiles = [json.load(open(p)) for p in args.profile]
+  # Every input file read before any work: a bad one is one line.
+  profiles = [read_json("plan", "--profile", p, rows=("layout", "step_s")) for p in args.profile]
+  measured_rows = [r for m in args.measured
+                   for r in read_json("plan", "--measured", m, rows=("layout", "step_s"))["rows"]]
   cfg_spec = args.config or (profiles[0].get("config") if profiles else "")
   sets = args.set if args.set is not None else (profiles[0].get("set", []) if profiles else [])
   if not cfg_spec:
-    raise SystemExit("plan: error: give --config or a --profile that names one")
+    fail("plan", "give --config or a --profile that names one.")
   for p, prof in zip(args.profile, profiles):
     if (prof.get("config"), prof.get("set", [])) != (cfg_spec, sets):
-      raise SystemExit(f"plan: error: {p} profiles {prof.get('config')} with {prof.get('set')}, "
-                       f"not {cfg_spec} with {sets}; profile the config being planned")
-  refused = []
+      fail("plan", f"{p} profiles {prof.get('config')} with {prof.get('set')}, not {cfg_spec} "
+           f"with {sets}; profile the config being planned.")
+  layout_config(cfg_spec, sets)  # the config and its overrides, before any work
+  if not profiles and not args.layouts_only:
+    fail("plan", "--profile is needed for predictions (--layouts_only lists the candidates).")
   try:
-    pps = tuple(int(p) for p in args.pp.split(","))
-  except ValueError:
-    raise SystemExit(f"plan: error: --pp={args.pp} is not stage counts such as 1,2,4") from None
-  schedules = tuple(s for s in args.schedules.split(",") if s)
-  unknown = [s for s in schedules if s not in SCHEDULES + VIRTUAL]
-  if unknown or min(pps) < 1 or args.virtual < 1:
-    raise SystemExit(f"plan: error: --pp, --schedules and --virtual take stage counts >= 1 and "
-                     f"schedules of {', '.join(SCHEDULES + VIRTUAL)}; got --pp={args.pp} "
-                     f"--schedules={args.schedules} --virtual={args.virtual}")
-  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused, pps,
-                     schedules, args.virtual)
+    _plan(args, cfg_spec, sets, profiles, measured_rows)
+  except ConfigError as e:  # the data (a damaged shard, say)
+    fail("plan", str(e))
+  except OSError as e:
+    fail("plan", workdir.describe_os_error(e, e.filename or "data.dir"))
+
+
+def _plan(args: argparse.Namespace, cfg_spec: str, sets: list[str], profiles: list[dict],
+          measured_rows: list[dict]) -> None:
+  """The candidates, then (with profiles) their predictions, printed as a table."""
+  refused, invalid = [], []
+  cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused, args.pp,
+                     args.schedules, args.virtual, invalid)
   for c in refused:
     print(f"does not fit: {c['layout']} needs at least {c['gib']:.1f} GiB a GPU of "
           f"{args.memory_gb:.1f}", file=sys.stderr)
+  if not cands and refused:
+    fail("plan", f"no layout of {args.gpus} GPUs fits {args.memory_gb:.1f} GiB a GPU; shard the "
+         "state (--set topology.<module>.shard=full), set topology.<module>.remat=full, or use "
+         "more GPUs.")
+  if not cands and invalid:
+    layout, why = invalid[0]
+    fail("plan", f"no layout of {args.gpus} GPUs suits the config ({layout}: {why.rstrip('.')});"
+         " try another --gpus, --max_tp or --pp.")
   if not cands:
-    raise SystemExit(f"plan: error: no layout of {args.gpus} GPUs fits {args.memory_gb:.1f} GiB "
-                     "a GPU; shard the state (--set topology.<module>.shard=full), set "
-                     "topology.<module>.remat=full, or use more GPUs")
+    fail("plan", f"--pp={','.join(map(str, args.pp))}: no module's share of {args.gpus} GPUs "
+         "splits into that many stages; add 1 to --pp or give more --gpus.")
   if args.layouts_only:
     print(";".join(c["layout"] for c in cands))
     return
-  if not profiles:
-    raise SystemExit("plan: error: --profile is needed for predictions")
   cfg = layout_config(cfg_spec, sets)
   path = loader.build_paths(cfg, progress=lambda s: print(s, flush=True))["train"]
   work_of = lambda c: work(c, path, args.data_steps)
@@ -385,10 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     c["predicted_s"] = predict(c, times["vision"], times["language"], cfg.data.microbatches,
                                bridge_s)
   cands.sort(key=lambda c: (round(c["predicted_s"], 6), c["tp"]))
-  measured, layouts = {}, {c["layout"] for c in cands}
-  for m in args.measured:  # rows of other GPU counts (a profile's, say) are not candidates
-    measured.update({r["layout"]: r["step_s"] for r in json.load(open(m))["rows"]
-                     if r["layout"] in layouts})
+  layouts = {c["layout"] for c in cands}  # rows of other GPU counts (a profile's) are not
+  measured = {r["layout"]: r["step_s"] for r in measured_rows if r["layout"] in layouts}
   print(f"profiled (module dp/tp): {', '.join(f'{m} {d}/{t}' for m, d, t in sorted(costs.table))}"
         f"; f_g (colocated step / busy sum): "
         f"{', '.join(f'{g} GPUs {f:.3f}' for g, f in sorted(costs.factors.items())) or 'none (1)'}"
