@@ -103,6 +103,21 @@ _TOOL_CASES = [  # (tool, argv with {tmp} for the test's folder, words of the on
     ("plan", ["--gpus=4", "--config=configs/vlm.py", "--layouts_only",
               "--measured={tmp}/rowless.json"], ["not a tools/bench.py --json file"]),
     ("plan", ["--gpus=1", "--profile={tmp}/no_data.json"], ["config.data.dir: {tmp}/none"]),
+    ("fp8_check", ["--seeds", "0,0"], ["--seeds=0,0: two or more different seeds"]),
+    ("fp8_check", ["--set", "model.encoders.vision.fp8=false"],
+     ["--set model.encoders.vision.fp8=false: this tool sets that field itself"]),
+    ("fp8_check", ["--scaling", "delayed", "--set", "optim.freeze=vision", "--out", "{tmp}/out"],
+     ["the fp8 runs: config.model.vision.fp8_scaling: delayed scaling"]),
+    ("fp8_check", ["--out", "{tmp}/afile"], ["--out={tmp}/afile: a file, not a folder"]),
+    ("restart_bench", ["--timeout", "0"], ["--timeout=0: must be more than 0."]),
+    ("restart_bench", ["--restarts=-1"], ["--restarts=-1: must be at least 1."]),
+    ("restart_bench", ["--set", "run.log_every=5"], ["--set run.log_every=5: this tool sets"]),
+    ("restart_bench", ["--json", "{tmp}/no/figures.json"], ["{tmp}/no does not exist"]),
+    ("restart_bench", ["--keep", "{tmp}/afile"], ["--keep={tmp}/afile: a file, not a folder"]),
+    ("restart_bench", ["--config=configs/digits.py", "--set", "data.task=conversations",
+                       "--set", "model.language.vocab_size=32", "--set", "data.image_token=3",
+                       "--set", "data.dir={tmp}/none"],
+     ["the cold run: config.data.dir: {tmp}/none not found"]),
 ]
 
 

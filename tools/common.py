@@ -8,6 +8,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -19,9 +20,9 @@ from typing import NoReturn
 import jax
 import numpy as np
 
-from mimo_jax import configfile
+from mimo_jax import configfile, workdir
 from mimo_jax.config import Config, ConfigError, set_layout
-from mimo_jax.validation import validate, validate_backend
+from mimo_jax.validation import data_source, validate, validate_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
@@ -142,6 +143,57 @@ def load_config(tool: str, spec: str, sets: Sequence[str], layout: str = "",
     return config(spec, sets, layout, check, devices)
   except ConfigError as e:
     fail(tool, str(e))
+
+
+def run_config(tool: str, spec: str, sets: Sequence[str], runs: str = "") -> Config:
+  """The config a `mimo_jax.launch` run of `spec` reads with `--config.a.b=value` for each of
+  `sets` (`a.b=value`), checked as launch checks it before it starts (its data directory, then
+  `validate`): a tool that spawns runs calls it first. A bad one is one line (`fail`), said of
+  `runs` (e.g. `the fp8 runs`) where given."""
+  try:
+    cfg = overrides(configfile.load_file(spec), sets)
+    data_source(cfg)
+    validate(cfg)
+  except ConfigError as e:
+    fail(tool, f"{runs}: {e}" if runs else str(e))
+  return cfg
+
+
+def own_fields(tool: str, sets: Sequence[str], fields: Sequence[str], how: str) -> None:
+  """Refuses (`fail`) a `--set` of a field in `fields` (`a.b`, an encoder's written
+  `model.<name>.x`), which the tool sets in each run itself; `how` says how to choose it."""
+  for s in sets:
+    name = s.split("=", 1)[0].strip()
+    for section in ("model", "topology"):
+      name = name.replace(f"{section}.encoders.", f"{section}.", 1)
+    if name in fields:
+      fail(tool, f"--set {s}: this tool sets that field itself ({how}).")
+
+
+def output_file(tool: str, flag: str, path: str) -> None:
+  """Checks before any work that `path` (a file the tool writes at the end, given as `flag`) can
+  be written: not a directory, in a directory that exists and is writable; else `fail`."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    fail(tool, f"{flag}={path}: a directory; name a file.")
+  if not os.path.isdir(folder):
+    fail(tool, f"{flag}={path}: its directory {folder} does not exist; make it or name another "
+         "file.")
+  if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    fail(tool, workdir.describe_os_error(PermissionError(13, os.strerror(13)), f"{flag}={path}"))
+
+
+def new_folder(tool: str, flag: str, path: str, why: str) -> None:
+  """Makes folder `path` (given as `flag`) that must be new or empty (`why` says why); a file, a
+  folder holding anything, or one that cannot be made is one line (`fail`)."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    fail(tool, f"{flag}={path}: a file, not a folder; name a new folder.")
+  if os.path.isdir(path) and os.listdir(path):
+    fail(tool, f"{flag}={path}: not empty; name a new or empty folder ({why}).")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    fail(tool, workdir.describe_os_error(e, f"{flag}={path}"))
 
 
 def median_time(fn, reps: int = 5) -> float:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from tools.common import load_config
+from tools.common import Parser, fail, load_config, new_folder, own_fields, run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = ("loss", "eval_loss", "eval_accuracy")
@@ -38,16 +38,26 @@ def last_metrics(workdir: pathlib.Path) -> dict:
   return out
 
 
+def run_sets(seed: int, fp8: bool, sets: list[str], workdir: pathlib.Path,
+             scaling: str = "current") -> list[str]:
+  """A run's fields (`a.b=value`) in the order its launch line sets them: the precision, the
+  seeds, the workdir, then the `--set` ones."""
+  flag = "true" if fp8 else "false"
+  scale = [f"model.{m}.fp8_scaling={scaling}" for m in ("vision", "language")]
+  return ["model.dtype=bfloat16", f"model.vision.fp8={flag}", f"model.language.fp8={flag}",
+          *(scale if fp8 else []), f"train.seed={seed}", f"data.seed={seed}",
+          f"run.workdir={workdir}", "run.progress=lines", *sets]
+
+
+# The fields each run's launch line sets (run_sets), which a --set may not change.
+OWN = ("model.dtype", "model.vision.fp8", "model.language.fp8", "model.vision.fp8_scaling",
+       "model.language.fp8_scaling", "train.seed", "data.seed", "run.workdir", "run.progress")
+
+
 def train(config: str, seed: int, fp8: bool, sets: list[str], workdir: pathlib.Path,
           scaling: str = "current") -> dict:
-  flag = "true" if fp8 else "false"
-  scale = [f"--config.model.{m}.fp8_scaling={scaling}" for m in ("vision", "language")]
   cmd = [sys.executable, "-m", "mimo_jax.launch", f"--config={config}",
-         "--config.model.dtype=bfloat16", f"--config.model.vision.fp8={flag}",
-         f"--config.model.language.fp8={flag}", *(scale if fp8 else []),
-         f"--config.train.seed={seed}",
-         f"--config.data.seed={seed}", f"--config.run.workdir={workdir}",
-         "--config.run.progress=lines", *[f"--config.{s}" for s in sets]]
+         *[f"--config.{s}" for s in run_sets(seed, fp8, sets, workdir, scaling)]]
   log = workdir.with_suffix(".log")
   with open(log, "w", encoding="utf-8") as f:
     rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
@@ -78,10 +88,11 @@ def summary(rows: dict[str, list[tuple[int, dict]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.fp8_check", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser("fp8_check", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/digits.py:single", help="config file[:variant]")
-  parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (two or more)")
+  parser.add_argument("--seeds", default="0,1,2,3,4",
+                      help="comma-separated seeds (two or more, different, each >= 0)")
   parser.add_argument("--set", action="append", default=[],
                       help="field=value override for every run, e.g. train.steps=300")
   parser.add_argument("--scaling", choices=("current", "delayed"), default="current",
@@ -91,14 +102,19 @@ def main(argv: list[str] | None = None) -> None:
   try:
     seeds = [int(s) for s in args.seeds.split(",")]
   except ValueError:
-    parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
-  if len(seeds) < 2:
-    parser.error("--seeds: at least two, for a spread")
-  load_config("fp8_check", args.config, args.set)  # before any run: one line, status 2
+    fail("fp8_check", f"--seeds={args.seeds}: not comma-separated integers such as 0,1,2.")
+  if len(seeds) < 2 or len(set(seeds)) < len(seeds) or not 0 <= min(seeds) <= max(seeds) < 2**32:
+    fail("fp8_check", f"--seeds={args.seeds}: two or more different seeds for a spread (a seed "
+         "names its runs' workdirs), each from 0 to 2**32 - 1 (data.seed's range).")
+  own_fields("fp8_check", args.set, OWN, "--seeds for the seeds, --scaling for FP8's, --out for "
+             "the workdirs; the runs compare bfloat16 with FP8 in both modules")
+  load_config("fp8_check", args.config, args.set)  # the --set flags as typed: one line, status 2
   out = pathlib.Path(args.out)
-  if out.exists() and any(out.iterdir()):
-    parser.error(f"--out: {out} is not empty; name a new folder (runs would resume from it)")
-  out.mkdir(parents=True, exist_ok=True)
+  for name in ("bfloat16", "fp8"):  # each run's config as launch reads it, before any run
+    run_config("fp8_check", args.config,
+               run_sets(seeds[0], name == "fp8", args.set, out / f"{name}_{seeds[0]}",
+                        args.scaling), runs=f"the {name} runs")
+  new_folder("fp8_check", "--out", str(out), "runs would resume from what it holds")
   rows: dict[str, list] = {"bfloat16": [], "fp8": []}
   total, start = 2 * len(seeds), time.time()
   for seed in seeds:

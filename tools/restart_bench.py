@@ -28,7 +28,8 @@ import tempfile
 import threading
 import time
 
-from tools.common import load_config
+from tools.common import (Parser, load_config, new_folder, number, output_file, own_fields,
+                          run_config)
 
 FIRST = re.compile(r"time to first step: ([\d.]+) s")
 RESTORED = re.compile(r"\(([\d.]+) (GiB|MiB) of state restored in ([\d.]+) s\)")
@@ -86,48 +87,54 @@ def run(cmd: list[str], log: str, stop: str, term: bool, env: dict, timeout: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.restart_bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser("restart_bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py:tuned", help="config file[:variant]")
   parser.add_argument("--set", action="append", default=[], help="field=value override")
-  parser.add_argument("--steps", type=int, default=2, help="steps of the cold run (then saved)")
-  parser.add_argument("--restarts", type=int, default=3)
+  parser.add_argument("--steps", type=number(int, least=1), default=2,
+                      help="steps of the cold run (then saved)")
+  parser.add_argument("--restarts", type=number(int, least=1), default=3)
   parser.add_argument("--log_compiles", action="store_true",
                       help="run the restarts with JAX_LOG_COMPILES=1")
   parser.add_argument("--keep", default="", help="keep the workdir, cache and logs here")
-  parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
+  parser.add_argument("--timeout", type=number(float, above=0), default=900,
+                      help="seconds a run may take")
   parser.add_argument("--json", default="", help="write the figures to this file")
   args = parser.parse_args(argv)
-  if args.steps < 1 or args.restarts < 1:
-    parser.error("--steps and --restarts must be at least 1")
-  own = [s for s in args.set if s.split("=")[0] in ("run.workdir", "run.compile_cache",
-                                                     "train.steps", "run.progress")]
-  if own:
-    parser.error(f"--set {own[0]}: this tool sets that field itself (a new workdir and cache; "
-                 "--steps for the cold run's steps)")
-  load_config("restart_bench", args.config, args.set)  # before any run: one line, status 2
-  root = args.keep or tempfile.mkdtemp(prefix="restart_bench_")
+  own_fields("restart_bench", args.set, ("run.workdir", "run.compile_cache", "train.steps",
+                                         "run.progress", "run.log_every"),
+             "a new workdir and cache, a line a step; --steps for the cold run's steps")
+  load_config("restart_bench", args.config, args.set)  # the --set flags as typed: one line
+  if args.json:
+    output_file("restart_bench", "--json", args.json)  # written at the end: checked now
+
+  def fields(root: str, steps: int) -> list[str]:
+    """A run's fields (`a.b=value`), in its launch line's order: the --set ones, then the tool's."""
+    return [*args.set, f"run.workdir={os.path.join(root, 'workdir')}",
+            f"run.compile_cache={os.path.join(root, 'cache')}", "run.progress=lines",
+            "run.log_every=1", f"train.steps={steps}"]
+
+  # Each run's config as launch reads it, before anything is made or started (the folder the
+  # runs get does not change what is checked).
+  somewhere = args.keep or tempfile.gettempdir()
+  run_config("restart_bench", args.config, fields(somewhere, args.steps), "the cold run")
+  run_config("restart_bench", args.config, fields(somewhere, args.steps + 10), "the restarts")
   if args.keep:
-    if os.path.exists(root) and os.listdir(root):
-      parser.error(f"--keep {root}: not empty; name a new or empty folder")
-    os.makedirs(root, exist_ok=True)
-  base = [sys.executable, "-m", "mimo_jax.launch", f"--config={args.config}",
-          *[f"--config.{s}" for s in args.set],
-          f"--config.run.workdir={os.path.join(root, 'workdir')}",
-          f"--config.run.compile_cache={os.path.join(root, 'cache')}",
-          "--config.run.progress=lines", "--config.run.log_every=1"]
+    new_folder("restart_bench", "--keep", args.keep, "its runs would resume from what it holds")
+  root = args.keep or tempfile.mkdtemp(prefix="restart_bench_")
+  launch = [sys.executable, "-m", "mimo_jax.launch", f"--config={args.config}"]
+  cold, warm = ([*launch, *[f"--config.{s}" for s in fields(root, n)]]
+                for n in (args.steps, args.steps + 10))
   env = {k: v for k, v in os.environ.items() if k != "MIMO_JAX_COMPILE_CACHE"}
   rows = []
   try:
     print(f"cold: {args.steps} steps, saved at the end", flush=True)
-    rows.append(dict(run(base + [f"--config.train.steps={args.steps}"],
-                         os.path.join(root, "cold.log"), f"step {args.steps} ended", True, env,
-                         args.timeout), run="cold"))
+    rows.append(dict(run(cold, os.path.join(root, "cold.log"), f"step {args.steps} ended", True,
+                         env, args.timeout), run="cold"))
     restart_env = dict(env, JAX_LOG_COMPILES="1") if args.log_compiles else env
     for i in range(1, args.restarts + 1):
-      rows.append(dict(run(base + [f"--config.train.steps={args.steps + 10}"],
-                           os.path.join(root, f"restart{i}.log"), "time to first step", False,
-                           restart_env, args.timeout), run=f"restart {i}"))
+      rows.append(dict(run(warm, os.path.join(root, f"restart{i}.log"), "time to first step",
+                           False, restart_env, args.timeout), run=f"restart {i}"))
       if "restore_s" not in rows[-1]:
         raise SystemExit(f"restart_bench: restart {i} did not resume from the cold run's step "
                          f"{args.steps} (see {os.path.join(root, f'restart{i}.log')} with --keep)")
