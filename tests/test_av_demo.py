@@ -16,7 +16,7 @@ import soundfile
 
 from configs import av_digits as av_config
 from mimo_jax import train
-from mimo_jax.data import audio, av_digits, conversations, conversion, records
+from mimo_jax.data import audio, av_digits, conversations, conversion_files, records
 from tests.helpers import run_main
 from tools import convert, generate
 
@@ -146,8 +146,8 @@ def test_a_shard_of_compressible_clips_is_not_taken_for_a_failed_write(tmp_path)
   read as a write that failed."""
   mel_fm, _ = audio.clip_features(np.sin(np.arange(8000, dtype=np.float32) * 0.3), 80)
   record = mel_fm.tobytes()
-  count = conversion.WRITE_LAG // len(record) + 8
-  shard = conversion._Shard(tmp_path / "x.array_record")  # pylint: disable=protected-access
+  count = conversion_files.WRITE_LAG // len(record) + 8
+  shard = conversion_files._Shard(tmp_path / "x.array_record")  # pylint: disable=protected-access
   for _ in range(count):
     shard.write(record)
   shard.close()

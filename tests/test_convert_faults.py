@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from mimo_jax import output, validation
-from mimo_jax.data import conversations, conversion, digits, llava_json
+from mimo_jax.data import conversations, conversion, conversion_files, digits, llava_json
 from mimo_jax.data.chat import ChatTokenizer
 from tests.helpers import tiny_config
 from tools import convert
@@ -332,7 +332,7 @@ def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_
   assert _leftovers(tmp_path) == []
   rc, err, _ = _main(args + ["--max_skipped_fraction", "0.7"], capsys)
   assert rc == 0, err
-  listed = tmp_path / "out" / conversion.SKIPPED
+  listed = tmp_path / "out" / conversion_files.SKIPPED
   assert f"convert: warning: {summary}; each with its error in {listed} " in err, err
   rows = [json.loads(line) for line in listed.read_text().splitlines()]
   assert [r["record"] for r in rows] == list(range(6, 15))

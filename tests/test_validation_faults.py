@@ -16,7 +16,7 @@ from array_record.python import array_record_module
 
 from mimo_jax import train
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import conversations, conversion, loader, meta
+from mimo_jax.data import conversations, conversion, conversion_record, loader, meta
 from mimo_jax.validation import validate, validate_data
 from tests.configs import tiny
 
@@ -38,7 +38,7 @@ def converted(tmp_path_factory) -> dict[int, pathlib.Path]:
   root = tmp_path_factory.mktemp("validation")
   (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
   out = {2: root / "eval2", 0: root / "eval0"}
-  conversion.convert(root / "data.jsonl", out[2], conversion.Options(
+  conversion.convert(root / "data.jsonl", out[2], conversion_record.Options(
       tokenizer=str(FIXTURES / "chat" / "llama3"), images=str(FIXTURES / "images"),
       processor=str(FIXTURES / "images" / "siglip")), eval_count=2, progress=False)
   shutil.copytree(out[2], out[0])

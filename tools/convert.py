@@ -99,7 +99,8 @@ import jax  # pylint: disable=unused-import
 
 from mimo_jax import output
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, conversion, conversations, llava_json
+from mimo_jax.data import (audio, audio_records, conversion, conversion_files, conversion_record,
+                           conversations, llava_json)
 from tools.display import count
 
 GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
@@ -170,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="LLaVA's pad to square (on the processor's mean colour)")
   parser.add_argument("--on_error", choices=("skip", "fail"), default="skip")
   parser.add_argument("--max_skipped_fraction", type=float,
-                      default=conversion.MAX_SKIPPED_FRACTION,
+                      default=conversion_record.MAX_SKIPPED_FRACTION,
                       help="with --on_error skip: the conversion fails, writing nothing, when "
                       "more than this fraction of the records is skipped (default "
-                      f"{conversion.MAX_SKIPPED_FRACTION:g}; 1: never)")
+                      f"{conversion_record.MAX_SKIPPED_FRACTION:g}; 1: never)")
   parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--seed", type=int, default=0, help="seed of the eval draw")
   parser.add_argument("--allow_outside_images", action="store_true",
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
-  opts = conversion.Options(
+  opts = conversion_record.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
       image_tokens=args.image_tokens, on_error=args.on_error, workers=args.workers,
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = (f" (--max_skipped_fraction {args.max_skipped_fraction:g} fails a conversion that "
              "skips more)" if args.max_skipped_fraction < 1 else "")
     print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
-          f"each with its error in {out / conversion.SKIPPED}{limit}.", file=sys.stderr)
+          f"each with its error in {out / conversion_files.SKIPPED}{limit}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
     drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
     drew = f"--eval {args.eval} drew" if args.eval == drawn else "were drawn for it"

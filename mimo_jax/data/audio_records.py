@@ -106,12 +106,13 @@ def expand(ids: np.ndarray, placeholder: int, tokens: list[int]) -> np.ndarray:
 
 
 def positions(tokens: int, clip_tokens: list[int]) -> int:
-  """Positions a sample takes in a row (as conversion.positions): every token but the last is
+  """Positions a sample takes in a row (as conversion_record.positions): every token but the last is
   an input, each clip's placeholder its tokens."""
   return tokens - 1 + sum(t - 1 for t in clip_tokens)
 
 
-# Hooks of conversion.py: a sample's clips in records, and their conversion.
+# Hooks of the converter (conversion.py, conversion_record.py): a sample's clips in records,
+# and their conversion.
 
 AUDIOS, FRAMES = "audios", "audio_frames"  # a sample's clips and each clip's audio frames
 

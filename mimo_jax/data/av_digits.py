@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 
 from mimo_jax.config import AV_DIGITS_VOCAB
-from mimo_jax.data import audio_records, conversion, digits
+from mimo_jax.data import audio_records, conversion, conversion_record, digits
 from mimo_jax.data.tokenizer import DIGIT_WORDS
 
 FORMAT_VERSION = 1
@@ -138,7 +138,7 @@ def build(root: str, train_samples: int, eval_samples: int) -> str:
   try:
     _write_source(tmp, train_samples, eval_samples)
     src = tmp / "source"
-    opts = conversion.Options(
+    opts = conversion_record.Options(
         tokenizer=str(src / "tokenizer"), images=str(src / "images"),
         image_token=digits.IMAGE_TOKEN, on_error="fail", workers=1,
         audio=audio_records.Settings(folder=str(src / "audio"), token=AUDIO_TOKEN_TEXT,

@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from mimo_jax.data import conversion, conversations
+from mimo_jax.data import conversations, conversion, conversion_record
 from mimo_jax.data.tokenizer import DIGIT_WORDS, SPECIALS, Tokenizer
 
 FORMAT_VERSION = 2
@@ -164,8 +164,8 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
     _write_source(tmp, train_samples, eval_samples, probs)
     src = tmp / "source"
     workers = min(os.cpu_count() or 1, 4) if train_samples > 4000 else 1
-    opts = conversion.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
-                              image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
+    opts = conversion_record.Options(tokenizer=str(src / "tokenizer"), images=str(src / "images"),
+                                     image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
     evals = range(train_samples, train_samples + eval_samples)  # the records after train's
     conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
     if final.exists() and not complete(final):

@@ -1,5 +1,5 @@
-"""The error of a record that cannot be converted, shared by conversion.py and the modules of
-its items (audio_records.py), so neither imports the other to raise it."""
+"""The error of a record that cannot be converted, shared by conversion_record.py and the
+modules of its items (audio_records.py), so neither imports the other to raise it."""
 
 import json
 
