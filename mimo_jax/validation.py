@@ -322,6 +322,8 @@ def _optim(cfg: Config) -> None:
 def _schedule_and_run(cfg: Config) -> None:
   """train, eval, checkpoint and run."""
   require(cfg.train.steps > 0, "train.steps", "must be > 0.")
+  for field, seed in (("train.seed", cfg.train.seed), ("data.seed", cfg.data.seed)):
+    require(0 <= seed < 2**32, field, f"{seed}: give 0 to 2**32 - 1 (seeds are 32 bits).")
   require(cfg.train.loss_chunk >= 0, "train.loss_chunk",
           f"must be >= 0 (positions a chunk; 0 = every position at once), got "
           f"{cfg.train.loss_chunk}.")

@@ -35,6 +35,9 @@ CASES = [
     ("optim.lr_mult", "vision:2", "optim.lr_mult"),
     ("optim.lr_mult", "vision=x", "optim.lr_mult"),
     ("train.steps", 0, "train.steps"),
+    ("train.seed", -1, "train.seed"),
+    ("train.seed", 2**32, "train.seed"),  # jax's key of 2**32 is 0's
+    ("data.seed", -1, "data.seed"),  # grain's shuffle takes 32-bit seeds
     ("eval.every", -1, "eval.every"),
     ("run.progress", "fancy", "run.progress"),
     ("run.log_every", 0, "run.log_every"),
