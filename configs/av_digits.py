@@ -11,7 +11,8 @@ tokens dropped, pooled by 2.
   python -m mimo_jax.launch --config=configs/av_digits.py:single   # everything on one device
 """
 
-from mimo_jax.config import AV_DIGITS_VOCAB, Config
+from mimo_jax.config import Config
+from mimo_jax.config_run import AV_DIGITS_VOCAB
 from mimo_jax.data import av_digits
 from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.encoders.vision import VisionConfig

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from mimo_jax import encoders
-from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, ConfigError
+from mimo_jax.config import LANGUAGE, Config, ConfigError
+from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.modules import build_modules
 from mimo_jax.pipeline import Schedule
 from mimo_jax.programs import Context

@@ -5,7 +5,8 @@ language model's, in dispatch order (models/mimo.Module: how to build one, its p
 import jax.numpy as jnp
 
 from mimo_jax import encoders
-from mimo_jax.config import DIGITS_VOCAB, LANGUAGE, Config, lora_of, require, row_segments
+from mimo_jax.config import LANGUAGE, Config, lora_of, require, row_segments
+from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.models import lora
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
 from mimo_jax.models.mimo import Module, attention_implementation

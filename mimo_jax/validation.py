@@ -8,9 +8,9 @@ import os
 import pathlib
 
 from mimo_jax import encoders, hf, scoring
-from mimo_jax.config import (AV_DIGITS_VOCAB, DIGITS_VOCAB, LANGUAGE, ROPE_SCALINGS, TASKS, Config,
-                             ConfigError, lora_of, parse_freeze, parse_lr_mult, positive, require,
-                             run_source)
+from mimo_jax.config import (LANGUAGE, ROPE_SCALINGS, Config, ConfigError, lora_of, parse_freeze,
+                             parse_lr_mult, positive, require, run_source)
+from mimo_jax.config_run import AV_DIGITS_VOCAB, DIGITS_VOCAB, TASKS
 from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_topology import validate_topology

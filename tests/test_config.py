@@ -214,6 +214,7 @@ def test_overrides_split_as_flags_are_written():
 
 
 def test_the_built_in_token_constants_are_the_digits_tokenizers():
-  from mimo_jax.config import BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config_run import BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB
   from mimo_jax.data.tokenizer import IMG, Tokenizer  # pylint: disable=import-outside-toplevel
   assert (BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB) == (IMG, Tokenizer().vocab_size)

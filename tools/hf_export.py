@@ -13,7 +13,8 @@ import sys
 import numpy as np
 
 from mimo_jax import checkpoint_reader, output, run_paths
-from mimo_jax.config import DIGITS_VOCAB, Config, from_dict
+from mimo_jax.config import Config, from_dict
+from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.hf import audio as hf_audio
 from mimo_jax.hf import export as hf_files
 from mimo_jax.hf import vision as hf_vision

@@ -38,7 +38,7 @@ import tempfile
 
 import numpy as np
 
-from mimo_jax.config import AV_DIGITS_VOCAB
+from mimo_jax.config_run import AV_DIGITS_VOCAB
 from mimo_jax.data import audio_records, conversion, conversion_record, digits
 from mimo_jax.data.tokenizer import DIGIT_WORDS
 

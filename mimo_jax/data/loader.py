@@ -24,7 +24,8 @@ import numpy as np
 
 from mimo_jax import encoders
 from mimo_jax.batch import Batch, stack
-from mimo_jax.config import Config, ConfigError, DataConfig
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.config_run import DataConfig
 from mimo_jax.data import av_digits, conversations, digits, meta, reorder, synthetic
 from mimo_jax.data.layout import Layout, first_fit, layout_microbatch, place_items
 from mimo_jax.data.text import Vocabulary

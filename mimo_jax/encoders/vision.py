@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mimo_jax import encoders, hf
-from mimo_jax.config import (ACTIVATIONS, BUILTIN_IMAGE_TOKEN, Config, ConfigError,
-                             ModuleTopology, positive, require)
+from mimo_jax.config import ACTIVATIONS, Config, ConfigError, ModuleTopology, positive, require
+from mimo_jax.config_run import BUILTIN_IMAGE_TOKEN
 from mimo_jax.models import lora, mimo, vit
 from mimo_jax.models.vit import POSITION_RESIZE, ViTConfig
 from mimo_jax.patches import bicubic_taps, grid_positions, patchify
