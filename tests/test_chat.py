@@ -51,6 +51,11 @@ def test_image_expansion_matches_the_llava_processor(family):
 def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):
   with pytest.raises(ChatError, match=r"turn 1: unknown role 'bot'"):
     messages([{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}])
+  # A turn's text under another key is no empty turn, nor is a turn without a speaker.
+  with pytest.raises(ChatError, match=r'turn 1 has no "value" \(its text\); its keys: from, text'):
+    messages([{"from": "human", "value": "hi"}, {"from": "gpt", "text": "hello"}])
+  with pytest.raises(ChatError, match=r'turn 0 has no "from" \(its speaker: human, '):
+    messages([{"value": "hi"}])
   with pytest.raises(ChatError, match=r"tokenizer\.json: missing"):
     ChatTokenizer.open(tmp_path)
   (tmp_path / "tokenizer.json").write_text((FIXTURES / "llama3" / "tokenizer.json").read_text())

@@ -39,17 +39,23 @@ class TokenizeError(ChatError):
 
 
 def messages(conversation: list[dict], where: str = "") -> list[dict]:
-  """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown role, a turn that is
-  not an object or a value that is not text is an error."""
+  """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown or missing role, a
+  turn that is not an object, a missing value or one that is not text is an error."""
   out = []
   for i, turn in enumerate(conversation):
     if not isinstance(turn, dict):
       raise ChatError(f"{where}turn {i} is a {type(turn).__name__}, not an object with \"from\" "
                       "and \"value\".")
     who = turn.get("from", turn.get("role"))
+    if who is None:
+      raise ChatError(f"{where}turn {i} has no \"from\" (its speaker: {', '.join(ROLES)}); its "
+                      f"keys: {', '.join(map(str, turn)) or 'none'}.")
     if not isinstance(who, str) or who not in ROLES:
       raise ChatError(f"{where}turn {i}: unknown role {who!r}; known: {', '.join(ROLES)}.")
-    text = turn.get("value", turn.get("content", ""))
+    text = turn.get("value", turn.get("content"))
+    if text is None:
+      raise ChatError(f"{where}turn {i} has no \"value\" (its text); its keys: "
+                      f"{', '.join(map(str, turn))}.")
     if not isinstance(text, str):
       raise ChatError(f"{where}turn {i}: its value is a {type(text).__name__}, not text.")
     out.append({"role": ROLES[who], "content": text})
