@@ -318,6 +318,11 @@ def parse_freeze(cfg: Config) -> tuple[str, ...]:
   for g in groups:
     require(g in known, "optim.freeze",
              f"unknown parameter group {g!r}; choose from {', '.join(known)}.")
+  # A module with adapters trains them, not its own weights (models/mimo.Module.group).
+  bases = {n for n in list(cfg.topology.names()) + [LANGUAGE] if lora_of(cfg, n)}
+  require(any(g not in groups and g not in bases for g in known), "optim.freeze",
+          f"{cfg.optim.freeze!r} leaves nothing to train (the groups: {', '.join(known)}); "
+          "leave a group out (python -m tools.eval scores a run without training it).")
   return groups
 
 

@@ -32,6 +32,7 @@ CASES = [
     ("model.vision.image_slots", 7, "model.vision.image_slots"),
     ("optim.lr", 0.0, "optim.lr"),
     ("optim.freeze", "vit", "optim.freeze"),
+    ("optim.freeze", "vision,vision_projector,language", "optim.freeze"),  # nothing to train
     ("optim.lr_mult", "vision:2", "optim.lr_mult"),
     ("optim.lr_mult", "vision=x", "optim.lr_mult"),
     ("train.steps", 0, "train.steps"),
