@@ -207,6 +207,15 @@ def test_a_shard_that_is_not_one_names_the_conversion_or_the_rebuild(converted, 
   with pytest.raises(loader.DataError, match=r"as a shard \(RuntimeError\); delete it and run "
                      r"again to rebuild it"):
     loader.open_shard(str(shard), "digits")
+  # A record that does not decode: converted data is converted again (tools.convert writes a
+  # directory whole), a built-in task's shard and sidecar are rebuilt.
+  garbage = lambda: b"\x00garbage"
+  with pytest.raises(loader.DataError, match=r"record 3 cannot be read \(.+\); the shard is "
+                     r"damaged: convert the data again with `python -m tools\.convert` into a "
+                     rf"new --out \(or delete {tmp_path} first\)\.$"):
+    loader.read_record(garbage, str(shard), 3, "conversations")
+  with pytest.raises(loader.DataError, match=r"damaged: delete it and .+meta\.npz and run again"):
+    loader.read_record(garbage, str(shard), 3, "digits")
 
 
 def test_a_missing_or_garbage_sidecar_is_rebuilt_with_the_conversions_placeholders(converted,

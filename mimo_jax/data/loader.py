@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable, Iterator
 
 import grain
@@ -50,16 +51,20 @@ class DataError(ConfigError):
   """A shard that cannot be read; the message names it and how to rebuild it."""
 
 
-def read_record(read, path: str, index: int, decode) -> dict:
-  """Record `index` of shard `path` (`read()` gives its bytes), decoded; a damaged record or
-  shard is a DataError."""
+def read_record(read, path: str, index: int, task: str) -> dict:
+  """Record `index` of `task`'s shard `path` (`read()` gives its bytes), decoded; a damaged
+  record or shard is a DataError naming the fix for the task's shards."""
   try:
-    return decode(read(), path, index)
+    return TASKS[task].decode(read(), path, index)
   except Exception as e:  # pylint: disable=broad-except
     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if task == "conversations":  # tools.convert writes a directory whole, never into one
+      fix = (f"convert the data again with `python -m tools.convert` into a new --out (or "
+             f"delete {os.path.dirname(path) or '.'} first)")
+    else:
+      fix = f"delete it and {meta.path_of(path)} and run again to rebuild them"
     raise DataError(f"{path}: record {index} cannot be read ({reason}); the shard is damaged: "
-                    f"delete it and {meta.path_of(path)} and run again to rebuild them (shards "
-                    "of the built-in tasks are rebuilt on first use).") from None
+                    f"{fix}.") from None
 
 
 def build_paths(cfg: Config, progress=None) -> dict[str, str]:
@@ -88,11 +93,11 @@ def make_layout(cfg: Config, groups: int, eval_batch: int = 0) -> Layout:
 class _Decode(grain.transforms.Map):
 
   def __init__(self, path: str, task: str):
-    self._path, self._decode = path, TASKS[task].decode
+    self._path, self._task = path, task
 
   def map(self, element):
     index, record = element
-    return index, read_record(lambda: record, self._path, index, self._decode)
+    return index, read_record(lambda: record, self._path, index, self._task)
 
 
 def open_shard(path: str, task: str) -> grain.sources.ArrayRecordDataSource:
@@ -194,7 +199,7 @@ class Records:
   demand."""
 
   def __init__(self, path: str, task: str, names: tuple[str, ...] | None = None):
-    self.path, self._decode = path, TASKS[task].decode
+    self.path, self._task = path, task
     self.source = open_shard(path, task)
     if len(self.source) == 0:
       raise DataError(empty_shard(path, task))
@@ -208,7 +213,7 @@ class Records:
     return len(self.source)
 
   def read(self, index: int) -> dict:
-    return read_record(lambda: self.source[index], self.path, index, self._decode)
+    return read_record(lambda: self.source[index], self.path, index, self._task)
 
 
 def sample_order(lengths: list[int], costs: list[float], groups: int, data: DataConfig,
