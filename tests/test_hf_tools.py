@@ -2,6 +2,7 @@
 fixture's own tensors bit for bit, import(export(x)) is x, and a malformed directory is one error
 naming the file and tensor, with nothing written."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mimo_jax import checkpoint_reader, hf
-from mimo_jax.config import from_dict
+from mimo_jax import checkpoint_reader, configfile, hf
+from mimo_jax.config import Config, from_dict
 from tools import hf as hf_tool
 from tools import hf_export, hf_import
 from tests.helpers import assert_hf_error
@@ -216,3 +217,17 @@ def test_check_names_a_bad_directory_before_a_missing_torch(tmp_path, capsys, mo
          "nope", "not a directory")
   _error(capsys, lambda: hf_tool.main(["check", "--hf", str(FIXTURES / "qwen2")]),
          "torch and transformers", "pip install -e '.[hf]'")
+
+
+def test_an_imports_config_trains_in_its_own_folder_wherever_it_is_moved(tmp_path):
+  """The config.py an import writes takes its run.workdir from the folder it is in (config.json
+  names the import's --out), and has no variants."""
+  cfg = Config()
+  cfg.run.workdir = str(tmp_path / "imported")
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  (moved / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+  (moved / "config.py").write_text(hf_import.CONFIG_PY.format(source="DIR"))
+  assert configfile.load_file(str(moved / "config.py")).run.workdir == str(moved.resolve())
+  with pytest.raises(ValueError, match=r"config\.py: no variant 'stage2'; an import's config"):
+    configfile.load_file(f"{moved / 'config.py'}:stage2")

@@ -255,6 +255,7 @@ def _peak_gib() -> float:
 
 
 CONFIG_PY = '''"""The config of this workdir, written by `python -m tools.hf import --hf {source}`.
+Its run.workdir is the folder this file is in, wherever that folder is moved or copied.
 
   python -m mimo_jax.launch --config=<this file> [--config.a.b=value ...]
 """
@@ -266,8 +267,12 @@ from mimo_jax.config import from_dict
 
 
 def get_config(arg=None):
-  del arg
-  return from_dict(json.loads((pathlib.Path(__file__).parent / "config.json").read_text()))
+  here = pathlib.Path(__file__).resolve().parent
+  if arg:
+    raise ValueError(f"{{here / 'config.py'}}: no variant {{arg!r}}; an import's config has none.")
+  cfg = from_dict(json.loads((here / "config.json").read_text()))
+  cfg.run.workdir = str(here)
+  return cfg
 '''
 
 
