@@ -128,8 +128,10 @@ def check_compatible(meta: dict, cfg: Config, path: str, step: int) -> list[str]
     return [f"resuming {where} on other data (checkpoint.allow_data_change): "
             f"{'; '.join(changes)}; the data position carries on at step {step}."]
   keep = " ".join(f"--config.{values[k][0]}={data[k]!r}" for k in fields)
+  stage = ("start the new stage in a new run.workdir (model.init_from, given, is read by new "
+           "runs only)" if cfg.model.init_from else
+           "start a new stage in a new run.workdir with --config.model.init_from=<this workdir>")
   raise CheckpointError(
       f"{where} was trained on other data: {'; '.join(changes)}. Resuming would change the "
-      f"sample order or the eval set. Keep {keep or 'the data it was trained on'}, start a new "
-      "stage in a new run.workdir with --config.model.init_from=<this workdir>, or go on with "
-      f"this data on purpose with {ALLOW_DATA}.")
+      f"sample order or the eval set. Keep {keep or 'the data it was trained on'}, {stage}, or "
+      f"go on with this data on purpose with {ALLOW_DATA}.")

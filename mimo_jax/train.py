@@ -280,6 +280,11 @@ class _Loop:
       size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
       say(f"resumed from {self.ckpt.path} step {self.start} ({size} of state restored in "
           f"{took:.1f} s)")
+    else:
+      say(f"a new run in {os.path.abspath(self.cfg.run.workdir)}")
+    if self.resumed and self.cfg.model.init_from:
+      say(f"model.init_from={self.cfg.model.init_from} is not read: this run resumes its own "
+          f"step {self.start} (model.init_from starts a new run: give it a new run.workdir)")
     for note in self.ckpt.notes:
       say(note)
     for (field, path, step) in sorted(set(started.values())):

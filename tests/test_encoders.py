@@ -218,6 +218,11 @@ def test_data_settings_an_encoder_took_over_read_back_and_pin_the_data_as_before
   with pytest.raises(ConfigError, match=r"trained on other data: model\.vision\.max_images=3 "
                      r"\(this run: 2\)\. .* Keep --config\.model\.vision\.max_images=3,"):
     checkpoint_config.check_compatible(meta, cfg, "ckpt", 1)
+  cfg.model.init_from = "ckpt"  # given, and not read by a resume: the advice says so
+  with pytest.raises(ConfigError, match=r"start the new stage in a new run\.workdir \(model\."
+                     r"init_from, given, is read by new runs only\)"):
+    checkpoint_config.check_compatible(meta, cfg, "ckpt", 1)
+  cfg.model.init_from = ""
   v.image_slots, v.slot_patches, v.max_images, v.dim = 16, 4, 3, 48
   cfg.model.layer_norm = "xla"  # how the step computes, not what: free to differ
   assert checkpoint_config.model_differences(saved, cfg) == ["model.vision.dim=32 (this run: 48)"]

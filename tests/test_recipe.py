@@ -151,6 +151,9 @@ def test_the_readme_recipe_runs_as_written(tmp_path, capsys):
     else:  # the tools' own main, in this process (each process start costs seconds)
       outputs.append(_in_process(argv, tmp_path, capsys))
   stage1, stage2 = tmp_path / "runs" / "llava0", tmp_path / "runs" / "stage2"
+  # Stage 1 resumes the import's step 0 in its folder; stage 2 says where it is new.
+  assert f"resumed from {stage1.resolve() / 'checkpoints'} step 0 (" in outputs[3], outputs[3]
+  assert f"a new run in {stage2}\n" in outputs[5], outputs[5]
   assert sorted(_losses(stage1)) == list(range(1, STEPS + 1))
   # Logged every step, each with its time (that the first window leaves compilation out is
   # test_stages.py's; which step is slowest depends on what compiled ahead).
