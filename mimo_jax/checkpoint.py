@@ -40,7 +40,6 @@ from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_v
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
                                       quiet_failed_reads, read_failure)
 from mimo_jax.checkpoint_steps import Base, base_folder, complete_steps, digest, move_aside
-from mimo_jax.checkpoint_steps import directory  # noqa: F401  (train reads it here)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mimo_jax import (checkpoint, compile_cache, distributed, encoders, eval_set, init_from,
-                      memory, precompile, workdir)
+from mimo_jax import (checkpoint, checkpoint_steps, compile_cache, distributed, encoders,
+                      eval_set, init_from, memory, precompile, workdir)
 from mimo_jax import state as state_lib
 from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config, lora_of
@@ -130,7 +130,7 @@ def run(cfg: Config) -> list[dict]:
                else None)
   validate_data(cfg)  # converted data that agrees with the run (manifest, eval split, token ids)
   trainer = Step.build(cfg)
-  if not checkpoint.complete_steps(checkpoint.directory(cfg.run.workdir)):
+  if not checkpoint_steps.complete_steps(checkpoint_steps.directory(cfg.run.workdir)):
     # A new run that starts from another (init_from): the source checked before anything is
     # written.
     init_from.params(cfg, {n: a["params"] for n, a in
@@ -175,7 +175,7 @@ class _Loop:
     self.compile_wait = 0.0  # seconds the loop waited for programs compiled ahead
     self.padded = 0  # microbatches run padded to a compiled shape since the last record
     self.first_at, self.first_step = None, 0  # when this run's first step ended, and which
-    self.ckpt = checkpoint.Checkpointer(checkpoint.directory(cfg.run.workdir),
+    self.ckpt = checkpoint.Checkpointer(checkpoint_steps.directory(cfg.run.workdir),
                                         list(trainer.modules), keep=cfg.checkpoint.keep,
                                         keep_steps=(0,) if self.lora else ())
     self.ckpt.moved_base = cfg.checkpoint.base
@@ -456,7 +456,7 @@ class _Loop:
         self.ckpt.wait()
       except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
         pass
-      done = checkpoint.complete_steps(self.ckpt.path)
+      done = checkpoint_steps.complete_steps(self.ckpt.path)
       self.writer.say(f"after {type(error).__name__}: could not save step {step} "
                       f"({type(e).__name__}: {e}); " +
                       (f"the newest checkpoint is step {done[-1]}." if done else

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mimo_jax import checkpoint, checkpoint_config, encoders, memory, optim, run_paths
+from mimo_jax import checkpoint_config, encoders, memory, optim, run_paths
 from mimo_jax.batch import stack
 from mimo_jax.config import ConfigError, ModuleTopology, from_dict, param_groups
 from mimo_jax.data import digits, loader, meta

@@ -16,7 +16,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 from mimo_jax import checkpoint, checkpoint_reader, checkpoint_steps, configfile, train
 from mimo_jax.config import from_dict
