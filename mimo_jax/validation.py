@@ -14,6 +14,7 @@ from mimo_jax.config_run import AV_DIGITS_VOCAB, DIGITS_VOCAB, TASKS
 from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_topology import validate_topology
+from mimo_jax.words import count
 
 
 # Bytes a row position takes on the host in every text array the loader builds (data/layout.py:
@@ -389,11 +390,17 @@ def validate_data(cfg: Config) -> None:
   # pylint: disable-next=import-outside-toplevel  (it imports JAX and grain; launch validates
   from mimo_jax.data import loader  # the flags before JAX is configured)
   paths = conversations.paths(cfg)
-  longest = conversations.manifest(cfg.data.dir).get("longest") or 0
+  made = conversations.manifest(cfg.data.dir)
+  longest = made.get("longest") or 0
   require(cfg.data.seq_len >= longest, "data.seq_len",
           f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} positions "
           f"(its conversations.json); use >= {longest}, as the launch line that tools.convert "
           "printed does.")
+  most, tower = made.get("max_images") or 0, cfg.model.encoders.get("vision")
+  require(tower is None or tower.max_images >= most, "model.vision.max_images",
+          f"{getattr(tower, 'max_images', 0)}, but a sample of {cfg.data.dir} holds "
+          f"{count(most, 'image')} (its conversations.json); use >= {most}, as the launch line "
+          "that tools.convert printed does.")
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"], "conversations"))
   require(held_out > 0, "data.dir",
