@@ -26,7 +26,8 @@ from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow, evaluated_through
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
-from mimo_jax.validation import validate, validate_backend, validate_data
+from mimo_jax.validation import validate, validate_backend
+from mimo_jax.validation_data import validate_data
 from mimo_jax.words import count
 
 

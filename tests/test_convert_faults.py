@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mimo_jax import output, validation
+from mimo_jax import output, validation, validation_data
 from mimo_jax.data import conversations, conversion, conversion_files, digits, llava_json
 from mimo_jax.data.chat import ChatTokenizer
 from tests.helpers import tiny_config
@@ -517,7 +517,7 @@ def test_the_launch_line_is_a_valid_run_whose_rows_hold_every_sample(src, tmp_pa
       parent = getattr(parent, name)
     setattr(parent, field, type(getattr(parent, field))(value))
   validation.validate(cfg, 8)
-  validation.validate_data(cfg)
+  validation_data.validate_data(cfg)
   # Every train sample fits the line's rows, as the run checks before compiling (an epoch of
   # steps).
   paths = conversations.paths(cfg)

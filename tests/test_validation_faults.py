@@ -17,7 +17,8 @@ from array_record.python import array_record_module
 from mimo_jax import train
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import conversations, conversion, conversion_record, loader, meta
-from mimo_jax.validation import validate, validate_data
+from mimo_jax.validation import validate
+from mimo_jax.validation_data import validate_data
 from tests.configs import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -423,7 +423,7 @@ def eval_batches(cfg: Config, path: str, lang_dp: int) -> list[Batch]:
   tok = TASKS[cfg.data.task].vocabulary
   records = Records(path, cfg.data.task, tuple(e.name for e in layout.encoders))
   short = eval_shortfall(cfg, path, len(records))
-  if short:  # validation.validate_data refuses this before a run starts
+  if short:  # validation_data.validate_data refuses this before a run starts
     raise DataError(short)
   out = []
   for start in range(0, n, bsz):
