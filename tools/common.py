@@ -22,7 +22,6 @@ import numpy as np
 
 from mimo_jax import configfile, workdir
 from mimo_jax.config import Config, ConfigError, set_layout
-from mimo_jax.validation import data_source, validate, validate_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
@@ -39,21 +38,46 @@ def fail(tool: str, message: str) -> NoReturn:
 
 class Parser(argparse.ArgumentParser):
   """argparse's own errors (a value that is not a number, a missing or unknown flag) as the tool's
-  others: one line `TOOL: error: ...`, exit status 2, without the usage block."""
+  others: one line `TOOL: error: ...`, exit status 2, without the usage block. An unknown flag is
+  named before a missing required one (a typo of the flag is the likelier fault). `sep` shows a
+  flag with its value (`--gpus=x`, or `--gpus x` with " "); `takes` tells the flags the caller
+  reads from `parse_known_args`'s leftovers itself (tools.hf import's `--config.a.b=v`)."""
 
-  def __init__(self, tool: str, **kw):
-    super().__init__(prog=f"python -m tools.{tool}", **kw)
-    self.tool = tool
+  def __init__(self, tool: str, sep: str = "=", takes=None, **kw):
+    kw.setdefault("prog", f"python -m tools.{tool}")
+    super().__init__(**kw)
+    self.tool, self.sep, self.takes = tool, sep, takes
+    self.given: list[str] = []
+
+  def parse_known_args(self, args=None, namespace=None):
+    self.given = list(sys.argv[1:] if args is None else args)
+    return super().parse_known_args(args, namespace)
+
+  def unknown(self, args: Sequence[str]) -> list[str]:
+    """The flags among `args` that are none of this parser's (as argparse tells a flag from a
+    value: a leading dash, not a negative number, no space) and that `takes` does not take."""
+    out = []
+    for a in args:
+      if a == "--":
+        break
+      if (a.startswith("-") and a != "-" and " " not in a and not re.fullmatch(r"-\d*\.?\d+", a)
+          and a.split("=", 1)[0] not in self._option_string_actions
+          and not (self.takes and self.takes(a))):
+        out.append(a)
+    return out
 
   def error(self, message: str) -> NoReturn:
-    m = re.fullmatch(r"argument (--\w+): invalid (int|float) value: '(.*)'", message, re.DOTALL)
+    if message.startswith("the following arguments are required") and self.unknown(self.given):
+      message = f"unrecognized arguments: {' '.join(self.unknown(self.given))}"
+    flag = r"(--[\w-]+(?:/--[\w-]+)*)"
+    m = re.fullmatch(rf"argument {flag}: invalid (int|float) value: '(.*)'", message, re.DOTALL)
     if m:  # `--gpus x`: the flag with the value given, as `--gpus=x`
       kind = "an integer" if m.group(2) == "int" else "a number"
-      message = f"{m.group(1)}={m.group(3)}: not {kind}."
-    elif (m := re.fullmatch(r"argument (--\w+): (.*)", message, re.DOTALL)):
+      message = f"{m.group(1)}{self.sep}{m.group(3)}: not {kind}."
+    elif (m := re.fullmatch(rf"argument {flag}: (.*)", message, re.DOTALL)):
       # A `number` type's refusal starts `=VALUE: `; argparse's own (a choice) does not.
       rest = m.group(2)
-      message = f"{m.group(1)}{rest if rest.startswith('=') else ': ' + rest}."
+      message = f"{m.group(1)}{self.sep + rest[1:] if rest.startswith('=') else ': ' + rest}."
     else:
       message = f"{message} (--help lists the flags)."
     fail(self.tool, message)
@@ -124,6 +148,8 @@ def config(spec: str, sets: Sequence[str], layout: str = "", check: bool = True,
   layout (`config.set_layout`'s form) if given, checked as launch checks a run's before anything
   compiles: `validate` (`check`), with `devices` against jax's devices and backend as well
   (`validate_backend`). ConfigError, one line, for a bad file, flag or field."""
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax.validation import validate, validate_backend  # imports the models: not at the top
   cfg = overrides(configfile.load_file(spec), sets)
   if layout:
     set_layout(cfg, layout)
@@ -150,6 +176,7 @@ def run_config(tool: str, spec: str, sets: Sequence[str], runs: str = "") -> Con
   `sets` (`a.b=value`), checked as launch checks it before it starts (its data directory, then
   `validate`): a tool that spawns runs calls it first. A bad one is one line (`fail`), said of
   `runs` (e.g. `the fp8 runs`) where given."""
+  from mimo_jax.validation import data_source, validate  # pylint: disable=import-outside-toplevel
   try:
     cfg = overrides(configfile.load_file(spec), sets)
     data_source(cfg)

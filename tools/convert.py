@@ -87,7 +87,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import shlex
 import signal
 import sys
@@ -101,6 +100,7 @@ from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import (audio, audio_records, conversion, conversion_files, conversion_record,
                            conversations, llava_json)
+from tools.common import Parser
 from tools.display import count
 
 GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
@@ -124,24 +124,9 @@ def tower_tokens(directory: str) -> tuple[int | None, str]:
   return (size // patch) ** 2, f"{size // patch}x{size // patch} patches of the tower in {path}"
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse's own errors (a value that is not a number, a missing flag) as the tool's others:
-  one line `convert: error: ...`, exit status 2, without the usage block."""
-
-  def error(self, message: str):
-    m = re.fullmatch(r"argument (--\w+): invalid (int|float) value: '(.*)'", message, re.DOTALL)
-    if m:  # `--seed x`: as the range errors name a flag, with the value given
-      flag, kind, value = m.groups()
-      message = f"{flag} {value}: not {'an integer' if kind == 'int' else 'a number'}."
-    else:
-      message = f"{message} (--help lists the flags)."
-    print(f"convert: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-  parser = _Parser(prog="python -m tools.convert", description=__doc__,
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser("convert", sep=" ", allow_abbrev=False, description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
   parser.add_argument("--images", required=True, help="the folder image paths are relative to")
   parser.add_argument("--tokenizer", required=True, help="HF directory: tokenizer.json and "

@@ -54,6 +54,7 @@ from mimo_jax import checkpoint_reader, output, scoring
 from mimo_jax.config import Config, ConfigError, RunConfig
 from tools import eval_samples
 from tools import generate as generate_tool
+from tools.common import Parser
 from tools.display import count
 
 TOOL = "tools.eval"
@@ -61,8 +62,8 @@ DEFAULT_NEW_TOKENS = 32
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m tools.eval", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser(TOOL, prog="python -m tools.eval", sep=" ", allow_abbrev=False,
+                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdir")
   parser.add_argument("--data", required=True, help="a converted directory or a LLaVA JSON(L)")
   parser.add_argument("--metric", action="append", default=[],
@@ -78,15 +79,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                       "--audio_token inside (default: <|audio_bos|><|AUDIO|><|audio_eos|> for "
                       "<|AUDIO|>, else the token alone)")
   parser.add_argument("--samples", type=int, default=0, help="the first N samples (0 = all)")
-  parser.add_argument("--batch", type=int, default=0, help="default eval.batch of the run")
-  parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS)
-  parser.add_argument("--seq_len", type=int, default=0,
-                      help="positions of a prompt row (default the run's data.seq_len)")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="samples a batch, at least 1 (default eval.batch of the run)")
+  parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                      help=f"at least 1 (default {DEFAULT_NEW_TOKENS})")
+  parser.add_argument("--seq_len", type=int, default=None,
+                      help="positions of a prompt row, at least 1 (default the run's "
+                      "data.seq_len)")
   parser.add_argument("--layout", default="",
                       help="module=offset/dp/tp,... instead of the run's topology")
-  parser.add_argument("--step", type=int, default=None)
-  parser.add_argument("--cpu_devices", type=int, default=0,
-                      help="on CPUs: devices to create (default the run's run.cpu_devices)")
+  parser.add_argument("--step", type=int, default=None, help="default: the newest")
+  parser.add_argument("--cpu_devices", type=int, default=None,
+                      help="on CPUs: devices to create, at least 1 (default the run's "
+                      "run.cpu_devices)")
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="")
@@ -105,9 +110,13 @@ def check_flags(args: argparse.Namespace) -> None:
   if not os.path.exists(args.data):
     raise ConfigError(f"--data {args.data}: not found; give a directory tools.convert wrote or a "
                       "LLaVA-format JSON file.")
-  for flag in ("max_new_tokens", "batch", "samples", "seq_len"):
-    if getattr(args, flag) < (1 if flag == "max_new_tokens" else 0):
+  for flag in ("max_new_tokens", "batch", "seq_len", "cpu_devices"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:  # None: the run's
       raise ConfigError(f"--{flag} {getattr(args, flag)}: give a positive number.")
+  if args.samples < 0:
+    raise ConfigError(f"--samples {args.samples}: give a positive number (0: all samples).")
+  if args.step is not None and args.step < 0:
+    raise ConfigError(f"--step {args.step}: give a step of the run, 0 or more.")
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")
@@ -346,7 +355,7 @@ def run(args: argparse.Namespace) -> dict:
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
   dp = trainer.topo.dp("language")
-  bsz = eval_set.batch_size(cfg, dp, args.batch)  # every language rank an equal share
+  bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
   eval_set.check_lengths(layout, samples, "--seq_len")
   step, state = _parameters(args, trainer)

@@ -27,9 +27,11 @@ Defaults for `--audio_token`: the run's converted data's, else `<|AUDIO|>`. Defa
 `--tokenizer`, `--processor`, `--image_token` and
 `--pad_to_square`: with data.task=conversations those of the run's converted data (the manifest
 in its data directory); otherwise those of the HF directories the model was imported or started
-from (`tools.hf import`, `init_from`), else of the digits task's build. A relative path in those
-records is looked for beside the record, in the workdir, in the directory the run was launched
-from, then in the current directory.
+from (`tools.hf import`, `init_from`), as `tools.hf export` finds them, else of the digits task's
+build; where the run's converted data directory is missing (moved or deleted), those HF
+directories' (with a note), else an error naming the directory and `--tokenizer DIR`. A relative
+path in those records is looked for beside the record, in the workdir, in the directory the run
+was launched from, then in the current directory.
 
 The prompts run as one batch, left-padded, with a key-value cache (mimo_jax/generate.py): greedy
 by default, or sampled at `--temperature` among the `--top_p` mass, until the tokenizer's
@@ -65,6 +67,7 @@ from mimo_jax import checkpoint_reader, output
 from mimo_jax.run_paths import bases, launch_dir, resolve
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
+from tools.common import Parser, fail, number
 from tools.display import count, printable
 from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
@@ -126,9 +129,10 @@ def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
 
 def defaults(workdir: str, cfg: Config) -> dict:
   """`tokenizer`, `processor`, `image_token`, `pad_to_square`, `vocab` (the data's tokenizer's
-  size), `context` (the HF model's max_position_embeddings), `record` (where they come from) and
-  `named` (the paths it names): those of the run's conversation data, else of the HF directories
-  the model was imported or started from, else of the digits task's build."""
+  size), `context` (the HF model's max_position_embeddings), `record` (where they come from),
+  `named` (the paths it names) and `gone` (the run's data directory where it holds no manifest):
+  those of the run's converted data, else (none, or gone) of the HF directories the model was
+  imported or started from, as `tools.hf export` finds them, else of the digits task's build."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.data import av_digits, conversations, digits
   from tools import hf_export  # pylint: disable=import-outside-toplevel
@@ -137,19 +141,22 @@ def defaults(workdir: str, cfg: Config) -> dict:
   record, sources = imported(workdir, cfg)
   out = {"tokenizer": "", "processor": "", "image_token": "<image>", "pad_to_square": False,
          "audio_token": audio_records.QWEN2_AUDIO_TOKEN,
-         "vocab": None, "record": "", "named": {},
+         "vocab": None, "record": "", "named": {}, "gone": "",
          "context": hf_export.source_context(record, sources)}
-  # An import (or a run started from one) without converted data of its own: the HF directories.
-  if (d.task != "conversations" or not d.dir) and any(sources.values()):
+
+  def hf_directories(gone: str = "") -> dict:
     where = bases(work, launched)
     first = lambda paths, wanted: next(
         (r for r in (resolve(p, wanted, where) for p in paths) if r), "")
     own = work / "hf_import.json"
     return dict(out, tokenizer=first(sources["language"], "tokenizer.json"),
-                processor=first(sources["vision"], "preprocessor_config.json"),
+                processor=first(sources["vision"], "preprocessor_config.json"), gone=gone,
                 record=str(own) if own.is_file() else f"the HF directories {workdir} came from",
                 named={"tokenizer": ", ".join(sources["language"]),
                        "processor": ", ".join(sources["vision"])})
+  # An import (or a run started from one) without converted data of its own: the HF directories.
+  if (d.task != "conversations" or not d.dir) and any(sources.values()):
+    return hf_directories()
   if d.task == "synthetic":
     return out
   where = bases(launched, work)
@@ -160,11 +167,17 @@ def defaults(workdir: str, cfg: Config) -> dict:
     build = (av_digits.directory(root, d.train_samples, d.eval_samples) if d.task == "av_digits"
              else digits.directory(root, d.train_samples, d.eval_samples, d.probs()))
     directory = str(build) if root or not d.dir else ""
-  if not directory:
-    return out
+  if not directory or not (pathlib.Path(directory) / conversations.MANIFEST).is_file():
+    # The run's data moved or deleted since: the HF directories its model started from, if any.
+    gone = directory or d.dir
+    if not any(sources.values()):
+      return dict(out, gone=gone)
+    print(f"note: {workdir}: its run's data directory {gone} is missing: the tokenizer and "
+          "processor are the HF directories' it came from, the image token <image>, images not "
+          "padded to a square (--tokenizer, --processor, --image_token, --pad_to_square to "
+          "change).", file=sys.stderr)
+    return hf_directories(gone)
   directory = pathlib.Path(directory)
-  if not (directory / conversations.MANIFEST).is_file():
-    return out
   m = conversations.manifest(str(directory))
   where = bases(directory, work, launched)
   return dict(out, tokenizer=resolve(m.get("tokenizer", ""), "tokenizer.json", where),
@@ -181,11 +194,15 @@ def default_dir(found: dict, key: str, wanted: str, flag: str, workdir: str) -> 
   ConfigError saying where it looked and to give `flag`."""
   if found[key]:
     return found[key]
-  named = found["named"].get(key)
+  named, gone = found["named"].get(key), found["gone"]
+  data = f"its run's data directory {gone} is missing (moved or deleted)" if gone else ""
   if named:
     raise ConfigError(f"{found['record']} names the {key} {named!r}, which holds no {wanted} "
                       "(looked for beside it, in the workdir, where the run was launched and in "
-                      f"the current directory); give {flag} DIR.")
+                      f"the current directory){'; ' + data if data else ''}; give {flag} DIR.")
+  if gone:
+    raise ConfigError(f"{workdir}: {data} and no import names a directory with {wanted}; give "
+                      f"{flag} DIR (or put the data back).")
   raise ConfigError(f"{workdir}: neither its run's data nor an import names a directory with "
                     f"{wanted}; give {flag} DIR.")
 
@@ -232,15 +249,15 @@ def _count(text: str) -> int:
   try:
     value = float(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    raise argparse.ArgumentTypeError(f"={text}: not an integer") from None
   if not value.is_integer():
-    raise argparse.ArgumentTypeError(f"invalid integer {text!r}")
+    raise argparse.ArgumentTypeError(f"={text}: not an integer")
   return int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser(TOOL, prog="python -m tools.generate", sep=" ", allow_abbrev=False,
+                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdir")
   parser.add_argument("--prompt", action="append", default=[],
                       help="repeatable: a batch (default with --image: one empty prompt)")
@@ -254,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the k-th --prompt gets the k-th --image and the k-th --audio (one of "
                       "each kind given a prompt, or none) instead of every file (default with "
                       "files and no --prompt: one prompt a file)")
-  parser.add_argument("--step", type=int, default=None)
+  parser.add_argument("--step", type=number(int, least=0), default=None,
+                      help="default: the newest")
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="", help="default: the data's, else <image>")
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not args.prompt:
     if not args.image and not args.audio:
-      parser.error("give --prompt TEXT, or --image FILE or --audio FILE")
+      fail(TOOL, "give --prompt TEXT, or --image FILE or --audio FILE.")
     args.prompt = [""] * (max(len(args.image), len(args.audio)) if args.pair else 1)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on reading a checkpoint
   try:

@@ -62,19 +62,27 @@ logits (language models, LLaVA) or hidden states (towers).
 from __future__ import annotations
 
 import argparse
+import re
 
 from mimo_jax import output
 from mimo_jax.config import ConfigError
 from tools import hf_export, hf_import
+from tools.common import Parser, number
 from tools.hf_import import CPU_BASE, DEFAULT_BASE, fail
+
+TOOL = "tools.hf"
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 1)[1])
+  parser = Parser(TOOL, prog="python -m tools.hf", allow_abbrev=False,
+                  description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog=__doc__.split("\n\n", 1)[1])
   verbs = parser.add_subparsers(dest="verb", required=True)
-  p = verbs.add_parser("import", help="an HF directory -> a workdir with a step-0 checkpoint")
+  sub = {"tool": TOOL, "allow_abbrev": False}  # each verb's errors one line, as the tool's
+  override = lambda arg: bool(re.match(r"--?(no)?config\.", arg))  # import checks the rest
+  p = verbs.add_parser("import", help="an HF directory -> a workdir with a step-0 checkpoint",
+                       takes=override, **sub)
   p.add_argument("--hf", required=True, action="append",
                  help="an HF model directory; repeat for a tower and a language model")
   p.add_argument("--out", required=True,
@@ -82,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--config", default=None,
                  help="config file[:variant] for the fields config.json does not set (default "
                  f"{DEFAULT_BASE}, sized for GPUs; {CPU_BASE} for a run on CPUs)")
-  p = verbs.add_parser("export", help="a checkpoint -> an HF directory")
+  p = verbs.add_parser("export", help="a checkpoint -> an HF directory", **sub)
   p.add_argument("workdir")
-  p.add_argument("--step", type=int, default=None, help="default: the newest")
+  p.add_argument("--step", type=number(int, least=0), default=None, help="default: the newest")
   p.add_argument("--out", required=True)
   p.add_argument("--module", choices=("vision", "audio", "language"), default=None,
                  help="one module alone (default: the whole model, as --model)")
@@ -105,15 +113,18 @@ def main(argv: list[str] | None = None) -> None:
                  "merged model)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace --out if it holds a complete export")
-  p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs")
+  p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs", **sub)
   p.add_argument("--hf", required=True)
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   args, extra = parser.parse_known_args(argv)
+  # import's leftovers are its --config.a.b=v overrides (it names a stray value itself); any
+  # other leftover is a flag argparse refused.
+  unknown = [a for a in extra if args.verb != "import" or a.startswith("-") and not override(a)]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
   try:
     if args.verb == "import":
       hf_import.import_(args, extra)
-    elif extra:
-      fail(f"unexpected arguments {extra}.")
     elif args.verb == "export":
       hf_export.export(args)
     else:
