@@ -139,12 +139,12 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
   for anything else, which is a bug and keeps its traceback."""
   # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
-  from mimo_jax import train
+  from mimo_jax import step_records
   from mimo_jax.data import capacity
   for x in _chain(e):
     if isinstance(x, (ConfigError, capacity.CapacityError)):
       return str(x), 2
-    if isinstance(x, (train.NonFiniteStepError, NonFiniteError)):
+    if isinstance(x, (step_records.NonFiniteStepError, NonFiniteError)):
       return str(x), 1
     if isinstance(x, OSError) and x.errno is not None:
       return workdir.describe_os_error(x, x.filename or "run.workdir"), 1

@@ -8,24 +8,23 @@ checkpoints resumes from the latest; SIGTERM or SIGINT saves the last finished s
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
-from mimo_jax import (checkpoint, checkpoint_steps, compile_cache, distributed, encoders,
-                      eval_set, init_from, memory, precompile, workdir)
+from mimo_jax import (checkpoint, checkpoint_steps, compile_cache, distributed, eval_set,
+                      init_from, memory, precompile, step_records, workdir)
 from mimo_jax import state as state_lib
-from mimo_jax.batch import Batch, total
 from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow, evaluated_through
 from mimo_jax.optim import schedule
 from mimo_jax.step import Step
+from mimo_jax.step_records import BridgeMismatchError, NonFiniteStepError
+from mimo_jax.stopping import StopFlag
 from mimo_jax.validation import validate, validate_backend
 from mimo_jax.validation_data import validate_data
 from mimo_jax.words import count
@@ -37,87 +36,6 @@ def _why_aside(moved: str) -> str:
   return {"uncommitted": "its save never completed: not a step",
           "replaced": "newer than checkpoint.restore_step: this run writes its own"}.get(
               why, "not a step of this run")
-
-
-class BridgeMismatchError(RuntimeError):
-  """Image tokens reached the text of a different sample."""
-
-
-class _StopFlag:
-  """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop; a second SIGINT aborts
-  at once (exit status 130), without saving.
-
-  Installed for the whole run, final save and eval included. With several processes, SIGTERM goes
-  to jax.distributed's preemption sync instead, which picks one step at which every process stops
-  (processes see a signal at different steps).
-  """
-
-  def __init__(self, pending: str | None = None):
-    self.signal = pending  # a signal an earlier flag caught (during start-up)
-    self._old = {}
-    self._multi = jax.process_count() > 1
-
-  def __enter__(self):
-    for sig in () if self._multi else (signal.SIGTERM, signal.SIGINT):
-      self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def requested(self) -> bool:
-    return self.signal is not None
-
-  def should_stop(self, step: int) -> bool:
-    if self._multi:
-      if multihost_utils.reached_preemption_sync_point(step):
-        self.signal = "SIGTERM"
-    return self.signal is not None
-
-  def _handle(self, signum, frame):
-    if self.signal is not None and signum == signal.SIGINT:
-      # Raising here could land inside a JAX callback, which would swallow it: leave at once.
-      os.write(2, b"mimo_jax: second interrupt: stopped without saving.\n")
-      os._exit(130)
-    self.signal = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, handler in self._old.items():
-      signal.signal(sig, handler)
-
-
-class NonFiniteStepError(FloatingPointError):
-  """A step's loss or gradient norm is NaN or Inf: its state is never saved."""
-
-
-def _finite(metrics: dict) -> tuple[bool, str]:
-  """Whether a step's loss and global gradient norm are finite (fetched), and what they are."""
-  m = distributed.fetch({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})
-  loss, norm = float(m["loss"]), float(m["grad_norm"])
-  return np.isfinite(loss) and np.isfinite(norm), f"loss {loss:.4g}, grad norm {norm:.4g}"
-
-
-def _record(step: int, metrics: dict, info: dict, step_time: float, lr: float) -> dict:
-  m = distributed.fetch(metrics)
-  if int(m["mismatches"]):
-    raise BridgeMismatchError(
-        f"step {step}: {int(m['mismatches'])} image placeholders received tokens of another "
-        "sample; the bridge or the slot layout is broken.")
-  return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": lr,
-          "tokens_per_s": info["tokens"] / step_time, "step_time_s": step_time,
-          "target_tokens": info["target_tokens"], **info["items"],
-          "cost_spread": info["cost_spread"], "cost_spread_in_order": info["cost_spread_in_order"],
-          "loader_wait_s": info["loader_wait_s"], "records_read": info["records_read"],
-          **({"compile_padded": info["compile_padded"]} if "compile_padded" in info else {})}
-
-
-def _batch_info(batch: Batch, cfg: Config) -> dict:
-  """What a record logs of its step's batch; each encoder's items under its sample key (e.g.
-  `images`)."""
-  return {"tokens": total(batch, lambda s: s.tokens),
-          "target_tokens": total(batch, lambda s: s.target_tokens),
-          "items": {e.sample_key: total(batch, lambda s, n=n: s.items.get(n, 0))
-                    for n, e in encoders.of(cfg).items()},
-          "records_read": total(batch, lambda s: s.records_read),
-          "cost_spread": float(batch.stats.cost_spread.mean()),
-          "cost_spread_in_order": float(batch.stats.cost_spread_in_order.mean())}
 
 
 def run(cfg: Config) -> list[dict]:
@@ -153,7 +71,7 @@ def run(cfg: Config) -> list[dict]:
 def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float) -> list[dict]:
   # A signal during start-up (data, compilation, the capacity check) ends the run before its
   # first step, with nothing to save; the loop's own flag takes over from this one.
-  with _StopFlag() as early:
+  with StopFlag() as early:
     paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
     loop = _Loop(cfg, trainer, started)
     try:
@@ -198,7 +116,7 @@ class _Loop:
     self.last = None  # (step, metrics) of the newest dispatched step
     self.window = StepWindow()
 
-  def open(self, paths: dict, lock: workdir.Lock | None, early: _StopFlag) -> None:
+  def open(self, paths: dict, lock: workdir.Lock | None, early: StopFlag) -> None:
     """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
     (or initialises) the state meanwhile, and opens the outputs."""
     cfg, trainer, ckpt = self.cfg, self.trainer, self.ckpt
@@ -296,7 +214,7 @@ class _Loop:
   def run(self, pending_signal: str | None) -> list[dict]:
     """Trains to train.steps, saves the last step and evaluates it, under SIGTERM/SIGINT
     handlers; returns the records written."""
-    with _StopFlag(pending=pending_signal) as stop:
+    with StopFlag(pending=pending_signal) as stop:
       try:
         if self._train(stop):
           return self.records
@@ -308,7 +226,7 @@ class _Loop:
       self._finish(stop)
     return self.records
 
-  def _train(self, stop: _StopFlag) -> bool:
+  def _train(self, stop: StopFlag) -> bool:
     """The steps, with their saves and evals; True when a signal stopped them (step saved)."""
     cfg = self.cfg
     for step in range(self.start + 1, cfg.train.steps + 1):
@@ -336,7 +254,7 @@ class _Loop:
     """Dispatches `step`, then fetches the previous step's metrics; returns this step's."""
     waited = time.time()
     batch, keys = next(self.batches)
-    info = {"loader_wait_s": time.time() - waited, **_batch_info(batch, self.cfg)}
+    info = {"loader_wait_s": time.time() - waited, **step_records.batch_info(batch, self.cfg)}
     if self.compiler is not None:
       batch, keys, padded = self.compiler.fit(batch, keys)
       if self.compiler.pad:
@@ -366,7 +284,7 @@ class _Loop:
       if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
         info, self.padded = dict(info, compile_padded=self.padded), 0
       took, info = self.window.timing(now, dispatched, info, last=step == steps)
-      self._log(_record(step, metrics, info, took, float(self.lr_at[step - 1])))
+      self._log(step_records.record(step, metrics, info, took, float(self.lr_at[step - 1])))
       self.window.restart(now)
     if step == steps and self.first_at is not None:
       # The run's wall against its steady steps: every compile of a new shape is inside it.
@@ -392,7 +310,7 @@ class _Loop:
 
   def _save(self, step: int, metrics, force: bool = False) -> None:
     """Saves the state (of `step`) if its loss and gradient norm are finite; else stops."""
-    ok, values = _finite(metrics)
+    ok, values = step_records.finite(metrics)
     if not ok:
       self.ckpt.wait()
       if self.saved == step - 1 and self.saved > self.start:
@@ -409,7 +327,7 @@ class _Loop:
     self.ckpt.save(step, self.trainer.canonical(self.state), self.cfg, force=force)
     self.saved = step
 
-  def _finish(self, stop: _StopFlag) -> None:
+  def _finish(self, stop: StopFlag) -> None:
     """After the steps: saves the last one and runs the final eval, unless a signal says not."""
     steps, say = self.cfg.train.steps, self.writer.say
     if stop.requested() and self.last is None:
