@@ -288,9 +288,10 @@ class _Loop:
       self.window.restart(now)
     if step == steps and self.first_at is not None:
       # The run's wall against its steady steps: every compile of a new shape is inside it.
-      self.writer.say(f"step {step} ended {now - self.started:.1f} s after the start, "
-                      f"{now - self.first_at:.1f} s after the first step ended "
-                      f"(steps {self.first_step + 1}-{step})")
+      after = (f", {now - self.first_at:.1f} s after the first step ended (steps "
+               f"{self.first_step + 1}-{step})" if step > self.first_step else
+               " (the run's one step)")
+      self.writer.say(f"step {step} ended {now - self.started:.1f} s after the start{after}")
     self.writer.advance(1)
     self.pending = None
 
