@@ -1,5 +1,5 @@
-"""A run's stop requests: the first SIGTERM/SIGINT asks the training loop to save and stop
-(`StopFlag`)."""
+"""Stop requests: the first SIGTERM/SIGINT (and whatever other signals a caller names) is noted
+for the training loop, or a tool, to act on at its next safe point (`StopFlag`)."""
 
 import os
 import signal
@@ -9,22 +9,30 @@ from jax.experimental import multihost_utils
 
 
 class StopFlag:
-  """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop; a second SIGINT aborts
-  at once (exit status 130), without saving.
+  """Turns the first of `signals` into a request to stop (the training loop checkpoints first); a
+  second SIGINT leaves at once (exit status 130), writing `second` to stderr.
 
-  Installed for the whole run, final save and eval included. With several processes, SIGTERM goes
-  to jax.distributed's preemption sync instead, which picks one step at which every process stops
-  (processes see a signal at different steps).
+  Training installs one for the whole run, final save and eval included. With several processes,
+  SIGTERM goes to jax.distributed's preemption sync instead, which picks one step at which every
+  process stops (processes see a signal at different steps). Off the main thread no handler can
+  be installed, and the signals stay as they are.
   """
 
-  def __init__(self, pending: str | None = None):
-    self.signal = pending  # a signal an earlier flag caught (during start-up)
+  def __init__(self, pending: str | None = None,
+               signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+               second: str = "mimo_jax: second interrupt: stopped without saving."):
+    self.signal = pending  # the signal's name: one an earlier flag caught (during start-up)
+    self.signum: int | None = None  # the signal this flag caught
+    self._signals, self._second = signals, second
     self._old = {}
     self._multi = jax.process_count() > 1
 
-  def __enter__(self):
-    for sig in () if self._multi else (signal.SIGTERM, signal.SIGINT):
-      self._old[sig] = signal.signal(sig, self._handle)
+  def __enter__(self) -> "StopFlag":
+    for sig in () if self._multi else self._signals:
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread
+        pass
     return self
 
   def requested(self) -> bool:
@@ -36,12 +44,12 @@ class StopFlag:
         self.signal = "SIGTERM"
     return self.signal is not None
 
-  def _handle(self, signum, frame):
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
     if self.signal is not None and signum == signal.SIGINT:
       # Raising here could land inside a JAX callback, which would swallow it: leave at once.
-      os.write(2, b"mimo_jax: second interrupt: stopped without saving.\n")
-      os._exit(130)
-    self.signal = signal.Signals(signum).name
+      os.write(2, f"{self._second}\n".encode())
+      os._exit(130)  # pylint: disable=protected-access
+    self.signal, self.signum = signal.Signals(signum).name, signum
 
   def __exit__(self, *exc):
     for sig, handler in self._old.items():

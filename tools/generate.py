@@ -56,7 +56,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import pathlib
 import signal
 import sys
@@ -67,6 +66,7 @@ from mimo_jax import checkpoint_reader, output
 from mimo_jax.run_paths import bases, launch_dir, resolve
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
+from mimo_jax.stopping import StopFlag
 from tools.common import Parser, fail, number
 from tools.display import count, printable
 from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
@@ -81,37 +81,6 @@ class _Stopped(output.Interrupted):
   def __init__(self, signum: int, detail: str):
     super().__init__(signum)
     self.detail = detail
-
-
-class _StopFlag:
-  """SIGTERM, SIGINT and SIGHUP taken while the prompts decode are noted, not raised: the decoder
-  acts on them between two chunks (an exception raised inside JAX's dispatch could be lost). A
-  second SIGINT leaves at once (status 130), as training's does."""
-
-  def __init__(self):
-    self.signum: int | None = None
-    self._old: dict = {}
-
-  def __enter__(self) -> "_StopFlag":
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread: signals stay as they are
-        pass
-    return self
-
-  def requested(self) -> bool:
-    return self.signum is not None
-
-  def _handle(self, signum, frame):  # pylint: disable=unused-argument
-    if self.signum is not None and signum == signal.SIGINT:
-      os.write(2, f"{TOOL}: second interrupt: stopped at once; no answer printed.\n".encode())
-      os._exit(130)  # pylint: disable=protected-access
-    self.signum = signum
-
-  def __exit__(self, *exc):
-    for sig, handler in self._old.items():
-      signal.signal(sig, handler)
 
 
 def imported(workdir: str, cfg: Config) -> tuple[dict, dict[str, list[str]]]:
@@ -422,7 +391,10 @@ def run(args: argparse.Namespace) -> list[str]:
   print(f"{args.workdir}: {count(len(rows), 'prompt')} of up to {width} tokens on "
         f"{jax.devices()[0]}",
         file=sys.stderr)
-  with _StopFlag() as flag:
+  # Noted, not raised: the decoder acts on them between two chunks (an exception raised inside
+  # JAX's dispatch could be lost).
+  with StopFlag(signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
+                second=f"{TOOL}: second interrupt: stopped at once; no answer printed.") as flag:
     try:
       out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
                               generate.Sampling(args.temperature, args.top_p, args.seed),
