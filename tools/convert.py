@@ -2,7 +2,7 @@
 
   python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
-      [--global_batch 32] \\
+      [--global_batch N] \\
       [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] \\
       [--max_skipped_fraction 0.05] [--workers N] \\
       [--allow_outside_images] [--audio DIR] [--audio_token "<|AUDIO|>"] \\
@@ -43,8 +43,9 @@ outside [0, 1], a 32-bit integer image), an id that is not a string or an intege
 that is not a path or a list of paths, an image path leading out of `--images` by `..`, an absolute
 path or a symbolic link, an `<image>` count other than the images listed, turns that are not objects
 with text values, a word the tokenizer cannot encode, a sample longer than `--seq_len` once each
-image takes `--image_tokens`, an unknown role, no assistant turn) are skipped and counted by reason,
-each reported with its record id and file (`--on_error skip`, the default), or stop the conversion
+image takes `--image_tokens`, an unknown role, no assistant turn, an assistant turn first where the
+chat template renders none without a turn before it) are skipped and counted by reason, each
+reported with its record id and file (`--on_error skip`, the default), or stop the conversion
 with that message and exit status 2, writing nothing (`--on_error fail`). Skipped records end the
 conversion with a warning that counts them by reason with each reason's first records, and are
 listed in `skipped.jsonl` in `--out` (`record`, `id`, `reason`, `error` a row); more of them than
@@ -52,7 +53,9 @@ listed in `skipped.jsonl` in `--out` (`record`, `id`, `reason`, `error` a row); 
 summary, exit status 2, writing nothing.
 `--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
 template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
-one error line, exit status 2.
+one error line, exit status 2, and so is a `--json` whose top level is an object (`{"data":
+[...]}`), not a list of records. Notes (the tokens an image takes) follow a conversion that is
+done, so an error is one line.
 
 Audio: a record may list clips under `"audio"` or `"audios"` (a path or a list of paths, relative
 to `--audio`; WAV, FLAC, OGG/Opus and, with libsndfile >= 1.1, MP3), each marked by `<audio>` in
@@ -73,12 +76,13 @@ training checks against model.audio.audio_token and model.audio.mel_bins.
 
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
-each image taking `--image_tokens`), data.global_batch (`--global_batch`), model.vision.max_images
-(with max_images + 1 data.image_probs, which converted data does not use but validation checks),
-eval.samples (the eval split), the image size and channels, and model.language.vocab_size: the
-vocab_size of config.json beside the tokenizer (a LLaVA's text_config's; it may exceed the
-tokenizer's count), else the tokenizer's count. MODEL_CONFIG in that line is the model's config
-file: the WORKDIR/config.py that `python -m tools.hf import` wrote, or a configs/ file.
+each image taking `--image_tokens`), data.global_batch (`--global_batch`, where given: else the
+model config's), model.vision.max_images (with max_images + 1 data.image_probs, which converted
+data does not use but validation checks), eval.samples (the eval split), the image size and
+channels, and model.language.vocab_size: the vocab_size of config.json beside the tokenizer (a
+LLaVA's text_config's; it may exceed the tokenizer's count), else the tokenizer's count.
+MODEL_CONFIG in that line is the model's config file: the WORKDIR/config.py that `python -m
+tools.hf import` wrote, or a configs/ file.
 """
 
 from __future__ import annotations
@@ -103,7 +107,6 @@ from mimo_jax.data import (audio, audio_records, conversion, conversion_files, c
 from tools.common import Parser
 from tools.display import count
 
-GLOBAL_BATCH = 32  # the launch line's data.global_batch by default (configs/vlm.py's)
 MODEL_CONFIG = ("the model's config file: the WORKDIR/config.py `python -m tools.hf import` "
                 "wrote, or a configs/ file")
 
@@ -146,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
                       "line's data.seq_len (default: the tower's patches, (image_size / "
                       "patch_size)^2, from config.json in --processor's or --tokenizer's "
                       "directory; 1, with a note, when it has none)")
-  parser.add_argument("--global_batch", type=int, default=GLOBAL_BATCH,
-                      help="samples a step, for the launch line's data.global_batch (default "
-                      f"{GLOBAL_BATCH}, configs/vlm.py's; 8 for configs/llava_cpu.py's CPU runs); "
-                      "a multiple of the config's data.microbatches, which launch checks")
+  parser.add_argument("--global_batch", type=int, default=None,
+                      help="samples a step, for the launch line's data.global_batch (default: "
+                      "none in the line, so the model config's holds: configs/vlm.py's 32, "
+                      "configs/llava_cpu.py's 8); a multiple of the config's data.microbatches, "
+                      "which launch checks")
   parser.add_argument("--image_token", default="<image>", help="the text that marks an image, "
                       "one special token of the tokenizer")
   parser.add_argument("--pad_to_square", action="store_true",
@@ -186,24 +190,24 @@ def main(argv: list[str] | None = None) -> int:
       found = "a directory" if os.path.isdir(path) else "a file" if os.path.exists(path) else \
           "not found"
       return _error(f"{flag} {path}: {found} ({kind} is needed).")
-  if (args.workers < 1 or (args.image_tokens is not None and args.image_tokens < 1)
-      or args.seq_len < 0 or args.audio_pool < 1 or args.audio_window < 1
-      or args.global_batch < 1 or args.seed < 0):
-    return _error("--workers, --image_tokens, --audio_pool, --audio_window and --global_batch must "
-                  "be at least 1, --seq_len and --seed at least 0.")
+  wrong = (_below(args, 1, "workers", "image_tokens", "audio_pool", "audio_window",
+                  "global_batch") + _below(args, 0, "seq_len", "seed"))
+  if wrong:
+    return _error(f"give {_listed(wrong)}.")
   if not 0 <= args.max_skipped_fraction <= 1:  # NaN too
     return _error(f"--max_skipped_fraction {args.max_skipped_fraction:g}: a fraction of the "
                   "records, from 0 (none may be skipped) to 1 (any may).")
+  notes = []  # printed once the conversion is done: an error is its one line
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
     if args.image_tokens is None:
       args.image_tokens = 1
-      print(f"note: {found}: an image counts as 1 token in --seq_len and in the launch line's "
-            "data.seq_len; give --image_tokens (e.g. 576 for LLaVA-1.5's CLIP at 336 px).",
-            file=sys.stderr)
+      notes.append(f"note: {found}: an image counts as 1 token in --seq_len and in the launch "
+                   "line's data.seq_len; give --image_tokens (e.g. 576 for LLaVA-1.5's CLIP at "
+                   "336 px).")
     else:
-      print(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to change)",
-            file=sys.stderr)
+      notes.append(f"an image takes {args.image_tokens} tokens ({found}; --image_tokens to "
+                   "change)")
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
           f"{args.out}.", file=sys.stderr)
     return 128 + signum
+  for note in notes:
+    print(note, file=sys.stderr)
   counts, skipped, took = m["samples"], m["skipped"], m["seconds"]
   if m["shared_ids"]:
     shown = ", ".join(repr(i) for i in m["shared_ids"][:3])
@@ -277,13 +283,15 @@ def model_vocab(tokenizer: str, tokens: int) -> int:
   return vocab if usable else tokens
 
 
-def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int = GLOBAL_BATCH,
+def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int | None = None,
                  vocab: int = 0) -> list[str]:
   """The launch flags that train on conversion `out` with manifest `m`, quoted for a shell: the
-  model's `vocab` (default the tokenizer's)."""
+  model's `vocab` (default the tokenizer's); data.global_batch only where `global_batch` is given
+  (else the model config's holds)."""
   flags = {"data.task": "conversations", "data.dir": str(out),
-           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"],
-           "data.global_batch": global_batch}
+           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
+  if global_batch is not None:
+    flags["data.global_batch"] = global_batch
   if m["max_images"]:
     k = m["max_images"]
     flags["model.vision.max_images"] = k
@@ -302,6 +310,18 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int
       flags["model.audio.positions"] = m["audio_window_frames"] // 2
   flags["model.language.vocab_size"] = vocab or m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
+
+
+def _below(args: argparse.Namespace, least: int, *names: str) -> list[str]:
+  """"--name at least `least` (not value)" for each flag of `names` given a value below `least`
+  (None: not given)."""
+  return [f"--{n} at least {least} (not {getattr(args, n)})" for n in names
+          if getattr(args, n) is not None and getattr(args, n) < least]
+
+
+def _listed(items: list[str]) -> str:
+  """"a", "a and b", "a, b and c"."""
+  return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _error(message: str) -> int:

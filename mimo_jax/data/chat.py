@@ -11,7 +11,8 @@ special tokens: the template writes them) and a 0/1 loss mask: 1 on the tokens o
 turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are found by rendering the
 conversation up to it with `add_generation_prompt=True` and up to its end: what the second adds to
 the first is the turn (trailing whitespace, such as the newline after ChatML's `<|im_end|>`, is
-not). A template for which the first is no prefix of the second is an error. LLaVA-format records
+not). A template for which the first is no prefix of the second is an error (`AssistantFirst`
+where the turn opens the conversation). LLaVA-format records
 (`{"from": "human" | "gpt" | "system", "value": ...}`) map to roles with `messages()`.
 """
 
@@ -36,6 +37,11 @@ class ChatError(ValueError):
 class TokenizeError(ChatError):
   """A rendered conversation the tokenizer cannot encode (a word outside a vocabulary that has no
   unknown token)."""
+
+
+class AssistantFirst(ChatError):
+  """A conversation that opens with an assistant turn, which the chat template renders only after
+  another turn."""
 
 
 def messages(conversation: list[dict], where: str = "") -> list[dict]:
@@ -164,6 +170,10 @@ class ChatTokenizer:
       before = self.render(msgs[:k], add_generation_prompt=True)
       upto = self.render(msgs[:k + 1])
       if not upto.startswith(before) or not text.startswith(upto):
+        if k == 0:  # nothing before it: the usual cause, said plainly
+          raise AssistantFirst(f"assistant turn 0 comes first: a conversation starts with a user "
+                               f"(or system) turn (the chat template of {self.path} renders no "
+                               "assistant turn without one before it).")
         raise ChatError(f"the chat template of {self.path} does not render assistant turn {k} "
                         "after the conversation before it (no prefix); its loss cannot be "
                         "located.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import multiprocessing
 import pathlib
 import signal
@@ -151,7 +152,7 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
   if not pathlib.Path(opts.images).is_dir():
     raise ConfigError(f"--images {opts.images}: not a directory; give the folder the records' "
                       "image paths are relative to.")
-  records = read_records(source)
+  records = _records(source)
   init_worker(opts)
   if audio_records.listed(records):
     if not pathlib.Path(opts.audio.folder).is_dir():
@@ -162,6 +163,36 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
                         f"{opts.tokenizer}; records list audio clips, so add it as a special "
                         "token or name the tokenizer's audio placeholder.")
   return records
+
+
+def _records(source: pathlib.Path) -> list[dict]:
+  """`read_records`, where a JSON object that is no record (a list of records wrapped in one,
+  `{"data": [...]}`, which reads as one record or as JSONL that is no JSON) is named as such."""
+  try:
+    records = read_records(source)
+  except ConfigError:
+    _refuse_an_object(source)
+    raise
+  if len(records) == 1:
+    _refuse_an_object(source)
+  return records
+
+
+def _refuse_an_object(source: pathlib.Path) -> None:
+  """A ConfigError naming the keys where `source` is one JSON object without conversations."""
+  try:
+    top = json.loads(source.read_bytes().decode("utf-8-sig"))
+  except (OSError, ValueError):
+    return
+  if not isinstance(top, dict) or "conversations" in top:
+    return
+  keys = list(map(str, top))
+  named = (f"{words.noun(len(keys), 'key')} {', '.join(keys[:8])}"
+           f"{' ...' if len(keys) > 8 else ''}" if keys else "no keys")
+  lists = [k for k in keys if isinstance(top[k], list)]
+  inside = f", or the list inside it (under {' or '.join(lists)})" if lists else ""
+  raise ConfigError(f"--json {source}: a JSON object with {named}, not a list of records; give "
+                    f"a list of records (LLaVA's format){inside}.")
 
 
 @dataclasses.dataclass

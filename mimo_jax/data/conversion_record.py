@@ -14,7 +14,8 @@ import signal
 from mimo_jax import words
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio_records, images, record_error
-from mimo_jax.data.chat import ChatError, ChatTokenizer, TokenizeError, messages
+from mimo_jax.data.chat import (AssistantFirst, ChatError, ChatTokenizer, TokenizeError,
+                                 messages)
 from mimo_jax.data.conversations import IMAGES
 from mimo_jax.data.record_error import RecordError
 
@@ -130,6 +131,8 @@ def convert_record(record: dict, where: str) -> dict:
     ids, mask = w["tok"].encode(msgs)
   except TokenizeError as e:
     raise RecordError("untokenizable", f"{where}: {e}") from None
+  except AssistantFirst as e:
+    raise RecordError("assistant first", f"{where}: {e}") from None
   except ChatError as e:
     raise RecordError("template", f"{where}: {e}") from None
   found = int((ids == w["image_id"]).sum())

@@ -1,0 +1,104 @@
+"""tools.convert's messages to a new user: a JSON object instead of a list of records, a
+conversation that opens with the assistant, a flag out of range named alone, an error that is one
+line (notes follow a finished conversion) and a launch line that keeps the model config's
+global batch unless `--global_batch` is given."""
+
+import json
+import shlex
+import shutil
+
+import pytest
+
+from mimo_jax.data.chat import AssistantFirst, ChatTokenizer
+from tests.test_convert_faults import PROCESSOR, TOKENIZER, FIXTURES, _main, _one_line_error
+from tools import convert
+
+
+def _record(i, first="human"):
+  turns = [{"from": "human", "value": "<image>\nWhat is it?"},
+           {"from": "gpt", "value": f"Answer {i}."}]
+  if first == "gpt":  # the assistant opens: no user turn before it
+    turns = [{"from": "gpt", "value": "<image>\nHello."}, *turns[1:]]
+    turns[1]["value"] = "Hi."
+    turns.append({"from": "human", "value": "What is it?"})
+    turns.append({"from": "gpt", "value": f"Answer {i}."})
+  return {"id": f"r{i}", "image": "portrait.png", "conversations": turns}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+  """portrait.png, ok.json (12 records), wrapped.json / wrapped.jsonl / pretty.json (the records
+  inside an object), other.json (an object of no list) and gpt_first.json (record 0 opens with the
+  assistant)."""
+  root = tmp_path_factory.mktemp("messages")
+  shutil.copy(FIXTURES / "images" / "portrait.png", root)
+  records = [_record(i) for i in range(12)]
+  (root / "ok.json").write_text(json.dumps(records))
+  (root / "wrapped.json").write_text(json.dumps({"data": records}))
+  (root / "wrapped.jsonl").write_text(json.dumps({"data": records}) + "\n")
+  (root / "pretty.json").write_text(json.dumps({"info": "v1", "data": records}, indent=2))
+  (root / "other.json").write_text(json.dumps({"a": 1, "b": {}}))
+  (root / "gpt_first.json").write_text(json.dumps([_record(0, "gpt")] + records[1:]))
+  return root
+
+
+def _args(src, out, data="ok.json", *extra):
+  return ["--json", str(src / data), "--images", str(src), "--tokenizer", str(TOKENIZER),
+          "--processor", str(PROCESSOR), "--out", str(out), "--workers", "1", *extra]
+
+
+@pytest.mark.parametrize("data,keys,inside", [
+    ("wrapped.json", "key data", "or the list inside it (under data)"),
+    ("wrapped.jsonl", "key data", "or the list inside it (under data)"),
+    ("pretty.json", "keys info, data", "or the list inside it (under data)"),
+    ("other.json", "keys a, b", "a list of records (LLaVA's format)."),
+])
+def test_a_json_object_is_named_as_one_with_its_keys(src, tmp_path, capsys, data, keys, inside):
+  rc, err, _ = _main(_args(src, tmp_path / "out", data), capsys)
+  _one_line_error(rc, err, f"a JSON object with {keys}, not a list of records", inside)
+  assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_conversation_that_opens_with_the_assistant_says_so(src, tmp_path, capsys):
+  rc, err, _ = _main(_args(src, tmp_path / "out", "gpt_first.json", "--on_error", "fail"),
+                     capsys)
+  _one_line_error(rc, err, "record 0 (id 'r0'): assistant turn 0 comes first: a conversation "
+                  "starts with a user (or system) turn")
+  assert "no prefix" not in err
+  tok = ChatTokenizer.open(TOKENIZER)
+  with pytest.raises(AssistantFirst):
+    tok.encode([{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi."}])
+  _, mask = tok.encode([{"role": "system", "content": "Be brief."},  # a system turn first is fine
+                        {"role": "assistant", "content": "Hello."}])
+  assert mask.any()
+
+
+@pytest.mark.parametrize("flags,named,unnamed", [
+    (["--workers", "0"], "error: give --workers at least 1 (not 0).", "--image_tokens"),
+    (["--global_batch", "0", "--seed", "-1"],
+     "give --global_batch at least 1 (not 0) and --seed at least 0 (not -1).", "--workers"),
+    (["--seq_len", "-1", "--audio_pool", "0", "--image_tokens", "-2"],
+     "give --image_tokens at least 1 (not -2), --audio_pool at least 1 (not 0) and --seq_len at "
+     "least 0 (not -1).", "--seed"),
+])
+def test_a_flag_out_of_range_is_named_alone(src, tmp_path, capsys, flags, named, unnamed):
+  rc, err, _ = _main(_args(src, tmp_path / "out", "ok.json", *flags), capsys)
+  _one_line_error(rc, err, named)
+  assert unnamed not in err
+
+
+def test_an_error_is_one_line_and_notes_follow_a_finished_conversion(src, tmp_path, capsys):
+  """Without --image_tokens the image's tokens are a note: after the conversion, never before an
+  error (--eval too large is found once the records are read); the launch line leaves
+  data.global_batch to the model config unless --global_batch is given."""
+  rc, err, _ = _main(_args(src, tmp_path / "bad", "ok.json", "--eval", "12"), capsys)
+  _one_line_error(rc, err, "--eval 12")
+  assert len(err.strip().splitlines()) == 1, err
+  rc, err, printed = _main(_args(src, tmp_path / "out", "ok.json", "--eval", "2"), capsys)
+  assert rc == 0, err
+  assert "an image counts as 1 token" in err
+  line = shlex.split(printed.strip().splitlines()[-1])
+  assert line[:4] == ["python", "-m", "mimo_jax.launch", "--config=MODEL_CONFIG"]
+  assert not any("global_batch" in f for f in line), line
+  m = json.loads((tmp_path / "out" / "conversations.json").read_text())
+  assert "--config.data.global_batch=8" in convert.launch_flags(tmp_path / "out", m, 0, 8)
