@@ -82,6 +82,19 @@ def test_rows_answer_each_prompt_as_tools_generate_does(setup, one_device, capsy
   assert summary["vqa"] == pytest.approx(sum(r["score"]["vqa"] for r in one_device) / 5)
 
 
+def test_a_relative_out_is_named_absolute_as_the_other_paths(setup, one_device, monkeypatch,
+                                                            capsys):
+  for name in ("one.jsonl", "one.jsonl.settings.json"):  # its rows: nothing is answered again
+    shutil.copy(setup / name, setup / name.replace("one", "rel"))
+  monkeypatch.chdir(setup)
+  capsys.readouterr()
+  assert _eval(setup, "rel.jsonl") == 0
+  summary = json.loads((setup / "rel.summary.json").read_text())
+  assert summary["answered_now"] == 0
+  assert summary["out"] == str(setup / "rel.jsonl") and summary["data"] == str(setup / "data.json")
+  assert capsys.readouterr().out.rstrip().endswith(f"rows in {setup / 'rel.jsonl'}")
+
+
 def test_two_language_dp_ranks_answer_as_one_device(setup, one_device):
   assert _eval(setup, setup / "dp2.jsonl", "--layout", "language=0/2/1,vision=2/2/1") == 0
   assert _rows(setup / "dp2.jsonl") == one_device

@@ -298,6 +298,15 @@ def test_inspect_and_export_beside_a_live_run_follow_the_newest_step(run, monkey
   _error(capsys, "tools.ckpt", "step 20 was removed while being read", "steps 10 now")
 
 
+def test_inspect_names_the_step_it_shows_where_there_are_several(run, capsys):
+  assert ckpt.main(["inspect", str(run)]) == 0
+  assert "steps: 10, 20, 30 (showing 30)\n" in capsys.readouterr().out
+  for step in (10, 20):
+    shutil.rmtree(run / "checkpoints" / str(step))
+  assert ckpt.main(["inspect", str(run)]) == 0
+  assert "steps: 30\n" in capsys.readouterr().out
+
+
 def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_directory(
     run, monkeypatch, capsys):
   import safetensors.numpy  # pylint: disable=import-outside-toplevel

@@ -44,7 +44,8 @@ def inspect(args: argparse.Namespace) -> None:
     return meta, {m: reader.params_metadata(step, [m]) for m in meta["modules"]}
   step, (meta, modules) = newest(reader, args.step, read)
   print(f"checkpoint: {reader.path}")
-  print(f"steps: {', '.join(map(str, reader.steps()))} (showing {step})")
+  steps = reader.steps()
+  print(f"steps: {', '.join(map(str, steps))}" + ("" if steps == [step] else f" (showing {step})"))
   data = meta["data"]
   print(f"data position: {data['steps_done']} steps done, {data['samples_consumed']} samples "
         f"consumed (data.seed={data['seed']}, global_batch={data['global_batch']})")

@@ -384,8 +384,9 @@ def run(args: argparse.Namespace) -> dict:
     took = time.time() - started
     scores = [rows.done[key(s)]["score"] for s in samples]
     items = [eval_set.item_count(layout, s) for s in samples]
-    summary = dict(settings, out=str(out), **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
-                                              for m in args.metric},
+    summary = dict(settings, out=os.path.abspath(out),
+                   **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
+                      for m in args.metric},
                    answered_now=len(todo),
                    new_tokens_per_s=generated / took if todo else _earlier_speed(out),
                    topology=trainer.topo.describe())
