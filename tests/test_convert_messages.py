@@ -4,11 +4,15 @@ line (notes follow a finished conversion) and a launch line that keeps the model
 global batch unless `--global_batch` is given."""
 
 import json
+import os
 import shlex
 import shutil
+import signal
 
 import pytest
 
+from mimo_jax import output
+from mimo_jax.data import conversion
 from mimo_jax.data.chat import AssistantFirst, ChatTokenizer
 from tests.test_convert_faults import PROCESSOR, TOKENIZER, FIXTURES, _main, _one_line_error
 from tools import convert
@@ -102,3 +106,20 @@ def test_an_error_is_one_line_and_notes_follow_a_finished_conversion(src, tmp_pa
   assert not any("global_batch" in f for f in line), line
   m = json.loads((tmp_path / "out" / "conversations.json").read_text())
   assert "--config.data.global_batch=8" in convert.launch_flags(tmp_path / "out", m, 0, 8)
+
+
+def test_a_signal_whose_exception_another_wraps_is_an_interrupt(tmp_path, monkeypatch):
+  """A signal taken inside a class's creation during an import (the built-in encoders load once
+  the conversion has begun) reaches the converter wrapped in a RuntimeError: it is still the
+  interrupt, which tools.convert reports in one line."""
+  def builtin():
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+      for _ in range(10_000):  # the handler runs between bytecodes
+        pass
+    except output.Interrupted as e:
+      raise RuntimeError("Error calling __set_name__") from e
+  monkeypatch.setattr(conversion.encoders, "builtin", builtin)
+  with pytest.raises(output.Interrupted, match="SIGINT"):
+    conversion.convert(tmp_path / "records.json", tmp_path / "out", None)
+  assert not (tmp_path / "out").exists()

@@ -101,8 +101,13 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   reason; any failure or interrupt removes what this conversion wrote. Callers that publish `out`
   as a whole (tools.convert) pass a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
-    return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
-                    progress, caught)
+    try:
+      return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
+                      progress, caught)
+    except Exception as e:
+      if caught:  # its Interrupted wrapped by another exception (raised inside an import's
+        raise output.Interrupted(caught[0]) from e  # class creation: a RuntimeError)
+      raise
 
 
 def _convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: int | None,
