@@ -5,7 +5,6 @@ import os
 
 from mimo_jax import encoders
 from mimo_jax.config import Config, ConfigError, require
-from mimo_jax.words import count
 
 
 def validate_data(cfg: Config) -> None:
@@ -27,17 +26,11 @@ def validate_data(cfg: Config) -> None:
   # pylint: disable-next=import-outside-toplevel  (it imports JAX and grain; launch validates
   from mimo_jax.data import loader  # the flags before JAX is configured)
   paths = conversations.paths(cfg)
-  made = conversations.manifest(cfg.data.dir)
-  longest = made.get("longest") or 0
+  longest = conversations.manifest(cfg.data.dir).get("longest") or 0
   require(cfg.data.seq_len >= longest, "data.seq_len",
           f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} positions "
           f"(its conversations.json); use >= {longest}, as the launch line that tools.convert "
           "printed does.")
-  most, tower = made.get("max_images") or 0, cfg.model.encoders.get("vision")
-  require(tower is None or tower.max_images >= most, "model.vision.max_images",
-          f"{getattr(tower, 'max_images', 0)}, but a sample of {cfg.data.dir} holds "
-          f"{count(most, 'image')} (its conversations.json); use >= {most}, as the launch line "
-          "that tools.convert printed does.")
   n = cfg.eval.samples
   held_out = len(loader.open_shard(paths["eval"], "conversations"))
   require(held_out > 0, "data.dir",

@@ -122,7 +122,8 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
   if d.placeholder != m["image_token"]:
     raise ConfigError(f"config.data.image_token: {d.image_token} where {directory} marks images "
                       f"with token {m['image_token']}; set data.image_token={m['image_token']}.")
-  images.check_sizes(cfg, directory, m["image_size"], m.get("image_sizes", []))
+  images.check_sizes(cfg, directory, m["image_size"], m.get("image_sizes", []),
+                     m.get("max_images") or 0)
   audio_records.check_config(cfg, directory, m)
   vocab = cfg.model.language.vocab_size or m["vocab_size"]
   if vocab < m["vocab_size"]:

@@ -42,6 +42,7 @@ import numpy as np
 from PIL import Image
 
 from mimo_jax.config import Config, ConfigError
+from mimo_jax.words import count
 
 FILE = "preprocessor_config.json"
 PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor")
@@ -261,11 +262,17 @@ class Tally:
     return self.channels.most_common(1)[0][0] if self.channels else processor.channels
 
 
-def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[int]]) -> None:
+def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[int]],
+                most: int = 0) -> None:
   """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
-  most common `size` and all its `sizes`): one size equal to model.vision.image_size, or any
-  sizes with dynamic resolution (model.vision.slot_patches)."""
+  most common `size` and all its `sizes`, `most` images in a sample): one size equal to
+  model.vision.image_size, or any sizes with dynamic resolution (model.vision.slot_patches), and
+  model.vision.max_images >= most."""
   v = cfg.model.vision
+  if v.max_images < most:
+    raise ConfigError(f"config.model.vision.max_images: {v.max_images}, but a sample of "
+                      f"{directory} holds {count(most, 'image')} (its conversations.json); use "
+                      f">= {most}, as the launch line that tools.convert printed does.")
   h, w = size
   if not v.slot_patches and (h, w) != (v.image_size, v.image_size):
     raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {directory} holds "
