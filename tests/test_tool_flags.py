@@ -1,5 +1,5 @@
-"""The tools around launch (generate, eval, hf import/export/check, convert) read their flags
-alike: an unknown or abbreviated flag is one line naming it (before a missing required one), exit
+"""The tools around launch (generate, eval, hf import/export/check, convert, ckpt, and plan,
+fp8_check and restart_bench) read their flags alike: an unknown or abbreviated flag is one line naming it (before a missing required one), exit
 status 2; a count of 0 or less is refused unless 0 means something the help says; --help stays
 whole. And generate and eval find a run's tokenizer as tools.hf export does once its converted
 data is gone: in the HF directories the model came from, else one line naming the data."""
@@ -15,10 +15,14 @@ import pytest
 
 from mimo_jax import configfile
 from mimo_jax.config import ConfigError
+from tools import ckpt as ckpt_tool
 from tools import convert as convert_tool
+from tools import fp8_check as fp8_check_tool
 from tools import eval as eval_tool
 from tools import generate as generate_tool
 from tools import hf as hf_tool
+from tools import plan as plan_tool
+from tools import restart_bench as restart_bench_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLAVA = ROOT / "tests" / "fixtures" / "recipe" / "llava"
@@ -55,6 +59,13 @@ def _refused(main, argv: list[str], capsys) -> str:
     (convert_tool.main, ["--seqlen", "256"], "convert: error: unrecognized arguments: --seqlen "),
     (convert_tool.main, ["--jso", "x", "--images", "i", "--tokenizer", "t", "--out", "o"],
      "unrecognized arguments: --jso "),
+    (ckpt_tool.main, ["inspect", "run", "--st", "3"],
+     "tools.ckpt: error: unrecognized arguments: --st 3 "),
+    (ckpt_tool.main, ["export", "run", "--ou", "x"], "unrecognized arguments: --ou "),
+    (ckpt_tool.main, ["chek", "run"], "invalid choice: 'chek'"),
+    (plan_tool.main, ["--gpus", "2", "--max", "2"], "plan: error: unrecognized arguments: --max 2"),
+    (fp8_check_tool.main, ["--seed", "1"], "fp8_check: error: unrecognized arguments: --seed 1"),
+    (restart_bench_tool.main, ["--restart", "1"], "unrecognized arguments: --restart 1"),
 ])
 def test_an_unknown_or_abbreviated_flag_is_named_in_one_line(main, argv, said, capsys):
   err = _refused(main, argv, capsys)
@@ -111,6 +122,12 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
      "tools.hf: error: --step=-1: must be at least 0."),
     (convert_tool.main, ["--json", "j", "--images", "i", "--tokenizer", "t", "--out", "o",
                          "--workers", "two"], "convert: error: --workers two: not an integer."),
+    (ckpt_tool.main, ["inspect", "run", "--step", "-2"],
+     "tools.ckpt: error: --step=-2: must be at least 0."),
+    (ckpt_tool.main, ["check", "run", "--step", "abc"], "tools.ckpt: error: --step=abc: not an "
+     "integer."),
+    (ckpt_tool.main, ["export", "run"], "tools.ckpt: error: the following arguments are "
+     "required: --out (--help lists the flags)."),
 ])
 def test_other_bad_values_are_one_line(main, argv, said, capsys):
   assert _refused(main, argv, capsys) == said
@@ -126,6 +143,8 @@ def test_other_bad_values_are_one_line(main, argv, said, capsys):
     (hf_tool.main, ["import", "--help"], ["--hf HF --out OUT [--config CONFIG]"]),
     (hf_tool.main, ["check", "--help"], ["--hf HF [--dtype {float32,bfloat16}]"]),
     (convert_tool.main, ["--help"], ["--json JSON --images IMAGES", "--audio_window"]),
+    (ckpt_tool.main, ["--help"], ["{inspect,export,check}", "python -m tools.ckpt inspect"]),
+    (ckpt_tool.main, ["export", "--help"], ["[--step STEP] --out OUT dir"]),
 ])
 def test_help_is_whole(main, argv, shown, capsys):
   with pytest.raises(SystemExit) as e:

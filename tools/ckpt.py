@@ -33,6 +33,9 @@ from mimo_jax import checkpoint_reader, checkpoint_steps, fingerprint, output
 from mimo_jax.checkpoint_reader import (ROTATED, CkptError, Reader, StepGone, TryAgain,
                                         Unreadable, newest, who)
 from mimo_jax.config import ConfigError
+from tools.common import Parser, number
+
+TOOL = "tools.ckpt"
 
 
 def inspect(args: argparse.Namespace) -> None:
@@ -224,13 +227,13 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m tools.ckpt", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser(TOOL, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   for name, fn in (("inspect", inspect), ("export", export), ("check", check)):
-    p = sub.add_parser(name)
+    p = sub.add_parser(name, tool=TOOL)  # each command's errors one line, as the tool's
     p.add_argument("dir", help="run.workdir or its checkpoints/ folder")
-    p.add_argument("--step", type=int, default=None, help="step (default: the latest)")
+    p.add_argument("--step", type=number(int, least=0), default=None,
+                   help="step (default: the latest)")
     if name == "inspect":
       p.add_argument("--params", action="store_true", help="list every parameter")
     if name == "export":
@@ -246,11 +249,11 @@ def main(argv: list[str] | None = None) -> int:
       args.fn(args)
   except ConfigError as e:
     sys.stdout.flush()
-    print(f"tools.ckpt: error: {e}", file=sys.stderr, flush=True)
+    print(f"{TOOL}: error: {e}", file=sys.stderr, flush=True)
     return 75 if isinstance(e, TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"tools.ckpt: interrupted ({str(e) or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
+    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}); nothing was written.", file=sys.stderr,
           flush=True)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   return 0

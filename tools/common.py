@@ -45,6 +45,7 @@ class Parser(argparse.ArgumentParser):
 
   def __init__(self, tool: str, sep: str = "=", takes=None, **kw):
     kw.setdefault("prog", f"python -m tools.{tool}")
+    kw.setdefault("allow_abbrev", False)  # `--st` is not taken for `--step`
     super().__init__(**kw)
     self.tool, self.sep, self.takes = tool, sep, takes
     self.given: list[str] = []
