@@ -18,7 +18,7 @@ from mimo_jax import distributed, generate
 from mimo_jax.batch import Batch, Samples, Text
 from mimo_jax.models import head_loss
 from mimo_jax.models.mimo import embed_merged
-from mimo_jax.programs import Context
+from mimo_jax.context import Context
 from mimo_jax.sharding import REPLICATED
 from mimo_jax.step import Step
 

@@ -2,7 +2,7 @@
 
 For every module, per device: its parameters (a frozen leaf in the compute dtype), optimizer
 state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
-step's `programs.GradMode` (the modules that keep gradients per rank), and a lower bound on the
+step's `context.GradMode` (the modules that keep gradients per rank), and a lower bound on the
 activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units and the
 LoRA adapters' own activations unless `remat=full`; one microbatch's logits and their gradient
 in the compute dtype, or with `train.loss_chunk` one chunk's, every microbatch's stack outputs where a pipelined language model runs its
@@ -29,7 +29,7 @@ from mimo_jax.config import LANGUAGE, Config, ConfigError
 from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.modules import build_modules
 from mimo_jax.pipeline import Schedule
-from mimo_jax.programs import Context
+from mimo_jax.context import Context
 from mimo_jax.models.lora import A
 from mimo_jax.sharding import AXES, Plan, with_shardings
 from mimo_jax.trees import paths

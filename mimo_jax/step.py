@@ -31,8 +31,9 @@ from jax.sharding import NamedSharding
 from mimo_jax import bridge, encoders, init_from, state, topology
 from mimo_jax.batch import Batch, EncoderIn, LanguageIn, Merge
 from mimo_jax.config import Config
+from mimo_jax.context import Context, GradMode
 from mimo_jax.modules import build_modules
-from mimo_jax.programs import Context, GradMode, Programs
+from mimo_jax.programs import Programs
 from mimo_jax.sharding import REPLICATED, Plan
 from mimo_jax.state import ModuleState
 

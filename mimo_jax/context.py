@@ -1,0 +1,174 @@
+"""What the step's programs share besides their arrays: the config, the plan and the modules,
+how a training step makes its gradients (`GradMode`), and the module calls every program makes
+through it (`Context`: an encoder's tokens, the language model's hidden states and logits, the
+gradients of the trained leaves alone). Built once a step (`Context.build`); programs.py's
+functions take it first, and evaluation and the memory check read it too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from mimo_jax import optim
+from mimo_jax.batch import Text
+from mimo_jax.config import Config, lora_of
+from mimo_jax.encoders import Encoder
+from mimo_jax.models import lora
+from mimo_jax.models.mimo import Module, language_hidden, language_logits
+from mimo_jax.pipeline import Stack
+from mimo_jax.sharding import BLOCKS, ModulePlan, Plan
+
+
+def fusable(cfg: Config, plan: Plan) -> bool:
+  """Every encoder shares the language model's dp-only mesh (same devices, no pipeline): a step
+  can run as one program a microbatch."""
+  tops = cfg.topology.modules()
+  same = lambda a, b: (a.offset, a.pp, a.dp, a.tp) == (b.offset, b.pp, b.dp, b.tp)
+  return not plan["language"].schedule.pipelined and plan["language"].tp == 1 and all(
+      not plan[n].schedule.pipelined and same(tops[n], tops["language"]) for n in plan.encoders)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradMode:
+  """How a step makes its gradients: the programs (`fused`: every module in one program a
+  microbatch, `fused_step`; else split: each module's own programs, chained by the host) and the
+  modules whose gradients are kept per language dp rank [dp, ...] through the step and summed once
+  by `reduce` (`per_rank`; every other module's are summed over ranks in each microbatch's
+  program). Built once (`Context.build`); the programs and the memory check read it."""
+  fused: bool
+  per_rank: frozenset[str]
+
+  @classmethod
+  def build(cls, plan: Plan, fused: bool) -> "GradMode":
+    """The modules differentiated rank by rank in one `each_rank` (every module in the fused
+    program; the language model in the split ones, where it is dp only and not pipelined) keep
+    their gradients per rank: all of them, unless one is FSDP-sharded (full per-rank copies would
+    undo the sharding) or there is one rank (nothing to sum)."""
+    lang = plan["language"]
+    if fused:
+      each = list(plan.modules)
+    else:
+      each = [] if lang.schedule.pipelined or lang.tp > 1 else ["language"]
+    keep = lang.dp > 1 and not any(plan[n].sharded_params for n in each)
+    return cls(fused, frozenset(each if keep else ()))
+
+  def keeps_per_rank(self, name: str) -> bool:
+    return name in self.per_rank
+
+  def acc_sh(self, name: str, p: ModulePlan):
+    """Where module `name`'s gradient accumulators live (`p`: its plan): its trained leaves'."""
+    return p.per_rank_sh if self.keeps_per_rank(name) else p.trained_sh
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What the programs need besides their arrays. `mode` is how a training step makes its
+  gradients; `split_mode` is the split programs' mode (the same unless `mode.fused`; a benchmark's
+  `Probe(fused=False)` runs them on a fusable layout). `dropping` holds the block stacks that
+  drop the LoRA adapters' input (training a module with `lora.dropout` > 0)."""
+  cfg: Config
+  plan: Plan
+  modules: dict[str, Module]
+  encoders: dict[str, Encoder]
+  stacks: dict[str, Stack]
+  mode: GradMode
+  split_mode: GradMode
+  dropping: dict[str, Stack] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def build(cls, cfg: Config, plan: Plan, modules: dict[str, Module], encoders: dict) -> "Context":
+    tops = cfg.topology.modules()
+    stack = lambda n, layer, indexed=False: Stack(
+        layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll, plan[n].gather,
+        trained=_trained_blocks(plan[n]), indexed=indexed)
+    stacks = {n: stack(n, m.layer) for n, m in modules.items()}
+    rates = {n: lora_of(cfg, n).dropout for n in modules if lora_of(cfg, n)}
+    # A module with nothing to train runs forward only (split layouts: `encoder_tokens`): no drop
+    dropping = {n: stack(n, lora.dropping(modules[n].layer, r), indexed=True)
+                for n, r in rates.items() if r > 0 and plan[n].trainable}
+    mode = GradMode.build(plan, fused=fusable(cfg, plan))
+    split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
+    return cls(cfg, plan, modules, encoders, stacks, mode, split_mode, dropping)
+
+  @property
+  def groups(self) -> int:
+    """Language dp ranks: what a microbatch's rows and slots are split over."""
+    return self.plan["language"].dp
+
+  @property
+  def packed(self) -> bool:
+    return self.cfg.data.pack_rows > 0
+
+  def whole_step(self, name: str) -> bool:
+    """Whether `name` takes all microbatches of a step in one call (a pipelined module)."""
+    return self.plan[name].schedule.pipelined
+
+  def bind(self, name: str, params):
+    """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
+    return self.modules[name].bind(self.plan[name].unlayout(params))
+
+  def run_blocks(self, name: str, params, seeds=None):
+    """The module's block stack on `params` as a `RunBlocks` callable; given LoRA dropout's
+    seeds of its rows [M, ...] (`lora.token_seeds`), the stack that drops its adapters' input."""
+    if seeds is None:
+      return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
+    return lambda x_m, side_m: self.dropping[name](params[BLOCKS], x_m, (*side_m, seeds))
+
+  def frozen_stopped(self, name: str, params):
+    """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
+    computes no gradient of a frozen weight (a LoRA base, a frozen tower), only the gradients of
+    its inputs that trained parameters before it need."""
+    return jax.tree.map(lambda x, label: jax.lax.stop_gradient(x) if label == optim.FROZEN else x,
+                        params, self.plan[name].labels)
+
+  def value_and_grad(self, fn, params: dict, *args):
+    """`fn(params, *args)` (params: module name -> parameters) and its gradients with respect to
+    the trained leaves alone (per module, `ModulePlan.trained`; then the gradients with respect
+    to `args`, if any): a frozen leaf enters as a constant, so no gradient or zeros of it is
+    ever made."""
+    plan = self.plan
+    frozen = {n: plan[n].frozen(p) for n, p in params.items()}
+    whole = lambda trained: {n: plan[n].join(t, frozen[n]) for n, t in trained.items()}
+    trained = {n: plan[n].trained(p) for n, p in params.items()}
+    argnums = tuple(range(1 + len(args))) if args else 0
+    return jax.value_and_grad(lambda t, *a: fn(whole(t), *a), argnums=argnums)(trained, *args)
+
+  def encode(self, name: str, params, inputs_m: dict, owners_m=None) -> jax.Array:
+    """Encoder `name` on stacked microbatches of its device inputs -> tokens [M, n, t, d].
+    `owners_m` (the slots' `owner_nt` [M, n, t], training only): its LoRA adapters' input is
+    dropped, by the rows `Encoder.dropout_rows` names."""
+    params = self.frozen_stopped(name, params)
+    enc, seeds = self.encoders[name], None
+    if owners_m is not None:
+      ids = jax.vmap(enc.dropout_rows(self.cfg))(inputs_m, owners_m)
+      seeds = lora.token_seeds(self.cfg.train.seed, name, *ids)
+    return enc.encode(self.bind(name, params), self.run_blocks(name, params, seeds),
+                      enc.prepare(self.cfg, inputs_m))
+
+  def logits(self, params, text: Text, tokens: dict, pos: dict, groups: int,
+             packed: bool, train: bool = False) -> jax.Array:
+    """The language model on stacked microbatches of rows with every encoder's tokens merged
+    (`packed`: rows hold several samples, attention is masked to each). `train`: its LoRA
+    adapters' input dropped, if it has `lora.dropout` (evaluation never drops)."""
+    return self._language(language_logits, params, text, tokens, pos, groups, packed, train)[1]
+
+  def hidden(self, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
+             train: bool = False):
+    """As `logits`, up to the blocks' outputs: (the bound model, whose `logits` makes the
+    logits of them, the outputs [M, rows, l, d])."""
+    return self._language(language_hidden, params, text, tokens, pos, groups, packed, train)
+
+  def _language(self, fn, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
+                train: bool):
+    params = self.frozen_stopped("language", params)
+    seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
+                             text.positions_rl) if train and "language" in self.dropping else None
+    model = self.bind("language", params)
+    return model, fn(model, self.run_blocks("language", params, seeds), text.tokens_rl, tokens,
+                     pos, groups, text.positions_rl, text.segment_ids_rl if packed else None)
+
+
+def _trained_blocks(p: ModulePlan):
+  """Which stacked parameters train (a tree of bools), for the Stack's backward tasks."""
+  return jax.tree.map(lambda label: label != optim.FROZEN, p.labels.get(BLOCKS, {}))
