@@ -267,7 +267,16 @@ def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[i
   """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
   most common `size` and all its `sizes`, `most` images in a sample): one size equal to
   model.vision.image_size, or any sizes with dynamic resolution (model.vision.slot_patches), and
-  model.vision.max_images >= most."""
+  model.vision.max_images >= most. Without a vision encoder (an audio-only model), data holding
+  images is one ConfigError and data without them passes."""
+  if "vision" not in cfg.model.encoders:
+    if most > 0:
+      raise ConfigError(f"config.model.vision: {directory} holds images (up to "
+                        f"{count(most, 'image')} a sample, its conversations.json), but the config "
+                        f"has no vision encoder (encoders: {', '.join(cfg.model.encoders) or 'none'}"
+                        "); use a config with a vision encoder (e.g. configs/avlm.py), or convert "
+                        "data without images.")
+    return
   v = cfg.model.vision
   if v.max_images < most:
     raise ConfigError(f"config.model.vision.max_images: {v.max_images}, but a sample of "

@@ -1,0 +1,102 @@
+"""Models of an audio encoder and a language model alone (no vision encoder): converted
+conversations with clips train, and converted data with images is one error naming the fix."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.data import conversations
+from tests.configs import tiny_audio
+from tools import convert
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+MARKERS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+WINDOW_S = 1  # 1 s windows (50 positions): a tower that compiles in seconds
+
+
+def _rec(rid: str, text: str, **fields) -> dict:
+  return {"id": rid, "conversations": [{"from": "human", "value": text},
+                                       {"from": "gpt", "value": "Heard it."}], **fields}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> pathlib.Path:
+  """A tokenizer with Qwen2-Audio's audio tokens, a clip and an image."""
+  root = tmp_path_factory.mktemp("audio_only")
+  shutil.copytree(FIXTURES / "chat" / "llama3", root / "tokenizer")
+  tok = Tokenizer.from_file(str(root / "tokenizer" / "tokenizer.json"))
+  tok.add_special_tokens(MARKERS)
+  tok.save(str(root / "tokenizer" / "tokenizer.json"))
+  (root / "audio").mkdir()
+  shutil.copy(FIXTURES / "audio" / "one_second.flac", root / "audio")
+  (root / "images").mkdir()
+  shutil.copy(FIXTURES / "images" / "portrait.png", root / "images")
+  return root
+
+
+def _convert(root: pathlib.Path, name: str, records: list[dict]) -> pathlib.Path:
+  """records converted into root/name. tools.convert asks an image processor even of data
+  without images: the siglip fixture's serves."""
+  (root / f"{name}.json").write_text(json.dumps(records))
+  out = root / name
+  assert convert.main(["--json", str(root / f"{name}.json"), "--images", str(root / "images"),
+                       "--audio", str(root / "audio"), "--tokenizer", str(root / "tokenizer"),
+                       "--processor", str(FIXTURES / "images" / "siglip"), "--out", str(out),
+                       "--image_tokens", "4", "--eval", "2", "--workers", "1", "--mel_bins",
+                       "80", "--audio_window", str(WINDOW_S), "--on_error", "fail"]) == 0
+  return out
+
+
+def _audio_only(data: pathlib.Path, workdir: pathlib.Path) -> Config:
+  """tests/configs/tiny_audio.py without its vision encoder, set for the conversion `data`."""
+  m = conversations.manifest(str(data))
+  cfg = tiny_audio.get_config("audio=0/1/1,language=0/1/1")
+  del cfg.model.encoders["vision"], cfg.topology.encoders["vision"]
+  a = cfg.model.audio
+  a.audio_token, a.mel_bins, a.pool, a.layers = m["audio_token"], m["mel_bins"], 2, 1
+  a.positions, a.max_audios, a.max_windows = WINDOW_S * 50, m["max_audios"], m["max_windows"]
+  cfg.data.task, cfg.data.dir, cfg.data.image_token = "conversations", str(data), m["image_token"]
+  cfg.data.seq_len = m["longest"] + a.max_windows * a.tokens_per_window
+  cfg.model.language.vocab_size = m["vocab_size"]
+  cfg.data.global_batch, cfg.data.microbatches = 2, 1
+  cfg.eval.samples, cfg.eval.batch = 2, 2
+  cfg.train.steps, cfg.run.workdir, cfg.run.log_every = 2, str(workdir), 1
+  return cfg
+
+
+def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path):
+  """Two steps and an eval of a model without a vision encoder on a conversion of clips and
+  text-only records (no images): the clips reach the audio tower."""
+  from mimo_jax import train  # pylint: disable=import-outside-toplevel
+  data = _convert(source, "clips", [
+      _rec(f"{k}", "<audio>\nWhat is said?", audio="one_second.flac") if k % 2 else
+      _rec(f"{k}", "Hello there.") for k in range(6)])
+  m = conversations.manifest(str(data))
+  assert (m["max_images"], m["audios"]) == (0, 3)
+  cfg = _audio_only(data, tmp_path / "run")
+  assert set(conversations.paths(cfg)) == set(conversations.SPLITS)
+  got = train.run(cfg)
+  losses = [r["loss"] for r in got if "loss" in r]
+  assert len(losses) == 2 and np.isfinite(losses).all()
+  assert sum(r["audios"] for r in got if "loss" in r) > 0
+  assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
+
+
+def test_data_with_images_under_an_audio_only_model_is_one_error(source, tmp_path):
+  """A conversion holding an image, read by a model without a vision encoder: one ConfigError
+  naming model.vision, the directory and the fix."""
+  data = _convert(source, "mixed", [
+      _rec("pic", "<image>\nWhat is this?", image="portrait.png"),
+      *[_rec(f"{k}", "<audio>\nWhat is said?", audio="one_second.flac") for k in range(3)]])
+  assert conversations.manifest(str(data))["max_images"] == 1
+  with pytest.raises(ConfigError) as e:
+    conversations.paths(_audio_only(data, tmp_path / "run"))
+  message = str(e.value)
+  assert message.startswith("config.model.vision: ") and "\n" not in message
+  assert str(data) in message and "no vision encoder" in message
+  assert "use a config with a vision encoder" in message
