@@ -65,10 +65,12 @@ def test_peft_export_of_a_run(full_run, tmp_path):
   from mimo_jax import checkpoint_reader  # pylint: disable=import-outside-toplevel
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
   full_dir, _ = full_run
-  hf_tool.main(["export", str(full_dir), "--out", str(tmp_path / "adapter"), "--peft"])
+  hf_tool.main(["export", str(full_dir), "--out", str(tmp_path / "adapter"), "--peft",
+                "--base", "exports/base"])
   tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
   config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
   assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+  assert config["base_model_name_or_path"] == "exports/base"
   assert config["modules_to_save"] == ["multi_modal_projector"]
   reader = checkpoint_reader.Reader(str(full_dir))
   try:
@@ -215,3 +217,45 @@ def test_a_new_stage_from_a_lora_run_starts_from_its_trained_weights(data_dir, f
   for k, v in want.items():
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
   assert any(k.endswith("lora_b") and np.any(np.asarray(v)) for k, v in got.items())
+
+
+class _Metas:
+  """checkpoint_reader.Reader's stand-in: the metas of a few runs' steps by workdir."""
+  metas: dict = {}
+
+  def __init__(self, workdir):
+    self.workdir = workdir
+
+  def meta(self, step):
+    return self.metas[(self.workdir, step)]
+
+  def close(self):
+    pass
+
+
+@pytest.mark.parametrize("tower", [[1, 2], [7, 7]])
+def test_a_peft_base_is_the_import_only_while_the_frozen_weights_are_its(tmp_path, monkeypatch,
+                                                                         tower):
+  # The LoRA run `lora` started from `stage1` (step 30), which started from the import `llava0`;
+  # the adapter's base is the import's HF directory only while the LoRA run's frozen weights are
+  # the ones the import's step 0 holds (the fingerprints each save records).
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
+  lora, stage1, llava0 = (tmp_path / n for n in ("lora", "stage1", "llava0"))
+  for d in (lora, stage1, llava0):
+    d.mkdir()
+  (llava0 / "hf_import.json").write_text(json.dumps({"sources": {"language": ["/hf/llava"]}}))
+  _Metas.metas = {
+      (str(lora), 5): {"base": {"fingerprints": {"vision": {"params/tower": tower},
+                                                 "language": {"params/q": [3, 4]}}}},
+      (str(llava0), 0): {"fingerprints": {"vision": {"params/tower": [1, 2]},
+                                          "language": {"params/q": [3, 4], "params/k": [5, 6]}}}}
+  monkeypatch.setattr(hf_export.checkpoint_reader, "Reader", _Metas)
+  stages = [(lora, None), (stage1, 30), (llava0, 100)]
+  got = hf_export._trained_base(str(lora), 5, stages, ("vision", "language"))
+  assert got == (None if tower == [1, 2] else (str(stage1), "/hf/llava", 30))
+  # The language adapter alone is over the import's weights either way; a run without frozen
+  # weights (no base) or without an import among its stages tells nothing.
+  assert hf_export._trained_base(str(lora), 5, stages, ("language",)) is None
+  assert hf_export._trained_base(str(lora), 5, stages[:2], ("vision", "language")) is None
+  _Metas.metas[(str(lora), 5)] = {}
+  assert hf_export._trained_base(str(lora), 5, stages, ("vision", "language")) is None

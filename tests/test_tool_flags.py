@@ -122,6 +122,8 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
      "tools.hf: error: --step=-1: must be at least 0."),
     (convert_tool.main, ["--json", "j", "--images", "i", "--tokenizer", "t", "--out", "o",
                          "--workers", "two"], "convert: error: --workers two: not an integer."),
+    (hf_tool.main, ["export", "run", "--out", "x", "--base", "b"], "tools.hf: error: --base=b "
+     "names a PEFT adapter's base model: give it with --peft, or leave it out."),
     (ckpt_tool.main, ["inspect", "run", "--step", "-2"],
      "tools.ckpt: error: --step=-2: must be at least 0."),
     (ckpt_tool.main, ["check", "run", "--step", "abc"], "tools.ckpt: error: --step=abc: not an "

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--peft", action="store_true",
                  help="write the run's LoRA adapters as a PEFT adapter directory (default: the "
                  "merged model)")
+  p.add_argument("--base", default="",
+                 help="with --peft: the adapter's base_model_name_or_path (default: the HF "
+                 "directory the run's frozen weights were imported from, if they are still its; "
+                 "else none, with a note naming the run to export as the base)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace --out if it holds a complete export")
   p = verbs.add_parser("check", help="transformers vs mimo_jax on the same random inputs", **sub)

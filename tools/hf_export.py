@@ -76,22 +76,27 @@ def _run_data(workdir: str, cfg: Config) -> dict:
           "where": str(directory / conversations.MANIFEST)}
 
 
-def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, list[str]]]:
+def history(workdir: str, cfg: Config, record: dict,
+            stages: list[tuple[pathlib.Path, int | None]] | None = None
+            ) -> tuple[dict, dict[str, list[str]]]:
   """The import record (hf_import.json) and the HF directories each module came from (nearest
-  first), of this run and of the runs it started from (init_from=WORKDIR: training stages).
-  Relative paths (of runs and imports saved before they were stored absolute) are looked for
-  where each run was launched from, in its workdir, then here."""
+  first), of this run and of the runs it started from (init_from=WORKDIR: training stages; each
+  run's workdir and the step the next stage started from appended to `stages`, this one's first
+  with None). Relative paths (of runs and imports saved before they were stored absolute) are
+  looked for where each run was launched from, in its workdir, then here."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import Checkpointer
   from mimo_jax.checkpoint_steps import complete_steps
   from mimo_jax.config import run_source
   sources: dict[str, list[str]] = {"vision": [], "language": []}
-  todo, seen = [(pathlib.Path(workdir), cfg, record)], set()
+  todo, seen = [(pathlib.Path(workdir), cfg, record, None)], set()
   while todo:
-    path, c, rec = todo.pop(0)
+    path, c, rec, step = todo.pop(0)
     if path.resolve() in seen:
       continue
     seen.add(path.resolve())
+    if stages is not None:
+      stages.append((path, step))
     record = record or rec
     where = run_paths.bases(run_paths.launch_dir(str(path), c), path)
     for module, p in rec.get("sources", {}).items():
@@ -105,11 +110,12 @@ def history(workdir: str, cfg: Config, record: dict) -> tuple[dict, dict[str, li
         continue
       try:  # an earlier stage: its config and record, if it can still be read
         ckpt = Checkpointer(run[0], [], read_only=True)
-        meta = ckpt.read_meta(run[1] if run[1] is not None else max(complete_steps(run[0])))
+        read = run[1] if run[1] is not None else max(complete_steps(run[0]))
+        meta = ckpt.read_meta(read)
         earlier = pathlib.Path(run[0]).parent
         rec_file = earlier / "hf_import.json"
         todo.append((earlier, from_dict(meta["config"]),
-                     json.loads(rec_file.read_text()) if rec_file.is_file() else {}))
+                     json.loads(rec_file.read_text()) if rec_file.is_file() else {}, read))
       except Exception:  # pylint: disable=broad-except
         continue
   return record, {m: list(dict.fromkeys(p)) for m, p in sources.items()}
@@ -221,14 +227,60 @@ def _export_peft(args) -> None:
     cfg.model.language.vocab_size = DIGITS_VOCAB
   modules = ((args.module,) if args.module else
              ("vision", "language") if "vision" in cfg.model.encoders else ("language",))
-  _, sources = history(args.workdir, cfg, record)
-  base = next(iter(sources.get(modules[-1]) or []), "")
+  stages: list[tuple[pathlib.Path, int | None]] = []
+  _, sources = history(args.workdir, cfg, record, stages)
+  base, trained = args.base, None
+  if not base:
+    base = next(iter(sources.get(modules[-1]) or []), "")
+    trained = _trained_base(args.workdir, step, stages, modules)
+    if trained:
+      base = ""
   peft.write(out, cfg, params, base=base, replace=args.overwrite, modules=modules)
   print(f"wrote {out}: a PEFT adapter of {' and '.join(modules)} from step {step}"
         f"{f' over {base}' if base else ''}")
+  if trained:
+    run, hf, started = trained
+    print(f"note: its frozen weights are not {hf}'s: {run} trained them, so the adapter names "
+          "no base model (base_model_name_or_path is empty). Load it over that run's export "
+          f"(python -m tools.hf export {run} --step {started} --out BASE), or pass --base BASE "
+          "to record it.")
+
+
+def _trained_base(workdir: str, step: int, stages: list[tuple[pathlib.Path, int | None]],
+                  modules: tuple[str, ...]) -> tuple[str, str, int] | None:
+  """(the run this one started from, the import's HF directory, the step it started from) where
+  the frozen weights
+  under the run's adapters (its step's base, checkpoint.py's `name_base`) are not those its
+  import's step 0 holds (an earlier stage trained them); None where they are, or nothing tells
+  (no frozen weights, no import among the stages)."""
+  reader = checkpoint_reader.Reader(workdir)
+  try:
+    held = reader.meta(step).get("base", {}).get("fingerprints", {})
+  finally:
+    reader.close()
+  imports = [p for p, _ in stages[1:] if (p / "hf_import.json").is_file()]
+  if not any(held.get(m) for m in modules) or not imports:
+    return None
+  reader = checkpoint_reader.Reader(str(imports[0]))
+  try:
+    imported = reader.meta(0).get("fingerprints", {})
+  except Exception:  # pylint: disable=broad-except  (no step 0 to read: nothing tells)
+    return None
+  finally:
+    reader.close()
+  same = all(imported.get(m, {}).get(k, fp) == fp for m in modules
+             for k, fp in held.get(m, {}).items())
+  if same:
+    return None
+  source = json.loads((imports[0] / "hf_import.json").read_text()).get("sources", {})
+  hf = next(iter(source.get(modules[-1]) or source.get("language") or []), str(imports[0]))
+  return str(stages[1][0]), hf, stages[1][1]
 
 
 def _export(args) -> None:
+  if args.base and not args.peft:
+    fail(f"--base={args.base} names a PEFT adapter's base model: give it with --peft, or leave "
+         "it out.")
   if args.peft:
     _export_peft(args)
     return
