@@ -255,3 +255,48 @@ def test_the_sidecar_and_launch_line_name_the_clips(converted):
   assert (flags["model.audio.audio_token"], flags["model.audio.mel_bins"],
           flags["model.audio.max_audios"], flags["model.audio.max_windows"]) == \
       (str(m["audio_token"]), "80", "2", "2")
+
+
+CHAT = FIXTURES / "hf_audio" / "qwen2_audio_chat"  # Qwen2-Audio's tokens, no <image>, no processor
+
+
+def _audio_only(rid, image=None):
+  r = _rec(rid, "<audio>\nwhat is in the audio", audio="one_second.flac")
+  r["conversations"][1]["value"] = "hello there"
+  return dict(r, image=image, conversations=[
+      {"from": "human", "value": "<image> " * bool(image) + r["conversations"][0]["value"]},
+      r["conversations"][1]]) if image else r
+
+
+@pytest.mark.parametrize("image, extra, said", [
+    (None, [], None),  # neither an image token nor an image processor is needed
+    ("portrait.png", [], "--image_token '<image>': "),
+    ("portrait.png", ["--image_token", "w63"], "preprocessor_config.json: not found"),
+])
+def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, capsys, image,
+                                                              extra, said):
+  """Records of clips alone convert with a tokenizer that has no image token and a directory
+  without an image processor (the manifest's image token -1, no image size); records that list
+  an image need both, as before."""
+  (tmp_path / "aud.json").write_text(json.dumps(
+      [_audio_only(f"a{k}", image if k == 0 else None) for k in range(4)]))
+  out = tmp_path / "data"
+  args = ["--json", str(tmp_path / "aud.json"), "--images", str(source / "images"), "--audio",
+          str(source / "audio"), "--tokenizer", str(CHAT), "--out", str(out), "--eval", "1",
+          "--workers", "1", "--mel_bins", "80", *extra]
+  rc = convert.main(args)
+  got = capsys.readouterr()
+  if said:
+    last = got.err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("convert: error: ") and said in last, got.err
+    assert "e.g. <image>" not in last and not out.exists()
+    return
+  assert rc == 0, got.err
+  m = conversations.manifest(str(out))
+  assert (m["image_token"], m["images"], m["max_images"], m["image_size"], m["processor"]) == \
+      (-1, 0, 0, None, "")
+  assert m["audios"] == 4 and "an image counts as" not in got.err
+  flags = dict(f.removeprefix("--config.").split("=", 1)
+               for f in got.out.strip().splitlines()[-1].split()[4:])
+  assert "data.image_token" not in flags and "model.vision.image_size" not in flags, flags
+  assert flags["model.audio.audio_token"] == str(m["audio_token"])

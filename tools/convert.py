@@ -17,7 +17,9 @@ becoming the image token, with a loss mask on the assistant turns; each image is
 vision tower's processor (`--processor`, default the tokenizer's directory:
 preprocessor_config.json; mimo_jax/data/images.py) and stored decoded, as uint8 pixels at the
 processor's size (no decoding while training); a 16-bit grayscale image is scaled to 8 bits and a
-float one read as [0, 1].
+float one read as [0, 1]. The image token and the processor are needed only where records list
+images: records of text and clips alone convert without them (the manifest's image token is then
+-1, its image size and channels null, and the launch line names no data.image_token).
 
 Output in `--out`: `train.array_record` and `eval.array_record` (each sample with its record's
 `"id"`, or its index in `--json` where it has none) with their metadata sidecars, and
@@ -52,7 +54,8 @@ listed in `skipped.jsonl` in `--out` (`record`, `id`, `reason`, `error` a row); 
 `--max_skipped_fraction` of the records (default 0.05; 1: never) fail the conversion with that
 summary, exit status 2, writing nothing.
 `--allow_outside_images` reads image paths outside `--images` too. A tokenizer without a chat
-template, an `--image_token` that is not one token of it, or a `--json` that is not UTF-8 JSON is
+template, an `--image_token` that is not one token of it or a `--processor` without a usable
+preprocessor_config.json (where records list images), or a `--json` that is not UTF-8 JSON is
 one error line, exit status 2, and so is a `--json` whose top level is an object (`{"data":
 [...]}`), not a list of records. Notes (the tokens an image takes) follow a conversion that is
 done, so an error is one line.
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
   if not 0 <= args.max_skipped_fraction <= 1:  # NaN too
     return _error(f"--max_skipped_fraction {args.max_skipped_fraction:g}: a fraction of the "
                   "records, from 0 (none may be skipped) to 1 (any may).")
-  notes = []  # printed once the conversion is done: an error is its one line
+  notes = []  # printed once the conversion is done (those on images where it holds some)
   if args.image_tokens is None:
     args.image_tokens, found = tower_tokens(args.processor or args.tokenizer)
     if args.image_tokens is None:
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
           f"{args.out}.", file=sys.stderr)
     return 128 + signum
-  for note in notes:
+  for note in notes if m["images"] else ():
     print(note, file=sys.stderr)
   counts, skipped, took = m["samples"], m["skipped"], m["seconds"]
   if m["shared_ids"]:
@@ -288,8 +291,10 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int
   """The launch flags that train on conversion `out` with manifest `m`, quoted for a shell: the
   model's `vocab` (default the tokenizer's); data.global_batch only where `global_batch` is given
   (else the model config's holds)."""
-  flags = {"data.task": "conversations", "data.dir": str(out),
-           "data.image_token": m["image_token"], "data.seq_len": seq_len or m["longest"]}
+  flags = {"data.task": "conversations", "data.dir": str(out)}
+  if m["image_token"] >= 0:  # -1: data without images, converted with no image token
+    flags["data.image_token"] = m["image_token"]
+  flags["data.seq_len"] = seq_len or m["longest"]
   if global_batch is not None:
     flags["data.global_batch"] = global_batch
   if m["max_images"]:

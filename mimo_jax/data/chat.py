@@ -149,9 +149,21 @@ class ChatTokenizer:
         continue
     if i is None or inside.count(i) != 1:
       raise ChatError(f"{self.path / 'tokenizer.json'}: {text!r} is not one token of the "
-                      "vocabulary; give the image token the tokenizer has (e.g. <image>), or add "
-                      "it as a special token.")
+                      f"vocabulary; give one the tokenizer has ({self._special_tokens(text)}), "
+                      "or add it as a special token.")
     return i
+
+  def _special_tokens(self, rejected: str, shown: int = 6) -> str:
+    """"its special tokens: <image>, <|im_start|>, ...": the tokenizer's added tokens but
+    `rejected`, those naming a medium (image, audio) first; or "it has no special tokens"."""
+    named = [t.content for _, t in sorted(self.tokenizer.get_added_tokens_decoder().items())
+             if t.content != rejected]
+    if not named:
+      return "it has no special tokens"
+    media = ("image", "img", "vision", "audio", "aud")
+    named.sort(key=lambda t: not any(m in t.lower() for m in media))  # stable
+    more = ", ..." if len(named) > shown else ""
+    return f"its special tokens: {', '.join(named[:shown])}{more}"
 
   def render(self, msgs: list[dict], add_generation_prompt: bool = False) -> str:
     try:

@@ -34,15 +34,25 @@ from mimo_jax.data.llava_json import default_eval, eval_split, read_records
 from mimo_jax.workdir import describe_os_error
 
 
-def estimate_bytes(records: list[dict], proc: images.ImageProcessor) -> int:
+def estimate_bytes(records: list[dict], proc: images.ImageProcessor | None) -> int:
   """About the bytes a conversion writes: each listed image at the processor's size (a lower
-  bound where the processor keeps the aspect ratio) and a header a record."""
-  h, w = proc.output_size
+  bound where the processor keeps the aspect ratio; None: records that list no image) and a
+  header a record."""
   count = 0
   for r in records:
     f = r.get("image")
     count += 1 if isinstance(f, str) else len(f) if isinstance(f, list) else 0
+  if not count:
+    return len(records) * 256
+  h, w = proc.output_size
   return count * h * w * proc.channels + len(records) * 256
+
+
+def images_listed(records: list[dict]) -> bool:
+  """Whether any record lists images (then the converter needs the image token and processor): a
+  path, or a list of some; a field of another value is that record's fault (skipped as a bad
+  image field), not the conversion's."""
+  return any(bool(v) and isinstance(v, (str, list)) for v in (r.get("image") for r in records))
 
 
 @contextlib.contextmanager
@@ -159,6 +169,10 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
                       "image paths are relative to.")
   records = _records(source)
   init_worker(opts)
+  if images_listed(records):  # a conversion without images needs neither
+    for error in (WORKER["image_error"], WORKER["processor_error"]):
+      if error is not None:
+        raise error
   if audio_records.listed(records):
     if not pathlib.Path(opts.audio.folder).is_dir():
       raise ConfigError(f"--audio {opts.audio.folder}: not a directory; give the folder the "
@@ -304,14 +318,18 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
                       "named above on a `skipped:` line. Fix the records or the flags that "
                       "reject them, or raise --max_skipped_fraction (1 keeps every good record "
                       "whatever the rest).")
+  # Without images, the image token and processor may be absent (unused): the image token is
+  # then -1 (no token id) and the image size and channels null.
   proc, pictures = WORKER["proc"], tally.image_stats
-  return {"format": FORMAT_VERSION, "image_token": WORKER["image_id"],
-          "image_token_text": opts.image_token, "image_size": pictures.size(proc),
+  image_id = WORKER["image_id"]
+  return {"format": FORMAT_VERSION, "image_token": -1 if image_id is None else image_id,
+          "image_token_text": opts.image_token,
+          "image_size": None if proc is None else pictures.size(proc),
           "image_sizes": sorted([list(k) for k in pictures.sizes]),
-          "channels": pictures.channel(proc),
+          "channels": None if proc is None else pictures.channel(proc),
           "vocab_size": WORKER["tok"].tokenizer.get_vocab_size(),
           "tokenizer": _stored(opts.tokenizer, out),
-          "processor": _stored(opts.processor or opts.tokenizer, out),
+          "processor": "" if proc is None else _stored(opts.processor or opts.tokenizer, out),
           "source": _stored(str(source), out),
           "samples": counts, "images": pictures.count, "skipped": dict(tally.skipped),
           "longest": tally.longest, "max_images": pictures.most,

@@ -45,24 +45,33 @@ WORKER = {}  # this process's options, tokenizer, processor and ids (`init_worke
 
 
 def init_worker(opts: Options) -> None:
-  """The tokenizer, processor and image token of `opts`; one error naming the flag if unusable."""
+  """The tokenizer of `opts` (one error naming the flag if unusable), its image and audio token ids
+  and the image processor. The image token and the processor are needed only where records list
+  images, the audio token only where they list clips (`conversion._prepare` checks): one that is
+  unusable is None here, with its error under `image_error` or `processor_error`."""
   try:
     tok = ChatTokenizer.open(opts.tokenizer)
   except ChatError as e:
     raise ConfigError(f"--tokenizer {opts.tokenizer}: {e}") from None
+  image_id, image_error = None, None
   try:
     image_id = tok.token_id(opts.image_token)
   except ChatError as e:
-    raise ConfigError(f"--image_token {opts.image_token!r}: {e}") from None
+    image_error = ConfigError(f"--image_token {opts.image_token!r}: {e}")
   try:
     audio_id = tok.token_id(opts.audio.token)
-  except ChatError:  # needed only where records list clips (conversion._prepare)
+  except ChatError:
     audio_id = None
+  proc, processor_error = None, None
+  try:
+    proc = images.ImageProcessor.open(opts.processor or opts.tokenizer,
+                                      pad_to_square=opts.pad_to_square)
+  except ConfigError as e:
+    processor_error = e
   folder = pathlib.Path(opts.images)
   WORKER.update(audio_id=audio_id, opts=opts, tok=tok, images=folder, root=os.path.realpath(folder),
-                proc=images.ImageProcessor.open(opts.processor or opts.tokenizer,
-                                                pad_to_square=opts.pad_to_square),
-                image_id=image_id)
+                proc=proc, processor_error=processor_error, image_id=image_id,
+                image_error=image_error)
 
 
 def pool_init(opts: Options) -> None:
@@ -135,7 +144,7 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("assistant first", f"{where}: {e}") from None
   except ChatError as e:
     raise RecordError("template", f"{where}: {e}") from None
-  found = int((ids == w["image_id"]).sum())
+  found = int((ids == w["image_id"]).sum()) if w["image_id"] is not None else 0
   if found != len(files):
     raise RecordError("image count", f"{where}: {found} image tokens after tokenizing, for "
                       f"{len(files)} images (is {opts.image_token!r} one special token of the "
