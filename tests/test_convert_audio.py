@@ -253,8 +253,17 @@ def test_the_sidecar_and_launch_line_name_the_clips(converted):
   flags = dict(f.removeprefix("--config.").split("=", 1)
                for f in convert.launch_flags(converted, m))
   assert (flags["model.audio.audio_token"], flags["model.audio.mel_bins"],
-          flags["model.audio.max_audios"], flags["model.audio.max_windows"]) == \
-      (str(m["audio_token"]), "80", "2", "2")
+          flags["model.audio.max_audios"], flags["model.audio.max_windows"],
+          flags["model.audio.positions"]) == (str(m["audio_token"]), "80", "2", "2", "1500")
+  # The line works as printed on a model config of other audio fields (a toy tower of 1 s
+  # windows: positions 8 and 16 frames a window, as the brief's failing run had).
+  cfg = _config(m)
+  a = cfg.model.audio
+  a.audio_token, a.mel_bins, a.positions, a.max_audios, a.max_windows = 0, 128, 8, 1, 1
+  for key, value in flags.items():
+    if key.startswith("model.audio."):
+      setattr(a, key.rsplit(".", 1)[1], int(value))
+  assert set(conversations.paths(cfg, str(converted))) == set(conversations.SPLITS)
 
 
 CHAT = FIXTURES / "hf_audio" / "qwen2_audio_chat"  # Qwen2-Audio's tokens, no <image>, no processor

@@ -82,7 +82,8 @@ data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest
 each image taking `--image_tokens`), data.global_batch (`--global_batch`, where given: else the
 model config's), model.vision.max_images (with max_images + 1 data.image_probs, which converted
 data does not use but validation checks), eval.samples (the eval split), the image size and
-channels, and model.language.vocab_size: the vocab_size of config.json beside the tokenizer (a
+channels, with clips model.audio's audio_token, mel_bins, max_audios, max_windows and positions
+(half a window's frames: 1500 for 30 s windows), and model.language.vocab_size: the vocab_size of config.json beside the tokenizer (a
 LLaVA's text_config's; it may exceed the tokenizer's count), else the tokenizer's count.
 MODEL_CONFIG in that line is the model's config file: the WORKDIR/config.py that `python -m
 tools.hf import` wrote, or a configs/ file.
@@ -311,8 +312,9 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int
     flags["model.audio.mel_bins"] = m["mel_bins"]
     flags["model.audio.max_audios"] = m["max_audios"]
     flags["model.audio.max_windows"] = m["max_windows"]
-    if m["audio_window_frames"] != audio.WINDOW_FRAMES:
-      flags["model.audio.positions"] = m["audio_window_frames"] // 2
+    # Launch checks it against the windows, Whisper's 30 s ones too (a model config's tower may be
+    # a toy of shorter windows).
+    flags["model.audio.positions"] = m["audio_window_frames"] // 2
   flags["model.language.vocab_size"] = vocab or m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 
