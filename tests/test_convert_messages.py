@@ -123,3 +123,15 @@ def test_a_signal_whose_exception_another_wraps_is_an_interrupt(tmp_path, monkey
   with pytest.raises(output.Interrupted, match="SIGINT"):
     conversion.convert(tmp_path / "records.json", tmp_path / "out", None)
   assert not (tmp_path / "out").exists()
+
+
+def test_progress_is_lines_where_stderr_is_no_terminal(src, tmp_path, capsys, monkeypatch):
+  """Under `2> file` (stderr no terminal) a conversion says its progress in whole lines (records
+  done, skipped, rate), never a bar's carriage returns."""
+  monkeypatch.setattr(conversion, "PROGRESS_SECONDS", 0.0)  # a line a record
+  rc, err, _ = _main(_args(src, tmp_path / "out", "ok.json", "--eval", "2"), capsys)
+  assert rc == 0, err
+  lines = [ln for ln in err.splitlines() if ln.startswith("converting: ")]
+  assert "\r" not in err and len(lines) == 11, err
+  assert lines[0].startswith("converting: 1 of 12 records (8%), 0 skipped, ") and \
+      lines[0].endswith(" s left") and "records/s, about " in lines[0], lines[0]

@@ -29,7 +29,8 @@ holds `--eval` records drawn at random (default: 1% of the records, at least 10 
 and at most a tenth of them); every record of one id goes to the same side, so that no eval
 conversation is trained on. `--eval` below 1 (training evaluates on the eval split) or not below
 the record count is refused. Records are converted in parallel (`--workers` processes, default
-every core), with a progress bar where stderr is a terminal.
+every core), with a progress bar where stderr is a terminal, else a line every 10 s (records
+done, skipped, rate, time left).
 
 `--out` is written as a whole or not at all: a lock beside it (`.<name>.lock`) stops a second
 conversion into it, everything is written into a staging directory beside it that is renamed into
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
       with output.staged(out, what="conversion", flag="--out",
                          complete=conversations.MANIFEST) as tmp:
         m = conversion.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
-                               progress=sys.stderr.isatty())
+                               progress=True)
   except ConfigError as e:
     return _error(str(e))
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)

@@ -33,6 +33,10 @@ from mimo_jax.data.conversations import (FORMAT_VERSION, IMAGES, MANIFEST, SPLIT
 from mimo_jax.data.llava_json import default_eval, eval_split, read_records
 from mimo_jax.workdir import describe_os_error
 
+# Where stderr is no terminal (a log file, a pipe), progress is a line this often, in seconds: a
+# bar's carriage returns would make one endless line of the log.
+PROGRESS_SECONDS = 10.0
+
 
 def estimate_bytes(records: list[dict], proc: images.ImageProcessor | None) -> int:
   """About the bytes a conversion writes: each listed image at the processor's size (a lower
@@ -107,7 +111,8 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   one side, or the record indices `eval_ids`. Bad records are skipped and counted
   (`on_error="skip"`, each reported on stderr and listed in SKIPPED; more than
   `opts.max_skipped_fraction` of the records is a ConfigError with nothing written) or raise
-  ConfigError with nothing written; a failed write is a ConfigError naming the file system's
+  ConfigError with nothing written. `progress`: a bar where stderr is a terminal, else a line
+  every PROGRESS_SECONDS (records done, skipped, rate); a failed write is a ConfigError naming the file system's
   reason; any failure or interrupt removes what this conversion wrote. Callers that publish `out`
   as a whole (tools.convert) pass a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
@@ -238,9 +243,13 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
   else:
     results = map(work, items)
   tally, marks, done = _Tally(), placeholders(WORKER["image_id"], WORKER["audio_id"]), 0
+  bar = progress and sys.stderr.isatty()
+  lines = _ProgressLines(len(items)) if progress and not bar else None
   for index, sample, error in tqdm(results, total=len(items), desc="converting",
                                    unit="record", file=sys.stderr, mininterval=1.0,
-                                   disable=not progress):
+                                   disable=not bar):
+    if lines is not None:
+      lines.say(done, len(tally.skipped_records))
     done += 1
     if caught:
       raise output.Interrupted(caught[0])
@@ -273,6 +282,25 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
   if caught:  # after the last record
     raise output.Interrupted(caught[0])
   return tally
+
+
+class _ProgressLines:
+  """Progress as a line every PROGRESS_SECONDS on stderr, for a stderr that is no terminal:
+  "converting: 400 of 800 records (50%), 3 skipped, 41.2 records/s, about 10 s left"."""
+
+  def __init__(self, total: int):
+    self.total, self.started = total, time.monotonic()
+    self.last = self.started
+
+  def say(self, done: int, skipped: int) -> None:
+    now = time.monotonic()
+    if now - self.last < PROGRESS_SECONDS or not done:
+      return
+    self.last = now
+    rate = done / max(now - self.started, 1e-9)
+    print(f"converting: {done} of {words.count(self.total, 'record')} "
+          f"({100 * done / self.total:.0f}%), {skipped} skipped, {rate:.1f} records/s, about "
+          f"{(self.total - done) / rate:.0f} s left", file=sys.stderr, flush=True)
 
 
 def skipped_summary(skipped: list[dict], read: int, shown: int = 3) -> str:
