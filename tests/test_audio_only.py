@@ -1,5 +1,6 @@
 """Models of an audio encoder and a language model alone (no vision encoder): converted
-conversations with clips train, and converted data with images is one error naming the fix."""
+conversations with clips train, converted data with images is one error naming the fix, and
+`tools.hf import` reads a Qwen2-Audio directory into such a model."""
 
 import json
 import pathlib
@@ -100,3 +101,41 @@ def test_data_with_images_under_an_audio_only_model_is_one_error(source, tmp_pat
   assert message.startswith("config.model.vision: ") and "\n" not in message
   assert str(data) in message and "no vision encoder" in message
   assert "use a config with a vision encoder" in message
+
+
+AUDIO_ONLY_CONFIG = '''from tests.configs import tiny_audio
+
+
+def get_config(arg=None):
+  cfg = tiny_audio.get_config(arg)
+  del cfg.model.encoders["vision"], cfg.topology.encoders["vision"]
+  return cfg
+'''
+
+
+def test_tools_hf_imports_qwen2_audio_into_an_audio_only_model(tmp_path, capsys):
+  """tools.hf import of a Qwen2-Audio directory under a config of an audio encoder and a language
+  model alone (as configs/avlm.py:audio, at tests/configs/tiny_audio.py's size): both modules'
+  tensors become step 0, with Qwen2-Audio's own tower layout (no LLaVA reading of a vision
+  tower)."""
+  from mimo_jax import hf, modules  # pylint: disable=import-outside-toplevel
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
+  src = hf.Source.open(FIXTURES / "hf_audio" / "qwen2_audio_chat")
+  (tmp_path / "audio_only.py").write_text(AUDIO_ONLY_CONFIG)
+  assert hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
+                       f"--config={tmp_path / 'audio_only.py'}", "--config.data.task=conversations",
+                       "--config.data.seq_len=1024"]) in (0, None)
+  out = capsys.readouterr().out
+  assert "model.vision" not in out and "--config.data.dir=DATA" in out, out
+  cfg, params, _, _ = hf_export._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
+  assert set(cfg.model.encoders) == {"audio"} and set(params) == {"audio", "language"}
+  assert (cfg.model.audio.pool, cfg.model.audio.projector) == (2, "linear")
+  assert cfg.model.audio.audio_token == src.config["audio_token_index"]
+  seed = modules.build_modules(cfg)
+  for module in ("audio", "language"):
+    want = dict(hf.flatten(hf.load(src, module, cfg, seed[module].init(0))))
+    got = dict(hf.flatten(params[module]))
+    assert sorted(got) == sorted(want), module
+    for path, x in want.items():
+      np.testing.assert_array_equal(np.asarray(got[path]), x, err_msg="/".join(path))

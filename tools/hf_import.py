@@ -77,10 +77,11 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
       section.init_from = str(src.path.resolve())
   if contradictions:
     fail(f"the HF config.json contradicts {'; '.join(contradictions)}; drop those overrides.")
-  if len(taken) == 2 and not any(s.kind == "llava" for s in sources):
-    # A tower beside a language model is read as LLaVA reads one (a LlavaForConditionalGeneration
-    # on export): its last layer's hidden states without a post-layernorm, into a projector as
-    # wide as the language model.
+  if set(taken) == {"vision", "language"} and taken["vision"] != taken["language"]:
+    # A vision tower beside a language model (two directories) is read as LLaVA reads one (a
+    # LlavaForConditionalGeneration on export): its last layer's hidden states without a
+    # post-layernorm, into a projector as wide as the language model. Not a whole model of one
+    # directory (LLaVA), nor an audio tower (Qwen2-Audio, Whisper) beside a language model.
     v = cfg.model.vision
     if "model.vision.final_norm" not in overrides:
       v.final_norm = False
