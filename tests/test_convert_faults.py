@@ -318,13 +318,15 @@ def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monke
 def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_path, capsys,
                                                                        monkeypatch):
   """9 of 15 records bad: past the default 5% the conversion fails naming the reasons and first
-  records; allowed, it ends with that summary and the file that lists every skipped record."""
+  records, leaving nothing (not even the folders above --out it made); allowed, it ends with that
+  summary and the file that lists every skipped record."""
   root, expected = bad
   monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
   args = _bad_args(root, tmp_path / "out", "all.jsonl", "--eval", "2")
   at = args.index("--max_skipped_fraction")
   del args[at:at + 2]  # the default limit
-  rc, err, _ = _main(args, capsys)
+  deep = str(tmp_path / "made" / "for" / "it")  # folders the failed conversion made go too
+  rc, err, _ = _main([deep if a == str(tmp_path / "out") else a for a in args], capsys)
   summary = ("9 of 15 records (60.0%) were skipped: bad id field 3 (record 12, record 13, "
              "record 14), image too large 2 ('b0', 'b1'), bad conversation 2 ('b3', 'b4'), bad "
              "image field 1 ('b2'), untokenizable 1 ('b5')")

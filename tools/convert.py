@@ -35,7 +35,8 @@ done, skipped, rate, time left).
 `--out` is written as a whole or not at all: a lock beside it (`.<name>.lock`) stops a second
 conversion into it, everything is written into a staging directory beside it that is renamed into
 place when complete, and an interrupted or failed conversion (Ctrl-C: exit status 130, SIGTERM:
-143) leaves nothing behind; a staging directory left by a killed one is removed by the next. The
+143) leaves nothing behind, not even the folders above `--out` it made; a staging directory left
+by a killed one is removed by the next. The
 output's size (each image at the processor's size) is checked against the free space first, and a
 failed write (a full disk, a quota, a file size limit) stops the conversion at once with the
 reason. An `--out` that is a file, a non-empty folder that holds no conversion, a folder with a
@@ -109,6 +110,7 @@ from mimo_jax import output
 from mimo_jax.config import ConfigError
 from mimo_jax.data import (audio, audio_records, conversion, conversion_files, conversion_record,
                            conversations, llava_json)
+from mimo_jax.workdir import Made
 from tools.common import Parser
 from tools.display import count
 
@@ -226,12 +228,17 @@ def main(argv: list[str] | None = None) -> int:
                                    args.mel_bins, args.audio_pool, args.allow_outside_images,
                                    args.audio_window))
   out = pathlib.Path(os.path.abspath(args.out))
+  made = Made(str(out.parent))  # the folders above --out that this conversion makes
   try:
     with output.interrupts_as_exceptions():
-      with output.staged(out, what="conversion", flag="--out",
-                         complete=conversations.MANIFEST) as tmp:
-        m = conversion.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
-                               progress=True)
+      try:
+        with output.staged(out, what="conversion", flag="--out",
+                           complete=conversations.MANIFEST) as tmp:
+          m = conversion.convert(pathlib.Path(args.json), tmp, opts, args.eval, args.seed,
+                                 progress=True)
+      except BaseException:  # a failure leaves nothing: the folders it made, left empty, go too
+        made.remove_unused(None)
+        raise
   except ConfigError as e:
     return _error(str(e))
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
