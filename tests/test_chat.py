@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mimo_jax.data.chat import ChatError, ChatTokenizer, messages
+from mimo_jax.data.chat import ChatError, ChatTokenizer, UnknownToken, messages
 from mimo_jax.data.layout import sample_tokens
 from mimo_jax.data.tokenizer import Tokenizer
 from tests.helpers import CHAT_IMAGE_TOKENS
@@ -64,3 +64,19 @@ def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):
   tok = ChatTokenizer.open(FIXTURES / "qwen2")
   with pytest.raises(ChatError, match=r"'<video>' is not one token"):
     tok.token_id("<video>")
+
+
+def test_a_word_outside_the_vocabulary_is_an_error_when_strict():
+  """A WordLevel tokenizer with an unknown token encodes a word it lacks as [UNK]: strict, that is
+  an UnknownToken naming the words (each once); [UNK] written out in the text is itself."""
+  tok = ChatTokenizer.open(FIXTURES.parent / "hf_audio" / "qwen2_audio_chat")
+  turns = [{"role": "user", "content": "hello [UNK]"},
+           {"role": "assistant", "content": "zebra and zebra or giraffe"}]
+  ids, _ = tok.encode(turns)  # not strict: as the tokenizer encodes it
+  assert (ids == 0).sum() == 5  # [UNK], zebra twice, or, giraffe
+  with pytest.raises(UnknownToken, match=r"the words 'zebra', 'or', 'giraffe' are not in the "
+                     r"vocabulary of .*, which encodes them as its unknown token '\[UNK\]'"):
+    tok.encode(turns, strict=True)
+  turns[1]["content"] = "there"
+  assert (tok.encode(turns, strict=True)[0] == 0).sum() == 1
+  assert ChatTokenizer.open(FIXTURES / "qwen2").unknown is None  # byte-level: encodes any text

@@ -286,13 +286,16 @@ def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, 
                                                               extra, said):
   """Records of clips alone convert with a tokenizer that has no image token and a directory
   without an image processor (the manifest's image token -1, no image size); records that list
-  an image need both, as before."""
+  an image need both, as before. A word outside the vocabulary (which the tokenizer would encode
+  as [UNK]) skips its record as an unknown token."""
+  zebra = _audio_only("z")
+  zebra["conversations"][1]["value"] = "zebra"
   (tmp_path / "aud.json").write_text(json.dumps(
-      [_audio_only(f"a{k}", image if k == 0 else None) for k in range(4)]))
+      [_audio_only(f"a{k}", image if k == 0 else None) for k in range(4)] + [zebra]))
   out = tmp_path / "data"
   args = ["--json", str(tmp_path / "aud.json"), "--images", str(source / "images"), "--audio",
           str(source / "audio"), "--tokenizer", str(CHAT), "--out", str(out), "--eval", "1",
-          "--workers", "1", "--mel_bins", "80", *extra]
+          "--workers", "1", "--mel_bins", "80", "--max_skipped_fraction", "1", *extra]
   rc = convert.main(args)
   got = capsys.readouterr()
   if said:
@@ -305,6 +308,8 @@ def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, 
   assert (m["image_token"], m["images"], m["max_images"], m["image_size"], m["processor"]) == \
       (-1, 0, 0, None, "")
   assert m["audios"] == 4 and "an image counts as" not in got.err
+  assert m["skipped"] == {"unknown token": 1} and \
+      "record 4 (id 'z'): the word 'zebra' is not in the vocabulary of " in got.err, got.err
   flags = dict(f.removeprefix("--config.").split("=", 1)
                for f in got.out.strip().splitlines()[-1].split()[4:])
   assert "data.image_token" not in flags and "model.vision.image_size" not in flags, flags

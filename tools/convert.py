@@ -46,7 +46,8 @@ Bad records (a missing, corrupt or too large image, an unsupported one (a float 
 outside [0, 1], a 32-bit integer image), an id that is not a string or an integer, an image field
 that is not a path or a list of paths, an image path leading out of `--images` by `..`, an absolute
 path or a symbolic link, an `<image>` count other than the images listed, turns that are not objects
-with text values, a word the tokenizer cannot encode, a sample longer than `--seq_len` once each
+with text values, a word the tokenizer cannot encode or encodes as its unknown token (`[UNK]`: a
+word outside the vocabulary), a sample longer than `--seq_len` once each
 image takes `--image_tokens`, an unknown role, no assistant turn, an assistant turn first where the
 chat template renders none without a turn before it) are skipped and counted by reason, each
 reported with its record id and file (`--on_error skip`, the default), or stop the conversion

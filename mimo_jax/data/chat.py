@@ -7,7 +7,8 @@ lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
 HTML), with the special tokens of tokenizer_config.json as variables.
 
 `encode(messages)` gives a conversation's token ids (the rendered text tokenized without adding
-special tokens: the template writes them) and a 0/1 loss mask: 1 on the tokens of every assistant
+special tokens: the template writes them; with `strict`, a word the vocabulary lacks, which the
+tokenizer would encode as its unknown token, is an error) and a 0/1 loss mask: 1 on the tokens of every assistant
 turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are found by rendering the
 conversation up to it with `add_generation_prompt=True` and up to its end: what the second adds to
 the first is the turn (trailing whitespace, such as the newline after ChatML's `<|im_end|>`, is
@@ -39,6 +40,11 @@ class TokenizeError(ChatError):
   unknown token)."""
 
 
+class UnknownToken(TokenizeError):
+  """A rendered conversation with words outside the vocabulary, which the tokenizer encodes as its
+  unknown token (`encode(..., strict=True)`): the model would learn to read and say [UNK]."""
+
+
 class AssistantFirst(ChatError):
   """A conversation that opens with an assistant turn, which the chat template renders only after
   another turn."""
@@ -66,6 +72,21 @@ def messages(conversation: list[dict], where: str = "") -> list[dict]:
       raise ChatError(f"{where}turn {i}: its value is a {type(text).__name__}, not text.")
     out.append({"role": ROLES[who], "content": text})
   return out
+
+
+def _unknown_token(tokenizer) -> tuple[int, str] | None:
+  """The id and text of `tokenizer`'s unknown token (a WordLevel, WordPiece or BPE model's
+  unk_token, a Unigram model's unk_id); None where it has none (a byte-level BPE encodes every
+  text)."""
+  text = getattr(tokenizer.model, "unk_token", None)
+  if text is None and type(tokenizer.model).__name__ == "Unigram":
+    try:
+      model = json.loads(tokenizer.to_str())["model"]
+      text = model["vocab"][model["unk_id"]][0]
+    except (KeyError, IndexError, TypeError, ValueError):
+      return None
+  i = tokenizer.token_to_id(text) if text else None
+  return None if i is None else (i, text)
 
 
 def _token_text(value) -> str | None:
@@ -100,6 +121,7 @@ class ChatTokenizer:
   tokenizer: object  # tokenizers.Tokenizer
   template: object  # jinja2.Template
   specials: dict[str, str]
+  unknown: tuple[int, str] | None = None  # the unknown token's id and text, where it has one
 
   @classmethod
   def open(cls, path) -> "ChatTokenizer":
@@ -134,7 +156,7 @@ class ChatTokenizer:
     except Exception as e:  # pylint: disable=broad-except
       raise ChatError(f"{cfg_file}: the chat template does not compile ({e}).") from None
     specials = {k: _token_text(config[k]) for k in SPECIAL_KEYS if config.get(k) is not None}
-    return cls(path, tokenizer, template, specials)
+    return cls(path, tokenizer, template, specials, _unknown_token(tokenizer))
 
   def token_id(self, text: str) -> int:
     """The id of a token given by its text (e.g. `<image>`); an error if it is not one token, or
@@ -172,8 +194,10 @@ class ChatTokenizer:
     except Exception as e:  # pylint: disable=broad-except
       raise ChatError(f"the chat template of {self.path} failed: {e}") from None
 
-  def encode(self, msgs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids [n] (int32) and the loss mask [n] (int32, 1 on assistant turns)."""
+  def encode(self, msgs: list[dict], strict: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [n] (int32) and the loss mask [n] (int32, 1 on assistant turns); with `strict`,
+    UnknownToken where a word of the text is encoded as the unknown token (the unknown token
+    written out in the text is itself)."""
     text = self.render(msgs)
     spans = []
     for k, m in enumerate(msgs):
@@ -195,6 +219,18 @@ class ChatTokenizer:
     except Exception as e:  # pylint: disable=broad-except
       raise TokenizeError(f"{self.path / 'tokenizer.json'} cannot encode it ({e}).") from None
     ids = np.asarray(enc.ids, np.int32)
+    if strict and self.unknown is not None:
+      unk, unk_text = self.unknown
+      lost = list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets)
+                                if i == unk and text[a:b] != unk_text))
+      if lost:
+        one = len(lost) == 1
+        shown = ", ".join(repr(w) for w in lost[:5]) + (" ..." if len(lost) > 5 else "")
+        raise UnknownToken(f"{'the word' if one else 'the words'} {shown} "
+                           f"{'is' if one else 'are'} not in the vocabulary of "
+                           f"{self.path / 'tokenizer.json'}, which encodes "
+                           f"{'it' if one else 'them'} as its unknown token {unk_text!r}; fix "
+                           "the text or add the words to the tokenizer.")
     offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
     start, end = offsets[:, :1], offsets[:, 1:]
     span = np.asarray(spans, np.int64).reshape(1, -1, 2)

@@ -15,7 +15,7 @@ from mimo_jax import words
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio_records, images, record_error
 from mimo_jax.data.chat import (AssistantFirst, ChatError, ChatTokenizer, TokenizeError,
-                                 messages)
+                                 UnknownToken, messages)
 from mimo_jax.data.conversations import IMAGES
 from mimo_jax.data.record_error import RecordError
 
@@ -137,7 +137,9 @@ def convert_record(record: dict, where: str) -> dict:
   pixels = [_read_image(f, where) for f in files]
   msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
   try:
-    ids, mask = w["tok"].encode(msgs)
+    ids, mask = w["tok"].encode(msgs, strict=True)
+  except UnknownToken as e:
+    raise RecordError("unknown token", f"{where}: {e}") from None
   except TokenizeError as e:
     raise RecordError("untokenizable", f"{where}: {e}") from None
   except AssistantFirst as e:
