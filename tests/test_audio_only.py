@@ -88,6 +88,31 @@ def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path
   assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
 
 
+def test_data_without_an_image_token_passes_the_manifest_checks(source, tmp_path):
+  """Clips converted with Qwen2-Audio's tokenizer, which has no <image>, and no image processor:
+  the manifest's image token is -1 and its image size null, and neither a model without a vision
+  encoder nor one with it (tiny_audio's) is asked for an image token or size."""
+  records = [_rec(f"{k}", "<audio>\nhello", audio="one_second.flac") for k in range(4)]
+  (source / "qwen.json").write_text(json.dumps(
+      [{**r, "conversations": [r["conversations"][0], {"from": "gpt", "value": "there"}]}
+       for r in records]))
+  out = source / "qwen"
+  assert convert.main(["--json", str(source / "qwen.json"), "--images", str(source / "images"),
+                       "--audio", str(source / "audio"), "--tokenizer",
+                       str(FIXTURES / "hf_audio" / "qwen2_audio_chat"), "--out", str(out),
+                       "--eval", "2", "--workers", "1", "--mel_bins", "80", "--audio_window",
+                       str(WINDOW_S), "--on_error", "fail"]) == 0
+  m = conversations.manifest(str(out))
+  assert (m["image_token"], m["image_size"], m["max_images"]) == (-1, None, 0)
+  cfg = _audio_only(out, tmp_path / "run")
+  assert cfg.data.image_token == -1
+  assert set(conversations.paths(cfg)) == set(conversations.SPLITS)
+  with_vision = tiny_audio.get_config()
+  with_vision.model.audio = cfg.model.audio
+  with_vision.data, with_vision.model.language = cfg.data, cfg.model.language
+  assert set(conversations.paths(with_vision)) == set(conversations.SPLITS)
+
+
 def test_data_with_images_under_an_audio_only_model_is_one_error(source, tmp_path):
   """A conversion holding an image, read by a model without a vision encoder: one ConfigError
   naming model.vision, the directory and the fix."""

@@ -119,7 +119,10 @@ def paths(cfg: Config, directory: str = "") -> dict[str, str]:
   d = cfg.data
   directory = directory or d.dir
   m = manifest(directory)
-  if d.placeholder != m["image_token"]:
+  # Data without images may have no image token (-1: a tokenizer without one, as Qwen2-Audio's);
+  # then nothing of the run's reads it.
+  if (m.get("image_token") is not None and m["image_token"] >= 0
+      and d.placeholder != m["image_token"]):
     raise ConfigError(f"config.data.image_token: {d.image_token} where {directory} marks images "
                       f"with token {m['image_token']}; set data.image_token={m['image_token']}.")
   images.check_sizes(cfg, directory, m["image_size"], m.get("image_sizes", []),

@@ -262,12 +262,13 @@ class Tally:
     return self.channels.most_common(1)[0][0] if self.channels else processor.channels
 
 
-def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[int]],
+def check_sizes(cfg: Config, directory: str, size: list[int] | None, sizes: list[list[int]],
                 most: int = 0) -> None:
   """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
   most common `size` and all its `sizes`, `most` images in a sample): one size equal to
   model.vision.image_size, or any sizes with dynamic resolution (model.vision.slot_patches), and
-  model.vision.max_images >= most. Without a vision encoder (an audio-only model), data holding
+  model.vision.max_images >= most; `size` None (data converted without images or a processor)
+  has no size to check. Without a vision encoder (an audio-only model), data holding
   images is one ConfigError and data without them passes."""
   if "vision" not in cfg.model.encoders:
     if most > 0:
@@ -282,6 +283,8 @@ def check_sizes(cfg: Config, directory: str, size: list[int], sizes: list[list[i
     raise ConfigError(f"config.model.vision.max_images: {v.max_images}, but a sample of "
                       f"{directory} holds {count(most, 'image')} (its conversations.json); use "
                       f">= {most}, as the launch line that tools.convert printed does.")
+  if size is None:  # converted without images or an image processor: no size to agree with
+    return
   h, w = size
   if not v.slot_patches and (h, w) != (v.image_size, v.image_size):
     raise ConfigError(f"config.model.vision.image_size: {v.image_size} where {directory} holds "
