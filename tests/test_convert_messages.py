@@ -135,3 +135,27 @@ def test_progress_is_lines_where_stderr_is_no_terminal(src, tmp_path, capsys, mo
   assert "\r" not in err and len(lines) == 11, err
   assert lines[0].startswith("converting: 1 of 12 records (8%), 0 skipped, ") and \
       lines[0].endswith(" s left") and "records/s, about " in lines[0], lines[0]
+
+
+def test_no_record_converted_is_a_sentence_with_the_fix(src, tmp_path, capsys):
+  """Every record skipped (too long for --seq_len 20, one missing its image): the error counts the
+  reasons with their first records and gives the fix, --seq_len the longest sample's tokens (no
+  dict repr); with that --seq_len every sample fits."""
+  records = json.loads((src / "ok.json").read_text())
+  (src / "d.json").write_text(json.dumps(records + [dict(records[0], id="gone",
+                                                         image="nowhere.png")]))
+  rc, err, _ = _main(_args(src, tmp_path / "out", "d.json", "--seq_len", "20", "--eval", "1"),
+                     capsys)
+  _one_line_error(rc, err, "d.json: no record could be converted for train: 13 of 13 records "
+                  "(100.0%) were skipped: too long 12 ('r0', 'r1', 'r2', ...), missing image 1 "
+                  "('gone'); each is named above on a `skipped:` line. Give --seq_len ")
+  line = err.strip().splitlines()[-1]
+  assert "{" not in line and line.endswith(
+      " or more (the tokens of the longest sample; 0: no limit) and fix the other records or the "
+      "flags that reject them."), line
+  longest = line.split("Give --seq_len ")[1].split()[0]
+  rc, err, _ = _main(_args(src, tmp_path / "out", "d.json", "--seq_len", longest, "--eval", "1",
+                           "--max_skipped_fraction", "1"), capsys)
+  assert rc == 0, err
+  m = json.loads((tmp_path / "out" / "conversations.json").read_text())
+  assert m["skipped"] == {"missing image": 1} and m["longest"] == int(longest)

@@ -229,6 +229,7 @@ class _Tally:
   longest: int = 0  # positions of the longest sample
   clips: list[int] = dataclasses.field(default_factory=list)  # clips of each sample
   windows: int = 0  # 30 s windows of the longest clip
+  too_long: int = 0  # positions of the longest sample skipped as longer than --seq_len
 
 
 def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progress: bool,
@@ -254,7 +255,8 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
     if caught:
       raise output.Interrupted(caught[0])
     if error is not None:
-      reason, message = error
+      reason, message, length = error
+      tally.too_long = max(tally.too_long, length or 0)
       if opts.on_error == "fail":
         raise ConfigError(message + " (--on_error skip converts the rest)")
       tally.skipped[reason] += 1
@@ -320,6 +322,20 @@ def skipped_summary(skipped: list[dict], read: int, shown: int = 3) -> str:
           f"{'was' if len(skipped) == 1 else 'were'} skipped: {', '.join(parts)}")
 
 
+def _fixes(tally: _Tally, lower: bool = False) -> str:
+  """What keeps the skipped records of `tally`: "Give --seq_len 57 or more (the tokens of the
+  longest sample; 0: no limit) and fix the other records or the flags that reject them"."""
+  rest = "the records or the flags that reject them"
+  if not tally.too_long:
+    fix = f"fix {rest}"
+  else:
+    fix = (f"give --seq_len {tally.too_long} or more (the tokens of the longest sample; 0: no "
+           "limit)")
+    if set(tally.skipped) - {"too long"}:
+      fix += f" and fix the other {rest.removeprefix('the ')}"
+  return fix if lower else fix[0].upper() + fix[1:]
+
+
 def _stored(path: str, out: pathlib.Path) -> str:
   """A path as the manifest keeps it: relative to `out` when inside it (the directory may move),
   else absolute and resolved (tools read it from any working directory)."""
@@ -333,19 +349,22 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
   while records were `held_out` for it, or more records were skipped than
   `opts.max_skipped_fraction` of them."""
   counts = {s: len(r) for s, r in tally.rows.items()}
-  if not counts["train"]:
-    raise ConfigError(f"--json {source}: no record could be converted for train "
-                      f"({dict(tally.skipped) or 'every record was drawn for eval'}).")
-  if held_out and not counts["eval"]:
-    raise ConfigError(f"--json {source}: every record drawn for eval was skipped "
-                      f"({dict(tally.skipped)}); hold out more with --eval, or fix the records.")
   read = sum(counts.values()) + len(tally.skipped_records)
+  summary = skipped_summary(tally.skipped_records, read)
+  if not counts["train"]:
+    if not tally.skipped_records:
+      raise ConfigError(f"--json {source}: no record is left for train: every record was drawn "
+                        "for eval (the records of one id go to one side); give a smaller --eval.")
+    raise ConfigError(f"--json {source}: no record could be converted for train: {summary}; "
+                      f"each is named above on a `skipped:` line. {_fixes(tally)}.")
+  if held_out and not counts["eval"]:
+    raise ConfigError(f"--json {source}: every record drawn for eval was skipped ({summary}); "
+                      f"hold out more with --eval, or {_fixes(tally, lower=True)}.")
   if len(tally.skipped_records) > opts.max_skipped_fraction * read:
-    raise ConfigError(f"--json {source}: {skipped_summary(tally.skipped_records, read)}, more "
-                      f"than --max_skipped_fraction {opts.max_skipped_fraction:g} allows; each is "
-                      "named above on a `skipped:` line. Fix the records or the flags that "
-                      "reject them, or raise --max_skipped_fraction (1 keeps every good record "
-                      "whatever the rest).")
+    raise ConfigError(f"--json {source}: {summary}, more than --max_skipped_fraction "
+                      f"{opts.max_skipped_fraction:g} allows; each is named above on a `skipped:` "
+                      f"line. {_fixes(tally)}, or raise --max_skipped_fraction (1 keeps "
+                      "every good record whatever the rest).")
   # Without images, the image token and processor may be absent (unused): the image token is
   # then -1 (no token id) and the image size and channels null.
   proc, pictures = WORKER["proc"], tally.image_stats

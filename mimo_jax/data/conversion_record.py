@@ -41,6 +41,14 @@ class Options:
   audio: audio_records.Settings = audio_records.Settings()  # clips: folder, token, features
 
 
+class TooLong(RecordError):
+  """A sample longer than --seq_len, with the positions it takes (`length`)."""
+
+  def __init__(self, message: str, length: int):
+    super().__init__("too long", message)
+    self.length = length
+
+
 WORKER = {}  # this process's options, tokenizer, processor and ids (`init_worker`)
 
 
@@ -157,9 +165,8 @@ def convert_record(record: dict, where: str) -> dict:
   clip_tokens = [c.tokens(opts.audio.pool) for c in clips]
   length = positions(len(ids), len(files), opts.image_tokens, clip_tokens)
   if opts.seq_len and length > opts.seq_len:
-    raise RecordError("too long", f"{where}: {length} tokens"
-                      f"{_held(len(files), opts.image_tokens, clip_tokens)} exceed --seq_len "
-                      f"{opts.seq_len}.")
+    raise TooLong(f"{where}: {length} tokens{_held(len(files), opts.image_tokens, clip_tokens)} "
+                  f"exceed --seq_len {opts.seq_len}.", length)
   return {"tokens": ids, "loss_mask": mask, IMAGES: pixels, **audio_records.fields(clips)}
 
 
@@ -170,12 +177,14 @@ def positions(tokens: int, image_count: int, image_tokens: int, clip_tokens=()) 
 
 
 def work(item):
+  """(index, sample, None) for a record converted, (index, None, (reason, message, positions of
+  a sample too long or None)) for one skipped."""
   index, record, source = item
   where = f"{source}: record {index} (id {record.get('id', '?')!r})"
   try:
     return index, dict(convert_record(record, where), id=record.get("id", index)), None
   except RecordError as e:
-    return index, None, (e.reason, str(e))
+    return index, None, (e.reason, str(e), getattr(e, "length", None))
   except Exception as e:  # pylint: disable=broad-except
     # Whatever else one record raises is that record's fault: skipped like the others.
-    return index, None, ("error", f"{where}: {type(e).__name__}: {e}")
+    return index, None, ("error", f"{where}: {type(e).__name__}: {e}", None)
