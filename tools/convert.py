@@ -86,8 +86,9 @@ each image taking `--image_tokens`), data.global_batch (`--global_batch`, where 
 model config's), model.vision.max_images (with max_images + 1 data.image_probs, which converted
 data does not use but validation checks), eval.samples (the eval split), the image size and
 channels, with clips model.audio's audio_token, mel_bins, max_audios, max_windows and positions
-(half a window's frames: 1500 for 30 s windows), and model.language.vocab_size: the vocab_size of config.json beside the tokenizer (a
-LLaVA's text_config's; it may exceed the tokenizer's count), else the tokenizer's count.
+(half a window's frames: 1500 for 30 s windows), and model.language.vocab_size: the vocab_size
+of config.json beside the tokenizer (a LLaVA's text_config's; it may exceed the tokenizer's
+count), else the tokenizer's count.
 MODEL_CONFIG in that line is the model's config file: the WORKDIR/config.py that `python -m
 tools.hf import` wrote, or a configs/ file.
 """
