@@ -9,10 +9,10 @@ HTML), with the special tokens of tokenizer_config.json as variables.
 `encode(messages)` gives a conversation's token ids (the rendered text tokenized without adding
 special tokens: the template writes them; with `strict`, a word the vocabulary lacks, which the
 tokenizer would encode as its unknown token, is an error) and a 0/1 loss mask: 1 on the tokens
-of every assistant turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are found by rendering the
-conversation up to it with `add_generation_prompt=True` and up to its end: what the second adds to
-the first is the turn (trailing whitespace, such as the newline after ChatML's `<|im_end|>`, is
-not). A template for which the first is no prefix of the second is an error (`AssistantFirst`
+of every assistant turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are
+found by rendering the conversation up to it with `add_generation_prompt=True` and up to its
+end: what the second adds to the first is the turn (trailing whitespace, such as the newline
+after ChatML's `<|im_end|>`, is not). A template for which the first is no prefix of the second is an error (`AssistantFirst`
 where the turn opens the conversation). LLaVA-format records
 (`{"from": "human" | "gpt" | "system", "value": ...}`) map to roles with `messages()`.
 """

@@ -113,8 +113,8 @@ def convert(source: pathlib.Path, out: pathlib.Path, opts: Options, eval_count: 
   `opts.max_skipped_fraction` of the records is a ConfigError with nothing written) or raise
   ConfigError with nothing written. `progress`: a bar where stderr is a terminal, else a line
   every PROGRESS_SECONDS (records done, skipped, rate); a failed write is a ConfigError naming
-  the file system's reason; any failure or interrupt removes what this conversion wrote. Callers that publish `out`
-  as a whole (tools.convert) pass a fresh staging directory."""
+  the file system's reason; any failure or interrupt removes what this conversion wrote. Callers
+  that publish `out` as a whole (tools.convert) pass a fresh staging directory."""
   with _caught_signals() as caught:  # from the start: a signal at any point counts
     try:
       return _convert(pathlib.Path(source), pathlib.Path(out), opts, eval_count, seed, eval_ids,
