@@ -127,9 +127,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   _task(cfg)
   _encoders(cfg)
   _data(cfg)
-  _seq_len(cfg)
   _optim(cfg)
   _schedule_and_run(cfg)
+  # After every range check: data.seq_len's bounds divide by and multiply with the fields above
+  # (eval.batch, eval.samples, the data's batch), which a bad value of would crash, not name.
+  _seq_len(cfg)
   validate_topology(cfg, num_devices)
 
 
@@ -285,8 +287,8 @@ def _data(cfg: Config) -> None:
             "and slots, which pack does not lower; use stream.")
   require(d.microbatch_order in ("stream", "pipeline"), "data.microbatch_order",
           f"must be stream or pipeline, got {d.microbatch_order!r}.")
-  require(d.image_token_cost >= 0 and d.text_token_cost >= 0, "data.image_token_cost",
-          "costs must be >= 0.")
+  for name in ("image_token_cost", "text_token_cost"):
+    require(getattr(d, name) >= 0, f"data.{name}", f"must be >= 0, got {getattr(d, name)}.")
 
 
 def _seq_len(cfg: Config) -> None:

@@ -53,6 +53,14 @@ CASES = [
     ("optim.b2", -0.5, "optim.b2"),
     ("optim.weight_decay", -5.0, "optim.weight_decay"),
     ("optim.lr_mult", "vision=inf", "optim.lr_mult"),
+    # Range errors before anything that divides by (or sizes with) the field: data.seq_len's
+    # bounds take eval.batch, eval.samples and the data's batch.
+    ("eval.batch", 0, "eval.batch"),  # was a ZeroDivisionError
+    ("eval.batch", -1, "eval.batch"),
+    ("eval.samples", 0, "eval.samples"),
+    ("data.microbatches", 0, "data.microbatches"),
+    ("data.eval_samples", 0, "data.eval_samples"),
+    ("data.text_token_cost", -1, "data.text_token_cost"),  # was named data.image_token_cost
 ]
 
 
