@@ -12,8 +12,8 @@ tokenizer would encode as its unknown token, is an error) and a 0/1 loss mask: 1
 of every assistant turn, its end-of-turn token included, as LLaVA trains. A turn's tokens are
 found by rendering the conversation up to it with `add_generation_prompt=True` and up to its
 end: what the second adds to the first is the turn (trailing whitespace, such as the newline
-after ChatML's `<|im_end|>`, is not). A template for which the first is no prefix of the second is an error (`AssistantFirst`
-where the turn opens the conversation). LLaVA-format records
+after ChatML's `<|im_end|>`, is not). A template for which the first is no prefix of the second
+is an error (`AssistantFirst` where the turn opens the conversation). LLaVA-format records
 (`{"from": "human" | "gpt" | "system", "value": ...}`) map to roles with `messages()`.
 """
 
