@@ -18,9 +18,43 @@ same command goes on. The flags below are for several hosts (one machine's proce
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
+
+class _StartUpSignals:
+  """SIGINT and SIGTERM from launch's first line until the run's own handlers take over
+  (`train.run`'s): the first is noted, not raised, so that it cannot surface as a traceback from
+  inside an import (JAX's, orbax's take seconds) or be wrapped by a library's error; launch then
+  ends the run before its first step (`_stop_if_signalled`), or hands the signal to `train.run`.
+  A second SIGINT leaves at once (status 130), as during training."""
+
+  def __init__(self):
+    self.signal: str | None = None
+    self._old = {}
+
+  def install(self) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):
+      self._old[s] = signal.signal(s, self._handle)
+
+  def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    if self.signal is not None and signum == signal.SIGINT:
+      os.write(2, b"mimo_jax: second interrupt: stopped without saving.\n")
+      os._exit(130)  # pylint: disable=protected-access
+    self.signal = self.signal or signal.Signals(signum).name
+
+  def restore(self, signum: int) -> None:
+    """Gives `signum` back to the handler it had before `install`."""
+    if signum in self._old:
+      signal.signal(signum, self._old.pop(signum))
+
+
+_SIGNALS = _StartUpSignals()
+if __name__ == "__main__":
+  _SIGNALS.install()  # before the imports below, which take seconds
+
+# pylint: disable=wrong-import-position  (after the start-up's signal handlers)
 from absl import app, flags, logging
 
 from mimo_jax import configfile, workdir
@@ -63,6 +97,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     _fail(f"unexpected arguments {argv[1:]}; flags look like --config.train.steps=10.")
   cfg = _CONFIG[0]
+  _stop_if_signalled()  # a signal while the modules loaded or the flags were read
   try:
     data_source(cfg)  # the data first: the fields that depend on it come from its converter
     validate(cfg)  # device-independent checks, before JAX starts
@@ -76,13 +111,22 @@ def main(argv: list[str]) -> None:
   jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)  # before the backend starts
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax import distributed, train  # after jax_num_cpu_devices (module docstring)
+  _stop_if_signalled()
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            _HEARTBEAT.value)
   except ValueError as e:
     _fail(str(e))
+  several = jax.distributed.is_initialized()
+  if several:
+    # SIGTERM is jax.distributed's preemption notice now (its handler took over; train.run's
+    # installs none), and SIGINT is Python's again, as train.run leaves it.
+    _SIGNALS.restore(signal.SIGINT)
   try:
-    train.run(cfg)
+    # With one process, train.run's handlers take over from launch's: a signal noted until then
+    # ends the run before its first step (nothing made), as one taken during its start-up does.
+    # (Several stop together, at a step the preemption notice picks, never one alone.)
+    train.run(cfg, pending=None if several else lambda: _SIGNALS.signal)
     distributed.shutdown()
   except Exception as e:  # pylint: disable=broad-except
     message, status = _explain(e)
@@ -101,6 +145,13 @@ def main(argv: list[str]) -> None:
     print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
           flush=True)
     os._exit(status)  # skip jax.distributed's shutdown barrier, which would wait for the others
+
+
+def _stop_if_signalled() -> None:
+  """Ends the run, status 0, if a signal came during start-up: nothing is made yet."""
+  if _SIGNALS.signal is not None:
+    print(f"{_SIGNALS.signal} before the first step: nothing to save.", flush=True)
+    sys.exit(0)
 
 
 def _no_tracebacks(record) -> bool:

@@ -38,47 +38,56 @@ def _why_aside(moved: str) -> str:
               why, "not a step of this run")
 
 
-def run(cfg: Config) -> list[dict]:
-  """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote."""
+def run(cfg: Config, pending=None) -> list[dict]:
+  """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote.
+  `pending()`: the name of a signal its caller took before (launch's start-up), or None."""
   started = time.time()
   compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
-  validate(cfg, len(jax.devices()))
-  validate_backend(cfg, jax.default_backend(), jax.process_count())
-  # What the layout needs of each device's memory, before anything is written or compiled.
-  memory.check(cfg, warn=lambda line: print(line, file=sys.stderr) if distributed.is_main()
-               else None)
-  validate_data(cfg)  # converted data that agrees with the run (manifest, eval split, token ids)
-  trainer = Step.build(cfg)
-  if not checkpoint_steps.complete_steps(checkpoint_steps.directory(cfg.run.workdir)):
-    # A new run that starts from another (init_from): the source checked before anything is
-    # written.
-    init_from.params(cfg, {n: a["params"] for n, a in
-                                 trainer.abstract_state(canonical=True).items()}, read=False)
-  # What the workdir holds before the run writes there: a run that ends before its first step
-  # (an error, a signal) removes what it made, its workdir too, and leaves nothing behind.
-  made = workdir.Made(cfg.run.workdir) if distributed.is_main() else None
-  lock = None
-  try:
-    if made is not None:
-      workdir.check(cfg.run.workdir)
-      lock = workdir.Lock(cfg.run.workdir).acquire()
-    return _run(cfg, trainer, lock, started)
-  finally:
-    if made is not None:
-      made.remove_unused(lock)  # releases the lock
-
-
-def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float) -> list[dict]:
-  # A signal during start-up (data, compilation, the capacity check) ends the run before its
-  # first step, with nothing to save; the loop's own flag takes over from this one.
-  with StopFlag() as early:
-    paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
-    loop = _Loop(cfg, trainer, started)
+  # A signal during start-up (the checks, building the step, data, compilation, the capacity
+  # check) ends the run before its first step, with nothing to save; the loop's own flag takes
+  # over from this one.
+  taken = pending or (lambda: None)
+  with StopFlag(pending=taken()) as early:
+    early.signal = early.signal or taken()  # one the caller took while this flag was installed
+    validate(cfg, len(jax.devices()))
+    validate_backend(cfg, jax.default_backend(), jax.process_count())
+    # What the layout needs of each device's memory, before anything is written or compiled.
+    memory.check(cfg, warn=lambda line: print(line, file=sys.stderr) if distributed.is_main()
+                 else None)
+    validate_data(cfg)  # converted data that agrees with the run (manifest, eval split, token ids)
+    trainer = Step.build(cfg)
+    if not checkpoint_steps.complete_steps(checkpoint_steps.directory(cfg.run.workdir)):
+      # A new run that starts from another (init_from): the source checked before anything is
+      # written.
+      init_from.params(cfg, {n: a["params"] for n, a in
+                                   trainer.abstract_state(canonical=True).items()}, read=False)
+    if early.requested():  # before anything is made
+      if distributed.is_main():
+        print(f"{early.signal} before the first step: nothing to save.", flush=True)
+      return []
+    # What the workdir holds before the run writes there: a run that ends before its first step
+    # (an error, a signal) removes what it made, its workdir too, and leaves nothing behind.
+    made = workdir.Made(cfg.run.workdir) if distributed.is_main() else None
+    lock = None
     try:
-      loop.open(paths, lock, early)
-      return loop.run(early.signal)
+      if made is not None:
+        workdir.check(cfg.run.workdir)
+        lock = workdir.Lock(cfg.run.workdir).acquire()
+      return _run(cfg, trainer, lock, started, early)
     finally:
-      loop.close()
+      if made is not None:
+        made.remove_unused(lock)  # releases the lock
+
+
+def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float,
+         early: StopFlag) -> list[dict]:
+  paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
+  loop = _Loop(cfg, trainer, started)
+  try:
+    loop.open(paths, lock, early)
+    return loop.run(early.signal)
+  finally:
+    loop.close()
 
 
 class _Loop:

@@ -5,7 +5,12 @@ tools.restart_bench) refuse a bad flag, input file or run config in one line bef
 
 import importlib
 import json
+import os
+import pathlib
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,6 +19,7 @@ from mimo_jax.data import capacity
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _cfg(data_dir, work):
   cfg = tiny_config(data_dir)
@@ -52,6 +58,64 @@ def test_a_first_step_that_fails_leaves_no_metrics_file(data_dir, tmp_path, monk
   with pytest.raises(RuntimeError, match="the first step failed"):
     train.run(cfg)
   assert not work.exists()
+
+
+def _importing(pid: int) -> bool:
+  """Whether process `pid` handles SIGTERM itself (Linux's /proc/PID/status) while it has not
+  loaded JAX's library yet (/proc/PID/maps): launch's handlers, before its imports."""
+  with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+    caught = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+  with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1) and "jaxlib" not in f.read()
+
+
+def test_a_signal_while_launch_imports_ends_the_run_in_one_line(data_dir, tmp_path):
+  """Ctrl-C in launch's first seconds (importing JAX and orbax) is the start-up's one line and
+  status 0, as later in the start-up, not a KeyboardInterrupt's traceback: nothing is made."""
+  work = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "mimo_jax.launch", f"--config.run.workdir={work}",
+                           f"--config.data.dir={data_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ,
+                                                                      JAX_PLATFORMS="cpu"))
+  try:
+    deadline = time.time() + 60
+    while not _importing(proc.pid):
+      assert proc.poll() is None and time.time() < deadline, "no handler before the imports"
+      time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert (proc.returncode, out, err) == (0, "SIGINT before the first step: nothing to save.\n",
+                                         ""), err[-3000:]
+  assert not work.exists()
+
+
+def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tmp_path,
+                                                                    monkeypatch, capsys):
+  """A signal while the run checks its config and builds its step (or one its caller took:
+  launch's, while it imported) ends it before anything is made, in one line."""
+  built = Step.build
+
+  def build_then_signal(cfg, *args, **kw):
+    trainer = built(cfg, *args, **kw)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return trainer
+  def unhandled(*_):
+    raise AssertionError("the run had no handler of SIGTERM")
+  monkeypatch.setattr(Step, "build", build_then_signal)
+  cfg = _cfg(data_dir, tmp_path / "new" / "run")
+  kept = signal.signal(signal.SIGTERM, unhandled)
+  try:
+    assert train.run(cfg) == []
+  finally:
+    signal.signal(signal.SIGTERM, kept)
+  monkeypatch.setattr(Step, "build", built)
+  assert train.run(cfg, pending=lambda: "SIGINT") == []
+  assert capsys.readouterr().out.splitlines() == [
+      "SIGTERM before the first step: nothing to save.",
+      "SIGINT before the first step: nothing to save."]
+  assert list(tmp_path.iterdir()) == []
 
 
 def test_only_what_the_run_made_and_holds_nothing_is_removed(tmp_path):
