@@ -1,6 +1,8 @@
 """Models of an audio encoder and a language model alone (no vision encoder): converted
 conversations with clips train, converted data with images is one error naming the fix, and
-`tools.hf import` reads a Qwen2-Audio directory into such a model."""
+`tools.hf import` reads a Qwen2-Audio directory into such a model. A truncated clip (a WAV whose
+data chunk declares more frames than the file holds, which libsndfile reads without a word) is a
+bad clip: skipped by tools.convert with its reason, refused by tools.generate --audio."""
 
 import json
 import pathlib
@@ -8,10 +10,11 @@ import shutil
 
 import numpy as np
 import pytest
+import soundfile
 from tokenizers import Tokenizer
 
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import conversations
+from mimo_jax.data import audio, conversations
 from tests.configs import tiny_audio
 from tools import convert
 
@@ -164,3 +167,55 @@ def test_tools_hf_imports_qwen2_audio_into_an_audio_only_model(tmp_path, capsys)
     assert sorted(got) == sorted(want), module
     for path, x in want.items():
       np.testing.assert_array_equal(np.asarray(got[path]), x, err_msg="/".join(path))
+
+
+def _truncated(folder: pathlib.Path) -> tuple[pathlib.Path, int, int]:
+  """A WAV written by soundfile, then cut to half its bytes: its path, the frames its header
+  declares and those libsndfile reads of it."""
+  wave = np.sin(np.arange(15798, dtype=np.float32) / 7) * 0.1
+  whole, cut = folder / "whole.wav", folder / "half.wav"
+  soundfile.write(whole, wave, audio.SAMPLE_RATE)
+  data = whole.read_bytes()
+  cut.write_bytes(data[:len(data) // 2])
+  return cut, len(wave), soundfile.info(cut).frames
+
+
+def test_a_truncated_wav_is_a_bad_clip(source, tmp_path, capsys):
+  """libsndfile reads the half of a cut WAV there is (soundfile.info says so too) without an error;
+  the header's data chunk declares all of it: loading names both counts, and tools.convert skips
+  the record as `truncated audio`, or under --on_error fail stops with one line, writing nothing."""
+  cut, declared, read = _truncated(source / "audio")
+  assert 0 < read < declared and len(soundfile.read(cut)[0]) == read
+  assert len(audio.load(source / "audio" / "whole.wav")) == declared
+  with pytest.raises(audio.AudioError, match=f"truncated: {read} of {declared} frames"):
+    audio.load(cut)
+  good = [_rec(f"{k}", "<audio>\nWhat is said?", audio="one_second.flac") for k in range(4)]
+  bad = _rec("cut", "<audio>\nWhat is said?", audio=cut.name)
+  (source / "cut.json").write_text(json.dumps(good + [bad]))
+  args = ["--json", str(source / "cut.json"), "--images", str(source / "images"), "--audio",
+          str(source / "audio"), "--tokenizer", str(source / "tokenizer"), "--eval", "1",
+          "--workers", "1", "--mel_bins", "80", "--audio_window", str(WINDOW_S),
+          "--max_skipped_fraction", "1"]
+  assert convert.main([*args, "--out", str(tmp_path / "skip")]) == 0
+  assert conversations.manifest(str(tmp_path / "skip"))["skipped"] == {"truncated audio": 1}
+  capsys.readouterr()
+  assert convert.main([*args, "--out", str(tmp_path / "fail"), "--on_error", "fail"]) == 2
+  err = capsys.readouterr().err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("convert: error: ") and "Traceback" not in err, err
+  assert f"{cut}: truncated: {read} of {declared} frames" in last and "(id 'cut')" in last
+  assert not (tmp_path / "fail").exists()
+
+
+def test_tools_generate_refuses_a_truncated_clip(tmp_path):
+  """tools.generate --audio reads its clips with tools.prompts.load_audios: a cut WAV is one line
+  naming the file and both counts (the ConfigError tools.generate prints, status 2)."""
+  from tools import prompts  # pylint: disable=import-outside-toplevel
+  cut, declared, read = _truncated(tmp_path)
+  cfg = tiny_audio.get_config()
+  cfg.model.audio.positions, cfg.model.audio.mel_bins, cfg.model.audio.pool = 1500, 80, 2
+  assert len(prompts.load_audios([str(tmp_path / "whole.wav")], cfg)) == 1
+  with pytest.raises(ConfigError) as e:
+    prompts.load_audios([str(cut)], cfg)
+  assert str(e.value).startswith(f"--audio: audio file {cut}: truncated: {read} of {declared} "
+                                 "frames") and "\n" not in str(e.value)

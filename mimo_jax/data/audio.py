@@ -35,7 +35,8 @@ FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG", ".oga": "OGG", ".opus"
 
 
 class AudioError(ValueError):
-  """An audio file that cannot be used: missing, empty, corrupt or of an unsupported format."""
+  """An audio file that cannot be used: missing, empty, corrupt, truncated (fewer frames than its
+  header declares: `declared_frames`) or of an unsupported format."""
 
   def __init__(self, path: str, why: str):
     super().__init__(f"audio file {path}: {why}")
@@ -66,6 +67,10 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
   except (soundfile.LibsndfileError, RuntimeError, ValueError, EOFError) as e:
     raise AudioError(path, f"cannot be decoded as {FORMATS[ext]} (corrupt or truncated?): "
                      f"{e}") from None
+  declared = declared_frames(path, FORMATS[ext])
+  if declared is not None and len(wave_sc) < declared:  # libsndfile reads what is there, quietly
+    raise AudioError(path, f"truncated: {len(wave_sc)} of {declared} frames (its header declares "
+                     f"{declared}; the file ends early); use the complete file or drop the clip.")
   if wave_sc.size == 0:
     raise AudioError(path, "holds no samples (empty clip).")
   if not np.isfinite(wave_sc).all():  # a float file can hold NaN or infinity; features would too
@@ -74,6 +79,49 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
                      "infinite (corrupt?).")
   wave_s = wave_sc.mean(axis=1, dtype=np.float32) if wave_sc.shape[1] > 1 else wave_sc[:, 0]
   return resample(wave_s, rate, sample_rate)
+
+
+# WAV codecs whose data chunk holds whole frames of block_align bytes: PCM, IEEE float, A-law,
+# mu-law, and WAVE_FORMAT_EXTENSIBLE (of those).
+WAV_FRAMED = (0x0001, 0x0003, 0x0006, 0x0007, 0xFFFE)
+
+
+def declared_frames(path: str, fmt: str) -> int | None:
+  """The frames the file's header declares where the file holds fewer bytes than that: a WAV's
+  data chunk (its size over block_align, for framed codecs: WAV_FRAMED) cut short; a FLAC's
+  STREAMINFO total samples. None where the header declares no exact count (OGG, MP3, a WAV
+  streamed with an unknown size, a FLAC's unknown total), a WAV's data is all there, or the header
+  cannot be parsed (decoding reports that). libsndfile gives a truncated WAV's frames as those its
+  file holds (soundfile.info too) and reads them without an error; the header says more."""
+  try:
+    with open(path, "rb") as f:
+      size = os.fstat(f.fileno()).st_size
+      head = f.read(42)
+      if fmt == "FLAC":  # "fLaC", then STREAMINFO first: 4 bytes of header, 34 of fields
+        if head[:4] != b"fLaC" or len(head) < 42 or head[4] & 0x7F != 0:
+          return None
+        return int.from_bytes(head[18:26], "big") & ((1 << 36) - 1) or None  # its bits 108..143
+      if fmt != "WAV" or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+        return None
+      order = "little" if head[:4] == b"RIFF" else "big"
+      at, tag, block = 12, None, 0
+      while at + 8 <= size:
+        f.seek(at)
+        chunk = f.read(8)
+        kind, length = chunk[:4], int.from_bytes(chunk[4:8], order)
+        if kind == b"fmt ":
+          fields = f.read(14)
+          if len(fields) == 14:
+            tag, block = (int.from_bytes(fields[:2], order),
+                          int.from_bytes(fields[12:14], order))
+        elif kind == b"data":
+          if tag not in WAV_FRAMED or block <= 0 or length in (0, 0xFFFFFFFF):
+            return None  # a codec of blocks of several frames, or a size written as unknown
+          return length // block if length > size - (at + 8) else None
+        at += 8 + length + (length & 1)  # chunks are padded to an even size
+  except OSError:
+    return None
+  return None
 
 
 def resample(wave_s: np.ndarray, rate_from: int, rate_to: int = SAMPLE_RATE) -> np.ndarray:

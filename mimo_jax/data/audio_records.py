@@ -88,7 +88,8 @@ def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
     text = str(e)
     reason = ("missing audio" if "no such file" in text else "unsupported audio"
               if "unsupported format" in text else "empty audio" if "no samples" in text
-              else "short audio" if "no audio token" in text else "corrupt audio")
+              else "short audio" if "no audio token" in text else "truncated audio"
+              if ": truncated: " in text else "corrupt audio")
     raise RecordError(reason, f"{where}: {text}") from None
   return Clip(mel_fm, tuple(frames_w))
 
