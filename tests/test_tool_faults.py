@@ -504,6 +504,9 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
   assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \
       == 2 and manifest["vocab_size"] == 64
   _error(capsys, "tools.generate", "'hello zebra'", "cannot encode")
+  # With an unknown token, a word outside the vocabulary would be read as it: refused too.
+  assert generate_tool.main([str(run), "--prompt", "hello zebra"]) == 2
+  _error(capsys, "tools.generate", "'hello zebra'", "'zebra' is not in the vocabulary")
   # A PNG whose header claims 20000x20000 pixels: Pillow's decompression bomb limit.
   small = launch / "small.png"
   Image.new("RGB", (1, 1)).save(small)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import audio_records, images
+from mimo_jax.data import audio_records, chat, images
 from tools.display import count
 
 
@@ -58,10 +58,15 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
   image_id = tok.token_id(image_token) if images else None
   audio_id = tok.token_id(audio_token) if clips else None
   try:
-    encoded = tok.tokenizer.encode(rendered, add_special_tokens=False).ids
+    enc = tok.tokenizer.encode(rendered, add_special_tokens=False)
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f"the prompt {text!r}: the tokenizer {tok.path} cannot encode it ({e}); "
                       "use words of its vocabulary.") from None
+  try:
+    tok.check_known(rendered, enc)
+  except chat.UnknownToken as e:
+    raise ConfigError(f"the prompt {text!r}: {e}") from None
+  encoded = enc.ids
   if clips and encoded.count(audio_id) != len(clips):
     raise ConfigError(f"the prompt {text!r} holds {encoded.count(audio_id)} {audio_token} once "
                       f"rendered and tokenized, for {count(len(clips), '--audio file')}: give "

@@ -194,6 +194,24 @@ class ChatTokenizer:
     except Exception as e:  # pylint: disable=broad-except
       raise ChatError(f"the chat template of {self.path} failed: {e}") from None
 
+  def check_known(self, text: str, enc) -> None:
+    """UnknownToken where the encoding `enc` of `text` holds the unknown token for a word of the
+    text (the unknown token written out in the text is itself); nothing for a tokenizer without
+    one."""
+    if self.unknown is None:
+      return
+    unk, unk_text = self.unknown
+    lost = list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets)
+                              if i == unk and text[a:b] != unk_text))
+    if lost:
+      one = len(lost) == 1
+      shown = ", ".join(repr(w) for w in lost[:5]) + (" ..." if len(lost) > 5 else "")
+      raise UnknownToken(f"{'the word' if one else 'the words'} {shown} "
+                         f"{'is' if one else 'are'} not in the vocabulary of "
+                         f"{self.path / 'tokenizer.json'}, which encodes "
+                         f"{'it' if one else 'them'} as its unknown token {unk_text!r}; fix "
+                         "the text or add the words to the tokenizer.")
+
   def encode(self, msgs: list[dict], strict: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [n] (int32) and the loss mask [n] (int32, 1 on assistant turns); with `strict`,
     UnknownToken where a word of the text is encoded as the unknown token (the unknown token
@@ -219,18 +237,8 @@ class ChatTokenizer:
     except Exception as e:  # pylint: disable=broad-except
       raise TokenizeError(f"{self.path / 'tokenizer.json'} cannot encode it ({e}).") from None
     ids = np.asarray(enc.ids, np.int32)
-    if strict and self.unknown is not None:
-      unk, unk_text = self.unknown
-      lost = list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets)
-                                if i == unk and text[a:b] != unk_text))
-      if lost:
-        one = len(lost) == 1
-        shown = ", ".join(repr(w) for w in lost[:5]) + (" ..." if len(lost) > 5 else "")
-        raise UnknownToken(f"{'the word' if one else 'the words'} {shown} "
-                           f"{'is' if one else 'are'} not in the vocabulary of "
-                           f"{self.path / 'tokenizer.json'}, which encodes "
-                           f"{'it' if one else 'them'} as its unknown token {unk_text!r}; fix "
-                           "the text or add the words to the tokenizer.")
+    if strict:
+      self.check_known(text, enc)
     offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
     start, end = offsets[:, :1], offsets[:, 1:]
     span = np.asarray(spans, np.int64).reshape(1, -1, 2)
