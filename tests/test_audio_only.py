@@ -44,8 +44,8 @@ def source(tmp_path_factory) -> pathlib.Path:
 
 
 def _convert(root: pathlib.Path, name: str, records: list[dict]) -> pathlib.Path:
-  """records converted into root/name. tools.convert asks an image processor even of data
-  without images: the siglip fixture's serves."""
+  """records converted into root/name (the siglip fixture's processor for records with an
+  image)."""
   (root / f"{name}.json").write_text(json.dumps(records))
   out = root / name
   assert convert.main(["--json", str(root / f"{name}.json"), "--images", str(root / "images"),
@@ -89,6 +89,11 @@ def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path
   assert len(losses) == 2 and np.isfinite(losses).all()
   assert sum(r["audios"] for r in got if "loss" in r) > 0
   assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
+  # tools.generate answers a clip from the run (it read the run's history for a vision tower).
+  from tools import generate as generate_tool  # pylint: disable=import-outside-toplevel
+  assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is said?", "--audio",
+                             str(source / "audio" / "one_second.flac"),
+                             "--max_new_tokens", "2"]) == 0
 
 
 def test_data_without_an_image_token_passes_the_manifest_checks(source, tmp_path):

@@ -102,6 +102,8 @@ def history(workdir: str, cfg: Config, record: dict,
     for module, p in rec.get("sources", {}).items():
       sources.setdefault(module, []).append(run_paths.resolve(p, "", where) or p)
     for module in ("vision", "language"):
+      if module not in c.model.encoders and module != "language":
+        continue  # a run without a vision encoder (audio and language)
       spec = run_paths.resolve_spec(c.model.module(module).init_from or c.model.init_from, where)
       run = run_source(spec)
       if run is None:
