@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -23,6 +24,7 @@ LOCK = "run.lock"
 # What a run writes beside its checkpoints (metrics.MetricsWriter): the records, the file they are
 # rewritten through on resume, and TensorBoard's events.
 METRICS, METRICS_TMP, TB = "metrics.jsonl", "metrics.jsonl.tmp", "tb"
+CHECKPOINTS = "checkpoints"
 
 
 class WorkdirError(ConfigError):
@@ -70,8 +72,9 @@ def check(workdir: str) -> str:
 class Made:
   """What a run is about to make in its workdir, noted before it makes anything, so that a run
   that ends with nothing of value there (it failed or was stopped before its first step: no
-  checkpoints folder, no record in its metrics) leaves nothing behind. Only what was not there
-  before is removed, and a folder only when it is empty."""
+  checkpoints folder, or one holding only a LoRA run's base, and no record in its metrics) leaves
+  nothing behind. Only what was not there before is removed, and a folder only when it is empty
+  (but the base's)."""
 
   def __init__(self, workdir: str):
     self.path = os.path.abspath(workdir)
@@ -81,14 +84,16 @@ class Made:
     while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
       self.folders.append(folder)
       folder = os.path.dirname(folder)
-    self.files = {n for n in (METRICS, METRICS_TMP, TB)
+    self.files = {n for n in (METRICS, METRICS_TMP, TB, CHECKPOINTS)
                   if not os.path.lexists(os.path.join(self.path, n))}
 
   def remove_unused(self, lock: "Lock | None") -> None:
     """Removes the files the run made if they hold nothing (only under its `lock`: without it,
     they may be another run's), releases `lock`, then removes the folders it made if empty."""
     try:
-      if lock is not None and not os.path.lexists(os.path.join(self.path, "checkpoints")):
+      if lock is not None:
+        self._remove_base()
+      if lock is not None and not os.path.lexists(os.path.join(self.path, CHECKPOINTS)):
         self._remove_files()  # (a checkpoints folder: a step may be saved; everything stays)
     finally:
       if lock is not None:
@@ -98,6 +103,21 @@ class Made:
         os.rmdir(folder)  # only if empty
       except OSError:
         return
+
+  def _remove_base(self) -> None:
+    """The checkpoints folder this run made, if it holds nothing but a step 0 and no record was
+    logged: a LoRA run saves its frozen weights as a step 0 when it starts (checkpoint.name_base),
+    before its first step, and that copy of its sources is of no value without a step after it.
+    (A run's own steps start at 1; anything else in the folder keeps it all.)"""
+    saves, metrics = os.path.join(self.path, CHECKPOINTS), os.path.join(self.path, METRICS)
+    try:
+      if (CHECKPOINTS not in self.files or os.listdir(saves) != ["0"]
+          or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)):
+        return
+      shutil.rmtree(os.path.join(saves, "0"))
+      os.rmdir(saves)
+    except OSError:
+      pass  # what cannot be removed stays; the run's own error is the one reported
 
   def _remove_files(self) -> None:
     """The metrics file this run made, if it holds no record, with its TensorBoard folder (whose

@@ -14,10 +14,11 @@ import time
 
 import pytest
 
-from mimo_jax import train, workdir
+from mimo_jax import checkpoint, train, workdir
 from mimo_jax.data import capacity
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
+from tests.test_lora import lora_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -118,15 +119,36 @@ def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tm
   assert list(tmp_path.iterdir()) == []
 
 
+def test_a_lora_run_stopped_before_its_first_step_leaves_not_its_base(data_dir, tmp_path,
+                                                                     monkeypatch, capsys):
+  """A LoRA run saves its frozen weights as a step 0 when it starts (the base its steps name):
+  stopped before its first step, it leaves that no more than its workdir, metrics file or tb/."""
+  named = checkpoint.name_base
+
+  def name_then_signal(ckpt, *args):
+    named(ckpt, *args)
+    assert ckpt.base is not None  # the step 0 of the frozen weights is being saved
+    os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(checkpoint, "name_base", name_then_signal)
+  cfg = lora_config(data_dir)
+  cfg.run.workdir, cfg.run.compile_ahead = str(tmp_path / "new" / "run"), 0  # nothing compiles
+  assert train.run(cfg) == []
+  assert capsys.readouterr().out.splitlines()[-1].endswith(
+      "SIGTERM before the first step: nothing to save.")
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_only_what_the_run_made_and_holds_nothing_is_removed(tmp_path):
-  """Records or a checkpoints folder keep everything; files that were there before stay."""
-  def run_writes(path, records: str, saved: bool = False):
+  """Records or a checkpoints folder keep everything (but one this run made holding only a LoRA
+  run's base, its step 0, without records); files that were there before stay."""
+  def run_writes(path, records: str, saved: tuple = ()):
     made = workdir.Made(str(path))
     (path / "tb").mkdir(parents=True, exist_ok=True)
     (path / "tb" / "events.out.tfevents.1.host").write_bytes(b"header")
     (path / "metrics.jsonl").write_text(records)
-    if saved:
-      (path / "checkpoints" / "1").mkdir(parents=True)
+    for step in saved:
+      (path / "checkpoints" / step).mkdir(parents=True)
+      (path / "checkpoints" / step / "meta").write_text("{}")
     lock = workdir.Lock(str(path)).acquire()
     made.remove_unused(lock)
     assert not (path / workdir.LOCK).exists()
@@ -135,9 +157,20 @@ def test_only_what_the_run_made_and_holds_nothing_is_removed(tmp_path):
   assert not (tmp_path / "a").exists()
   run_writes(tmp_path / "b", '{"step": 1}\n')
   assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["metrics.jsonl", "tb"]
-  run_writes(tmp_path / "c", "", saved=True)
+  run_writes(tmp_path / "c", "", saved=("1",))
   assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["checkpoints", "metrics.jsonl",
                                                                 "tb"]
+  run_writes(tmp_path / "base", "", saved=("0",))  # a LoRA run's base alone: nothing of value
+  assert not (tmp_path / "base").exists()
+  for name, records, saved in (("base_records", '{"step": 1}\n', ("0",)),
+                               ("base_steps", "", ("0", "2"))):
+    run_writes(tmp_path / name, records, saved)
+    assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == list(saved)
+  # A step 0 from before (an import's, a run's base): not this run's to remove.
+  imported = tmp_path / "imported"
+  (imported / "checkpoints" / "0").mkdir(parents=True)
+  run_writes(imported, "")
+  assert [p.name for p in (imported / "checkpoints").iterdir()] == ["0"]
   # A run that did not take the lock (another run holds it) removes none of the files.
   busy = tmp_path / "e"
   busy.mkdir()
