@@ -64,13 +64,16 @@ class DataConfig:
   # "" = the image encoder's image_size, square. Several sizes need its slot_patches > 0.
   image_sizes: str = ""
   # The token id of an image in the samples' token ids (conversations: the tokenizer's image
-  # token, as tools.convert reports it); -1 = the built-in tasks' <img> (id 3).
+  # token, as tools.convert reports it); -1 = the built-in tasks' <img> (id 3), and for
+  # conversations converted without an image token (no images), none.
   image_token: int = -1
 
   @property
   def placeholder(self) -> int:
-    """The image placeholder's token id."""
-    return self.image_token if self.image_token >= 0 else BUILTIN_IMAGE_TOKEN
+    """The image placeholder's token id (-1, which no token is: conversations without one)."""
+    if self.image_token >= 0:
+      return self.image_token
+    return -1 if self.task == "conversations" else BUILTIN_IMAGE_TOKEN
 
   @property
   def micro_batch(self) -> int:

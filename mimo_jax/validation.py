@@ -204,12 +204,19 @@ def _task(cfg: Config) -> None:
     require(bool(d.dir), "data.dir",
             "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
             "data.dir to it.")
-    require(d.image_token != -1, "data.image_token",
-            "is not set; set the image token id that tools.convert reports (its launch line "
-            f"and {d.dir}/conversations.json's image_token).")
-    require(0 <= d.image_token < lm.vocab_size, "data.image_token",
-            f"{d.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
-            "the image token id that tools.convert reports.")
+    marked = _manifest_field(cfg, "image_token")
+    if marked is not None and marked < 0:  # converted without an image token: no images
+      require(d.image_token == -1, "data.image_token",
+              f"{d.image_token}, but {d.dir} was converted without an image token (its "
+              "conversations.json's image_token is -1: no record holds an image); leave "
+              "data.image_token out.")
+    else:
+      require(d.image_token != -1, "data.image_token",
+              "is not set; set the image token id that tools.convert reports (its launch line "
+              f"and {d.dir}/conversations.json's image_token).")
+      require(0 <= d.image_token < lm.vocab_size, "data.image_token",
+              f"{d.image_token} is not a token of the vocabulary of {lm.vocab_size}; set "
+              "the image token id that tools.convert reports.")
   else:
     require(d.image_token == -1, "data.image_token",
             f"applies to data.task=conversations only; the {d.task} task marks images "

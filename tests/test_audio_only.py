@@ -13,6 +13,7 @@ import pytest
 import soundfile
 from tokenizers import Tokenizer
 
+from mimo_jax import validation
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio, conversations
 from tests.configs import tiny_audio
@@ -119,6 +120,16 @@ def test_data_without_an_image_token_passes_the_manifest_checks(source, tmp_path
   with_vision.model.audio = cfg.model.audio
   with_vision.data, with_vision.model.language = cfg.data, cfg.model.language
   assert set(conversations.paths(with_vision)) == set(conversations.SPLITS)
+  # The run asks no data.image_token of it, and no token of its text stands for an image (the
+  # built-in tasks' id 3 is a word here); a token given is refused, naming the data.
+  assert with_vision.data.placeholder == -1
+  from mimo_jax import train  # pylint: disable=import-outside-toplevel
+  losses = [r["loss"] for r in train.run(cfg) if "loss" in r]
+  assert len(losses) == 2 and np.isfinite(losses).all()
+  cfg.data.image_token = 5
+  with pytest.raises(ConfigError, match=r"config\.data\.image_token: 5, but .*qwen was converted "
+                     r"without an image token .*leave data\.image_token out"):
+    validation.validate(cfg)
 
 
 def test_data_with_images_under_an_audio_only_model_is_one_error(source, tmp_path):
