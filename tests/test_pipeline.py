@@ -2,6 +2,10 @@
 with pipelined modules against the single-device run (docs/architecture.md, Numerics)."""
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,7 @@ from mimo_jax.step import Step
 from mimo_jax.validation import validate
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS, DIM, HIDDEN, BATCH = 8, 16, 32, 8
 
 
@@ -117,7 +122,24 @@ def test_remat_policies_keep_the_trajectory(data_dir, reference, vision, languag
 
 def test_circular_layout_is_canonical_in_checkpoints(data_dir):
   """A circular-schedule state converts to the same [layers, ...] arrays a pp=1 run holds, and
-  back; checkpoints hold that form, so they restore onto any pipeline layout."""
+  back; checkpoints hold that form, so they restore onto any pipeline layout.
+
+  Bit for bit across two layouts' programs, so in a process under XLA's default CPU emitters:
+  the classic ones that conftest.py picks to compile faster round the initializer of one layout's
+  program an ulp apart from the other's (172 of 4096 elements)."""
+  flags = os.environ.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false", "")
+  code = ("import jax; jax.config.update('jax_num_cpu_devices', 8); "
+          "from tests.test_pipeline import circular_layout_is_canonical as check; "
+          f"check({data_dir!r})")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, XLA_FLAGS=flags), timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def circular_layout_is_canonical(data_dir):
+  """test_circular_layout_is_canonical_in_checkpoints, in its own process."""
+  assert len(jax.devices()) == 8
+
   def stepper(**topo):
     cfg = _deep(data_dir, **topo)
     return Step.build(cfg)
