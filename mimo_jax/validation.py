@@ -299,17 +299,23 @@ def _data(cfg: Config) -> None:
 
 
 def _seq_len(cfg: Config) -> None:
-  """data.seq_len holds a sample's most items with their answers, and fits host memory."""
+  """data.seq_len holds a sample's most items with their answers (converted data: its longest
+  sample, as its manifest records it, whose clips take only their audio's tokens), and fits host
+  memory."""
+  longest = _manifest_field(cfg, "longest") if cfg.data.task == "conversations" else None
+  if longest:
+    require(cfg.data.seq_len >= longest, "data.seq_len",
+            f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} "
+            f"positions (its conversations.json); use >= {longest}, as the launch line that "
+            "tools.convert printed does.")
+    _seq_len_fits(cfg)
+    return
   # bos, each item's placeholders, ':', one answer word per item and eos; the last is never input.
   most = [(e.max_items(cfg), e.tokens_per_item(cfg), e.noun) for e in encoders.of(cfg).values()]
   min_len = max(sum(k * (t + 1) for k, t, _ in most) + 2, 5)
   items = ", ".join(f"{k} {noun}s of {t} tokens" for k, t, noun in most) or "no items"
-  longest = _manifest_field(cfg, "longest") if cfg.data.task == "conversations" else None
-  need = max(min_len, longest or 0)
   require(cfg.data.seq_len >= min_len, "data.seq_len",
-          f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {need}" +
-          (f" (the longest sample of {cfg.data.dir} takes {longest} positions: its "
-           "conversations.json)" if need > min_len else "") + ".")
+          f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {min_len}.")
   _seq_len_fits(cfg)
 
 

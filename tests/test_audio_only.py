@@ -66,7 +66,7 @@ def _audio_only(data: pathlib.Path, workdir: pathlib.Path) -> Config:
   a.audio_token, a.mel_bins, a.pool, a.layers = m["audio_token"], m["mel_bins"], 2, 1
   a.positions, a.max_audios, a.max_windows = WINDOW_S * 50, m["max_audios"], m["max_windows"]
   cfg.data.task, cfg.data.dir, cfg.data.image_token = "conversations", str(data), m["image_token"]
-  cfg.data.seq_len = m["longest"] + a.max_windows * a.tokens_per_window
+  cfg.data.seq_len = m["longest"]  # as the launch line tools.convert printed
   cfg.model.language.vocab_size = m["vocab_size"]
   cfg.data.global_batch, cfg.data.microbatches = 2, 1
   cfg.eval.samples, cfg.eval.batch = 2, 2

@@ -182,11 +182,13 @@ def test_fields_that_converted_data_decides_are_named_with_its_manifests_values(
   cfg = _config(directory, workdir)
   cfg.model.vision.max_images, cfg.data.image_probs = 1, "0.5,0.5"  # rows that hold an image
   cfg.data.seq_len = longest - 1
-  validate(cfg, 4)
-  with pytest.raises(ConfigError, match=rf"^config\.data\.seq_len: {longest - 1}, but the longest "
-                     rf"sample of {directory} takes {longest} positions .*use >= {longest},"):
-    validate_data(cfg)
+  for check in (lambda: validate(cfg, 4), lambda: validate_data(cfg)):
+    with pytest.raises(ConfigError, match=rf"^config\.data\.seq_len: {longest - 1}, but the "
+                       rf"longest sample of {directory} takes {longest} positions .*use >= "
+                       rf"{longest},"):
+      check()
   cfg.data.seq_len = longest
+  validate(cfg, 4)
   validate_data(cfg)
   cfg.model.vision.max_images = 0  # rows of text alone: the data's images would have no slot
   with pytest.raises(ConfigError, match=rf"^config\.model\.vision\.max_images: 0, but a sample "
