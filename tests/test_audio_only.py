@@ -172,6 +172,7 @@ def test_tools_hf_imports_qwen2_audio_into_an_audio_only_model(tmp_path, capsys)
                        "--config.data.seq_len=1024"]) in (0, None)
   out = capsys.readouterr().out
   assert "model.vision" not in out and "--config.data.dir=DATA" in out, out
+  assert "image_token" not in out, out  # the model reads no image: its data has no image token
   cfg, params, _, _ = hf_export._read_checkpoint(str(tmp_path / "run"), 0)  # pylint: disable=protected-access
   assert set(cfg.model.encoders) == {"audio"} and set(params) == {"audio", "language"}
   assert (cfg.model.audio.pool, cfg.model.audio.projector) == (2, "linear")

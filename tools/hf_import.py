@@ -226,8 +226,8 @@ def _launch_lines(args, cfg: Config, out: pathlib.Path, record: dict) -> list[st
     flags.append("--config.data.dir=DATA")
     notes.append("DATA: the directory `python -m tools.convert` wrote with this model's "
                  "tokenizer")
-  if d.task != "conversations" or d.image_token < 0:
-    token = record["image_token_index"]
+  if "vision" in cfg.model.encoders and (d.task != "conversations" or d.image_token < 0):
+    token = record["image_token_index"]  # a model without a vision encoder reads no image
     flags.append(f"--config.data.image_token={'ID' if token is None else token}")
     notes.append("ID: the image token id tools.convert reports" if token is None else
                  f"{token}: the image_token_index of {record['sources']['vision']}; "
