@@ -12,8 +12,8 @@ same command goes on. The flags below are for several hosts (one machine's proce
 
 # Flags -> config -> validation -> `train.run`. The training modules (train, distributed,
 # data.capacity) are imported inside `main` and `_explain`, once the config is valid and JAX's
-# CPU device count is set: importing them imports JAX, which must not happen before that
-# setting, and a bad flag answers without JAX.
+# CPU device count is set: that setting must come before JAX's backend starts, and a bad flag
+# answers without the seconds those imports take (validation imports JAX, not its backend).
 
 from __future__ import annotations
 
