@@ -254,11 +254,19 @@ def test_the_sidecar_and_launch_line_name_the_clips(converted):
                for f in convert.launch_flags(converted, m))
   assert (flags["model.audio.audio_token"], flags["model.audio.mel_bins"],
           flags["model.audio.max_audios"], flags["model.audio.max_windows"],
-          flags["model.audio.positions"]) == (str(m["audio_token"]), "80", "2", "2", "1500")
+          flags["model.audio.positions"], flags["model.audio.pool"]) == (
+              str(m["audio_token"]), "80", "2", "2", "1500", str(m["audio_pool"]))
   # The line works as printed on a model config of other audio fields (a toy tower of 1 s
-  # windows: positions 8 and 16 frames a window, as the brief's failing run had).
+  # windows: positions 8 and 16 frames a window, as the brief's failing run had; a Whisper
+  # tower's pooling, under which a clip takes other tokens than the conversion counted).
   cfg = _config(m)
   a = cfg.model.audio
+  a.audio_token, a.mel_bins, a.positions, a.max_audios, a.max_windows = 0, 128, 8, 1, 1
+  a.pool = 3 - m["audio_pool"]
+  with pytest.raises(ConfigError, match=rf"^config\.model\.audio\.pool: {a.pool} where "):
+    a.audio_token, a.mel_bins, a.positions, a.max_audios, a.max_windows = (
+        m["audio_token"], 80, 1500, 2, 2)
+    conversations.paths(cfg, str(converted))
   a.audio_token, a.mel_bins, a.positions, a.max_audios, a.max_windows = 0, 128, 8, 1, 1
   for key, value in flags.items():
     if key.startswith("model.audio."):

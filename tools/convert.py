@@ -325,6 +325,7 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int
     # Launch checks it against the windows, Whisper's 30 s ones too (a model config's tower may be
     # a toy of shorter windows).
     flags["model.audio.positions"] = m["audio_window_frames"] // 2
+    flags["model.audio.pool"] = m["audio_pool"]  # a clip's tokens in data.seq_len
   flags["model.language.vocab_size"] = vocab or m["vocab_size"]
   return [shlex.quote(f"--config.{k}={v}") for k, v in flags.items()]  # a path may hold spaces
 

@@ -237,6 +237,11 @@ def check_config(cfg, directory: str, m: dict) -> None:
     raise ConfigError(f"config.model.audio.positions: {a.positions} ({a.frames} frames a window) "
                       f"where {directory} holds windows of {m['audio_window_frames']} frames; set "
                       f"model.audio.positions={m['audio_window_frames'] // 2}.")
+  if a.pool != m.get("audio_pool", a.pool):
+    raise ConfigError(f"config.model.audio.pool: {a.pool} where {directory}'s clips were counted "
+                      f"with --audio_pool {m['audio_pool']} (their tokens in its longest sample "
+                      f"and data.seq_len); set model.audio.pool={m['audio_pool']} or convert with "
+                      f"--audio_pool {a.pool}.")
   if a.max_audios < m["max_audios"]:
     raise ConfigError(f"config.model.audio.max_audios: {a.max_audios} where a sample of "
                       f"{directory} has {m['max_audios']} clips; set model.audio.max_audios="
