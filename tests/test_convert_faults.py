@@ -228,6 +228,43 @@ def test_a_rerun_after_a_kill_converts(src, tmp_path, capsys):
   assert _leftovers(tmp_path) == ["out"] and sum(_counts(tmp_path / "out").values()) == 30
 
 
+def _children(pid: int) -> list[int]:
+  """The processes whose parent is `pid` (Linux's /proc)."""
+  out = []
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[1]) == pid:
+      out.append(int(stat.parent.name))
+  return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers end with the parent "
+                    "on Linux (prctl)")
+def test_workers_end_when_their_converter_is_killed(tmp_path):
+  # kill -9 leaves the pool no time to end its workers: they end with it, not when the records
+  # in hand are done (records of 8 large images: seconds a chunk of 16).
+  (tmp_path / "images").mkdir()
+  noise = np.random.default_rng(0).integers(0, 256, (2000, 2000, 3), dtype=np.uint8)
+  Image.fromarray(noise).save(tmp_path / "images" / "noise.png", compress_level=1)
+  records = [dict(_record(i, text="<image>\n" * 7 + "What is it?"), image=["noise.png"] * 8)
+             for i in range(200)]
+  _write(tmp_path / "heavy.jsonl", records)
+  proc = _spawn(_args(tmp_path, tmp_path / "out", data="heavy.jsonl", workers="2"))
+  _wait_for(lambda: any(tmp_path.rglob("*.array_record.tmp")), proc)
+  time.sleep(1.0)  # the workers into their chunks
+  workers = _children(proc.pid)
+  assert len(workers) >= 2, workers
+  proc.kill()
+  proc.communicate()
+  deadline = time.monotonic() + 1.5
+  while any(pathlib.Path(f"/proc/{w}").exists() for w in workers):
+    assert time.monotonic() < deadline, f"workers {workers} outlived their converter"
+    time.sleep(0.05)
+
+
 # Split sizes.
 
 @pytest.mark.parametrize("n", ["-1", "0", "30", "31"])

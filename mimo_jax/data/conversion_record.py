@@ -6,10 +6,13 @@ are converted (`Options`), the process's tokenizer, image processor and placehol
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import multiprocessing
 import os
 import pathlib
 import signal
+import sys
 
 from mimo_jax import words
 from mimo_jax.config import ConfigError
@@ -18,6 +21,8 @@ from mimo_jax.data.chat import (AssistantFirst, ChatError, ChatTokenizer, Tokeni
                                  UnknownToken, messages)
 from mimo_jax.data.conversations import IMAGES
 from mimo_jax.data.record_error import RecordError
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread ends
 
 # The most records a conversion may skip, as a fraction of those read (`--max_skipped_fraction`):
 # a few bad records are skipped, many mean a wrong flag or a broken source.
@@ -85,7 +90,24 @@ def init_worker(opts: Options) -> None:
 def pool_init(opts: Options) -> None:
   # Ctrl-C reaches the whole process group: the parent alone unwinds and terminates workers.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  _die_with_parent()
   init_worker(opts)
+
+
+def _die_with_parent() -> None:
+  """On Linux, this worker ends when the process that started it does, `kill -9` included (which
+  leaves the pool no time to end its workers: they would convert on, unseen, until their next
+  record found no parent to take it)."""
+  if not sys.platform.startswith("linux"):
+    return
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+  except (OSError, AttributeError):
+    return
+  parent = multiprocessing.parent_process()
+  if parent is not None and os.getppid() != parent.pid:  # it ended before the call above
+    os._exit(1)  # pylint: disable=protected-access
 
 
 def _image_files(record: dict, where: str) -> list[str]:
