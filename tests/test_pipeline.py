@@ -97,26 +97,22 @@ def reference(data_dir):
   return run_steps(_deep(data_dir, vision=(0, 1, 1), language=(0, 1, 1)), STEPS)[0]
 
 
-@pytest.mark.parametrize("topo", [
-    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2)}, id="language-pp2"),
-    pytest.param({"vision": (0, 1, 1, 2), "language": (2, 1, 2, 2)},
-                 id="vision-pp2-to-language-pp2tp2"),
-    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2, 2)}, id="language-circular-v2"),
+@pytest.mark.parametrize("topo,remat", [
+    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2)}, None, id="language-pp2"),
+    pytest.param({"vision": (0, 1, 1, 2), "language": (2, 1, 2, 2)}, ("full", "dots"),
+                 id="vision-pp2-to-language-pp2tp2-remat-full-dots"),
+    pytest.param({"vision": (0, 1, 1), "language": (1, 1, 1, 2, 2)}, None,
+                 id="language-circular-v2"),
     pytest.param({"vision": (0, 2, 1, 2), "language": (0, 2, 1, 2, 2)},
-                 id="colocated-dp2pp2-and-circular"),
+                 ("dots_attention", "full"), id="colocated-dp2pp2-circular-remat-dots_attn"),
 ])
-def test_pipelined_step_matches_single_device(data_dir, reference, topo):
-  """(Four GPipe stages: test_interleaved_pp4tp2_run_resumes_onto_gpipe's second half.)"""
-  got = run_steps(_deep(data_dir, **topo), STEPS)[0]
-  assert_close_trajectory(reference, got, rtol=1e-4)
-
-
-@pytest.mark.parametrize("vision,language", [("full", "dots"), ("dots_attention", "full")])
-def test_remat_policies_keep_the_trajectory(data_dir, reference, vision, language):
-  """(On CPUs attention is XLA's, which dots_attention recomputes as dots does; on GPUs it also
-  keeps cuDNN's attention outputs.)"""
-  cfg = _deep(data_dir, vision=(0, 2, 1, 2), language=(4, 1, 2, 2))
-  cfg.topology.vision.remat, cfg.topology.language.remat = vision, language
+def test_pipelined_step_matches_single_device(data_dir, reference, topo, remat):
+  """With each remat policy of the vision and language stages too (on CPUs attention is XLA's,
+  which dots_attention recomputes as dots does; on GPUs it also keeps cuDNN's attention outputs).
+  (Four GPipe stages: test_interleaved_pp4tp2_run_resumes_onto_gpipe's second half.)"""
+  cfg = _deep(data_dir, **topo)
+  if remat:
+    cfg.topology.vision.remat, cfg.topology.language.remat = remat
   assert_close_trajectory(reference, run_steps(cfg, STEPS)[0], rtol=1e-4)
 
 
