@@ -193,6 +193,13 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
      "missing.png not found"),
     ({"id": 1, "answers": "yes", "conversations": [{"from": "human", "value": "hello"}]},
      "\"answers\" is \"yes\", not a list of strings"),
+    ({"id": 1, "answers": None, "conversations": [{"from": "human", "value": "hello"},
+                                                 {"from": "gpt", "value": "there"}]},
+     "\"answers\" is null, not a list of strings"),
+    ({"id": 1, "answers": [], "conversations": [{"from": "human", "value": "hello"}]},
+     "\"answers\" is []: no answer; give each reference a text"),
+    ({"id": 1, "answers": ["yes", " "], "conversations": [{"from": "human", "value": "hello"}]},
+     "\"answers\" is [\"yes\", \" \"]: an empty answer;"),
     ({"id": 1, "image": 7, "conversations": [
         {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]},
      "\"image\" is 7, not a path or a list of paths"),
@@ -212,6 +219,20 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   err = capsys.readouterr().err
   assert ("record 0 (id 1)" if record["id"] == 1 else "record 0: ") in err and message in err
   assert not (setup / "bad.jsonl").exists()
+
+
+def test_a_json_object_is_named_as_not_a_list_of_records(setup, capsys):
+  # A list of records wrapped in an object reads as one record (or as JSONL by its lines): named
+  # as tools.convert names it, however the file is laid out.
+  record = {"id": 1, "conversations": [{"from": "human", "value": "hello"},
+                                       {"from": "gpt", "value": "there"}]}
+  for indent in (None, 1):
+    data = setup / "wrapped.json"
+    data.write_text(json.dumps({"data": [record]}, indent=indent))
+    assert eval_tool.main([str(setup / "run"), "--data", str(data), "--tokenizer",
+                           str(setup / "tok"), "--processor", str(setup / "tok")]) == 2
+    err = capsys.readouterr().err
+    assert "a JSON object with key data, not a list of records" in err and "--data" in err, err
 
 
 def test_a_missing_image_under_the_images_given_names_that_folder(setup, capsys):

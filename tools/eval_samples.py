@@ -70,12 +70,12 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   as `audio` (`audio_settings`) has them read."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
-  from mimo_jax.data import audio_records, conversations, images, llava_json
+  from mimo_jax.data import audio_records, conversations, conversion, images
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
   from mimo_jax.data.record_error import RecordError, record_id
   settings, audio_id = audio
   try:
-    records = llava_json.read_records(pathlib.Path(args.data))
+    records = conversion.records_of(pathlib.Path(args.data))
   except ConfigError as e:
     raise ConfigError(str(e).replace("--json", "--data")) from None
   folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
@@ -99,10 +99,16 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
       raise ConfigError(str(e)) from None
     last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     answers = r.get("answers")
-    if answers is not None and (not isinstance(answers, list) or not answers
-                                or not all(isinstance(a, str) for a in answers)):
+    if "answers" in r and (not isinstance(answers, list)
+                           or not all(isinstance(a, str) for a in answers)):
       raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
-                        "strings.")
+                        "strings; give its reference answers as one (or leave the key out: the "
+                        "assistant turn is then the reference).")
+    if "answers" in r and (not answers or not all(a.strip() for a in answers)):
+      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}: "
+                        f"{'no answer' if not answers else 'an empty answer'}; give each "
+                        "reference a text (or leave the key out: the assistant turn is then the "
+                        "reference).")
     if last is None and not answers:
       raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
                         "answer with; give each record a reference.")

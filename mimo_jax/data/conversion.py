@@ -172,7 +172,7 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
   if not pathlib.Path(opts.images).is_dir():
     raise ConfigError(f"--images {opts.images}: not a directory; give the folder the records' "
                       "image paths are relative to.")
-  records = _records(source)
+  records = records_of(source)
   init_worker(opts)
   if images_listed(records):  # a conversion without images needs neither
     for error in (WORKER["image_error"], WORKER["processor_error"]):
@@ -189,7 +189,7 @@ def _prepare(source: pathlib.Path, out: pathlib.Path, opts: Options) -> list[dic
   return records
 
 
-def _records(source: pathlib.Path) -> list[dict]:
+def records_of(source: pathlib.Path) -> list[dict]:
   """`read_records`, where a JSON object that is no record (a list of records wrapped in one,
   `{"data": [...]}`, which reads as one record or as JSONL that is no JSON) is named as such."""
   try:
