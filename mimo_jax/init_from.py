@@ -108,10 +108,8 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
       fresh = gains_adapters(meta["config"]["model"], cfg, names)
       diffs = model_differences(meta["config"]["model"], cfg, only, fresh)
       if diffs:
-        keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
-                        for d in diffs[:3])
         raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
-                              f"Start from it with that run's model config ({keep}).")
+                              f"{_same_model(os.path.dirname(path), diffs)}")
       saved = ckpt.saved_arrays(step, names)
       wanted = {n: {f"params/{k}": a for k, a in fingerprint.paths(abstract[n]).items()
                     if n not in fresh or not is_adapter(k)} for n in names}
@@ -173,3 +171,16 @@ def _stand_ins(tree):
         out[k] = np.zeros(v.shape, np.float32) if projector or k in (A, B) else v
     return out
   return visit(tree, False)
+
+
+def _same_model(workdir: str, diffs: list[str]) -> str:
+  """How to start from `workdir`'s run with its model: its config file where it has one (an
+  import's config.py), else every differing field as a flag, or the tool that shows them all."""
+  if os.path.isfile(os.path.join(workdir, "config.py")):
+    return f"Start from it with its config: --config={os.path.join(workdir, 'config.py')}."
+  if len(diffs) > 8:
+    return (f"Start from it with that run's model config: {len(diffs)} fields differ (python -m "
+            f"tools.ckpt inspect {workdir} shows its config).")
+  keep = " ".join(f"--config.{d.split('=')[0]}={d.split('=', 1)[1].split(' (this run')[0]}"
+                  for d in diffs)
+  return f"Start from it with that run's model config ({keep})."

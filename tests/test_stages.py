@@ -253,8 +253,18 @@ def test_init_from_another_model_is_one_error(data_dir, stage1, tmp_path):
   cfg.model.language.mlp_dim = 64
   with pytest.raises(checkpoint.CheckpointError,
                      match=r"config\.model\.init_from: .* was written for another model: "
-                           r"model\.language\.mlp_dim=128 \(this run: 64\)"):
+                           r"model\.language\.mlp_dim=128 \(this run: 64\)\. Start from it "
+                           r"with that run's model config \(--config\.model\.language\."
+                           r"mlp_dim=128\)\.$"):
     train.run(cfg)
+  # A source whose workdir holds its config file (an import's config.py) is named by it.
+  (stage1_dir / "config.py").write_text("")
+  try:
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"Start from it with its config: --config={stage1_dir}/config\.py\.$"):
+      train.run(cfg)
+  finally:
+    (stage1_dir / "config.py").unlink()
   cfg = _cfg(data_dir, tmp_path / "stage2", "vision", 1)
   cfg.model.init_from = f"{stage1_dir}:7"
   with pytest.raises(checkpoint.CheckpointError, match=rf"no complete step 7; it holds {STEPS}"):
