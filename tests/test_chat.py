@@ -56,6 +56,10 @@ def test_unknown_roles_and_bad_directories_are_one_error(tmp_path):
     messages([{"from": "human", "value": "hi"}, {"from": "gpt", "text": "hello"}])
   with pytest.raises(ChatError, match=r'turn 0 has no "from" \(its speaker: human, '):
     messages([{"value": "hi"}])
+  with pytest.raises(ChatError, match=r'^turn 1: its "value" is null; give its text\.$'):
+    messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}])
+  with pytest.raises(ChatError, match=r'^turn 0: its "from" is null; give its speaker \(human, '):
+    messages([{"from": None, "value": "hi"}])
   with pytest.raises(ChatError, match=r"tokenizer\.json: missing"):
     ChatTokenizer.open(tmp_path)
   (tmp_path / "tokenizer.json").write_text((FIXTURES / "llama3" / "tokenizer.json").read_text())

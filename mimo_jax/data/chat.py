@@ -59,12 +59,18 @@ def messages(conversation: list[dict], where: str = "") -> list[dict]:
       raise ChatError(f"{where}turn {i} is a {type(turn).__name__}, not an object with \"from\" "
                       "and \"value\".")
     who = turn.get("from", turn.get("role"))
+    if who is None and ("from" in turn or "role" in turn):
+      raise ChatError(f"{where}turn {i}: its \"{'from' if 'from' in turn else 'role'}\" is null; "
+                      f"give its speaker ({', '.join(ROLES)}).")
     if who is None:
       raise ChatError(f"{where}turn {i} has no \"from\" (its speaker: {', '.join(ROLES)}); its "
                       f"keys: {', '.join(map(str, turn)) or 'none'}.")
     if not isinstance(who, str) or who not in ROLES:
       raise ChatError(f"{where}turn {i}: unknown role {who!r}; known: {', '.join(ROLES)}.")
     text = turn.get("value", turn.get("content"))
+    if text is None and ("value" in turn or "content" in turn):
+      raise ChatError(f"{where}turn {i}: its \"{'value' if 'value' in turn else 'content'}\" is "
+                      "null; give its text.")
     if text is None:
       raise ChatError(f"{where}turn {i} has no \"value\" (its text); its keys: "
                       f"{', '.join(map(str, turn))}.")
