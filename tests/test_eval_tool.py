@@ -364,3 +364,22 @@ def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_
   assert [s["max_new_tokens"] for s in summaries] == [2, 3]
   assert summaries[0]["answered_now"] == 0 and summaries[1]["answered_now"] == 2
   assert len(_rows(one)) == len(_rows(two)) == 2
+
+
+def test_the_cpu_devices_default_spans_the_runs_topology(tmp_path):
+  """A run of two processes of 4 CPU devices each records run.cpu_devices=4 and a topology over
+  8: the eval creates the 8 its meshes need (or --layout's, or --cpu_devices)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import set_layout  # pylint: disable=import-outside-toplevel
+  from configs import digits  # pylint: disable=import-outside-toplevel
+  cfg = digits.get_config()
+  cfg.run.cpu_devices = 4
+  set_layout(cfg, "vision=0/4/1,language=4/4/1")
+  meta = tmp_path / "checkpoints" / "30" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
+  args = lambda **kw: argparse.Namespace(**{"workdir": str(tmp_path), "step": None,
+                                            "layout": "", "cpu_devices": None, **kw})
+  assert eval_tool.cpu_devices(args()) == 8
+  assert eval_tool.cpu_devices(args(layout="vision=0/1/1,language=0/1/1")) == 4
+  assert eval_tool.cpu_devices(args(cpu_devices=2)) == 2

@@ -90,8 +90,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                       help="module=offset/dp/tp,... instead of the run's topology")
   parser.add_argument("--step", type=int, default=None, help="default: the newest")
   parser.add_argument("--cpu_devices", type=int, default=None,
-                      help="on CPUs: devices to create, at least 1 (default the run's "
-                      "run.cpu_devices)")
+                      help="on CPUs: devices to create, at least 1 (default those the run's "
+                      "topology, or --layout, spans, and at least its run.cpu_devices)")
   parser.add_argument("--tokenizer", default="")
   parser.add_argument("--processor", default="")
   parser.add_argument("--image_token", default="")
@@ -235,17 +235,23 @@ def _write_whole(path: pathlib.Path, value: dict) -> None:
 # The run.
 
 def cpu_devices(args) -> int:
-  """The CPU devices the CPU backend creates: --cpu_devices, else the run.cpu_devices the newest
-  step's metadata records (read before JAX starts), else the default."""
+  """The CPU devices the CPU backend creates: --cpu_devices, else those the newest step's config
+  (read before JAX starts) spans, its topology's (or --layout's) and at least its run.cpu_devices
+  (a run of several processes records one process's), else the default."""
   if getattr(args, "cpu_devices", 0):
     return args.cpu_devices
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax.config import from_dict, set_layout
   root = pathlib.Path(args.workdir) / "checkpoints"
   steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True) \
       if root.is_dir() else []
   for step in ([args.step] if args.step is not None else []) + steps:
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-      return int(json.loads((root / str(step) / "meta" / "metadata").read_text())
-                 ["config"]["run"]["cpu_devices"])
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ConfigError):
+      cfg = from_dict(json.loads((root / str(step) / "meta" / "metadata").read_text())["config"])
+      if getattr(args, "layout", ""):
+        set_layout(cfg, args.layout)
+      spans = max(t.offset + t.dp * t.tp * t.pp for t in cfg.topology.modules().values())
+      return max(cfg.run.cpu_devices, spans)
   return RunConfig().cpu_devices
 
 
