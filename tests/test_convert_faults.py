@@ -2,6 +2,7 @@
 split sizes, bad records, bad flags and files, image paths out of --images, paths that work from
 any directory, and the launch line it ends with."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -243,27 +244,40 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers end with the parent "
                     "on Linux (prctl)")
+def _cpu_s(pid: int) -> float:
+  """CPU seconds process `pid` has used (0 once it is gone)."""
+  try:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+  except OSError:
+    return 0.0
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_workers_end_when_their_converter_is_killed(tmp_path):
   # kill -9 leaves the pool no time to end its workers: they end with it, not when the records
-  # in hand are done (records of 8 large images: seconds a chunk of 16).
+  # in hand are done (a chunk of 16 records of 24 large images: tens of seconds).
   (tmp_path / "images").mkdir()
-  noise = np.random.default_rng(0).integers(0, 256, (2000, 2000, 3), dtype=np.uint8)
+  noise = np.random.default_rng(0).integers(0, 256, (3000, 3000, 3), dtype=np.uint8)
   Image.fromarray(noise).save(tmp_path / "images" / "noise.png", compress_level=1)
-  records = [dict(_record(i, text="<image>\n" * 7 + "What is it?"), image=["noise.png"] * 8)
-             for i in range(200)]
+  records = [dict(_record(i, text="<image>\n" * 23 + "What is it?"), image=["noise.png"] * 24)
+             for i in range(64)]
   _write(tmp_path / "heavy.jsonl", records)
   proc = _spawn(_args(tmp_path, tmp_path / "out", data="heavy.jsonl", workers="2"))
-  _wait_for(lambda: any(tmp_path.rglob("*.array_record.tmp")), proc)
-  time.sleep(1.0)  # the workers into their chunks
+  # Both workers past their imports (a few CPU seconds) and into their records.
+  _wait_for(lambda: sum(_cpu_s(w) > 6 for w in _children(proc.pid)) >= 2, proc, timeout=120)
   workers = _children(proc.pid)
-  assert len(workers) >= 2, workers
   proc.kill()
-  proc.communicate()
-  # Their records in hand would keep them 20 s and more; a loaded machine takes a while to reap.
-  deadline = time.monotonic() + 6
-  while any(pathlib.Path(f"/proc/{w}").exists() for w in workers):
-    assert time.monotonic() < deadline, f"workers {workers} outlived their converter"
-    time.sleep(0.05)
+  proc.wait()  # not communicate(): the workers hold its pipes open while they live
+  deadline = time.monotonic() + 6  # a loaded machine takes a while to reap them
+  try:
+    while any(pathlib.Path(f"/proc/{w}").exists() for w in workers):
+      assert time.monotonic() < deadline, f"workers {workers} outlived their converter"
+      time.sleep(0.05)
+  finally:
+    for w in workers:
+      with contextlib.suppress(OSError):
+        os.kill(w, signal.SIGKILL)
+    proc.communicate()
 
 
 # Split sizes.
