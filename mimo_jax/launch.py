@@ -22,37 +22,16 @@ import signal
 import sys
 import traceback
 
+from mimo_jax.stopping import StopFlag  # imports no JAX
 
-class _StartUpSignals:
-  """SIGINT and SIGTERM from launch's first line until the run's own handlers take over
-  (`train.run`'s): the first is noted, not raised, so that it cannot surface as a traceback from
-  inside an import (JAX's, orbax's take seconds) or be wrapped by a library's error; launch then
-  ends the run before its first step (`_stop_if_signalled`), or hands the signal to `train.run`.
-  A second SIGINT leaves at once (status 130), as during training."""
-
-  def __init__(self):
-    self.signal: str | None = None
-    self._old = {}
-
-  def install(self) -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
-      self._old[s] = signal.signal(s, self._handle)
-
-  def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
-    if self.signal is not None and signum == signal.SIGINT:
-      os.write(2, b"mimo_jax: second interrupt: stopped without saving.\n")
-      os._exit(130)  # pylint: disable=protected-access
-    self.signal = self.signal or signal.Signals(signum).name
-
-  def restore(self, signum: int) -> None:
-    """Gives `signum` back to the handler it had before `install`."""
-    if signum in self._old:
-      signal.signal(signum, self._old.pop(signum))
-
-
-_SIGNALS = _StartUpSignals()
+# SIGINT and SIGTERM from launch's first line until the run's own handlers take over
+# (`train.run`'s): the first is noted, not raised, so that it cannot surface as a traceback from
+# inside an import (JAX's, orbax's take seconds) or be wrapped by a library's error; launch then
+# ends the run before its first step (`_stop_if_signalled`), or hands the signal to `train.run`.
+# A second SIGINT leaves at once (status 130), as during training.
+_SIGNALS = StopFlag(multi=False)
 if __name__ == "__main__":
-  _SIGNALS.install()  # before the imports below, which take seconds
+  _SIGNALS.__enter__()  # before the imports below, which take seconds
 
 # pylint: disable=wrong-import-position  (after the start-up's signal handlers)
 from absl import app, flags, logging
@@ -121,7 +100,7 @@ def main(argv: list[str]) -> None:
   if several:
     # SIGTERM is jax.distributed's preemption notice now (its handler took over; train.run's
     # installs none), and SIGINT is Python's again, as train.run leaves it.
-    _SIGNALS.restore(signal.SIGINT)
+    _SIGNALS.release(signal.SIGINT)
   try:
     # With one process, train.run's handlers take over from launch's: a signal noted until then
     # ends the run before its first step (nothing made), as one taken during its start-up does.

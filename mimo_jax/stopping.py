@@ -4,9 +4,6 @@ for the training loop, or a tool, to act on at its next safe point (`StopFlag`).
 import os
 import signal
 
-import jax
-from jax.experimental import multihost_utils
-
 
 class StopFlag:
   """Turns the first of `signals` into a request to stop (the training loop checkpoints first); a
@@ -15,17 +12,22 @@ class StopFlag:
   Training installs one for the whole run, final save and eval included. With several processes,
   SIGTERM goes to jax.distributed's preemption sync instead, which picks one step at which every
   process stops (processes see a signal at different steps). Off the main thread no handler can
-  be installed, and the signals stay as they are.
+  be installed, and the signals stay as they are. JAX is imported only to ask how many processes
+  there are (`multi` None): launch installs one before its imports, `multi=False`.
   """
 
   def __init__(self, pending: str | None = None,
                signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
-               second: str = "mimo_jax: second interrupt: stopped without saving."):
+               second: str = "mimo_jax: second interrupt: stopped without saving.",
+               multi: bool | None = None):
     self.signal = pending  # the signal's name: one an earlier flag caught (during start-up)
     self.signum: int | None = None  # the signal this flag caught
     self._signals, self._second = signals, second
     self._old = {}
-    self._multi = jax.process_count() > 1
+    if multi is None:
+      import jax  # pylint: disable=import-outside-toplevel
+      multi = jax.process_count() > 1
+    self._multi = multi
 
   def __enter__(self) -> "StopFlag":
     for sig in () if self._multi else self._signals:
@@ -40,6 +42,8 @@ class StopFlag:
 
   def should_stop(self, step: int) -> bool:
     if self._multi:
+      # pylint: disable-next=import-outside-toplevel
+      from jax.experimental import multihost_utils
       if multihost_utils.reached_preemption_sync_point(step):
         self.signal = "SIGTERM"
     return self.signal is not None
@@ -50,6 +54,11 @@ class StopFlag:
       os.write(2, f"{self._second}\n".encode())
       os._exit(130)  # pylint: disable=protected-access
     self.signal, self.signum = signal.Signals(signum).name, signum
+
+  def release(self, signum: int) -> None:
+    """Gives `signum` back to the handler it had before `__enter__`."""
+    if signum in self._old:
+      signal.signal(signum, self._old.pop(signum))
 
   def __exit__(self, *exc):
     for sig, handler in self._old.items():
