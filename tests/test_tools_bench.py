@@ -344,6 +344,21 @@ def test_norm_bench_refuses_bad_flags_and_a_machine_without_a_gpu():
       norm_bench.main(flags)
 
 
+def test_attention_bench_reads_its_shapes_and_refuses_bad_ones():
+  """tools.attention_bench: grouped-query and causal shapes parse; a bad one is one line."""
+  from tools import attention_bench
+  assert attention_bench.parse_shape("16x2048x32x64/8c") == (16, 2048, 32, 64, 8, True)
+  assert attention_bench.parse_shape("48x576x16x64") == (48, 576, 16, 64, 16, False)
+  assert attention_bench.flops(1, 4, 2, 8, causal=True) == 3.5 * 4 * 16 * 2 * 8 / 2
+  for flags, said in ((["--shapes", "48x576x16"], "--shapes '48x576x16': give rows x positions"),
+                      (["--shapes", "2x8x3x8/2"], "--shapes '2x8x3x8/2': give sizes of 1 or more"),
+                      (["--repeat", "0"], "--repeat 0: give 1 or more"),
+                      (["--repeats", "2"], "unrecognized arguments: --repeats"),
+                      ([], "needs a GPU")):
+    with pytest.raises(SystemExit, match=said):
+      attention_bench.main(flags)
+
+
 def test_kernels_count_the_layer_norm_kernels_as_fusions():
   """The Pallas LayerNorm kernels (models/norm_kernels.py) are memory-bound norms, as XLA's
   fusions of them are: a category of their own would hide them from the fusions they replace."""

@@ -1,14 +1,19 @@
-"""Attention's forward and backward at a tower's shapes on a GPU: cuDNN's fused kernels as
+"""Attention's forward and backward at the model's shapes on a GPU: cuDNN's fused kernels as
 `jax.nn.dot_product_attention` runs them (jax 0.11.2 refuses odd lengths in training), XLA's
 attention, and mimo_jax's (`layers.attention`, which runs rows of an odd length through cuDNN padded
-by one position), in bfloat16, with each result's distance from XLA's in float32.
+by one position), in bfloat16, with each result's distance from XLA's in float32. Grouped-query
+shapes also run cuDNN with the key and value heads repeated to the query's count.
 
-  python -m tools.attention_bench [--shapes 48x577x16x64,48x576x16x64,48x729x16x72] [--repeat 20]
+  python -m tools.attention_bench [--shapes 48x577x16x64,48x576x16x64,16x2048x32x64/8c] [--repeat 20]
 
-A shape is images x positions x heads x head_dim: the defaults are CLIP ViT-L/14 at 336 px with
-its class token (577), without it (576), and SigLIP-so400m at 384 px (729), 48 images a call.
-Times are the median over 5 runs of one compiled program that takes `--repeat` gradients of all
-three inputs, divided by `--repeat` (one program, so no dispatch gaps between calls).
+A shape is rows x positions x heads x head_dim, then `/kv_heads` for grouped-query heads and `c`
+for causal attention: the defaults are CLIP ViT-L/14 at 336 px with its class token (577), without
+it (576), SigLIP-so400m at 384 px (729), 48 images a call, and configs/vlm.py's language model
+(a microbatch of 16 rows of 2048 tokens, 32 heads of 64, 8 key-value heads). Times are the median
+over 5 runs of one compiled program that takes `--repeat` gradients of all three inputs, divided by
+`--repeat` (one program, so no dispatch gaps between calls). TFLOP/s counts the forward's two
+matmuls (4·rows·positions²·heads·head_dim, half of it when causal) and 2.5 times that for the
+backward (which recomputes the scores), as FlashAttention's papers count.
 """
 
 from __future__ import annotations
@@ -19,15 +24,47 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models import layers
-from tools.common import median_time
+from tools.common import Parser, median_time
+
+
+def _repeated(q, k, v, causal):
+  groups = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
 
 KINDS = {
-    "cudnn as jax runs it": lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, implementation="cudnn"),
-    "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-    "mimo_jax cudnn (layers.attention)": lambda q, k, v: layers.attention(
-        q, k, v, None, False, "cudnn"),
+    "cudnn as jax runs it": lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"),
+    "cudnn, key and value heads repeated": _repeated,
+    "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla"),
+    "mimo_jax cudnn (layers.attention)": lambda q, k, v, causal: layers.attention(
+        q, k, v, None, causal, "cudnn"),
 }
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int, bool]:
+  """rows, positions, heads, head_dim, kv_heads, causal from `BxLxHxD[/KV][c]`."""
+  causal = text.endswith("c")
+  body = text[:-1] if causal else text
+  body, _, kv = body.partition("/")
+  try:
+    b, l, h, d = (int(x) for x in body.split("x"))
+    kv_heads = int(kv) if kv else h
+  except ValueError:
+    raise SystemExit(f"tools.attention_bench: --shapes {text!r}: give rows x positions x heads x "
+                     f"head_dim[/kv_heads][c], e.g. 16x2048x32x64/8c.") from None
+  if min(b, l, h, d, kv_heads) < 1 or h % kv_heads:
+    raise SystemExit(f"tools.attention_bench: --shapes {text!r}: give sizes of 1 or more and a "
+                     f"head count that the key-value heads divide.")
+  return b, l, h, d, kv_heads, causal
+
+
+def flops(b: int, l: int, h: int, d: int, causal: bool) -> float:
+  """Forward and backward FLOPs of one attention call."""
+  forward = 4 * b * l * l * h * d / (2 if causal else 1)
+  return 3.5 * forward
 
 
 def seconds(fn, q, k, v, repeat: int) -> float:
@@ -44,11 +81,11 @@ def seconds(fn, q, k, v, repeat: int) -> float:
   return median_time(lambda: run(q, k, v)) / repeat
 
 
-def distance(fn, q, k, v, dout) -> float:
+def distance(fn, q, k, v, dout, causal: bool) -> float:
   """The largest relative distance of fn's output and input gradients in bfloat16 from XLA's in
   float32."""
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  want, vjp = jax.vjp(KINDS["xla"], *f32)
+  want, vjp = jax.vjp(lambda q, k, v: KINDS["xla"](q, k, v, causal), *f32)
   want = (want, *vjp(dout.astype(jnp.float32)))
   got, vjp = jax.vjp(fn, q, k, v)
   got = (got, *vjp(dout))
@@ -57,28 +94,37 @@ def distance(fn, q, k, v, dout) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.attention_bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--shapes", default="48x577x16x64,48x576x16x64,48x729x16x72")
-  parser.add_argument("--repeat", type=int, default=20)
+  parser = Parser("attention_bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="48x577x16x64,48x576x16x64,48x729x16x72,16x2048x32x64/8c",
+                      help="comma-separated rows x positions x heads x head_dim[/kv_heads][c]")
+  parser.add_argument("--repeat", type=int, default=20,
+                      help="forward and backward passes in one timed program")
   args = parser.parse_args(argv)
+  shapes = [parse_shape(s) for s in args.shapes.split(",")]
+  if args.repeat < 1:
+    raise SystemExit(f"tools.attention_bench: --repeat {args.repeat}: give 1 or more.")
   if jax.default_backend() != "gpu":
     raise SystemExit(f"tools.attention_bench: needs a GPU (cuDNN); jax runs on "
                      f"{jax.default_backend()} here.")
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-  print("| images x positions x heads x head_dim | attention | fwd+bwd ms | relative distance |")
-  print("|---|---|---:|---:|")
-  for shape in args.shapes.split(","):
-    b, l, h, d = (int(x) for x in shape.split("x"))
+  print("| shape | attention | fwd+bwd ms | TFLOP/s | relative distance |")
+  print("|---|---|---:|---:|---:|")
+  for text, (b, l, h, d, kv_heads, causal) in zip(args.shapes.split(","), shapes):
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, dout = (jax.random.normal(key, (b, l, h, d), jnp.bfloat16) for key in keys)
-    for name, fn in KINDS.items():
+    q, dout = (jax.random.normal(key, (b, l, h, d), jnp.bfloat16) for key in keys[::3])
+    k, v = (jax.random.normal(key, (b, l, kv_heads, d), jnp.bfloat16) for key in keys[1:3])
+    for name, kind in KINDS.items():
+      if kind is _repeated and kv_heads == h:
+        continue
+      fn = lambda q, k, v, kind=kind: kind(q, k, v, causal)
       try:
         ms = seconds(fn, q, k, v, args.repeat) * 1e3
-        row = f"{ms:.3f} | {distance(fn, q, k, v, dout):.2e}"
-      except (NotImplementedError, jax.errors.JaxRuntimeError) as e:
-        row = f"– | {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-      print(f"| {shape} | {name} | {row} |", flush=True)
+        tflops = flops(b, l, h, d, causal) / ms / 1e9
+        row = f"{ms:.3f} | {tflops:.0f} | {distance(fn, q, k, v, dout, causal):.2e}"
+      except (NotImplementedError, ValueError, jax.errors.JaxRuntimeError) as e:
+        row = f"– | – | {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+      print(f"| {text} | {name} | {row} |", flush=True)
 
 
 if __name__ == "__main__":
