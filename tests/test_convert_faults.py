@@ -472,6 +472,27 @@ def test_image_paths_out_of_images_are_refused_unless_allowed(src, tmp_path, cap
   assert conversations.manifest(str(tmp_path / "loose"))["skipped"] == {}
 
 
+def test_without_images_paths_are_read_from_the_json_folder(src, tmp_path, capsys):
+  """--images is optional: records of text alone need none, and image paths default to the
+  JSON's folder (as tools.eval's); an image missing there names the default and --images."""
+  shutil.copy(src / "images" / "tiny.png", tmp_path / "tiny.png")
+  _write(tmp_path / "text.jsonl", [_record(i, image=None) for i in range(4)])
+  _write(tmp_path / "near.jsonl", [_record(i, image="tiny.png") for i in range(4)])
+  _write(tmp_path / "far.jsonl", [_record(i, image="portrait.png") for i in range(4)])
+  args = lambda data, out: ["--json", str(tmp_path / data), "--tokenizer", str(TOKENIZER),
+                            "--processor", str(PROCESSOR), "--out", str(tmp_path / out),
+                            "--workers", "1", "--eval", "1"]
+  for data, images in (("text.jsonl", 0), ("near.jsonl", 4)):
+    rc, err, _ = _main(args(data, data + ".out"), capsys)
+    assert rc == 0, err
+    assert conversations.manifest(str(tmp_path / (data + ".out")))["images"] == images
+  rc, err, _ = _main(args("far.jsonl", "far") + ["--on_error", "fail"], capsys)
+  _one_line_error(rc, err, f"image {tmp_path / 'portrait.png'} not found",
+                  f"No --images was given: image paths were read relative to --json's folder "
+                  f"{tmp_path}; give --images DIR")
+  assert not (tmp_path / "far").exists()
+
+
 # Bad flags and files: one line, exit 2, nothing written.
 
 def test_bad_flags_and_files_are_one_line_and_write_nothing(src, tmp_path, capsys):

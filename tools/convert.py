@@ -1,6 +1,6 @@
 """LLaVA-format conversations -> the shards `data.task=conversations` trains on.
 
-  python -m tools.convert --json llava_instruct.json --images coco/ --tokenizer llava-1.5-7b-hf \\
+  python -m tools.convert --json llava_instruct.json [--images coco/] --tokenizer llava-1.5-7b-hf \\
       --out data/llava [--processor DIR] [--eval N] [--seq_len 2048] [--image_tokens 576] \\
       [--global_batch N] \\
       [--image_token "<image>"] [--pad_to_square] [--on_error skip|fail] \\
@@ -11,15 +11,16 @@
 
 Input: a JSON list or JSONL file (UTF-8) of records `{"id", "image": path | [paths] | absent,
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}`, image paths
-relative to `--images`. Each record is rendered with the language model's chat template
-(`--tokenizer`: tokenizer.json and tokenizer_config.json; mimo_jax/data/chat.py), each `<image>`
-becoming the image token, with a loss mask on the assistant turns; each image is prepared by the
-vision tower's processor (`--processor`, default the tokenizer's directory:
-preprocessor_config.json; mimo_jax/data/images.py) and stored decoded, as uint8 pixels at the
-processor's size (no decoding while training); a 16-bit grayscale image is scaled to 8 bits and a
-float one read as [0, 1]. The image token and the processor are needed only where records list
-images: records of text and clips alone convert without them (the manifest's image token is then
--1, its image size and channels null, and the launch line names no data.image_token).
+relative to `--images` (default: the folder of `--json`, as tools.eval reads them). Each record is
+rendered with the language model's chat template (`--tokenizer`: tokenizer.json and
+tokenizer_config.json; mimo_jax/data/chat.py), each `<image>` becoming the image token, with a loss
+mask on the assistant turns; each image is prepared by the vision tower's processor (`--processor`,
+default the tokenizer's directory: preprocessor_config.json; mimo_jax/data/images.py) and stored
+decoded, as uint8 pixels at the processor's size (no decoding while training); a 16-bit grayscale
+image is scaled to 8 bits and a float one read as [0, 1]. The image token and the processor are
+needed only where records list images: records of text and clips alone convert without them (the
+manifest's image token is then -1, its image size and channels null, and the launch line names no
+data.image_token).
 
 Output in `--out`: `train.array_record` and `eval.array_record` (each sample with its record's
 `"id"`, or its index in `--json` where it has none) with their metadata sidecars, and
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = Parser("convert", sep=" ", allow_abbrev=False, description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
-  parser.add_argument("--images", required=True, help="the folder image paths are relative to")
+  parser.add_argument("--images", default=None, help="the folder image paths are relative to "
+                      "(default: --json's folder, as tools.eval's; records without images need "
+                      "none)")
   parser.add_argument("--tokenizer", required=True, help="HF directory: tokenizer.json and "
                       "tokenizer_config.json with the chat template")
   parser.add_argument("--processor", default="", help="HF directory with the vision tower's "
@@ -220,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
+  hint = ""  # where missing images may come from a folder not given
+  if args.images is None:  # as tools.eval reads a JSON's images
+    args.images = os.path.dirname(os.path.abspath(args.json))
+    hint = (f"no --images was given: image paths were read relative to --json's folder "
+            f"{args.images}; give --images DIR where they are elsewhere")
   opts = conversion_record.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
@@ -242,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         made.remove_unused(None)
         raise
   except ConfigError as e:
-    return _error(str(e))
+    said = str(e)  # a summary of skipped records, or under --on_error fail the record's error
+    missing = "missing image" in said or (": image " in said and " not found." in said)
+    return _error(f"{said.rstrip('.')}. {hint[0].upper()}{hint[1:]}." if missing and hint
+                  else said)
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
     signum = getattr(e, "signum", signal.SIGINT)
     print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
@@ -269,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     limit = (f" (--max_skipped_fraction {args.max_skipped_fraction:g} fails a conversion that "
              "skips more)" if args.max_skipped_fraction < 1 else "")
     print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
-          f"each with its error in {out / conversion_files.SKIPPED}{limit}.", file=sys.stderr)
+          f"each with its error in {out / conversion_files.SKIPPED}{limit}"
+          f"{f'; {hint}' if hint and 'missing image' in skipped else ''}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
     drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
     drew = f"--eval {args.eval} drew" if args.eval == drawn else "were drawn for it"
