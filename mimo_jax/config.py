@@ -364,6 +364,18 @@ def run_source(spec: str) -> tuple[str, int | None] | None:
   return None
 
 
+def start_spec(cfg: Config, name: str, resolve=lambda spec: spec) -> tuple[str, str]:
+  """(config field, spec) of what module `name` starts from on a fresh start: its own
+  `init_from` where that names a run or `model.init_from` is empty, else `model.init_from`. A
+  module's own HF directory gives way to `model.init_from`: a run's config carries the HF
+  directories it was imported from (an import's config.py does), and a stage started from that
+  run starts from its trained weights. `resolve` makes a relative path absolute first."""
+  own = resolve(getattr(cfg.model.module(name), "init_from", "") or "")
+  if own and (run_source(own) is not None or not cfg.model.init_from):
+    return f"model.{name}.init_from", own
+  return "model.init_from", resolve(cfg.model.init_from)
+
+
 def set_layout(cfg: Config, layout: str) -> None:
   """Sets topology fields from `module=offset/dp/tp[/pp[/virtual]][@schedule],...` (as tests and
   benchmark tools write layouts), e.g. `language=4/2/2` or `language=0/1/2/4@1f1b` (any module by

@@ -18,7 +18,7 @@ from mimo_jax.checkpoint import META, Checkpointer
 from mimo_jax.checkpoint_arrays import fill, shape_differences
 from mimo_jax.checkpoint_config import CheckpointError, gains_adapters, model_differences
 from mimo_jax.checkpoint_steps import complete_steps
-from mimo_jax.config import LANGUAGE, Config, lora_of, run_source
+from mimo_jax.config import LANGUAGE, Config, lora_of, run_source, start_spec
 from mimo_jax.hf import peft
 from mimo_jax.models.lora import A, B, is_adapter
 from mimo_jax.state import HFStart
@@ -48,13 +48,7 @@ def sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:
   checkpoints folder, step)."""
   out = {}
   for name in modules:
-    # A module's own run wins over model.init_from, which wins over the module's own HF
-    # directory: a run's config carries the HF directories it was imported from (an import's
-    # config.py does), and a stage started from that run must start from its trained weights.
-    own = getattr(cfg.model.module(name), "init_from", "")
-    field, spec = ((f"model.{name}.init_from", own)
-                   if own and (run_source(own) is not None or not cfg.model.init_from)
-                   else ("model.init_from", cfg.model.init_from))
+    field, spec = start_spec(cfg, name)
     source = run_source(spec)
     if source is None:
       if spec and field == "model.init_from":

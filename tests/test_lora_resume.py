@@ -233,6 +233,38 @@ class _Metas:
     pass
 
 
+def test_the_history_of_a_stage_follows_model_init_from_over_an_imported_hf_directory(
+    tmp_path, monkeypatch):
+  # A run whose config carries the HF directory it was imported from (as an import's config.py
+  # does) and `model.init_from` naming an earlier stage starts from that stage's weights: the
+  # export's history walks to that stage, as the run itself started (init_from.sources).
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from mimo_jax import checkpoint, checkpoint_steps  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import Config  # pylint: disable=import-outside-toplevel
+  from tools import hf_export  # pylint: disable=import-outside-toplevel
+  hf_dir, stage2, lora = (tmp_path / n for n in ("hf", "stage2", "lora"))
+  for d in (hf_dir, stage2 / "checkpoints", lora):
+    d.mkdir(parents=True)
+  imported = Config()
+  imported.model.language.init_from = str(hf_dir)
+  cfg = Config()
+  cfg.model.language.init_from, cfg.model.init_from = str(hf_dir), str(stage2)
+
+  class Ckpt:  # the earlier stage's step 30, written by a run of the import's config
+    def __init__(self, path, *_, **__):
+      assert path == str(stage2 / "checkpoints")
+
+    def read_meta(self, step):
+      return {"config": dataclasses.asdict(imported)} if step == 30 else {}
+
+  monkeypatch.setattr(checkpoint, "Checkpointer", Ckpt)
+  monkeypatch.setattr(checkpoint_steps, "complete_steps", lambda path: [10, 30])
+  stages = []
+  _, sources = hf_export.history(str(lora), cfg, {}, stages)
+  assert [(str(p), step) for p, step in stages] == [(str(lora), None), (str(stage2), 30)]
+  assert sources["language"] == [str(hf_dir)]  # the import's, reached through the stage
+
+
 @pytest.mark.parametrize("tower", [[1, 2], [7, 7]])
 def test_a_peft_base_is_the_import_only_while_the_frozen_weights_are_its(tmp_path, monkeypatch,
                                                                          tower):
@@ -243,7 +275,7 @@ def test_a_peft_base_is_the_import_only_while_the_frozen_weights_are_its(tmp_pat
   lora, stage1, llava0 = (tmp_path / n for n in ("lora", "stage1", "llava0"))
   for d in (lora, stage1, llava0):
     d.mkdir()
-  (llava0 / "hf_import.json").write_text(json.dumps({"sources": {"language": ["/hf/llava"]}}))
+  (llava0 / "hf_import.json").write_text(json.dumps({"sources": {"language": "/hf/llava"}}))
   _Metas.metas = {
       (str(lora), 5): {"base": {"fingerprints": {"vision": {"params/tower": tower},
                                                  "language": {"params/q": [3, 4]}}}},

@@ -87,7 +87,7 @@ def history(workdir: str, cfg: Config, record: dict,
   # pylint: disable=import-outside-toplevel
   from mimo_jax.checkpoint import Checkpointer
   from mimo_jax.checkpoint_steps import complete_steps
-  from mimo_jax.config import run_source
+  from mimo_jax.config import run_source, start_spec
   sources: dict[str, list[str]] = {"vision": [], "language": []}
   todo, seen = [(pathlib.Path(workdir), cfg, record, None)], set()
   while todo:
@@ -104,7 +104,7 @@ def history(workdir: str, cfg: Config, record: dict,
     for module in ("vision", "language"):
       if module not in c.model.encoders and module != "language":
         continue  # a run without a vision encoder (audio and language)
-      spec = run_paths.resolve_spec(c.model.module(module).init_from or c.model.init_from, where)
+      _, spec = start_spec(c, module, lambda s: run_paths.resolve_spec(s, where) if s else s)
       run = run_source(spec)
       if run is None:
         if spec:
@@ -275,7 +275,7 @@ def _trained_base(workdir: str, step: int, stages: list[tuple[pathlib.Path, int 
   if same:
     return None
   source = json.loads((imports[0] / "hf_import.json").read_text()).get("sources", {})
-  hf = next(iter(source.get(modules[-1]) or source.get("language") or []), str(imports[0]))
+  hf = source.get(modules[-1]) or source.get("language") or str(imports[0])
   return str(stages[1][0]), hf, stages[1][1]
 
 
