@@ -87,6 +87,8 @@ class Reader:
     self.path = os.path.abspath(path)
     self.workdir = os.path.dirname(self.path)
     self.live = workdir_lib.live_run(self.workdir)  # the live run's lock, or None
+    # A lock that names no run (damaged): noted, and read as if no run held the workdir.
+    self.bad_lock = None if self.live else workdir_lib.unreadable_lock(self.workdir)
     steps = self.steps()
     parent = os.path.dirname(self.path)
     if not steps and os.path.basename(self.path).isdigit() and os.path.basename(parent) == \
@@ -124,7 +126,10 @@ class Reader:
     return complete_steps(self.path)
 
   def note(self, tool: str) -> None:
-    """Says on stderr that a live run holds the workdir, if one does."""
+    """Says on stderr that a live run holds the workdir, if one does, or that its lock is
+    unreadable (and to delete it if no run uses the workdir)."""
+    if self.bad_lock:
+      print(f"{tool}: note: {self.bad_lock}", file=sys.stderr, flush=True)
     if self.live:
       print(f"{tool}: note: a run ({who(self.live)}) is using {self.workdir}: reading its "
             f"committed steps ({', '.join(map(str, self.steps()))}); newer steps may appear and "

@@ -3,6 +3,8 @@
 `<workdir>/run.lock` holds the host, pid and start time of the run that uses the workdir (process
 0 of a multi-process run). A second run on the same workdir stops with an error naming the first;
 a lock left by a process that is gone (same host, pid no longer running) is taken over with a note.
+A lock file that names no host and pid (empty, or damaged: no run writes one) is never taken over:
+the run stops with one line naming it, to be deleted if no run uses the workdir.
 A run that ends with nothing of value in it (it failed or was stopped before its first step)
 removes what it made there (`Made`): its workdir, if it made it, is gone again.
 """
@@ -180,8 +182,12 @@ class Lock:
         self._create(me)
       except FileExistsError:
         holder = self._holder()
-        if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
-          self.note = (f"took over {self.file} from process {holder.get('pid')} (started "
+        if holder is None:
+          if not os.path.lexists(self.file):
+            continue  # released since: taken on the next pass
+          raise WorkdirError(self.unreadable()) from None
+        if holder["host"] == me["host"] and not _alive(holder["pid"]):
+          self.note = (f"took over {self.file} from process {holder['pid']} (started "
                        f"{holder.get('started', '?')}), which is no longer running")
           with _directory_mutex(os.path.dirname(self.file)):
             # Another process may have taken it over since it was read: remove only the lock
@@ -189,7 +195,7 @@ class Lock:
             if self._holder() == holder:
               os.remove(self.file)
           continue
-        who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+        who = (f"host {holder['host']}, pid {holder['pid']}, started "
                f"{holder.get('started', '?')}")
         if self.busy is not None:
           raise WorkdirError(f"{self.busy} ({who}); wait for it or choose another output. If "
@@ -200,6 +206,11 @@ class Lock:
       self._held = True
       return self
     raise WorkdirError(f"could not take {self.file}; delete it if no run uses this workdir.")
+
+  def unreadable(self) -> str:
+    """The line for a lock file that holds no holder record (`_holder` is None)."""
+    user = "other process writes that output" if self.busy is not None else "run uses this workdir"
+    return f"{self.file} is unreadable (not a lock naming a host and pid); delete it if no {user}."
 
   def _create(self, me: dict) -> None:
     """Creates the lock file holding `me`, or raises FileExistsError. The file appears with its
@@ -222,12 +233,20 @@ class Lock:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(me, f)
 
-  def _holder(self) -> dict:
+  def _holder(self) -> dict | None:
+    """The record the lock file holds (a JSON object with the `host` string and `pid` integer
+    `_create` writes); None when it cannot be read or holds anything else (an empty or damaged
+    file: never taken over, and never taken for a holder)."""
     try:
       with open(self.file, encoding="utf-8") as f:
-        return json.load(f)
+        holder = json.load(f)
     except (OSError, ValueError):
-      return {}  # unreadable: treated as another host's lock (not taken over)
+      return None
+    pid = holder.get("pid") if isinstance(holder, dict) else None
+    if (not isinstance(holder, dict) or not isinstance(holder.get("host"), str)
+        or not isinstance(pid, int) or isinstance(pid, bool) or pid < 1):
+      return None
+    return holder
 
   def release(self) -> None:
     if self._held:
@@ -240,12 +259,22 @@ class Lock:
 
 def live_run(path: str) -> dict | None:
   """The holder (host, pid, started) of `path`'s run lock while a run may be using the workdir;
-  None when no lock is there or its process (on this host) is gone. Read-only tools use it to
-  read only committed steps and to say that steps may come and go under them."""
+  None when no lock is there, its process (on this host) is gone, or it is unreadable (no run
+  writes one: `unreadable_lock` names it). Read-only tools use it to read only committed steps
+  and to say that steps may come and go under them."""
   lock = Lock(path)
   if not os.path.exists(lock.file):
     return None
   holder = lock._holder()  # pylint: disable=protected-access
-  if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+  if holder is None or (holder["host"] == socket.gethostname() and not _alive(holder["pid"])):
     return None
   return holder
+
+
+def unreadable_lock(path: str) -> str | None:
+  """The line for `path`'s run lock when it is there but holds no holder record (`Lock._holder`),
+  else None: read-only tools note it and read as if no run held the workdir."""
+  lock = Lock(path)
+  if os.path.exists(lock.file) and lock._holder() is None:  # pylint: disable=protected-access
+    return lock.unreadable()
+  return None

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mimo_jax import checkpoint, checkpoint_config, checkpoint_steps, train
+from mimo_jax import checkpoint, checkpoint_config, checkpoint_steps, train, workdir
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.state import ModuleState
 from mimo_jax.step import Step
@@ -334,3 +334,25 @@ def test_other_converted_data_is_refused_unless_allowed(data_dir, tmp_path):
   cfg.data.dir, cfg.checkpoint.allow_data_change = str(moved), False
   ckpt.restore(1, abstract, cfg, step.fresh_opt_state)
   ckpt.close()
+
+
+def test_a_lock_that_names_no_run_is_refused_by_a_run_and_noted_by_the_tools(full_run, tmp_path):
+  """A run.lock that is not the host-and-pid record a run writes (a list, a pid that is not a
+  number, empty, not JSON) is an unreadable lock: a run stops with one line naming it (nothing
+  written), and the read-only tools note it and read on as if no run held the workdir."""
+  full_dir, _ = full_run
+  _resume_from(full_dir, tmp_path, STEPS)
+  lock = tmp_path / "run.lock"
+  said = (f"{lock} is unreadable (not a lock naming a host and pid); delete it if no run uses "
+          "this workdir.")
+  for text in ("[1, 2]", '{"host": "vm", "pid": "abc"}', "", "garbage"):
+    lock.write_text(text)
+    with pytest.raises(workdir.WorkdirError) as err:
+      workdir.Lock(str(tmp_path)).acquire()
+    assert str(err.value) == said
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "run.lock"]  # nothing written
+    assert lock.read_text() == text
+    assert workdir.live_run(str(tmp_path)) is None
+    out = run_main(ckpt_tool.main, "inspect", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == f"tools.ckpt: note: {said}\n"
