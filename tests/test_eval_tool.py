@@ -178,6 +178,13 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
     (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
     (["--seq_len", "40"], "sample 'q2' needs 46 positions, more than the eval rows' 40; give "
      "--seq_len 46 or more"),
+    # --layout's errors name the flag and its value, not the config fields it sets.
+    (["--layout", "foo"], "tools.eval: error: --layout 'foo': unknown module 'foo'; modules: "
+     "vision, language."),
+    (["--layout", "language=x"], "tools.eval: error: --layout 'language=x': language: not "
+     "offset/dp/tp"),
+    (["--layout", "language=0/2/1"], "tools.eval: error: --layout 'language=0/2/1': language: "
+     "devices [0, 2) partially overlap vision's [0, 1)"),
 ])
 def test_bad_flags_are_refused(setup, capsys, change, message):
   assert _eval(setup, setup / "bad.jsonl", *change) == 2

@@ -277,10 +277,29 @@ def run_config(args) -> tuple[int, Config]:
       module.lora.init_from = ""
   cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
   if args.layout:
-    set_layout(cfg, args.layout)
+    try:
+      set_layout(cfg, args.layout)
+    except ConfigError as e:
+      raise layout_error(args.layout, e) from None
   if args.seq_len:
     cfg.data.seq_len = args.seq_len
   return step, cfg
+
+
+def layout_error(layout: str, e: ConfigError) -> ConfigError:
+  """`e`, an error of the topology fields that `--layout` set, as the flag's: "--layout 'X':
+  <module>: <reason>" (not the config.topology field the user never typed)."""
+  field, _, reason = str(e).partition(": ")
+  if not field.startswith("config.topology"):
+    return e
+  whole = repr(layout)
+  if reason.startswith(f"{whole}: "):  # set_layout names the item: here, the whole flag
+    reason = reason.removeprefix(f"{whole}: ")
+  elif reason.startswith(f"{whole} is "):
+    reason = reason.removeprefix(f"{whole} is ")
+  module = field.removeprefix("config.topology").lstrip(".").split(".")[0]
+  named = f"{module}: " if module and not reason.startswith("'") else ""
+  return ConfigError(f"--layout {whole}: {named}{reason}")
 
 
 def _parameters(args, trainer) -> tuple[int, dict]:
@@ -324,7 +343,10 @@ def build_step(args, cfg: Config, image_id: int | None):
   checked = copy.deepcopy(cfg)
   # The run's own data is not read: a converted run without data.dir (an import) is evaluated too.
   checked.data.dir = checked.data.dir or os.path.abspath(args.data)
-  validate(checked, len(jax.devices()))
+  try:
+    validate(checked, len(jax.devices()))
+  except ConfigError as e:
+    raise layout_error(args.layout, e) if args.layout else e from None
   return Step.build(cfg)
 
 
