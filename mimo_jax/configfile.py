@@ -58,7 +58,42 @@ def load_file(spec: str, hint: str = DEFAULT_HINT) -> Config:
     raise ConfigError(f"--config={spec}: {type(e).__name__}: {first}") from e
   if not isinstance(cfg, Config):
     raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a Config.")
+  try:
+    check_values(cfg)
+  except ConfigError as e:
+    raise ConfigError(f"--config={spec}: {e}") from None
   return cfg
+
+
+def check_values(obj, where: str = "") -> None:
+  """What a config file set, as an override would be checked: every attribute of a section one
+  of its fields (a misspelt name would be ignored otherwise), every section a section, every int,
+  float, str or bool field a value of that type (an int is taken for a float, as a float).
+  ConfigError naming the first field that is not."""
+  if isinstance(obj, dict):  # the encoders: each a section named as the flags name it
+    for name, section in obj.items():
+      check_values(section, ".".join(where.split(".")[:-1] + [name]))
+    return
+  known = {f.name for f in dataclasses.fields(obj)}
+  for part in vars(obj):
+    if part not in known:
+      raise _unknown(obj, part, where)
+  hints = typing.get_type_hints(type(obj))
+  for name in known:
+    value, path = getattr(obj, name), f"{where}.{name}" if where else name
+    if dataclasses.is_dataclass(value) or (name == "encoders" and isinstance(value, dict)):
+      check_values(value, path)
+      continue
+    kind = hints.get(name)
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+      raise ConfigError(f"config.{path} is a section ({kind.__name__}), not {value!r}; set its "
+                        f"fields instead.")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      setattr(obj, name, float(value))
+    elif kind in (int, float, str, bool) and (
+        not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+      raise ConfigError(f"config.{path}: {value!r} is not {'an' if kind is int else 'a'} "
+                        f"{kind.__name__}.")
 
 
 def parse_override(arg: str) -> tuple[str, str | None]:

@@ -210,6 +210,30 @@ def test_a_data_field_an_encoder_took_over_names_its_new_place():
     configfile.apply(digits.get_config(), ["--config.data.max_images=2"])
 
 
+@pytest.mark.parametrize("line,said", [
+    ("c.optim.learning_rate = 1e-4", "unknown config field 'learning_rate'; config.optim has lr,"),
+    ("c.model.vision.patch = 16", "unknown config field 'patch'; config.model.vision has "),
+    ("c.train.steps = '30'", "config.train.steps: '30' is not an int."),
+    ("c.train.steps = True", "config.train.steps: True is not an int."),
+    ("c.topology.vision.dp = 2.0", "config.topology.vision.dp: 2.0 is not an int."),
+    ("c.run.progress = None", "config.run.progress: None is not a str."),
+    ("c.eval = None", "config.eval is a section (EvalConfig), not None; set its fields instead."),
+])
+def test_a_config_file_is_checked_as_its_overrides_are(tmp_path, line, said):
+  # A misspelt field in a file used to be ignored, a value of the wrong type to fail later with a
+  # traceback; an int for a float is taken as that float.
+  from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
+  file = tmp_path / "c.py"
+  body = "from configs.digits import get_config as base\n\ndef get_config(arg=None):\n  c = base()\n"
+  file.write_text(body + f"  {line}\n  return c\n")
+  with pytest.raises(ConfigError) as e:
+    configfile.load_file(str(file))
+  assert str(e.value).startswith(f"--config={file}: ") and said in str(e.value)
+  file.write_text(body + "  c.optim.lr = 1\n  return c\n")
+  lr = configfile.load_file(str(file)).optim.lr
+  assert (lr, type(lr)) == (1.0, float)
+
+
 def test_overrides_split_as_flags_are_written():
   from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
   spec, overrides, rest = configfile.split_args(
