@@ -85,6 +85,7 @@ def _language(cfg: Config) -> None:
   require(lm.heads % lm.kv_heads == 0, "model.language.kv_heads",
           f"{lm.kv_heads} must divide heads {lm.heads}.")
   require(lm.norm_eps > 0, "model.language.norm_eps", f"must be > 0, got {lm.norm_eps}.")
+  require(lm.rope_theta > 0, "model.language.rope_theta", f"must be > 0, got {lm.rope_theta}.")
   require(lm.rope_scaling in ROPE_SCALINGS, "model.language.rope_scaling",
           f"must be one of {', '.join(ROPE_SCALINGS)}, got {lm.rope_scaling!r}.")
   if lm.rope_scaling == "llama3":
