@@ -253,6 +253,20 @@ def test_a_missing_image_under_the_images_given_names_that_folder(setup, capsys)
   assert f"not found; it is not in --images {setup}: give the folder that holds it." in err, err
 
 
+def test_a_json_has_no_split_and_rows_recorded_with_one_go_on(setup, one_device):
+  """A JSON's settings and summary record its split as null (a converted directory's is its
+  --split); rows whose settings recorded "eval" for it, as older versions did, are gone on from."""
+  assert json.loads((setup / "one.summary.json").read_text())["split"] is None
+  settings = json.loads((setup / "one.jsonl.settings.json").read_text())
+  assert settings["split"] is None
+  (setup / "old.jsonl").write_text((setup / "one.jsonl").read_text())
+  (setup / "old.jsonl.settings.json").write_text(json.dumps(dict(settings, split="eval")))
+  assert _eval(setup, setup / "old.jsonl") == 0
+  summary = json.loads((setup / "old.summary.json").read_text())
+  assert summary["answered_now"] == 0 and summary["split"] is None
+  assert _rows(setup / "old.jsonl") == one_device
+
+
 def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
   err = capsys.readouterr().err

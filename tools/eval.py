@@ -27,7 +27,7 @@ under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one 
 (a full disk: one line naming `--out`, status 2), and the same command goes on after the
 samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean (a per-item metric's over the items), the sample count, the step and the
-settings. Metrics: mimo_jax/scoring.py.
+settings (`split`: a converted directory's, null for a JSON). Metrics: mimo_jax/scoring.py.
 
 Beside a run that is saving into WORKDIR, the eval reads committed steps only; a step that the
 run rotates away (checkpoint.keep) while it is read is gone, not damaged: the newest step is
@@ -133,7 +133,7 @@ def default_out(args: argparse.Namespace, step: int, settings: dict) -> pathlib.
   folder, stem = pathlib.Path(args.workdir) / "eval", f"{name}{split}.step{step}"
   for k in itertools.count(1):
     out = folder / (f"{stem}.jsonl" if k == 1 else f"{stem}.{k}.jsonl")
-    if not out.exists() or _recorded_settings(out) == settings:
+    if not out.exists() or _as_now(_recorded_settings(out), settings) == settings:
       return out
 
 
@@ -143,6 +143,14 @@ def _recorded_settings(out: pathlib.Path) -> dict | None:
     return json.loads(settings_path(out).read_text())
   except (OSError, ValueError):
     return None
+
+
+def _as_now(recorded: dict | None, settings: dict) -> dict | None:
+  """`recorded` (`_recorded_settings`) as these `settings` write them: a JSON's split is null
+  (it has none), where settings written before that hold "eval"."""
+  if recorded is not None and settings.get("split") is None and recorded.get("split") == "eval":
+    return dict(recorded, split=None)
+  return recorded
 
 
 def settings_path(out: pathlib.Path) -> pathlib.Path:
@@ -179,7 +187,7 @@ class Rows:
 
   def _open(self) -> None:
     if self.out.exists():
-      recorded = _recorded_settings(self.out)
+      recorded = _as_now(_recorded_settings(self.out), self.settings)
       if recorded != self.settings:
         differ = ("its settings file is missing or unreadable" if recorded is None else
                   "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
@@ -388,7 +396,8 @@ def run(args: argparse.Namespace) -> dict:
   eval_set.check_lengths(layout, samples, "--seq_len")
   step, state = _parameters(args, trainer)
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
-              "data": os.path.abspath(args.data), "split": args.split,
+              "data": os.path.abspath(args.data),
+              "split": args.split if os.path.isdir(args.data) else None,  # a JSON has none
               "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
               "samples": len(samples)}
   out = pathlib.Path(args.out) if args.out else default_out(args, step, settings)
