@@ -349,6 +349,16 @@ def split_spec(spec: str) -> tuple[str, int | None]:
   return (head, int(tail)) if sep and head and tail.isdigit() else (spec, None)
 
 
+def step_not_a_number(spec: str) -> str | None:
+  """What is wrong with an init_from `WORKDIR:STEP` whose WORKDIR is a run and STEP no number
+  (`runs/stage2:last`); None for anything else."""
+  head, sep, tail = spec.rpartition(":")
+  if sep and head and tail and not tail.isdigit() and run_source(head) is not None:
+    return (f"{spec!r}: the step {tail!r} is not a number; give WORKDIR:STEP with a saved step, "
+            "or WORKDIR for its newest.")
+  return None
+
+
 def run_source(spec: str) -> tuple[str, int | None] | None:
   """An `init_from` that names a mimo_jax run, `WORKDIR[:STEP]` (a workdir or its checkpoints/
   folder): (that checkpoints folder, STEP or None for the newest); None for anything else (an HF

@@ -18,7 +18,8 @@ from mimo_jax.checkpoint import META, Checkpointer
 from mimo_jax.checkpoint_arrays import fill, shape_differences
 from mimo_jax.checkpoint_config import CheckpointError, gains_adapters, model_differences
 from mimo_jax.checkpoint_steps import complete_steps
-from mimo_jax.config import LANGUAGE, Config, lora_of, run_source, start_spec
+from mimo_jax.config import (LANGUAGE, Config, lora_of, run_source, start_spec,
+                             step_not_a_number)
 from mimo_jax.hf import peft
 from mimo_jax.models.lora import A, B, is_adapter
 from mimo_jax.state import HFStart
@@ -51,6 +52,8 @@ def sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:
     field, spec = start_spec(cfg, name)
     source = run_source(spec)
     if source is None:
+      if spec and step_not_a_number(spec):
+        raise CheckpointError(f"config.{field}: {step_not_a_number(spec)}")
       if spec and field == "model.init_from":
         raise CheckpointError(
             f"config.model.init_from: {spec!r} is not a mimo_jax run; name a run's workdir (the "

@@ -9,7 +9,8 @@ import pathlib
 
 from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (LANGUAGE, ROPE_SCALINGS, Config, ConfigError, lora_of, parse_freeze,
-                             parse_lr_mult, positive, require, run_source)
+                             parse_lr_mult, positive, require, run_source,
+                             step_not_a_number)
 from mimo_jax.config_run import AV_DIGITS_VOCAB, DIGITS_VOCAB, TASKS
 from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
@@ -101,6 +102,12 @@ def _init_from(cfg: Config, name: str) -> None:
   section = cfg.model.module(name)
   if not section.init_from or run_source(section.init_from):  # a run: init_from.params
     return
+  field = f"model.{name}.init_from"
+  require(step_not_a_number(section.init_from) is None, field,
+          step_not_a_number(section.init_from) or "")
+  require(os.path.isdir(section.init_from), field,
+          f"{section.init_from}: not a directory; name an HF model directory (config.json and "
+          "*.safetensors) or a mimo_jax run, WORKDIR[:STEP].")
   src = hf.Source.open(section.init_from)
   require(name in src.modules, f"model.{name}.init_from",
           f"{section.init_from} holds a {src.kind} model, which has no {name} module.")

@@ -252,3 +252,23 @@ def test_the_built_in_token_constants_are_the_digits_tokenizers():
   from mimo_jax.config_run import BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB
   from mimo_jax.data.tokenizer import IMG, Tokenizer  # pylint: disable=import-outside-toplevel
   assert (BUILTIN_IMAGE_TOKEN, DIGITS_VOCAB) == (IMG, Tokenizer().vocab_size)
+
+
+def test_an_init_from_that_is_neither_a_directory_nor_a_run_step_names_its_field(tmp_path):
+  from mimo_jax import init_from  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint_config import CheckpointError  # pylint: disable=import-outside-toplevel
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  cfg = digits.get_config()
+  cfg.model.language.init_from = str(tmp_path / "gone")
+  with pytest.raises(ConfigError, match=r"^config\.model\.language\.init_from: .*gone: not a "
+                     r"directory; name an HF model directory .* or a mimo_jax run"):
+    validate(cfg, num_devices=8)
+  cfg.model.language.init_from = f"{run}:last"
+  with pytest.raises(ConfigError, match=r"^config\.model\.language\.init_from: .*:last': the "
+                     r"step 'last' is not a number"):
+    validate(cfg, num_devices=8)
+  cfg.model.language.init_from, cfg.model.init_from = "", f"{run}:abc"
+  with pytest.raises(CheckpointError, match=r"^config\.model\.init_from: .*:abc': the step 'abc' "
+                     r"is not a number"):
+    init_from.sources(cfg, ["language"])
