@@ -44,6 +44,9 @@ def load_file(spec: str, hint: str = DEFAULT_HINT) -> Config:
   `get_config` that returns something else; a ConfigError of the file's own passes as it is."""
   path, sep, arg = spec.partition(":")
   file = find(path)
+  if file is None and any(p.is_dir() for p in (pathlib.Path(path), ROOT / path)):
+    raise ConfigError(f"--config: {path!r} is a directory; name a config file in it, e.g. "
+                      f"{hint}.")
   if file is None:
     raise ConfigError(f"--config: file {path!r} does not exist; try {hint}.")
   try:
@@ -116,7 +119,7 @@ def apply(cfg: Config, overrides: Sequence[str]) -> Config:
   for arg in overrides:
     name, text = parse_override(arg)
     try:
-      set_field(cfg, name, text)
+      set_field(cfg, name, text, negated=bool(_OVERRIDE.match(arg).group(1)))
     except ConfigError as e:
       raise ConfigError(f"{arg}: {e}") from None
   return cfg
@@ -153,14 +156,19 @@ def split_args(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
   return spec, overrides, rest
 
 
-def set_field(cfg: Config, name: str, text: str | None) -> object:
+def set_field(cfg: Config, name: str, text: str | None, negated: bool = False) -> object:
   """Sets field `name` (`a.b.c`) of `cfg` from `text`, typed by the field (None: a bool's bare
-  flag, true); returns the value. ConfigError saying what is wrong, without the flag."""
+  flag, true; `negated`: a `--noconfig` flag, which only a bool field takes); returns the value.
+  ConfigError saying what is wrong, without the flag."""
   *parents, last = name.split(".")
   obj = cfg
   for i, part in enumerate(parents):
     obj = _child(obj, part, ".".join(parents[:i]))
   kind = _field_type(obj, last, ".".join(parents))
+  if negated and kind is not bool:
+    raise ConfigError(f"--noconfig sets a bool field false, and config.{name} is "
+                      f"{'an' if kind is int else 'a'} {kind.__name__}: give "
+                      f"--config.{name}=VALUE.")
   if kind is bool:
     if text is None or text.lower() in _TRUE + _FALSE:
       value = text is None or text.lower() in _TRUE

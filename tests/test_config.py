@@ -272,3 +272,15 @@ def test_an_init_from_that_is_neither_a_directory_nor_a_run_step_names_its_field
   with pytest.raises(CheckpointError, match=r"^config\.model\.init_from: .*:abc': the step 'abc' "
                      r"is not a number"):
     init_from.sources(cfg, ["language"])
+
+
+def test_noconfig_on_a_field_that_is_no_bool_and_a_config_that_is_a_directory(tmp_path):
+  from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match=r"^--noconfig\.optim\.lr: --noconfig sets a bool field "
+                     r"false, and config\.optim\.lr is a float: give --config\.optim\.lr=VALUE\.$"):
+    configfile.apply(digits.get_config(), ["--noconfig.optim.lr"])
+  assert not configfile.apply(digits.get_config(),
+                              ["--noconfig.topology.vision.unroll"]).topology.vision.unroll
+  with pytest.raises(ConfigError, match=rf"^--config: '{tmp_path}' is a directory; name a config "
+                     r"file in it"):
+    configfile.load_file(str(tmp_path))
