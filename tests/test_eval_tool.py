@@ -385,6 +385,13 @@ def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_
   assert [s["max_new_tokens"] for s in summaries] == [2, 3]
   assert summaries[0]["answered_now"] == 0 and summaries[1]["answered_now"] == 2
   assert len(_rows(one)) == len(_rows(two)) == 2
+  # --samples takes the first N: a larger N goes on from the rows of a smaller one, in its file.
+  before = _rows(one)
+  assert eval_tool.main(args("--max_new_tokens", "2", "--samples", "3")) == 0
+  assert sorted(p.name for p in folder.glob("*.jsonl")) == files
+  summary = json.loads(eval_tool.summary_path(one).read_text())
+  assert summary["answered_now"] == 1 and summary["samples"] == 3
+  assert _rows(one)[:2] == before and len(_rows(one)) == 3
 
 
 def test_the_cpu_devices_default_spans_the_runs_topology(tmp_path):

@@ -18,15 +18,17 @@ own devices, the language model decoding on its dp ranks with a key-value cache,
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
 
 Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
-directory's; where that holds an eval of other settings (metrics, --max_new_tokens, samples), the
-first of <...>.2.jsonl, .3.jsonl, ... holding this eval's rows or none): one JSON row a sample
+directory's; where that holds an eval of other settings (metrics, --max_new_tokens), the first of
+<...>.2.jsonl, .3.jsonl, ... holding this eval's rows or none; `--samples` is none of them: a
+larger N goes on from the rows of a smaller one): one JSON row a sample
 (`id`: the record's, or its index in the file where it has none; a converted split's rows add
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
 under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
 (a full disk: one line naming `--out`, status 2), and the same command goes on after the
 samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
-each metric's mean (a per-item metric's over the items), the sample count, the step and the
+each metric's mean (a per-item metric's over the items) over this command's samples (`--out`
+may hold more, from a larger `--samples`), the sample count, the step and the
 settings (`split`: a converted directory's, null for a JSON). Metrics: mimo_jax/scoring.py.
 
 Beside a run that is saving into WORKDIR, the eval reads committed steps only; a step that the
@@ -147,9 +149,14 @@ def _recorded_settings(out: pathlib.Path) -> dict | None:
 
 def _as_now(recorded: dict | None, settings: dict) -> dict | None:
   """`recorded` (`_recorded_settings`) as these `settings` write them: a JSON's split is null
-  (it has none), where settings written before that hold "eval"."""
-  if recorded is not None and settings.get("split") is None and recorded.get("split") == "eval":
-    return dict(recorded, split=None)
+  (it has none), where settings written before that hold "eval"; the sample count, which older
+  settings held, is none of them (`--samples` takes the first N samples, so the rows of a
+  smaller N are the first rows of a larger one)."""
+  if recorded is None:
+    return None
+  recorded = {k: v for k, v in recorded.items() if k != "samples"}
+  if settings.get("split") is None and recorded.get("split") == "eval":
+    recorded["split"] = None
   return recorded
 
 
@@ -398,8 +405,7 @@ def run(args: argparse.Namespace) -> dict:
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
               "data": os.path.abspath(args.data),
               "split": args.split if os.path.isdir(args.data) else None,  # a JSON has none
-              "max_new_tokens": args.max_new_tokens, "metrics": args.metric,
-              "samples": len(samples)}
+              "max_new_tokens": args.max_new_tokens, "metrics": args.metric}
   out = pathlib.Path(args.out) if args.out else default_out(args, step, settings)
   rows = Rows(out, settings)
   try:
@@ -421,7 +427,7 @@ def run(args: argparse.Namespace) -> dict:
     took = time.time() - started
     scores = [rows.done[key(s)]["score"] for s in samples]
     items = [eval_set.item_count(layout, s) for s in samples]
-    summary = dict(settings, out=os.path.abspath(out),
+    summary = dict(settings, samples=len(samples), out=os.path.abspath(out),
                    **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                       for m in args.metric},
                    answered_now=len(todo),
