@@ -64,6 +64,15 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
                f"devices [{t.offset}, {t.offset + t.size}) run past the {num_devices} devices "
                f"available; lower offset or dp*tp*pp.")
     ranges[name] = (t.offset, t.offset + t.size)
+  # Each module's own sizes before the ranges they make: a tp that divides no head count also
+  # moves the next module's range, which would be named instead.
+  for encoder in encoders.of(cfg).values():
+    encoder.validate_topology(cfg)
+  lt = cfg.topology.language
+  require(lm.kv_heads % lt.tp == 0, "topology.language.tp",
+          f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
+  require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
+          f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
   names = list(ranges)
   for i, a in enumerate(names):
     for b in names[i + 1:]:
@@ -72,13 +81,6 @@ def validate_topology(cfg: Config, num_devices: int | None) -> None:
       require(not overlap or (a0, a1) == (b0, b1), f"topology.{b}.offset",
                f"devices [{b0}, {b1}) partially overlap {a}'s [{a0}, {a1}); use identical "
                "ranges (colocated) or disjoint ones.")
-  for encoder in encoders.of(cfg).values():
-    encoder.validate_topology(cfg)
-  lt = cfg.topology.language
-  require(lm.kv_heads % lt.tp == 0, "topology.language.tp",
-          f"{lt.tp} must divide model.language.kv_heads {lm.kv_heads}.")
-  require(lm.mlp_dim % lt.tp == 0, "topology.language.tp",
-          f"{lt.tp} must divide model.language.mlp_dim {lm.mlp_dim}.")
   require(d.pack_rows >= 0, "data.pack_rows", "must be >= 0 (0 = no packing).")
   require(d.pack_rows % lt.dp == 0, "data.pack_rows",
           f"{d.pack_rows} rows must split evenly over language dp {lt.dp}.")

@@ -284,3 +284,12 @@ def test_noconfig_on_a_field_that_is_no_bool_and_a_config_that_is_a_directory(tm
   with pytest.raises(ConfigError, match=rf"^--config: '{tmp_path}' is a directory; name a config "
                      r"file in it"):
     configfile.load_file(str(tmp_path))
+
+
+def test_a_tp_that_divides_no_head_count_is_named_before_the_range_it_moves():
+  # vision dp4 tp3 would span [0, 12) and overlap the language model's [4, 8): the tp is the fault.
+  cfg = digits.get_config()
+  cfg.topology.vision.tp = 3
+  with pytest.raises(ConfigError, match=r"^config\.topology\.vision\.tp: 3 must divide "
+                     r"model\.vision\.heads"):
+    validate(cfg)
