@@ -368,6 +368,9 @@ def _schedule_and_run(cfg: Config) -> None:
           f"(data.eval_samples); lower eval.samples or raise data.eval_samples.")
   require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end).")
   require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1.")
+  require(not cfg.checkpoint.base or os.path.isdir(cfg.checkpoint.base), "checkpoint.base",
+          f"{cfg.checkpoint.base}: not a directory; name the workdir (or its checkpoints folder) "
+          "that holds the base of this run's checkpoints now, or leave it empty.")
   require(cfg.checkpoint.restore_step >= 0, "checkpoint.restore_step",
           "must be >= 0 (0 = the newest step).")
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")

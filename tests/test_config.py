@@ -62,6 +62,7 @@ CASES = [
     ("data.eval_samples", 0, "data.eval_samples"),
     ("data.text_token_cost", -1, "data.text_token_cost"),  # was named data.image_token_cost
     ("model.language.rope_theta", -1.0, "model.language.rope_theta"),  # was a NaN loss at step 1
+    ("checkpoint.base", "/no/such/folder", "checkpoint.base"),  # was ignored
 ]
 
 
