@@ -39,7 +39,8 @@ from mimo_jax.checkpoint_arrays import (as_saved, bfloat16_if_exact, fill, misma
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
                                       quiet_failed_reads, read_failure)
-from mimo_jax.checkpoint_steps import Base, base_folder, complete_steps, digest, move_aside
+from mimo_jax.checkpoint_steps import (Base, base_folder, complete_steps, digest, digest_failure,
+                                      meta_file, move_aside)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
@@ -209,8 +210,8 @@ class Checkpointer:
     try:
       meta = self._mngr.restore(step, args=ocp.args.Composite(
           **{META: ocp.args.JsonRestore()}))[META]
-      failed = None if meta.get("digest", digest(meta)) == digest(meta) else (
-          "has metadata that does not match its digest")
+      wrong = digest_failure(meta)
+      failed = wrong and f"has metadata that {wrong} ({meta_file(self.path, step)})"
     except Exception as e:  # pylint: disable=broad-except
       failed = f"has no readable metadata ({read_failure(e)})"
     if failed:

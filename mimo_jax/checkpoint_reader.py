@@ -1,12 +1,13 @@
 """Reading a run's checkpoints without the run: its committed steps, read-only, beside a live run.
 
 `Reader(path)` opens a workdir (or its checkpoints/ folder) and reads a step's metadata
-(`meta`), its parameters (`params` flat as `module/path/to/param`, `params_tree` nested, both
-checked against the fingerprints saved with them), their shapes and dtypes (`params_metadata`)
-and a module's whole saved tree (`module`). `newest(reader, step, fn)` runs `fn` on a step, or on
-the newest one again when a live run rotates it away mid-read. Only committed steps are read
-(orbax's `commit_success.txt`); a step removed while being read raises `StepGone`, a damaged one
-`Unreadable`, nothing left to read `TryAgain`: each a `CkptError`, one line naming the fix.
+(`meta`, checked against its digest), its parameters (`params` flat as `module/path/to/param`,
+`params_tree` nested, both checked against the fingerprints saved with them), their shapes and
+dtypes (`params_metadata`) and a module's whole saved tree (`module`). `newest(reader, step,
+fn)` runs `fn` on a step, or on the newest one again when a live run rotates it away mid-read.
+Only committed steps are read (orbax's `commit_success.txt`); a step removed while being read
+raises `StepGone`, a damaged one `Unreadable`, nothing left to read `TryAgain`: each a
+`CkptError`, one line naming the fix.
 tools.ckpt, tools.hf export and tools.generate read checkpoints through it.
 """
 
@@ -27,7 +28,7 @@ from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint_arrays import params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
                                       read_failure)
-from mimo_jax.checkpoint_steps import base_folder, complete_steps
+from mimo_jax.checkpoint_steps import base_folder, complete_steps, digest_failure, meta_file
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 
@@ -66,6 +67,17 @@ class Unreadable(CkptError):
   def __init__(self, path: str, step: int, reason: str):
     super().__init__(f"step {step} of {path} cannot be read ({reason}): {DAMAGED}")
     self.step, self.reason = step, reason
+
+
+class BadDigest(CkptError):
+  """A step whose metadata does not match the digest it holds of itself, or holds none (every
+  step saved holds one): edited or damaged. `meta` is the metadata as read (tools.ckpt check
+  reports the digest beside the step's arrays)."""
+
+  def __init__(self, path: str, step: int, wrong: str, meta):
+    super().__init__(f"step {step} of {path} has metadata that {wrong} "
+                     f"({meta_file(path, step)}): {DAMAGED}")
+    self.step, self.wrong, self.meta = step, wrong, meta
 
 
 def who(holder: dict) -> str:
@@ -173,8 +185,14 @@ class Reader:
     raise Unreadable(self.path, step, reason)
 
   def meta(self, step: int) -> dict:
-    """The step's metadata (checkpoint.py's `meta` item: config, data position, fingerprints)."""
-    return self.read(step, lambda: _meta(self.mngr, step))
+    """The step's metadata (checkpoint.py's `meta` item: config, data position, fingerprints),
+    checked against the digest it holds of itself as a run checks it: metadata that does not
+    match it, or holds none, raises BadDigest."""
+    meta = self.read(step, lambda: _meta(self.mngr, step))
+    wrong = digest_failure(meta)
+    if wrong:
+      raise BadDigest(self.path, step, wrong, meta)
+    return meta
 
   def tree(self, step: int, module: str) -> dict:
     """One module's saved metadata tree (shapes and dtypes as stored)."""

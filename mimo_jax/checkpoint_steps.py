@@ -39,6 +39,20 @@ def digest(meta: dict) -> str:
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def meta_file(path: str, step: int) -> str:
+  """The file holding `step`'s metadata in checkpoints folder `path` (orbax's JSON item `meta`)."""
+  return os.path.join(path, str(step), "meta", "metadata")
+
+
+def digest_failure(meta) -> str | None:
+  """What is wrong with the metadata of a step against its digest ("does not match its digest"),
+  or None. Every step this code saves holds a digest (since its first checkpoints), so metadata
+  without one is damaged (or edited) as much as metadata whose digest differs."""
+  if not isinstance(meta, dict) or "digest" not in meta:
+    return "holds no digest"
+  return None if meta["digest"] == digest(meta) else "does not match its digest"
+
+
 @dataclasses.dataclass(frozen=True)
 class Base:
   """Where the frozen weights of a run with LoRA adapters are held: a step of a checkpoint

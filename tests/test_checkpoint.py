@@ -356,3 +356,36 @@ def test_a_lock_that_names_no_run_is_refused_by_a_run_and_noted_by_the_tools(ful
     out = run_main(ckpt_tool.main, "inspect", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stderr == f"tools.ckpt: note: {said}\n"
+
+
+def test_metadata_edited_or_without_its_digest_is_refused_by_the_run_and_every_tool(full_run,
+                                                                                    tmp_path):
+  """Every step this code saves holds a digest of its metadata: metadata edited (its digest
+  kept) or without a digest is refused by a resume, `check`, `inspect` and `export` (writing
+  nothing), each naming the step and the file."""
+  import json  # pylint: disable=import-outside-toplevel
+  full_dir, _ = full_run
+  _resume_from(full_dir, tmp_path, STEPS)
+  path = tmp_path / "checkpoints"
+  file = path / str(STEPS) / "meta" / "metadata"
+  saved = json.loads(file.read_text())
+  assert saved["digest"] == checkpoint_steps.digest(saved)
+  edited = dict(saved, data=dict(saved["data"], steps_done=1))
+  for meta, wrong in ((edited, "does not match its digest"),
+                      ({k: v for k, v in saved.items() if k != "digest"}, "holds no digest")):
+    file.write_text(json.dumps(meta))
+    ckpt = checkpoint.Checkpointer(str(path), ["vision", "language"], read_only=True)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"step {STEPS} has metadata that {wrong} \({file}\)\. Its files are "
+                       "damaged"):
+      ckpt.read_meta(STEPS)
+    ckpt.close()
+    out = run_main(ckpt_tool.main, "check", str(tmp_path), "--step", str(STEPS))
+    assert out.returncode == 2 and f"step {STEPS}: FAILED: meta: {wrong}" in out.stdout, out
+    line = (f"tools.ckpt: error: step {STEPS} of {path} has metadata that {wrong} ({file}): its "
+            "files are damaged;")
+    for args in (("inspect",), ("export", "--out", tmp_path / "out.safetensors")):
+      out = run_main(ckpt_tool.main, *args[:1], str(tmp_path), *args[1:])
+      assert out.returncode == 2 and out.stdout == "", out
+      assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+    assert not [p for p in tmp_path.iterdir() if "out.safetensors" in p.name]

@@ -8,6 +8,8 @@
 the config in its metadata): loadable with `safetensors.numpy.load_file`, no mimo_jax needed. The
 file is written beside `--out` under a temporary name and renamed into place when complete (a
 lock `.<name>.lock` keeps a second export of the same file out); an existing `--out` is refused.
+`inspect` and `export` refuse a step whose metadata does not match its digest, or holds none (every
+step saved holds one), as a resume does: one line naming the file, and `export` writes nothing.
 `check` reads every step back, each item on its own: the metadata against its digest, and every
 array of every module (parameters and optimizer state) against the fingerprint saved with it and
 for non-finite values. It exits non-zero naming each step and item that fails, and which step to
@@ -29,9 +31,9 @@ import sys
 
 import numpy as np
 
-from mimo_jax import checkpoint_reader, checkpoint_steps, fingerprint, output
-from mimo_jax.checkpoint_reader import (ROTATED, CkptError, Reader, StepGone, TryAgain,
-                                        Unreadable, newest, who)
+from mimo_jax import checkpoint_reader, fingerprint, output
+from mimo_jax.checkpoint_reader import (ROTATED, BadDigest, CkptError, Reader, StepGone,
+                                        TryAgain, Unreadable, newest, who)
 from mimo_jax.config import ConfigError
 from tools.common import Parser, number
 
@@ -123,15 +125,16 @@ def _check_step(reader: Reader, step: int) -> tuple[list[str], int, int, int | N
   fingerprint and for non-finite values; [] if nothing), the parameter and optimizer-state
   arrays read, and the step of this folder that holds its frozen weights (a LoRA run's base;
   None if another folder does, or none). StepGone if the step is removed under the check."""
+  problems, counts = [], [0, 0]
   try:
     meta = reader.meta(step)
+  except BadDigest as e:  # said with the step's other problems: its arrays are checked too
+    meta = e.meta
+    problems.append(f"meta: {e.wrong}")
   except Unreadable as e:
     return [f"meta: unreadable ({e.reason})"], 0, 0, None
   base = meta.get("base") or {}
   base_step = base.get("step") if base.get("path") == "." and base.get("step") != step else None
-  problems, counts = [], [0, 0]
-  if meta.get("digest", checkpoint_steps.digest(meta)) != checkpoint_steps.digest(meta):
-    problems.append("meta: does not match its digest")
   saved = meta.get("fingerprints")
   if saved is None:
     problems.append("meta: no fingerprints (written before they were kept); values not verified")
