@@ -157,11 +157,13 @@ def _chunk(graphdef: nnx.GraphDef, state: nnx.State, carry: _Carry, until: jax.A
 
 def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
              sampling: Sampling = Sampling(), embeds_bld=None, eos: int | None = None,
-             chunk: int | None = None, stop: Callable[[], bool] | None = None) -> np.ndarray:
+             chunk: int | None = None, stop: Callable[[], bool] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> np.ndarray:
   """New token ids [b, steps] after left-padded prompts `ids_bl` (`mask_bl` 1 on real tokens), on
   one device; `embeds_bld` replaces the prompt's embedding (images merged). A row that produced
   `eos` stops: its later entries are `eos`. Decoded `chunk` tokens (CHUNK) a device program;
-  `stop` is asked before each, and `Stopped` raised when it says so."""
+  `stop` is asked before each, and `Stopped` raised when it says so; `progress(decoded, steps)`
+  is told after each."""
   chunk = CHUNK if chunk is None else chunk
   if steps < 1:
     raise ValueError(f"{steps} new tokens asked for; at least 1.")
@@ -180,4 +182,6 @@ def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
     carry, i, finished = _chunk(graphdef, state, carry, until, **settings)
     i, finished = jax.device_get((i, finished))  # the chunk's one wait
     decoded = i = int(i)
+    if progress is not None:
+      progress(decoded, steps)
   return np.asarray(carry.out_bs)

@@ -102,10 +102,11 @@ def test_chunks_decode_the_tokens_of_one_loop_and_a_stop_waits_for_one():
       programs = generate._chunk._cache_size()  # pylint: disable=protected-access
       np.testing.assert_array_equal(run(3, **kw), single)
       assert generate._chunk._cache_size() == programs  # pylint: disable=protected-access
-    asked = []
+    asked, told = [], []
     with pytest.raises(generate.Stopped, match="^after 6 of 10 new tokens$"):
-      run(3, stop=lambda: asked.append(0) or len(asked) == 3)  # before the third chunk
-  assert len(asked) == 3
+      run(3, stop=lambda: asked.append(0) or len(asked) == 3,  # before the third chunk
+          progress=lambda *a: told.append(a))
+  assert len(asked) == 3 and told == [(3, 10), (6, 10)]
 
 
 def _tiny_model() -> LanguageModel:
@@ -250,3 +251,15 @@ def test_an_import_for_conversations_without_data_finds_its_tokenizer_and_proces
                              "--prompt", "Hello", "--max_new_tokens", "2"]) == 0
   out = capsys.readouterr().out
   assert "> [portrait.png] Hello" in out, out
+
+
+def test_the_tools_progress_is_a_line_every_few_seconds_of_decoding(monkeypatch, capsys):
+  from tools import generate as generate_tool  # pylint: disable=import-outside-toplevel
+  now = [100.0]
+  monkeypatch.setattr(generate_tool.time, "monotonic", lambda: now[0])
+  progress = generate_tool.Progress()
+  for decoded, at in ((32, 105.0), (64, 111.0), (96, 115.0), (2000, 200.0)):
+    now[0] = at
+    progress(decoded, 2000 if decoded < 2000 else decoded)
+  err = capsys.readouterr().err
+  assert err == "tools.generate: 64 of up to 2,000 new tokens decoded (6 a second)\n"

@@ -44,7 +44,8 @@ answer is printed after its prompt, with its control characters but newlines and
 The new tokens are decoded `mimo_jax.generate.CHUNK` (32) at a time: a SIGTERM, SIGHUP or Ctrl-C
 while they decode is acted on after the chunk under way, and the tool stops with one line saying
 how many were decoded (status 143, 129 or 130; a second Ctrl-C leaves at once). Stopped at any
-point before the answers are printed, it prints none of them.
+point before the answers are printed, it prints none of them. A decoding that takes longer says
+every 10 s on stderr how many new tokens it has decoded, of the most asked for.
 
 Beside a run that is saving into WORKDIR (its run.lock), only committed steps are read; a step
 the run rotates away while it is read is followed by the newest one.
@@ -59,6 +60,7 @@ import math
 import pathlib
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -73,6 +75,7 @@ from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
 TOOL = "tools.generate"
 DEFAULT_NEW_TOKENS = 64
+PROGRESS_SECONDS = 10.0  # between the lines that tell a long decoding's progress
 
 
 class _Stopped(output.Interrupted):
@@ -288,6 +291,22 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+class Progress:
+  """A line on stderr every PROGRESS_SECONDS of decoding (new tokens so far, of the most asked
+  for, and their rate): a long answer is not a silent wait."""
+
+  def __init__(self):
+    self.start = self.last = time.monotonic()
+
+  def __call__(self, decoded: int, steps: int) -> None:
+    now = time.monotonic()
+    if now - self.last < PROGRESS_SECONDS or decoded >= steps:
+      return
+    self.last = now
+    print(f"{TOOL}: {decoded:,} of up to {steps:,} new tokens decoded "
+          f"({decoded / (now - self.start):,.0f} a second)", file=sys.stderr, flush=True)
+
+
 def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   """Everything a generation needs but the parameters, checked: tokenizer, prompt rows, pixels,
   new tokens. Errors name the flag or file to fix."""
@@ -399,7 +418,7 @@ def run(args: argparse.Namespace) -> list[str]:
       out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
                               generate.Sampling(args.temperature, args.top_p, args.seed),
                               embeds, eos=tok.token_id(eos) if eos else None,
-                              stop=flag.requested)
+                              stop=flag.requested, progress=Progress())
     except generate.Stopped as e:
       raise _Stopped(flag.signum, f" while decoding, {e}") from None
   if flag.signum is not None:  # taken during the last chunk: a stop asked for is a stop
