@@ -389,3 +389,18 @@ def test_metadata_edited_or_without_its_digest_is_refused_by_the_run_and_every_t
       assert out.returncode == 2 and out.stdout == "", out
       assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
     assert not [p for p in tmp_path.iterdir() if "out.safetensors" in p.name]
+
+
+def test_the_tools_usage_names_the_module_it_runs_as(capsys):
+  """`python -m tools.ckpt --help` shows the command that runs it (not `tools.tools.ckpt`); its
+  errors stay one line starting `tools.ckpt: error:`."""
+  for args, usage in (([], "python -m tools.ckpt [-h]"), (["inspect"], "python -m tools.ckpt "
+                                                                         "inspect [-h]")):
+    with pytest.raises(SystemExit) as stop:
+      ckpt_tool.main([*args, "--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {usage}")
+  with pytest.raises(SystemExit) as stop:
+    ckpt_tool.main(["inspect"])
+  assert stop.value.code == 2
+  assert capsys.readouterr().err.startswith("tools.ckpt: error: the following arguments")

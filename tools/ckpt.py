@@ -230,7 +230,8 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = Parser(TOOL, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser(TOOL, prog=f"python -m {TOOL}", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   for name, fn in (("inspect", inspect), ("export", export), ("check", check)):
     p = sub.add_parser(name, tool=TOOL)  # each command's errors one line, as the tool's
