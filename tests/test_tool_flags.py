@@ -144,7 +144,7 @@ def test_other_bad_values_are_one_line(main, argv, said, capsys):
     (hf_tool.main, ["export", "--help"], ["[--step STEP] --out OUT", "--overwrite"]),
     (hf_tool.main, ["import", "--help"], ["--hf HF --out OUT [--config CONFIG]"]),
     (hf_tool.main, ["check", "--help"], ["--hf HF [--dtype {float32,bfloat16}]"]),
-    (convert_tool.main, ["--help"], ["--json JSON --images IMAGES", "--audio_window"]),
+    (convert_tool.main, ["--help"], ["--json JSON [--images IMAGES]", "--audio_window"]),
     (ckpt_tool.main, ["--help"], ["{inspect,export,check}", "python -m tools.ckpt inspect"]),
     (ckpt_tool.main, ["export", "--help"], ["[--step STEP] --out OUT dir"]),
 ])
