@@ -138,8 +138,9 @@ def test_a_failed_write_of_the_rows_is_one_line_and_keeps_the_rows_before_it(set
   with file_size_limit(len(first) + 8):  # the first batch's rows fit, the second's do not
     assert _eval(setup, out, "--batch", "2") == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith("tools.eval: error: ")
-  assert f"--out={str(out)!r}" in err[0] and "File too large" in err[0]
+  assert [ln for ln in err if "error" in ln] == err[-1:], err  # after the start-up's lines
+  assert err[-1].startswith("tools.eval: error: ")
+  assert f"--out={str(out)!r}" in err[-1] and "File too large" in err[-1]
   assert out.read_bytes().startswith(first) and len(out.read_bytes()) <= len(first) + 8
   assert not (setup / "full.summary.json").exists()
   assert not list(setup.glob(".full.jsonl.lock*"))  # the lock is released
@@ -155,14 +156,24 @@ class _Terminal(io.StringIO):
 
 def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypatch, capsys):
   """On a terminal the bar counts every sample, from those a resumed eval's rows hold; a log gets
-  no bar."""
+  no bar but a line as each slow part starts (reading, loading, answering) and, while answering,
+  one every PROGRESS_SECONDS."""
   rows = (setup / "one.jsonl").read_text().splitlines(keepends=True)
-  for name, kept in (("log", 5), ("tty", 2)):
+  for name, kept in (("log", 1), ("tty", 2)):
     (setup / f"{name}.jsonl").write_text("".join(rows[:kept]))
     (setup / f"{name}.jsonl.settings.json").write_text(
         (setup / "one.jsonl.settings.json").read_text())
-  assert _eval(setup, setup / "log.jsonl") == 0
-  assert "sample" not in capsys.readouterr().err
+  monkeypatch.setattr(eval_tool, "PROGRESS_SECONDS", 0)
+  assert _eval(setup, setup / "log.jsonl", "--batch", "2") == 0
+  err = capsys.readouterr().err.splitlines()
+  assert err[:2] == [f"tools.eval: reading the samples of {setup / 'data.json'} ...",
+                     f"tools.eval: read 5 samples in {err[1].split(' in ')[1].split()[0]} s; "
+                     f"loading step 0 of {setup / 'run'} ..."], err
+  assert err[2].startswith("tools.eval: loaded step 0 in ") and err[2].endswith(
+      f"answering 4 of 5 samples (1 answered already in {setup / 'log.jsonl'})"), err
+  assert err[3].startswith("tools.eval: answering: 3 of 5 samples (60%), "), err
+  assert len(err) == 4 and "data.json step" not in "".join(err), err  # no bar; no line at 5/5
+  assert _rows(setup / "log.jsonl") == one_device
   terminal = _Terminal()
   monkeypatch.setattr(sys, "stderr", terminal)
   assert _eval(setup, setup / "tty.jsonl") == 0

@@ -15,7 +15,9 @@ prompt is its conversation before its last assistant turn; its references are it
 `answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are answered
 greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on its
 own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
-left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`.
+left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`. On
+stderr, a line as it reads the samples, as it loads the step and as it starts answering, then a
+progress bar where stderr is a terminal, else a line every 10 s (samples done, rate, time left).
 
 Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
 directory's; where that holds an eval of other settings (metrics, --max_new_tokens), the first of
@@ -61,6 +63,7 @@ from tools.display import count
 
 TOOL = "tools.eval"
 DEFAULT_NEW_TOKENS = 32
+PROGRESS_SECONDS = 10.0  # between the answering's lines where stderr is no terminal (no bar)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -365,6 +368,33 @@ def build_step(args, cfg: Config, image_id: int | None):
   return Step.build(cfg)
 
 
+def _say(line: str) -> None:
+  """A line of progress on stderr, at once (a log shows the eval working before the bar)."""
+  print(f"{TOOL}: {line}", file=sys.stderr, flush=True)
+
+
+class _AnsweringLines:
+  """The answering's progress as a line every PROGRESS_SECONDS on stderr, for a stderr that is no
+  terminal (a terminal has the bar): "answering: 40 of 400 samples (10%), 3.2 samples/s, about
+  112 s left"."""
+
+  def __init__(self, total: int, done: int):
+    self.total, self.done, self.first = total, done, done
+    self.started = self.last = time.monotonic()
+    self.on = not (getattr(sys.stderr, "isatty", None) and sys.stderr.isatty())
+
+  def update(self, n: int) -> None:
+    self.done += n
+    now = time.monotonic()
+    if not self.on or now - self.last < PROGRESS_SECONDS or self.done >= self.total:
+      return
+    self.last = now
+    rate = (self.done - self.first) / max(now - self.started, 1e-9)
+    _say(f"answering: {self.done} of {count(self.total, 'sample')} "
+         f"({100 * self.done / self.total:.0f}%), {rate:.1f} samples/s, about "
+         f"{(self.total - self.done) / rate:.0f} s left")
+
+
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
@@ -372,7 +402,8 @@ def run(args: argparse.Namespace) -> dict:
   from mimo_jax.data.chat import ChatTokenizer
   from mimo_jax.data.images import ImageProcessor
   from mimo_jax.evaluate import Evaluator
-  _, cfg = run_config(args)  # the step: `_parameters`, which follows a live run's rotation
+  began = time.monotonic()
+  newest, cfg = run_config(args)  # the step: `_parameters`, which follows a live run's rotation
   found = generate_tool.defaults(args.workdir, cfg)
   tok = ChatTokenizer.open(args.tokenizer or generate_tool.default_dir(
       found, "tokenizer", "tokenizer.json", "--tokenizer", args.workdir))
@@ -383,6 +414,8 @@ def run(args: argparse.Namespace) -> dict:
   else:
     image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
         else None
+  read = f"--split {args.split} of " if os.path.isdir(args.data) else ""
+  _say(f"reading the samples of {read}{args.data} ...")
   if os.path.isdir(args.data):
     samples = eval_samples.converted_samples(args, tok)
   else:
@@ -394,9 +427,12 @@ def run(args: argparse.Namespace) -> dict:
                                         eval_samples.audio_settings(args, cfg, tok, found))
     if image_id is None and "vision" in cfg.model.encoders:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
-  trainer = build_step(args, cfg, image_id)
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
+  _say(f"read {count(len(samples), 'sample')} in {time.monotonic() - began:.1f} s; loading step "
+       f"{newest} of {args.workdir} ...")
+  began = time.monotonic()
+  trainer = build_step(args, cfg, image_id)
   dp = trainer.topo.dp("language")
   bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
@@ -410,8 +446,13 @@ def run(args: argparse.Namespace) -> dict:
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
+    kept = len(samples) - len(todo)
+    _say(f"loaded step {step} in {time.monotonic() - began:.1f} s; answering "
+         f"{len(todo)} of {count(len(samples), 'sample')}"
+         + (f" ({kept} answered already in {out})" if kept else ""))
     evaluator = Evaluator(trainer)
-    bar = tqdm(total=len(samples), initial=len(samples) - len(todo), unit="sample",
+    lines = _AnsweringLines(len(samples), kept)
+    bar = tqdm(total=len(samples), initial=kept, unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
     started, generated, eos = time.time(), 0, eval_set.eos_id(tok)
     with bar:
@@ -424,6 +465,7 @@ def run(args: argparse.Namespace) -> dict:
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)
         rows.append(eval_set.scored(chunk, answers, tok, args.metric, layout))
         bar.update(len(chunk))
+        lines.update(len(chunk))
     took = time.time() - started
     scores = [rows.done[key(s)]["score"] for s in samples]
     items = [eval_set.item_count(layout, s) for s in samples]
