@@ -182,3 +182,25 @@ def test_sigterm_to_one_process_stops_all_at_one_step(data_dir, tmp_path, refere
   saved = int(re.search(r"SIGTERM: saved step (\d+)", out).group(1))
   assert complete_steps(str(tmp_path / "checkpoints")) == [saved]
   assert max(_train_records(tmp_path)) == saved
+
+
+def test_the_launcher_names_a_killed_process_over_the_one_its_death_failed(tmp_path, monkeypatch,
+                                                                           capsys):
+  # Process 1 is killed; process 0, seeing it gone, exits 1 at once: both usually end between
+  # two of the launcher's looks, and the killed one is named, with its status (128 + 9).
+  from tools import launch_local  # pylint: disable=import-outside-toplevel
+  gone = tmp_path / "gone"
+  script = {0: f"import os, sys, time\nwhile not os.path.exists({str(gone)!r}): time.sleep(0.01)\n"
+               "sys.exit(1)",
+            1: f"import os\nopen({str(gone)!r}, 'w').close()\nos.kill(os.getpid(), 9)"}
+  real = subprocess.Popen
+
+  def popen(cmd, **kw):
+    i = int(next(a for a in cmd if a.startswith("--process_id=")).split("=")[1])
+    return real([sys.executable, "-c", script[i]], **kw)
+
+  monkeypatch.setattr(launch_local.subprocess, "Popen", popen)
+  assert launch_local.main(["-n", "2", "--"]) == 137
+  err = capsys.readouterr().err
+  assert "[launch_local] process 1 exited with status -9" in err
+  assert "process 0 exited" not in err

@@ -5,7 +5,8 @@
 Each process gets `--coordinator=127.0.0.1:PORT --num_processes=N --process_id=I`; on CPU each
 creates `--devices_per_process` devices (`run.cpu_devices`), with `--gpus` each sees one GPU
 (CUDA_VISIBLE_DEVICES=I). Output lines are prefixed with `[I]`. If one process fails or is killed,
-the others are ended and the launcher exits with that process's status.
+the others are ended and the launcher names it and exits with its status (128 + the signal for a
+killed one); of processes that ended together, it names one a signal ended, the likelier cause.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     pump.start()
     pumps.append(pump)
 
+  def failures() -> list[tuple[int, int]]:
+    """(index, status) of the processes that failed, those a signal ended first: where two end
+    between two looks, the one killed is the likelier cause of the other's error."""
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+    return sorted(failed, key=lambda f: f[1] >= 0)
+
   def stop_all(sig=signal.SIGTERM) -> None:
     for p in procs:
       if p.poll() is None:
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
   status = 0
   try:
     while any(p.poll() is None for p in procs):
-      failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+      failed = failures()
       if failed:
         i, rc = failed[0]
         print(f"[launch_local] process {i} exited with status {rc}; ending the others",
@@ -96,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.wait()
   for t in pumps:
     t.join(timeout=5)
-  if status == 0:
-    bad = [p.returncode for p in procs if p.returncode != 0]
-    status = (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
+  if status == 0 and failures():  # every process ended between two looks
+    i, rc = failures()[0]
+    print(f"[launch_local] process {i} exited with status {rc}", file=sys.stderr, flush=True)
+    status = rc if rc > 0 else 128 - rc
   return status
 
 
