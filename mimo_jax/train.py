@@ -38,6 +38,26 @@ def _why_aside(moved: str) -> str:
               why, "not a step of this run")
 
 
+def error_file(e: OSError) -> str | None:
+  """The file an OSError names, absolute where its traceback tells: shutil.rmtree (orbax's
+  removal of an old step) names a file relative to the folder it walks (`_METADATA`), whose
+  absolute path a frame of the walk holds. None when the error names no file."""
+  if not isinstance(e.filename, (str, bytes)):
+    return None
+  name = os.fsdecode(e.filename)
+  if os.path.isabs(name):
+    return name
+  frames, tb = [], e.__traceback__
+  while tb is not None:
+    frames.append(tb.tb_frame)
+    tb = tb.tb_next
+  for frame in reversed(frames):  # innermost first
+    for value in frame.f_locals.values():
+      if isinstance(value, str) and os.path.isabs(value) and value.endswith(os.sep + name):
+        return value
+  return name
+
+
 def run(cfg: Config, pending=None) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote.
   `pending()`: the name of a signal its caller took before (launch's start-up), or None."""
@@ -116,6 +136,7 @@ class _Loop:
     self.finished = False  # its checkpoint is the last step, whose final eval is on record
     self.start = 0  # the step the run starts after (its checkpoint's, or 0)
     self.saved = 0  # the newest step on disk (finite by construction)
+    self.writing = None  # the step of the newest save asked for (committed or in flight)
     self.state = None  # module -> the state of the newest dispatched step
     self.evaluator: Evaluator | None = None
     self.eval_batches = None
@@ -245,7 +266,7 @@ class _Loop:
       if stop.should_stop(step):
         self._flush()
         self._save(step, metrics, force=True)
-        self.ckpt.wait()
+        self._wait()
         self.writer.say(f"{stop.signal}: saved step {step} to {self.ckpt.path}; run the same "
                         "command to resume.")
         return True
@@ -322,7 +343,7 @@ class _Loop:
     """Saves the state (of `step`) if its loss and gradient norm are finite; else stops."""
     ok, values = step_records.finite(metrics)
     if not ok:
-      self.ckpt.wait()
+      self._wait()
       if self.saved == step - 1 and self.saved > self.start:
         # The saved state of the step before led to this one: it is not kept as a step.
         self.ckpt.set_aside_step(self.saved, "diverged")
@@ -334,8 +355,41 @@ class _Loop:
           "resume from it." if self.saved else
           f"step {step} is not finite ({values}); nothing was saved; lower optim.lr (now {lr}) "
           "and run again.")
-    self.ckpt.save(step, self.trainer.canonical(self.state), self.cfg, force=force)
+    self._wait()  # the save before: orbax's own wait would raise an old step's removal failure
+    self.writing = step
+    try:
+      self.ckpt.save(step, self.trainer.canonical(self.state), self.cfg, force=force)
+    except OSError as e:  # a save that blocks (several processes) removes old steps inside it
+      if not self._not_removed(e):
+        raise
     self.saved = step
+
+  def _wait(self) -> None:
+    """Waits for the save in flight; raises its failure, except a failure to remove an old step
+    (`_not_removed`)."""
+    try:
+      self.ckpt.wait()
+    except OSError as e:
+      if not self._not_removed(e):
+        raise
+
+  def _not_removed(self, e: OSError) -> bool:
+    """Whether `e`, raised by the newest save, is a failure to remove an old step: orbax removes
+    the steps past checkpoint.keep once the new step is committed, so a failure with the new step
+    committed is one (a failure to write a step leaves it uncommitted). Says so, as a warning:
+    the run goes on, with the old step's folder left on disk."""
+    if self.writing is None or self.writing not in checkpoint_steps.complete_steps(self.ckpt.path):
+      return False
+    where = error_file(e)
+    inside = os.path.relpath(where, self.ckpt.path) if where and os.path.isabs(where) else ".."
+    folder = (os.path.join(self.ckpt.path, inside.split(os.sep)[0])
+              if not inside.startswith("..") else f"an old step folder in {self.ckpt.path}")
+    why = os.strerror(e.errno) if e.errno else str(e)
+    keep = self.cfg.checkpoint.keep
+    self.writer.say(f"warning: could not remove {folder} (checkpoint.keep={keep} keeps the newest "
+                    f"{keep} steps): {f'{where}: ' if where else ''}{why}; the run goes on; "
+                    "delete that folder by hand.")
+    return True
 
   def _finish(self, stop: StopFlag) -> None:
     """After the steps: saves the last one and runs the final eval, unless a signal says not."""
@@ -350,7 +404,7 @@ class _Loop:
     elif self.saved != steps:
       self._save(steps, self.last[1], force=True)
     if stop.requested():
-      self.ckpt.wait()
+      self._wait()
       say(f"{stop.signal}: saved step {steps} to {self.ckpt.path}; the final eval was skipped.")
       return
     if self.finished or self._evaluated(steps):
@@ -358,7 +412,7 @@ class _Loop:
     result = self.evaluator(self.state, self.eval_batches,
                             stop=None if jax.process_count() > 1 else stop.requested)
     if result is None:
-      self.ckpt.wait()
+      self._wait()
       say(f"{stop.signal}: step {steps} is saved in {self.ckpt.path}; the final eval was cut "
           "short.")
       return
@@ -371,18 +425,24 @@ class _Loop:
 
   def _emergency_save(self, error: Exception) -> None:
     """After an exception in the loop, saves the newest dispatched step if it finished and is
-    finite, so that a rerun loses nothing; says what it did."""
+    finite, so that a rerun loses nothing, and logs its record as a normal step does (the record
+    of a step a rerun resumes after is never written again); says what it did."""
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
+    if self.pending is not None and self.pending[0] == step:
+      try:
+        self._flush()  # its record, before it is saved
+      except Exception:  # pylint: disable=broad-except  (the save goes on; `error` is reported)
+        pass
     try:
       self._save(step, metrics, force=True)
-      self.ckpt.wait()
+      self._wait()
     except Exception as e:  # pylint: disable=broad-except
       # The steps committed, not those asked for: an earlier asynchronous save may have failed,
       # or be committing still (waited for here).
       try:
-        self.ckpt.wait()
+        self._wait()
       except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
         pass
       done = checkpoint_steps.complete_steps(self.ckpt.path)
@@ -400,7 +460,10 @@ class _Loop:
         self.compiler.close()  # first: nothing waits on the data's workers to stop
       if self.batches is not None:
         self.batches.close()  # stops grain's worker processes and threads
-      self.ckpt.close()  # raises a save's failure
+      try:
+        self._wait()  # raises a save's failure; the last save's removal of old steps, a warning
+      finally:
+        self.ckpt.close()
     finally:
       if self.writer is not None:
         self.writer.close()

@@ -247,6 +247,88 @@ def test_a_save_that_fails_leaving_a_thread_behind_ends_the_run(data_dir, tmp_pa
   assert complete_steps(work / "checkpoints") == [2]
 
 
+# Orbax cannot remove the old steps 1 and 2 (checkpoint.keep's rotation): one file of each
+# refuses to go, as an immutable file does (`chattr +i`).
+STUCK_FILE = ("import os, runpy, sys\n"
+              "def unlink(name, *, dir_fd=None, real=os.unlink):\n"
+              "  where = os.readlink(f'/proc/self/fd/{dir_fd}') if dir_fd is not None else ''\n"
+              "  if name == '_METADATA' and any(f'/checkpoints/{s}/' in where + '/' for s in (1, 2)):\n"
+              "    raise PermissionError(1, 'Operation not permitted', name)\n"
+              "  return real(name, dir_fd=dir_fd)\n"
+              "os.unlink = unlink\n"
+              "sys.argv = ['mimo_jax.launch'] + sys.argv[1:]\n"
+              "runpy.run_module('mimo_jax.launch', run_name='__main__')")
+
+
+def test_an_old_step_that_cannot_be_removed_is_a_warning(data_dir, tmp_path):
+  """Rotation that fails (after the new step committed, in orbax's thread) warns with the old
+  step's folder and the run finishes, every step's record and the final eval written."""
+  work = tmp_path / "run"
+  args = _args(data_dir, work, "--config.train.steps=5", "--config.checkpoint.every=1",
+               "--config.checkpoint.keep=2")
+  proc = subprocess.run([sys.executable, "-c", STUCK_FILE, *args[3:]], cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # Step 1's removal fails after step 3 committed (met when step 4 is saved); orbax then drops
+  # step 3 from its list of steps, and removes step 2 after the last save (met as the run closes).
+  for step in (1, 2):
+    assert (f"warning: could not remove {work}/checkpoints/{step} (checkpoint.keep=2 keeps the "
+            f"newest 2 steps): {work}/checkpoints/{step}/") in proc.stdout, proc.stdout[-3000:]
+  records = _records(work)
+  assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+  assert records[-1]["step"] == 5 and "eval_loss" in records[-1]
+  assert {4, 5} <= set(complete_steps(work / "checkpoints"))
+
+
+def test_a_file_named_relative_to_a_folder_being_removed_is_named_in_full(tmp_path, monkeypatch):
+  """shutil.rmtree names a file it could not remove relative to the folder it walks: launch's
+  error line names it in full (in this process: no run)."""
+  from mimo_jax import launch  # pylint: disable=import-outside-toplevel  (defines absl's flags)
+  folder = tmp_path / "checkpoints" / "10" / "vision"
+  folder.mkdir(parents=True)
+  (folder / "_METADATA").write_text("{}")
+
+  def unlink(name, *, dir_fd=None, real=os.unlink):
+    if name == "_METADATA":  # as an immutable file (`chattr +i`)
+      raise PermissionError(1, "Operation not permitted", name)
+    return real(name, dir_fd=dir_fd)
+  monkeypatch.setattr(os, "unlink", unlink)
+  try:
+    shutil.rmtree(str(tmp_path / "checkpoints" / "10"))
+  except PermissionError as e:
+    assert launch._explain(e) == (  # pylint: disable=protected-access
+        f"{folder}/_METADATA: Operation not permitted; choose a writable place or fix its "
+        "permissions.", 1)
+  else:
+    raise AssertionError("rmtree removed an undeletable file")
+
+
+# Step 3's save fails once: the step saved after the error (the emergency save) is on record.
+FAILS_ONCE = ("import runpy, sys; from mimo_jax import checkpoint\n"
+              "def save(self, step, *a, **k):\n"
+              "  if step == 3 and not failed:\n"
+              "    failed.append(step)\n"
+              "    raise PermissionError(13, 'Permission denied', f'{self.path}/{step}.tmp')\n"
+              "  return real(self, step, *a, **k)\n"
+              "failed, real, checkpoint.Checkpointer.save = [], checkpoint.Checkpointer.save, save\n"
+              "sys.argv = ['mimo_jax.launch'] + sys.argv[1:]\n"
+              "runpy.run_module('mimo_jax.launch', run_name='__main__')")
+
+
+def test_the_step_saved_after_an_error_is_on_record(data_dir, tmp_path):
+  work = tmp_path / "run"
+  args = _args(data_dir, work, "--config.train.steps=3", "--config.checkpoint.every=1")
+  proc = subprocess.run([sys.executable, "-c", FAILS_ONCE, *args[3:]], cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=600)
+  _one_line_error(proc, 1, f"{work}/checkpoints/3.tmp", "Permission denied")
+  assert f"after PermissionError: saved step 3 to {work}/checkpoints." in proc.stdout
+  assert "] step 3 | loss " in proc.stdout
+  assert [r["step"] for r in _records(work) if "loss" in r] == [1, 2, 3]
+  assert complete_steps(work / "checkpoints")[-1] == 3
+
+
 LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
            "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
            "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
