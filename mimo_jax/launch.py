@@ -187,29 +187,46 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   return None, 1
 
 
-def _help_full() -> None:
-  """--helpfull: the flags, then every config field with its default; exits 0."""
+def _help_full(spec: str | None) -> None:
+  """--helpfull: the flags, then every field of the config `spec` names (configs/digits.py
+  without --config) with its default there; exits 0."""
+  try:
+    cfg = configfile.load_file(DEFAULT_CONFIG if spec is None else spec)
+  except ConfigError as e:
+    _fail(str(e))
   print(__doc__.strip() + "\n")
   print(f"  --config: {_CONFIG_HELP}\n    (default: {DEFAULT_CONFIG!r})")
   print(flags.FLAGS.main_module_help().split("\n", 2)[-1])
-  print("\nconfig fields (defaults of configs/digits.py; a config file sets its own; the README's "
-        "config table says what each does):")
-  print("\n".join(configfile.field_flags(configfile.load_file(DEFAULT_CONFIG))))
+  print(f"\nconfig fields (defaults of {'configs/digits.py' if spec is None else spec}; another "
+        "config file sets its own; the README's config table says what each does):")
+  print("\n".join(configfile.field_flags(cfg)))
   sys.exit(0)
+
+
+def _parse_flags(args: list[str]) -> list[str]:
+  """absl parses the flags other than --config's (`_guarded`); its help flags (--help, -?,
+  --helpshort, --helpxml) print their text and exit 0, not absl's 1: asking for help is no
+  failure. (Parsing exits with 1 only there: a bad flag is `_guarded`'s exit code 2.)"""
+  try:
+    return _guarded(flags.FLAGS, args)
+  except SystemExit as e:
+    if e.code == 1:
+      sys.exit(0)
+    raise
 
 
 def cli() -> None:
   """`--config` and its `--config.a.b=value` overrides are read here (mimo_jax/configfile.py, as
   every tool reads them); absl parses the other flags."""
   argv = _guarded(flags.FLAGS.read_flags_from_files, sys.argv, False)  # --flagfile=FILE
-  if "--helpfull" in argv[1:]:
-    _help_full()
   spec, overrides, rest = configfile.split_args(argv)
+  if "--helpfull" in argv[1:]:
+    _help_full(spec)
   try:
     _CONFIG.append(configfile.load(DEFAULT_CONFIG if spec is None else spec, overrides))
   except ConfigError as e:
     _fail(str(e))
-  app.run(main, argv=rest, flags_parser=lambda args: _guarded(flags.FLAGS, args))
+  app.run(main, argv=rest, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,14 @@ def test_tiny_run_writes_metrics_and_tensorboard(tmp_path, data_dir):
   # Programs cached where jax was told (the suite's own directory, not ~/.cache); the run's start.
   assert f"compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}" in proc.stdout
   assert "time to first step: " in proc.stdout and "step 4 ended " in proc.stdout
+
+
+def test_help_exits_0_and_helpfull_shows_the_named_config():
+  """--help (absl's, which exits 1) exits 0: asking for help is no failure. --helpfull lists the
+  defaults of the config --config names, not configs/digits.py's."""
+  proc = _launch("--help")
+  assert proc.returncode == 0 and "--heartbeat_timeout" in proc.stdout, proc.stderr
+  proc = _launch("--config=configs/llava_cpu.py", "--helpfull")
+  assert proc.returncode == 0, proc.stderr
+  assert "config fields (defaults of configs/llava_cpu.py;" in proc.stdout
+  assert "--config.topology.language.dp=1  (int)" in proc.stdout  # digits.py's is 2
