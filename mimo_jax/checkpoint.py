@@ -8,9 +8,12 @@ every array against its fingerprint: a damaged step is refused, never trained on
 
 orbax writes a step into a temporary folder and renames it when complete (`commit_success.txt`
 last). A step folder without that file is never a step: it is moved aside as `<step>.uncommitted`
-when a run opens the folder, so that it neither counts as the latest step nor blocks a new save
-of that step. Resuming from an older step (`checkpoint.restore_step`) moves the newer steps aside
-as `<step>.replaced`, since the run will write its own.
+so that it neither counts as the latest step nor blocks a new save of that step. Resuming from an
+older step (`checkpoint.restore_step`) moves the newer steps aside as `<step>.replaced`, since the
+run will write its own. Both are noted when a run opens the folder and done once its checks have
+passed (`Checkpointer.tidy`): a run that stops with an error before training renames nothing. A
+plain file named like a step is no step folder: the run refuses it (a save of that step would
+fail on it), renaming nothing.
 
 With several processes, a module whose mesh spans devices of every process is saved and restored as
 it is: each process writes and reads its own shards (an FSDP language model is never gathered).
@@ -85,16 +88,21 @@ class Checkpointer:
     (docs/benchmarks.md). `keep_steps`: steps never rotated away (a LoRA run's base, `Base`)."""
     self.path, self.modules = path, list(modules)
     self._failed = False  # a restore failed: its abandoned reads are collected on close
-    self.set_aside = []  # step folders moved aside when this run opened the folder
+    self._set_aside = []  # step folders moved aside (`set_aside`)
+    self._aside = []  # (step, why) of the folders to move aside once the checks passed (`tidy`)
+    self._tidied = False
     # Made by this checkpointer (orbax's manager creates it): removed by `close` if still empty,
     # so a run that fails before its first save leaves no empty checkpoints folder behind.
     self._made = not read_only and distributed.is_main() and not os.path.lexists(path)
-    if not read_only and distributed.is_main() and os.path.isdir(path):
+    if not read_only and os.path.isdir(path):  # (every process: each refuses a file alike)
+      names = sorted((d for d in os.listdir(path) if d.isdigit()), key=int)
+      files = [d for d in names if not os.path.isdir(os.path.join(path, d))]
+      if files:
+        raise CheckpointError(
+            f"{os.path.join(path, files[0])} is a file, not a step's folder (a save of step "
+            f"{int(files[0])} would fail on it); move it out of {path}.")
       complete = set(complete_steps(path))
-      for d in sorted(os.listdir(path)):
-        if d.isdigit() and int(d) not in complete:
-          self.set_aside.append(move_aside(path, int(d), "uncommitted"))
-    distributed.barrier("checkpoint_open")
+      self._aside = [(int(d), "uncommitted") for d in names if int(d) not in complete]
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
@@ -129,10 +137,41 @@ class Checkpointer:
     self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
     self._data = {}  # the data fingerprint, computed once per run (data.identity.fingerprint)
     handlers[META] = ocp.JsonCheckpointHandler()
-    self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+    # orbax lists the uncommitted folders as steps until `tidy` moves them: it warns that their
+    # metadata is missing, which is why they are not steps.
+    noted = tuple(os.path.join(path, str(step), "") for step, _ in self._aside)
+    unsaid = lambda r: not ("Metadata file does not exist" in r.getMessage()
+                            and any(n in r.getMessage() for n in noted))
+    logging.getLogger("absl").addFilter(unsaid)
+    try:
+      self._mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+    finally:
+      logging.getLogger("absl").removeFilter(unsaid)
+
+  @property
+  def set_aside(self) -> list[str]:
+    """The step folders moved aside (`<step>.uncommitted`, `<step>.replaced`, ...), those noted
+    when the run opened the folder moved first (`tidy`): the run reads them to say so once its
+    checks have passed."""
+    self.tidy()
+    return self._set_aside
+
+  def tidy(self) -> None:
+    """Moves aside the folders noted when the run opened the folder (uncommitted steps, those
+    newer than checkpoint.restore_step), once: when the run says what it set aside, or before it
+    saves, so that a run that stops with an error before training leaves the folder as it found
+    it. Every process calls it (a barrier), as it calls `save`."""
+    if self._tidied:
+      return
+    self._tidied = True
+    if distributed.is_main():
+      self._set_aside += [move_aside(self.path, step, why) for step, why in self._aside]
+    distributed.barrier("checkpoint_tidy")
+    if self._aside or jax.process_count() > 1:
+      self._mngr.reload()  # orbax listed the folders as steps when it opened the folder
 
   def latest_step(self) -> int | None:
-    steps = complete_steps(self.path)
+    steps = [s for s in complete_steps(self.path) if (s, "replaced") not in self._aside]
     return steps[-1] if steps else None
 
   def resume_step(self, wanted: int = 0) -> int | None:
@@ -146,18 +185,14 @@ class Checkpointer:
       raise CheckpointError(
           f"checkpoint.restore_step={wanted}: {self.path} holds no complete step {wanted}; it "
           f"holds {', '.join(map(str, steps)) or 'none'}.")
-    newer = [s for s in steps if s > wanted]
-    if newer and distributed.is_main():
-      self.set_aside += [move_aside(self.path, s, "replaced") for s in newer]
-    distributed.barrier("checkpoint_resume")
-    if newer:
-      self._mngr.reload()
+    self._aside += [(s, "replaced") for s in steps if s > wanted]  # moved by `tidy`
     return wanted
 
   def set_aside_step(self, step: int, why: str) -> None:
     """Moves a saved step aside as `<step>.<why>` (kept on disk, no longer a step)."""
+    self.tidy()
     if distributed.is_main():
-      self.set_aside.append(move_aside(self.path, step, why))
+      self._set_aside.append(move_aside(self.path, step, why))
     distributed.barrier("checkpoint_set_aside")
     self._mngr.reload()
 
@@ -169,7 +204,9 @@ class Checkpointer:
     `compact` (one process): a parameter whose float32 values are all bfloat16 values (weights
     imported from a bfloat16 checkpoint) is stored as bfloat16, half the bytes; restoring reads it
     back as the same float32 values. The config is stored with its paths absolute
-    (run_paths.absolute): the tools that read it run from other directories."""
+    (run_paths.absolute): the tools that read it run from other directories. The folders noted
+    to be moved aside are moved first (`tidy`)."""
+    self.tidy()
     meta = {"step": step, "modules": self.modules,
             "config": dataclasses.asdict(run_paths.absolute(cfg)),
             "data": {"steps_done": step, "samples_consumed": step * cfg.data.global_batch,

@@ -404,3 +404,34 @@ def test_the_tools_usage_names_the_module_it_runs_as(capsys):
     ckpt_tool.main(["inspect"])
   assert stop.value.code == 2
   assert capsys.readouterr().err.startswith("tools.ckpt: error: the following arguments")
+
+
+def test_a_run_that_stops_with_an_error_before_training_renames_nothing(data_dir, full_run,
+                                                                          tmp_path):
+  """The folders a run moves aside (an uncommitted step, steps newer than restore_step) are
+  moved once its checks have passed: a run refused before training leaves checkpoints/ as it
+  was. A plain file named like a step is refused, never renamed as a step."""
+  full_dir, _ = full_run
+  _resume_from(full_dir, tmp_path, STEPS)
+  ckpts = tmp_path / "checkpoints"
+  (ckpts / "6" / "commit_success.txt").unlink()  # 6: uncommitted
+  (ckpts / "7").mkdir()  # uncommitted, empty
+  (ckpts / "8").touch()  # a file
+  (ckpts / "9").mkdir()
+  (ckpts / "9" / "commit_success.txt").touch()  # committed, without metadata
+  listing = lambda: sorted(p.name for p in ckpts.iterdir())
+  before = listing()
+  cfg = _cfg(data_dir, tmp_path)
+  with pytest.raises(checkpoint.CheckpointError, match=rf"{ckpts / '8'} is a file, not a step's "
+                     rf"folder \(a save of step 8 would fail on it\); move it out of {ckpts}\."):
+    train.run(cfg)
+  assert listing() == before
+  (ckpts / "8").unlink()
+  before = listing()
+  with pytest.raises(checkpoint.CheckpointError, match="step 9 has no readable metadata"):
+    train.run(cfg)
+  assert listing() == before
+  cfg.checkpoint.restore_step, cfg.model.language.layers = 2, cfg.model.language.layers + 1
+  with pytest.raises(checkpoint.CheckpointError):  # another model: refused after restore_step
+    train.run(cfg)
+  assert listing() == before
