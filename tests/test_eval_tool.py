@@ -227,6 +227,9 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
     ({"id": float("nan"), "conversations": [{"from": "human", "value": "hello"},
                                             {"from": "gpt", "value": "there"}]},
      "\"id\" is NaN, not a string or an integer"),
+    ({"id": 1, "conversations": [{"from": "human", "value": "hello zebra"},  # was read as [UNK]
+                                 {"from": "gpt", "value": "there"}]},
+     "the word 'zebra' is not in the vocabulary of"),
 ])
 def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   data = setup / "bad.json"

@@ -146,7 +146,10 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
       raise ConfigError(f"{e}{'; give the audio folder with --audio DIR' if 'missing' in e.reason else ''}"
                         ) from None
     try:
-      ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}])
+      # strict: a word the tokenizer has no token for would reach the model as its unknown token
+      # (tools.convert skips such records, tools.generate refuses such prompts)
+      ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}],
+                             strict=True)
     except (ChatError, TokenizeError) as e:
       raise ConfigError(f"{where}: {e}") from None
     prompt, answer = eval_set.split_answer(ids, mask, where)
