@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import optim
+from mimo_jax import optim, words
 from mimo_jax.config import Config, parse_freeze
 from mimo_jax.models import fp8
 from mimo_jax.pipeline import GATHERED, Schedule
@@ -269,3 +269,19 @@ class Plan:
   @property
   def encoders(self) -> list[str]:
     return [n for n in self.modules if n != "language"]
+
+  def parameters(self) -> str:
+    """What trains and what does not, counted: `trained: GROUP N, ...; frozen: MODULE N, ...`
+    (the optimizer's groups, e.g. `language_lora`; a module's frozen leaves, its LoRA base or a
+    group `optim.freeze` names, under the module's name). FP8 abs-max histories are not
+    parameters."""
+    trained, frozen = {}, {}
+    for name, plan in self.modules.items():
+      sizes = jax.tree.leaves(jax.tree.map(lambda a: a.size, plan.canonical_params))
+      for label, size in zip(jax.tree.leaves(plan.labels), sizes):
+        if label == optim.FROZEN:
+          frozen[name] = frozen.get(name, 0) + size
+        elif optim.trains(label):
+          trained[label] = trained.get(label, 0) + size
+    said = lambda counts: ", ".join(f"{k} {words.amount(v)}" for k, v in counts.items()) or "none"
+    return f"trained: {said(trained)}; frozen: {said(frozen)}"

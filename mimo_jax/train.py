@@ -220,6 +220,7 @@ class _Loop:
     for moved in self.ckpt.set_aside:
       say(f"moved {moved} aside ({_why_aside(moved)})")
     say(f"topology: {self.trainer.topo.describe()}")
+    say(f"parameters: {self.trainer.plan.parameters()}")
     say(compile_cache.describe())
     if self.finished:
       say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "

@@ -11,3 +11,11 @@ def noun(n: int, singular: str, plural: str = "") -> str:
 def count(n: int, singular: str, plural: str = "") -> str:
   """`n` and its noun: "1 prompt", "2 prompts" (`plural` where it is not singular + "s")."""
   return f"{n} {noun(n, singular, plural)}"
+
+
+def amount(n: int) -> str:
+  """A count of things at a glance: "96", "20.5 K", "301.2 M", "1.10 B"."""
+  for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+    if n >= scale:
+      return f"{n / scale:.{digits}f} {unit}"
+  return str(n)

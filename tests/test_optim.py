@@ -99,3 +99,27 @@ def test_one_program_step_freezes_like_separate_calls(data_dir, frozen_run, free
   assert _changed(init["vision"]["projector"], final["vision"]["projector"]) == (
       "vision_projector" not in freeze)
   assert_close_trajectory(want, got, rtol=1e-4)
+
+
+
+def test_a_run_says_what_trains_and_what_is_frozen():
+  """`Plan.parameters`, the start-up line: the optimizer's groups counted, and each module's
+  frozen leaves (a LoRA base, a group optim.freeze names) under its name."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from mimo_jax import modules, optim, topology  # pylint: disable=import-outside-toplevel
+  from mimo_jax.sharding import Plan  # pylint: disable=import-outside-toplevel
+  from mimo_jax.words import amount  # pylint: disable=import-outside-toplevel
+  from tests.configs import tiny  # pylint: disable=import-outside-toplevel
+  cfg = tiny.get_config()
+  cfg.optim.freeze = "language"  # the base; its adapters (language_lora) still train
+  cfg.model.language.lora.rank = 4
+  plan = Plan.build(cfg, topology.build(cfg).meshes, modules.build_modules(cfg))
+  size = lambda tree: sum(a.size for a in jax.tree.leaves(tree))
+  lang = plan["language"]
+  frozen = size(optim.frozen(lang.canonical_params, lang.labels))
+  adapters = size(optim.trained(lang.canonical_params, lang.labels))
+  said = plan.parameters()
+  assert said.startswith("trained: vision ") and f"language_lora {amount(adapters)}" in said
+  assert said.endswith(f"; frozen: language {amount(frozen)}") and frozen > adapters > 0
+  assert (amount(96), amount(20_480), amount(301_200_000), amount(1_104_000_000)) == (
+      "96", "20.5 K", "301.2 M", "1.10 B")
