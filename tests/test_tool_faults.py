@@ -335,6 +335,8 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_dire
   _error(capsys, "tools.ckpt", f"--out={str(out)!r} is a directory", "model.safetensors")
   assert os.listdir(out) == []
   out.rmdir()
+  assert ckpt.main(["export", str(run), "--out", ""]) == 2  # was named a directory (the cwd)
+  _error(capsys, "tools.ckpt", "--out is empty", "model.safetensors")
 
   def killed(tensors, path, metadata=None):  # pylint: disable=unused-argument
     pathlib.Path(path).write_bytes(b"half a file")

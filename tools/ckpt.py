@@ -73,6 +73,8 @@ def inspect(args: argparse.Namespace) -> None:
 
 def export(args: argparse.Namespace) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  if not args.out.strip():
+    raise CkptError("--out is empty; give a file name such as model.safetensors.")
   final = os.path.abspath(args.out)
   parent, name = os.path.dirname(final), os.path.basename(final)
   if not os.path.isdir(parent):
