@@ -1,8 +1,9 @@
 """The tools around launch (generate, eval, hf import/export/check, convert, ckpt, and plan,
-fp8_check and restart_bench) read their flags alike: an unknown or abbreviated flag is one line naming it (before a missing required one), exit
-status 2; a count of 0 or less is refused unless 0 means something the help says; --help stays
-whole. And generate and eval find a run's tokenizer as tools.hf export does once its converted
-data is gone: in the HF directories the model came from, else one line naming the data."""
+fp8_check, restart_bench and bench) read their flags alike: an unknown or abbreviated flag is one
+line naming it (before a missing required one), exit status 2; a count of 0 or less is refused
+unless 0 means something the help says; --help stays whole. And generate and eval find a run's
+tokenizer as tools.hf export does once its converted data is gone: in the HF directories the
+model came from, else one line naming the data."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from mimo_jax import configfile
 from mimo_jax.config import ConfigError
+from tools import bench as bench_tool
 from tools import ckpt as ckpt_tool
 from tools import convert as convert_tool
 from tools import fp8_check as fp8_check_tool
@@ -64,6 +66,7 @@ def _refused(main, argv: list[str], capsys) -> str:
     (ckpt_tool.main, ["export", "run", "--ou", "x"], "unrecognized arguments: --ou "),
     (ckpt_tool.main, ["chek", "run"], "invalid choice: 'chek'"),
     (plan_tool.main, ["--gpus", "2", "--max", "2"], "plan: error: unrecognized arguments: --max 2"),
+    (bench_tool.main, ["--layouts=x", "--step=1"], "bench: error: unrecognized arguments: --step=1"),
     (fp8_check_tool.main, ["--seed", "1"], "fp8_check: error: unrecognized arguments: --seed 1"),
     (restart_bench_tool.main, ["--restart", "1"], "unrecognized arguments: --restart 1"),
 ])
@@ -133,6 +136,26 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
 ])
 def test_other_bad_values_are_one_line(main, argv, said, capsys):
   assert _refused(main, argv, capsys) == said
+
+
+_LAYOUT = "--layouts=vision=0/1/1,language=0/1/1"
+
+
+@pytest.mark.parametrize("argv,said", [
+    ([_LAYOUT, "--steps=0"], "--steps=0: must be at least 1."),
+    ([_LAYOUT, "--steps=-1", "--warmup=-2"], "--steps=-1: must be at least 1."),
+    ([_LAYOUT, "--warmup=-2"], "--warmup=-2: must be at least 0."),
+    ([_LAYOUT, "--profile_steps=-1"], "--profile_steps=-1: must be at least 0."),
+    ([_LAYOUT, "--peak=0"], "--peak=0: must be more than 0."),
+    ([_LAYOUT, "--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: its "
+     "directory /nonexistent/dir does not exist; make it or name another file."),
+    (["--layouts="], "--layouts=: names no layout; give one or more, ';'-separated, each "
+     "module=offset/dp/tp[/pp[/virtual]] (e.g. --layouts=vision=0/1/1,language=0/1/1)."),
+    (["--layouts= ; "], "--layouts= ; : names no layout; "),
+])
+def test_bench_refuses_a_bad_flag_before_any_work(argv, said, capsys):
+  err = _refused(bench_tool.main, ["--config=configs/digits.py", *argv], capsys)
+  assert err.startswith(f"bench: error: {said}"), err
 
 
 @pytest.mark.parametrize("main,argv,shown", [

@@ -60,7 +60,8 @@ from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.step import Probe, Step
 from mimo_jax.validation import validate, validate_backend
-from tools.common import config, fail, load_config, median_times, record
+from tools.common import (Parser, config, fail, load_config, median_times, number, output_file,
+                          record)
 
 
 def moved_bytes(x, dst) -> int:
@@ -190,6 +191,8 @@ class Run:
       seen |= shapes
       self.state, metrics = self.step.train_step(self.state, batch)
       jax.block_until_ready((self.state, metrics))
+      if self.first_step_s is None:  # no warmup steps: this is the first
+        self.first_step_s = time.perf_counter() - self.started
       ran += 1
     return ran
 
@@ -271,9 +274,10 @@ def _measure(cfg: Config, layout: str, args, compiles: Compiles) -> dict:
   horizon = 2 * args.steps + args.profile_steps + 1
   run = Run(cfg, ahead=args.warmup + horizon)
   print(f"[{layout}] {run.topo.describe()}; compiling and warming up", flush=True)
-  run.steps(args.warmup)
-  print(f"[{layout}] time to first step {run.first_step_s:.1f} s", flush=True)
+  if args.warmup:
+    run.steps(args.warmup)
   ahead = run.compile_ahead(args.warmup, horizon)
+  print(f"[{layout}] time to first step {run.first_step_s:.1f} s", flush=True)
   if ahead:
     print(f"[{layout}] {ahead} more steps compiled the shapes of the steps to come", flush=True)
   shapes = compiles.step_programs()
@@ -316,7 +320,7 @@ def table(rows: list[dict]) -> str:
   fmt = lambda v, f: "–" if v is None else format(v, f)
   lines = [head]
   for r in rows:
-    busy = "".join(f"{r.get(f'busy_{m}_s', 0):.3f} | " for m in modules)
+    busy = "".join(f"{fmt(r.get(f'busy_{m}_s'), '.3f')} | " for m in modules)
     lines.append(
         f"| {r['layout']} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
         f"{r['mfu']:.1%} | {busy}"
@@ -335,24 +339,42 @@ def _per_shape(seconds: list[float] | None) -> str:
   return f"{len(seconds)} × {sum(seconds) / len(seconds):.1f} (max {max(seconds):.1f})"
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _args(argv: list[str] | None) -> argparse.Namespace:
+  """The flags, each checked before any work: a bad one is one line `bench: error: ...`, exit
+  status 2 (a count below its least, an empty --layouts, a --json that cannot be written)."""
+  parser = Parser("bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--layouts", required=True, help="';'-separated module=o/dp/tp[/pp[/v]]")
   parser.add_argument("--set", action="append", default=[], help="field=value override")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
-  parser.add_argument("--steps", type=int, default=6, help="timed steps")
-  parser.add_argument("--profile_steps", type=int, default=2, help="phase-by-phase steps")
-  parser.add_argument("--peak", type=float, default=H100_H200_BF16_PEAK,
+  parser.add_argument("--warmup", type=number(int, least=0), default=2,
+                      help="untimed steps (compilation; 0: the shapes' own steps only)")
+  parser.add_argument("--steps", type=number(int, least=1), default=6, help="timed steps")
+  parser.add_argument("--profile_steps", type=number(int, least=0), default=2,
+                      help="phase-by-phase steps (0: no busy times, bridge or decoupled step)")
+  parser.add_argument("--peak", type=number(float, above=0), default=H100_H200_BF16_PEAK,
                       help="peak FLOP/s of one device for MFU")
   parser.add_argument("--json", default="", help="write every figure to this file")
   parser.add_argument("--bridge", choices=("public", "private"), default="public",
                       help="the bridge's copy and assembly paths (mimo_jax/compat.py)")
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   args = parser.parse_args(argv)
-  compat.use_private_bridge(args.bridge == "private")
-  layouts = [s.strip() for s in args.layouts.split(";") if s.strip()]
+  given, args.layouts = args.layouts, [s.strip() for s in args.layouts.split(";") if s.strip()]
+  if not args.layouts:
+    fail("bench", f"--layouts={given}: names no layout; give one or more, ';'-separated, each "
+         "module=offset/dp/tp[/pp[/virtual]] (e.g. --layouts=vision=0/1/1,language=0/1/1).")
+  if args.json:
+    output_file("bench", "--json", args.json)  # written after each layout: checked now
+  try:
+    compat.use_private_bridge(args.bridge == "private")
+  except RuntimeError as e:
+    fail("bench", f"--bridge=private: {e}")
+  return args
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _args(argv)
+  layouts = args.layouts
   cfg = load_config("bench", args.config, args.set)
   for layout in layouts:  # every layout checked before anything compiles
     try:
