@@ -201,7 +201,7 @@ def _task(cfg: Config) -> None:
             f"the av_digits task has a vocabulary of {AV_DIGITS_VOCAB}; set it "
             f"(configs/av_digits.py does).")
   else:
-    tokens = _manifest_field(cfg, "vocab_size") if d.task == "conversations" else None
+    tokens = manifest_field(cfg, "vocab_size") if d.task == "conversations" else None
     require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
             f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), " +
             (f"e.g. {tokens}: its tokenizer's ({d.dir}/conversations.json), as the launch line "
@@ -212,7 +212,7 @@ def _task(cfg: Config) -> None:
     require(bool(d.dir), "data.dir",
             "data.task=conversations reads the directory `python -m tools.convert` wrote; set "
             "data.dir to it.")
-    marked = _manifest_field(cfg, "image_token")
+    marked = manifest_field(cfg, "image_token")
     if marked is not None and marked < 0:  # converted without an image token: no images
       require(d.image_token == -1, "data.image_token",
               f"{d.image_token}, but {d.dir} was converted without an image token (its "
@@ -310,7 +310,7 @@ def _seq_len(cfg: Config) -> None:
   """data.seq_len holds a sample's most items with their answers (converted data: its longest
   sample, as its manifest records it, whose clips take only their audio's tokens), and fits host
   memory."""
-  longest = _manifest_field(cfg, "longest") if cfg.data.task == "conversations" else None
+  longest = manifest_field(cfg, "longest") if cfg.data.task == "conversations" else None
   if longest:
     require(cfg.data.seq_len >= longest, "data.seq_len",
             f"{cfg.data.seq_len}, but the longest sample of {cfg.data.dir} takes {longest} "
@@ -386,7 +386,7 @@ def _schedule_and_run(cfg: Config) -> None:
   require(bool(cfg.run.workdir), "run.workdir", "must not be empty.")
 
 
-def _manifest_field(cfg: Config, key: str):
+def manifest_field(cfg: Config, key: str):
   """A field of the manifest of the converted data in data.dir, or None where there is none."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.data import conversations

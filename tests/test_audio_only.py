@@ -95,6 +95,13 @@ def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path
   assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is said?", "--audio",
                              str(source / "audio" / "one_second.flac"),
                              "--max_new_tokens", "2"]) == 0
+  # tools.eval of a JSON cuts its clips into the tower's 1 s windows (it cut 30 s ones).
+  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
+  (tmp_path / "eval.json").write_text(json.dumps(
+      [_rec("e", "<audio>\nWhat is said?", audio="one_second.flac")]))
+  assert eval_tool.main([str(tmp_path / "run"), "--data", str(tmp_path / "eval.json"), "--audio",
+                         str(source / "audio"), "--max_new_tokens", "2", "--out",
+                         str(tmp_path / "eval.jsonl")]) == 0
 
 
 def test_data_without_an_image_token_passes_the_manifest_checks(source, tmp_path):
@@ -123,6 +130,15 @@ def test_data_without_an_image_token_passes_the_manifest_checks(source, tmp_path
   # The run asks no data.image_token of it, and no token of its text stands for an image (the
   # built-in tasks' id 3 is a word here); a token given is refused, naming the data.
   assert with_vision.data.placeholder == -1
+  # tools.eval of a JSON gives such a run's tower an unused placeholder id, which is no
+  # data.image_token its data would refuse.
+  import argparse  # pylint: disable=import-outside-toplevel
+  import copy  # pylint: disable=import-outside-toplevel
+  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
+  evaluated = copy.deepcopy(with_vision)
+  eval_tool.build_step(argparse.Namespace(data=str(source / "qwen.json"), layout=""),
+                       evaluated, image_id=7)
+  assert evaluated.data.image_token == 7
   from mimo_jax import train  # pylint: disable=import-outside-toplevel
   losses = [r["loss"] for r in train.run(cfg) if "loss" in r]
   assert len(losses) == 2 and np.isfinite(losses).all()

@@ -355,12 +355,15 @@ def build_step(args, cfg: Config, image_id: int | None):
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.step import Step
-  from mimo_jax.validation import validate
+  from mimo_jax.validation import manifest_field, validate
+  without = cfg.data.task == "conversations" and manifest_field(cfg, "image_token") == -1
   if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
     cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
   checked = copy.deepcopy(cfg)
   # The run's own data is not read: a converted run without data.dir (an import) is evaluated too.
   checked.data.dir = checked.data.dir or os.path.abspath(args.data)
+  if without:  # a run of data without images; a JSON's samples get an unused placeholder id
+    checked.data.image_token = -1
   try:
     validate(checked, len(jax.devices()))
   except ConfigError as e:
