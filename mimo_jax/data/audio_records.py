@@ -248,5 +248,7 @@ def check_config(cfg, directory: str, m: dict) -> None:
                       f"{m['max_audios']}.")
   if a.max_windows < m["max_windows"]:
     raise ConfigError(f"config.model.audio.max_windows: {a.max_windows} where {directory} has a "
-                      f"clip of {m['max_windows']} 30 s windows; set model.audio.max_windows="
+                      f"clip of {m['max_windows']} windows of "
+                      f"{m['audio_window_frames'] * audio.HOP // audio.SAMPLE_RATE} s; set "
+                      f"model.audio.max_windows="
                       f"{m['max_windows']}.")
