@@ -416,6 +416,14 @@ _CASES = [  # (tool, argv, words of the one line)
      ["[vision=0/9/1,language=0/1/1] "]),
     ("plan", ["--config=configs/vlm.py", "--gpus=4", "--set", "model.nope=1"],
      ["--set model.nope=1: "]),
+    ("plan", ["--config=configs/digits.py", "--gpus=4", "--profile_layouts", "--set",
+              "data.global_batchh=3"], ["--set data.global_batchh=3: unknown config field "
+                                        "'global_batchh'; config.data has task, seed, "]),
+    ("plan", ["--config=configs/av_digits.py", "--gpus=4", "--profile_layouts"],
+     ["--config=configs/av_digits.py has encoders vision, audio; tools.plan places one encoder "
+      "(vision) and the language model", "python -m tools.bench --layouts="]),
+    ("plan", ["--config=configs/avlm.py:audio", "--gpus=4", "--layouts_only"],
+     ["--config=configs/avlm.py:audio has encoders audio; tools.plan places one encoder"]),
     ("encoder_bench", ["--config=tests/configs/tiny_vlm.py", "--set", "model.nope=1"],
      ["--set model.nope=1: "]),
     ("fp8_check", ["--set", "optim.lr=inf", "--out", "/nonexistent/fp8_check_never_made"],
@@ -440,3 +448,23 @@ def test_a_measuring_tools_bad_config_is_one_line_naming_the_flag_as_typed(tool,
   for w in words:
     assert w in lines[0], (w, lines[0])
   assert "compiling" not in out, out
+
+
+@pytest.mark.parametrize("config,sets,said", [
+    ("configs/digits.py", ["--set", "data.global_batchh=3"],
+     "plan: error: --set data.global_batchh=3: unknown config field 'global_batchh'; "),
+    ("configs/av_digits.py", [], "plan: error: {p}'s config configs/av_digits.py has encoders "
+     "vision, audio; tools.plan places one encoder (vision) and the language model, "),
+])
+def test_plan_checks_the_config_it_plans_before_comparing_profiles(config, sets, said, tmp_path,
+                                                                   capsys):
+  """A --set the config does not have, or a config with modules the planner does not place, is
+  named before the profile is compared with the flags (a mismatch would be the wrong advice)."""
+  p = tmp_path / "prof.json"
+  p.write_text(json.dumps({"config": config, "set": [], "rows": [
+      {"layout": "vision=0/1/1,language=0/1/1", "step_s": 1.0}]}))
+  with pytest.raises(SystemExit) as raised:
+    plan.main([f"--profile={p}", "--gpus=4", *sets])
+  err = capsys.readouterr().err
+  assert raised.value.code == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith(said.format(p=p)), err

@@ -4,6 +4,11 @@
   python -m tools.bench --config=configs/vlm.py:encoder_heavy --layouts="$(that)" --json=prof.json
   python -m tools.plan --profile=prof.json --gpus=4 [--max_tp=1] [--measured=brute.json]
 
+**Modules.** The planner places one encoder, vision, and the language model: a config with
+another encoder, or more than one (configs/av_digits.py's vision and audio), is refused before
+any work; measure its layouts with tools/bench.py instead. The config and its `--set` overrides
+are checked first, `--profile_layouts` too.
+
 **Profiles.** Each row of a tools/bench.py JSON gives, for both modules at that row's dp and tp,
 the module's busy seconds a step (`busy_<module>_s`, run phase by phase with the host waiting after
 each phase). Divided by the work the module computes under that layout (below) and multiplied by
@@ -238,24 +243,39 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
+def planned_config(cfg_spec: str, sets: list[str], named: str) -> None:
+  """Checks the config being planned (`named`: how the user gave it) before anything else: the
+  file and its `--set` overrides (tools.common.load_config), and its modules, which must be the
+  ones the planner places (`MODULES`: one encoder, vision, and the language model). Else one
+  line and exit status 2."""
+  cfg = layout_config(cfg_spec, sets)
+  encoders = cfg.topology.names()
+  if encoders != [m for m in MODULES if m != "language"]:
+    fail("plan", f"{named} has {'encoders ' + ', '.join(encoders) if encoders else 'no encoder'};"
+         f" tools.plan places one encoder (vision) and the language model, so it cannot plan "
+         "this config: measure its layouts with python -m tools.bench --layouts=... instead.")
+
+
 def main(argv: list[str] | None = None) -> None:
   args = _args(argv)
-  if args.profile_layouts:
-    print(";".join(profile_layouts(args.gpus)))
-    return
   # Every input file read before any work: a bad one is one line.
   profiles = [read_json("plan", "--profile", p, rows=("layout", "step_s")) for p in args.profile]
   measured_rows = [r for m in args.measured
                    for r in read_json("plan", "--measured", m, rows=("layout", "step_s"))["rows"]]
   cfg_spec = args.config or (profiles[0].get("config") if profiles else "")
   sets = args.set if args.set is not None else (profiles[0].get("set", []) if profiles else [])
+  if cfg_spec:  # the config and its overrides, before anything else
+    planned_config(cfg_spec, sets, f"--config={cfg_spec}" if args.config else
+                   f"{args.profile[0]}'s config {cfg_spec}")
+  if args.profile_layouts:
+    print(";".join(profile_layouts(args.gpus)))
+    return
   if not cfg_spec:
     fail("plan", "give --config or a --profile that names one.")
   for p, prof in zip(args.profile, profiles):
     if (prof.get("config"), prof.get("set", [])) != (cfg_spec, sets):
       fail("plan", f"{p} profiles {prof.get('config')} with {prof.get('set')}, not {cfg_spec} "
            f"with {sets}; profile the config being planned.")
-  layout_config(cfg_spec, sets)  # the config and its overrides, before any work
   if not profiles and not args.layouts_only:
     fail("plan", "--profile is needed for predictions (--layouts_only lists the candidates).")
   try:
