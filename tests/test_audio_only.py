@@ -74,7 +74,7 @@ def _audio_only(data: pathlib.Path, workdir: pathlib.Path) -> Config:
   return cfg
 
 
-def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path):
+def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path, capsys):
   """Two steps and an eval of a model without a vision encoder on a conversion of clips and
   text-only records (no images): the clips reach the audio tower."""
   from mimo_jax import train  # pylint: disable=import-outside-toplevel
@@ -95,6 +95,12 @@ def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path
   assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is said?", "--audio",
                              str(source / "audio" / "one_second.flac"),
                              "--max_new_tokens", "2"]) == 0
+  # A clip too long for the run's positions is named with its tokens (the text was blamed).
+  long = tmp_path / "long.wav"
+  soundfile.write(str(long), np.sin(np.arange(4 * audio.SAMPLE_RATE) * 0.05), audio.SAMPLE_RATE)
+  assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is said?", "--audio",
+                             str(long)]) == 2
+  assert "long.wav's 100 tokens, which leaves no room" in capsys.readouterr().err
   # tools.eval of a JSON cuts its clips into the tower's 1 s windows (it cut 30 s ones).
   from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
   (tmp_path / "eval.json").write_text(json.dumps(

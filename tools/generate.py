@@ -57,6 +57,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -351,9 +352,12 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   if width >= positions:
     n = len(files_of(args, longest, args.image))
     images = f", {count(n, 'image')} of {per_image} tokens" if n else ""
-    raise ConfigError(f"the prompt {args.prompt[longest][:60]!r} is {width} tokens{images}, which "
-                      f"leaves no room for an answer in the model's {positions} positions "
-                      f"({source}); shorten it.")
+    heard = list(zip(files_of(args, longest, args.audio or []),
+                     files_of(args, longest, per_clip)))
+    clips = "".join(f", {os.path.basename(f)}'s {t} tokens" for f, t in heard)
+    raise ConfigError(f"the prompt {args.prompt[longest][:60]!r} is {width} tokens{images}{clips}, "
+                      f"which leaves no room for an answer in the model's {positions} positions "
+                      f"({source}); shorten it{' or its clips' if heard else ''}.")
   room = positions - width
   steps = args.max_new_tokens
   if steps is None:
