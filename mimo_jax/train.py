@@ -263,7 +263,9 @@ class _Loop:
     for step in range(self.start + 1, cfg.train.steps + 1):
       if stop.requested() and self.last is None:
         break  # a signal before this run's first step: nothing new to save
-      metrics = self._dispatch(step)
+      metrics = self._dispatch(step, stop)
+      if metrics is None:
+        break  # a signal while this run's first step compiled: nothing new to save
       if stop.should_stop(step):
         self._flush()
         self._save(step, metrics, force=True)
@@ -281,8 +283,12 @@ class _Loop:
       self._flush()
     return False
 
-  def _dispatch(self, step: int):
-    """Dispatches `step`, then fetches the previous step's metrics; returns this step's."""
+  def _dispatch(self, step: int, stop: StopFlag | None = None):
+    """Dispatches `step`, then fetches the previous step's metrics; returns this step's. None,
+    with nothing dispatched or its result not kept, for a signal taken while this run's first
+    step compiled (one process: several agree on the step they stop at, stop.should_stop): the
+    run stops as before its first step, without the wait of a save."""
+    first = stop is not None and self.last is None and jax.process_count() == 1
     waited = time.time()
     batch, keys = next(self.batches)
     info = {"loader_wait_s": time.time() - waited, **step_records.batch_info(batch, self.cfg)}
@@ -293,8 +299,12 @@ class _Loop:
       if self.pending is not None and not self.compiler.ready(keys):
         self._flush()  # the previous step ends (and logs) while this one's programs compile
       self.compile_wait += self.compiler.wait(keys)
+      if first and stop.requested():
+        return None
     dispatched = time.time()
     self.state, metrics = self.trainer.train_step(self.state, batch)
+    if first and stop.requested():  # taken while the step program compiled in this call
+      return None
     self.last = (step, metrics)
     if self.pending is not None:
       self._flush()  # the previous step's metrics, now that this step is dispatched

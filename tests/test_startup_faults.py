@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mimo_jax import checkpoint, train, workdir
+from mimo_jax import checkpoint, precompile, train, workdir
 from mimo_jax.data import capacity
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
@@ -116,6 +116,33 @@ def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tm
   assert capsys.readouterr().out.splitlines() == [
       "SIGTERM before the first step: nothing to save.",
       "SIGINT before the first step: nothing to save."]
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_signal_while_the_first_step_compiles_saves_nothing(data_dir, tmp_path, monkeypatch,
+                                                              capsys, ahead):
+  """Ctrl-C while the first step's program compiles (in the call, or ahead in a thread): the run
+  ends as before its first step, with nothing saved (it ran and saved step 1)."""
+  real = Step.train_step
+
+  def compiled_then_signal(self, *args):
+    os.kill(os.getpid(), signal.SIGINT)  # as if taken during the compile in this call
+    return real(self, *args)
+  if ahead:
+    wait = precompile.Compiler.wait
+
+    def signal_then_wait(self, keys):
+      os.kill(os.getpid(), signal.SIGINT)
+      return wait(self, keys)
+    monkeypatch.setattr(precompile.Compiler, "wait", signal_then_wait)
+  else:
+    monkeypatch.setattr(Step, "train_step", compiled_then_signal)
+  cfg = _cfg(data_dir, tmp_path / "new" / "run")
+  cfg.run.compile_ahead = ahead
+  assert train.run(cfg) == []
+  assert capsys.readouterr().out.splitlines()[-1].endswith(
+      "SIGINT before the first step: nothing to save.")
   assert list(tmp_path.iterdir()) == []
 
 
