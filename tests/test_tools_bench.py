@@ -468,3 +468,33 @@ def test_plan_checks_the_config_it_plans_before_comparing_profiles(config, sets,
   err = capsys.readouterr().err
   assert raised.value.code == 2 and len(err.strip().splitlines()) == 1, err
   assert err.startswith(said.format(p=p)), err
+
+
+_AV = "--layouts=vision=0/2/1,audio=2/1/1,language=3/2/1"  # spans 5 devices
+
+
+def test_bench_makes_run_cpu_devices_on_cpu_as_launch_does():
+  """On a CPU backend tools.bench starts JAX with run.cpu_devices devices (not JAX's one), and a
+  layout past them says how to get more. A process of its own: this one's devices are chosen."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, "-m", "tools.bench", "--config=configs/av_digits.py",
+                         "--set", "run.cpu_devices=4", _AV], cwd=root, capture_output=True,
+                        text=True, env=dict(env, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+                        timeout=120, check=False)
+  assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+      "bench: error: [vision=0/2/1,audio=2/1/1,language=3/2/1] config.topology.language.offset: "
+      "devices [3, 5) run past the 4 devices available; lower offset or dp*tp*pp; the layout "
+      "spans 5 devices: --set run.cpu_devices=5 makes that many on CPU."], done.stderr
+
+
+def test_bench_says_how_to_get_cpu_devices_where_the_process_chose_its_own(capsys):
+  # This process's 8 CPU devices were chosen (tests/conftest.py) before the config was read.
+  with pytest.raises(SystemExit) as raised:
+    bench.main(["--config=configs/av_digits.py", "--set", "run.cpu_devices=2",
+                _AV.replace("language=3/2/1", "language=5/4/1")])
+  assert raised.value.code == 2
+  assert capsys.readouterr().err.strip().endswith(
+      "devices [5, 9) run past the 8 devices available; lower offset or dp*tp*pp; the layout "
+      "spans 9 devices: this process's CPU backend has 8, chosen before run.cpu_devices=2 could "
+      "apply: start JAX with jax_num_cpu_devices=9.")

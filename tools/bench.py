@@ -36,7 +36,10 @@ bring (slot and row buckets make microbatches differ in shape), then:
   bound for the busiest device; a layout over the device's memory is refused before compiling.
 
 `--json` writes every figure for tools/plan.py; `--record` appends the table to docs/benchmarks.md.
-`--set field=value` overrides config fields (repeatable), e.g. `--set data.global_batch=48`.
+`--set field=value` overrides config fields (repeatable), e.g. `--set data.global_batch=48`. On a
+CPU backend JAX makes `run.cpu_devices` devices, as `mimo_jax.launch` does (`--set
+run.cpu_devices=N` for N); a layout past them says so. Every flag, the config and each layout are
+checked before anything compiles: a bad one is one line `bench: error: ...`, exit status 2.
 `--bridge private` runs the bridge on JAX's private copy and assembly paths (mimo_jax/compat.py)
 instead of the public ones, to measure what they save inside the step.
 """

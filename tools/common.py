@@ -143,19 +143,57 @@ def overrides(cfg: Config, sets: Sequence[str]) -> Config:
   return cfg
 
 
+def cpu_devices(cfg: Config) -> bool:
+  """Has JAX's CPU backend create `run.cpu_devices` devices, as `mimo_jax.launch` does
+  (`jax_num_cpu_devices`, which beats XLA_FLAGS' --xla_force_host_platform_device_count; a GPU
+  backend's devices are its own). False where the process chose another count before (a caller
+  that set jax_num_cpu_devices, as the tests' conftest does) or the backends started with
+  another: their devices stay."""
+  chosen = jax.config.jax_num_cpu_devices
+  if chosen == cfg.run.cpu_devices:
+    return True
+  if chosen != -1:  # -1: JAX's default, nobody chose
+    return False
+  try:
+    jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+  except RuntimeError:  # started already
+    return False
+  return True
+
+
+def _short_of_cpus(cfg: Config, applied: bool, e: ConfigError) -> ConfigError:
+  """`e` (a layout checked against the devices), with how to get the devices it needs where the
+  CPU backend has fewer than the layout spans."""
+  need = max(t.offset + t.size for t in cfg.topology.modules().values())
+  have = len(jax.devices())
+  if jax.default_backend() != "cpu" or need <= have:
+    return e
+  how = (f"--set run.cpu_devices={need} makes that many on CPU" if applied else
+         f"this process's CPU backend has {have}, chosen before run.cpu_devices="
+         f"{cfg.run.cpu_devices} could apply: start JAX with jax_num_cpu_devices={need}")
+  return ConfigError(f"{str(e).rstrip('.')}; the layout spans {need} devices: {how}.")
+
+
 def config(spec: str, sets: Sequence[str], layout: str = "", check: bool = True,
            devices: bool = False) -> Config:
   """A measuring tool's config: the file `spec` (`--config`), the `--set` overrides `sets`, the
   layout (`config.set_layout`'s form) if given, checked as launch checks a run's before anything
   compiles: `validate` (`check`), with `devices` against jax's devices and backend as well
-  (`validate_backend`). ConfigError, one line, for a bad file, flag or field."""
+  (`validate_backend`), the CPU backend started with `run.cpu_devices` devices as launch starts
+  it (`cpu_devices`). ConfigError, one line, for a bad file, flag or field; a layout past the CPU
+  devices says how to get more."""
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax.validation import validate, validate_backend  # imports the models: not at the top
   cfg = overrides(configfile.load_file(spec), sets)
   if layout:
     set_layout(cfg, layout)
   if devices:
-    validate(cfg, len(jax.devices()))
+    validate(cfg)  # run.cpu_devices checked (at least 1) before JAX starts with it
+    applied = cpu_devices(cfg)
+    try:
+      validate(cfg, len(jax.devices()))
+    except ConfigError as e:
+      raise _short_of_cpus(cfg, applied, e) from None
     validate_backend(cfg, jax.default_backend(), jax.process_count())
   elif check:
     validate(cfg)
