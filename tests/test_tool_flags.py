@@ -66,7 +66,8 @@ def _refused(main, argv: list[str], capsys) -> str:
     (ckpt_tool.main, ["export", "run", "--ou", "x"], "unrecognized arguments: --ou "),
     (ckpt_tool.main, ["chek", "run"], "invalid choice: 'chek'"),
     (plan_tool.main, ["--gpus", "2", "--max", "2"], "plan: error: unrecognized arguments: --max 2"),
-    (bench_tool.main, ["--layouts=x", "--step=1"], "bench: error: unrecognized arguments: --step=1"),
+    (bench_tool.main, ["--layouts=x", "--step=1"],
+     "bench: error: unrecognized arguments: --step=1"),
     (fp8_check_tool.main, ["--seed", "1"], "fp8_check: error: unrecognized arguments: --seed 1"),
     (restart_bench_tool.main, ["--restart", "1"], "unrecognized arguments: --restart 1"),
 ])
