@@ -159,6 +159,21 @@ def test_bench_refuses_a_bad_flag_before_any_work(argv, said, capsys):
   assert err.startswith(f"bench: error: {said}"), err
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--steps=0"], "--steps=0: must be at least 1."),
+    (["--warmup=-1"], "--warmup=-1: must be at least 0."),
+    (["--top=0"], "--top=0: must be at least 1."),
+    (["--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: its directory "
+     "/nonexistent/dir does not exist"),
+    (["--stepz=1"], "unrecognized arguments: --stepz=1"),
+])
+def test_kernels_refuses_a_bad_flag_before_any_work(argv, said, capsys):
+  # tools.kernels took them, ran its steps and the trace, then failed or wrote nothing.
+  from tools import kernels  # pylint: disable=import-outside-toplevel
+  err = _refused(kernels.main, ["--config=configs/digits.py", *argv], capsys)
+  assert err.startswith(f"kernels: error: {said}"), err
+
+
 @pytest.mark.parametrize("main,argv,shown", [
     (generate_tool.main, ["--help"], ["--max_new_tokens MAX_NEW_TOKENS", "--top_p TOP_P",
                                       "[--pad_to_square | --no-pad_to_square]",

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import jax
 
 from tools.bench import Run
-from tools.common import load_config
+from tools.common import Parser, load_config, number, output_file
 
 CATEGORIES = (
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective", re.I)),
@@ -366,20 +366,22 @@ def dump_hlo(directory: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.kernels", description=__doc__,
+  parser = Parser("kernels", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/vlm.py", help="config file[:variant]")
   parser.add_argument("--layout", default="vision=0/1/1,language=0/1/1",
                       help="module=o/dp/tp[/pp[/v]], comma-separated (as tools.bench)")
   parser.add_argument("--set", action="append", default=[], help="field=value override")
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=2)
-  parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--warmup", type=number(int, least=0), default=2)
+  parser.add_argument("--steps", type=number(int, least=1), default=2)
+  parser.add_argument("--top", type=number(int, least=1), default=25)
   parser.add_argument("--out", default="/tmp/mimo_jax_trace", help="where the trace is kept")
   parser.add_argument("--json", default="", help="write the summary to this file")
   parser.add_argument("--hlo", default="", help="a new or empty directory: XLA writes the "
                       "programs' optimized HLO there and kernels are traced to source lines")
   args = parser.parse_args(argv)
+  if args.json:
+    output_file("kernels", "--json", args.json)  # written at the end: checked now
   if args.hlo:
     dump_hlo(args.hlo)
   cfg = load_config("kernels", args.config, args.set, args.layout, devices=True)
