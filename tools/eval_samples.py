@@ -43,7 +43,8 @@ def audio_settings(args, cfg: Config, tok, found: dict):
   """The JSON's clips' settings (audio_records.Settings) and the placeholder's id, checked
   against the model's; (None, None) for a model without an audio encoder."""
   # pylint: disable=import-outside-toplevel
-  from mimo_jax.data import audio, audio_records
+  from mimo_jax.data import audio_records
+  from tools.prompts import window_seconds
   a = getattr(cfg.model, "audio", None)
   if a is None:
     return None, None
@@ -53,16 +54,10 @@ def audio_settings(args, cfg: Config, tok, found: dict):
   if token not in markers:
     raise ConfigError(f"--audio_markers {markers!r} does not hold the audio token {token!r}.")
   folder = args.audio or str(pathlib.Path(args.data).parent)
-  per_second = audio.SAMPLE_RATE // audio.HOP  # frames
-  if a.frames % per_second:
-    raise ConfigError(f"--data {args.data}: the model's audio tower reads windows of {a.frames} "
-                      f"frames (model.audio.positions {a.positions}), not whole seconds of "
-                      f"{per_second} frames (Whisper: 3000, 30 s); it was not made for audio "
-                      "files.")
   # The tower's window (tools.convert --audio_window, as tools.generate reads a clip), not 30 s.
   settings = audio_records.Settings(folder=folder, token=token, markers=markers,
                                     mel_bins=a.mel_bins, pool=a.pool, allow_outside=True,
-                                    window_s=a.frames // per_second)
+                                    window_s=window_seconds(a, f"--data {args.data}"))
   if tok.tokenizer.token_to_id(token) is None:
     return settings, None
   if tok.token_id(token) != a.audio_token:

@@ -100,6 +100,19 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
   return pixels
 
 
+def window_seconds(a, where: str) -> int:
+  """The seconds of a window of the audio tower `a` (model.audio), for reading audio files into
+  its windows (tools.convert --audio_window); ConfigError, said of `where`, for a tower whose
+  window is no whole number of seconds."""
+  from mimo_jax.data import audio  # pylint: disable=import-outside-toplevel
+  per_second = audio.SAMPLE_RATE // audio.HOP  # frames
+  if a.frames % per_second:
+    raise ConfigError(f"{where}: the model's audio tower reads windows of {a.frames} frames "
+                      f"(model.audio.positions {a.positions}), not whole seconds of {per_second} "
+                      "frames (Whisper: 3000, 30 s); it was not made for audio files.")
+  return a.frames // per_second
+
+
 def load_audios(files: list[str], cfg: Config) -> list[tuple[np.ndarray, list[int]]]:
   """Each audio file's log-mel windows [windows, frames, mel_bins] and their audio frames, as
   the converter makes them for the model's tower."""
@@ -108,16 +121,11 @@ def load_audios(files: list[str], cfg: Config) -> list[tuple[np.ndarray, list[in
   if a is None:
     raise ConfigError(f"--audio {files[0]}: the model has no audio encoder (model.audio); give "
                       "a model with one, or no --audio.")
-  per_second = audio.SAMPLE_RATE // audio.HOP  # frames
-  if a.frames % per_second:
-    raise ConfigError(f"--audio {files[0]}: the model's audio tower reads windows of {a.frames} "
-                      f"frames (model.audio.positions {a.positions}), not whole seconds of "
-                      f"{per_second} frames (Whisper: 3000, 30 s); it was not made for audio "
-                      "files.")
+  seconds = window_seconds(a, f"--audio {files[0]}")
   out = []
   for f in files:
     try:  # a clip too short for one token with the tower's pooling is refused too
-      mel_fm, frames_w = audio.file_features(f, a.mel_bins, a.pool, a.frames // per_second)
+      mel_fm, frames_w = audio.file_features(f, a.mel_bins, a.pool, seconds)
     except audio.AudioError as e:
       raise ConfigError(f"--audio: {e}") from None
     out.append((mel_fm.reshape(len(frames_w), a.frames, a.mel_bins), frames_w))
