@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import itertools
 import json
 import logging
 import os
@@ -57,6 +56,7 @@ from tqdm import tqdm
 from mimo_jax import checkpoint_reader, output, scoring
 from mimo_jax.config import Config, ConfigError, RunConfig
 from tools import eval_samples
+from tools.eval_rows import Rows, default_out, earlier_speed, key, summary_path, write_whole
 from tools import generate as generate_tool
 from tools.common import Parser
 from tools.display import count
@@ -127,127 +127,6 @@ def check_flags(args: argparse.Namespace) -> None:
                       "(PREDS.jsonl).")
   if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
-
-
-def default_out(args: argparse.Namespace, step: int, settings: dict) -> pathlib.Path:
-  """WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, or where that holds the rows of an eval
-  of other settings, the first of <...>.2.jsonl, .3.jsonl, ... that holds this eval's or
-  nothing (so that the same command finds its rows again)."""
-  name = pathlib.Path(os.path.normpath(args.data)).name.removesuffix(".jsonl").removesuffix(".json")
-  split = f".{args.split}" if os.path.isdir(args.data) else ""
-  folder, stem = pathlib.Path(args.workdir) / "eval", f"{name}{split}.step{step}"
-  for k in itertools.count(1):
-    out = folder / (f"{stem}.jsonl" if k == 1 else f"{stem}.{k}.jsonl")
-    if not out.exists() or _as_now(_recorded_settings(out), settings) == settings:
-      return out
-
-
-def _recorded_settings(out: pathlib.Path) -> dict | None:
-  """The settings `Rows` recorded beside `out`, or None where there are none to read."""
-  try:
-    return json.loads(settings_path(out).read_text())
-  except (OSError, ValueError):
-    return None
-
-
-def _as_now(recorded: dict | None, settings: dict) -> dict | None:
-  """`recorded` (`_recorded_settings`) as these `settings` write them: a JSON's split is null
-  (it has none), where settings written before that hold "eval"; the sample count, which older
-  settings held, is none of them (`--samples` takes the first N samples, so the rows of a
-  smaller N are the first rows of a larger one)."""
-  if recorded is None:
-    return None
-  recorded = {k: v for k, v in recorded.items() if k != "samples"}
-  if settings.get("split") is None and recorded.get("split") == "eval":
-    recorded["split"] = None
-  return recorded
-
-
-def settings_path(out: pathlib.Path) -> pathlib.Path:
-  return out.with_name(out.name + ".settings.json")
-
-
-def summary_path(out: pathlib.Path) -> pathlib.Path:
-  return out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
-
-
-def key(row: dict) -> str:
-  """What a sample's row is kept by: its position in a converted split (records may share an
-  id; rows of older versions, which lack the position, hold it as their id), else its id (a
-  JSON's ids are checked to be unique)."""
-  return json.dumps(row.get("position", row["id"]))
-
-
-class Rows:
-  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends. A
-  failed write (a full disk) is one line naming `--out` (output.write_errors); the rows before
-  it stay, and the same command goes on from them."""
-
-  def __init__(self, out: pathlib.Path, settings: dict):
-    self.out, self.settings = out, settings
-    self.what = f"--out={str(out)!r}"
-    self.lock = output.lock(out, "--out")
-    self.done: dict[str, dict] = {}
-    try:
-      with output.write_errors(self.what):
-        self._open()
-    except BaseException:
-      self.lock.release()
-      raise
-
-  def _open(self) -> None:
-    if self.out.exists():
-      recorded = _as_now(_recorded_settings(self.out), self.settings)
-      if recorded != self.settings:
-        differ = ("its settings file is missing or unreadable" if recorded is None else
-                  "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
-                            for k, v in self.settings.items() if recorded.get(k) != v))
-        raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
-                                 "another --out or remove it.")
-      data = self.out.read_bytes()
-      keep = data[:data.rfind(b"\n") + 1]  # a line cut by a crash is written again
-      if len(keep) != len(data):
-        with open(self.out, "r+b") as f:
-          f.truncate(len(keep))
-      for line in keep.decode().splitlines():
-        row = json.loads(line)
-        self.done[key(row)] = row
-    else:
-      _write_whole(settings_path(self.out), self.settings)
-    self.file = open(self.out, "a", encoding="utf-8")  # pylint: disable=consider-using-with
-
-  def append(self, rows: list[dict]) -> None:
-    for row in rows:
-      self.done[key(row)] = row
-    with output.write_errors(self.what):
-      self.file.write("".join(json.dumps(r) + "\n" for r in rows))
-      self.file.flush()
-      os.fsync(self.file.fileno())
-
-  def close(self) -> None:
-    try:
-      # Every append was flushed and synced: only a failed one's bytes (reported) can fail again.
-      self.file.close()
-    except OSError:
-      pass
-    finally:
-      self.lock.release()
-
-
-def _earlier_speed(out: pathlib.Path) -> float | None:
-  """The answering speed `out`'s summary holds (a run that answers nothing keeps it), or None."""
-  try:
-    return json.loads(summary_path(out).read_text()).get("new_tokens_per_s")
-  except (OSError, ValueError):
-    return None
-
-
-def _write_whole(path: pathlib.Path, value: dict) -> None:
-  """`path` holds `value` as JSON whole or not at all (a temporary file renamed over it)."""
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  tmp.write_text(json.dumps(value, indent=2) + "\n")
-  output.fsync(tmp)
-  os.replace(tmp, path)
 
 
 # The run.
@@ -476,10 +355,10 @@ def run(args: argparse.Namespace) -> dict:
                    **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                       for m in args.metric},
                    answered_now=len(todo),
-                   new_tokens_per_s=generated / took if todo else _earlier_speed(out),
+                   new_tokens_per_s=generated / took if todo else earlier_speed(out),
                    topology=trainer.topo.describe())
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
-      _write_whole(summary_path(out), summary)
+      write_whole(summary_path(out), summary)
     return summary
   finally:
     rows.close()
