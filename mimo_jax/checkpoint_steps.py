@@ -1,6 +1,8 @@
 """A checkpoints folder on disk: a workdir's (`directory`), its committed steps (orbax writes
 `commit_success.txt` last), a step folder moved aside, the digest a step's metadata holds of
-itself, and where a LoRA run's frozen weights are held (`Base`, `base_folder`)."""
+itself, where a LoRA run's frozen weights are held (`Base`, `base_folder`), and what a run says
+of the folders moved aside (`why_aside`) and of an old step it could not remove
+(`removal_warning`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import dataclasses
 import hashlib
 import json
 import os
+
+from mimo_jax import workdir as workdir_lib
 
 
 def directory(workdir: str) -> str:
@@ -75,3 +79,29 @@ def base_folder(own: str, recorded: str, moved: str = "") -> str:
     return directory(moved) if os.path.isdir(os.path.join(moved, "checkpoints")) else \
         os.path.abspath(moved)
   return os.path.normpath(os.path.join(own, recorded))
+
+
+def why_aside(moved: str) -> str:
+  """Why checkpoint.py moved a step folder aside, from the suffix it gave it (`30.replaced-2`)."""
+  why = os.path.basename(moved).split(".", 1)[-1].split("-")[0]
+  return {"uncommitted": "its save never completed: not a step",
+          "replaced": "newer than checkpoint.restore_step: this run writes its own"}.get(
+              why, "not a step of this run")
+
+
+def removal_warning(path: str, writing: int | None, e: OSError, keep: int) -> str | None:
+  """The warning for `e`, raised by the save of step `writing` into checkpoints folder `path`,
+  where it is a failure to remove an old step, else None: orbax removes the steps past
+  checkpoint.keep once the new step is committed, so a failure with the new step committed is
+  one (a failure to write a step leaves it uncommitted). The run goes on, the old step's folder
+  left on disk."""
+  if writing is None or writing not in complete_steps(path):
+    return None
+  where = workdir_lib.error_file(e)
+  inside = os.path.relpath(where, path) if where and os.path.isabs(where) else ".."
+  folder = (os.path.join(path, inside.split(os.sep)[0])
+            if not inside.startswith("..") else f"an old step folder in {path}")
+  why = os.strerror(e.errno) if e.errno else str(e)
+  return (f"warning: could not remove {folder} (checkpoint.keep={keep} keeps the newest {keep} "
+          f"steps): {f'{where}: ' if where else ''}{why}; the run goes on; delete that folder by "
+          "hand.")

@@ -169,7 +169,7 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
   checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
   for anything else, which is a bug and keeps its traceback."""
   # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
-  from mimo_jax import step_records, train
+  from mimo_jax import step_records
   from mimo_jax.data import capacity
   for x in _chain(e):
     if isinstance(x, (ConfigError, capacity.CapacityError)):
@@ -178,7 +178,7 @@ def _explain(e: BaseException) -> tuple[str | None, int]:
       return str(x), 1
     if isinstance(x, OSError) and x.errno is not None:
       # The file in full: shutil.rmtree names one relative to the folder it was removing.
-      return workdir.describe_os_error(x, train.error_file(x) or "run.workdir"), 1
+      return workdir.describe_os_error(x, workdir.error_file(x) or "run.workdir"), 1
   text = " ".join(str(x) for x in _chain(e))
   for needle, errno_ in (("No space left on device", 28), ("File too large", 27),
                          ("Read-only file system", 30), ("Permission denied", 13)):

@@ -30,34 +30,6 @@ from mimo_jax.validation_data import validate_data
 from mimo_jax.words import count
 
 
-def _why_aside(moved: str) -> str:
-  """Why checkpoint.py moved a step folder aside, from the suffix it gave it (`30.replaced-2`)."""
-  why = os.path.basename(moved).split(".", 1)[-1].split("-")[0]
-  return {"uncommitted": "its save never completed: not a step",
-          "replaced": "newer than checkpoint.restore_step: this run writes its own"}.get(
-              why, "not a step of this run")
-
-
-def error_file(e: OSError) -> str | None:
-  """The file an OSError names, absolute where its traceback tells: shutil.rmtree (orbax's
-  removal of an old step) names a file relative to the folder it walks (`_METADATA`), whose
-  absolute path a frame of the walk holds. None when the error names no file."""
-  if not isinstance(e.filename, (str, bytes)):
-    return None
-  name = os.fsdecode(e.filename)
-  if os.path.isabs(name):
-    return name
-  frames, tb = [], e.__traceback__
-  while tb is not None:
-    frames.append(tb.tb_frame)
-    tb = tb.tb_next
-  for frame in reversed(frames):  # innermost first
-    for value in frame.f_locals.values():
-      if isinstance(value, str) and os.path.isabs(value) and value.endswith(os.sep + name):
-        return value
-  return name
-
-
 def run(cfg: Config, pending=None) -> list[dict]:
   """Trains `cfg` (resuming from the workdir's latest checkpoint); returns the records it wrote.
   `pending()`: the name of a signal its caller took before (launch's start-up), or None."""
@@ -218,7 +190,7 @@ class _Loop:
     if lock is not None and lock.note:
       say(lock.note)
     for moved in self.ckpt.set_aside:
-      say(f"moved {moved} aside ({_why_aside(moved)})")
+      say(f"moved {moved} aside ({checkpoint_steps.why_aside(moved)})")
     say(f"topology: {self.trainer.topo.describe()}")
     say(f"parameters: {self.trainer.plan.parameters()}")
     say(compile_cache.describe())
@@ -385,22 +357,13 @@ class _Loop:
         raise
 
   def _not_removed(self, e: OSError) -> bool:
-    """Whether `e`, raised by the newest save, is a failure to remove an old step: orbax removes
-    the steps past checkpoint.keep once the new step is committed, so a failure with the new step
-    committed is one (a failure to write a step leaves it uncommitted). Says so, as a warning:
-    the run goes on, with the old step's folder left on disk."""
-    if self.writing is None or self.writing not in checkpoint_steps.complete_steps(self.ckpt.path):
-      return False
-    where = error_file(e)
-    inside = os.path.relpath(where, self.ckpt.path) if where and os.path.isabs(where) else ".."
-    folder = (os.path.join(self.ckpt.path, inside.split(os.sep)[0])
-              if not inside.startswith("..") else f"an old step folder in {self.ckpt.path}")
-    why = os.strerror(e.errno) if e.errno else str(e)
-    keep = self.cfg.checkpoint.keep
-    self.writer.say(f"warning: could not remove {folder} (checkpoint.keep={keep} keeps the newest "
-                    f"{keep} steps): {f'{where}: ' if where else ''}{why}; the run goes on; "
-                    "delete that folder by hand.")
-    return True
+    """Whether `e`, raised by the newest save, is a failure to remove an old step
+    (checkpoint_steps.removal_warning); says so, as a warning: the run goes on."""
+    said = checkpoint_steps.removal_warning(self.ckpt.path, self.writing, e,
+                                            self.cfg.checkpoint.keep)
+    if said is not None:
+      self.writer.say(said)
+    return said is not None
 
   def _finish(self, stop: StopFlag) -> None:
     """After the steps: saves the last one and runs the final eval, unless a signal says not."""

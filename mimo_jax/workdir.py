@@ -48,6 +48,26 @@ def describe_os_error(e: OSError, what: str) -> str:
   return f"{what}: {os.strerror(e.errno) if e.errno else e}."
 
 
+def error_file(e: OSError) -> str | None:
+  """The file an OSError names, absolute where its traceback tells: shutil.rmtree (orbax's
+  removal of an old step) names a file relative to the folder it walks (`_METADATA`), whose
+  absolute path a frame of the walk holds. None when the error names no file."""
+  if not isinstance(e.filename, (str, bytes)):
+    return None
+  name = os.fsdecode(e.filename)
+  if os.path.isabs(name):
+    return name
+  frames, tb = [], e.__traceback__
+  while tb is not None:
+    frames.append(tb.tb_frame)
+    tb = tb.tb_next
+  for frame in reversed(frames):  # innermost first
+    for value in frame.f_locals.values():
+      if isinstance(value, str) and os.path.isabs(value) and value.endswith(os.sep + name):
+        return value
+  return name
+
+
 def check(workdir: str) -> str:
   """The absolute workdir, created if missing; an error if it, or a checkpoints/ folder it
   holds already (where the run saves), is not a writable directory."""

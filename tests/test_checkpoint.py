@@ -78,7 +78,7 @@ def test_a_failed_reads_line_names_the_array_and_file_not_the_storage_spec():
 def test_a_step_moved_aside_is_said_with_its_reason():
   """A run's opening line for each step folder it moved aside says why, by the suffix the
   checkpointer gave it (a restore_step's newer steps were called "not a complete step")."""
-  from mimo_jax.train import _why_aside
+  from mimo_jax.checkpoint_steps import why_aside as _why_aside
   assert "newer than checkpoint.restore_step" in _why_aside("/w.1/checkpoints/30.replaced-2")
   assert "never completed" in _why_aside("/w/checkpoints/12.uncommitted")
 
