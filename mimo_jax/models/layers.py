@@ -312,11 +312,23 @@ class Attention(nnx.Module):
                cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
     """The output [b, l, dim]; with `cache`, (the output, the cache holding these tokens)."""
     b, l, _ = x_bld.shape
-    q, k, v = self._qkv(x_bld, positions_bl)
     if cache is not None:
+      q, k, v = self._qkv(x_bld, positions_bl)
       out, cache = cached_attention(q, k, v, cache)
       return _call(self.o, out.reshape(b, l, self.heads * self.head_dim).astype(x_bld.dtype)), \
           cache
+    return self.project(self.mix(x_bld, positions_bl, causal, segment_ids_bl))
+
+  def project(self, mixed: jax.Array) -> jax.Array:
+    """The output projection of `mix`'s result."""
+    return _call(self.o, mixed)
+
+  def mix(self, x_bld: jax.Array, positions_bl: jax.Array | None = None, causal: bool = False,
+          segment_ids_bl: jax.Array | None = None) -> jax.Array:
+    """The heads' outputs side by side [b, l, heads · head_dim], before the output projection
+    (`project`): `__call__` without a cache is `project(mix(...))`."""
+    b, l, _ = x_bld.shape
+    q, k, v = self._qkv(x_bld, positions_bl)
     mask, implementation = None, self.implementation
     if segment_ids_bl is not None and implementation == "cudnn" and self.max_segments:
       out = packed_attention(q, k, v, segment_ids_bl, self.max_segments, causal)
@@ -325,7 +337,7 @@ class Attention(nnx.Module):
         mask = segment_ids_bl[:, None, :, None] == segment_ids_bl[:, None, None, :]
         implementation = "xla"
       out = attention(q, k, v, mask, causal, implementation)
-    return _call(self.o, out.reshape(b, l, self.heads * self.head_dim))
+    return out.reshape(b, l, self.heads * self.head_dim)
 
   def _qkv(self, x_bld: jax.Array, positions_bl: jax.Array | None) -> tuple[jax.Array, ...]:
     """Queries [b, l, heads, head_dim], keys and values [b, l, kv_heads, head_dim], RoPE applied."""

@@ -35,13 +35,23 @@ class DecoderBlock(nnx.Module):
     """The block's output; with `cache` (generation), (the output, the cache holding these
     tokens' keys and values)."""
     if cache is None:
-      attended = self.attn(self.norm1(x_bld), positions_bl, causal=True,
-                           segment_ids_bl=segment_ids_bl)
-    else:
-      attended, cache = self.attn(self.norm1(x_bld), positions_bl, cache=cache)
+      return self.finish(x_bld, self.mix(x_bld, positions_bl, segment_ids_bl))
+    attended, cache = self.attn(self.norm1(x_bld), positions_bl, cache=cache)
     x_bld = x_bld + attended
-    out = x_bld + self.mlp(self.norm2(x_bld))
-    return out if cache is None else (out, cache)
+    return x_bld + self.mlp(self.norm2(x_bld)), cache
+
+  def mix(self, x_bld: jax.Array, positions_bl: jax.Array,
+          segment_ids_bl: jax.Array | None = None) -> jax.Array:
+    """The block's first part: its attention's heads before their output projection [b, l,
+    heads · head_dim] (`Attention.mix`). What follows is position by position (`finish`)."""
+    return self.attn.mix(self.norm1(x_bld), positions_bl, causal=True,
+                         segment_ids_bl=segment_ids_bl)
+
+  def finish(self, x_bld: jax.Array, mixed_bld: jax.Array) -> jax.Array:
+    """The block's output from its input and `mix`'s result: the output projection, the MLP and
+    the residuals, each position on its own (so they can run at some positions alone)."""
+    x_bld = x_bld + self.attn.project(mixed_bld)
+    return x_bld + self.mlp(self.norm2(x_bld))
 
 
 class LanguageModel(nnx.Module):
