@@ -118,6 +118,12 @@ class TrainConfig:
   # gradients made with it (models/head_loss.py): less work and one chunk's logits in memory
   # instead of a microbatch's; the eval loss likewise. 0 = the logits of every position at once.
   loss_chunk: int = 2048
+  # With loss_chunk, the language model's last block runs its output projection and MLP in the
+  # same chunks, only at those positions (at the others their results feed nothing: only the
+  # block's keys and values are read there, by its attention): the same loss, less work. Where
+  # the layout allows: blocks not pipelined, no FP8 delayed scaling, no LoRA dropout in training;
+  # elsewhere (and false) the block runs whole.
+  last_block_in_loss: bool = True
 
 
 @dataclasses.dataclass

@@ -14,9 +14,10 @@ from mimo_jax import optim
 from mimo_jax.batch import Text
 from mimo_jax.config import Config, lora_of
 from mimo_jax.encoders import Encoder
-from mimo_jax.models import lora
+from mimo_jax.models import head_loss, lora
+from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.mimo import Module, language_hidden, language_logits
-from mimo_jax.pipeline import Stack
+from mimo_jax.pipeline import Stack, remat
 from mimo_jax.sharding import BLOCKS, ModulePlan, Plan
 
 
@@ -156,17 +157,64 @@ class Context:
   def hidden(self, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
              train: bool = False):
     """As `logits`, up to the blocks' outputs: (the bound model, whose `logits` makes the
-    logits of them, the outputs [M, rows, l, d])."""
-    return self._language(language_hidden, params, text, tokens, pos, groups, packed, train)
+    logits of them, the outputs [M, rows, l, d], a `head_loss.Tail` or None). With a tail
+    (`last_block_in_loss`), the outputs are those of every block but the last with the last
+    one's mixed heads, (x [M, rows, l, d], mixed [M, rows, l, heads · head_dim]), and the
+    tail makes the last block's outputs of them."""
+    tail = self.last_block_in_loss(train)
+    model, h = self._language(language_hidden, params, text, tokens, pos, groups, packed, train,
+                              tail)
+    return (model, h[0], h[1]) if tail else (model, h, None)
+
+  def last_block_in_loss(self, train: bool) -> bool:
+    """Whether the language model's last block runs its position-wise rest (output projection,
+    MLP) inside the chunked loss, only where a target carries loss (`train.last_block_in_loss`,
+    models/head_loss.py). Where the layout allows: a chunked loss (`train.loss_chunk`), blocks not
+    pipelined, no FP8 histories (delayed scaling: their abs-maxima combine by maximum, not by
+    sum), no LoRA dropout in training (its masks follow the rows' positions)."""
+    cfg = self.cfg
+    m = cfg.model.language
+    return (cfg.train.last_block_in_loss and cfg.train.loss_chunk > 0
+            and not self.plan["language"].schedule.pipelined and history_length(m) == 0
+            and not (train and "language" in self.dropping))
 
   def _language(self, fn, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
-                train: bool):
+                train: bool, tail: bool = False):
     params = self.frozen_stopped("language", params)
     seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
                              text.positions_rl) if train and "language" in self.dropping else None
     model = self.bind("language", params)
-    return model, fn(model, self.run_blocks("language", params, seeds), text.tokens_rl, tokens,
-                     pos, groups, text.positions_rl, text.segment_ids_rl if packed else None)
+    run = self._with_tail(params) if tail else self.run_blocks("language", params, seeds)
+    return model, fn(model, run, text.tokens_rl, tokens, pos, groups, text.positions_rl,
+                     text.segment_ids_rl if packed else None)
+
+  def _with_tail(self, params):
+    """A `RunBlocks` of every language block but the last, then the last one's `mix`: -> ((x,
+    mixed), the `head_loss.Tail` that finishes the last block)."""
+    module, p = self.modules["language"], self.plan["language"]
+    blocks = params[BLOCKS]
+    first = jax.tree.map(lambda a: a[:-1], blocks)
+    last = jax.tree.map(lambda a: a[-1], blocks)
+    gather = p.gather or (lambda tree: tree)
+    top = self.cfg.topology.modules()["language"]
+    mix = remat(lambda q, x, *side: module.bind_layer(gather(q)).mix(x, *side), top.remat,
+                gathered=p.gather is not None)
+
+    def run(x_m, side_m):
+      x_m = self.stacks["language"](first, x_m, side_m)
+      if x_m.shape[0] == 1:  # as the Stack runs one microbatch: no vmap around the kernels
+        mixed_m = mix(last, x_m[0], *(a[0] for a in side_m))[None]
+      else:
+        mixed_m = jax.vmap(lambda x, *side: mix(last, x, *side))(x_m, *side_m)
+      tail_params = {k: v for k, v in gather(last).items() if k in TAIL}
+      tail_params["attn"] = {"o": tail_params["attn"]["o"]}
+      finish = lambda q, x, mixed: module.bind_layer(q).finish(x, mixed)
+      return (x_m, mixed_m), head_loss.Tail(tail_params, finish)
+    return run
+
+
+# The parts of a decoder block that `DecoderBlock.finish` runs (of its attention, `o` alone).
+TAIL = ("attn", "norm2", "mlp")
 
 
 def _trained_blocks(p: ModulePlan):

@@ -37,9 +37,9 @@ def language_eval(ctx: Context, params, tokens: dict, pos: dict, text: Text) -> 
   """Loss sums of an eval batch (one sample a row); with `train.loss_chunk`, the head only where
   a target carries loss, as in training (models/head_loss.py)."""
   one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # a chunk of one microbatch
-  model, h = ctx.hidden(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)
+  model, h, tail = ctx.hidden(params, one(text), one(tokens), one(pos), ctx.groups, packed=False)
   loss_sum = head_loss.loss_sum(model, h, one(text.targets_rl), one(text.loss_mask_rl),
-                                ctx.groups, ctx.cfg.train.loss_chunk)
+                                ctx.groups, ctx.cfg.train.loss_chunk, tail)
   return {"loss_sum": loss_sum, "tokens": jnp.sum(text.loss_mask_rl)}
 
 

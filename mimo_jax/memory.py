@@ -67,10 +67,12 @@ def _adapter_rank(abstract_params) -> int:
   return sum(int(a.shape[-1]) for path, a in paths(blocks).items() if path.endswith(A))
 
 
-def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
+def _activations(cfg: Config, name: str, adapter_rank: int = 0, tail: bool = False) -> int:
   """A lower bound on the bytes of activations the backward keeps a device (`in_flight`);
   `adapter_rank`: the width of the LoRA adapters' own activations a block keeps a token
-  (`_adapter_rank`; none under remat=full, which keeps each layer's input alone)."""
+  (`_adapter_rank`; none under remat=full, which keeps each layer's input alone). `tail`: the
+  language model's last block finishes in the loss (`Context.last_block_in_loss`), which keeps
+  no MLP activations of it but its mixed heads' gradient."""
   t = cfg.topology.module(name)
   d = cfg.data
   width = np.dtype(cfg.model.dtype).itemsize
@@ -94,6 +96,8 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0) -> int:
   # gradient (models/head_loss.py).
   positions = min(cfg.train.loss_chunk, tokens) if cfg.train.loss_chunk else tokens
   head = (positions * 2 * vocab // t.tp + (tokens * m.dim if cfg.train.loss_chunk else 0)) * width
+  if tail and t.remat != "full":
+    head += tokens * (m.dim - 2 * m.mlp_dim // t.tp) * width
   return tokens * (internals * chunk * kept + inputs * m.dim + outputs * m.dim) * width + head
 
 
@@ -121,7 +125,8 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
     out[name] = {"parameters": _bytes(p.abstract_params),
                  "optimizer state": _bytes(with_shardings(p.opt_shapes, p.opt_sh)),
                  "gradients": grads if p.trainable else 0,
-                 "activations": _activations(cfg, name, _adapter_rank(p.canonical_params))}
+                 "activations": _activations(cfg, name, _adapter_rank(p.canonical_params),
+                                             name == LANGUAGE and ctx.last_block_in_loss(True))}
   return out
 
 

@@ -91,9 +91,10 @@ def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) 
   pipelined model's microbatches (all of the step's, at once) go through the head and the loss
   one at a time, each recomputed in the backward pass: the step holds one microbatch's logits
   (or chunk's), not all of them (which would undo what a schedule with backward tasks saves)."""
-  model, h_m = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed, train=True)
+  model, h_m, tail = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed,
+                                train=True)
   loss = lambda h, targets, mask: head_loss.loss_sum(model, h, targets, mask, groups,
-                                                     ctx.cfg.train.loss_chunk)
+                                                     ctx.cfg.train.loss_chunk, tail)
   if not ctx.plan["language"].schedule.pipelined:
     return loss(h_m, x.text.targets_rl, x.text.loss_mask_rl) * inv_tokens
   one = jax.checkpoint(loss)

@@ -10,7 +10,8 @@ from flax import nnx
 
 from mimo_jax.config import LanguageConfig
 from mimo_jax.models import head_loss
-from mimo_jax.models.llm import LanguageModel
+from mimo_jax.models.llm import DecoderBlock, LanguageModel
+from mimo_jax.step import Step
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 VOCAB = 50
@@ -59,6 +60,52 @@ def test_the_loss_and_gradients_are_those_of_every_positions_logits(tied, groups
   np.testing.assert_allclose(frozen, g_h, rtol=1e-5, atol=1e-6)
 
 
+def _block_tail():
+  """The head's model, a decoder block of its size (split) and `finish` as a Tail applies it."""
+  graphdef, state = _model(False)
+  cfg = LanguageConfig(dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64)
+  block_def, block = nnx.split(DecoderBlock(nnx.Rngs(1), cfg, jnp.float32))
+  finish = lambda s, x, mixed: nnx.merge(block_def, s).finish(x, mixed)
+  return graphdef, state, block_def, block, finish
+
+
+@pytest.mark.parametrize("groups,chunk", [(1, 4), (2, 5)])
+def test_the_last_blocks_rest_in_the_loop_gives_the_whole_blocks_loss_and_gradients(groups,
+                                                                                    chunk):
+  """A `Tail` (the block's output projection and MLP, `DecoderBlock.finish`) run in the chunks:
+  the loss and the gradients of every position's block output and logits, with respect to the
+  tail's parameters, the head's and both inputs (the block's input, its mixed heads); a frozen
+  part of the tail (stop_gradient) gets none and changes no other."""
+  graphdef, state, block_def, block, finish = _block_tail()
+  x, targets, weights = _rows(0.3)
+  mixed = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+
+  def every(state, block, x, mixed):
+    out = nnx.merge(block_def, block).finish(x, mixed)
+    return _every_position(graphdef, state, out, targets, weights)
+
+  def chunked(state, block, x, mixed):
+    tail = head_loss.Tail(block, finish)
+    return head_loss.label_loss(nnx.merge(graphdef, state), (x, mixed), targets, weights,
+                                groups, chunk, tail)
+  want, g_want = jax.value_and_grad(every, argnums=(0, 1, 2, 3))(state, block, x, mixed)
+  got, g_got = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1, 2, 3)))(state, block, x, mixed)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(chunked)(state, block, x, mixed), want, rtol=1e-6)
+  assert float(jnp.sum(jnp.abs(g_want[1]["mlp"]["down"]["kernel"][...]))) > 0
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The MLP frozen: the other parameters' and the inputs' gradients are unchanged.
+  def frozen_mlp(state, block, x, mixed):
+    block = nnx.State({**block, "mlp": jax.lax.stop_gradient(block["mlp"])})
+    return chunked(state, block, x, mixed)
+  g_frozen = jax.jit(jax.grad(frozen_mlp, argnums=(0, 1, 2, 3)))(state, block, x, mixed)
+  assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(g_frozen[1]["mlp"]))
+  rest = lambda g: (g[0], {k: v for k, v in g[1].items() if k != "mlp"}, g[2], g[3])
+  for a, b in zip(jax.tree.leaves(rest(g_frozen)), jax.tree.leaves(rest(g_got)), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_rows_without_loss_give_zero_loss_and_gradients():
   graphdef, state = _model(False)
   h, targets, _ = _rows(0.0)
@@ -97,6 +144,19 @@ def test_a_training_run_gives_the_single_device_trajectory(data_dir, single_refe
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
   cfg.train.loss_chunk = chunk
   assert_close_trajectory(single_reference[:3], run_steps(cfg, 3)[0], rtol=1e-5)
+
+
+def test_the_last_block_whole_gives_the_trajectory_of_its_rest_in_the_loss(data_dir,
+                                                                            single_reference):
+  """The reference runs the last block's output projection and MLP in the loss's chunks
+  (`train.last_block_in_loss`, the default); here the block runs whole, before the loss."""
+  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  cfg.train.last_block_in_loss = False
+  metrics, step, _, _ = run_steps(cfg, 3)
+  assert not step.ctx.last_block_in_loss(True)
+  cfg.train.last_block_in_loss = True
+  assert Step.build(cfg).ctx.last_block_in_loss(True)
+  assert_close_trajectory(single_reference[:3], metrics, rtol=1e-5)
 
 
 def test_the_eval_loss_is_that_of_every_positions_logits(data_dir):
