@@ -159,6 +159,36 @@ def test_the_last_block_whole_gives_the_trajectory_of_its_rest_in_the_loss(data_
   assert_close_trajectory(single_reference[:3], metrics, rtol=1e-5)
 
 
+def _tail_in(cfg, train: bool = True) -> bool:
+  from mimo_jax import memory  # pylint: disable=import-outside-toplevel
+  return memory.context(cfg).last_block_in_loss(train)  # abstract meshes: no devices
+
+
+def test_the_last_block_finishes_in_the_loss_where_the_layout_allows(data_dir):
+  """Blocks not pipelined, a chunked loss, no FP8 histories, no LoRA dropout while training; FP8
+  with current scaling and LoRA without dropout keep it."""
+  base = lambda **topo: tiny_config(data_dir, **(topo or {"vision": (0, 1, 1),
+                                                          "language": (0, 1, 1)}))
+  assert _tail_in(base()) and _tail_in(base(), train=False)
+  cfg = base()
+  cfg.train.last_block_in_loss = False
+  assert not _tail_in(cfg)
+  cfg = base()
+  cfg.train.loss_chunk = 0
+  assert not _tail_in(cfg)
+  assert not _tail_in(base(vision=(0, 1, 1), language=(1, 1, 1, 2)))
+  cfg = base()
+  cfg.model.language.fp8 = True
+  assert _tail_in(cfg)
+  cfg.model.language.fp8_scaling = "delayed"
+  assert not _tail_in(cfg)
+  cfg = base()
+  cfg.model.language.lora.rank = 4
+  assert _tail_in(cfg)
+  cfg.model.language.lora.dropout = 0.1
+  assert not _tail_in(cfg) and _tail_in(cfg, train=False)
+
+
 def test_the_eval_loss_is_that_of_every_positions_logits(data_dir):
   from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
   from mimo_jax.evaluate import Evaluator  # pylint: disable=import-outside-toplevel
