@@ -11,7 +11,6 @@ from flax import nnx
 from mimo_jax.config import LanguageConfig
 from mimo_jax.models import head_loss
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
-from mimo_jax.step import Step
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 VOCAB = 50
@@ -140,22 +139,13 @@ def test_a_rank_holds_one_chunks_logits():
 @pytest.mark.parametrize("chunk", [0, 5], ids=["every-position", "chunks-of-5"])
 def test_a_training_run_gives_the_single_device_trajectory(data_dir, single_reference, chunk):
   """The reference runs the default (a chunk larger than a rank's positions: one); chunks of 5
-  split each microbatch's targets over several, 0 computes every position's logits."""
+  split each microbatch's targets over several, 0 computes every position's logits. With a chunk
+  the last block's output projection and MLP run in the loop (`train.last_block_in_loss`); with
+  0 the block runs whole."""
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
   cfg.train.loss_chunk = chunk
-  assert_close_trajectory(single_reference[:3], run_steps(cfg, 3)[0], rtol=1e-5)
-
-
-def test_the_last_block_whole_gives_the_trajectory_of_its_rest_in_the_loss(data_dir,
-                                                                            single_reference):
-  """The reference runs the last block's output projection and MLP in the loss's chunks
-  (`train.last_block_in_loss`, the default); here the block runs whole, before the loss."""
-  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
-  cfg.train.last_block_in_loss = False
   metrics, step, _, _ = run_steps(cfg, 3)
-  assert not step.ctx.last_block_in_loss(True)
-  cfg.train.last_block_in_loss = True
-  assert Step.build(cfg).ctx.last_block_in_loss(True)
+  assert step.ctx.last_block_in_loss(True) == bool(chunk)
   assert_close_trajectory(single_reference[:3], metrics, rtol=1e-5)
 
 
