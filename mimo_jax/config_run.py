@@ -120,9 +120,10 @@ class TrainConfig:
   loss_chunk: int = 2048
   # With loss_chunk, the language model's last block runs its output projection and MLP in the
   # same chunks, only at those positions (at the others their results feed nothing: only the
-  # block's keys and values are read there, by its attention): the same loss, less work. Where
-  # the layout allows: blocks not pipelined, no FP8 delayed scaling, no LoRA dropout in training;
-  # elsewhere (and false) the block runs whole.
+  # block's keys and values are read there, by its attention): the same loss, less work (in FP8
+  # with current scaling, those matmuls' operand scales come from the chunk's positions). Where
+  # the layout allows: blocks not pipelined, their loop unrolled (topology.language.unroll), no
+  # FP8 delayed scaling, no LoRA dropout in training; elsewhere (and false) the block runs whole.
   last_block_in_loss: bool = True
 
 

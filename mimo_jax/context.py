@@ -170,12 +170,14 @@ class Context:
     """Whether the language model's last block runs its position-wise rest (output projection,
     MLP) inside the chunked loss, only where a target carries loss (`train.last_block_in_loss`,
     models/head_loss.py). Where the layout allows: a chunked loss (`train.loss_chunk`), blocks not
-    pipelined, no FP8 histories (delayed scaling: their abs-maxima combine by maximum, not by
+    pipelined and their loop unrolled (a rolled loop over the first L − 1 layers' slices would
+    copy them), no FP8 histories (delayed scaling: their abs-maxima combine by maximum, not by
     sum), no LoRA dropout in training (its masks follow the rows' positions)."""
     cfg = self.cfg
     m = cfg.model.language
     return (cfg.train.last_block_in_loss and cfg.train.loss_chunk > 0
-            and not self.plan["language"].schedule.pipelined and history_length(m) == 0
+            and not self.plan["language"].schedule.pipelined
+            and cfg.topology.modules()["language"].unroll and history_length(m) == 0
             and not (train and "language" in self.dropping))
 
   def _language(self, fn, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,

@@ -96,8 +96,8 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0, tail: bool = Fal
   # gradient (models/head_loss.py).
   positions = min(cfg.train.loss_chunk, tokens) if cfg.train.loss_chunk else tokens
   head = (positions * 2 * vocab // t.tp + (tokens * m.dim if cfg.train.loss_chunk else 0)) * width
-  if tail:  # the mixed heads' gradient; the last block's MLP keeps nothing
-    head += tokens * (m.dim - (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)) * width
+  if tail:  # the mixed heads' gradient (split over tp as the heads); the last MLP keeps nothing
+    head += tokens * (m.dim // t.tp - (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp)) * width
   return tokens * (internals * chunk * kept + inputs * m.dim + outputs * m.dim) * width + head
 
 

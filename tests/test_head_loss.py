@@ -11,6 +11,7 @@ from flax import nnx
 from mimo_jax.config import LanguageConfig
 from mimo_jax.models import head_loss
 from mimo_jax.models.llm import DecoderBlock, LanguageModel
+from mimo_jax.step import Step
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 VOCAB = 50
@@ -149,14 +150,33 @@ def test_a_training_run_gives_the_single_device_trajectory(data_dir, single_refe
   assert_close_trajectory(single_reference[:3], metrics, rtol=1e-5)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_every_block_but_the_last_then_its_tail_is_the_whole_stack(data_dir, microbatches):
+  """`Context._with_tail` on stacked microbatches [M, rows, l, d]: the stack of every block but
+  the last, the last one's mixed heads, and the tail's `finish` of them give the whole stack's
+  outputs."""
+  from mimo_jax.sharding import BLOCKS  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  step = Step.build(cfg)
+  ctx, params = step.ctx, step.init_state(0, optimizer=False)["language"].params
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(microbatches, 2, 12, cfg.model.language.dim)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), x.shape[:3])
+  (h, mixed), tail = ctx._with_tail(params)(x, (positions,))  # pylint: disable=protected-access
+  assert h.shape == x.shape and mixed.shape[:3] == x.shape[:3]
+  got = jax.vmap(lambda h, m: tail.apply(tail.params, h, m))(h, mixed)
+  want = ctx.stacks["language"](params[BLOCKS], x, (positions,))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _tail_in(cfg, train: bool = True) -> bool:
   from mimo_jax import memory  # pylint: disable=import-outside-toplevel
   return memory.context(cfg).last_block_in_loss(train)  # abstract meshes: no devices
 
 
 def test_the_last_block_finishes_in_the_loss_where_the_layout_allows(data_dir):
-  """Blocks not pipelined, a chunked loss, no FP8 histories, no LoRA dropout while training; FP8
-  with current scaling and LoRA without dropout keep it."""
+  """Blocks not pipelined and unrolled, a chunked loss, no FP8 histories, no LoRA dropout while
+  training; FP8 with current scaling and LoRA without dropout keep it."""
   base = lambda **topo: tiny_config(data_dir, **(topo or {"vision": (0, 1, 1),
                                                           "language": (0, 1, 1)}))
   assert _tail_in(base()) and _tail_in(base(), train=False)
@@ -165,6 +185,9 @@ def test_the_last_block_finishes_in_the_loss_where_the_layout_allows(data_dir):
   assert not _tail_in(cfg)
   cfg = base()
   cfg.train.loss_chunk = 0
+  assert not _tail_in(cfg)
+  cfg = base()
+  cfg.topology.language.unroll = False
   assert not _tail_in(cfg)
   assert not _tail_in(base(vision=(0, 1, 1), language=(1, 1, 1, 2)))
   cfg = base()
@@ -182,7 +205,6 @@ def test_the_last_block_finishes_in_the_loss_where_the_layout_allows(data_dir):
 def test_the_eval_loss_is_that_of_every_positions_logits(data_dir):
   from mimo_jax.data import loader  # pylint: disable=import-outside-toplevel
   from mimo_jax.evaluate import Evaluator  # pylint: disable=import-outside-toplevel
-  from mimo_jax.step import Step  # pylint: disable=import-outside-toplevel
   losses = []
   for chunk in (0, 5):
     cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
