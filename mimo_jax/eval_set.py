@@ -120,18 +120,20 @@ def item_count(layout: loader.Layout, s: dict) -> int:
 def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list[str],
            layout: loader.Layout) -> list:
   """One row a sample: `id`, `position` (a converted shard's samples), `prompt`, `reference` (one,
-  or the list), `prediction` (the answer's text before its end token) and `score` by metric (None:
-  a per-item metric of a sample without items)."""
+  or the list), `prediction` (the answer's text before its end token), `at_limit` (no end token
+  came: the answer is cut at the new tokens asked for) and `score` by metric (None: a per-item
+  metric of a sample without items)."""
   eos, rows = eos_id(tok), []
   for s, answer in zip(samples, answers):
     answer = [int(t) for t in answer]
+    at_limit = eos not in answer
     answer = answer[:answer.index(eos)] if eos in answer else answer
     prediction = tok.tokenizer.decode(answer, skip_special_tokens=True).strip()
     refs, items = s["references"], item_count(layout, s)
     rows.append({"id": s["id"], **({"position": s["position"]} if "position" in s else {}),
                  "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
                  "reference": refs[0] if len(refs) == 1 else refs, "prediction": prediction,
-                 "score": {m: scoring.score(m, prediction, refs, items) for m in metrics}})
+                 "at_limit": at_limit, "score": {m: scoring.score(m, prediction, refs, items) for m in metrics}})
   return rows
 
 

@@ -76,8 +76,12 @@ def test_rows_answer_each_prompt_as_tools_generate_does(setup, one_device, capsy
                                "--processor", str(setup / "tok"), "--max_new_tokens", "4",
                                *(["--image", str(IMAGES / FILES[0])] if i == 4 else []),
                                "--prompt", "what is in the picture" + " hello" * i]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == one_device[i]["prediction"]
+    got = capsys.readouterr()
+    assert got.out.splitlines()[1] == one_device[i]["prediction"]
+    # An answer without an end token in its 4 new tokens is cut: both tools say so alike.
+    assert ("note: the answer stopped at 4 new tokens" in got.err) == one_device[i]["at_limit"]
   summary = json.loads((setup / "one.summary.json").read_text())
+  assert summary["at_limit"] == sum(r["at_limit"] for r in one_device) > 0
   assert summary["samples"] == 5
   assert summary["vqa"] == pytest.approx(sum(r["score"]["vqa"] for r in one_device) / 5)
 
@@ -92,7 +96,26 @@ def test_a_relative_out_is_named_absolute_as_the_other_paths(setup, one_device, 
   summary = json.loads((setup / "rel.summary.json").read_text())
   assert summary["answered_now"] == 0
   assert summary["out"] == str(setup / "rel.jsonl") and summary["data"] == str(setup / "data.json")
-  assert capsys.readouterr().out.rstrip().endswith(f"rows in {setup / 'rel.jsonl'}")
+  got = capsys.readouterr()
+  assert got.out.rstrip().endswith(f"rows in {setup / 'rel.jsonl'}")
+  assert (f"note: {summary['at_limit']} of 5 answers stopped at --max_new_tokens 4 before an end "
+          "token" in got.err), got.err
+
+
+def test_reading_a_json_says_how_far_it_is_every_few_seconds(monkeypatch, capsys):
+  """Reading records (a terminal or not: no bar shows it) and answering (lines where stderr is no
+  terminal): a line every PROGRESS_SECONDS, none after the last."""
+  now = [100.0]
+  monkeypatch.setattr(eval_tool.time, "monotonic", lambda: now[0])
+  lines = eval_tool._Lines("reading", "record", 1000, bar=False)  # pylint: disable=protected-access
+  for _ in range(3):
+    now[0] += 4.0
+    lines.update(100)
+  assert capsys.readouterr().err == (
+      "tools.eval: reading: 300 of 1000 records (30%), 25.0 records/s, about 28 s left\n")
+  now[0] += 20.0
+  lines.update(700)
+  assert capsys.readouterr().err == ""
 
 
 def test_two_language_dp_ranks_answer_as_one_device(setup, one_device):
@@ -156,8 +179,8 @@ class _Terminal(io.StringIO):
 
 def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypatch, capsys):
   """On a terminal the bar counts every sample, from those a resumed eval's rows hold; a log gets
-  no bar but a line as each slow part starts (reading, loading, answering) and, while answering,
-  one every PROGRESS_SECONDS."""
+  no bar but a line as each slow part starts (reading, loading, answering) and, while reading and
+  answering, one every PROGRESS_SECONDS; the cut answers' note ends it."""
   rows = (setup / "one.jsonl").read_text().splitlines(keepends=True)
   for name, kept in (("log", 1), ("tty", 2)):
     (setup / f"{name}.jsonl").write_text("".join(rows[:kept]))
@@ -166,6 +189,11 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
   monkeypatch.setattr(eval_tool, "PROGRESS_SECONDS", 0)
   assert _eval(setup, setup / "log.jsonl", "--batch", "2") == 0
   err = capsys.readouterr().err.splitlines()
+  reading = [line for line in err if line.startswith("tools.eval: reading: ")]
+  assert [line.split(" (")[0] for line in reading] == [
+      f"tools.eval: reading: {k} of 5 records" for k in range(1, 5)], err
+  assert err[-1].startswith("tools.eval: note: ") and "stopped at --max_new_tokens" in err[-1]
+  err = [line for line in err[:-1] if line not in reading]
   assert err[:2] == [f"tools.eval: reading the samples of {setup / 'data.json'} ...",
                      f"tools.eval: read 5 samples in {err[1].split(' in ')[1].split()[0]} s; "
                      f"loading step 0 of {setup / 'run'} ..."], err

@@ -206,11 +206,15 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
   assert batch[2] == "> [landscape.png] " + prompts[1]
   assert len(batch) == 4 and batch[1] and batch[3]  # six words each (a random model's)
   assert " 2 prompts of up to " in got.err, got.err
+  # Six new tokens and no end token: cut, and said so (on stderr; the answers are as they are).
+  assert ("note: answers 1, 2 stopped at 6 new tokens (--max_new_tokens) before an end token: "
+          "they are cut" in got.err), got.err
   for i, p in enumerate(prompts):
     assert generate_tool.main(common + ["--prompt", p]) == 0
     got = capsys.readouterr()
     assert got.out.splitlines()[1] == batch[2 * i + 1]
     assert " 1 prompt of up to " in got.err, got.err
+    assert "note: the answer stopped at 6 new tokens" in got.err, got.err
   # --pair: the second prompt gets the second image, as it does alone.
   other, base = image.replace("landscape", "portrait"), common[:5] + ["--max_new_tokens", "6"]
   assert generate_tool.main(base + ["--image", other, "--prompt", prompts[1]]) == 0

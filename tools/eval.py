@@ -255,15 +255,15 @@ def _say(line: str) -> None:
   print(f"{TOOL}: {line}", file=sys.stderr, flush=True)
 
 
-class _AnsweringLines:
-  """The answering's progress as a line every PROGRESS_SECONDS on stderr, for a stderr that is no
-  terminal (a terminal has the bar): "answering: 40 of 400 samples (10%), 3.2 samples/s, about
-  112 s left"."""
+class _Lines:
+  """Progress as a line every PROGRESS_SECONDS on stderr: "answering: 40 of 400 samples (10%),
+  3.2 samples/s, about 112 s left". `bar`: a terminal shows a bar instead (no lines there)."""
 
-  def __init__(self, total: int, done: int):
+  def __init__(self, doing: str, unit: str, total: int, done: int = 0, bar: bool = True):
+    self.doing, self.unit = doing, unit
     self.total, self.done, self.first = total, done, done
     self.started = self.last = time.monotonic()
-    self.on = not (getattr(sys.stderr, "isatty", None) and sys.stderr.isatty())
+    self.on = not (bar and getattr(sys.stderr, "isatty", None) and sys.stderr.isatty())
 
   def update(self, n: int) -> None:
     self.done += n
@@ -272,8 +272,8 @@ class _AnsweringLines:
       return
     self.last = now
     rate = (self.done - self.first) / max(now - self.started, 1e-9)
-    _say(f"answering: {self.done} of {count(self.total, 'sample')} "
-         f"({100 * self.done / self.total:.0f}%), {rate:.1f} samples/s, about "
+    _say(f"{self.doing}: {self.done} of {count(self.total, self.unit)} "
+         f"({100 * self.done / self.total:.0f}%), {rate:.1f} {self.unit}s/s, about "
          f"{(self.total - self.done) / rate:.0f} s left")
 
 
@@ -305,8 +305,9 @@ def run(args: argparse.Namespace) -> dict:
     proc = lambda: ImageProcessor.open(args.processor or generate_tool.default_dir(
         found, "processor", "preprocessor_config.json", "--processor", args.workdir),
                                        pad_to_square=pad)
-    samples = eval_samples.json_samples(args, cfg, tok, proc, image_token,
-                                        eval_samples.audio_settings(args, cfg, tok, found))
+    samples = eval_samples.json_samples(
+        args, cfg, tok, proc, image_token, eval_samples.audio_settings(args, cfg, tok, found),
+        lambda total: _Lines("reading", "record", total, bar=False))
     if image_id is None and "vision" in cfg.model.encoders:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
   if not samples:
@@ -333,7 +334,7 @@ def run(args: argparse.Namespace) -> dict:
          f"{len(todo)} of {count(len(samples), 'sample')}"
          + (f" ({kept} answered already in {out})" if kept else ""))
     evaluator = Evaluator(trainer)
-    lines = _AnsweringLines(len(samples), kept)
+    lines = _Lines("answering", "sample", len(samples), kept)
     bar = tqdm(total=len(samples), initial=kept, unit="sample",
                desc=f"{pathlib.Path(args.data).name} step {step}", disable=None)
     started, generated, eos = time.time(), 0, eval_set.eos_id(tok)
@@ -355,6 +356,7 @@ def run(args: argparse.Namespace) -> dict:
                    **{m: scoring.figure(m, [s[m] for s in scores], items)[0]
                       for m in args.metric},
                    answered_now=len(todo),
+                   at_limit=sum(bool(rows.done[key(s)].get("at_limit")) for s in samples),
                    new_tokens_per_s=generated / took if todo else earlier_speed(out),
                    topology=trainer.topo.describe())
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
@@ -381,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
           "command to go on.", file=sys.stderr)
     return 128 + getattr(e, "signum", 2)
   metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)
+  if summary["at_limit"]:  # cut answers score as cut: said, not left to be found in the rows
+    print(f"{TOOL}: note: {summary['at_limit']} of {count(summary['samples'], 'answer')} stopped "
+          f"at --max_new_tokens {args.max_new_tokens} before an end token (rows with "
+          "\"at_limit\": true); a larger --max_new_tokens lets them finish, and may score them "
+          "otherwise.", file=sys.stderr)
   print(f"{count(summary['samples'], 'sample')} of {args.data} at step {summary['step']}: "
         f"{metrics}; "
         f"rows in {summary['out']}")

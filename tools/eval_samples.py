@@ -67,10 +67,12 @@ def audio_settings(args, cfg: Config, tok, found: dict):
   return settings, a.audio_token
 
 
-def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, None)) -> list[dict]:
+def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, None),
+                 progress=None) -> list[dict]:
   """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
   turn, its images prepared by the processor `proc()` (opened at the first image), its clips
-  as `audio` (`audio_settings`) has them read."""
+  as `audio` (`audio_settings`) has them read. `progress(total)`: an object whose `update(n)`
+  is told of each record read."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
   from mimo_jax.data import audio_records, conversations, conversion, images
@@ -85,7 +87,11 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
       else None
   out, seen, opened = [], set(), []
-  for i, r in enumerate(records[:args.samples or None]):
+  records = records[:args.samples or None]
+  lines = progress(len(records)) if progress else None
+  for i, r in enumerate(records):
+    if lines and i:
+      lines.update(1)
     try:
       key = record_id(r, f"--data {args.data}: record {i}")
     except RecordError as e:  # rows are kept by id, in JSON

@@ -427,6 +427,15 @@ def run(args: argparse.Namespace) -> list[str]:
       raise _Stopped(flag.signum, f" while decoding, {e}") from None
   if flag.signum is not None:  # taken during the last chunk: a stop asked for is a stop
     raise _Stopped(flag.signum, " as decoding ended")
+  eos_id = tok.token_id(eos) if eos else None
+  stopped = [eos_id is None or eos_id not in row for row in out]
+  if any(stopped):  # the answer is cut, not finished: said, as a truncation is
+    one = sum(stopped) == 1
+    which = ", ".join(str(r + 1) for r, s in enumerate(stopped) if s)
+    name = "the answer" if len(out) == 1 else f"answer{'' if one else 's'} {which}"
+    print(f"{TOOL}: note: {name} stopped at {ready['steps']} new tokens (--max_new_tokens) "
+          f"before an end token: {'it is' if one else 'they are'} cut; a larger "
+          f"--max_new_tokens lets {'it' if one else 'them'} finish.", file=sys.stderr)
   return [tok.tokenizer.decode([int(t) for t in row], skip_special_tokens=True).strip()
           for row in out]
 
