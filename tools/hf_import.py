@@ -148,7 +148,8 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
   dropped then (shown for any other failure), as are the reports of its closed event loop."""
   import logging  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
-  from mimo_jax.checkpoint_orbax import drop_closed_loop_reports  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from mimo_jax.checkpoint_orbax import drop_closed_loop_reports, drop_lost_task_logs
   held, absl = [], logging.getLogger("absl")
 
   def hold(record) -> bool:
@@ -165,6 +166,8 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
           ckpt.close()  # its writer threads stop before the staging directory is removed
         raise
   except output.OutputError:
+    # The other writes fail too, as their tasks are collected: asyncio's logs of them dropped.
+    drop_lost_task_logs()
     for thread in set(threading.enumerate()) - running:  # other modules' writes, failing too
       with contextlib.suppress(Exception):  # orbax's threads raise their error on join
         thread.join(timeout=60)
