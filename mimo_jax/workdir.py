@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import shutil
 import socket
 import time
@@ -45,7 +46,23 @@ def describe_os_error(e: OSError, what: str) -> str:
   if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
     return (f"{what}: {os.strerror(e.errno)}; choose a writable "
             f"{setting or ('run.workdir' if run else 'place')} or fix its permissions.")
+  blocker = _file_in_the_way(e) if e.errno in (errno.EEXIST, errno.ENOTDIR) else None
+  if blocker:
+    return (f"{what}: {blocker} is a file, not a folder, so nothing can be made under it; "
+            f"choose another {setting or ('run.workdir' if run else 'place')}.")
   return f"{what}: {os.strerror(e.errno) if e.errno else e}."
+
+
+def _file_in_the_way(e: OSError) -> str | None:
+  """The file on the path of a folder that `e` (a failed mkdir or open: EEXIST, ENOTDIR) could not
+  make or enter: the path itself or the nearest of its folders that is a file, if any."""
+  if not isinstance(e.filename, (str, bytes)):
+    return None
+  path = pathlib.Path(os.path.abspath(os.fsdecode(e.filename)))
+  for p in (path, *path.parents):
+    if os.path.lexists(p):
+      return None if p.is_dir() else str(p)
+  return None
 
 
 def error_file(e: OSError) -> str | None:

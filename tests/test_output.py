@@ -109,6 +109,18 @@ def test_errors_name_the_setting_that_chooses_the_place():
       output.check_space("/proc/nope", 1, "an export")
 
 
+def test_an_out_under_a_file_names_that_file(tmp_path):
+  """A file where a folder of the output's path should be (a JSON given as a folder): the error
+  names it, not a bare "File exists" or "Not a directory", and nothing is made."""
+  (tmp_path / "data.json").write_text("[]")
+  for out in (tmp_path / "data.json" / "x", tmp_path / "data.json" / "x" / "y"):
+    with pytest.raises(output.OutputError) as e:
+      output.lock(out)
+    assert str(e.value) == (f"--out={str(out)!r}: {tmp_path / 'data.json'} is a file, not a "
+                            "folder, so nothing can be made under it; choose another --out.")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json"]
+
+
 def test_a_stale_lock_is_taken_over_once(tmp_path, monkeypatch):
   """Two writers that both read a dead process's lock: the second, coming after the first took
   it over, finds the first's lock and stops (it removed the new holder's lock before)."""
