@@ -213,6 +213,8 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
 @pytest.mark.parametrize("change,message", [
     (["--metric", "bleu"], "--metric bleu: no such metric; registered: contains"),
     (["--data", "/nonexistent.json"], "--data /nonexistent.json: not found"),
+    (["--data", str(IMAGES)], f"tools.eval: error: --data: {IMAGES / 'conversations.json'} not "
+     "found; --data takes a LLaVA-format JSON file or a directory written by"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
     (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
     (["--seq_len", "40"], "sample 'q2' needs 46 positions, more than the eval rows' 40; give "

@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
   generate_tool.check_vocab(tok, cfg, found, bool(args.tokenizer))
   image_token = args.image_token or found["image_token"]
   if os.path.isdir(args.data):
-    image_id = conversations.manifest(args.data)["image_token"]
+    image_id = conversations.manifest(args.data, "--data")["image_token"]
   else:
     image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
         else None

@@ -19,7 +19,7 @@ def converted_samples(args, tok) -> list[dict]:
   # pylint: disable-next=import-outside-toplevel
   from mimo_jax import eval_set
   from mimo_jax.data import conversations  # pylint: disable=import-outside-toplevel
-  m = conversations.manifest(args.data)
+  m = conversations.manifest(args.data, "--data")
   path = pathlib.Path(args.data) / f"{args.split}.array_record"
   if not path.is_file():
     raise ConfigError(f"--split {args.split}: {path} not found; a converted directory holds "

@@ -79,18 +79,21 @@ def decode(record: bytes, source: str, index: int) -> dict:
         from None
 
 
-def manifest(directory: str) -> dict:
+def manifest(directory: str, field: str = "config.data.dir") -> dict:
+  """The manifest of a converted directory; errors name `field`, the setting that gave it (a
+  tool's flag: `--data`)."""
   path = pathlib.Path(directory) / MANIFEST
   try:
     out = json.loads(path.read_text())
   except FileNotFoundError:
-    raise ConfigError(f"config.data.dir: {path} not found; data.task=conversations reads a "
-                      "directory written by `python -m tools.convert`.") from None
+    reads = ("data.task=conversations reads" if field == "config.data.dir"
+             else f"{field} takes a LLaVA-format JSON file or")
+    raise ConfigError(f"{field}: {path} not found; {reads} a directory written by "
+                      "`python -m tools.convert`.") from None
   except (OSError, ValueError) as e:
-    raise ConfigError(f"config.data.dir: {path} is unreadable ({e}); convert the data again.") \
-        from None
+    raise ConfigError(f"{field}: {path} is unreadable ({e}); convert the data again.") from None
   if out.get("format") != FORMAT_VERSION:
-    raise ConfigError(f"config.data.dir: {path} has format {out.get('format')!r}, not "
+    raise ConfigError(f"{field}: {path} has format {out.get('format')!r}, not "
                       f"{FORMAT_VERSION}; convert the data again.")
   return out
 
