@@ -13,6 +13,13 @@ def count(n: int, singular: str, plural: str = "") -> str:
   return f"{n} {noun(n, singular, plural)}"
 
 
+def json_kind(value) -> str:
+  """What a JSON value is, with its article, in JSON's words: "an integer", "a string", "null"."""
+  kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+           list: "a list", dict: "an object", type(None): "null"}
+  return kinds.get(type(value), f"a {type(value).__name__}")
+
+
 def amount(n: int) -> str:
   """A count of things at a glance: "96", "20.5 K", "301.2 M", "1.10 B"."""
   for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):

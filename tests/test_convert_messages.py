@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from mimo_jax import output
+from mimo_jax.config import ConfigError
 from mimo_jax.data import conversion
 from mimo_jax.data.chat import AssistantFirst, ChatTokenizer
 from tests.test_convert_faults import PROCESSOR, TOKENIZER, FIXTURES, _main, _one_line_error
@@ -159,3 +160,14 @@ def test_no_record_converted_is_a_sentence_with_the_fix(src, tmp_path, capsys):
   assert rc == 0, err
   m = json.loads((tmp_path / "out" / "conversations.json").read_text())
   assert m["skipped"] == {"missing image": 1} and m["longest"] == int(longest)
+
+
+@pytest.mark.parametrize("bad,kind", [(5, "an integer"), (None, "null"), ([1], "a list"),
+                                      ("x", "a string")])
+def test_a_record_that_is_no_object_is_named_in_json_words(tmp_path, bad, kind):
+  path = tmp_path / "data.json"
+  path.write_text(json.dumps([{"id": 0, "conversations": []}, bad]))
+  with pytest.raises(ConfigError) as e:
+    conversion.records_of(path)
+  assert str(e.value) == (f"--json {path}: record 1 is {kind}, not an object with an id and "
+                          "conversations.")

@@ -26,6 +26,8 @@ import pathlib
 
 import numpy as np
 
+from mimo_jax.words import json_kind
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -56,7 +58,7 @@ def messages(conversation: list[dict], where: str = "") -> list[dict]:
   out = []
   for i, turn in enumerate(conversation):
     if not isinstance(turn, dict):
-      raise ChatError(f"{where}turn {i} is a {type(turn).__name__}, not an object with \"from\" "
+      raise ChatError(f"{where}turn {i} is {json_kind(turn)}, not an object with \"from\" "
                       "and \"value\".")
     who = turn.get("from", turn.get("role"))
     if who is None and ("from" in turn or "role" in turn):
@@ -75,7 +77,7 @@ def messages(conversation: list[dict], where: str = "") -> list[dict]:
       raise ChatError(f"{where}turn {i} has no \"value\" (its text); its keys: "
                       f"{', '.join(map(str, turn))}.")
     if not isinstance(text, str):
-      raise ChatError(f"{where}turn {i}: its value is a {type(text).__name__}, not text.")
+      raise ChatError(f"{where}turn {i}: its value is {json_kind(text)}, not text.")
     out.append({"role": ROLES[who], "content": text})
   return out
 

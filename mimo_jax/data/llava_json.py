@@ -10,6 +10,7 @@ import pathlib
 import numpy as np
 
 from mimo_jax.config import ConfigError
+from mimo_jax.words import json_kind
 
 # A default eval split: 1% of the records, at least 10 and at most 1000, at most a tenth of them.
 EVAL_FRACTION, EVAL_MIN, EVAL_MAX = 0.01, 10, 1000
@@ -42,10 +43,10 @@ def read_records(path: pathlib.Path) -> list[dict]:
           raise ConfigError(f"--json {path}: line {k + 1} is not JSON ({e}); JSONL holds one "
                             "record a line.") from None
   if not isinstance(out, list):
-    raise ConfigError(f"--json {path}: a {type(out).__name__}, not a list of records.")
+    raise ConfigError(f"--json {path}: {json_kind(out)}, not a list of records.")
   bad = next((i for i, r in enumerate(out) if not isinstance(r, dict)), None)
   if bad is not None:
-    raise ConfigError(f"--json {path}: record {bad} is a {type(out[bad]).__name__}, not an object "
+    raise ConfigError(f"--json {path}: record {bad} is {json_kind(out[bad])}, not an object "
                       "with an id and conversations.")
   if not out:
     raise ConfigError(f"--json {path}: no records.")

@@ -14,6 +14,7 @@ import numpy as np
 
 from mimo_jax.config import LANGUAGE, ConfigError
 from mimo_jax.hf.mapping import Mapping, mappings
+from mimo_jax.words import json_kind
 
 
 LANGUAGE_TYPES = ("llama", "qwen2")
@@ -39,7 +40,7 @@ def _json(path: pathlib.Path) -> dict:
   except (OSError, ValueError) as e:
     raise HFError(f"{path}: cannot be read as JSON ({e}).") from None
   if not isinstance(out, dict):
-    raise HFError(f"{path}: holds a JSON {type(out).__name__}, not an object of fields; write it "
+    raise HFError(f"{path}: holds {json_kind(out)}, not an object of fields; write it "
                   "again with save_pretrained.")
   return out
 
