@@ -171,3 +171,24 @@ def test_a_record_that_is_no_object_is_named_in_json_words(tmp_path, bad, kind):
     conversion.records_of(path)
   assert str(e.value) == (f"--json {path}: record 1 is {kind}, not an object with an id and "
                           "conversations.")
+
+
+def test_an_image_without_read_access_is_named_unreadable_not_corrupt(tmp_path, monkeypatch):
+  """Permission denied is no damage: the record is skipped as an unreadable image, with the fix
+  (read access), not counted among corrupt ones."""
+  import types  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import conversion_record, images  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.record_error import RecordError  # pylint: disable=import-outside-toplevel
+  (tmp_path / "a.png").write_bytes(b"")
+
+  def denied(path, proc):
+    raise PermissionError(13, "Permission denied", str(path))
+  monkeypatch.setattr(images, "load", denied)
+  monkeypatch.setattr(conversion_record, "WORKER", {
+      "images": tmp_path, "root": str(tmp_path), "proc": None,
+      "opts": types.SimpleNamespace(allow_outside_images=False)})
+  with pytest.raises(RecordError) as e:
+    conversion_record._read_image("a.png", "record 0")  # pylint: disable=protected-access
+  assert e.value.reason == "unreadable image"
+  assert str(e.value) == (f"record 0: image {tmp_path / 'a.png'} cannot be opened (permission "
+                          "denied); give the converter read access to it.")

@@ -126,6 +126,9 @@ def _read_image(f: str, where: str):
     return images.load(path, w["proc"])
   except FileNotFoundError:
     raise RecordError("missing image", f"{where}: image {path} not found.") from None
+  except PermissionError:  # the file may be whole: the fix is access, not a new copy
+    raise RecordError("unreadable image", f"{where}: image {path} cannot be opened (permission "
+                      "denied); give the converter read access to it.") from None
   except images.TOO_LARGE as e:
     raise RecordError("image too large", f"{where}: image {path} is too large to decode ({e}).") \
         from None
