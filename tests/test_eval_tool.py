@@ -455,3 +455,24 @@ def test_the_cpu_devices_default_spans_the_runs_topology(tmp_path):
   assert eval_tool.cpu_devices(args()) == 8
   assert eval_tool.cpu_devices(args(layout="vision=0/1/1,language=0/1/1")) == 4
   assert eval_tool.cpu_devices(args(cpu_devices=2)) == 2
+
+
+def test_a_clip_longer_than_the_runs_windows_gets_them_in_the_evals_slots(capsys):
+  """model.audio.max_windows is a data setting: an eval of longer clips sizes its slots to the
+  longest (tools.generate encodes a clip whole), said on stderr; packed slots keep theirs."""
+  from tests.configs import tiny_audio  # pylint: disable=import-outside-toplevel
+  cfg = tiny_audio.get_config()
+  a = cfg.model.encoders["audio"]
+  a.max_windows, a.slot_frames = 1, 0
+  samples = [{"sample": {"audio_frames": [a.frames]}},
+             {"sample": {"audio_frames": [a.frames, 2 * a.frames + 1]}}, {"sample": {}}]
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert a.max_windows == 3
+  assert capsys.readouterr().err == (
+      f"tools.eval: the longest clip spans 3 windows of {a.frames} frames: this eval's slots "
+      "hold 3 (the run's model.audio.max_windows is 1)\n")
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert capsys.readouterr().err == ""  # fits already: nothing to say
+  a.max_windows, a.slot_frames = 1, 4 * a.frames
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert a.max_windows == 1

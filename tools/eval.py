@@ -277,6 +277,24 @@ class _Lines:
          f"{(self.total - self.done) / rate:.0f} s left")
 
 
+def _fit_windows(cfg: Config, samples: list[dict]) -> None:
+  """A clip longer than the run's `model.audio.max_windows` (a data setting, not the tower's)
+  gets the windows it spans in this eval's slots, as tools.generate encodes it whole: said on
+  stderr. Packed slots (`slot_frames`) keep their size: a longer clip is an error naming it."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.audio_records import FRAMES
+  from mimo_jax.encoders.audio import clip_windows
+  a = cfg.model.encoders.get("audio")
+  if a is None or a.slot_frames:
+    return
+  need = max((len(clip_windows(int(f), a.frames)) for s in samples
+              for f in s["sample"].get(FRAMES, ())), default=0)
+  if need > a.max_windows:
+    _say(f"the longest clip spans {need} windows of {a.frames} frames: this eval's slots hold "
+         f"{need} (the run's model.audio.max_windows is {a.max_windows})")
+    a.max_windows = need
+
+
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
@@ -312,6 +330,7 @@ def run(args: argparse.Namespace) -> dict:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
+  _fit_windows(cfg, samples)
   _say(f"read {count(len(samples), 'sample')} in {time.monotonic() - began:.1f} s; loading step "
        f"{newest} of {args.workdir} ...")
   began = time.monotonic()
