@@ -158,7 +158,7 @@ def test_bad_files_are_named(tmp_path):
   cases["empty"] = (empty, "holds no samples")
   zero = tmp_path / "zero.ogg"
   zero.write_bytes(b"")
-  cases["zero bytes"] = (zero, "cannot be decoded as OGG")
+  cases["zero bytes"] = (zero, r"is an empty file \(0 bytes\), no audio")
   unsupported = tmp_path / "clip.m4a"
   unsupported.write_bytes(b"\0" * 64)
   cases["unsupported"] = (unsupported, "unsupported format .m4a")
@@ -216,6 +216,7 @@ def test_bad_audio_records(tmp_path):
   (tmp_path / "clip.aac").write_bytes(b"\0" * 32)
   import soundfile
   soundfile.write(str(tmp_path / "empty.wav"), np.zeros(0, np.float32), 16000)
+  (tmp_path / "zero.wav").write_bytes(b"")
   outside = tmp_path.parent / "outside.flac"
   outside.write_bytes((FIX / "silence.flac").read_bytes())
 
@@ -232,10 +233,12 @@ def test_bad_audio_records(tmp_path):
   assert r == "audio count" and "1 <audio>" in text and "2 audio clips" in text
   cases = {"missing.wav": "missing audio", "broken.flac": "corrupt audio",
            "clip.aac": "unsupported audio", "../outside.flac": "outside audio folder",
-           "empty.wav": "empty audio"}
+           "empty.wav": "empty audio", "zero.wav": "empty audio"}
   for f, want in cases.items():
     r, text = reason(ar.read_clip, tmp_path, f, where, 80)
     assert r == want and f.split("/")[-1] in text, (f, r, text)
+  assert "give --allow_outside_images" in reason(ar.read_clip, tmp_path, "../outside.flac", where,
+                                                  80)[1]
   assert ar.read_clip(tmp_path, "../outside.flac", where, 80, allow_outside=True).frames == 200
   with pytest.raises(ValueError, match="1 audio placeholders"):
     ar.expand(np.array([7, 1]), 7, [3, 4])

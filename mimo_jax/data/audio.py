@@ -62,6 +62,9 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
   if ext not in supported_formats():
     raise AudioError(path, f"unsupported format {ext or '(no extension)'}; this build decodes "
                      f"{', '.join(supported_formats())} (convert it, e.g. ffmpeg -i IN OUT.flac).")
+  if os.path.getsize(path) == 0:
+    raise AudioError(path, "is an empty file (0 bytes), no audio; give the clip's file or drop "
+                     "it.")
   try:
     wave_sc, rate = soundfile.read(path, dtype="float32", always_2d=True)
   except (soundfile.LibsndfileError, RuntimeError, ValueError, EOFError) as e:

@@ -81,13 +81,15 @@ def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
   root, real = os.path.realpath(folder), os.path.realpath(path)
   if not allow_outside and os.path.commonpath([real, root]) != root:
     raise RecordError("outside audio folder", f"{where}: audio {f!r} leads out of the audio "
-                      f"folder {root} ({real}); move it there or allow clips outside it.")
+                      f"folder {root} ({real}); move it under --audio, or give "
+                      "--allow_outside_images (which reads such clips too).")
   try:
     mel_fm, frames_w = audio.file_features(path, mel_bins, pool, window_s)
   except audio.AudioError as e:
     text = str(e)
     reason = ("missing audio" if "no such file" in text else "unsupported audio"
-              if "unsupported format" in text else "empty audio" if "no samples" in text
+              if "unsupported format" in text else "empty audio"
+              if "no samples" in text or "empty file" in text
               else "short audio" if "no audio token" in text else "truncated audio"
               if ": truncated: " in text else "corrupt audio")
     raise RecordError(reason, f"{where}: {text}") from None
