@@ -381,16 +381,18 @@ class _Loop:
       self._wait()
       say(f"{stop.signal}: saved step {steps} to {self.ckpt.path}; the final eval was skipped.")
       return
-    if self.finished or self._evaluated(steps):
+    # The state's step: train.steps, or a later one restored (train.steps lowered on a resume).
+    at = max(steps, self.start)
+    if self.finished or self._evaluated(at):
       return  # this step's eval is on record already
     result = self.evaluator(self.state, self.eval_batches,
                             stop=None if jax.process_count() > 1 else stop.requested)
     if result is None:
       self._wait()
-      say(f"{stop.signal}: step {steps} is saved in {self.ckpt.path}; the final eval was cut "
+      say(f"{stop.signal}: step {at} is saved in {self.ckpt.path}; the final eval was cut "
           "short.")
       return
-    self._log({"step": steps, **result})
+    self._log({"step": at, **result})
 
   def _evaluated(self, step: int) -> bool:
     """Whether `step`'s eval is on record already: process 0's metrics say (the other processes'

@@ -187,6 +187,12 @@ def test_sigterm_during_the_final_save_and_eval(data_dir, tmp_path):
   # The second rerun found the final eval on record: it restored nothing.
   assert "its final eval on record: the state is not restored" in again.stdout, again.stdout
   assert "resumed from" not in again.stdout
+  # train.steps lowered below the saved step: step 6's state is step 6's, whose eval is on
+  # record; nothing is logged under step 4.
+  lower = _run(_args(data_dir, work, "--config.train.steps=4", "--config.eval.samples=200",
+                     "--config.eval.batch=8"))
+  assert lower.returncode == 0 and "step 6 >= train.steps=4: nothing to train" in lower.stdout
+  assert [r for r in _records(work) if "eval_loss" in r] == evals
 
 
 def test_input_problems_are_one_line_errors_before_training(data_dir, tmp_path):
