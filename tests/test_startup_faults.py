@@ -226,6 +226,10 @@ _TOOL_CASES = [  # (tool, argv with {tmp} for the test's folder, words of the on
     ("plan", ["--gpus=4", "--config=configs/vlm.py", "--layouts_only",
               "--measured={tmp}/rowless.json"], ["not a tools/bench.py --json file"]),
     ("plan", ["--gpus=1", "--profile={tmp}/no_data.json"], ["config.data.dir: {tmp}/none"]),
+    # Every field is checked as launch checks it, before any layout is planned.
+    ("plan", ["--gpus=4", "--config=configs/digits.py", "--layouts_only",
+              "--set", "model.language.heads=3"],
+     ["config.model.language.heads: 3 must divide dim 128."]),
     ("fp8_check", ["--seeds", "0,0"], ["--seeds=0,0: two or more different seeds"]),
     ("fp8_check", ["--set", "model.encoders.vision.fp8=false"],
      ["--set model.encoders.vision.fp8=false: this tool sets that field itself"]),

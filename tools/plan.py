@@ -79,7 +79,7 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import loader
 from mimo_jax.pipeline import Schedule
 from mimo_jax.validation_topology import validate_topology
-from tools.common import Parser, fail, number, read_json
+from tools.common import Parser, fail, number, read_json, run_config
 from tools.plan_costs import (MODULES, Costs, bridge_bytes, layout_config, module_time, predict,
                               shape, split_bound)
 
@@ -245,10 +245,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def planned_config(cfg_spec: str, sets: list[str], named: str) -> None:
   """Checks the config being planned (`named`: how the user gave it) before anything else: the
-  file and its `--set` overrides (tools.common.load_config), and its modules, which must be the
-  ones the planner places (`MODULES`: one encoder, vision, and the language model). Else one
-  line and exit status 2."""
-  cfg = layout_config(cfg_spec, sets)
+  file and its `--set` overrides, every field as launch checks them (tools.common.run_config:
+  the data directory, then `validate` without a device count, as the planner chooses the
+  layout), and its modules, which must be the ones the planner places (`MODULES`: one encoder,
+  vision, and the language model). Else one line and exit status 2."""
+  cfg = run_config("plan", cfg_spec, sets)
   encoders = cfg.topology.names()
   if encoders != [m for m in MODULES if m != "language"]:
     fail("plan", f"{named} has {'encoders ' + ', '.join(encoders) if encoders else 'no encoder'};"
