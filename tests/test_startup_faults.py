@@ -226,6 +226,9 @@ _TOOL_CASES = [  # (tool, argv with {tmp} for the test's folder, words of the on
     ("plan", ["--gpus=4", "--config=configs/vlm.py", "--layouts_only",
               "--measured={tmp}/rowless.json"], ["not a tools/bench.py --json file"]),
     ("plan", ["--gpus=1", "--profile={tmp}/no_data.json"], ["config.data.dir: {tmp}/none"]),
+    ("plan", ["--gpus=4", "--config=configs/digits.py", "--pp=2", "--schedules=interleaved_1f1b"],
+     ["--schedules=interleaved_1f1b: interleaved_1f1b chunks each stage into --virtual chunks; "
+      "give --virtual 2 or more."]),
     # Every field is checked as launch checks it, before any layout is planned.
     ("plan", ["--gpus=4", "--config=configs/digits.py", "--layouts_only",
               "--set", "model.language.heads=3"],

@@ -498,3 +498,14 @@ def test_bench_says_how_to_get_cpu_devices_where_the_process_chose_its_own(capsy
       "devices [5, 9) run past the 8 devices available; lower offset or dp*tp*pp; the layout "
       "spans 9 devices: this process's CPU backend has 8, chosen before run.cpu_devices=2 could "
       "apply: start JAX with jax_num_cpu_devices=9.")
+
+
+def test_a_budget_below_a_gib_is_said_in_mib(capsys):
+  """`--memory_gb` of 0.002: every refusal and the error say MiB, not "0.0 GiB"."""
+  with pytest.raises(SystemExit) as e:
+    plan.main(["--config=configs/digits.py", "--gpus=4", "--layouts_only", "--memory_gb=0.002"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("plan: error: no layout of 4 GPUs fits 2.0 MiB a GPU;"), err
+  assert err[:-1] and all(line.startswith("does not fit: ") and line.endswith(" a GPU of 2.0 MiB")
+                          and "0.0 GiB" not in line for line in err[:-1]), err

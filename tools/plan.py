@@ -240,6 +240,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   if unknown or not args.schedules:
     fail("plan", f"--schedules={','.join(args.schedules)}: schedules are "
          f"{', '.join(SCHEDULES + VIRTUAL)}, comma-separated.")
+  chunked = [s for s in args.schedules if s in VIRTUAL]
+  if chunked and args.virtual == 1:
+    fail("plan", f"--schedules={','.join(args.schedules)}: {' and '.join(chunked)} "
+         f"{'chunk' if len(chunked) > 1 else 'chunks'} each stage into --virtual chunks; give "
+         "--virtual 2 or more.")
   return args
 
 
@@ -293,11 +298,12 @@ def _plan(args: argparse.Namespace, cfg_spec: str, sets: list[str], profiles: li
   refused, invalid = [], []
   cands = candidates(cfg_spec, sets, args.gpus, args.max_tp, args.memory_gb, refused, args.pp,
                      args.schedules, args.virtual, invalid)
+  gib = lambda n: memory.size(n * memory.GiB)  # MiB below a GiB: 0.002 is not "0.0 GiB"
   for c in refused:
-    print(f"does not fit: {c['layout']} needs at least {c['gib']:.1f} GiB a GPU of "
-          f"{args.memory_gb:.1f}", file=sys.stderr)
+    print(f"does not fit: {c['layout']} needs at least {gib(c['gib'])} a GPU of "
+          f"{gib(args.memory_gb)}", file=sys.stderr)
   if not cands and refused:
-    fail("plan", f"no layout of {args.gpus} GPUs fits {args.memory_gb:.1f} GiB a GPU; shard the "
+    fail("plan", f"no layout of {args.gpus} GPUs fits {gib(args.memory_gb)} a GPU; shard the "
          "state (--set topology.<module>.shard=full), set topology.<module>.remat=full, or use "
          "more GPUs.")
   if not cands and invalid:
