@@ -435,3 +435,12 @@ def test_a_run_that_stops_with_an_error_before_training_renames_nothing(data_dir
   with pytest.raises(checkpoint.CheckpointError):  # another model: refused after restore_step
     train.run(cfg)
   assert listing() == before
+
+
+def test_inspect_names_a_modules_stages_and_sharding():
+  assert ckpt_tool.placement({"dp": 2, "tp": 1, "pp": 1, "virtual": 1, "schedule": "auto",
+                              "shard": "none", "offset": 0}) == "dp=2 tp=1 offset=0"
+  assert ckpt_tool.placement({"dp": 1, "tp": 2, "pp": 2, "virtual": 2, "schedule": "1f1b",
+                              "shard": "full", "offset": 1}) == \
+      "dp=1 tp=2 pp=2 virtual=2 schedule=1f1b shard=full offset=1"
+  assert ckpt_tool.placement({"dp": 4, "tp": 1, "offset": 0}) == "dp=4 tp=1 offset=0"  # older

@@ -62,13 +62,23 @@ def inspect(args: argparse.Namespace) -> None:
     # An encoder's placement: topology.encoders.<name> (topology.<name> in older checkpoints).
     topo = topology.get(module) or topology.get("encoders", {})[module]
     print(f"module {module}: {count:,} parameters, {len(params)} arrays, saved with "
-          f"dp={topo['dp']} tp={topo['tp']} offset={topo['offset']}")
+          f"{placement(topo)}")
     if args.params:
       for name, p in params.items():
         print(f"  {name:60s} {str(tuple(p.shape)):16s} {p.dtype}")
   print(f"total: {total:,} parameters")
   print("config: " + json.dumps(meta["config"], sort_keys=True))
   reader.close()
+
+
+def placement(topo: dict) -> str:
+  """A module's saved topology in a few words: "dp=2 tp=1 offset=0", with its pipeline stages
+  (pp, virtual chunks, schedule) and its sharding where it had them (a field an older
+  checkpoint's config lacks is left out)."""
+  staged = topo.get("pp", 1) > 1
+  shown = {"dp": True, "tp": True, "pp": staged, "virtual": topo.get("virtual", 1) > 1,
+           "schedule": staged, "shard": topo.get("shard", "none") != "none", "offset": True}
+  return " ".join(f"{k}={topo[k]}" for k, show in shown.items() if show and k in topo)
 
 
 def export(args: argparse.Namespace) -> None:
