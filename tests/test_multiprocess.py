@@ -202,5 +202,5 @@ def test_the_launcher_names_a_killed_process_over_the_one_its_death_failed(tmp_p
   monkeypatch.setattr(launch_local.subprocess, "Popen", popen)
   assert launch_local.main(["-n", "2", "--"]) == 137
   err = capsys.readouterr().err
-  assert "[launch_local] process 1 exited with status -9" in err
+  assert "[launch_local] process 1 was killed by SIGKILL (status 137)" in err
   assert "process 0 exited" not in err

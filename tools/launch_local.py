@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
       failed = failures()
       if failed:
         i, rc = failed[0]
-        print(f"[launch_local] process {i} exited with status {rc}; ending the others",
+        print(f"[launch_local] process {i} {_ended(rc)}; ending the others",
               file=sys.stderr, flush=True)
         status = rc if rc > 0 else 128 - rc
         stop_all()
@@ -105,9 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     t.join(timeout=5)
   if status == 0 and failures():  # every process ended between two looks
     i, rc = failures()[0]
-    print(f"[launch_local] process {i} exited with status {rc}", file=sys.stderr, flush=True)
+    print(f"[launch_local] process {i} {_ended(rc)}", file=sys.stderr, flush=True)
     status = rc if rc > 0 else 128 - rc
   return status
+
+
+def _ended(rc: int) -> str:
+  """How a process ended, from its return code: a negative one is the signal that killed it."""
+  if rc < 0:
+    try:
+      return f"was killed by {signal.Signals(-rc).name} (status {128 - rc})"
+    except ValueError:
+      return f"was killed by signal {-rc} (status {128 - rc})"
+  return f"exited with status {rc}"
 
 
 if __name__ == "__main__":
