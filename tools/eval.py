@@ -8,7 +8,9 @@ WORKDIR --data DIR_OR_JSON [--metric NAME ...] [--out PREDS.jsonl]`.
 JSON/JSONL file (images under `--images`, default the file's folder; tokenized with the run's
 tokenizer and prepared by its processor, found as `tools.generate` finds them). A record's clips
 (`"audio"`/`"audios"`, under `--audio`, default the file's folder; each marked by `<audio>`) are
-read as tools.convert reads them: decoded, resampled, log-mel features of the model's
+read as tools.convert reads them (but a path leading out of `--images` or `--audio` is read
+too: the eval set is the user's own, so no --allow_outside_images is asked): decoded,
+resampled, log-mel features of the model's
 model.audio.mel_bins, each `<audio>` as `--audio_markers` whose `--audio_token` stands for the
 clip's tokens; a bad clip is one error naming the record and file. Each sample's
 prompt is its conversation before its last assistant turn; its references are its record's
