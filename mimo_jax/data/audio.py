@@ -36,11 +36,12 @@ FORMATS = {".wav": "WAV", ".flac": "FLAC", ".ogg": "OGG", ".oga": "OGG", ".opus"
 
 class AudioError(ValueError):
   """An audio file that cannot be used: missing, empty, corrupt, truncated (fewer frames than its
-  header declares: `declared_frames`) or of an unsupported format."""
+  header declares: `declared_frames`) or of an unsupported format. `reason`: the short key a
+  conversion counts its skipped records by (`missing audio`, `empty audio`, ...)."""
 
-  def __init__(self, path: str, why: str):
+  def __init__(self, path: str, why: str, reason: str = "corrupt audio"):
     super().__init__(f"audio file {path}: {why}")
-    self.path = path
+    self.path, self.reason = path, reason
 
 
 def supported_formats() -> list[str]:
@@ -56,15 +57,16 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
   path = os.fspath(path)
   ext = os.path.splitext(path)[1].lower()
   if not os.path.exists(path):
-    raise AudioError(path, "no such file.")
+    raise AudioError(path, "no such file.", "missing audio")
   if not os.path.isfile(path):
     raise AudioError(path, "not a file (give the path of an audio file).")
   if ext not in supported_formats():
     raise AudioError(path, f"unsupported format {ext or '(no extension)'}; this build decodes "
-                     f"{', '.join(supported_formats())} (convert it, e.g. ffmpeg -i IN OUT.flac).")
+                     f"{', '.join(supported_formats())} (convert it, e.g. ffmpeg -i IN OUT.flac).",
+                     "unsupported audio")
   if os.path.getsize(path) == 0:
     raise AudioError(path, "is an empty file (0 bytes), no audio; give the clip's file or drop "
-                     "it.")
+                     "it.", "empty audio")
   try:
     wave_sc, rate = soundfile.read(path, dtype="float32", always_2d=True)
   except (soundfile.LibsndfileError, RuntimeError, ValueError, EOFError) as e:
@@ -73,9 +75,10 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
   declared = declared_frames(path, FORMATS[ext])
   if declared is not None and len(wave_sc) < declared:  # libsndfile reads what is there, quietly
     raise AudioError(path, f"truncated: {len(wave_sc)} of {declared} frames (its header declares "
-                     f"{declared}; the file ends early); use the complete file or drop the clip.")
+                     f"{declared}; the file ends early); use the complete file or drop the clip.",
+                     "truncated audio")
   if wave_sc.size == 0:
-    raise AudioError(path, "holds no samples (empty clip).")
+    raise AudioError(path, "holds no samples (empty clip).", "empty audio")
   if not np.isfinite(wave_sc).all():  # a float file can hold NaN or infinity; features would too
     bad = int(np.size(wave_sc) - np.isfinite(wave_sc).sum())
     raise AudioError(path, f"cannot be used: {bad} of its {wave_sc.size} samples are NaN or "
@@ -229,7 +232,7 @@ def check_tokens(path: str, frames_w: list[int], pool: int) -> None:
     need = (2 * pool - 2) * HOP * 1000 // SAMPLE_RATE
     raise AudioError(os.fspath(path), f"{ms} ms of audio ({sum(frames_w)} mel frames) yield no "
                      f"audio token with pooling by {pool}; a clip needs more than {need} ms "
-                     "(drop it or pad it with silence).")
+                     "(drop it or pad it with silence).", "short audio")
 
 
 def clip_tokens(frames: list[int] | int, pool: int = 1, window: int = WINDOW_FRAMES) -> int:

@@ -86,13 +86,7 @@ def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
   try:
     mel_fm, frames_w = audio.file_features(path, mel_bins, pool, window_s)
   except audio.AudioError as e:
-    text = str(e)
-    reason = ("missing audio" if "no such file" in text else "unsupported audio"
-              if "unsupported format" in text else "empty audio"
-              if "no samples" in text or "empty file" in text
-              else "short audio" if "no audio token" in text else "truncated audio"
-              if ": truncated: " in text else "corrupt audio")
-    raise RecordError(reason, f"{where}: {text}") from None
+    raise RecordError(e.reason, f"{where}: {e}") from None
   return Clip(mel_fm, tuple(frames_w))
 
 
