@@ -56,9 +56,10 @@ def describe_os_error(e: OSError, what: str) -> str:
 def _file_in_the_way(e: OSError) -> str | None:
   """The file on the path of a folder that `e` (a failed mkdir or open: EEXIST, ENOTDIR) could not
   make or enter: the path itself or the nearest of its folders that is a file, if any."""
-  if not isinstance(e.filename, (str, bytes)):
+  name = error_file(e)
+  if name is None:
     return None
-  path = pathlib.Path(os.path.abspath(os.fsdecode(e.filename)))
+  path = pathlib.Path(os.path.abspath(name))
   for p in (path, *path.parents):
     if os.path.lexists(p):
       return None if p.is_dir() else str(p)

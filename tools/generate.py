@@ -411,6 +411,7 @@ def run(args: argparse.Namespace) -> list[str]:
     embeds = whole.merged_embeddings(cfg, params["language"], ids, tokens[None],
                                      tok.token_id(ready["audio_token"]), embeds)
   eos = tok.specials.get("eos_token")
+  eos_id = tok.token_id(eos) if eos else None
   print(f"{args.workdir}: {count(len(rows), 'prompt')} of up to {width} tokens on "
         f"{jax.devices()[0]}",
         file=sys.stderr)
@@ -421,13 +422,12 @@ def run(args: argparse.Namespace) -> list[str]:
     try:
       out = generate.generate(cfg, params["language"], ids, mask, ready["steps"],
                               generate.Sampling(args.temperature, args.top_p, args.seed),
-                              embeds, eos=tok.token_id(eos) if eos else None,
+                              embeds, eos=eos_id,
                               stop=flag.requested, progress=Progress())
     except generate.Stopped as e:
       raise _Stopped(flag.signum, f" while decoding, {e}") from None
   if flag.signum is not None:  # taken during the last chunk: a stop asked for is a stop
     raise _Stopped(flag.signum, " as decoding ended")
-  eos_id = tok.token_id(eos) if eos else None
   stopped = [eos_id is None or eos_id not in row for row in out]
   if any(stopped):  # the answer is cut, not finished: said, as a truncation is
     one = sum(stopped) == 1
