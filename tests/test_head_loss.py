@@ -2,6 +2,7 @@
 (models/head_loss.py, train.loss_chunk): the loss and gradients of the logits at every position."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -104,6 +105,52 @@ def test_the_last_blocks_rest_in_the_loop_gives_the_whole_blocks_loss_and_gradie
   rest = lambda g: (g[0], {k: v for k, v in g[1].items() if k != "mlp"}, g[2], g[3])
   for a, b in zip(jax.tree.leaves(rest(g_frozen)), jax.tree.leaves(rest(g_got)), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _converts(jaxpr, shapes: set, inside: bool = False, found=None) -> list[bool]:
+  """For each float32 -> other cast of an array of one of `shapes` in `jaxpr` (sub-jaxprs
+  included): whether it is inside a loop's body."""
+  found = [] if found is None else found
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float32
+        and eqn.invars[0].aval.shape in shapes and eqn.outvars[0].aval.dtype != jnp.float32):
+      found.append(inside)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _converts(sub, shapes, inside or eqn.primitive.name == "while", found)
+  return found
+
+
+def test_in_bfloat16_the_kernels_are_cast_once_before_the_chunks():
+  """A bfloat16 model's head and tail kernels (float32 parameters) are cast before the loop, not
+  in each chunk, and the chunked loss and gradients are those of every position's logits to
+  bfloat16's precision (the gradients of the cast kernels, summed in float32)."""
+  cfg = LanguageConfig(dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64)
+  graphdef, state = nnx.split(LanguageModel(nnx.Rngs(0), cfg, VOCAB, jnp.bfloat16))
+  block_def, block = nnx.split(DecoderBlock(nnx.Rngs(1), cfg, jnp.bfloat16))
+  finish = lambda s, x, mixed: nnx.merge(block_def, s).finish(x, mixed)
+  x, targets, weights = _rows(0.3)
+  x = x.astype(jnp.bfloat16)
+  mixed = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.bfloat16)
+
+  def chunked(state, block, x, mixed):
+    return head_loss.label_loss(nnx.merge(graphdef, state), (x, mixed), targets, weights, 2, 4,
+                                head_loss.Tail(block, finish))
+
+  def every(state, block, x, mixed):
+    out = nnx.merge(block_def, block).finish(x, mixed)
+    return _every_position(graphdef, state, out, targets, weights)
+  grad = jax.value_and_grad(chunked, argnums=(0, 1, 2, 3))
+  kernels = {a.shape for a in jax.tree.leaves((state, block)) if a.ndim >= 2}
+  assert len(kernels) >= 3  # the head's, the output projection's, the MLP's
+  converts = _converts(jax.make_jaxpr(grad)(state, block, x, mixed).jaxpr, kernels)
+  assert converts and not any(converts), converts
+  got, g_got = jax.jit(grad)(state, block, x, mixed)
+  want, g_want = jax.value_and_grad(every, argnums=(0, 1, 2, 3))(state, block, x, mixed)
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=5e-2,
+                               atol=2e-2 * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
 
 
 def test_rows_without_loss_give_zero_loss_and_gradients():

@@ -1,5 +1,6 @@
 """Image tokens land at their own sample's placeholders, for every slot grouping."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,6 +52,30 @@ def test_merge_places_own_images(groups, counts):
   bad = slot_mismatches(jnp.asarray(vision.owner_nt), jnp.asarray(vision.pos_rl),
                         jnp.asarray(mb.text.token_sample_rl), groups)
   assert int(bad) == 0
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_merge_gradients_go_to_the_placed_tokens_and_the_text(groups):
+  """The backward pass: an image token's gradient is its placeholder's; a token no placeholder
+  shows (an empty slot) gets none; text positions pass theirs to x, placeholders none."""
+  counts = [0, 1, 3, 1, 0, 3, 2, 1]
+  samples = [_sample(i, k) for i, k in enumerate(counts)]
+  layout = image_layout(seq_len=L, tokens_per_image=T, groups=groups, slots=8 * 3)
+  mb = layout_microbatch(samples, list(range(len(samples))), layout, Tokenizer())
+  pos = np.asarray(mb.slots["vision"].pos_rl)
+  emb = jnp.asarray(np.random.default_rng(0).normal(size=(8 * 3, T, D)), jnp.float32)
+  x = jnp.zeros((len(samples), L, D))
+  dy = np.random.default_rng(1).normal(size=(len(samples), L, D)).astype(np.float32)
+  g_x, g_emb = jax.grad(lambda x, e: jnp.sum(merge_images(x, e, jnp.asarray(pos), groups) * dy),
+                        argnums=(0, 1))(x, emb)
+  want = np.zeros((groups, emb.size // groups // D, D), np.float32)
+  rows = len(samples) // groups
+  for b in range(len(samples)):
+    for t in np.flatnonzero(pos[b] >= 0):
+      want[b // rows, pos[b, t]] += dy[b, t]
+  np.testing.assert_array_equal(np.asarray(g_emb).reshape(want.shape), want)
+  assert 0 < np.count_nonzero(np.any(want, axis=-1)) < want.shape[0] * want.shape[1]
+  np.testing.assert_array_equal(np.asarray(g_x), np.where(pos[..., None] >= 0, 0, dy))
 
 
 def test_mismatch_detected_when_slots_are_swapped():

@@ -81,13 +81,14 @@ def label_loss(model, h_rld, targets_rl: jax.Array, weights_rl: jax.Array, group
     x = xs[0] if tail is None else tail.apply(tail_p, *xs)
     return head_apply(head_p, norm(norm_p, x))
   params = (norm_params, head_params, None if tail is None else tail.params)
-  one = functools.partial(_rank_loss, params, apply=apply, chunk=chunk)
+  one = functools.partial(_rank_loss, params, apply=apply, chunk=chunk,
+                          dtype=jnp.dtype(model.dtype))
   return jnp.sum(jax.vmap(jax.vmap(one))(tuple(per(a) for a in rows), per(targets_rl),
                                          per(weights_rl)))
 
 
 def _rank_loss(params, xs: tuple, targets_n: jax.Array, weights_n: jax.Array, *,
-               apply: Callable, chunk: int) -> jax.Array:
+               apply: Callable, chunk: int, dtype: jnp.dtype) -> jax.Array:
   """One rank's positions: those with a weight moved to the front, in order (the rest hold
   zeros), then `_chunked`."""
   n = targets_n.shape[0]
@@ -95,7 +96,7 @@ def _rank_loss(params, xs: tuple, targets_n: jax.Array, weights_n: jax.Array, *,
   keep = weights_n != 0
   idx = jnp.nonzero(keep, size=-(-n // chunk) * chunk, fill_value=n)[0]
   take = lambda a: jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
-  return _chunked(apply, chunk, params, tuple(take(x) for x in xs), take(targets_n),
+  return _chunked(apply, chunk, dtype, params, tuple(take(x) for x in xs), take(targets_n),
                   take(weights_n), jnp.sum(keep, dtype=jnp.int32))
 
 
@@ -104,11 +105,23 @@ def _chunk_loss(apply, params, xs, targets, weights):
   return jnp.sum(ce * weights)
 
 
-def _loop(apply, chunk, params, xs: tuple, targets, weights, count, wrt_params, wrt_xs):
+def _compute(a: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """A parameter as the chunks' matmuls read it: a float kernel (two or more axes: a linear
+  layer's, its adapters', a tied embedding) in the compute dtype `dtype`, which the layers cast
+  it to anyway; norm scales, biases and the rest as they are."""
+  if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating):
+    return a.astype(dtype)
+  return a
+
+
+def _loop(apply, chunk, dtype, params, xs: tuple, targets, weights, count, wrt_params, wrt_xs):
   """The loss over the first `count` positions, `chunk` at a time, and its gradients (float32
   for the parameters) with respect to the leaves of `params` and `xs` that `wrt_params` and
-  `wrt_xs` (trees of bools like them) mark, as lists of those leaves'."""
+  `wrt_xs` (trees of bools like them) mark, as lists of those leaves'. The kernels are cast to
+  `dtype` once, before the loop (`_compute`), not in every chunk: the gradients are those of
+  the cast kernels, summed in float32, which is what the cast's own gradient passes on."""
   p_leaves, p_def = jax.tree.flatten(params)
+  p_leaves = [_compute(a, dtype) for a in p_leaves]
   p_wrt = jax.tree.leaves(wrt_params)
   x_wrt = list(wrt_xs)
   pick = lambda leaves, wrt: [a for a, w in zip(leaves, wrt) if w]
@@ -142,22 +155,22 @@ def _loop(apply, chunk, params, xs: tuple, targets, weights, count, wrt_params, 
   return jax.lax.fori_loop(1, (count + chunk - 1) // chunk, body, body(0, zeros))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked(apply, chunk, params, xs, targets, weights, count):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(apply, chunk, dtype, params, xs, targets, weights, count):
   no = lambda tree: jax.tree.map(lambda _: False, tree)
-  return _loop(apply, chunk, params, xs, targets, weights, count, no(params), no(xs))[0]
+  return _loop(apply, chunk, dtype, params, xs, targets, weights, count, no(params), no(xs))[0]
 
 
 def _primal(a) -> bool:
   return isinstance(a, jax.custom_derivatives.CustomVJPPrimal)
 
 
-def _chunked_fwd(apply, chunk, params, xs, targets, weights, count):
+def _chunked_fwd(apply, chunk, dtype, params, xs, targets, weights, count):
   perturbed = lambda tree: jax.tree.map(lambda a: a.perturbed, tree, is_leaf=_primal)
   value = lambda tree: jax.tree.map(lambda a: a.value, tree, is_leaf=_primal)
   wrt_params, wrt_xs = perturbed(params), perturbed(xs)
   params, xs = value(params), value(xs)
-  loss, d_params, d_xs = _loop(apply, chunk, params, xs, targets.value, weights.value,
+  loss, d_params, d_xs = _loop(apply, chunk, dtype, params, xs, targets.value, weights.value,
                                count.value, wrt_params, wrt_xs)
 
   def tree(like, wrt, picked):
@@ -169,8 +182,8 @@ def _chunked_fwd(apply, chunk, params, xs, targets, weights, count):
   return loss, (tree(params, wrt_params, d_params), tree(xs, wrt_xs, d_xs))
 
 
-def _chunked_bwd(apply, chunk, residuals, g):
-  del apply, chunk
+def _chunked_bwd(apply, chunk, dtype, residuals, g):
+  del apply, chunk, dtype
   d_params, d_xs = residuals
   scale = lambda a: None if a is None else (a * g).astype(a.dtype)
   keep_none = lambda tree: jax.tree.map(scale, tree, is_leaf=lambda a: a is None)

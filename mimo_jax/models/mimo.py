@@ -123,12 +123,16 @@ def merge_images(x_bld: jax.Array, emb_ntd: jax.Array, img_pos_bl: jax.Array,
   """Writes image tokens over their placeholders (see data/layout.py for the slot layout).
 
   `img_pos_bl` indexes the image tokens of the row's own language dp group, so the gather is
-  batched over groups and never crosses a dp rank.
+  batched over groups and never crosses a dp rank. A position without an image token (-1) reads
+  past the tokens' end, which gives 0 and, in the backward pass, adds its gradient nowhere:
+  clamped to token 0 instead, every text position would add its (zero) gradient to that one row
+  of the scatter, one at a time.
   """
   b, l, d = x_bld.shape
   emb_gkd = _grouped(emb_ntd, groups).reshape(groups, -1, d)
   pos_gk = _grouped(img_pos_bl, groups).reshape(groups, -1)
-  got = jnp.take_along_axis(emb_gkd, jnp.maximum(pos_gk, 0)[..., None], axis=1)
+  past = jnp.where(pos_gk >= 0, pos_gk, emb_gkd.shape[1])
+  got = jnp.take_along_axis(emb_gkd, past[..., None], axis=1, mode="fill", fill_value=0)
   return jnp.where(img_pos_bl[..., None] >= 0, got.reshape(b, l, d).astype(x_bld.dtype), x_bld)
 
 
