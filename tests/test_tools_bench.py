@@ -136,9 +136,11 @@ def test_bench_and_plan_run_end_to_end(tmp_path, capsys):
   out = tmp_path / "bench.json"
   layout = "vision=0/2/1,language=2/2/1"
   bench.main(["--config=tests/configs/tiny_vlm.py", f"--set=data.dir={tmp_path}",
-              f"--layouts={layout}", "--warmup=1", "--steps=1", "--profile_steps=1",
+              f"--layouts={layout}", "--warmup=1", "--steps=2", "--profile_steps=1",
               f"--json={out}"])
   row = json.loads(out.read_text())["rows"][0]
+  # The steady step: the interval between the two steps' ends, within the window's 2 steps.
+  assert 0 < row["step_median_s"] < 2 * row["step_s"]
   assert row["layout"] == layout and row["gpus"] == 4
   assert row["bridge_bytes"] > 0 and row["bridge_gbps"] > 0 and row["raw_gbps"] > 0
   assert row["busy_vision_s"] > 0 and row["busy_language_s"] > 0

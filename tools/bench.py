@@ -10,7 +10,10 @@ bring (slot and row buckets make microbatches differ in shape), then:
 * **step time, tokens/s, MFU** over `--steps` steps dispatched as in training (the loader, host
   placement and both meshes overlapping). Tokens are the real text and image-placeholder positions;
   MFU = model FLOPs (mimo_jax/flops.py: 6·N per token plus attention, useful tokens only) / step
-  time / (GPUs used · 989 TFLOP/s).
+  time / (GPUs used · 989 TFLOP/s). The step time is the window's mean, which includes the first
+  step's start on an idle device; **median s/step** is the steady step: the median interval
+  between consecutive steps' ends, stamped by a thread that waits for each step's metrics while
+  the loop dispatches on (as a per-step median of a PyTorch loop measures it; needs `--steps` ≥ 2).
 * **busy time per module**, from `--profile_steps` steps run phase by phase with the host waiting
   after each phase: how long each module's own work takes, unoverlapped. Encoders on the language
   model's own mesh run with it as one program a microbatch in training (`GradMode.fused`); the
@@ -51,6 +54,9 @@ import collections
 import functools
 import json
 import pathlib
+import queue
+import statistics
+import threading
 import time
 
 import jax
@@ -147,6 +153,7 @@ class Run:
     totals = collections.Counter()
     metrics = None
     groups = self.step.ctx.groups
+    done = _Watch() if probe is None else None
     start = time.perf_counter()
     for _ in range(n):
       t = time.perf_counter()
@@ -168,6 +175,7 @@ class Run:
                                  batch.text.tokens_rl.shape[-1])
       if probe is None:
         self.state, metrics = self.step.train_step(self.state, batch)
+        done.put(metrics)
       else:
         self.state, metrics = self.step.dispatch(self.state, *self.step.place_step(batch), probe)
       if self.first_step_s is None:
@@ -176,6 +184,7 @@ class Run:
     jax.block_until_ready((self.state, metrics))
     out = {k: v / n for k, v in totals.items()}
     out["step_s"] = (time.perf_counter() - start) / n
+    out["step_median_s"] = done.median_interval() if done is not None else None
     out["loss"] = float(jax.device_get(metrics["loss"]))
     return out
 
@@ -289,7 +298,10 @@ def _measure(cfg: Config, layout: str, args, compiles: Compiles) -> dict:
         f"{sum(s for _, s in compiles.seen):.1f} s", flush=True)
   timed = run.steps(args.steps)
   gpus = len(run.devices)
-  print(f"[{layout}] {timed['step_s']:.3f} s/step, {timed['tokens'] / timed['step_s']:,.0f} "
+  median = timed["step_median_s"]
+  print(f"[{layout}] {timed['step_s']:.3f} s/step"
+        + (f" (median between steps' ends {median:.3f})" if median is not None else "")
+        + f", {timed['tokens'] / timed['step_s']:,.0f} "
         f"tokens/s, MFU {timed['flops_total'] / timed['step_s'] / (gpus * args.peak):.1%}; "
         "the profile next", flush=True)
   prof = run.profile(args.profile_steps)
@@ -308,24 +320,53 @@ def _measure(cfg: Config, layout: str, args, compiles: Compiles) -> dict:
   return row
 
 
+class _Watch:
+  """When each dispatched step ends: a thread waits for the steps' metrics in turn and stamps the
+  time each is ready, while the loop goes on dispatching (it waits for nothing). The median
+  interval between consecutive ends is the steady step time, without the first step's start on
+  an idle device that the window's mean shares out over its steps."""
+
+  def __init__(self):
+    self.stamps: list[float] = []
+    self.pending: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=self._run, daemon=True)
+    self.thread.start()
+
+  def put(self, metrics) -> None:
+    self.pending.put(metrics)
+
+  def _run(self) -> None:
+    while (metrics := self.pending.get()) is not None:
+      jax.block_until_ready(metrics)
+      self.stamps.append(time.perf_counter())
+
+  def median_interval(self) -> float | None:
+    """The median time between consecutive steps' ends (None for fewer than two steps)."""
+    self.pending.put(None)
+    self.thread.join()
+    gaps = np.diff(self.stamps)
+    return float(statistics.median(gaps)) if len(gaps) else None
+
+
 def table(rows: list[dict]) -> str:
   """One row a layout; a busy column for each module the rows profiled (vision, any other
   encoder, language), in the rows' order."""
   modules = list(dict.fromkeys(k[len("busy_"):-len("_s")] for r in rows for k in r
                                if k.startswith("busy_") and k.endswith("_s")))
   modules = modules or ["vision", "language"]
-  head = ("| layout | GPUs | s/step | tokens/s | MFU | "
+  head = ("| layout | GPUs | s/step | median s/step | tokens/s | MFU | "
           + "".join(f"{m} busy s | " for m in modules) +
           "bridge s (% step) | bridge GB/s | raw GB/s | decoupled s/step | loader wait s | "
           "peak GiB | estimate GiB | first step s | compile s/shape |\n"
-          "|---|---:|---:|---:|---:|" + "---:|" * len(modules) +
+          "|---|---:|---:|---:|---:|---:|" + "---:|" * len(modules) +
           "---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   fmt = lambda v, f: "–" if v is None else format(v, f)
   lines = [head]
   for r in rows:
     busy = "".join(f"{fmt(r.get(f'busy_{m}_s'), '.3f')} | " for m in modules)
     lines.append(
-        f"| {r['layout']} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+        f"| {r['layout']} | {r['gpus']} | {r['step_s']:.3f} | "
+        f"{fmt(r.get('step_median_s'), '.3f')} | {r['tokens_per_s']:,.0f} | "
         f"{r['mfu']:.1%} | {busy}"
         f"{r['bridge_s']:.4f} ({r['bridge_s'] / r['step_s']:.2%}) | "
         f"{fmt(r['bridge_gbps'], '.0f')} | {fmt(r['raw_gbps'], '.0f')} | "
