@@ -18,6 +18,7 @@ from flax import nnx
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
+from mimo_jax.models.activations import ACTIVATIONS  # noqa: F401 (the modules' activations)
 from mimo_jax.models import lora
 from mimo_jax.models import norm_kernels
 
@@ -138,13 +139,6 @@ class LayerNorm(nnx.Module):
     if self.kernel and norm_kernels.supported(x.shape[-1]):
       return norm_kernels.residual_layer_norm(x, self.scale[...], self.bias[...], self.eps)
     return x, self(x)
-
-
-ACTIVATIONS = {
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's
-}
 
 
 def rope_frequencies(head_dim: int, theta: float,
