@@ -42,8 +42,8 @@ from mimo_jax.checkpoint_arrays import (as_saved, bfloat16_if_exact, fill, misma
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
                                       quiet_failed_reads, read_failure)
-from mimo_jax.checkpoint_steps import (Base, base_folder, complete_steps, digest, digest_failure,
-                                      meta_file, move_aside)
+from mimo_jax.checkpoint_steps import (Base, PermissionDenied, base_folder, complete_steps, damaged,
+                                      digest, digest_failure, meta_file, move_aside, unreadable)
 from mimo_jax.config import Config
 from mimo_jax.data import identity
 from mimo_jax.state import ModuleState
@@ -95,13 +95,13 @@ class Checkpointer:
     # so a run that fails before its first save leaves no empty checkpoints folder behind.
     self._made = not read_only and distributed.is_main() and not os.path.lexists(path)
     if not read_only and os.path.isdir(path):  # (every process: each refuses a file alike)
+      complete = set(complete_steps(path))  # first: a folder it may not read is refused
       names = sorted((d for d in os.listdir(path) if d.isdigit()), key=int)
       files = [d for d in names if not os.path.isdir(os.path.join(path, d))]
       if files:
         raise CheckpointError(
             f"{os.path.join(path, files[0])} is a file, not a step's folder (a save of step "
             f"{int(files[0])} would fail on it); move it out of {path}.")
-      complete = set(complete_steps(path))
       self._aside = [(int(d), "uncommitted") for d in names if int(d) not in complete]
     # With several processes orbax's background thread runs device collectives across processes;
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
@@ -413,27 +413,15 @@ class Checkpointer:
 
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside
-    the `except` block, whose exception holds it)."""
+    the `except` block, whose exception holds it): PermissionDenied naming a file or folder of
+    the step this user may not read, if there is one (its permissions, not damage), else the
+    error for a damaged step (`damaged`)."""
     self._failed = True
     collect()  # the failed read's leftovers already garbage, while their reports are dropped
-    older = [s for s in complete_steps(self.path) if s < step]
-    # An older step may be damaged too: the tool that reads every step says which are intact
-    # (each failed resume would move one more step aside).
-    checked = (f" (`python -m tools.ckpt check {os.path.dirname(self.path)}` says first whether "
-               "it is intact)")
-    if older and older[-1] > 0:
-      fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
-             f"{checked}, or start in a new run.workdir")
-    elif older:  # restore_step=0 means the newest: step 0 is resumed by moving this one away
-      fix = (f"move {self.path}/{step} away to resume from step 0{checked}, or start in a new "
-             "run.workdir")
-    else:
-      fix = f"move {self.path}/{step} away to start from scratch, or start in a new run.workdir"
-    if self.source is not None:  # a run a new one starts from (init_from)
-      fix = (f"choose another step with --config.{self.source}={os.path.dirname(self.path)}:N"
-             f"{f' (N = {older[-1]})' if older else ''}")
-    raise CheckpointError(f"{self.path}: step {step} {what}. Its files are damaged or "
-                          f"incomplete: {fix}.")
+    denied = unreadable(os.path.join(self.path, str(step)))
+    if denied:
+      raise PermissionDenied(denied)
+    raise CheckpointError(damaged(self.path, step, what, self.source))
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()

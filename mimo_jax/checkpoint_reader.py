@@ -7,7 +7,8 @@ dtypes (`params_metadata`) and a module's whole saved tree (`module`). `newest(r
 fn)` runs `fn` on a step, or on the newest one again when a live run rotates it away mid-read.
 Only committed steps are read (orbax's `commit_success.txt`); a step removed while being read
 raises `StepGone`, a damaged one `Unreadable`, nothing left to read `TryAgain`: each a
-`CkptError`, one line naming the fix.
+`CkptError`, one line naming the fix. A file or folder of a step that this user may not read
+raises checkpoint_steps.PermissionDenied instead, naming it: its permissions, not damage.
 tools.ckpt, tools.hf export and tools.generate read checkpoints through it.
 """
 
@@ -28,7 +29,8 @@ from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint_arrays import params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
                                       read_failure)
-from mimo_jax.checkpoint_steps import base_folder, complete_steps, digest_failure, meta_file
+from mimo_jax.checkpoint_steps import (PermissionDenied, base_folder, complete_steps,
+                                      digest_failure, meta_file, unreadable)
 from mimo_jax.config import ConfigError
 from mimo_jax.trees import path_str
 
@@ -128,6 +130,8 @@ class Reader:
         found = True
       except FileNotFoundError:
         continue
+      except PermissionError:
+        raise PermissionDenied(folder) from None
     if not found:
       raise TryAgain(f"every step of {self.path} was removed while being read ({ROTATED}); run "
                      "again.")
@@ -171,8 +175,9 @@ class Reader:
     return True
 
   def read(self, step: int, fn: Callable[[], T]) -> T:
-    """fn() reading `step`: StepGone if the step vanished under it, Unreadable if the step is
-    still there (after one more try while a run is live)."""
+    """fn() reading `step`: StepGone if the step vanished under it, PermissionDenied if a file or
+    folder of the step may not be read, else Unreadable if the step is still there (after one
+    more try while a run is live)."""
     quiet_failed_reads()
     for _ in range(2 if self.live else 1):
       try:
@@ -182,6 +187,9 @@ class Reader:
       collect()  # those of the leftovers already garbage, while the reports are dropped
       if self.gone(step):
         raise StepGone(step)
+      denied = unreadable(os.path.join(self.path, str(step)))
+      if denied:
+        raise PermissionDenied(denied)
     raise Unreadable(self.path, step, reason)
 
   def meta(self, step: int) -> dict:

@@ -1,7 +1,8 @@
 """A checkpoints folder on disk: a workdir's (`directory`), its committed steps (orbax writes
 `commit_success.txt` last), a step folder moved aside, the digest a step's metadata holds of
 itself, where a LoRA run's frozen weights are held (`Base`, `base_folder`), and what a run says
-of the folders moved aside (`why_aside`) and of an old step it could not remove
+of the folders moved aside (`why_aside`), of a step it cannot restore (`damaged`), of a file or
+folder it may not read (`PermissionDenied`, `unreadable`) and of an old step it could not remove
 (`removal_warning`)."""
 
 from __future__ import annotations
@@ -10,8 +11,54 @@ import dataclasses
 import hashlib
 import json
 import os
+import pwd
 
 from mimo_jax import workdir as workdir_lib
+from mimo_jax.config import ConfigError
+
+
+class PermissionDenied(ConfigError):
+  """A checkpoint's file or folder that this user may not read (its mode, or another user's
+  folder): a sign of its permissions, not of damage, so its step is neither moved aside nor
+  passed over for an older one. The run or tool stops, naming it and the fix."""
+
+  def __init__(self, path: str):
+    try:
+      uid = os.stat(path).st_uid
+    except OSError:
+      uid = None
+    fix = "fix its permissions"
+    if uid is not None and uid != os.geteuid():
+      try:
+        owner = pwd.getpwuid(uid).pw_name
+      except KeyError:
+        owner = f"uid {uid}"
+      fix += f", or run as the user that owns it ({owner})"
+    kind = "folder" if os.path.isdir(path) else "file"
+    super().__init__(f"cannot read the checkpoint {kind} {path}: permission denied; {fix}, and "
+                     "run the same command again (nothing was moved aside or deleted).")
+    self.path = path
+
+
+def unreadable(folder: str) -> str | None:
+  """The first file or folder in `folder` (a step's) that this user may not read (listing or
+  opening it is denied), or None: what a failed read of the step is said to be instead of
+  damage."""
+  denied = []
+
+  def note(e: OSError) -> None:
+    if isinstance(e, PermissionError) and not denied:
+      denied.append(workdir_lib.error_file(e) or folder)
+  for root, _, files in os.walk(folder, onerror=note):
+    for name in files:
+      try:
+        with open(os.path.join(root, name), "rb"):
+          pass
+      except OSError as e:
+        note(e)
+    if denied:
+      break
+  return denied[0] if denied else None
 
 
 def directory(workdir: str) -> str:
@@ -20,11 +67,26 @@ def directory(workdir: str) -> str:
 
 def complete_steps(path: str) -> list[int]:
   """Steps whose save finished: orbax writes `commit_success.txt` last. A step folder without it
-  (a save cut short on a file system without atomic renames) is never restored."""
+  (a save cut short on a file system without atomic renames) is never restored. A folder this
+  user may not look into raises PermissionDenied: whether its step is complete is unknown, and
+  taking it for an uncommitted one would move it aside and resume from an older step."""
   if not os.path.isdir(path):
     return []
-  return sorted(int(d) for d in os.listdir(path)
-                if d.isdigit() and os.path.exists(os.path.join(path, d, "commit_success.txt")))
+  try:
+    names = sorted((d for d in os.listdir(path) if d.isdigit()), key=int)
+  except PermissionError:
+    raise PermissionDenied(path) from None
+  steps = []
+  for d in names:
+    try:
+      os.stat(os.path.join(path, d, "commit_success.txt"))
+    except PermissionError:  # the step's folder may not be entered (or the checkpoints folder)
+      folder = os.path.join(path, d)
+      raise PermissionDenied(folder if os.path.exists(folder) else path) from None
+    except OSError:  # none there (or `d` is a file): not committed
+      continue
+    steps.append(int(d))
+  return steps
 
 
 def move_aside(path: str, step: int, why: str) -> str:
@@ -87,6 +149,29 @@ def why_aside(moved: str) -> str:
   return {"uncommitted": "its save never completed: not a step",
           "replaced": "newer than checkpoint.restore_step: this run writes its own"}.get(
               why, "not a step of this run")
+
+
+def damaged(path: str, step: int, what: str, source: str | None = None) -> str:
+  """What a run says of `step` of checkpoints folder `path`, which it cannot restore (`what`:
+  why), and how to go on: from an older step, if there is one, or afresh (`source`: the config
+  field naming the folder, for a run that starts from it, which names another step instead)."""
+  older = [s for s in complete_steps(path) if s < step]
+  # An older step may be damaged too: the tool that reads every step says which are intact
+  # (each failed resume would move one more step aside).
+  checked = (f" (`python -m tools.ckpt check {os.path.dirname(path)}` says first whether "
+             "it is intact)")
+  if older and older[-1] > 0:
+    fix = (f"resume from step {older[-1]} with --config.checkpoint.restore_step={older[-1]}"
+           f"{checked}, or start in a new run.workdir")
+  elif older:  # restore_step=0 means the newest: step 0 is resumed by moving this one away
+    fix = (f"move {path}/{step} away to resume from step 0{checked}, or start in a new "
+           "run.workdir")
+  else:
+    fix = f"move {path}/{step} away to start from scratch, or start in a new run.workdir"
+  if source is not None:  # a run a new one starts from (init_from)
+    fix = (f"choose another step with --config.{source}={os.path.dirname(path)}:N"
+           f"{f' (N = {older[-1]})' if older else ''}")
+  return f"{path}: step {step} {what}. Its files are damaged or incomplete: {fix}."
 
 
 def removal_warning(path: str, writing: int | None, e: OSError, keep: int) -> str | None:

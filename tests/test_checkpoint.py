@@ -391,6 +391,53 @@ def test_metadata_edited_or_without_its_digest_is_refused_by_the_run_and_every_t
     assert not [p for p in tmp_path.iterdir() if "out.safetensors" in p.name]
 
 
+def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damaged(tmp_path,
+                                                                                 monkeypatch):
+  """A file or folder of a step that the user may not read (chmod 000, or another user's folder:
+  simulated, as root reads them) stops a resume and every tool with one line naming it and the
+  fix; the step is never called damaged, moved aside or passed over for an older one."""
+  import builtins  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, {"language": ModuleState({"w": np.full((4,), step, np.float32)}, None)},
+              Config(), force=True, params_only=True)
+  ckpt.close()
+  listing = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  before = listing()
+  meta, folder = path / "2" / "meta" / "metadata", path / "2"
+  opened, stat = builtins.open, os.stat
+
+  def no_read(file, *args, **kwargs):  # the step's metadata file, mode 000
+    if os.fspath(file) == str(meta):
+      raise PermissionError(13, "Permission denied", os.fspath(file))
+    return opened(file, *args, **kwargs)
+
+  def no_entry(name, *args, **kwargs):  # the step's folder, another user's (mode 700)
+    if os.fspath(name).startswith(f"{folder}{os.sep}"):
+      raise PermissionError(13, "Permission denied", os.fspath(name))
+    return stat(name, *args, **kwargs)
+  for module, name, fn, denied in ((builtins, "open", no_read, f"file {meta}"),
+                                   (os, "stat", no_entry, f"folder {folder}")):
+    line = (f"cannot read the checkpoint {denied}: permission denied; fix its permissions, and "
+            "run the same command again (nothing was moved aside or deleted).")
+    with monkeypatch.context() as patch:
+      patch.setattr(module, name, fn)
+      with pytest.raises(ConfigError) as err:
+        ckpt = checkpoint.Checkpointer(str(path), ["language"])  # as a run opens it
+        try:
+          assert ckpt.resume_step() == 2  # the newest: never step 1 in its place
+          ckpt.read_meta(2)
+        finally:
+          ckpt.close()
+      assert str(err.value) == line
+      for args in (("inspect",), ("check",), ("export", "--out", tmp_path / "out.safetensors")):
+        out = run_main(ckpt_tool.main, *args[:1], str(tmp_path), *args[1:])
+        assert out.returncode == 2 and out.stderr == f"tools.ckpt: error: {line}\n", out
+        assert "step 2" not in out.stdout, out.stdout
+    assert listing() == before  # nothing moved aside, written or deleted
+
+
 def test_the_tools_usage_names_the_module_it_runs_as(capsys):
   """`python -m tools.ckpt --help` shows the command that runs it (not `tools.tools.ckpt`); its
   errors stay one line starting `tools.ckpt: error:`."""

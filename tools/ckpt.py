@@ -19,7 +19,9 @@ All three only read, and work beside a run that is using the workdir (its `run.l
 committed steps only (orbax's `commit_success.txt`), say on stderr that a run holds the workdir
 and that newer steps may appear, and treat a step removed while being read (the run rotating old
 steps away: `checkpoint.keep`) as gone, not damaged (mimo_jax/checkpoint_reader.py's Reader,
-which tools.hf export and tools.generate read through too).
+which tools.hf export and tools.generate read through too). A file or folder of a step that the
+user may not read stops each of them with one line naming it and the fix (its permissions), not
+as damage: `check` then advises moving no step aside.
 """
 
 from __future__ import annotations
