@@ -1,0 +1,113 @@
+"""tools.eval's parts checked without an imported run (so without tests/test_eval_tool.py's
+module fixture): its progress lines, converted samples named by their records' ids and kept by
+position, the CPU devices its default spans, audio slots sized to the longest clip; and
+tools.eval_bench's prompts and a tiny run of it."""
+
+import argparse
+import json
+
+import pytest
+
+from mimo_jax import eval_set
+from mimo_jax.data import conversations
+from mimo_jax.data.chat import ChatTokenizer
+
+from tests.test_generate import _tokenizer
+from tools import eval as eval_tool
+from tools import eval_samples
+
+
+def test_reading_a_json_says_how_far_it_is_every_few_seconds(monkeypatch, capsys):
+  """Reading records (a terminal or not: no bar shows it) and answering (lines where stderr is no
+  terminal): a line every PROGRESS_SECONDS, none after the last."""
+  now = [100.0]
+  monkeypatch.setattr(eval_tool.time, "monotonic", lambda: now[0])
+  lines = eval_tool._Lines("reading", "record", 1000, bar=False)  # pylint: disable=protected-access
+  for _ in range(3):
+    now[0] += 4.0
+    lines.update(100)
+  assert capsys.readouterr().err == (
+      "tools.eval: reading: 300 of 1000 records (30%), 25.0 records/s, about 28 s left\n")
+  now[0] += 20.0
+  lines.update(700)
+  assert capsys.readouterr().err == ""
+
+
+def test_converted_samples_are_named_by_their_records_ids_and_kept_by_position(tmp_path, capsys):
+  # Records converted before ids were kept have none (null, with a note); the position in the
+  # split keeps the rows either way, and rows written when the id was the position resume.
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  _tokenizer(tmp_path / "tok")
+  tok = ChatTokenizer.open(str(tmp_path / "tok"))
+  sample = {"tokens": [1, 5, 8, 2], "loss_mask": [0, 0, 1, 1], "images": []}
+  path = tmp_path / "eval.array_record"
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+  for record in (sample, dict(sample, id="q7"), dict(sample, id="q7")):  # ids may be shared
+    writer.write(conversations.encode(record))
+  writer.close()
+  got = eval_set.converted(str(path), tok)
+  assert [(s["id"], s["position"]) for s in got] == [(None, 0), ("q7", 1), ("q7", 2)]
+  assert len({eval_tool.key(s) for s in got}) == 3
+  assert eval_tool.key({"id": 2, "prediction": "x"}) == eval_tool.key(got[2])
+  (tmp_path / conversations.MANIFEST).write_text(json.dumps({"format": 1}))
+  args = argparse.Namespace(data=str(tmp_path), split="eval", samples=0)
+  assert eval_samples.converted_samples(args, tok) == got
+  assert "converted before the records' ids were kept" in capsys.readouterr().err
+
+
+def test_the_benchmark_s_prompts_are_left_padded_with_one_image_each():
+  from tools import eval_bench  # pylint: disable=import-outside-toplevel
+  p = eval_bench.prompts(argparse.Namespace(tiny=True, batch=5, prompt=12))
+  lengths = p["mask"].sum(axis=1)
+  assert lengths.tolist() == [12 + 16, 11 + 16, 10 + 16, 9 + 16, 12 + 16]
+  assert ((p["ids"] == 63).sum(axis=1) == 16).all() and p["images"].shape == (5, 16, 16, 3)
+  assert (p["ids"][p["mask"] == 0] == 0).all() and p["mask"][:, -1].all()
+
+
+def test_the_benchmark_runs_both_sides_at_tiny_size(capsys):
+  """Where torch and transformers are installed: both generate, and agree in float32."""
+  pytest.importorskip("transformers")
+  from tools import eval_bench  # pylint: disable=import-outside-toplevel
+  assert eval_bench.main(["--tiny", "--batch", "2", "--prompt", "8", "--new", "4",
+                          "--reps", "1"]) == 0
+  assert "new tokens equal in both: 100.0%" in capsys.readouterr().out
+
+
+def test_the_cpu_devices_default_spans_the_runs_topology(tmp_path):
+  """A run of two processes of 4 CPU devices each records run.cpu_devices=4 and a topology over
+  8: the eval creates the 8 its meshes need (or --layout's, or --cpu_devices)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import set_layout  # pylint: disable=import-outside-toplevel
+  from configs import digits  # pylint: disable=import-outside-toplevel
+  cfg = digits.get_config()
+  cfg.run.cpu_devices = 4
+  set_layout(cfg, "vision=0/4/1,language=4/4/1")
+  meta = tmp_path / "checkpoints" / "30" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
+  args = lambda **kw: argparse.Namespace(**{"workdir": str(tmp_path), "step": None,
+                                            "layout": "", "cpu_devices": None, **kw})
+  assert eval_tool.cpu_devices(args()) == 8
+  assert eval_tool.cpu_devices(args(layout="vision=0/1/1,language=0/1/1")) == 4
+  assert eval_tool.cpu_devices(args(cpu_devices=2)) == 2
+
+
+def test_a_clip_longer_than_the_runs_windows_gets_them_in_the_evals_slots(capsys):
+  """model.audio.max_windows is a data setting: an eval of longer clips sizes its slots to the
+  longest (tools.generate encodes a clip whole), said on stderr; packed slots keep theirs."""
+  from tests.configs import tiny_audio  # pylint: disable=import-outside-toplevel
+  cfg = tiny_audio.get_config()
+  a = cfg.model.encoders["audio"]
+  a.max_windows, a.slot_frames = 1, 0
+  samples = [{"sample": {"audio_frames": [a.frames]}},
+             {"sample": {"audio_frames": [a.frames, 2 * a.frames + 1]}}, {"sample": {}}]
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert a.max_windows == 3
+  assert capsys.readouterr().err == (
+      f"tools.eval: the longest clip spans 3 windows of {a.frames} frames: this eval's slots "
+      "hold 3 (the run's model.audio.max_windows is 1)\n")
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert capsys.readouterr().err == ""  # fits already: nothing to say
+  a.max_windows, a.slot_frames = 1, 4 * a.frames
+  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  assert a.max_windows == 1
