@@ -290,7 +290,9 @@ def _audio_only(rid, image=None):
 @pytest.mark.parametrize("image, extra, said", [
     (None, [], None),  # neither an image token nor an image processor is needed
     ("portrait.png", [], "--image_token '<image>': "),
-    ("portrait.png", ["--image_token", "w63"], "preprocessor_config.json: not found"),
+    ("portrait.png", ["--image_token", "w63"], "preprocessor_config.json: not found; a vision "
+     "tower's directory holds its image processor's preprocessor_config.json. --processor was not "
+     "given, so it is --tokenizer's directory: give --processor DIR"),
 ])
 def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, capsys, image,
                                                               extra, said):

@@ -80,7 +80,9 @@ def init_worker(opts: Options) -> None:
     proc = images.ImageProcessor.open(opts.processor or opts.tokenizer,
                                       pad_to_square=opts.pad_to_square)
   except ConfigError as e:
-    processor_error = e
+    processor_error = e if opts.processor else ConfigError(
+        f"{e} --processor was not given, so it is --tokenizer's directory: give --processor DIR, "
+        "the vision tower's HF directory.")
   folder = pathlib.Path(opts.images)
   WORKER.update(audio_id=audio_id, opts=opts, tok=tok, images=folder, root=os.path.realpath(folder),
                 proc=proc, processor_error=processor_error, image_id=image_id,
