@@ -16,7 +16,10 @@
   looks like one. A complete output being replaced is moved aside first and put back by the next
   writer if the replacing one dies between the two renames.
 - **Cleanup that cannot fail**: on any exception or signal the staging directory is removed with
-  errors ignored, and the original exception propagates.
+  errors ignored, and the original exception propagates. The folders above the output that the
+  write made (`runs/new/out`'s `runs/new`) go too, once the lock file in them is gone: innermost
+  first, each only if empty, never one that was there before (`workdir.Made`). A published
+  output keeps them.
 - **Free space**: `check_space(path, nbytes, what)` before long work whose size is known.
 - **Failed writes**: inside `write_errors(what)` a write that fails (a full disk, a file size
   limit) is one line naming the output and the reason, whichever library wrote: safetensors'
@@ -124,20 +127,27 @@ def _paths(out: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path, str]:
 
 
 def lock(out: str | os.PathLike, flag: str = "--out") -> workdir_lib.Lock:
-  """The lock of output `out`, acquired (an error naming its holder if another process has it)."""
+  """The lock of output `out`, acquired (an error naming its holder if another process has it).
+  The lock file is `<parent>/.<name>.lock`; the folders above `out` are made for it, and removed
+  again (those it made, if empty) when the lock cannot be taken."""
   final, parent, name = _paths(out)
+  made = workdir_lib.Made(str(parent))  # the folders above `out` that are about to be made
   try:
-    parent.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
-  try:
-    return workdir_lib.Lock(str(parent), name=f".{name}.lock",
-                            busy=f"{flag}={str(out)!r} is being written by another process"
-                            ).acquire()
-  except workdir_lib.WorkdirError as e:
-    raise OutputError(str(e)) from None
-  except OSError as e:  # the lock file cannot be created: an unwritable place
-    raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+    try:
+      parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+    try:
+      return workdir_lib.Lock(str(parent), name=f".{name}.lock",
+                              busy=f"{flag}={str(out)!r} is being written by another process"
+                              ).acquire()
+    except workdir_lib.WorkdirError as e:
+      raise OutputError(str(e)) from None
+    except OSError as e:  # the lock file cannot be created: an unwritable place
+      raise OutputError(workdir_lib.describe_os_error(e, f"{flag}={str(out)!r}")) from None
+  except BaseException:
+    made.remove_unused(None)
+    raise
 
 
 def remove(path: str | os.PathLike) -> None:
@@ -263,10 +273,13 @@ def write_errors(what: str) -> Iterator[None]:
 def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str | None = None,
            replace: bool = False) -> Iterator[pathlib.Path]:
   """Yields an empty staging directory for output `out` and publishes it as `out` when the block
-  ends without an exception; removes it otherwise. `complete` names the file whose presence
-  marks a complete output (refused unless `replace`, then replaced in one rename)."""
+  ends without an exception; removes it otherwise, with the folders above `out` it made (those
+  that were not there before, innermost first, each only if empty). `complete` names the file
+  whose presence marks a complete output (refused unless `replace`, then replaced in one
+  rename)."""
   final, parent, name = _paths(out)
   check_target(final, what, flag, complete, replace)
+  made = workdir_lib.Made(str(parent))  # the folders above `out` that `lock` is about to make
   held = lock(final, flag)
   tmp = parent / f".{name}{PARTIAL}{os.getpid()}"
   try:
@@ -285,6 +298,8 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     _publish(tmp, final, parent, name)
   except BaseException:
     remove(tmp)
+    held.release()  # its file is in `parent`: gone first, so that a folder made for it is empty
+    made.remove_unused(None)  # (a folder another writer uses meanwhile is not empty: it stays)
     raise
   finally:
     held.release()

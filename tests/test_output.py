@@ -95,6 +95,49 @@ def test_an_output_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
+
+@pytest.mark.parametrize("stop", [RuntimeError("x"), KeyboardInterrupt(),
+                                  output.Interrupted(signal.SIGTERM)],
+                         ids=["error", "ctrl-c", "sigterm"])
+def test_a_failed_write_leaves_no_folders_it_made(tmp_path, stop):
+  """A write that fails or is interrupted removes the folders above --out it made (as
+  tools.convert and launch do), once its lock file in them is gone; never a folder that was
+  there before, and a published output keeps them."""
+  out = tmp_path / "a" / "b" / "out"
+  with pytest.raises(type(stop)):
+    with output.staged(out, what="thing") as tmp:
+      (tmp / "x").write_text("1")
+      assert (tmp_path / "a" / "b" / ".out.lock").exists()
+      raise stop
+  assert not list(tmp_path.iterdir())
+  (tmp_path / "a").mkdir()  # there before: stays, and so does what it holds
+  (tmp_path / "a" / "keep").write_text("")
+  with pytest.raises(type(stop)):
+    with output.staged(out, what="thing"):
+      raise stop
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "keep"]
+  (tmp_path / "a" / "b").mkdir()  # an empty folder there before is not removed either
+  with pytest.raises(type(stop)):
+    with output.staged(out, what="thing"):
+      raise stop
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "keep"]
+  deep = tmp_path / "c" / "d" / "out"
+  with output.staged(deep, what="thing") as tmp:
+    (tmp / "x").write_text("1")
+  assert sorted(p.name for p in (tmp_path / "c" / "d").iterdir()) == ["out"]
+  assert sorted(p.name for p in deep.iterdir()) == [output.MARKER, "x"]
+
+
+def test_a_lock_not_taken_leaves_no_folders_it_made(tmp_path, monkeypatch):
+  from mimo_jax import workdir  # pylint: disable=import-outside-toplevel
+
+  def refused(self):
+    raise PermissionError(13, "Permission denied", self.file)
+  monkeypatch.setattr(workdir.Lock, "acquire", refused)
+  with pytest.raises(output.OutputError, match="Permission denied|permission"):
+    output.lock(tmp_path / "a" / "b" / "out")
+  assert not list(tmp_path.iterdir())
+
 def test_errors_name_the_setting_that_chooses_the_place():
   import errno  # pylint: disable=import-outside-toplevel
   from mimo_jax.workdir import describe_os_error  # pylint: disable=import-outside-toplevel
