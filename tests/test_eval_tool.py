@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax import eval_set
+from mimo_jax import checkpoint_steps, eval_set
+from mimo_jax.config import ConfigError
 from mimo_jax.data import conversations, loader
 from mimo_jax.evaluate import Evaluator
 
@@ -279,6 +280,44 @@ def test_a_missing_image_under_the_images_given_names_that_folder(setup, capsys)
                          "--images", str(setup), "--out", str(setup / "missing.jsonl")]) == 2
   err = capsys.readouterr().err
   assert f"not found; it is not in --images {setup}: give the folder that holds it." in err, err
+
+
+def test_a_run_from_an_import_whose_data_moved_finds_the_tokenizer_as_tools_generate(
+    setup, tmp_path, monkeypatch, capsys):
+  """A run started from an import (its step's config: model.init_from names it, data.dir its
+  converted data, since moved): eval's tokenizer is the import's HF directory's, found as
+  tools.generate finds it, with the same note. Reading its vocabulary stops both tools."""
+  imported, run = tmp_path / "import", tmp_path / "lora"
+  for folder in (imported, run):
+    shutil.copytree(setup / "run", folder, symlinks=True)
+  record = json.loads((imported / "hf_import.json").read_text())
+  record["sources"] = {"vision": str(setup / "tok"), "language": str(setup / "tok")}
+  (imported / "hf_import.json").write_text(json.dumps(record))
+  (run / "hf_import.json").unlink()
+  meta_file = run / "checkpoints" / "0" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["config"]["data"].update(task="conversations", dir=str(tmp_path / "gone"), image_token=5)
+  model = meta["config"]["model"]
+  model["init_from"] = str(imported)
+  for section in (model["encoders"]["vision"], model["language"]):
+    section["init_from"] = ""
+  meta["digest"] = checkpoint_steps.digest(meta)
+  meta_file.write_text(json.dumps(meta))
+  opened = []
+
+  def stop(tok, *_):
+    opened.append(str(tok.path))
+    raise ConfigError("stopped at the vocabulary")
+  monkeypatch.setattr(generate_tool, "check_vocab", stop)
+  capsys.readouterr()
+  assert generate_tool.main([str(run), "--prompt", "hi"]) == 2
+  assert eval_tool.main([str(run), "--data", str(setup / "data.json"), "--samples", "2"]) == 2
+  err = capsys.readouterr().err
+  assert len(opened) == 2 and opened[0] == opened[1], err
+  assert opened[0] == str(setup / "tok")
+  assert err.count(f"its run's data directory {tmp_path / 'gone'} is missing: the tokenizer and "
+                   "processor are the HF directories' it came from") == 2, err
+  assert err.count("stopped at the vocabulary") == 2, err
 
 
 def test_a_json_has_no_split_and_rows_recorded_with_one_go_on(setup, one_device):

@@ -155,8 +155,10 @@ def cpu_devices(args) -> int:
 
 
 def run_config(args) -> tuple[int, Config]:
-  """(step, the run's config as the eval runs it: parameters from that step, --layout and
-  --seq_len applied); `args` holds the flags workdir, step, layout and seq_len."""
+  """(step, the run's config as that step stored it, --layout and --seq_len applied: its
+  init_from fields still lead to the imports it descends from, whose tokenizer and processor
+  `tools.generate`'s defaults find; `build_step` sets the parameters to come from the step);
+  `args` holds the flags workdir, step, layout and seq_len."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.config import from_dict, set_layout
@@ -167,14 +169,6 @@ def run_config(args) -> tuple[int, Config]:
   step, meta = checkpoint_reader.newest(reader, args.step, reader.meta, tool=TOOL)
   reader.close()
   cfg = from_dict(meta["config"])
-  # The parameters come from this step, through the modules' own start-from-a-run path.
-  for name in cfg.topology.names():
-    module = cfg.model.module(name)
-    if hasattr(module, "init_from"):
-      module.init_from = ""
-    if getattr(module, "lora", None) is not None:  # the step holds the adapters it trained
-      module.lora.init_from = ""
-  cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
   if args.layout:
     try:
       set_layout(cfg, args.layout)
@@ -183,6 +177,19 @@ def run_config(args) -> tuple[int, Config]:
   if args.seq_len:
     cfg.data.seq_len = args.seq_len
   return step, cfg
+
+
+def from_step(args, cfg: Config) -> None:
+  """`cfg`'s parameters set to come from the run's step (--step, else its newest; `_parameters`
+  names the one it loads), through the modules' own start-from-a-run path."""
+  for name in cfg.topology.names():
+    module = cfg.model.module(name)
+    if hasattr(module, "init_from"):
+      module.init_from = ""
+    if getattr(module, "lora", None) is not None:  # the step holds the adapters it trained
+      module.lora.init_from = ""
+  step = "" if args.step is None else f":{args.step}"
+  cfg.model.init_from = f"{os.path.abspath(args.workdir)}{step}"
 
 
 def layout_error(layout: str, e: ConfigError) -> ConfigError:
@@ -231,12 +238,13 @@ def _unused_id(samples: list[dict], vocab: int) -> int:
 
 
 def build_step(args, cfg: Config, image_id: int | None):
-  """The eval's Step (meshes and programs), after checking the config (`run_config`'s) against
-  the flag data."""
+  """The eval's Step (meshes and programs), its parameters from the run's step (`from_step`),
+  after checking the config (`run_config`'s) against the flag data."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.step import Step
   from mimo_jax.validation import manifest_field, validate
+  from_step(args, cfg)
   without = cfg.data.task == "conversations" and manifest_field(cfg, "image_token") == -1
   if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
     cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
