@@ -1,0 +1,116 @@
+"""What checkpoints say: a failed read's line, a step moved aside and why, a file or folder the
+user may not read, tools.ckpt's usage and the placement it shows (the checkpoints themselves:
+test_checkpoint.py)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from mimo_jax import checkpoint
+from mimo_jax.config import Config, ConfigError
+from mimo_jax.state import ModuleState
+from tests.helpers import run_main
+from tools import ckpt as ckpt_tool
+
+
+def test_a_failed_reads_line_names_the_array_and_file_not_the_storage_spec():
+  """orbax wraps tensorstore's error, which names the array and the file, in one whose first line
+  runs into a multi-line storage spec: the line said is tensorstore's."""
+  from mimo_jax.checkpoint_orbax import read_failure
+  cause = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0.0" in OCDBT database at local '
+                     'file "/c/30/vision/": Requested byte range [0, 64) is not valid for value '
+                     'of size 50\n[tensorstore_spec=...]')
+  try:
+    try:
+      raise cause
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full "
+                      "TensorStore details: <bound method spec of TensorStore({\n  'base': {"
+                      ) from e
+  except Exception as e:  # pylint: disable=broad-except
+    said = read_failure(e)
+  assert said == ('OUT_OF_RANGE: Error reading "params.w/0.0.0" in OCDBT database at local file '
+                  '"/c/30/vision/": Requested byte range [0, 64) is not valid for value of size 50')
+  alone = Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full "
+                    "TensorStore details: <bound method spec of TensorStore({\n  'base': {")
+  assert read_failure(alone) == "Encountered error while reading array index: (slice(0, 2, 1),)."
+
+
+def test_a_step_moved_aside_is_said_with_its_reason():
+  """A run's opening line for each step folder it moved aside says why, by the suffix the
+  checkpointer gave it (a restore_step's newer steps were called "not a complete step")."""
+  from mimo_jax.checkpoint_steps import why_aside as _why_aside
+  assert "newer than checkpoint.restore_step" in _why_aside("/w.1/checkpoints/30.replaced-2")
+  assert "never completed" in _why_aside("/w/checkpoints/12.uncommitted")
+
+
+def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damaged(tmp_path,
+                                                                                 monkeypatch):
+  """A file or folder of a step that the user may not read (chmod 000, or another user's folder:
+  simulated, as root reads them) stops a resume and every tool with one line naming it and the
+  fix; the step is never called damaged, moved aside or passed over for an older one."""
+  import builtins  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, {"language": ModuleState({"w": np.full((4,), step, np.float32)}, None)},
+              Config(), force=True, params_only=True)
+  ckpt.close()
+  listing = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  before = listing()
+  meta, folder = path / "2" / "meta" / "metadata", path / "2"
+  opened, stat = builtins.open, os.stat
+
+  def no_read(file, *args, **kwargs):  # the step's metadata file, mode 000
+    if os.fspath(file) == str(meta):
+      raise PermissionError(13, "Permission denied", os.fspath(file))
+    return opened(file, *args, **kwargs)
+
+  def no_entry(name, *args, **kwargs):  # the step's folder, another user's (mode 700)
+    if os.fspath(name).startswith(f"{folder}{os.sep}"):
+      raise PermissionError(13, "Permission denied", os.fspath(name))
+    return stat(name, *args, **kwargs)
+  for module, name, fn, denied in ((builtins, "open", no_read, f"file {meta}"),
+                                   (os, "stat", no_entry, f"folder {folder}")):
+    line = (f"cannot read the checkpoint {denied}: permission denied; fix its permissions, and "
+            "run the same command again (nothing was moved aside or deleted).")
+    with monkeypatch.context() as patch:
+      patch.setattr(module, name, fn)
+      with pytest.raises(ConfigError) as err:
+        ckpt = checkpoint.Checkpointer(str(path), ["language"])  # as a run opens it
+        try:
+          assert ckpt.resume_step() == 2  # the newest: never step 1 in its place
+          ckpt.read_meta(2)
+        finally:
+          ckpt.close()
+      assert str(err.value) == line
+      for args in (("inspect",), ("check",), ("export", "--out", tmp_path / "out.safetensors")):
+        out = run_main(ckpt_tool.main, *args[:1], str(tmp_path), *args[1:])
+        assert out.returncode == 2 and out.stderr == f"tools.ckpt: error: {line}\n", out
+        assert "step 2" not in out.stdout, out.stdout
+    assert listing() == before  # nothing moved aside, written or deleted
+
+
+def test_the_tools_usage_names_the_module_it_runs_as(capsys):
+  """`python -m tools.ckpt --help` shows the command that runs it (not `tools.tools.ckpt`); its
+  errors stay one line starting `tools.ckpt: error:`."""
+  for args, usage in (([], "python -m tools.ckpt [-h]"), (["inspect"], "python -m tools.ckpt "
+                                                                         "inspect [-h]")):
+    with pytest.raises(SystemExit) as stop:
+      ckpt_tool.main([*args, "--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {usage}")
+  with pytest.raises(SystemExit) as stop:
+    ckpt_tool.main(["inspect"])
+  assert stop.value.code == 2
+  assert capsys.readouterr().err.startswith("tools.ckpt: error: the following arguments")
+
+
+def test_inspect_names_a_modules_stages_and_sharding():
+  assert ckpt_tool.placement({"dp": 2, "tp": 1, "pp": 1, "virtual": 1, "schedule": "auto",
+                              "shard": "none", "offset": 0}) == "dp=2 tp=1 offset=0"
+  assert ckpt_tool.placement({"dp": 1, "tp": 2, "pp": 2, "virtual": 2, "schedule": "1f1b",
+                              "shard": "full", "offset": 1}) == \
+      "dp=1 tp=2 pp=2 virtual=2 schedule=1f1b shard=full offset=1"
+  assert ckpt_tool.placement({"dp": 4, "tp": 1, "offset": 0}) == "dp=4 tp=1 offset=0"  # older
