@@ -115,6 +115,7 @@ class _Loop:
     self.lr_at = None  # the learning rate of every step (index step - 1)
     # The loop's progress:
     self.pending = None  # (step, metrics, info, dispatched) of a step not fetched yet
+    self.unlogged = None  # (step, metrics, info, dispatched, ended) of a fetched step not logged
     self.last = None  # (step, metrics) of the newest dispatched step
     self.window = StepWindow()
 
@@ -239,7 +240,7 @@ class _Loop:
       if metrics is None:
         break  # a signal while this run's first step compiled: nothing new to save
       if stop.should_stop(step):
-        self._flush()
+        self._flush(stopping=True)
         self._save(step, metrics, force=True)
         self._wait()
         self.writer.say(f"{stop.signal}: saved step {step} to {self.ckpt.path}; run the same "
@@ -283,8 +284,9 @@ class _Loop:
     self.pending = (step, metrics, info, dispatched)
     return metrics
 
-  def _flush(self) -> None:
-    """Waits for the pending step; logs its record if it is a step to log."""
+  def _flush(self, stopping: bool = False) -> None:
+    """Waits for the pending step; logs its record if it is a step to log: a step of
+    run.log_every, the last step, or (`stopping`) the step saved as the run stops, if finite."""
     step, metrics, info, dispatched = self.pending
     jax.block_until_ready(metrics)
     now = time.time()
@@ -293,12 +295,10 @@ class _Loop:
     self.window.completed(now, info["tokens"])
     self.padded += info.get("compile_padded", 0)
     steps = self.cfg.train.steps
-    if step % self.cfg.run.log_every == 0 or step == steps:
-      if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
-        info, self.padded = dict(info, compile_padded=self.padded), 0
-      took, info = self.window.timing(now, dispatched, info, last=step == steps)
-      self._log(step_records.record(step, metrics, info, took, float(self.lr_at[step - 1])))
-      self.window.restart(now)
+    self.unlogged = (step, metrics, info, dispatched, now)
+    if (step % self.cfg.run.log_every == 0 or step == steps or
+        (stopping and step_records.finite(metrics)[0])):
+      self._log_step()
     if step == steps and self.first_at is not None:
       # The run's wall against its steady steps: every compile of a new shape is inside it.
       after = (f", {now - self.first_at:.1f} s after the first step ended (steps "
@@ -307,6 +307,17 @@ class _Loop:
       self.writer.say(f"step {step} ended {now - self.started:.1f} s after the start{after}")
     self.writer.advance(1)
     self.pending = None
+
+  def _log_step(self) -> None:
+    """Logs the record of the newest fetched step, which is not logged yet (its step time: the
+    average over the steps since the last record)."""
+    step, metrics, info, dispatched, now = self.unlogged
+    self.unlogged = None
+    if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
+      info, self.padded = dict(info, compile_padded=self.padded), 0
+    took, info = self.window.timing(now, dispatched, info, last=step == self.cfg.train.steps)
+    self._log(step_records.record(step, metrics, info, took, float(self.lr_at[step - 1])))
+    self.window.restart(now)
 
   def _first_step(self, step: int, now: float) -> None:
     """Says how long the run took to its first step (start-up and compiling included)."""
@@ -406,11 +417,14 @@ class _Loop:
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
-    if self.pending is not None and self.pending[0] == step:
-      try:
-        self._flush()  # its record, before it is saved
-      except Exception:  # pylint: disable=broad-except  (the save goes on; `error` is reported)
-        pass
+    try:  # its record, before it is saved
+      if self.pending is not None and self.pending[0] == step:
+        self._flush(stopping=True)
+      elif self.unlogged is not None and self.unlogged[0] == step:
+        if step_records.finite(metrics)[0]:  # fetched, not logged: an error before its save
+          self._log_step()
+    except Exception:  # pylint: disable=broad-except  (the save goes on; `error` is reported)
+      pass
     try:
       self._save(step, metrics, force=True)
       self._wait()
