@@ -16,6 +16,17 @@ class NonFiniteStepError(FloatingPointError):
   """A step's loss or gradient norm is NaN or Inf: its state is never saved."""
 
 
+def not_saved(step: int, values: str, saved: int, path: str, lr: float) -> NonFiniteStepError:
+  """The error of a step that is not finite (`values`, as `finite` says them), which is not
+  saved: the newest checkpoint `saved` (0: none) of `path` is where a lower lr resumes."""
+  if saved:
+    return NonFiniteStepError(
+        f"step {step} is not finite ({values}); it was not saved. The newest checkpoint is step "
+        f"{saved} ({path}); lower optim.lr (now {lr}) and run again to resume from it.")
+  return NonFiniteStepError(f"step {step} is not finite ({values}); nothing was saved; lower "
+                            f"optim.lr (now {lr}) and run again.")
+
+
 def finite(metrics: dict) -> tuple[bool, str]:
   """Whether a step's loss and global gradient norm are finite (fetched), and what they are."""
   m = distributed.fetch({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})

@@ -309,10 +309,8 @@ class _Loop:
     self.pending = None
 
   def _log_step(self) -> None:
-    """Logs the record of the newest fetched step, which is not logged yet (its step time: the
-    average over the steps since the last record)."""
-    step, metrics, info, dispatched, now = self.unlogged
-    self.unlogged = None
+    """Logs the newest fetched step's record (its step time: the mean since the last record)."""
+    (step, metrics, info, dispatched, now), self.unlogged = self.unlogged, None
     if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
       info, self.padded = dict(info, compile_padded=self.padded), 0
     took, info = self.window.timing(now, dispatched, info, last=step == self.cfg.train.steps)
@@ -342,13 +340,7 @@ class _Loop:
         # The saved state of the step before led to this one: it is not kept as a step.
         self.ckpt.set_aside_step(self.saved, "diverged")
         self.saved = self.ckpt.latest_step() or 0
-      lr = self.cfg.optim.lr
-      raise NonFiniteStepError(
-          f"step {step} is not finite ({values}); it was not saved. The newest checkpoint is "
-          f"step {self.saved} ({self.ckpt.path}); lower optim.lr (now {lr}) and run again to "
-          "resume from it." if self.saved else
-          f"step {step} is not finite ({values}); nothing was saved; lower optim.lr (now {lr}) "
-          "and run again.")
+      raise step_records.not_saved(step, values, self.saved, self.ckpt.path, self.cfg.optim.lr)
     self._wait()  # the save before: orbax's own wait would raise an old step's removal failure
     self.writing = step
     try:
@@ -412,8 +404,7 @@ class _Loop:
 
   def _emergency_save(self, error: Exception) -> None:
     """After an exception in the loop, saves the newest dispatched step if it finished and is
-    finite, so that a rerun loses nothing, and logs its record as a normal step does (the record
-    of a step a rerun resumes after is never written again); says what it did."""
+    finite (a rerun loses nothing), logging its record as a logged step's; says what it did."""
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
