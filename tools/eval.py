@@ -157,7 +157,7 @@ def cpu_devices(args) -> int:
 def run_config(args) -> tuple[int, Config]:
   """(step, the run's config as that step stored it, --layout and --seq_len applied: its
   init_from fields still lead to the imports it descends from, whose tokenizer and processor
-  `tools.generate`'s defaults find; `build_step` sets the parameters to come from the step);
+  `tools.generate`'s defaults find; `from_step` sets the parameters to come from the step);
   `args` holds the flags workdir, step, layout and seq_len."""
   # pylint: disable=import-outside-toplevel
   import jax
@@ -238,13 +238,12 @@ def _unused_id(samples: list[dict], vocab: int) -> int:
 
 
 def build_step(args, cfg: Config, image_id: int | None):
-  """The eval's Step (meshes and programs), its parameters from the run's step (`from_step`),
-  after checking the config (`run_config`'s) against the flag data."""
+  """The eval's Step (meshes and programs), after checking the config (`run_config`'s, its
+  parameters set to come from the run's step by `from_step`) against the flag data."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax.step import Step
   from mimo_jax.validation import manifest_field, validate
-  from_step(args, cfg)
   without = cfg.data.task == "conversations" and manifest_field(cfg, "image_token") == -1
   if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
     cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
@@ -344,6 +343,7 @@ def run(args: argparse.Namespace) -> dict:
   _say(f"read {count(len(samples), 'sample')} in {time.monotonic() - began:.1f} s; loading step "
        f"{newest} of {args.workdir} ...")
   began = time.monotonic()
+  from_step(args, cfg)
   trainer = build_step(args, cfg, image_id)
   dp = trainer.topo.dp("language")
   bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share
