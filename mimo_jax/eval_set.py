@@ -133,7 +133,8 @@ def scored(samples: list[dict], answers: list, tok: ChatTokenizer, metrics: list
     rows.append({"id": s["id"], **({"position": s["position"]} if "position" in s else {}),
                  "prompt": tok.tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
                  "reference": refs[0] if len(refs) == 1 else refs, "prediction": prediction,
-                 "at_limit": at_limit, "score": {m: scoring.score(m, prediction, refs, items) for m in metrics}})
+                 "at_limit": at_limit,
+                 "score": {m: scoring.score(m, prediction, refs, items) for m in metrics}})
   return rows
 
 

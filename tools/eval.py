@@ -10,10 +10,9 @@ tokenizer and prepared by its processor, found as `tools.generate` finds them). 
 (`"audio"`/`"audios"`, under `--audio`, default the file's folder; each marked by `<audio>`) are
 read as tools.convert reads them (but a path leading out of `--images` or `--audio` is read
 too: the eval set is the user's own, so no --allow_outside_images is asked): decoded,
-resampled, log-mel features of the model's
-model.audio.mel_bins, each `<audio>` as `--audio_markers` whose `--audio_token` stands for the
-clip's tokens; a bad clip is one error naming the record and file. Each sample's
-prompt is its conversation before its last assistant turn; its references are its record's
+resampled, log-mel features of the model's model.audio.mel_bins, each `<audio>` as
+`--audio_markers` whose `--audio_token` stands for the clip's tokens; a bad clip is one error
+naming the record and file. Each sample's prompt is its conversation before its last assistant turn; its references are its record's
 `answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are answered
 greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on its
 own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
@@ -179,17 +178,16 @@ def run_config(args) -> tuple[int, Config]:
   return step, cfg
 
 
-def from_step(args, cfg: Config) -> None:
-  """`cfg`'s parameters set to come from the run's step (--step, else its newest; `_parameters`
-  names the one it loads), through the modules' own start-from-a-run path."""
+def from_step(args, cfg: Config, step: int) -> None:
+  """`cfg`'s parameters set to come from `step` of the run (`run_config`'s; `_parameters` names
+  the one it loads), through the modules' own start-from-a-run path."""
   for name in cfg.topology.names():
     module = cfg.model.module(name)
     if hasattr(module, "init_from"):
       module.init_from = ""
     if getattr(module, "lora", None) is not None:  # the step holds the adapters it trained
       module.lora.init_from = ""
-  step = "" if args.step is None else f":{args.step}"
-  cfg.model.init_from = f"{os.path.abspath(args.workdir)}{step}"
+  cfg.model.init_from = f"{os.path.abspath(args.workdir)}:{step}"
 
 
 def layout_error(layout: str, e: ConfigError) -> ConfigError:
@@ -343,7 +341,7 @@ def run(args: argparse.Namespace) -> dict:
   _say(f"read {count(len(samples), 'sample')} in {time.monotonic() - began:.1f} s; loading step "
        f"{newest} of {args.workdir} ...")
   began = time.monotonic()
-  from_step(args, cfg)
+  from_step(args, cfg, newest)
   trainer = build_step(args, cfg, image_id)
   dp = trainer.topo.dp("language")
   bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share

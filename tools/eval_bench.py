@@ -140,8 +140,8 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   tokens = shapes(args.tiny)["image_tokens"]
   ns = argparse.Namespace(workdir=str(work / "run"), step=None, layout="",
                           seq_len=p["ids"].shape[1] + 1, data=str(work / "run"))
-  _, cfg = eval_tool.run_config(ns)
-  eval_tool.from_step(ns, cfg)
+  step, cfg = eval_tool.run_config(ns)
+  eval_tool.from_step(ns, cfg, step)
   cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
   cfg.data.image_probs = "0,1"
   cfg.data.task, cfg.data.image_token = "conversations", image_id  # as an imported run's eval
