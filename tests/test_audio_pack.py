@@ -15,7 +15,7 @@ from mimo_jax.data.loader import make_layout
 from mimo_jax.data.tokenizer import Tokenizer
 from mimo_jax.encoders import audio as audio_encoder
 from mimo_jax.encoders.audio import AUDIO_TOKEN, AudioConfig
-from mimo_jax.models.layers import ACTIVATIONS
+from mimo_jax.models.activations import ACTIVATIONS
 from mimo_jax.validation import validate
 from tests.helpers import tiny_config
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
-from mimo_jax.models.activations import ACTIVATIONS  # noqa: F401 (the modules' activations)
+from mimo_jax.models.activations import ACTIVATIONS
 from mimo_jax.models import lora
 from mimo_jax.models import norm_kernels
 

@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 
 from mimo_jax.config import LanguageConfig, LoraConfig
+from mimo_jax.models.activations import ACTIVATIONS
 from mimo_jax.models.fp8 import history_length
-from mimo_jax.models.layers import (ACTIVATIONS, Attention, GeluMLP, LayerNorm, linear,
-                                    stacked)
+from mimo_jax.models.layers import Attention, GeluMLP, LayerNorm, linear, stacked
 from mimo_jax.models.whisper_windows import window_tokens
 
 PROJECTORS = ("linear", "mlp")
