@@ -55,7 +55,6 @@ import functools
 import json
 import pathlib
 import queue
-import statistics
 import threading
 import time
 
@@ -345,7 +344,7 @@ class _Watch:
     self.pending.put(None)
     self.thread.join()
     gaps = np.diff(self.stamps)
-    return float(statistics.median(gaps)) if len(gaps) else None
+    return float(np.median(gaps)) if len(gaps) else None
 
 
 def table(rows: list[dict]) -> str:
