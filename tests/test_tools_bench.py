@@ -245,6 +245,31 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
     kernels.dump_hlo(str(dump))
 
 
+def test_kernels_idle_is_the_time_no_kernel_runs_on_any_stream():
+  """The gaps between kernels, streams merged (an overlap is no gap), summed by the programs
+  around them, the longest first; host events and other devices' kernels do not count."""
+  def kernel(ts, dur, name, prog, pid=1):
+    return {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "name": name,
+            "args": {"hlo_module": prog}}
+  events = [kernel(0, 100, "a", "jit_step"), kernel(50, 100, "b", "jit_step"),  # overlap
+            kernel(170, 10, "c", "jit_step"),  # 20 us after b's end
+            kernel(1180, 20, "d", "jit_update"),  # 1000 us after c
+            kernel(1200, 5, "e", "jit_update"),  # touching: no gap
+            kernel(300, 900, "host", "jit_step", pid=2), kernel(5000, 1, "x", "?", pid=3)]
+  gaps = kernels.idle(events, {1})
+  assert gaps["idle_s"] == pytest.approx(1020e-6)
+  assert gaps["span_s"] == pytest.approx(1205e-6)
+  assert gaps["by_programs"] == pytest.approx({"jit_step -> jit_update": 1000e-6,
+                                               "jit_step -> jit_step": 20e-6})
+  assert [(g["after"], g["before"]) for g in gaps["longest"]] == [
+      ("c (jit_step)", "d (jit_update)"), ("b (jit_step)", "c (jit_step)")]
+  summary = kernels.summarize(events, {1: "/device:GPU:0", 2: "/host:CPU"})
+  assert summary["idle"] == gaps
+  text = kernels.report(summary, 1, 0.01, 3)
+  assert "idle between kernels: 0.0010 s/step (84.6% of the traced span)" in text
+  assert "| 1.000 | `c (jit_step)` | `d (jit_update)` |" in text
+
+
 def test_norm_bench_refuses_bad_flags_and_a_machine_without_a_gpu():
   """tools.norm_bench: each is one line (tests/test_norm_kernels.py checks the kernels)."""
   from tools import norm_bench

@@ -17,7 +17,12 @@ Trains `--warmup` steps (compilation), then `--steps` steps as training dispatch
 * the `--top` kernels by total time, with their counts.
 
 Shares are of the summed kernel time on the device (busy time; idle gaps are not kernels), which
-is also printed beside the wall time of the traced steps.
+is also printed beside the wall time of the traced steps, with the device's **idle** time: the
+gaps between its kernels (any stream) from the first traced kernel to the last, a step, and the
+program before and after each gap, summed by that pair (e.g. `jit_fused_step -> jit_fused_step`
+within a program, where it waits for the host, or between two programs), and the longest gaps.
+The trace records the device's kernels and the host's annotations, not the Python interpreter's
+calls (which would slow the host's dispatch, and with it the gaps' measure).
 
 With `--hlo DIR` (a new or empty directory) XLA writes each program's optimized HLO there as
 text, and each kernel that XLA emitted (its fusions; library kernels such as cuBLAS's and cuDNN's
@@ -305,13 +310,37 @@ def summarize(events: list[dict], procs: dict[int, str],
       "parts": {f"{p} / {c}": v for (p, c), v in by_part.items()},
       "sources": [{"source": k, "s": v, "example": examples.get(k, ""), "bytes": source_bytes[k]}
                   for k, v in by_source.most_common()]}
-  return {"total_s": total, "categories": dict(by_cat), **hlo_figures,
+  return {"total_s": total, "categories": dict(by_cat), **hlo_figures, "idle": idle(events, device),
           "programs": {f"{p} / {c}": v for (p, c), v in by_prog.items()},
           "kernels": [{"name": n, "category": c, "s": v, "count": counts[(n, c)],
                        "ops": [[o, t] for o, t in ops[(n, c)].most_common(3)],
                        **({"bytes": kernel_bytes[(n, c)]} if hlo is not None else {})}
                       for (n, c), v in by_kernel.most_common()],
           "device_tracks": sorted(procs[p] for p in device)}
+
+
+def idle(events: list[dict], device: set, longest: int = 8) -> dict:
+  """The device's gaps between kernels, from its first kernel to its last (all its streams as
+  one: a gap is time when none runs): their sum, the span, the sum by the pair of programs
+  around each gap, and the `longest` gaps with the kernels around them."""
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+                  e.get("name", "")[:60], str(e.get("args", {}).get("hlo_module", "") or "?"))
+                 for e in events if e.get("ph") == "X" and e.get("pid") in device and "ts" in e)
+  if not spans:
+    return {"idle_s": 0.0, "span_s": 0.0, "by_programs": {}, "longest": []}
+  gaps, by_programs = [], collections.Counter()
+  end, last = spans[0][1], spans[0]
+  for span in spans[1:]:
+    if span[0] > end:
+      gap = (span[0] - end) / 1e6
+      by_programs[f"{last[3]} -> {span[3]}"] += gap
+      gaps.append((gap, f"{last[2]} ({last[3]})", f"{span[2]} ({span[3]})"))
+    if span[1] > end:
+      end, last = span[1], span
+  gaps.sort(reverse=True)
+  return {"idle_s": sum(g for g, _, _ in gaps), "span_s": (end - spans[0][0]) / 1e6,
+          "by_programs": dict(by_programs.most_common()),
+          "longest": [{"s": g, "after": a, "before": b} for g, a, b in gaps[:longest]]}
 
 
 def report(summary: dict, steps: int, wall_s: float, top: int) -> str:
@@ -322,6 +351,13 @@ def report(summary: dict, steps: int, wall_s: float, top: int) -> str:
            "| category | s/step | share |", "|---|---:|---:|"]
   for cat, v in sorted(summary["categories"].items(), key=lambda kv: -kv[1]):
     lines.append(f"| {cat} | {v / steps:.4f} | {v / total:.1%} |")
+  gaps = summary["idle"]
+  lines += ["", f"idle between kernels: {gaps['idle_s'] / steps:.4f} s/step "
+            f"({gaps['idle_s'] / (gaps['span_s'] or 1.0):.1%} of the traced span)", "",
+            "| programs around the gap | s/step |", "|---|---:|"]
+  lines += [f"| {k} | {v / steps:.4f} |" for k, v in list(gaps["by_programs"].items())[:8]]
+  lines += ["", "| longest gaps: ms | after | before |", "|---:|---|---|"]
+  lines += [f"| {g['s'] * 1e3:.3f} | `{g['after']}` | `{g['before']}` |" for g in gaps["longest"]]
   lines += ["", "| program / category | s/step | share |", "|---|---:|---:|"]
   for key, v in sorted(summary["programs"].items(), key=lambda kv: -kv[1])[:20]:
     lines.append(f"| {key} | {v / steps:.4f} | {v / total:.1%} |")
@@ -390,7 +426,10 @@ def main(argv: list[str] | None = None) -> None:
   run.steps(args.warmup)
   run.compile_ahead(args.warmup, args.steps + 1)
   start = time.perf_counter()
-  with jax.profiler.trace(args.out, create_perfetto_trace=True):
+  # The device's kernels and the host's annotations; not every Python call (jax's default).
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  with jax.profiler.trace(args.out, create_perfetto_trace=True, profiler_options=options):
     run.steps(args.steps)
   wall = time.perf_counter() - start
   summary = summarize(*read_trace(args.out), hlo=read_hlo(args.hlo) if args.hlo else None)
