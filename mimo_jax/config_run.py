@@ -179,3 +179,7 @@ class RunConfig:
   # fastest steps; the timing runs on the GPU, behind any step running there); false = its
   # heuristics choose (programs.HEURISTIC_KERNELS): a compile needs no GPU time.
   autotune: bool = True
+  # GPUs: a loop whose trip count the data decides (the loss's chunks) runs inside XLA's command
+  # buffers (CUDA graphs' conditional nodes, programs.DEVICE_LOOPS) instead of the host reading
+  # its condition at every iteration while the device waits; false = XLA's default.
+  device_loops: bool = True

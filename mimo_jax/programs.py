@@ -243,9 +243,20 @@ def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
 HEURISTIC_KERNELS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
+# XLA's GPU command buffers (CUDA graphs) with its default kinds of command and loops and
+# conditionals (`run.device_loops`): a loop whose trip count the data decides (the loss's chunks,
+# models/head_loss.py) runs inside the graph. Without them the host reads the loop's condition
+# from the device at every iteration, and the device waits while the host launches what follows.
+DEVICE_LOOPS = {"xla_gpu_enable_command_buffer":
+                "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
 def compiler_options(cfg: Config) -> dict | None:
-  """The step programs' XLA options (`run.autotune`); other backends ignore them."""
-  return None if cfg.run.autotune else dict(HEURISTIC_KERNELS)
+  """The step programs' XLA options (`run.autotune`, `run.device_loops`); other backends ignore
+  them."""
+  options = {**({} if cfg.run.autotune else HEURISTIC_KERNELS),
+             **(DEVICE_LOOPS if cfg.run.device_loops else {})}
+  return options or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,3 +229,23 @@ def test_padding_on_a_gpu_needs_heuristic_kernels_and_one_process(data_dir):
   validate_backend(cfg, "gpu")
   with pytest.raises(ConfigError, match=r"run\.while_compiling: pad runs in one process only"):
     validate_backend(cfg, "gpu", processes=2)  # each would pad by its own compiles
+
+
+def test_step_programs_run_data_bound_loops_in_command_buffers_unless_told_not_to(data_dir):
+  """run.device_loops adds loops and conditionals to XLA's command buffers, beside the kinds XLA
+  records by default and beside run.autotune=false's heuristic kernels; XLA accepts the option
+  and a loop whose trip count is data compiles and runs with it."""
+  import jax.numpy as jnp
+  from mimo_jax import programs
+  cfg = tiny_config(data_dir)
+  kinds = programs.compiler_options(cfg)["xla_gpu_enable_command_buffer"].split(",")
+  assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUDNN"} <= set(kinds)
+  cfg.run.autotune = False
+  assert programs.compiler_options(cfg) == {**programs.HEURISTIC_KERNELS, **programs.DEVICE_LOOPS}
+  cfg.run.device_loops = False
+  assert programs.compiler_options(cfg) == programs.HEURISTIC_KERNELS
+  cfg.run.autotune = True
+  assert programs.compiler_options(cfg) is None
+  loop = jax.jit(lambda n, x: jax.lax.fori_loop(0, n, lambda i, a: a * 2, x),
+                 compiler_options=programs.DEVICE_LOOPS)
+  assert float(loop(jnp.int32(5), jnp.float32(1.5))) == 48.0
