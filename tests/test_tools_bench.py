@@ -270,6 +270,13 @@ def test_kernels_idle_is_the_time_no_kernel_runs_on_any_stream():
   assert "| 1.000 | `c (jit_step)` | `d (jit_update)` |" in text
 
 
+def test_kernels_keeps_command_buffers_by_an_xla_flag_beside_the_users(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/x")
+  kernels.keep_command_buffers()
+  assert os.environ["XLA_FLAGS"] == (
+      "--xla_dump_to=/x --xla_enable_command_buffers_during_profiling=true")
+
+
 def test_norm_bench_refuses_bad_flags_and_a_machine_without_a_gpu():
   """tools.norm_bench: each is one line (tests/test_norm_kernels.py checks the kernels)."""
   from tools import norm_bench

@@ -22,7 +22,11 @@ gaps between its kernels (any stream) from the first traced kernel to the last, 
 program before and after each gap, summed by that pair (e.g. `jit_fused_step -> jit_fused_step`
 within a program, where it waits for the host, or between two programs), and the longest gaps.
 The trace records the device's kernels and the host's annotations, not the Python interpreter's
-calls (which would slow the host's dispatch, and with it the gaps' measure).
+calls (which would slow the host's dispatch, and with it the gaps' measure). While traced, XLA
+runs a program kernel by kernel instead of through its command buffers (CUDA graphs), which
+moves the gaps; `--command_buffers` keeps them (`--xla_enable_command_buffers_during_profiling`),
+but the profiler does not see the kernels of a loop recorded into a command buffer
+(`run.device_loops`): their time shows as gaps after `set_while_condition`.
 
 With `--hlo DIR` (a new or empty directory) XLA writes each program's optimized HLO there as
 text, and each kernel that XLA emitted (its fusions; library kernels such as cuBLAS's and cuDNN's
@@ -401,6 +405,13 @@ def dump_hlo(directory: str) -> None:
   jax.config.update("jax_enable_compilation_cache", False)  # a program loaded is not dumped
 
 
+def keep_command_buffers() -> None:
+  """Has XLA run programs through their command buffers while traced, as untraced runs do;
+  before JAX's backend starts."""
+  flag = "--xla_enable_command_buffers_during_profiling=true"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = Parser("kernels", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -415,11 +426,16 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--json", default="", help="write the summary to this file")
   parser.add_argument("--hlo", default="", help="a new or empty directory: XLA writes the "
                       "programs' optimized HLO there and kernels are traced to source lines")
+  parser.add_argument("--command_buffers", action="store_true", help="programs run through "
+                      "XLA's command buffers while traced, as untraced (a recorded loop's kernels "
+                      "are not seen)")
   args = parser.parse_args(argv)
   if args.json:
     output_file("kernels", "--json", args.json)  # written at the end: checked now
   if args.hlo:
     dump_hlo(args.hlo)
+  if args.command_buffers:
+    keep_command_buffers()
   cfg = load_config("kernels", args.config, args.set, args.layout, devices=True)
   run = Run(cfg)
   print(f"{run.topo.describe()}; compiling and warming up", flush=True)
