@@ -21,7 +21,7 @@ from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
 from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
-from tools import bench, encoder_bench, hf_llava_bench, kernels, plan
+from tools import bench, encoder_bench, hf_llava_bench, hlo_dump, kernels, plan
 
 
 def _abstract(cfg):
@@ -197,8 +197,8 @@ def test_hf_llava_bench_refuses_a_feature_layer_outside_the_tower(value, capsys)
   assert f"'{value}': give -24 to -1" in capsys.readouterr().err
 
 _TRACED = """import sys
-from tools import kernels
-kernels.dump_hlo(sys.argv[1])
+from tools import hlo_dump
+hlo_dump.dump_hlo(sys.argv[1])
 import jax
 import jax.numpy as jnp
 def inner(x):
@@ -219,17 +219,17 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
   subprocess.run([sys.executable, str(script), str(dump)], check=True, cwd=root, env=env,
                  timeout=120)
-  hlo = kernels.read_hlo(str(dump))
+  hlo = hlo_dump.read_hlo(str(dump))
   sine = [(name, i) for name, i in hlo["jit_outer"].items() if i.op == "jit(outer)/sin"]
   assert sine, "the sine's instruction is in the dumped program"
   name, found = sine[0]
   assert found.bytes == 2 * 64 * 64 * 4  # reads x once, writes sin(x) once
-  assert kernels.source(found.frames) == "traced.py:7 inner"
+  assert hlo_dump.source(found.frames) == "traced.py:7 inner"
   assert [f.rsplit(" ", 1)[1] for f in found.frames[:2]] == ["inner", "outer"]
   events = [{"ph": "X", "pid": 1, "name": n, "dur": d, "args": {"hlo_module": "jit_outer"}}
             for n, d in ((name.replace(".", "_"), 3e5), ("nvjet_sm90_gemm", 1e6))]
   summary = kernels.summarize(events, {1: "/device:GPU:0"}, hlo)
-  assert summary["sources"][0] == {"source": kernels.UNTRACED, "s": 1.0, "example": "",
+  assert summary["sources"][0] == {"source": hlo_dump.UNTRACED, "s": 1.0, "example": "",
                                    "bytes": 0}
   assert summary["sources"][1]["source"] == "traced.py:7 inner"
   assert summary["sources"][1]["s"] == pytest.approx(0.3)
@@ -242,7 +242,7 @@ def test_kernels_trace_to_the_source_lines_through_the_dumped_hlo(tmp_path):
   assert "| `traced.py:7 inner` |" in text
   assert "| `nvjet_sm90_gemm` | matmul | 1 | 1.0000 | 76.9% | – | – |" in text
   with pytest.raises(SystemExit, match="holds files already"):
-    kernels.dump_hlo(str(dump))
+    hlo_dump.dump_hlo(str(dump))
 
 
 def test_kernels_idle_is_the_time_no_kernel_runs_on_any_stream():
@@ -334,14 +334,14 @@ ENTRY %main (p: f32[8]) -> f32[8] {
 """
   (tmp_path / "a").mkdir()
   (tmp_path / "a" / "m.after_optimizations.txt").write_text(program)
-  moved = {n: i.bytes for n, i in kernels.read_hlo(str(tmp_path / "a"))["jit_t"].items()}
+  moved = {n: i.bytes for n, i in hlo_dump.read_hlo(str(tmp_path / "a"))["jit_t"].items()}
   assert moved["p"] == 32 and moved["t"] == 32 + 8 + 32 and moved["g"] == 8 + 40
   assert moved["f"] == 32 + 8 + 8 + 8  # of p's 32 bytes, the fusion reads the 8 it slices
   (tmp_path / "a" / "n.after_optimizations.txt").write_text(
       program.replace("ROOT %f = f32[8]{0}", "ROOT %f = f32[16]{0}"))
-  merged = kernels.read_hlo(str(tmp_path / "a"))["jit_t"]
+  merged = hlo_dump.read_hlo(str(tmp_path / "a"))["jit_t"]
   assert (merged["f"].bytes, merged["f"].op, merged["g"].bytes) == (0, "jit(t)/mul", 48)
-  assert kernels.shape_bytes("(bf16[16,2]{1,0}, f32[3]{0}, pred[], s8[2,2])") == [64, 12, 1, 4]
+  assert hlo_dump.shape_bytes("(bf16[16,2]{1,0}, f32[3]{0}, pred[], s8[2,2])") == [64, 12, 1, 4]
 
 
 _CASES = [  # (tool, argv, words of the one line)
