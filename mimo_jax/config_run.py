@@ -182,5 +182,6 @@ class RunConfig:
   autotune: bool = True
   # GPUs: a loop whose trip count the data decides (the loss's chunks) runs inside XLA's command
   # buffers (CUDA graphs' conditional nodes, programs.DEVICE_LOOPS) instead of the host reading
-  # its condition at every iteration while the device waits; false = XLA's default.
+  # its condition at every iteration while the device waits; not where a module is pipelined;
+  # false = XLA's default.
   device_loops: bool = True

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mimo_jax import distributed, generate
+from mimo_jax import distributed, generate, programs
 from mimo_jax.batch import Batch, Samples, Text
 from mimo_jax.models import head_loss
 from mimo_jax.models.mimo import embed_merged
@@ -59,7 +59,10 @@ class Evaluator:
     """`generated`: eval_set.Generated (the digits tasks' accuracy, `eval.generate`), whose scores
     join the metrics."""
     self.step, self.generated = step, list(generated)
-    self._eval = jax.jit(functools.partial(language_eval, step.ctx))
+    # The eval loss's chunk loop as the step's (programs.step_options); generation's decoding
+    # loop keeps XLA's default.
+    self._eval = jax.jit(functools.partial(language_eval, step.ctx),
+                         compiler_options=programs.step_options(step.ctx))
     self._answers = {}  # (steps, eos) -> its program
 
   def _answer(self, state, x: Batch, tokens: dict, steps: int, eos: int | None) -> jax.Array:

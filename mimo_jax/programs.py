@@ -243,20 +243,27 @@ def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
 HEURISTIC_KERNELS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
-# XLA's GPU command buffers (CUDA graphs) with its default kinds of command and loops and
-# conditionals (`run.device_loops`): a loop whose trip count the data decides (the loss's chunks,
-# models/head_loss.py) runs inside the graph. Without them the host reads the loop's condition
-# from the device at every iteration, and the device waits while the host launches what follows.
-DEVICE_LOOPS = {"xla_gpu_enable_command_buffer":
-                "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+# XLA's GPU command buffers (CUDA graphs) with the kinds of command XLA records by default, and
+# loops and conditionals (`run.device_loops`): a loop whose trip count the data decides (the
+# loss's chunks, models/head_loss.py) runs inside the graph. Without them the host reads the
+# loop's condition from the device at every iteration, and the device waits while the host
+# launches what follows. XLA leaves loops out itself where the driver cannot (before CUDA 12.3).
+DEVICE_LOOPS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                                 "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
 
 
-def compiler_options(cfg: Config) -> dict | None:
-  """The step programs' XLA options (`run.autotune`, `run.device_loops`); other backends ignore
-  them."""
+def compiler_options(cfg: Config, pipelined: bool = False) -> dict | None:
+  """The step programs' XLA options (`run.autotune`; `run.device_loops` where no module is
+  `pipelined`: a pipeline's schedule has not been run so on a GPU); other backends ignore them.
+  They override XLA_FLAGS' values of the same options."""
   options = {**({} if cfg.run.autotune else HEURISTIC_KERNELS),
-             **(DEVICE_LOOPS if cfg.run.device_loops else {})}
+             **(DEVICE_LOOPS if cfg.run.device_loops and not pipelined else {})}
   return options or None
+
+
+def step_options(ctx: Context) -> dict | None:
+  """`compiler_options` of a step's layout: the training step's programs and the eval loss's."""
+  return compiler_options(ctx.cfg, any(p.schedule.pipelined for p in ctx.plan.modules.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +286,7 @@ class Programs:
   def build(cls, ctx: Context) -> "Programs":
     plan, mode = ctx.plan, ctx.mode
     part = functools.partial
-    jit = part(jax.jit, compiler_options=compiler_options(ctx.cfg))
+    jit = part(jax.jit, compiler_options=step_options(ctx))
     scalar = lambda n: plan.sharding(n, REPLICATED)
     metrics = {"loss": scalar("language"), "mismatches": scalar("language")}
     acc = lambda mode, names: jit(part(accumulator, ctx, mode), out_shardings={

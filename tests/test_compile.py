@@ -233,13 +233,17 @@ def test_padding_on_a_gpu_needs_heuristic_kernels_and_one_process(data_dir):
 
 def test_step_programs_run_data_bound_loops_in_command_buffers_unless_told_not_to(data_dir):
   """run.device_loops adds loops and conditionals to XLA's command buffers, beside the kinds XLA
-  records by default and beside run.autotune=false's heuristic kernels; XLA accepts the option
-  and a loop whose trip count is data compiles and runs with it."""
+  records by default and beside run.autotune=false's heuristic kernels, where no module is
+  pipelined; XLA accepts the option and a loop whose trip count is data compiles and runs with
+  it."""
   import jax.numpy as jnp
   from mimo_jax import programs
   cfg = tiny_config(data_dir)
   kinds = programs.compiler_options(cfg)["xla_gpu_enable_command_buffer"].split(",")
-  assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUDNN"} <= set(kinds)
+  assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN"} <= set(
+      kinds)
+  assert programs.step_options(Step.build(cfg).ctx) == programs.DEVICE_LOOPS
+  assert programs.compiler_options(cfg, pipelined=True) is None
   cfg.run.autotune = False
   assert programs.compiler_options(cfg) == {**programs.HEURISTIC_KERNELS, **programs.DEVICE_LOOPS}
   cfg.run.device_loops = False
