@@ -268,6 +268,14 @@ def test_kernels_idle_is_the_time_no_kernel_runs_on_any_stream():
   text = kernels.report(summary, 1, 0.01, 3)
   assert "idle between kernels: 0.0010 s/step (84.6% of the traced span)" in text
   assert "| 1.000 | `c (jit_step)` | `d (jit_update)` |" in text
+  # Two devices each on its own: one's kernels do not fill the other's gaps.
+  other = [kernel(t, 50, "k", "jit_step", pid=4) for t in (50, 150)]
+  both = kernels.idle(events + other, {1, 4})
+  assert both["idle_s"] == pytest.approx(1070e-6) and both["span_s"] == pytest.approx(1355e-6)
+  assert kernels.idle([], {1}) == {"idle_s": 0.0, "span_s": 0.0, "by_programs": {},
+                                   "longest": []}
+  assert "idle between" not in kernels.report(kernels.summarize([], {1: "/device:GPU:0"}), 1,
+                                              0.01, 3)
 
 
 def test_kernels_keeps_command_buffers_by_an_xla_flag_beside_the_users(monkeypatch):

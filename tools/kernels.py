@@ -18,9 +18,11 @@ Trains `--warmup` steps (compilation), then `--steps` steps as training dispatch
 
 Shares are of the summed kernel time on the device (busy time; idle gaps are not kernels), which
 is also printed beside the wall time of the traced steps, with the device's **idle** time: the
-gaps between its kernels (any stream) from the first traced kernel to the last, a step, and the
-program before and after each gap, summed by that pair (e.g. `jit_fused_step -> jit_fused_step`
-within a program, where it waits for the host, or between two programs), and the longest gaps.
+gaps between its kernels (any stream) from the first traced kernel to the last, a step (summed
+over the devices, each on its own), and the program before and after each gap, summed by that
+pair (e.g. `jit_fused_step -> jit_fused_step`: within a program, where it waits for the host, or
+between two runs of it; `jit_fused_step -> jit_update`: between two programs), and the longest
+gaps.
 The trace records the device's kernels and the host's annotations, not the Python interpreter's
 calls (which would slow the host's dispatch, and with it the gaps' measure). While traced, XLA
 runs a program kernel by kernel instead of through its command buffers (CUDA graphs), which
@@ -140,25 +142,30 @@ def summarize(events: list[dict], procs: dict[int, str],
 
 
 def idle(events: list[dict], device: set, longest: int = 8) -> dict:
-  """The device's gaps between kernels, from its first kernel to its last (all its streams as
-  one: a gap is time when none runs): their sum, the span, the sum by the pair of programs
-  around each gap, and the `longest` gaps with the kernels around them."""
-  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
-                  e.get("name", "")[:60], str(e.get("args", {}).get("hlo_module", "") or "?"))
-                 for e in events if e.get("ph") == "X" and e.get("pid") in device and "ts" in e)
-  if not spans:
-    return {"idle_s": 0.0, "span_s": 0.0, "by_programs": {}, "longest": []}
-  gaps, by_programs = [], collections.Counter()
-  end, last = spans[0][1], spans[0]
-  for span in spans[1:]:
-    if span[0] > end:
-      gap = (span[0] - end) / 1e6
-      by_programs[f"{last[3]} -> {span[3]}"] += gap
-      gaps.append((gap, f"{last[2]} ({last[3]})", f"{span[2]} ({span[3]})"))
-    if span[1] > end:
-      end, last = span[1], span
+  """The devices' gaps between kernels, each device from its first kernel to its last (its
+  streams as one: a gap is time when none of them runs): their sum and the spans' over the
+  devices, the sum by the pair of programs around each gap, and the `longest` gaps with the
+  kernels around them."""
+  spans = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device and "ts" in e:
+      spans[e["pid"]].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+                              e.get("name", "")[:60],
+                              str(e.get("args", {}).get("hlo_module", "") or "?")))
+  gaps, by_programs, span_s = [], collections.Counter(), 0.0
+  for track in spans.values():
+    track.sort()
+    end, last = track[0][1], track[0]
+    for span in track[1:]:
+      if span[0] > end:
+        gap = (span[0] - end) / 1e6
+        by_programs[f"{last[3]} -> {span[3]}"] += gap
+        gaps.append((gap, f"{last[2]} ({last[3]})", f"{span[2]} ({span[3]})"))
+      if span[1] > end:
+        end, last = span[1], span
+    span_s += (end - track[0][0]) / 1e6
   gaps.sort(reverse=True)
-  return {"idle_s": sum(g for g, _, _ in gaps), "span_s": (end - spans[0][0]) / 1e6,
+  return {"idle_s": sum((g for g, _, _ in gaps), 0.0), "span_s": span_s,
           "by_programs": dict(by_programs.most_common()),
           "longest": [{"s": g, "after": a, "before": b} for g, a, b in gaps[:longest]]}
 
@@ -172,12 +179,14 @@ def report(summary: dict, steps: int, wall_s: float, top: int) -> str:
   for cat, v in sorted(summary["categories"].items(), key=lambda kv: -kv[1]):
     lines.append(f"| {cat} | {v / steps:.4f} | {v / total:.1%} |")
   gaps = summary["idle"]
-  lines += ["", f"idle between kernels: {gaps['idle_s'] / steps:.4f} s/step "
-            f"({gaps['idle_s'] / (gaps['span_s'] or 1.0):.1%} of the traced span)", "",
-            "| programs around the gap | s/step |", "|---|---:|"]
-  lines += [f"| {k} | {v / steps:.4f} |" for k, v in list(gaps["by_programs"].items())[:8]]
-  lines += ["", "| longest gaps: ms | after | before |", "|---:|---|---|"]
-  lines += [f"| {g['s'] * 1e3:.3f} | `{g['after']}` | `{g['before']}` |" for g in gaps["longest"]]
+  if gaps["span_s"]:  # a trace of timed kernels
+    lines += ["", f"idle between kernels: {gaps['idle_s'] / steps:.4f} s/step "
+              f"({gaps['idle_s'] / gaps['span_s']:.1%} of the traced span)", "",
+              "| programs around the gap | s/step |", "|---|---:|"]
+    lines += [f"| {k} | {v / steps:.4f} |" for k, v in list(gaps["by_programs"].items())[:8]]
+    lines += ["", "| longest gaps: ms | after | before |", "|---:|---|---|"]
+    lines += [f"| {g['s'] * 1e3:.3f} | `{g['after']}` | `{g['before']}` |"
+              for g in gaps["longest"]]
   lines += ["", "| program / category | s/step | share |", "|---|---:|---:|"]
   for key, v in sorted(summary["programs"].items(), key=lambda kv: -kv[1])[:20]:
     lines.append(f"| {key} | {v / steps:.4f} | {v / total:.1%} |")
