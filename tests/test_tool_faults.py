@@ -482,6 +482,11 @@ def _variant(launch: pathlib.Path, name: str, edit) -> pathlib.Path:
   return out
 
 
+def _swap_two(model: dict) -> None:
+  a, b = list(model["vocab"])[:2]
+  model["vocab"][a], model["vocab"][b] = model["vocab"][b], model["vocab"][a]
+
+
 def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, capsys):
   launch = run.parent
   bigger = _variant(launch, "tok_bigger", lambda m: m["vocab"].update(
@@ -501,6 +506,11 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
   assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(smaller)]) == 2
   _error(capsys, "tools.generate", "--tokenizer", "tokens where the model has 64")
   manifest_file.write_text(json.dumps(dict(older, vocab_size=64)))
+  # A tokenizer of the same size whose ids are not the run's (two swapped) is another model's.
+  swapped = _variant(launch, "tok_swapped", _swap_two)
+  assert generate_tool.main([str(run), "--prompt", "hello", "--tokenizer", str(swapped)]) == 2
+  _error(capsys, "tools.generate", "--tokenizer", "is not the run's tokenizer",
+         "2 tokens have other ids")
   strict = _variant(launch, "tok_strict", lambda m: m.update(unk_token="<none>"))
   manifest = json.loads(manifest_file.read_text())
   assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \

@@ -5,6 +5,8 @@ audio files made log-mel windows as the converter makes them."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 
 from mimo_jax.config import Config, ConfigError
@@ -32,6 +34,31 @@ def check_vocab(tok, cfg: Config, found: dict, given: bool) -> None:
     raise ConfigError(f"{where} has {vocab} tokens where the model has {model} "
                       "(model.language.vocab_size): it is another model's; give this model's "
                       "tokenizer with --tokenizer DIR.")
+  run = found["tokenizer"]  # the run's own, where it can be found: the same ids, token by token
+  if not given or not run or pathlib.Path(run).resolve() == pathlib.Path(tok.path).resolve():
+    return
+  theirs = _vocabulary(pathlib.Path(run))
+  if theirs is None:  # unreadable: the sizes above are the check
+    return
+  ours = tok.tokenizer.get_vocab(with_added_tokens=True)
+  other = sorted(t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t))
+  if other:
+    t = other[0]
+    raise ConfigError(f"{where} is not the run's tokenizer {run} ({found['record']}): "
+                      f"{count(len(other), 'token')} {'has' if len(other) == 1 else 'have'} other "
+                      f"ids or none there (e.g. {t!r}: "
+                      f"{ours.get(t)} here, {theirs.get(t)} there); leave --tokenizer out to use "
+                      "the run's, or give a tokenizer of the same vocabulary.")
+
+
+def _vocabulary(directory: pathlib.Path) -> dict[str, int] | None:
+  """A tokenizer directory's token -> id, added tokens included; None where it cannot be read."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  try:
+    return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab(
+        with_added_tokens=True)
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: int,
