@@ -140,6 +140,19 @@ def _read_image(f: str, where: str):
     raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 
 
+def _assistant_marks(msgs: list[dict], where: str, image_mark: str) -> None:
+  """A RecordError where an assistant turn holds an image's or a clip's mark: its tokens would be
+  a target (the assistant's turns are what the model learns to say)."""
+  for k, m in enumerate(msgs):
+    if m["role"] != "assistant":
+      continue
+    for medium, mark in (("image", image_mark), ("audio", audio_records.MARK)):
+      if mark in m["content"]:
+        raise RecordError(f"{medium} in assistant turn", f"{where}: assistant turn {k} holds "
+                          f"{mark}, which would be trained as the model's answer; images and "
+                          "clips go in a user turn.")
+
+
 def _held(images: int, image_tokens: int, clip_tokens: list[int]) -> str:
   """" (2 images of 576 tokens; clips of 750, 375 tokens)": what a sample's media take."""
   held = []
@@ -170,7 +183,7 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
                       f"lists {words.count(len(files), 'image')}.")
   pixels = [_read_image(f, where) for f in files]
-  msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
+  written, (msgs, clips) = msgs, audio_records.convert(record, msgs, where, opts.audio)
   try:
     ids, mask = w["tok"].encode(msgs, strict=True)
   except UnknownToken as e:
@@ -181,6 +194,7 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("assistant first", f"{where}: {e}") from None
   except ChatError as e:
     raise RecordError("template", f"{where}: {e}") from None
+  _assistant_marks(written, where, opts.image_token)  # after the template's own errors
   found = int((ids == w["image_id"]).sum()) if w["image_id"] is not None else 0
   if found != len(files):
     raise RecordError("image count", f"{where}: {found} image tokens after tokenizing, for "
