@@ -46,7 +46,8 @@ conversion, or a place that cannot be written is refused.
 Bad records (a missing, corrupt or too large image, an unsupported one (a float image with values
 outside [0, 1], a 32-bit integer image), an id that is not a string or an integer, an image field
 that is not a path or a list of paths, an image path leading out of `--images` by `..`, an absolute
-path or a symbolic link, an `<image>` count other than the images listed, turns that are not objects
+path or a symbolic link, an `<image>` count other than the images listed, an `<image>` or `<audio>`
+in an assistant turn (images and clips go in a user turn), turns that are not objects
 with text values, a word the tokenizer cannot encode or encodes as its unknown token (`[UNK]`: a
 word outside the vocabulary), a sample longer than `--seq_len` once each
 image takes `--image_tokens`, an unknown role, no assistant turn, an assistant turn first where the
