@@ -379,11 +379,19 @@ class Checkpointer:
   def read_base(self, step: int, meta: dict, wanted: dict) -> dict:
     """The frozen weights `wanted` (per module: path -> abstract array) that `step` leaves to
     its base, read from the base's step after checking that it holds the weights the run was
-    trained on (its fingerprints, as the step recorded them)."""
+    trained on (its fingerprints, as the step recorded them). A file or folder of the base that
+    this user may not read (a folder that may be entered but not listed too) is PermissionDenied
+    naming it, as the run's own are, with checkpoint.base as the other fix."""
     if not any(wanted.values()):
       return {n: {} for n in wanted}
-    b = meta["base"]
-    folder = base_folder(self.path, b["path"], self.moved_base)
+    folder = base_folder(self.path, meta["base"]["path"], self.moved_base)
+    try:
+      return self._base_weights(step, meta["base"], folder, wanted)
+    except (PermissionError, PermissionDenied) as e:  # listed here, or read (`_fail`)
+      path = e.path if isinstance(e, PermissionDenied) else e.filename or folder
+      raise PermissionDenied(os.fspath(path), base_of=step) from None
+
+  def _base_weights(self, step: int, b: dict, folder: str, wanted: dict) -> dict:
     named = f"{folder} step {b['step']}"
     where = f"checkpoint {self.path} step {step} holds its trained weights; its frozen base"
     move = ("put it back, or name the folder that holds that step now with "

@@ -20,9 +20,10 @@ from mimo_jax.config import ConfigError
 class PermissionDenied(ConfigError):
   """A checkpoint's file or folder that this user may not read (its mode, or another user's
   folder): a sign of its permissions, not of damage, so its step is neither moved aside nor
-  passed over for an older one. The run or tool stops, naming it and the fix."""
+  passed over for an older one. The run or tool stops, naming it and the fix. `base_of`: the
+  step whose frozen base weights it holds (`Base`), which a run may read elsewhere instead."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, base_of: int | None = None):
     try:
       uid = os.stat(path).st_uid
     except OSError:
@@ -34,10 +35,14 @@ class PermissionDenied(ConfigError):
       except KeyError:
         owner = f"uid {uid}"
       fix += f", or run as the user that owns it ({owner})"
-    kind = "folder" if os.path.isdir(path) else "file"
-    super().__init__(f"cannot read the checkpoint {kind} {path}: permission denied; {fix}, and "
-                     "run the same command again (nothing was moved aside or deleted).")
-    self.path = path
+    kind, of = "folder" if os.path.isdir(path) else "file", ""
+    if base_of is not None:
+      of = f" (the frozen base of step {base_of})"
+      fix += (", or name another copy of that base with --config.checkpoint.base=DIR (a workdir "
+              "or its checkpoints folder)")
+    super().__init__(f"cannot read the checkpoint {kind} {path}{of}: permission denied; {fix}, "
+                     "and run the same command again (nothing was moved aside or deleted).")
+    self.path, self.base_of = path, base_of
 
 
 def unreadable(folder: str) -> str | None:

@@ -92,6 +92,55 @@ def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damage
     assert listing() == before  # nothing moved aside, written or deleted
 
 
+def test_a_base_folder_this_user_may_not_list_is_named_with_the_fix(tmp_path, monkeypatch):
+  """A LoRA run's frozen base (checkpoint_steps.Base) in a folder this user may enter but not
+  list (mode 711, or another user's: simulated, as root lists them) stops a resume with one line
+  naming that folder and the fix, checkpoint.base among it, as the run's own folder does; never a
+  raw PermissionError, and nothing moved aside."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from mimo_jax.checkpoint_steps import Base  # pylint: disable=import-outside-toplevel
+  w, a = np.arange(4, dtype=np.float32), np.ones((2,), np.float32)
+  base, run = tmp_path / "base" / "checkpoints", tmp_path / "run" / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(base), ["language"], async_save=False)
+  zero = ckpt.save(0, {"language": ModuleState({"w": w, "a": a}, None)}, Config(), force=True,
+                   params_only=True)["fingerprints"]["language"]
+  ckpt.close()
+  ckpt = checkpoint.Checkpointer(str(run), ["language"], async_save=False)
+  ckpt.base = Base(str(base), 0, {"language": {"params/w": zero["params/w"]}})  # w stays there
+  ckpt.save(2, {"language": ModuleState({"w": w, "a": a}, {"mu": a})}, Config(), force=True)
+  ckpt.close()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+  abstract = {"language": {"params": {"w": spec(w), "a": spec(a)}, "opt_state": {"mu": spec(a)}}}
+
+  def resume():
+    ckpt = checkpoint.Checkpointer(str(run), ["language"])  # as a run opens it
+    try:
+      return ckpt.restore(ckpt.resume_step(), abstract, Config())[0]["language"].params
+    finally:
+      ckpt.close()
+  np.testing.assert_array_equal(resume()["w"], w)  # read from the base
+  listing = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  before = listing()
+  listdir, scandir = os.listdir, os.scandir
+  for denied in (base / "0", base):  # its step's folder, its checkpoints folder
+    def no_list(name=".", fn=listdir, denied=denied):
+      if os.path.abspath(os.fspath(name)) == str(denied):
+        raise PermissionError(13, "Permission denied", os.fspath(name))
+      return fn(name)
+    with monkeypatch.context() as patch:
+      patch.setattr(os, "listdir", no_list)
+      patch.setattr(os, "scandir", lambda name=".", d=denied: no_list(name, scandir, d))
+      with pytest.raises(ConfigError) as err:
+        resume()
+    assert str(err.value) == (
+        f"cannot read the checkpoint folder {denied} (the frozen base of step 2): "
+        "permission denied; fix its permissions, or name another copy of that base with "
+        "--config.checkpoint.base=DIR (a workdir or its checkpoints folder), and run the same "
+        "command again (nothing was moved aside or deleted).")
+  assert listing() == before  # nothing moved aside, written or deleted
+
+
 def test_the_tools_usage_names_the_module_it_runs_as(capsys):
   """`python -m tools.ckpt --help` shows the command that runs it (not `tools.tools.ckpt`); its
   errors stay one line starting `tools.ckpt: error:`."""
