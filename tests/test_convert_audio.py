@@ -47,10 +47,9 @@ BAD = {
 }
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-  """A tokenizer with Qwen2-Audio's audio tokens, images/, audio/ and records good and bad."""
-  root = tmp_path_factory.mktemp("avlm")
+def media_source(root: pathlib.Path, clips: tuple[str, ...]) -> pathlib.Path:
+  """`root` with tokenizer/ (the Llama-3 chat fixture with Qwen2-Audio's audio tokens),
+  images/portrait.png and audio/ holding the fixtures' `clips`."""
   tok_dir = root / "tokenizer"
   shutil.copytree(FIXTURES / "chat" / "llama3", tok_dir)
   tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
@@ -59,8 +58,16 @@ def source(tmp_path_factory):
   (root / "images").mkdir()
   shutil.copy(FIXTURES / "images" / "portrait.png", root / "images")
   (root / "audio").mkdir()
-  for f in ("one_second.flac", "speech.flac", "long_45s.flac"):
+  for f in clips:
     shutil.copy(FIXTURES / "audio" / f, root / "audio")
+  return root
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  """A tokenizer with Qwen2-Audio's audio tokens, images/, audio/ and records good and bad."""
+  root = media_source(tmp_path_factory.mktemp("avlm"),
+                      ("one_second.flac", "speech.flac", "long_45s.flac"))
   (root / "audio" / "broken.flac").write_bytes(b"fLaC not really")
   (root / "audio" / "clip.xyz").write_bytes(b"??")
   soundfile.write(root / "audio" / "empty.wav", np.zeros(0, np.float32), audio.SAMPLE_RATE)

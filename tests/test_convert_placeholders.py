@@ -5,13 +5,11 @@ message names the record, the turn and the fix. A placeholder in a user turn con
 outside the loss."""
 
 import json
-import shutil
 
 import pytest
-from tokenizers import Tokenizer
 
 from mimo_jax.data import conversations, conversion_files
-from tests.test_convert_audio import MARKERS, _samples
+from tests.test_convert_audio import _samples, media_source
 from tests.test_convert_faults import FIXTURES, _leftovers, _main, _one_line_error
 
 FIX = "images and clips go in a user turn"
@@ -37,16 +35,7 @@ BAD = {  # each lists as many images or clips as its text marks: the counts agre
 def src(tmp_path_factory):
   """A tokenizer with Qwen2-Audio's audio tokens, images/, audio/ and image.json, audio.json
   (the good records, then one bad) and both.json (the good records, then both bad ones)."""
-  root = tmp_path_factory.mktemp("placeholders")
-  tok_dir = root / "tokenizer"
-  shutil.copytree(FIXTURES / "chat" / "llama3", tok_dir)
-  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-  tok.add_special_tokens(MARKERS)
-  tok.save(str(tok_dir / "tokenizer.json"))
-  (root / "images").mkdir()
-  shutil.copy(FIXTURES / "images" / "portrait.png", root / "images")
-  (root / "audio").mkdir()
-  shutil.copy(FIXTURES / "audio" / "one_second.flac", root / "audio")
+  root = media_source(tmp_path_factory.mktemp("placeholders"), ("one_second.flac",))
   for name, record in BAD.items():
     (root / f"{name}.json").write_text(json.dumps(GOOD + [record]))
   (root / "both.json").write_text(json.dumps(GOOD + list(BAD.values())))
