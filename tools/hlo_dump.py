@@ -205,5 +205,10 @@ def dump_hlo(directory: str) -> None:
                      "directory")
   os.makedirs(directory, exist_ok=True)
   flags = f"--xla_dump_to={directory} --xla_dump_hlo_as_text"
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+  add_xla_flags(flags)
   jax.config.update("jax_enable_compilation_cache", False)  # a program loaded is not dumped
+
+
+def add_xla_flags(flags: str) -> None:
+  """`flags` after XLA_FLAGS' own (before JAX's backend starts: XLA reads them once)."""
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()

@@ -56,8 +56,8 @@ import jax
 
 from tools.bench import Run
 from tools.common import Parser, load_config, number, output_file
-from tools.hlo_dump import (UNTRACED, Instruction, dump_hlo, instruction, part, read_hlo,
-                            source)
+from tools.hlo_dump import (UNTRACED, Instruction, add_xla_flags, dump_hlo, instruction, part,
+                            read_hlo, source)
 
 CATEGORIES = (
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective", re.I)),
@@ -220,8 +220,7 @@ def _traffic(moved: int, seconds: float, steps: int) -> str:
 def keep_command_buffers() -> None:
   """Has XLA run programs through their command buffers while traced, as untraced runs do;
   before JAX's backend starts."""
-  flag = "--xla_enable_command_buffers_during_profiling=true"
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  add_xla_flags("--xla_enable_command_buffers_during_profiling=true")
 
 
 def main(argv: list[str] | None = None) -> None:
