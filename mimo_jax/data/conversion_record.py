@@ -183,7 +183,8 @@ def convert_record(record: dict, where: str) -> dict:
     raise RecordError("image count", f"{where}: its text has {marks} {opts.image_token} but it "
                       f"lists {words.count(len(files), 'image')}.")
   pixels = [_read_image(f, where) for f in files]
-  written, (msgs, clips) = msgs, audio_records.convert(record, msgs, where, opts.audio)
+  written = msgs  # the turns as the record has them, before `<audio>` becomes its markers
+  msgs, clips = audio_records.convert(record, msgs, where, opts.audio)
   try:
     ids, mask = w["tok"].encode(msgs, strict=True)
   except UnknownToken as e:
