@@ -136,6 +136,7 @@ class Checkpointer:
     self.moved_base = ""  # checkpoint.base: where a base named by a step is now
     self.notes = []  # what a restore did beyond reading the step as saved, for the run's log
     self._data = {}  # the data fingerprint, computed once per run (data.identity.fingerprint)
+    self._trees = {}  # step -> orbax's metadata of its items, read once (it opens every array)
     handlers[META] = ocp.JsonCheckpointHandler()
     # orbax lists the uncommitted folders as steps until `tidy` moves them: it warns that their
     # metadata is missing, which is why they are not steps.
@@ -232,6 +233,7 @@ class Checkpointer:
       layout.settle(trees)
     items = {n: ocp.args.PyTreeSave(t) for n, t in trees.items()}
     items[META] = ocp.args.JsonSave(meta)
+    self._trees.clear()
     self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
     return meta
 
@@ -258,15 +260,23 @@ class Checkpointer:
   def saved_arrays(self, step: int, modules: list[str]) -> dict[str, dict]:
     """Each module's saved arrays by path (`params/...`, `opt_state/...`): their metadata, as
     orbax recorded the tree it wrote."""
+    trees = self._saved_trees(step, modules)
+    return {n: fingerprint.paths(t) for n, t in trees.items()}
+
+  def _saved_trees(self, step: int, modules) -> dict:
+    """orbax's metadata of each module's saved tree: read once a step (orbax opens every array
+    for it, a second or more for a model's state), until this checkpointer saves again."""
     quiet_failed_reads()
     try:
-      items = self._mngr.item_metadata(step)
+      if step not in self._trees:
+        self._trees[step] = self._mngr.item_metadata(step)
+      items = self._trees[step]
       trees = {n: getattr(items[n], "tree", items[n]) for n in modules}
       if any(t is None for t in trees.values()):
         raise ValueError("no tree metadata")
     except Exception as e:  # pylint: disable=broad-except
       self._fail(step, f"could not be restored: {read_failure(e)}")
-    return {n: fingerprint.paths(t) for n, t in trees.items()}
+    return trees
 
   def read(self, step: int, wanted: dict[str, dict], meta: dict) -> dict[str, dict]:
     """The arrays `wanted` names (per module: path -> abstract array with this run's sharding)
@@ -277,26 +287,30 @@ class Checkpointer:
     multi = jax.process_count() > 1
     gathered = {n for n, w in wanted.items() if multi and w and not layout.spans_processes(w)}
     targets = {n: layout.global_abstract(w) if n in gathered else w for n, w in wanted.items()}
-    args = {}
-    quiet_failed_reads()
+    args, checks = {}, None
+    saved_trees = self._saved_trees(step, list(targets))
     try:
-      items = self._mngr.item_metadata(step)
       for n, target in targets.items():
-        tree = getattr(items[n], "tree", items[n])
         item = jax.tree_util.tree_map_with_path(
             lambda p, x, t=target: as_saved(t[path_str(p)], x) if path_str(p) in t else
-            ocp.PLACEHOLDER, tree)
+            ocp.PLACEHOLDER, saved_trees[n])
         restore_args = jax.tree.map(
             lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
                                            dtype=t.dtype)
             if isinstance(t, jax.ShapeDtypeStruct) else ocp.RestoreArgs(), item)
         args[n] = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+      if not multi:  # the fingerprints' programs compile while the arrays are read
+        checks = fingerprint.compile_ahead([
+            {k: a for k, a in fingerprint.paths(args[n].item).items()
+             if isinstance(a, jax.ShapeDtypeStruct)} for n in targets])
       restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
       got = {n: {k: v for k, v in fingerprint.paths(restored[n]).items() if k in targets[n]}
              for n in targets}
       failed = None
     except Exception as e:  # pylint: disable=broad-except
       got, failed = None, f"could not be restored: {read_failure(e)}"
+    if checks is not None:
+      checks.join()
     if failed:
       self._fail(step, failed)
     if multi:

@@ -10,6 +10,8 @@ from what they read.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,22 @@ def on_device(tree) -> dict[str, list[int]]:
   named = paths(tree)
   fps = distributed.fetch(_device(list(named.values())))
   return {k: [int(v[0]), int(v[1])] for k, v in zip(named, fps)}
+
+
+def compile_ahead(trees: list[dict]) -> threading.Thread:
+  """Compiles, in a thread, the programs `on_device` will run on each of `trees` (path ->
+  ShapeDtypeStruct with its sharding, as the arrays will be when read): a restore starts it
+  before its read and joins it after, so that the compiles take none of the restore's time. A
+  compile that fails here is left to `on_device`, which compiles again and raises."""
+  def compile_all():
+    for tree in trees:
+      try:
+        _device.lower(list(paths(tree).values())).compile()
+      except Exception:  # pylint: disable=broad-except
+        pass
+  thread = threading.Thread(target=compile_all, name="fingerprint-compile", daemon=True)
+  thread.start()
+  return thread
 
 
 def on_host(tree) -> dict[str, list[int]]:
