@@ -278,6 +278,34 @@ def test_a_params_only_step_pins_no_data(data_dir, tmp_path):
   assert set(state) == set(step.modules) and not ckpt.notes
 
 
+def test_a_restore_reads_orbax_metadata_once_and_compiles_its_checks_beside_the_read(
+    data_dir, tmp_path, monkeypatch, caplog):
+  """orbax's metadata of a step opens every array: a restore reads it once. The fingerprints'
+  programs compile in a thread of their own while the arrays are read, and the check on the read
+  arrays compiles nothing more."""
+  import logging  # pylint: disable=import-outside-toplevel
+  ckpt, step = _saved(tmp_path, tiny_config(data_dir), params_only=False)
+  reads = []
+  metadata = ckpt._mngr.item_metadata  # pylint: disable=protected-access
+  monkeypatch.setattr(ckpt._mngr, "item_metadata",  # pylint: disable=protected-access
+                      lambda s: reads.append(s) or metadata(s))
+  jax.clear_caches()  # the fingerprint programs compile in this restore, not before it
+  caplog.set_level(logging.WARNING)
+  logged = jax.config.jax_log_compiles
+  jax.config.update("jax_log_compiles", True)  # for every thread (the context is per thread)
+  try:
+    state, _ = ckpt.restore(1, step.abstract_state(canonical=True), tiny_config(data_dir),
+                            step.fresh_opt_state)
+  finally:
+    jax.config.update("jax_log_compiles", logged)
+  ckpt.close()
+  assert reads == [1]
+  compiles = [r.threadName for r in caplog.records
+              if r.getMessage().startswith("Compiling jit(_device)")]
+  assert compiles == ["fingerprint-compile"] * len(step.modules), compiles
+  assert set(state) == set(step.modules)
+
+
 def test_other_converted_data_is_refused_unless_allowed(data_dir, tmp_path):
   """Converted data (data.task=conversations) is fingerprinted in the meta: another data.dir
   with other records is refused naming it and the flag, allowed with the flag; the same data
