@@ -174,20 +174,18 @@ class StepWindow:
   def restart(self, now: float) -> None:
     self.start, self.steps, self.tokens = now, 0, 0
 
-  def timing(self, now: float, dispatched: float, info: dict, last: bool) -> tuple[float, dict]:
+  def timing(self, now: float, dispatched: float, info: dict) -> tuple[float, dict]:
     """A record's step time, and its batch info with tokens averaged like it.
 
     Averaged over the window: a single interval between completions is noisy when metrics are
-    fetched one step late. The last step has no successor whose dispatch hides its start, so it
-    is also timed from its own dispatch.
+    fetched one step late. The last step is timed like the others: from its dispatch it would
+    also count its wait behind the step before it, which the loop dispatches it beside.
     """
     if self.steps:
       took = (now - self.start) / self.steps
       info = dict(info, tokens=self.tokens / self.steps)
     else:  # the first step logged alone: from its dispatch, compilation included
       took = now - dispatched
-    if last:
-      took = max(took, now - dispatched)
     return took, info
 
 

@@ -313,7 +313,7 @@ class _Loop:
     (step, metrics, info, dispatched, now), self.unlogged = self.unlogged, None
     if "compile_padded" in info:  # the microbatches of the record's steps that ran padded
       info, self.padded = dict(info, compile_padded=self.padded), 0
-    took, info = self.window.timing(now, dispatched, info, last=step == self.cfg.train.steps)
+    took, info = self.window.timing(now, dispatched, info)
     self._log(step_records.record(step, metrics, info, took, float(self.lr_at[step - 1])))
     self.window.restart(now)
 

@@ -89,6 +89,17 @@ def test_first_window_step_time_excludes_compilation(stage1):
   assert record[0]["step_time_s"] < COMPILE_S / STEPS / 2, record[0]
 
 
+def test_the_last_record_is_its_windows_mean_not_its_wait_behind_the_step_before():
+  """The loop dispatches a step while the one before it runs: the last step's time from its
+  dispatch holds that wait too (twice the step where the host runs ahead)."""
+  from mimo_jax.metrics import StepWindow  # pylint: disable=import-outside-toplevel
+  window = StepWindow()
+  for end in (10.0, 11.0, 12.0, 13.0):  # the first step's end starts the window
+    window.completed(end, 100)
+  took, info = window.timing(13.0, 11.0, {"tokens": 100})  # the last, dispatched at 11.0
+  assert (took, info["tokens"]) == (1.0, 100)
+
+
 def test_resume_training_more_groups(data_dir, stage1, tmp_path, capsys):
   """Stage 1 -> stage 2 in the same workdir: optim.freeze=vision,language then vision. The
   language model starts with fresh Adam moments (and the LR schedule at the run's step), the
