@@ -4,20 +4,24 @@ the single-device LoRA trajectory."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from mimo_jax import memory
-from mimo_jax.config import ConfigError
+from mimo_jax.config import ConfigError, ModuleTopology
 from mimo_jax.data import loader
+from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.models import lora
 from mimo_jax.modules import build_modules
 from mimo_jax.step import Step
 from mimo_jax.trees import paths
+from mimo_jax.validation import validate
 from tests.helpers import assert_close_trajectory, run_steps, tiny_config
 
 STEPS = 4
@@ -126,6 +130,46 @@ def test_a_target_that_matches_nothing_is_an_error(data_dir):
   cfg.model.language.lora.rank = -1
   with pytest.raises(ConfigError, match=r"model\.language\.lora\.rank"):
     build_modules(cfg)
+
+
+def test_a_rank_above_the_narrowest_adapted_layer_is_an_error(data_dir):
+  # The tiny language model: dim 64, 4 heads of 16, 2 key-value heads: k and v are 64 → 32.
+  cfg = lora_config(data_dir)
+  cfg.model.language.lora.rank = 32
+  validate(cfg)
+  cfg.model.language.lora.rank = 33
+  with pytest.raises(ConfigError, match=r"^config\.model\.language\.lora\.rank: 33 is more than "
+                     r"the adapted blocks/attn/k projection .*64 → 32.* at most 32\.$"):
+    validate(cfg)
+  cfg.model.language.lora.targets = r"mlp/(gate|up|down)$"  # the MLP alone: 64 → 128 → 64
+  validate(cfg)
+
+
+def test_the_rank_bound_is_each_built_layers_width(data_dir):
+  """Validation works the widths out from config fields: each linear layer the modules build (a
+  ViT's, a Whisper tower's with a linear projector, the language model's and its head) takes a
+  rank up to its min(in, out), and not one more."""
+  cfg = lora_config(data_dir, vision_lora=True)
+  cfg.add_encoder("audio", AudioConfig(projector="linear"), ModuleTopology(0, 1, 1))
+  cfg.model.audio.lora.rank = 2
+  cfg.data.seq_len = 32  # room for a clip
+  widths = {}
+  for name, module in build_modules(cfg).items():
+    model = nnx.eval_shape(lambda m=module: m.ctor(nnx.Rngs(0)))
+    widths[name] = {"/".join(map(str, path)): min(layer.kernel.shape[-2:])
+                    for path, layer in nnx.iter_graph(model) if isinstance(layer, nnx.Linear)}
+  assert widths["language"]["head"] == 17 and widths["audio"]["projector"] == 32
+  for name, layers in widths.items():
+    section = cfg.model.module(name).lora
+    kept = section.rank, section.targets
+    for path, width in layers.items():
+      section.targets, section.rank = f"^{re.escape(path)}$", width
+      validate(cfg)
+      section.rank = width + 1
+      with pytest.raises(ConfigError, match=rf"model\.{name}\.lora\.rank: {width + 1} .*"
+                         rf"{re.escape(path)} projection"):
+        validate(cfg)
+    section.rank, section.targets = kept
 
 
 @pytest.fixture(scope="module")
