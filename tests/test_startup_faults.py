@@ -1,7 +1,8 @@
 """Faults at start-up. A run that fails or stops before its first step leaves nothing it made
 behind: not its workdir, an empty metrics file, TensorBoard's folder or a lock; what was there
 before it stays. The measuring tools that plan or spawn runs (tools.plan, tools.fp8_check,
-tools.restart_bench) refuse a bad flag, input file or run config in one line before any work."""
+tools.restart_bench) refuse a bad flag, input file or run config in one line before any work.
+Ctrl-C while a command imports its modules is one line, not a traceback."""
 
 import importlib
 import json
@@ -90,6 +91,29 @@ def test_a_signal_while_launch_imports_ends_the_run_in_one_line(data_dir, tmp_pa
   assert (proc.returncode, out, err) == (0, "SIGINT before the first step: nothing to save.\n",
                                          ""), err[-3000:]
   assert not work.exists()
+
+
+def test_ctrl_c_while_a_tool_imports_is_one_line_and_status_130():
+  """Ctrl-C while `python -m tools.ckpt` imports (numpy loaded, JAX's and orbax's imports to
+  come: mimo_jax/starting.py) is one line and status 130, not a KeyboardInterrupt's traceback
+  from inside an import."""
+  proc = subprocess.Popen([sys.executable, "-m", "tools.ckpt", "--help"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    deadline = time.time() + 60
+    while True:  # numpy's library mapped (/proc/PID/maps): past tools/__init__.py
+      with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as f:
+        if "_multiarray_umath" in f.read():
+          break
+      assert proc.poll() is None and time.time() < deadline, "numpy was never imported"
+      time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert (proc.returncode, out, err) == (
+      130, "", "tools.ckpt: interrupted (Ctrl-C) while starting; nothing was written.\n"), err
 
 
 def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tmp_path,
