@@ -75,45 +75,42 @@ def test_a_signal_while_launch_imports_ends_the_run_in_one_line(data_dir, tmp_pa
   """Ctrl-C in launch's first seconds (importing JAX and orbax) is the start-up's one line and
   status 0, as later in the start-up, not a KeyboardInterrupt's traceback: nothing is made."""
   work = tmp_path / "run"
-  proc = subprocess.Popen([sys.executable, "-m", "mimo_jax.launch", f"--config.run.workdir={work}",
-                           f"--config.data.dir={data_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=dict(os.environ,
-                                                                      JAX_PLATFORMS="cpu"))
+  got = _interrupted([sys.executable, "-m", "mimo_jax.launch", f"--config.run.workdir={work}",
+                      f"--config.data.dir={data_dir}"], _importing, "no handler before the imports")
+  assert got == (0, "SIGINT before the first step: nothing to save.\n", ""), got[2][-3000:]
+  assert not work.exists()
+
+
+def _numpy_loaded(pid: int) -> bool:
+  with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+    return "_multiarray_umath" in f.read()
+
+
+def _interrupted(cmd: list[str], ready, never: str) -> tuple[int, str, str]:
+  """`cmd` sent SIGINT once `ready(pid)`: its status, stdout and stderr."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   try:
     deadline = time.time() + 60
-    while not _importing(proc.pid):
-      assert proc.poll() is None and time.time() < deadline, "no handler before the imports"
+    while not ready(proc.pid):
+      assert proc.poll() is None and time.time() < deadline, never
       time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
-  assert (proc.returncode, out, err) == (0, "SIGINT before the first step: nothing to save.\n",
-                                         ""), err[-3000:]
-  assert not work.exists()
+  return proc.returncode, out, err
 
 
 def test_ctrl_c_while_a_tool_imports_is_one_line_and_status_130():
   """Ctrl-C while `python -m tools.ckpt` imports (numpy loaded, JAX's and orbax's imports to
   come: mimo_jax/starting.py) is one line and status 130, not a KeyboardInterrupt's traceback
   from inside an import."""
-  proc = subprocess.Popen([sys.executable, "-m", "tools.ckpt", "--help"], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  try:
-    deadline = time.time() + 60
-    while True:  # numpy's library mapped (/proc/PID/maps): past tools/__init__.py
-      with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as f:
-        if "_multiarray_umath" in f.read():
-          break
-      assert proc.poll() is None and time.time() < deadline, "numpy was never imported"
-      time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-  finally:
-    proc.kill()
-  assert (proc.returncode, out, err) == (
-      130, "", "tools.ckpt: interrupted (Ctrl-C) while starting; nothing was written.\n"), err
+  # numpy's library mapped (/proc/PID/maps): past tools/__init__.py
+  got = _interrupted([sys.executable, "-m", "tools.ckpt", "--help"], _numpy_loaded,
+                     "numpy was never imported")
+  assert got == (130, "", "tools.ckpt: interrupted (Ctrl-C) while starting; nothing was "
+                 "written.\n"), got[2]
 
 
 def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tmp_path,
