@@ -84,3 +84,18 @@ def test_a_word_outside_the_vocabulary_is_an_error_when_strict():
   turns[1]["content"] = "there"
   assert (tok.encode(turns, strict=True)[0] == 0).sum() == 1
   assert ChatTokenizer.open(FIXTURES / "qwen2").unknown is None  # byte-level: encodes any text
+
+
+def test_a_word_the_tokenizer_cannot_encode_is_named_with_a_small_vocabulary(tmp_path):
+  # The digits tokenizer has no unknown token: tokenizers' own error names no word.
+  from mimo_jax.data import digits  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.chat import TokenizeError  # pylint: disable=import-outside-toplevel
+  digits.write_tokenizer(tmp_path / "tok")
+  tok = ChatTokenizer.open(tmp_path / "tok")
+  with pytest.raises(TokenizeError) as e:
+    tok.encode([{"role": "user", "content": "<img> <image> what seven"},
+                {"role": "assistant", "content": "seven"}])
+  assert e.value.words == ("<image>", "what"), e.value.words
+  message = str(e.value)
+  assert "cannot encode the words '<image>', 'what': they are not in its vocabulary" in message
+  assert "(17 tokens: <pad> <bos> <eos> <img> :" in message and "\n" not in message, message

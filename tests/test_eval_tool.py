@@ -257,6 +257,46 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   assert not (setup / "bad.jsonl").exists()
 
 
+def test_an_image_of_other_channels_is_one_error_naming_it_before_anything_is_written(
+    setup, capsys):
+  # A processor that keeps bands (do_convert_rgb false) makes a grayscale image one channel where
+  # the model reads three: said when the samples are read, not as a reshape of a batch that
+  # blamed --seq_len after the rows' files were opened.
+  keeps = setup / "tok_keeps_bands"
+  if not keeps.exists():
+    shutil.copytree(setup / "tok", keeps)
+    config = json.loads((keeps / "preprocessor_config.json").read_text())
+    (keeps / "preprocessor_config.json").write_text(json.dumps(dict(config,
+                                                                    do_convert_rgb=False)))
+  data = setup / "gray.json"
+  data.write_text(json.dumps([{"id": "rgb", "image": "landscape.png", "conversations": [
+      {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]},
+                              {"id": "cam", "image": "grayscale.png", "conversations": [
+      {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]}]))
+  out = setup / "gray_out" / "gray.jsonl"
+  assert eval_tool.main([str(setup / "run"), "--data", str(data), "--images", str(IMAGES),
+                         "--tokenizer", str(setup / "tok"), "--processor", str(keeps),
+                         "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1] == (
+      f"tools.eval: error: --data {data}: record 1 (id 'cam'): image {IMAGES / 'grayscale.png'}: "
+      "the processor makes it 16x16x1 (height x width x channels) where the model reads 16x16x3; "
+      "convert the image to three channels, an RGB image (e.g. with Pillow: "
+      "Image.open(path).convert(\"RGB\").save(new_path)), or give a processor that converts it "
+      "(\"do_convert_rgb\": true in its preprocessor_config.json)."), err
+  assert "--seq_len" not in err and "answering" not in err
+  assert not out.parent.exists() or not list(out.parent.iterdir())  # no rows, settings, lock
+
+
+def test_a_sample_longer_than_the_rows_at_layout_is_said_of_seq_len(setup, capsys, monkeypatch):
+  # The check before anything is written finds it first; laid out, it is said of --seq_len too.
+  monkeypatch.setattr(eval_set, "check_lengths", lambda *a: None)
+  assert _eval(setup, setup / "long.jsonl", "--seq_len", "40") == 2
+  err = capsys.readouterr().err.splitlines()[-1]
+  assert "tools.eval: error: --data" in err and "but the eval's rows (--seq_len) hold 40; give " \
+      "a larger --seq_len." in err, err
+
+
 def test_a_json_object_is_named_as_not_a_list_of_records(setup, capsys):
   # A list of records wrapped in an object reads as one record (or as JSONL by its lines): named
   # as tools.convert names it, however the file is laid out.

@@ -267,3 +267,44 @@ def test_the_tools_progress_is_a_line_every_few_seconds_of_decoding(monkeypatch,
     progress(decoded, 2000 if decoded < 2000 else decoded)
   err = capsys.readouterr().err
   assert err == "tools.generate: 64 of up to 2,000 new tokens decoded (6 a second)\n"
+
+
+def _digits_cfg() -> Config:
+  """The digits run's model: 8x8 images of one channel."""
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  assert (cfg.model.vision.image_size, cfg.model.vision.channels) == (8, 1)
+  return cfg
+
+
+def test_a_colour_image_for_a_one_channel_model_says_how_to_convert_it(tmp_path):
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import digits  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.images import ImageProcessor  # pylint: disable=import-outside-toplevel
+  from tools import prompts  # pylint: disable=import-outside-toplevel
+  digits.write_tokenizer(tmp_path / "tok")
+  Image.new("RGB", (20, 20), (200, 30, 30)).save(tmp_path / "photo.png")
+  proc = ImageProcessor.open(tmp_path / "tok")
+  with pytest.raises(ConfigError) as e:
+    prompts.load_images([str(tmp_path / "photo.png")], proc, _digits_cfg())
+  assert str(e.value) == (
+      f"{tmp_path / 'photo.png'}: the processor makes it 8x8x3 (height x width x channels) where "
+      "the model reads 8x8x1; convert the image to one channel, a grayscale image (e.g. with "
+      "Pillow: Image.open(path).convert(\"L\").save(new_path)).")
+
+
+def test_a_prompt_names_the_words_it_cannot_encode_and_the_runs_image_mark(tmp_path):
+  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data import digits  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.chat import ChatTokenizer  # pylint: disable=import-outside-toplevel
+  from tools import prompts  # pylint: disable=import-outside-toplevel
+  digits.write_tokenizer(tmp_path / "tok")
+  tok = ChatTokenizer.open(tmp_path / "tok")
+  with pytest.raises(ConfigError) as e:
+    prompts.prompt_ids(tok, "<image> What is it?", 0, "<img>", 1)
+  message = str(e.value)
+  assert message.startswith("the prompt '<image> What is it?': ") and "\n" not in message
+  assert "cannot encode the words '<image>', 'What', 'is', 'it?': they are not in" in message
+  assert message.endswith("eight nine); '<image>' is no mark of this run: its image mark is "
+                          "'<img>' (--image_token sets it)."), message

@@ -515,7 +515,8 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
   manifest = json.loads(manifest_file.read_text())
   assert generate_tool.main([str(run), "--prompt", "hello zebra", "--tokenizer", str(strict)]) \
       == 2 and manifest["vocab_size"] == 64
-  _error(capsys, "tools.generate", "'hello zebra'", "cannot encode")
+  _error(capsys, "tools.generate", "'hello zebra'",
+         "cannot encode the word 'zebra': it is not in its vocabulary")
   # With an unknown token, a word outside the vocabulary would be read as it: refused too.
   assert generate_tool.main([str(run), "--prompt", "hello zebra"]) == 2
   _error(capsys, "tools.generate", "'hello zebra'", "'zebra' is not in the vocabulary")

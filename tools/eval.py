@@ -257,6 +257,21 @@ def build_step(args, cfg: Config, image_id: int | None):
   return Step.build(cfg)
 
 
+def _batch(chunk: list[dict], layout, bsz: int, data: str):
+  """The samples `chunk` laid out as one batch; a row too short for a sample is said of
+  --seq_len, which sets the eval's rows (data.seq_len is the run's), and only that."""
+  from mimo_jax import eval_set  # pylint: disable=import-outside-toplevel
+  try:
+    return eval_set.batches(chunk, layout, bsz, f"--data {data}")[0]
+  except ConfigError as e:
+    message = str(e)
+    if "data.seq_len" not in message:
+      raise
+    raise ConfigError(message.replace("but data.seq_len is", "but the eval's rows (--seq_len) "
+                                      "hold").replace("raise data.seq_len", "give a larger "
+                                                      "--seq_len")) from None
+
+
 def _say(line: str) -> None:
   """A line of progress on stderr, at once (a log shows the eval working before the bar)."""
   print(f"{TOOL}: {line}", file=sys.stderr, flush=True)
@@ -368,8 +383,7 @@ def run(args: argparse.Namespace) -> dict:
     with bar:
       for start in range(0, len(todo), bsz):
         chunk = todo[start:start + bsz]
-        [batch] = eval_set.batches(chunk, layout, bsz, f"--data {args.data} (--seq_len sets the "
-                                   "eval's rows)")
+        [batch] = _batch(chunk, layout, bsz, args.data)
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
         answers = [got[k] for k in range(len(chunk))]
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)

@@ -78,6 +78,7 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   from mimo_jax.data import audio_records, conversations, conversion, images
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
   from mimo_jax.data.record_error import RecordError, record_id
+  from tools.prompts import check_shape, with_marks
   settings, audio_id = audio
   try:
     records = conversion.records_of(pathlib.Path(args.data))
@@ -143,6 +144,8 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
         raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
       except Exception as e:  # pylint: disable=broad-except
         raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
+      if "vision" in cfg.model.encoders:  # here, not when a batch is laid out: nothing written
+        check_shape(f"{where}: image {folder / f}", pixels[-1].shape, cfg)
     try:
       if audio_records.listed([r]) and settings is None:
         raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
@@ -159,7 +162,10 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
       # (tools.convert skips such records, tools.generate refuses such prompts)
       ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}],
                              strict=True)
-    except (ChatError, TokenizeError) as e:
+    except TokenizeError as e:
+      text = " ".join(m["content"] for m in before + [{"content": turn or ""}])
+      raise ConfigError(f"{where}: {with_marks(e, text, tok, image_token)}") from None
+    except ChatError as e:
       raise ConfigError(f"{where}: {e}") from None
     prompt, answer = eval_set.split_answer(ids, mask, where)
     if prompt.count(image_id) != len(pixels):

@@ -6,6 +6,7 @@ audio files made log-mel windows as the converter makes them."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import numpy as np
 
@@ -87,12 +88,13 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
   try:
     enc = tok.tokenizer.encode(rendered, add_special_tokens=False)
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError(f"the prompt {text!r}: the tokenizer {tok.path} cannot encode it ({e}); "
-                      "use words of its vocabulary.") from None
+    raise ConfigError(f"the prompt {text!r}: "
+                      f"{with_marks(tok.cannot_encode(rendered, e), text, tok, image_token)}"
+                      ) from None
   try:
     tok.check_known(rendered, enc)
   except chat.UnknownToken as e:
-    raise ConfigError(f"the prompt {text!r}: {e}") from None
+    raise ConfigError(f"the prompt {text!r}: {with_marks(e, text, tok, image_token)}") from None
   encoded = enc.ids
   if clips and encoded.count(audio_id) != len(clips):
     raise ConfigError(f"the prompt {text!r} holds {encoded.count(audio_id)} {audio_token} once "
@@ -102,6 +104,41 @@ def prompt_ids(tok, text: str, images: int, image_token: str, tokens_per_image: 
   for i in encoded:
     out.extend([i] * (tokens_per_image if i == image_id else next(clip) if i == audio_id else 1))
   return out
+
+
+def with_marks(error: Exception, text: str, tok, image_token: str) -> str:
+  """The message of a tokenizer's `error` on `text`, with, where the text holds a `<...>` mark
+  that is no token of the tokenizer (`<image>` where the run's is `<img>`), the run's mark and
+  the flag that sets it (tools.generate's and tools.eval's --image_token)."""
+  marks = [m for m in dict.fromkeys(re.findall(r"<[^<>\s]+>", text))
+           if m not in (image_token, audio_records.MARK) and tok.tokenizer.token_to_id(m) is None]
+  if not marks:
+    return str(error)
+  return (f"{str(error).rstrip('.')}; {', '.join(map(repr, marks))} "
+          f"{'is no mark' if len(marks) == 1 else 'are no marks'} of this run: its image mark is "
+          f"{image_token!r} (--image_token sets it).")
+
+
+def check_shape(where: str, shape: tuple[int, ...], cfg: Config) -> None:
+  """ConfigError, said of `where` (an image file), where the processor made the image another
+  shape (height x width x channels) than the model's tower reads, with the fix."""
+  size, channels = cfg.model.vision.image_size, cfg.model.vision.channels
+  if tuple(shape) == (size, size, channels):
+    return
+  if tuple(shape[:2]) != (size, size):
+    fix = ("give the processor of the model's data (--processor DIR), which makes "
+           f"{size}x{size}")
+  elif channels == 1:
+    fix = ("convert the image to one channel, a grayscale image (e.g. with Pillow: "
+           "Image.open(path).convert(\"L\").save(new_path))")
+  elif channels == 3:
+    fix = ("convert the image to three channels, an RGB image (e.g. with Pillow: "
+           "Image.open(path).convert(\"RGB\").save(new_path)), or give a processor that "
+           "converts it (\"do_convert_rgb\": true in its preprocessor_config.json)")
+  else:
+    fix = f"convert the image to {channels} channels"
+  raise ConfigError(f"{where}: the processor makes it {'x'.join(map(str, shape))} (height x "
+                    f"width x channels) where the model reads {size}x{size}x{channels}; {fix}.")
 
 
 def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
@@ -119,11 +156,8 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
       raise ConfigError(f"{f}: {e}.") from None
     except (OSError, ValueError) as e:
       raise ConfigError(f"{f}: cannot be read as an image ({e}).") from None
-  size, channels = cfg.model.vision.image_size, cfg.model.vision.channels
   for f, p in zip(files, pixels):
-    if p.shape != (size, size, channels):
-      raise ConfigError(f"{f}: the processor makes it {'x'.join(map(str, p.shape))} (height x "
-                        f"width x channels) where the model reads {size}x{size}x{channels}.")
+    check_shape(f, p.shape, cfg)
   return pixels
 
 

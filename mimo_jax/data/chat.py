@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import re
 
 import numpy as np
 
@@ -39,7 +40,11 @@ class ChatError(ValueError):
 
 class TokenizeError(ChatError):
   """A rendered conversation the tokenizer cannot encode (a word outside a vocabulary that has no
-  unknown token)."""
+  unknown token); `words`: those it cannot encode, where they were found."""
+
+  def __init__(self, message: str, words: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.words = words
 
 
 class UnknownToken(TokenizeError):
@@ -220,6 +225,46 @@ class ChatTokenizer:
                          f"{'it' if one else 'them'} as its unknown token {unk_text!r}; fix "
                          "the text or add the words to the tokenizer.")
 
+  def unencodable(self, text: str) -> list[str]:
+    """The words of `text` the tokenizer cannot encode, each once, in order: the pieces its
+    pre-tokenizer makes of the text between its added tokens, a `<...>` mark taken whole."""
+    added = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values()),
+                   key=len, reverse=True)
+    parts = re.split("|".join(map(re.escape, added)), text) if added else [text]
+    pre, words = self.tokenizer.pre_tokenizer, []
+    for part in parts:
+      for chunk in re.split(r"(<[^<>\s]+>)", part):
+        if re.fullmatch(r"<[^<>\s]+>", chunk):
+          words.append(chunk)
+        elif pre is not None:  # the text's own spans: a piece may be rewritten (Metaspace's ▁)
+          words.extend(chunk[a:b] for _, (a, b) in pre.pre_tokenize_str(chunk))
+        else:
+          words.extend(chunk.split())
+    bad = []
+    for w in dict.fromkeys(w for w in words if w.strip()):
+      try:
+        self.tokenizer.encode(w, add_special_tokens=False)
+      except Exception:  # pylint: disable=broad-except
+        bad.append(w)
+    return bad
+
+  def cannot_encode(self, text: str, error: Exception, shown: int = 5,
+                    listed: int = 50) -> TokenizeError:
+    """The error for `text`, which the tokenizer failed to encode with `error`: the words it
+    cannot encode, and its vocabulary where it has at most `listed` tokens."""
+    where = self.path / "tokenizer.json"
+    bad = self.unencodable(text)
+    if not bad:
+      return TokenizeError(f"{where} cannot encode it ({error}).")
+    one = len(bad) == 1
+    words = ", ".join(map(repr, bad[:shown])) + (", ..." if len(bad) > shown else "")
+    vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+    small = f": {' '.join(sorted(vocab, key=vocab.get))}" if len(vocab) <= listed else ""
+    return TokenizeError(f"{where} cannot encode {'the word' if one else 'the words'} {words}: "
+                         f"{'it is' if one else 'they are'} not in its vocabulary, which has no "
+                         f"unknown token to stand for {'it' if one else 'them'}; use words of "
+                         f"its vocabulary ({len(vocab)} tokens{small}).", tuple(bad))
+
   def encode(self, msgs: list[dict], strict: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [n] (int32) and the loss mask [n] (int32, 1 on assistant turns); with `strict`,
     UnknownToken where a word of the text is encoded as the unknown token (the unknown token
@@ -243,7 +288,7 @@ class ChatTokenizer:
     try:
       enc = self.tokenizer.encode(text, add_special_tokens=False)
     except Exception as e:  # pylint: disable=broad-except
-      raise TokenizeError(f"{self.path / 'tokenizer.json'} cannot encode it ({e}).") from None
+      raise self.cannot_encode(text, e) from None
     ids = np.asarray(enc.ids, np.int32)
     if strict:
       self.check_known(text, enc)
