@@ -86,8 +86,9 @@ def _numpy_loaded(pid: int) -> bool:
     return "_multiarray_umath" in f.read()
 
 
-def _interrupted(cmd: list[str], ready, never: str) -> tuple[int, str, str]:
-  """`cmd` sent SIGINT once `ready(pid)`: its status, stdout and stderr."""
+def _interrupted(cmd: list[str], ready, never: str,
+                 sig: int = signal.SIGINT) -> tuple[int, str, str]:
+  """`cmd` sent `sig` once `ready(pid)`: its status, stdout and stderr."""
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   try:
@@ -95,21 +96,23 @@ def _interrupted(cmd: list[str], ready, never: str) -> tuple[int, str, str]:
     while not ready(proc.pid):
       assert proc.poll() is None and time.time() < deadline, never
       time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
   return proc.returncode, out, err
 
 
-def test_ctrl_c_while_a_tool_imports_is_one_line_and_status_130():
-  """Ctrl-C while `python -m tools.ckpt` imports (numpy loaded, JAX's and orbax's imports to
-  come: mimo_jax/starting.py) is one line and status 130, not a KeyboardInterrupt's traceback
-  from inside an import."""
+@pytest.mark.parametrize("sig,status,said", [(signal.SIGINT, 130, "Ctrl-C"),
+                                              (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_while_a_tool_imports_is_one_line_and_status_130(sig, status, said):
+  """Ctrl-C (or SIGTERM) while `python -m tools.ckpt` imports (numpy loaded, JAX's and orbax's
+  imports to come: mimo_jax/starting.py) is one line and status 130 (143), not a
+  KeyboardInterrupt's traceback from inside an import (nor a silent death)."""
   # numpy's library mapped (/proc/PID/maps): past tools/__init__.py
   got = _interrupted([sys.executable, "-m", "tools.ckpt", "--help"], _numpy_loaded,
-                     "numpy was never imported")
-  assert got == (130, "", "tools.ckpt: interrupted (Ctrl-C) while starting; nothing was "
+                     "numpy was never imported", sig)
+  assert got == (status, "", f"tools.ckpt: interrupted ({said}) while starting; nothing was "
                  "written.\n"), got[2]
 
 
