@@ -252,7 +252,7 @@ class Checkpointer:
       wrong = digest_failure(meta)
       failed = wrong and f"has metadata that {wrong} ({meta_file(self.path, step)})"
     except Exception as e:  # pylint: disable=broad-except
-      failed = f"has no readable metadata ({read_failure(e)})"
+      failed = f"has no readable metadata ({read_failure(e, self._step_dir(step))})"
     if failed:
       self._fail(step, failed)
     return meta
@@ -275,7 +275,7 @@ class Checkpointer:
       if any(t is None for t in trees.values()):
         raise ValueError("no tree metadata")
     except Exception as e:  # pylint: disable=broad-except
-      self._fail(step, f"could not be restored: {read_failure(e)}")
+      self._fail(step, f"could not be restored: {read_failure(e, self._step_dir(step))}")
     return trees
 
   def read(self, step: int, wanted: dict[str, dict], meta: dict) -> dict[str, dict]:
@@ -308,7 +308,7 @@ class Checkpointer:
              for n in targets}
       failed = None
     except Exception as e:  # pylint: disable=broad-except
-      got, failed = None, f"could not be restored: {read_failure(e)}"
+      got, failed = None, f"could not be restored: {read_failure(e, self._step_dir(step))}"
     if checks is not None:
       checks.join()
     if failed:
@@ -432,6 +432,9 @@ class Checkpointer:
     finally:
       if not own:
         ckpt.close()
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.path, str(step))
 
   def _fail(self, step: int, what: str):
     """Raises the error for a step that cannot be read, once the failed read is released (outside

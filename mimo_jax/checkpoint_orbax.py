@@ -5,7 +5,9 @@ read-only open, and a save that writes a batch of arrays at a time."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 import re
 import sys
 import warnings
@@ -14,11 +16,16 @@ import jax
 import orbax.checkpoint as ocp
 
 
-def read_failure(e: BaseException) -> str:
+def read_failure(e: BaseException, step_dir: str | None = None) -> str:
   """The first line of a failed read's error, without the storage spec tensorstore appends; where
   orbax wraps tensorstore's error ("Encountered error while reading array index ..."), the first
-  line of that error, which names the array and the file ("OUT_OF_RANGE: Error reading ...")."""
+  line of that error, which names the array and the file ("OUT_OF_RANGE: Error reading ...").
+  A damaged JSON file of step folder `step_dir` is named, as tensorstore names an array's file
+  ("meta/metadata: Unterminated string ..."): orbax's error does not name it."""
   first = lambda x: str(x).splitlines()[0] if str(x) else repr(x)
+  damaged = step_dir and _damaged_json(e, step_dir)
+  if damaged:
+    return damaged
   line, cause = first(e), e.__cause__ or e.__context__
   for _ in range(8):
     if cause is None:
@@ -29,6 +36,31 @@ def read_failure(e: BaseException) -> str:
     cause = cause.__cause__ or cause.__context__
   line = re.sub(r" \[tensorstore_spec.*", "", line)
   return re.sub(r"\.? See full TensorStore details:.*", ".", line)
+
+
+def _damaged_json(e: BaseException, step_dir: str) -> str | None:
+  """"FILE: error" for the JSON file of `step_dir` (its metadata files: the step's, each item's)
+  that fails to parse as `e` (or an error it wraps) says, FILE relative to `step_dir`; None if `e`
+  is no failure to parse, or no file fails so (one rewritten since, or removed)."""
+  for _ in range(8):
+    if e is None or isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+      break
+    e = e.__cause__ or e.__context__
+  if not isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+    return None
+  try:
+    items = sorted(os.listdir(step_dir))
+  except OSError:
+    return None
+  for name in ["_CHECKPOINT_METADATA"] + [os.path.join(i, f) for i in items
+                                          for f in ("_METADATA", "metadata")]:
+    try:
+      with open(os.path.join(step_dir, name), "rb") as f:
+        json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as again:  # ValueError: JSONDecodeError, UnicodeDecodeError
+      if not isinstance(again, OSError) and str(again) == str(e):
+        return f"{name}: {e}"
+  return None
 
 
 def _is_closed_loop_report(unraisable) -> bool:

@@ -183,7 +183,7 @@ class Reader:
       try:
         return fn()
       except Exception as e:  # pylint: disable=broad-except
-        reason = read_failure(e)
+        reason = read_failure(e, os.path.join(self.path, str(step)))
       collect()  # those of the leftovers already garbage, while the reports are dropped
       if self.gone(step):
         raise StepGone(step)

@@ -92,6 +92,34 @@ def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damage
     assert listing() == before  # nothing moved aside, written or deleted
 
 
+def test_a_damaged_json_file_of_a_step_is_named(tmp_path):
+  """A step's metadata file or a module's tree metadata cut short (orbax's JSON error names no
+  file) is named, relative to the step's folder, by the tools and by a run that reads it."""
+  path = tmp_path / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, {"language": ModuleState({"w": np.full((4,), step, np.float32)}, None)},
+              Config(), force=True, params_only=True)
+  ckpt.close()
+  for name in ("2/meta/metadata", "1/language/_METADATA"):
+    with open(path / name, "r+b") as f:
+      f.truncate(os.path.getsize(path / name) // 2)
+  out = run_main(ckpt_tool.main, "check", str(tmp_path))
+  lines = out.stdout.splitlines()
+  assert lines[0].startswith("step 1: FAILED: language: unreadable (language/_METADATA: "), lines
+  assert lines[1].startswith("step 2: FAILED: meta: unreadable (meta/metadata: "), lines
+  ckpt = checkpoint.Checkpointer(str(path), ["language"])  # as a run opens it
+  try:
+    for read, said in ((lambda: ckpt.read_meta(2), "has no readable metadata (meta/metadata: "),
+                       (lambda: ckpt.saved_arrays(1, ["language"]),
+                        "could not be restored: language/_METADATA: ")):
+      with pytest.raises(ConfigError) as err:
+        read()
+      assert said in str(err.value), str(err.value)
+  finally:
+    ckpt.close()
+
+
 def test_a_base_folder_this_user_may_not_list_is_named_with_the_fix(tmp_path, monkeypatch):
   """A LoRA run's frozen base (checkpoint_steps.Base) in a folder this user may enter but not
   list (mode 711, or another user's: simulated, as root lists them) stops a resume with one line
