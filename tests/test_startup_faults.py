@@ -63,12 +63,15 @@ def test_a_first_step_that_fails_leaves_no_metrics_file(data_dir, tmp_path, monk
 
 
 def _importing(pid: int) -> bool:
-  """Whether process `pid` handles SIGTERM itself (Linux's /proc/PID/status) while it has not
-  loaded JAX's library yet (/proc/PID/maps): launch's handlers, before its imports."""
+  """Whether process `pid` handles SIGTERM itself (Linux's /proc/PID/status) and has loaded numpy
+  but not JAX's library yet (/proc/PID/maps): launch's handlers, amid its imports (numpy's come
+  after its first line; before it, mimo_jax/__init__.py's guard handles SIGTERM too)."""
   with open(f"/proc/{pid}/status", encoding="utf-8") as f:
     caught = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
   with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
-    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1) and "jaxlib" not in f.read()
+    maps = f.read()
+  return (bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1) and "_multiarray_umath" in maps
+          and "jaxlib" not in maps)
 
 
 def test_a_signal_while_launch_imports_ends_the_run_in_one_line(data_dir, tmp_path):
