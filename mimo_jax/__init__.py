@@ -1,3 +1,3 @@
 from mimo_jax import starting
 
-starting.guard()  # `python -m mimo_jax.NAME`: Ctrl-C while it imports is one line (starting.py)
+starting.guard()  # `python -m mimo_jax.NAME`: a signal while it imports is one line (starting.py)
