@@ -45,18 +45,24 @@ def test_a_step_moved_aside_is_said_with_its_reason():
   assert "never completed" in _why_aside("/w/checkpoints/12.uncommitted")
 
 
-def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damaged(tmp_path,
-                                                                                 monkeypatch):
-  """A file or folder of a step that the user may not read (chmod 000, or another user's folder:
-  simulated, as root reads them) stops a resume and every tool with one line naming it and the
-  fix; the step is never called damaged, moved aside or passed over for an older one."""
-  import builtins  # pylint: disable=import-outside-toplevel
+def _two_steps(tmp_path):
+  """A checkpoints folder of steps 1 and 2, a parameter each, saved as a run saves them."""
   path = tmp_path / "checkpoints"
   ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
   for step in (1, 2):
     ckpt.save(step, {"language": ModuleState({"w": np.full((4,), step, np.float32)}, None)},
               Config(), force=True, params_only=True)
   ckpt.close()
+  return path
+
+
+def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damaged(tmp_path,
+                                                                                 monkeypatch):
+  """A file or folder of a step that the user may not read (chmod 000, or another user's folder:
+  simulated, as root reads them) stops a resume and every tool with one line naming it and the
+  fix; the step is never called damaged, moved aside or passed over for an older one."""
+  import builtins  # pylint: disable=import-outside-toplevel
+  path = _two_steps(tmp_path)
   listing = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
   before = listing()
   meta, folder = path / "2" / "meta" / "metadata", path / "2"
@@ -95,12 +101,7 @@ def test_a_step_this_user_may_not_read_is_named_with_the_fix_never_called_damage
 def test_a_damaged_json_file_of_a_step_is_named(tmp_path):
   """A step's metadata file or a module's tree metadata cut short (orbax's JSON error names no
   file) is named, relative to the step's folder, by the tools and by a run that reads it."""
-  path = tmp_path / "checkpoints"
-  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
-  for step in (1, 2):
-    ckpt.save(step, {"language": ModuleState({"w": np.full((4,), step, np.float32)}, None)},
-              Config(), force=True, params_only=True)
-  ckpt.close()
+  path = _two_steps(tmp_path)
   for name in ("2/meta/metadata", "1/language/_METADATA"):
     with open(path / name, "r+b") as f:
       f.truncate(os.path.getsize(path / name) // 2)
