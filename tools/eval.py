@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> dict:
     with bar:
       for start in range(0, len(todo), bsz):
         chunk = todo[start:start + bsz]
-        [batch] = _batch(chunk, layout, bsz, args.data)
+        batch = _batch(chunk, layout, bsz, args.data)
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
         answers = [got[k] for k in range(len(chunk))]
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)
