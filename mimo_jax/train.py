@@ -247,10 +247,7 @@ class _Loop:
                         "command to resume.")
         return True
       if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-        if step_records.finite(metrics)[0]:  # else the save stops the run, naming it
-          self._flush()  # the step's end, before the save (which waits for it anyway)
         self._save(step, metrics)
-        self.window.restart(time.time())  # save time is not step time
       if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
         self._flush()
         self._log({"step": step, **self.evaluator(self.state, self.eval_batches)})

@@ -89,23 +89,6 @@ def test_first_window_step_time_excludes_compilation(stage1):
   assert record[0]["step_time_s"] < COMPILE_S / STEPS / 2, record[0]
 
 
-def test_a_checkpoint_save_between_steps_is_not_step_time(data_dir, tmp_path, monkeypatch):
-  """A save at checkpoint.every waits for its step, which ends the step's time: the save is in
-  no record's average, as an eval is not (here a save takes COMPILE_S longer)."""
-  cfg = _cfg(data_dir, tmp_path, "vision,language", 3)
-  cfg.run.log_every, cfg.checkpoint.every = 3, 2
-  save = checkpoint.Checkpointer.save
-
-  def slow_save(self, step, *args, **kw):
-    if step == 2:
-      time.sleep(COMPILE_S)
-    return save(self, step, *args, **kw)
-  monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
-  record = [r for r in train.run(cfg) if "loss" in r]
-  assert [r["step"] for r in record] == [3]  # steps 2 and 3 averaged
-  assert record[0]["step_time_s"] < COMPILE_S / 2 / 2, record[0]
-
-
 def test_the_last_record_is_its_windows_mean_not_its_wait_behind_the_step_before():
   """The loop dispatches a step while the one before it runs: the last step's time from its
   dispatch holds that wait too (twice the step where the host runs ahead)."""
