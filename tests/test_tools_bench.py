@@ -430,3 +430,22 @@ def test_bench_says_how_to_get_cpu_devices_where_the_process_chose_its_own(capsy
       "devices [5, 9) run past the 8 devices available; lower offset or dp*tp*pp; the layout "
       "spans 9 devices: this process's CPU backend has 8, chosen before run.cpu_devices=2 could "
       "apply: start JAX with jax_num_cpu_devices=9.")
+
+
+def test_activation_bench_forms_are_one_function_and_bad_flags_are_one_line():
+  """tools.activation_bench: each form it times computes the code's activation (bfloat16 within
+  its rounding of the code's in float32); a bad flag or a machine without a GPU is one line."""
+  import jax
+  import jax.numpy as jnp
+  from tools import activation_bench as ab
+  k = jax.random.split(jax.random.key(0), 4)
+  h, dy, gate, up = (jax.random.normal(key, (2, 8, 64), jnp.bfloat16) for key in k)
+  bias = 0.1 * jax.random.normal(k[0], (64,))
+  for fn, reference, xs in ((ab.sigmoid_gelu_tanh(bias), ab.code_gelu_tanh(bias), (h,)),
+                            (ab.exp_swiglu, ab.code_swiglu, (gate, up))):
+    assert ab.distance(fn, reference, xs, dy) < 1e-2
+  for flags, said in ((["--gelu", "48x576"], "--gelu '48x576': give images x positions x width"),
+                      (["--repeat", "0"], "--repeat 0: give 1 or more"),
+                      ([], "needs a GPU")):
+    with pytest.raises(SystemExit, match=said):
+      ab.main(flags)
