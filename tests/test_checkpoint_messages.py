@@ -121,6 +121,34 @@ def test_a_damaged_json_file_of_a_step_is_named(tmp_path):
     ckpt.close()
 
 
+def test_inspect_of_a_lora_step_says_its_frozen_weights_are_in_its_base(tmp_path):
+  """A LoRA run's step holds its adapters and trained groups, not its frozen weights: inspect
+  counts the parameters as this step's and names the base step that holds the frozen ones, with
+  their count and the model's; a base that is gone is said so (exit 0: the step is as shown)."""
+  from mimo_jax.checkpoint_steps import Base  # pylint: disable=import-outside-toplevel
+  w, a = np.arange(6, dtype=np.float32), np.ones((2,), np.float32)
+  path = tmp_path / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  zero = ckpt.save(0, {"language": ModuleState({"w": w, "a": a}, None)}, Config(), force=True,
+                   params_only=True)["fingerprints"]["language"]
+  ckpt.base = Base(".", 0, {"language": {"params/w": zero["params/w"]}})  # as name_base sets it
+  ckpt.save(2, {"language": ModuleState({"w": w, "a": a}, {"mu": a})}, Config(), force=True)
+  ckpt.close()
+  said = lambda what: (f"frozen base: {what}, not in this step but in its base, step 0 of "
+                       f"{path} (a LoRA run saves its frozen weights once)")
+  for line in (said("6 parameters (language 6; 1 array)") + "; with them the model has 8 "
+               "parameters.",
+               said("1 array") + ", which is not there (moved or deleted): put it back, or "
+               "resume with --config.checkpoint.base=DIR naming where it is now."):
+    if "not there" in line:
+      os.rename(path / "0", path / "0.moved")
+    out = run_main(ckpt_tool.main, "inspect", str(tmp_path))
+    assert out.returncode == 0 and out.stderr == "", out
+    lines = out.stdout.splitlines()
+    assert "total: 2 parameters in this step (the weights it trained)" in lines, lines
+    assert line in lines, lines
+
+
 def test_a_base_folder_this_user_may_not_list_is_named_with_the_fix(tmp_path, monkeypatch):
   """A LoRA run's frozen base (checkpoint_steps.Base) in a folder this user may enter but not
   list (mode 711, or another user's: simulated, as root lists them) stops a resume with one line

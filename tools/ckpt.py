@@ -10,6 +10,8 @@ file is written beside `--out` under a temporary name and renamed into place whe
 lock `.<name>.lock` keeps a second export of the same file out); an existing `--out` is refused.
 `inspect` and `export` refuse a step whose metadata does not match its digest, or holds none (every
 step saved holds one), as a resume does: one line naming the file, and `export` writes nothing.
+`inspect` of a LoRA run's step counts the parameters that step holds (its adapters and trained
+groups) and names the step that holds its frozen weights (its base), with their count.
 `check` reads every step back, each item on its own: the metadata against its digest, and every
 array of every module (parameters and optimizer state) against the fingerprint saved with it and
 for non-finite values. It exits non-zero naming each step and item that fails, and which step to
@@ -36,6 +38,7 @@ import numpy as np
 from mimo_jax import checkpoint_reader, fingerprint, output
 from mimo_jax.checkpoint_reader import (ROTATED, BadDigest, CkptError, Reader, StepGone,
                                         TryAgain, Unreadable, newest, who)
+from mimo_jax.checkpoint_steps import base_folder, complete_steps
 from mimo_jax.config import ConfigError
 from tools.common import Parser, number
 
@@ -68,9 +71,48 @@ def inspect(args: argparse.Namespace) -> None:
     if args.params:
       for name, p in params.items():
         print(f"  {name:60s} {str(tuple(p.shape)):16s} {p.dtype}")
-  print(f"total: {total:,} parameters")
+  if meta.get("base"):  # a LoRA run's step: its frozen weights are in the step its base names
+    print(f"total: {total:,} parameters in this step (the weights it trained)")
+    print(base_line(reader, meta["base"], total))
+  else:
+    print(f"total: {total:,} parameters")
   print("config: " + json.dumps(meta["config"], sort_keys=True))
   reader.close()
+
+
+def base_line(reader: Reader, base: dict, held: int) -> str:
+  """What a LoRA run's step leaves to its base (checkpoint_steps.Base, `meta["base"]`): the
+  frozen parameters by module, read from the base step's tree metadata, and where that step is
+  (`held`: the parameters the step holds itself). A base that is gone or cannot be read is said
+  so, with the arrays the step names."""
+  frozen = {n: [f"{n}/{k[len('params/'):]}" for k in fps] for n, fps in
+            base["fingerprints"].items() if fps}
+  n = sum(map(len, frozen.values()))
+  arrays = f"{n} array{'s' * (n != 1)}"
+  folder = base_folder(reader.path, base["path"])
+  said = lambda what: (f"frozen base: {what}, not in this step but in its base, step "
+                       f"{base['step']} of {folder} (a LoRA run saves its frozen weights once)")
+  other = None
+  try:
+    if base["step"] not in complete_steps(folder):
+      return (said(arrays) + ", which is not there (moved or deleted): put it back, or resume "
+              "with --config.checkpoint.base=DIR naming where it is now.")
+    if os.path.abspath(folder) != reader.path:
+      other = Reader(folder)
+    shapes = (other or reader).params_metadata(base["step"], list(frozen))
+    counts = {n: sum(int(np.prod(shapes[k].shape)) for k in keys) for n, keys in frozen.items()}
+  except (ConfigError, KeyError) as e:
+    why = (e.reason if isinstance(e, Unreadable) else f"it holds no {e}"
+           if isinstance(e, KeyError) else str(e).rstrip("."))
+    return (said(arrays) + f", which cannot be read now ({why}); `python -m tools.ckpt check` "
+            "checks it.")
+  finally:
+    if other is not None:
+      other.close()
+  count = sum(counts.values())
+  by_module = ", ".join(f"{n} {c:,}" for n, c in counts.items())
+  return (said(f"{count:,} parameters ({by_module}; {arrays})") +
+          f"; with them the model has {held + count:,} parameters.")
 
 
 def placement(topo: dict) -> str:
