@@ -1,9 +1,11 @@
 """What orbax does that mimo_jax's checkpoints work around: its errors' storage specs, the
 "Event loop is closed" reports a failed read leaves behind, notices logged on every save or
-read-only open, and a save that writes a batch of arrays at a time."""
+read-only open, the errors it logs for a step's damaged record of its save, and a save that
+writes a batch of arrays at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -61,6 +63,50 @@ def _damaged_json(e: BaseException, step_dir: str) -> str | None:
       if not isinstance(again, OSError) and str(again) == str(e):
         return f"{name}: {e}"
   return None
+
+
+STEP_RECORD = "_CHECKPOINT_METADATA"  # orbax's own record of a step's save
+
+
+def step_record_failure(step_dir: str) -> str | None:
+  """What is wrong with orbax's record of the save of step folder `step_dir` (its
+  _CHECKPOINT_METADATA: item handlers, save times; no restore of mimo_jax's reads it): "damaged
+  (error)" for a file that does not parse (its JSON error, as read_failure says it), "unreadable
+  (error)" for one that cannot be read; None for one that parses or is not there. orbax logs an
+  ERROR for either and restores the step without it."""
+  try:
+    with open(os.path.join(step_dir, STEP_RECORD), "rb") as f:
+      json.loads(f.read().decode("utf-8"))
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    return f"unreadable ({e.strerror or e})"
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    return f"damaged ({read_failure(e, step_dir).removeprefix(f'{STEP_RECORD}: ')})"
+  return None
+
+
+def _not_a_step_record_said(record) -> bool:
+  """A log filter: orbax's ERROR for a step's _CHECKPOINT_METADATA that fails to read or parse
+  (`step_record_failure` says what is wrong with it)."""
+  args = record.args if isinstance(record.args, tuple) else ()
+  return not (str(record.msg).startswith(("Failed to json parse Metadata file",
+                                          "Failed to read Metadata file")) and args and
+              os.path.basename(str(args[0])) == STEP_RECORD and
+              step_record_failure(os.path.dirname(str(args[0]))) is not None)
+
+
+@contextlib.contextmanager
+def step_record_errors_said():
+  """While the block runs, orbax's ERROR log lines for a step's damaged or unreadable
+  _CHECKPOINT_METADATA are dropped: for a reader that says what is wrong with it itself
+  (`step_record_failure`)."""
+  absl = logging.getLogger("absl")
+  absl.addFilter(_not_a_step_record_said)
+  try:
+    yield
+  finally:
+    absl.removeFilter(_not_a_step_record_said)
 
 
 def _is_closed_loop_report(unraisable) -> bool:

@@ -121,6 +121,40 @@ def test_a_damaged_json_file_of_a_step_is_named(tmp_path):
     ckpt.close()
 
 
+def test_a_damaged_orbax_record_of_a_save_is_one_note_and_the_step_passes(tmp_path, caplog,
+                                                                          monkeypatch):
+  """A step's _CHECKPOINT_METADATA cut short (orbax's own record of the save, which no restore
+  reads): the step restores whole, so `check` passes it with one note naming the file, what it
+  means and the fix (inspect says it on stderr), and orbax's ERROR about it is not logged."""
+  import builtins  # pylint: disable=import-outside-toplevel
+  path = _two_steps(tmp_path)
+  record = path / "2" / "_CHECKPOINT_METADATA"
+  with open(record, "r+b") as f:
+    f.truncate(os.path.getsize(record) // 2)
+  for command, shown, said in (("check", "stdout", "step 2: note: "),
+                               ("inspect", "stderr", "tools.ckpt: note: step 2: ")):
+    caplog.clear()
+    out = run_main(ckpt_tool.main, command, str(tmp_path))
+    assert out.returncode == 0, out
+    notes = [ln for ln in getattr(out, shown).splitlines() if "_CHECKPOINT_METADATA" in ln]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"{said}{record} is damaged (Unterminated string") and \
+        notes[0].endswith(
+        "so nothing of the step is lost with it, but a resume logs an orbax ERROR about it; "
+        "delete the file (orbax then notes, as a warning, that it is missing)."), notes
+    assert [r for r in caplog.records if "_CHECKPOINT_METADATA" in r.getMessage()] == []
+    assert command != "check" or "step 2: 1 arrays restored, ok" in out.stdout, out.stdout
+  from mimo_jax import checkpoint_orbax  # pylint: disable=import-outside-toplevel
+  opened = builtins.open
+
+  def no_read(file, *args, **kwargs):  # the record, mode 000: said unreadable
+    if os.fspath(file) == str(record):
+      raise PermissionError(13, "Permission denied", os.fspath(file))
+    return opened(file, *args, **kwargs)
+  monkeypatch.setattr(builtins, "open", no_read)
+  assert checkpoint_orbax.step_record_failure(str(path / "2")) == "unreadable (Permission denied)"
+
+
 def test_inspect_of_a_lora_step_says_its_frozen_weights_are_in_its_base(tmp_path):
   """A LoRA run's step holds its adapters and trained groups, not its frozen weights: inspect
   counts the parameters as this step's and names the base step that holds the frozen ones, with

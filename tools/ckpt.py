@@ -16,6 +16,8 @@ groups) and names the step that holds its frozen weights (its base), with their 
 array of every module (parameters and optimizer state) against the fingerprint saved with it and
 for non-finite values. It exits non-zero naming each step and item that fails, and which step to
 resume from.
+A step's `_CHECKPOINT_METADATA` (orbax's own record of the save, which no restore reads) that is
+damaged is one note naming it and the fix, not a failure, and orbax's ERROR about it is not shown.
 
 All three only read, and work beside a run that is using the workdir (its `run.lock`): they read
 committed steps only (orbax's `commit_success.txt`), say on stderr that a run holds the workdir
@@ -36,6 +38,7 @@ import sys
 import numpy as np
 
 from mimo_jax import checkpoint_reader, fingerprint, output
+from mimo_jax.checkpoint_orbax import STEP_RECORD, step_record_errors_said, step_record_failure
 from mimo_jax.checkpoint_reader import (ROTATED, BadDigest, CkptError, Reader, StepGone,
                                         TryAgain, Unreadable, newest, who)
 from mimo_jax.checkpoint_steps import base_folder, complete_steps
@@ -53,6 +56,9 @@ def inspect(args: argparse.Namespace) -> None:
     meta = reader.meta(step)
     return meta, {m: reader.params_metadata(step, [m]) for m in meta["modules"]}
   step, (meta, modules) = newest(reader, args.step, read)
+  note = record_note(reader, step)
+  if note:
+    print(f"tools.ckpt: note: step {step}: {note}", file=sys.stderr, flush=True)
   print(f"checkpoint: {reader.path}")
   steps = reader.steps()
   print(f"steps: {', '.join(map(str, steps))}" + ("" if steps == [step] else f" (showing {step})"))
@@ -125,6 +131,19 @@ def placement(topo: dict) -> str:
   return " ".join(f"{k}={topo[k]}" for k, show in shown.items() if show and k in topo)
 
 
+def record_note(reader: Reader, step: int) -> str | None:
+  """What a step's damaged or unreadable _CHECKPOINT_METADATA (orbax's record of the save, which
+  no restore reads) means and its fix; None where it is sound or not there."""
+  failure = step_record_failure(os.path.join(reader.path, str(step)))
+  if failure is None:
+    return None
+  fix = ("delete the file (orbax then notes, as a warning, that it is missing)"
+         if failure.startswith("damaged") else "fix its permissions")
+  return (f"{os.path.join(reader.path, str(step), STEP_RECORD)} is {failure}: it is orbax's own "
+          "record of the save (item handlers, save times), which restoring does not read, so "
+          f"nothing of the step is lost with it, but a resume logs an orbax ERROR about it; {fix}.")
+
+
 def export(args: argparse.Namespace) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   if not args.out.strip():
@@ -158,6 +177,9 @@ def export(args: argparse.Namespace) -> None:
       output.check_space(final, size, f"exporting step {step}")
       return meta, reader.params(step, meta)
     step, (meta, tensors) = newest(reader, args.step, read)
+    note = record_note(reader, step)
+    if note:
+      print(f"tools.ckpt: note: step {step}: {note}", file=sys.stderr, flush=True)
     reader.close()
     # A full disk or a file size limit: safetensors raises SafetensorError, no OSError.
     with output.write_errors(f"--out={args.out!r}"):
@@ -275,6 +297,9 @@ def check(args: argparse.Namespace) -> None:
       passed.append(step)
       print(f"step {step}: {params} arrays restored, ok (and {opt} optimizer-state arrays; "
             "metadata digest, every array's fingerprint, all values finite)")
+    note = record_note(reader, step)
+    if note:
+      print(f"step {step}: note: {note}")
   reader.close()
   if bad:
     raise CkptError(f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of "
@@ -305,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # orbax warns about read-only managers
   try:
-    with output.interrupts_as_exceptions():
+    with output.interrupts_as_exceptions(), step_record_errors_said():  # said by record_note
       args.fn(args)
   except ConfigError as e:
     sys.stdout.flush()
