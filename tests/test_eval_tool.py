@@ -1,10 +1,10 @@
 """tools.eval on an imported LLaVA (one module fixture): a LLaVA JSON answered on the run's meshes
-(the same answers on two language dp ranks as on one, as tools.generate gives each prompt alone,
-and as transformers' generate), rows kept across a SIGTERM or a failed write and resumed without
-duplicates, progress on a terminal and in a log, the default --out's files, bad input refused
-with one clear error. Its parts that need no imported run are in tests/test_eval_tool_parts.py."""
+(the same answers on two language dp ranks as on one, as tools.generate gives each prompt alone),
+rows kept across a SIGTERM or a failed write and resumed without duplicates, progress on a
+terminal and in a log, the default --out's files, bad input refused with one clear error. Its
+parts that need no such run (and its program's answers against transformers' generate, on
+imports of their own) are in tests/test_eval_tool_parts.py."""
 
-import argparse
 import io
 import json
 import os
@@ -13,14 +13,10 @@ import shutil
 import signal
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 from mimo_jax import checkpoint_steps, eval_set
 from mimo_jax.config import ConfigError
-from mimo_jax.data import conversations, loader
-from mimo_jax.evaluate import Evaluator
 
 from tests.helpers import file_size_limit
 from tests.test_generate import FIXTURES, _tokenizer
@@ -379,56 +375,6 @@ def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   err = capsys.readouterr().err
   assert "holds rows of another eval (max_new_tokens " in err and "3 here)" in err, err
   assert _rows(setup / "one.jsonl") == one_device
-
-
-def _hf_prompts(ref, image_id: int, tokens: int) -> list[tuple[list[int], list[np.ndarray]]]:
-  """The fixture's rows as converted samples hold them: each image one placeholder (its run of
-  `tokens` image ids collapsed), with its images."""
-  rows = np.split(ref["rows"], np.cumsum(ref["lengths"])[:-1])
-  images = np.split(ref["images"], np.cumsum(ref["image_counts"])[:-1])
-  out = []
-  for row, pixels in zip(rows, images):
-    ids, run = [], 0
-    for t in [*row.tolist(), -1]:
-      if t == image_id:
-        run += 1
-        continue
-      ids += [image_id] * (run // tokens)
-      run = 0
-      if t >= 0:
-        ids.append(t)
-    out.append((ids, list(pixels)))
-  return out
-
-
-@pytest.mark.parametrize("name", ["llava15", "llava_siglip"])
-def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(setup, name):
-  """The eval's program (layout, encoder on its mesh, merge, left-padded prompts, KV-cache decode)
-  against transformers' greedy `generate` on a batch of prompts of different lengths."""
-  workdir = setup / "run" if name == "llava15" else setup / name
-  if not workdir.exists():
-    hf_tool.main(["import", "--hf", str(FIXTURES / name), "--out", str(workdir),
-                  "--config=configs/llava_cpu.py"])
-  ref = np.load(FIXTURES / name / "eval_generate.npz")
-  image_id = json.loads((FIXTURES / name / "config.json").read_text())["image_token_index"]
-  args = argparse.Namespace(workdir=str(workdir), step=None, layout="", seq_len=96,
-                            data=str(workdir))
-  with jax.default_matmul_precision("highest"):
-    step, cfg = eval_tool.run_config(args)
-    eval_tool.from_step(args, cfg, step)
-    trainer = eval_tool.build_step(args, cfg, image_id)
-    tokens = cfg.model.vision.tokens_per_image
-    samples = [{"sample": eval_set.eval_sample(ids, [4], {"images": pixels})}
-               for ids, pixels in _hf_prompts(ref, image_id, tokens)]
-    batch = loader.layout_microbatch([s["sample"] for s in samples], list(range(len(samples))),
-                                     eval_set.layout_for(cfg, 1, len(samples), samples),
-                                     conversations.VOCABULARY)
-    evaluator = Evaluator(trainer)
-    got = evaluator.answers(trainer.init_state(0, optimizer=False), [batch],
-                            ref["generated"].shape[1])
-  assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]
-  np.testing.assert_array_equal(np.stack([got[i] for i in range(len(samples))]),
-                                ref["generated"])
 
 
 def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_path, capsys):

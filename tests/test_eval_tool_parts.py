@@ -1,20 +1,25 @@
-"""tools.eval's parts checked without an imported run (so without tests/test_eval_tool.py's
-module fixture): its progress lines, converted samples named by their records' ids and kept by
-position, the CPU devices its default spans, audio slots sized to the longest clip; and
-tools.eval_bench's prompts and a tiny run of it."""
+"""tools.eval's parts checked without tests/test_eval_tool.py's module fixture: its progress
+lines, converted samples named by their records' ids and kept by position, the CPU devices its
+default spans, audio slots sized to the longest clip, its program's answers against
+transformers' generate (on imports of its own); and tools.eval_bench's prompts and a tiny run
+of it."""
 
 import argparse
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from mimo_jax import eval_set
-from mimo_jax.data import conversations
+from mimo_jax.data import conversations, loader
 from mimo_jax.data.chat import ChatTokenizer
+from mimo_jax.evaluate import Evaluator
 
-from tests.test_generate import _tokenizer
+from tests.test_generate import FIXTURES, _tokenizer
 from tools import eval as eval_tool
 from tools import eval_samples
+from tools import hf as hf_tool
 
 
 def test_reading_a_json_says_how_far_it_is_every_few_seconds(monkeypatch, capsys):
@@ -111,3 +116,52 @@ def test_a_clip_longer_than_the_runs_windows_gets_them_in_the_evals_slots(capsys
   a.max_windows, a.slot_frames = 1, 4 * a.frames
   eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
   assert a.max_windows == 1
+
+
+def _hf_prompts(ref, image_id: int, tokens: int) -> list[tuple[list[int], list[np.ndarray]]]:
+  """The fixture's rows as converted samples hold them: each image one placeholder (its run of
+  `tokens` image ids collapsed), with its images."""
+  rows = np.split(ref["rows"], np.cumsum(ref["lengths"])[:-1])
+  images = np.split(ref["images"], np.cumsum(ref["image_counts"])[:-1])
+  out = []
+  for row, pixels in zip(rows, images):
+    ids, run = [], 0
+    for t in [*row.tolist(), -1]:
+      if t == image_id:
+        run += 1
+        continue
+      ids += [image_id] * (run // tokens)
+      run = 0
+      if t >= 0:
+        ids.append(t)
+    out.append((ids, list(pixels)))
+  return out
+
+
+@pytest.mark.parametrize("name", ["llava15", "llava_siglip"])
+def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(tmp_path, name):
+  """The eval's program (layout, encoder on its mesh, merge, left-padded prompts, KV-cache decode)
+  against transformers' greedy `generate` on a batch of prompts of different lengths."""
+  workdir = tmp_path / name
+  hf_tool.main(["import", "--hf", str(FIXTURES / name), "--out", str(workdir),
+                "--config=configs/llava_cpu.py"])
+  ref = np.load(FIXTURES / name / "eval_generate.npz")
+  image_id = json.loads((FIXTURES / name / "config.json").read_text())["image_token_index"]
+  args = argparse.Namespace(workdir=str(workdir), step=None, layout="", seq_len=96,
+                            data=str(workdir))
+  with jax.default_matmul_precision("highest"):
+    step, cfg = eval_tool.run_config(args)
+    eval_tool.from_step(args, cfg, step)
+    trainer = eval_tool.build_step(args, cfg, image_id)
+    tokens = cfg.model.vision.tokens_per_image
+    samples = [{"sample": eval_set.eval_sample(ids, [4], {"images": pixels})}
+               for ids, pixels in _hf_prompts(ref, image_id, tokens)]
+    batch = loader.layout_microbatch([s["sample"] for s in samples], list(range(len(samples))),
+                                     eval_set.layout_for(cfg, 1, len(samples), samples),
+                                     conversations.VOCABULARY)
+    evaluator = Evaluator(trainer)
+    got = evaluator.answers(trainer.init_state(0, optimizer=False), [batch],
+                            ref["generated"].shape[1])
+  assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]
+  np.testing.assert_array_equal(np.stack([got[i] for i in range(len(samples))]),
+                                ref["generated"])
