@@ -291,6 +291,37 @@ def test_a_sample_longer_than_the_rows_at_layout_is_said_of_seq_len(setup, capsy
   err = capsys.readouterr().err.splitlines()[-1]
   assert "tools.eval: error: --data" in err and "but the eval's rows (--seq_len) hold 40; give " \
       "a larger --seq_len." in err, err
+  assert not (setup / "long.jsonl").exists()
+
+
+def test_a_record_the_layout_refuses_stops_the_eval_with_nothing_written(setup, capsys):
+  """An error raised only when a batch is laid out (here an answer that starts with <image>: a
+  placeholder without its image) stops the eval before a row is written, whichever batch holds
+  it: a new --out gets no rows, settings or folder; an earlier eval's --out stays as it was (its
+  torn last line too)."""
+  data = setup / "layout.jsonl"
+  turns = lambda answer: [{"from": "human", "value": "<image>\nhello"},
+                          {"from": "gpt", "value": answer}]
+  data.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"id": "fine", "image": FILES[0], "conversations": turns("there")},
+      {"id": "bad", "image": FILES[0], "conversations": turns("<image> there")}]))
+  out = setup / "layout_out" / "layout.jsonl"
+  run = lambda *extra: eval_tool.main([str(setup / "run"), "--data", str(data), "--images",
+                                       str(IMAGES), "--tokenizer", str(setup / "tok"),
+                                       "--processor", str(setup / "tok"), "--max_new_tokens",
+                                       "2", "--batch", "1", "--out", str(out), *extra])
+  capsys.readouterr()
+  assert run() == 2
+  assert not out.parent.exists()
+  err = capsys.readouterr().err.splitlines()
+  assert err[-1].startswith("tools.eval: error: ") and "answering" not in "".join(err), err
+  assert "its text has 2 image placeholders (token 63) but it has 1 images" in err[-1], err
+  assert run("--samples", "1") == 0  # the fine record's row; then a row cut by a crash
+  with open(out, "a", encoding="utf-8") as f:
+    f.write('{"id": "bad", "predic')
+  before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+  assert run() == 2
+  assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
 
 
 def test_a_json_object_is_named_as_not_a_list_of_records(setup, capsys):

@@ -27,7 +27,8 @@ larger N goes on from the rows of a smaller one): one JSON row a sample
 (`id`: the record's, or its index in the file where it has none; a converted split's rows add
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
-under a lock; an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
+under a lock, once every batch is laid out (a sample the layout refuses stops the eval with
+nothing written); an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
 (a full disk: one line naming `--out`, status 2), and the same command goes on after the
 samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean (a per-item metric's over the items) over this command's samples (`--out`
@@ -371,6 +372,8 @@ def run(args: argparse.Namespace) -> dict:
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
+    for start in range(0, len(todo), bsz):  # every batch laid out first: a refusal writes nothing
+      _batch(todo[start:start + bsz], layout, bsz, args.data)
     kept = len(samples) - len(todo)
     _say(f"loaded step {step} in {time.monotonic() - began:.1f} s; answering "
          f"{len(todo)} of {count(len(samples), 'sample')}"

@@ -11,6 +11,7 @@ import os
 import pathlib
 
 from mimo_jax import output
+from mimo_jax import workdir as workdir_lib
 
 
 def default_out(args: argparse.Namespace, step: int, settings: dict) -> pathlib.Path:
@@ -63,47 +64,56 @@ def key(row: dict) -> str:
 
 
 class Rows:
-  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends. A
-  failed write (a full disk) is one line naming `--out` (output.write_errors); the rows before
-  it stay, and the same command goes on from them."""
+  """`--out` under its lock: the rows it holds (a torn last line is dropped), and appends. Nothing
+  is written before the first append (an eval that stops before answering leaves no file, and an
+  earlier eval's file as it was). A failed write (a full disk) is one line naming `--out`
+  (output.write_errors); the rows before it stay, and the same command goes on from them."""
 
   def __init__(self, out: pathlib.Path, settings: dict):
     self.out, self.settings = out, settings
     self.what = f"--out={str(out)!r}"
+    self.made = workdir_lib.Made(str(out.parent))  # the folders the lock makes, if unused
     self.lock = output.lock(out, "--out")
     self.done: dict[str, dict] = {}
+    self.file, self.keep = None, None
     try:
       with output.write_errors(self.what):
-        self._open()
+        self._read()
     except BaseException:
-      self.lock.release()
+      self.close()
       raise
 
+  def _read(self) -> None:
+    if not self.out.exists():
+      return
+    recorded = _as_now(_recorded_settings(self.out), self.settings)
+    if recorded != self.settings:
+      differ = ("its settings file is missing or unreadable" if recorded is None else
+                "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
+                          for k, v in self.settings.items() if recorded.get(k) != v))
+      raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
+                               "another --out or remove it.")
+    data = self.out.read_bytes()
+    self.keep = data.rfind(b"\n") + 1  # a line cut by a crash is written again
+    for line in data[:self.keep].decode().splitlines():
+      row = json.loads(line)
+      self.done[key(row)] = row
+
   def _open(self) -> None:
-    if self.out.exists():
-      recorded = _as_now(_recorded_settings(self.out), self.settings)
-      if recorded != self.settings:
-        differ = ("its settings file is missing or unreadable" if recorded is None else
-                  "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
-                            for k, v in self.settings.items() if recorded.get(k) != v))
-        raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
-                                 "another --out or remove it.")
-      data = self.out.read_bytes()
-      keep = data[:data.rfind(b"\n") + 1]  # a line cut by a crash is written again
-      if len(keep) != len(data):
-        with open(self.out, "r+b") as f:
-          f.truncate(len(keep))
-      for line in keep.decode().splitlines():
-        row = json.loads(line)
-        self.done[key(row)] = row
-    else:
+    """`--out` opened to append: its torn last line cut, or made with its settings beside it."""
+    if self.keep is None:
       write_whole(settings_path(self.out), self.settings)
+    elif self.out.stat().st_size != self.keep:
+      with open(self.out, "r+b") as f:
+        f.truncate(self.keep)
     self.file = open(self.out, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
   def append(self, rows: list[dict]) -> None:
     for row in rows:
       self.done[key(row)] = row
     with output.write_errors(self.what):
+      if self.file is None:
+        self._open()
       self.file.write("".join(json.dumps(r) + "\n" for r in rows))
       self.file.flush()
       os.fsync(self.file.fileno())
@@ -111,11 +121,14 @@ class Rows:
   def close(self) -> None:
     try:
       # Every append was flushed and synced: only a failed one's bytes (reported) can fail again.
-      self.file.close()
+      if self.file is not None:
+        self.file.close()
     except OSError:
       pass
     finally:
       self.lock.release()
+      if self.file is None and self.keep is None:  # nothing written: the folders made, if empty
+        self.made.remove_unused(None)
 
 
 def earlier_speed(out: pathlib.Path) -> float | None:
