@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from mimo_jax import checkpoint_steps, eval_set
+from mimo_jax import checkpoint_steps
 from mimo_jax.config import ConfigError
 
 from tests.helpers import file_size_limit
@@ -46,8 +46,8 @@ def setup(tmp_path_factory):
   return root
 
 
-def _eval(root, out, *extra):
-  return eval_tool.main([str(root / "run"), "--data", str(root / "data.json"), "--images",
+def _eval(root, out, *extra, data="data.json"):
+  return eval_tool.main([str(root / "run"), "--data", str(root / data), "--images",
                          str(IMAGES), "--tokenizer", str(root / "tok"), "--processor",
                          str(root / "tok"), "--max_new_tokens", "4", "--batch", "4",
                          "--seq_len", "96", "--metric", "vqa", "--metric", "exact_match",
@@ -198,8 +198,9 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
      "found; --data takes a LLaVA-format JSON file or a directory written by"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
     (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
-    (["--seq_len", "40"], "sample 'q2' needs 46 positions, more than the eval rows' 40; give "
-     "--seq_len 46 or more"),
+    (["--seq_len", "40"], "data.json: record 2 (id 'q2', line 1) needs 46 positions (14 for its "
+     "text, 32 for its 2 images), more than the eval's rows hold (40, --seq_len); give --seq_len "
+     "46 or more, or shorten the record."),
     # --layout's errors name the flag and its value, not the config fields it sets.
     (["--layout", "foo"], "tools.eval: error: --layout 'foo': unknown module 'foo'; modules: "
      "vision, language."),
@@ -284,14 +285,22 @@ def test_an_image_of_other_channels_is_one_error_naming_it_before_anything_is_wr
   assert not out.parent.exists() or not list(out.parent.iterdir())  # no rows, settings, lock
 
 
-def test_a_sample_longer_than_the_rows_at_layout_is_said_of_seq_len(setup, capsys, monkeypatch):
-  # The check before anything is written finds it first; laid out, it is said of --seq_len too.
-  monkeypatch.setattr(eval_set, "check_lengths", lambda *a: None)
-  assert _eval(setup, setup / "long.jsonl", "--seq_len", "40") == 2
-  err = capsys.readouterr().err.splitlines()[-1]
-  assert "tools.eval: error: --data" in err and "but the eval's rows (--seq_len) hold 40; give " \
-      "a larger --seq_len." in err, err
-  assert not (setup / "long.jsonl").exists()
+def test_a_record_longer_than_the_rows_is_named_by_its_line_in_the_file_with_the_fix(
+    setup, capsys, monkeypatch):
+  """Found before anything is written, or (the check skipped) when its batch is laid out: the
+  record by its number, id and line in the file (not its place in the batch), and the fix."""
+  records = json.loads((setup / "data.json").read_text())
+  (setup / "lines.jsonl").write_text("\n".join(map(json.dumps, records)).replace("\n", "\n\n", 1))
+  for check in (True, False):
+    if not check:
+      monkeypatch.setattr(eval_tool.eval_samples, "check_lengths", lambda *a: None)
+    assert _eval(setup, setup / "long.jsonl", "--batch", "2", "--seq_len", "40",
+                 data="lines.jsonl") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"tools.eval: error: --data {setup / 'lines.jsonl'}: record 2 (id 'q2', line 4) needs 46 "
+        "positions (14 for its text, 32 for its 2 images), more than the eval's rows hold (40, "
+        "--seq_len); give --seq_len 46 or more, or shorten the record.")
+    assert not (setup / "long.jsonl").exists()
 
 
 def test_a_record_the_layout_refuses_stops_the_eval_with_nothing_written(setup, capsys):
@@ -299,23 +308,20 @@ def test_a_record_the_layout_refuses_stops_the_eval_with_nothing_written(setup, 
   placeholder without its image) stops the eval before a row is written, whichever batch holds
   it: a new --out gets no rows, settings or folder; an earlier eval's --out stays as it was (its
   torn last line too)."""
-  data = setup / "layout.jsonl"
   turns = lambda answer: [{"from": "human", "value": "<image>\nhello"},
                           {"from": "gpt", "value": answer}]
-  data.write_text("".join(json.dumps(r) + "\n" for r in [
+  (setup / "layout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
       {"id": "fine", "image": FILES[0], "conversations": turns("there")},
       {"id": "bad", "image": FILES[0], "conversations": turns("<image> there")}]))
   out = setup / "layout_out" / "layout.jsonl"
-  run = lambda *extra: eval_tool.main([str(setup / "run"), "--data", str(data), "--images",
-                                       str(IMAGES), "--tokenizer", str(setup / "tok"),
-                                       "--processor", str(setup / "tok"), "--max_new_tokens",
-                                       "2", "--batch", "1", "--out", str(out), *extra])
+  run = lambda *extra: _eval(setup, out, "--batch", "1", *extra, data="layout.jsonl")
   capsys.readouterr()
   assert run() == 2
   assert not out.parent.exists()
   err = capsys.readouterr().err.splitlines()
-  assert err[-1].startswith("tools.eval: error: ") and "answering" not in "".join(err), err
-  assert "its text has 2 image placeholders (token 63) but it has 1 images" in err[-1], err
+  assert "answering" not in "".join(err) and err[-1] == (
+      f"tools.eval: error: --data {setup / 'layout.jsonl'}: record 1 (id 'bad', line 2): its "
+      "text has 2 image placeholders (token 63) but it has 1 images."), err
   assert run("--samples", "1") == 0  # the fine record's row; then a row cut by a crash
   with open(out, "a", encoding="utf-8") as f:
     f.write('{"id": "bad", "predic')

@@ -165,3 +165,21 @@ def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(tmp_
   assert [len(p) for _, p in _hf_prompts(ref, image_id, tokens)] == [0, 2, 1, 3]
   np.testing.assert_array_equal(np.stack([got[i] for i in range(len(samples))]),
                                 ref["generated"])
+
+
+def test_an_error_names_a_record_by_the_line_it_starts_on(tmp_path):
+  """A JSON's record by its number, id and first line (a list laid out on lines, a BOM, brackets
+  and newlines inside strings; JSONL's blank lines counted); a converted split's by position."""
+  records = [{"id": f"r{i}", "text": "] ,\n{" * i} for i in range(3)]
+  files = {"list.json": ("\ufeff" + json.dumps(records, indent=2), [2, 6, 10]),
+           "one_line.json": (json.dumps(records), [1, 1, 1]),
+           "lines.jsonl": ("\n" + "\n\n".join(map(json.dumps, records)), [2, 4, 6])}
+  for name, (text, lines) in files.items():
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    assert [eval_samples.record_line(tmp_path / name, i) for i in range(4)] == lines + [None]
+  args = argparse.Namespace(data=str(tmp_path / "list.json"), split="eval")
+  assert eval_samples.named(args, {"id": "r2", "record": 2}) == (
+      f"--data {tmp_path / 'list.json'}: record 2 (id 'r2', line 10)")
+  args.data = str(tmp_path)
+  assert eval_samples.named(args, {"id": "q7", "position": 4}) == (
+      f"--data {tmp_path} (--split eval): sample 'q7' (position 4 of the split)")

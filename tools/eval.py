@@ -28,8 +28,8 @@ larger N goes on from the rows of a smaller one): one JSON row a sample
 `position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
 appended and synced batch by batch
 under a lock, once every batch is laid out (a sample the layout refuses stops the eval with
-nothing written); an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails
-(a full disk: one line naming `--out`, status 2), and the same command goes on after the
+nothing written); an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write
+fails (a full disk: one line naming `--out`, status 2), and the same command goes on after the
 samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
 each metric's mean (a per-item metric's over the items) over this command's samples (`--out`
 may hold more, from a larger `--samples`), the sample count, the step and the
@@ -258,21 +258,6 @@ def build_step(args, cfg: Config, image_id: int | None):
   return Step.build(cfg)
 
 
-def _batch(chunk: list[dict], layout, bsz: int, data: str):
-  """The samples `chunk` laid out as one batch; a row too short for a sample is said of
-  --seq_len, which sets the eval's rows (data.seq_len is the run's), and only that."""
-  from mimo_jax import eval_set  # pylint: disable=import-outside-toplevel
-  try:
-    return eval_set.batches(chunk, layout, bsz, f"--data {data}")[0]
-  except ConfigError as e:
-    message = str(e)
-    if "data.seq_len" not in message:
-      raise
-    raise ConfigError(message.replace("but data.seq_len is", "but the eval's rows (--seq_len) "
-                                      "hold").replace("raise data.seq_len", "give a larger "
-                                                      "--seq_len")) from None
-
-
 def _say(line: str) -> None:
   """A line of progress on stderr, at once (a log shows the eval working before the bar)."""
   print(f"{TOOL}: {line}", file=sys.stderr, flush=True)
@@ -362,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
   dp = trainer.topo.dp("language")
   bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
-  eval_set.check_lengths(layout, samples, "--seq_len")
+  eval_samples.check_lengths(args, layout, samples)
   step, state = _parameters(args, trainer)
   settings = {"workdir": os.path.abspath(args.workdir), "step": step,
               "data": os.path.abspath(args.data),
@@ -373,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
   try:
     todo = [s for s in samples if key(s) not in rows.done]
     for start in range(0, len(todo), bsz):  # every batch laid out first: a refusal writes nothing
-      _batch(todo[start:start + bsz], layout, bsz, args.data)
+      eval_samples.batch(todo[start:start + bsz], args, layout, bsz)
     kept = len(samples) - len(todo)
     _say(f"loaded step {step} in {time.monotonic() - began:.1f} s; answering "
          f"{len(todo)} of {count(len(samples), 'sample')}"
@@ -386,7 +371,7 @@ def run(args: argparse.Namespace) -> dict:
     with bar:
       for start in range(0, len(todo), bsz):
         chunk = todo[start:start + bsz]
-        batch = _batch(chunk, layout, bsz, args.data)
+        batch = eval_samples.batch(chunk, args, layout, bsz)
         got = evaluator.answers(state, [batch], args.max_new_tokens, eos)
         answers = [got[k] for k in range(len(chunk))]
         generated += sum(list(a).index(eos) if eos in a else len(a) for a in answers)

@@ -1,10 +1,13 @@
 """tools.eval's samples (tools/eval.py says what it does): a prompt of token ids, the encoders'
-items and the references, from a converted directory's split or a LLaVA-format JSON."""
+items and the references, from a converted directory's split or a LLaVA-format JSON; laid out
+in the eval's rows, and named in errors as the user knows them (a record's line in the file)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -177,9 +180,84 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
     except RecordError as e:
       raise ConfigError(str(e)) from None
     items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
-    out.append({"id": key, "sample": eval_set.eval_sample(prompt, answer, items),
+    out.append({"id": key, "record": i, "sample": eval_set.eval_sample(prompt, answer, items),
                 "prompt_ids": prompt, "references": references})
   return out
 
 
-# The output: rows appended and synced, kept across interruptions.
+def record_line(path, index: int) -> int | None:
+  """The line (1-based) on which record `index` (0-based, as the records are read) of the JSON
+  or JSONL file `path` begins; None where it cannot be told."""
+  try:
+    text = pathlib.Path(path).read_bytes().decode("utf-8-sig")
+  except (OSError, ValueError):
+    return None
+  if not text.lstrip().startswith("["):  # JSONL: a record a line, blank lines skipped
+    lines = (k for k, line in enumerate(text.splitlines(), 1) if line.strip())
+    return next(itertools.islice(lines, index, None), None)
+  decoder, at, start = json.JSONDecoder(), text.index("[") + 1, 0
+  for _ in range(index + 1):
+    while at < len(text) and (text[at].isspace() or text[at] == ","):
+      at += 1
+    try:
+      start, (_, at) = at, decoder.raw_decode(text, at)
+    except ValueError:
+      return None
+  return text.count("\n", 0, start) + 1
+
+
+# How the samples fit the eval's rows, and how an error names one.
+
+def named(args, s: dict) -> str:
+  """Sample `s` as the user knows it: a JSON's record by its number, id and line in the file; a
+  converted split's sample by its position there and id."""
+  if "record" in s:
+    line = record_line(args.data, s["record"])
+    return (f"--data {args.data}: record {s['record']} (id {s['id']!r}"
+            f"{f', line {line}' if line else ''})")
+  from mimo_jax import eval_set  # pylint: disable=import-outside-toplevel
+  return f"--data {args.data} (--split {args.split}): {eval_set.named(s)}"
+
+
+def _too_long(args, layout, s: dict) -> str | None:
+  """Where sample `s`'s prompt, its items expanded, needs more positions than the eval's rows
+  hold: the error naming its record (`named`), what takes them and the fix; else None."""
+  tokens = [(e.noun, [e.item_tokens(size, 0) for size in e.sizes(s["sample"])])
+            for e in layout.encoders]
+  items = sum(sum(t) for _, t in tokens)
+  n = len(s["sample"]["tokens"]) - 1 + items - sum(len(t) for _, t in tokens)
+  if n <= layout.seq_len:
+    return None
+  held = "".join(f", {sum(t)} for its {noun if len(t) == 1 else count(len(t), noun)}"
+                 for noun, t in tokens if t)
+  return (f"{named(args, s)} needs {n} positions ({n - items} for its text{held}), more than "
+          f"the eval's rows hold ({layout.seq_len}, --seq_len); give --seq_len {n} or more, or "
+          "shorten the record.")
+
+
+def check_lengths(args, layout, samples: list[dict]) -> None:
+  """The first sample too long for the eval's rows (`_too_long`), before anything is written."""
+  for s in samples:
+    try:
+      message = _too_long(args, layout, s)
+    except ValueError as e:  # an item the encoder cannot take, said of "sample 0"
+      raise ConfigError(f"{named(args, s)}{str(e).removeprefix('sample 0')}") from None
+    if message:
+      raise ConfigError(message)
+
+
+def batch(chunk: list[dict], args, layout, bsz: int):
+  """The samples `chunk` laid out as one batch; a sample the layout refuses is named as the user
+  knows it (`named`, not by its place in the batch), a row too short for it said of --seq_len,
+  which sets the eval's rows (data.seq_len is the run's)."""
+  from mimo_jax import eval_set  # pylint: disable=import-outside-toplevel
+  where = f"--data {args.data}"
+  try:
+    return eval_set.batches(chunk, layout, bsz, where)[0]
+  except ConfigError as e:
+    found = re.match(r"sample (\d+)(: | )(.*)", str(e).removeprefix(f"{where}: "), re.S)
+    if not found or int(found[1]) >= len(chunk):
+      raise
+    s = chunk[int(found[1])]
+    message = _too_long(args, layout, s) if "data.seq_len" in found[3] else None
+    raise ConfigError(message or f"{named(args, s)}{found[2]}{found[3]}") from None
