@@ -18,8 +18,10 @@ its hidden width 4096, and 16 rows of 2048 tokens with configs/vlm.py's SwiGLU w
 microbatch of its dense step). Two times a form: its forward pass alone and its backward pass
 (the inputs' gradients from the output's, as training runs it after the forward pass), each the
 median over 5 runs of one compiled program that takes `--repeat` passes in turn (each pass's
-result is the next one's input), divided by `--repeat`; the bandwidth counts one read or write
-of each [images x positions x width] array a pass needs (GELU: h, y forward; h, dy, dh backward;
+result is the next one's input, behind an optimization barrier, so that XLA fuses no two passes
+into one kernel, as it would a chain of elementwise passes: each pass reads and writes memory, as
+in the step), divided by `--repeat`; the bandwidth counts one read or write of each [images x
+positions x width] array a pass needs (GELU: h, y forward; h, dy, dh backward;
 SwiGLU: gate, up, y forward; gate, up, dy, dgate, dup backward).
 """
 
@@ -64,8 +66,7 @@ def exp_swiglu(gate, up):
 def forward_seconds(fn, xs: tuple, repeat: int) -> float:
   def run(*xs):
     for _ in range(repeat):
-      y = fn(*xs)
-      xs = (y,) + xs[1:]
+      xs = jax.lax.optimization_barrier((fn(*xs),) + xs[1:])
     return xs
 
   run = jax.jit(run)
@@ -80,7 +81,7 @@ def gradients(fn, xs: tuple, dy):
 def backward_seconds(fn, xs: tuple, dy, repeat: int) -> float:
   def run(xs, dy):
     for _ in range(repeat):
-      xs = gradients(fn, xs, dy)
+      xs = jax.lax.optimization_barrier(gradients(fn, xs, dy))
     return xs
 
   run = jax.jit(run)
