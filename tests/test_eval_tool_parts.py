@@ -21,6 +21,8 @@ from tools import eval as eval_tool
 from tools import eval_samples
 from tools import hf as hf_tool
 
+IMAGES = FIXTURES.parent / "images"
+
 
 def test_reading_a_json_says_how_far_it_is_every_few_seconds(monkeypatch, capsys):
   """Reading records (a terminal or not: no bar shows it) and answering (lines where stderr is no
@@ -183,3 +185,54 @@ def test_an_error_names_a_record_by_the_line_it_starts_on(tmp_path):
   args.data = str(tmp_path)
   assert eval_samples.named(args, {"id": "q7", "position": 4}) == (
       f"--data {tmp_path} (--split eval): sample 'q7' (position 4 of the split)")
+
+
+def test_rgba_and_palette_images_are_made_rgb_as_training_makes_them_or_refused_with_the_fix(
+    tmp_path):
+  """A processor that converts (do_convert_rgb, the default) makes an RGBA or palette image RGB
+  as tools.convert does (both read through images.load), its transparency onto white; one that
+  keeps an image's bands refuses them as tools.convert does, naming the Pillow conversion that
+  makes those same pixels (tools.eval: the record and file; tools.generate: the file)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from configs import llava_cpu  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.images import ImageProcessor  # pylint: disable=import-outside-toplevel
+  from tools import prompts  # pylint: disable=import-outside-toplevel
+  _tokenizer(tmp_path / "tok")
+  tok, proc = ChatTokenizer.open(str(tmp_path / "tok")), ImageProcessor.open(tmp_path / "tok")
+  cfg = llava_cpu.get_config()
+  cfg.model.vision.image_size, cfg.model.vision.channels = 16, 3
+  names, data = ("rgba", "palette"), tmp_path / "data.jsonl"
+  data.write_text("".join(json.dumps({"id": n, "image": f"{n}.png", "conversations": [
+      {"from": "human", "value": "<image>\nhello"}, {"from": "gpt", "value": "there"}]}) + "\n"
+                          for n in names))
+  args = argparse.Namespace(data=str(data), images=str(IMAGES), samples=0)
+  samples = eval_samples.json_samples(args, cfg, tok, lambda: proc, "<image>")
+  for s, name in zip(samples, names):
+    with Image.open(IMAGES / f"{name}.png") as image:  # the fix's command, as the errors name it
+      im = image.convert("RGBA")
+      white = Image.alpha_composite(Image.new("RGBA", im.size, "white"), im).convert("RGB")
+    np.testing.assert_array_equal(s["sample"]["images"][0], proc(white))
+    assert not np.array_equal(proc(im.convert("RGB")), proc(white))  # transparency dropped
+  keeps = dataclasses.replace(proc, convert_rgb=False)
+  fix = ("where the processor keeps an image's bands (\"do_convert_rgb\": false) and reads only "
+         "grayscale (L) and RGB images (tools.convert refuses it too); convert it to RGB, any "
+         "transparency onto white as a converting processor does (e.g. with Pillow: im = "
+         "Image.open(path).convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", im.size, "
+         "\"white\"), im).convert(\"RGB\").save(new_path)), or give a processor that converts it "
+         "(\"do_convert_rgb\": true in its preprocessor_config.json).")
+  with pytest.raises(ConfigError) as e:
+    eval_samples.json_samples(args, cfg, tok, lambda: keeps, "<image>")
+  assert str(e.value) == (f"--data {data}: record 0 (id 'rgba'): image {IMAGES / 'rgba.png'} is "
+                          f"an RGBA image (with transparency), {fix}")
+  with pytest.raises(ConfigError) as e:
+    prompts.load_images([str(IMAGES / "palette.png")], keeps, cfg)
+  assert str(e.value) == f"{IMAGES / 'palette.png'} is a palette (P) image, {fix}"
+  cfg.model.vision.channels = 1  # a grayscale tower (the digits'): to L, no converting processor
+  with pytest.raises(ConfigError) as e:
+    prompts.load_images([str(IMAGES / "palette.png")], keeps, cfg)
+  assert str(e.value).endswith("; convert it to grayscale (L), any transparency onto white as a "
+                               "converting processor does (e.g. with Pillow: im = Image.open(path)"
+                               ".convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", "
+                               "im.size, \"white\"), im).convert(\"L\").save(new_path)).")

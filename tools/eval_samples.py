@@ -81,7 +81,7 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   from mimo_jax.data import audio_records, conversations, conversion, images
   from mimo_jax.data.chat import ChatError, TokenizeError, messages
   from mimo_jax.data.record_error import RecordError, record_id
-  from tools.prompts import check_shape, with_marks
+  from tools.prompts import bands_refused, check_shape, with_marks
   settings, audio_id = audio
   try:
     records = conversion.records_of(pathlib.Path(args.data))
@@ -146,7 +146,9 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
                else "give the image folder with --images DIR (the default is the JSON's folder)")
         raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
       except Exception as e:  # pylint: disable=broad-except
-        raise ConfigError(f"{where}: image {folder / f} cannot be read ({e}).") from None
+        bands = bands_refused(folder / f, opened[0], cfg)
+        raise ConfigError(f"{where}: image {folder / f} "
+                          f"{f'is {bands}' if bands else f'cannot be read ({e})'}.") from None
       if "vision" in cfg.model.encoders:  # here, not when a batch is laid out: nothing written
         check_shape(f"{where}: image {folder / f}", pixels[-1].shape, cfg)
     try:
