@@ -14,6 +14,8 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +23,7 @@ from mimo_jax import encoders
 from mimo_jax.flops import FlopModel
 from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
+from tools import activation_bench as ab
 from tools import bench, encoder_bench, hf_llava_bench, hlo_dump, kernels, plan
 
 
@@ -435,9 +438,6 @@ def test_bench_says_how_to_get_cpu_devices_where_the_process_chose_its_own(capsy
 def test_activation_bench_forms_are_one_function_and_bad_flags_are_one_line():
   """tools.activation_bench: each form it times computes the code's activation (bfloat16 within
   its rounding of the code's in float32); a bad flag or a machine without a GPU is one line."""
-  import jax
-  import jax.numpy as jnp
-  from tools import activation_bench as ab
   k = jax.random.split(jax.random.key(0), 4)
   h, dy, gate, up = (jax.random.normal(key, (2, 8, 64), jnp.bfloat16) for key in k)
   bias = 0.1 * jax.random.normal(k[0], (64,))
@@ -445,7 +445,6 @@ def test_activation_bench_forms_are_one_function_and_bad_flags_are_one_line():
                             (ab.exp_swiglu, ab.code_swiglu, (gate, up))):
     assert ab.distance(fn, reference, xs, dy) < 1e-2
   for flags, said in ((["--gelu", "48x576"], "--gelu '48x576': give images x positions x width"),
-                      (["--repeat", "0"], "--repeat 0: give 1 or more"),
-                      ([], "needs a GPU")):
+                      (["--repeat", "0"], "--repeat 0: give 1 or more"), ([], "needs a GPU")):
     with pytest.raises(SystemExit, match=said):
       ab.main(flags)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models.activations import ACTIVATIONS, _from_input, _gelu_tanh_derivative
-from tools.common import median_time
+from tools.common import gpu_timing, median_time
 
 
 _C = math.sqrt(2 / math.pi)
@@ -117,12 +117,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeat", type=int, default=20, help="passes a timed program takes")
   args = parser.parse_args(argv)
   gelu, swiglu = _shape(args.gelu, "--gelu"), _shape(args.swiglu, "--swiglu")
-  if args.repeat < 1:
-    raise SystemExit(f"tools.activation_bench: --repeat {args.repeat}: give 1 or more.")
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"tools.activation_bench: needs a GPU (its figures are the GPU's); jax "
-                     f"runs on {jax.default_backend()} here.")
-  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+  gpu_timing("tools.activation_bench", args.repeat, "its figures are the GPU's")
   print("| activation | shape | form | fwd ms | TB/s | bwd ms | TB/s | relative distance |")
   print("|---|---|---|---:|---:|---:|---:|---:|")
   k = jax.random.split(jax.random.key(0), 4)

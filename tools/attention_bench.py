@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models import layers
-from tools.common import Parser, median_time
+from tools.common import Parser, gpu_timing, median_time
 
 
 def _repeated(q, k, v, causal):
@@ -102,12 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="forward and backward passes in one timed program")
   args = parser.parse_args(argv)
   shapes = [parse_shape(s) for s in args.shapes.split(",")]
-  if args.repeat < 1:
-    raise SystemExit(f"tools.attention_bench: --repeat {args.repeat}: give 1 or more.")
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"tools.attention_bench: needs a GPU (cuDNN); jax runs on "
-                     f"{jax.default_backend()} here.")
-  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+  gpu_timing("tools.attention_bench", args.repeat, "cuDNN")
   print("| shape | attention | fwd+bwd ms | TFLOP/s | relative distance |")
   print("|---|---|---:|---:|---:|")
   for text, (b, l, h, d, kv_heads, causal) in zip(args.shapes.split(","), shapes):

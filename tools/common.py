@@ -262,6 +262,16 @@ def new_folder(tool: str, flag: str, path: str, why: str) -> None:
     fail(tool, workdir.describe_os_error(e, f"{flag}={path}"))
 
 
+def gpu_timing(tool: str, repeat: int, needs: str) -> None:
+  """A GPU kernel bench's checks before it times anything (`--repeat` at least 1, a GPU; each a
+  one-line exit naming `tool`), then its device line."""
+  if repeat < 1:
+    raise SystemExit(f"{tool}: --repeat {repeat}: give 1 or more.")
+  if jax.default_backend() != "gpu":
+    raise SystemExit(f"{tool}: needs a GPU ({needs}); jax runs on {jax.default_backend()} here.")
+  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+
+
 def median_time(fn, reps: int = 5) -> float:
   """Median seconds of `fn()` (waited for) over `reps` calls, after one untimed call that
   compiles and allocates."""

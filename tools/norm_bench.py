@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models import layers, norm_kernels
-from tools.common import median_time
+from tools.common import gpu_timing, median_time
 
 EPS = 1e-6
 
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> None:
   if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
     raise SystemExit(f"tools.norm_bench: --shapes {args.shapes!r}: give images x positions x "
                      "width, comma-separated (e.g. 48x576x1024).")
-  if args.repeat < 1:
-    raise SystemExit(f"tools.norm_bench: --repeat {args.repeat}: give 1 or more.")
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"tools.norm_bench: needs a GPU (Triton kernels); jax runs on "
-                     f"{jax.default_backend()} here.")
+  gpu_timing("tools.norm_bench", args.repeat, "Triton kernels")
   chosen = norm_kernels.ROWS, norm_kernels.WARPS
   try:
     _table(shapes, rows, warps, args.repeat)
@@ -110,7 +106,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(shapes: list[tuple[int, ...]], rows: list[int], warps: list[int], repeat: int) -> None:
-  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
   print("| images x positions x width | norm | fwd+bwd ms | TB/s | relative distance |")
   print("|---|---|---:|---:|---:|")
   for shape in shapes:
