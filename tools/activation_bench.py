@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models.activations import ACTIVATIONS, _from_input, _gelu_tanh_derivative
-from tools.common import gpu_timing, median_time
+from tools.common import Parser, gpu_timing, median_time
 
 
 _C = math.sqrt(2 / math.pi)
@@ -110,8 +110,8 @@ def _shape(text: str, flag: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.activation_bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser("activation_bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--gelu", default="48x576x4096", help="the GELU's shape")
   parser.add_argument("--swiglu", default="16x2048x8192", help="the SwiGLU's shape")
   parser.add_argument("--repeat", type=int, default=20, help="passes a timed program takes")

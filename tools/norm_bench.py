@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models import layers, norm_kernels
-from tools.common import gpu_timing, median_time
+from tools.common import Parser, gpu_timing, median_time
 
 EPS = 1e-6
 
@@ -81,8 +81,8 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m tools.norm_bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser("norm_bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="48x576x1024",
                       help="images x positions x width, comma-separated")
   parser.add_argument("--rows", default="4,8,16", help="rows a kernel instance normalises")
