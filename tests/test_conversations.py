@@ -161,6 +161,39 @@ def test_16_bit_and_float_images_convert_as_their_8_bit_values(tmp_path, capsys)
     np.testing.assert_array_equal(got[k]["images"][0], got["8"]["images"][0])
 
 
+def test_a_processor_that_keeps_bands_refuses_rgba_and_palette_images_with_the_fix(tmp_path,
+                                                                                   capsys):
+  """do_convert_rgb false: an RGBA or palette image is refused naming the record, the file and
+  the fix (the Pillow conversion a converting processor's pixels come from, or a processor that
+  converts), as tools.eval and tools.generate word it; not "cannot be read"."""
+  keeps = tmp_path / "keeps"
+  shutil.copytree(PROCESSOR, keeps)
+  config = json.loads((keeps / "preprocessor_config.json").read_text())
+  (keeps / "preprocessor_config.json").write_text(json.dumps(dict(config, do_convert_rgb=False)))
+  data = tmp_path / "d.jsonl"
+  turns = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}]
+  data.write_text("\n".join(json.dumps({"id": n, "image": f"{n.rstrip('2')}.png",
+                                        "conversations": turns})
+                            for n in ("grayscale", "grayscale2", "rgba", "palette")))
+  args = ["--json", str(data), "--images", str(FIXTURES / "images"), "--tokenizer",
+          str(TOKENIZER), "--processor", str(keeps), "--out", str(tmp_path / "out"), "--workers",
+          "1", "--eval", "1", "--max_skipped_fraction", "1"]
+  convert.main(args)  # skipped; the eval split may then be empty (refused): the lines are the same
+  err = capsys.readouterr().err
+  fix = ("where the processor keeps an image's bands (\"do_convert_rgb\": false) and reads only "
+         "grayscale (L) and RGB images; convert it to RGB or grayscale (L), as the model reads, "
+         "any transparency onto white as a converting processor does (e.g. with Pillow: im = "
+         "Image.open(path).convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", "
+         "im.size, \"white\"), im).convert(\"RGB\").save(new_path); .convert(\"L\") for "
+         "grayscale), or give a processor that converts it (\"do_convert_rgb\": true in its "
+         "preprocessor_config.json).")
+  for k, (name, kind) in enumerate([("rgba", "an RGBA image (with transparency)"),
+                                    ("palette", "a palette (P) image")], 2):
+    assert (f"skipped: {data}: record {k} (id {name!r}): image {FIXTURES / 'images' / f'{name}.png'} is "
+            f"{kind}, {fix}") in err, err
+  assert "cannot be read" not in err and "unsupported image 2 ('rgba', 'palette')" in err, err
+
+
 def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(source, tmp_path, capsys):
   out = tmp_path / "out"
   assert convert.main(_args(source, out, "--on_error", "fail", "--workers", "1")) == 2

@@ -141,42 +141,16 @@ def check_shape(where: str, shape: tuple[int, ...], cfg: Config) -> None:
                     f"width x channels) where the model reads {size}x{size}x{channels}; {fix}.")
 
 
-# Modes a processor that keeps an image's bands refuses, as said in errors (others: "a CMYK image").
-_MODES = {"RGBA": "an RGBA image (with transparency)", "P": "a palette (P) image",
-          "PA": "a palette image with transparency (PA)",
-          "LA": "an LA image (grayscale with transparency)"}
-# Pillow's conversion of `path` as a converting processor makes it (images.rgb), then to MODE.
-_CONVERT = ("im = Image.open(path).convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", "
-            "im.size, \"white\"), im).convert(\"{mode}\").save(new_path)")
-
-
 def bands_refused(path, proc, cfg: Config) -> str | None:
   """Where the processor keeps an image's bands (do_convert_rgb false) and image file `path` has
   others than the grayscale (L) or RGB it reads (RGBA, a palette, CMYK; tools.convert refuses
   them too): what it is and the fix, the image converted to the model's channels as a converting
-  processor converts it (transparency onto white). None where the processor takes it."""
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-  if proc.convert_rgb:
-    return None
-  try:
-    with Image.open(path) as image:
-      mode = images.eight_bit(image).mode
-  except Exception:  # pylint: disable=broad-except
-    return None
-  if mode in ("L", "RGB"):
-    return None
+  processor converts it (transparency onto white), as `images.bands_refused` words it. None
+  where the processor takes it."""
   vision = cfg.model.encoders.get("vision")
-  channels = vision.channels if vision is not None else 3
-  to = {1: ("grayscale (L)", "L"), 3: ("RGB", "RGB")}.get(channels)
-  fix = (f"convert it to the model's {channels} channels" if to is None else
-         f"convert it to {to[0]}, any transparency onto white as a converting processor does "
-         f"(e.g. with Pillow: {_CONVERT.format(mode=to[1])})")
-  if channels == 3:
-    fix += (", or give a processor that converts it (\"do_convert_rgb\": true in its "
-            "preprocessor_config.json)")
-  return (f"{_MODES.get(mode, f'a {mode} image')}, where the processor keeps an image's bands "
-          "(\"do_convert_rgb\": false) and reads only grayscale (L) and RGB images (tools.convert "
-          f"refuses it too); {fix}")
+  return images.bands_refused(path, proc.convert_rgb,
+                              vision.channels if vision is not None else 3,
+                              also=" (tools.convert refuses it too)")
 
 
 def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:

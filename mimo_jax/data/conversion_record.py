@@ -137,6 +137,11 @@ def _read_image(f: str, where: str):
   except images.UnsupportedImage as e:
     raise RecordError("unsupported image", f"{where}: image {path} is {e}.") from None
   except Exception as e:  # pylint: disable=broad-except
+    # A processor that keeps bands refuses an RGBA, palette or CMYK image: said with the fix (the
+    # model's channels are not known here: those of the data it converts).
+    bands = images.bands_refused(path, w["proc"].convert_rgb, None)
+    if bands:
+      raise RecordError("unsupported image", f"{where}: image {path} is {bands}.") from None
     raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 
 

@@ -25,7 +25,8 @@ normalises with `model.vision.pixel_mean` / `pixel_std` (which `tools.hf import`
 same file); `normalized` does the same on the host for checks.
 
 The image side of the data tasks lives here too: an image file read through the processor (`load`),
-the images a conversion wrote (`Tally`, for its manifest) checked against the vision tower's config
+the refusal, with the fix, of one a processor that keeps bands cannot read (`bands_refused`), the
+images a conversion wrote (`Tally`, for its manifest) checked against the vision tower's config
 (`check_sizes`), and the images the synthetic task draws (`synthetic_shapes`).
 """
 
@@ -234,6 +235,46 @@ def load(path, processor: ImageProcessor) -> np.ndarray:
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     with Image.open(path) as image:
       return processor(image)
+
+
+# Modes a processor that keeps an image's bands refuses, as said in errors (others: "a CMYK image").
+_MODES = {"RGBA": "an RGBA image (with transparency)", "P": "a palette (P) image",
+          "PA": "a palette image with transparency (PA)",
+          "LA": "an LA image (grayscale with transparency)"}
+# Pillow's conversion of `path` as a converting processor makes it (`rgb`), then to MODE.
+_CONVERT = ("im = Image.open(path).convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", "
+            "im.size, \"white\"), im).convert(\"{mode}\").save(new_path)")
+_GRAY = "; .convert(\"L\") for grayscale"  # where the model's channels are not known
+
+
+def bands_refused(path, convert_rgb: bool, channels: int | None, also: str = "") -> str | None:
+  """Where a processor that keeps an image's bands (`convert_rgb` false) refuses the image file at
+  `path` for bands other than the grayscale (L) or RGB it reads (RGBA, a palette, CMYK): what it
+  is and the fix, the image converted to the model's `channels` (None: not known, as in
+  tools.convert: RGB or grayscale) as a converting processor converts it (transparency onto
+  white); `also` follows what the processor reads. None where the processor takes it, or the
+  file cannot be opened."""
+  if convert_rgb:
+    return None
+  try:
+    with Image.open(path) as image:
+      mode = eight_bit(image).mode
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if mode in ("L", "RGB"):
+    return None
+  to = {1: "grayscale (L)", 3: "RGB", None: "RGB or grayscale (L), as the model reads"}
+  if channels not in to:
+    fix = f"convert it to the model's {channels} channels"
+  else:
+    fix = (f"convert it to {to[channels]}, any transparency onto white as a converting processor "
+           f"does (e.g. with Pillow: {_CONVERT.format(mode='L' if channels == 1 else 'RGB')}"
+           f"{_GRAY if channels is None else ''})")
+  if channels in (3, None):
+    fix += (", or give a processor that converts it (\"do_convert_rgb\": true in its "
+            "preprocessor_config.json)")
+  return (f"{_MODES.get(mode, f'a {mode} image')}, where the processor keeps an image's bands "
+          f"(\"do_convert_rgb\": false) and reads only grayscale (L) and RGB images{also}; {fix}")
 
 
 @dataclasses.dataclass
