@@ -42,7 +42,8 @@ from mimo_jax.checkpoint_arrays import (as_saved, bfloat16_if_exact, fill, misma
                                         shape_differences, without)
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
 from mimo_jax.checkpoint_orbax import (batched_array_registry, collect, not_read_only_notice,
-                                      quiet_failed_reads, read_failure)
+                                      quiet_failed_reads, read_failure,
+                                      step_record_errors_dropped, step_record_note)
 from mimo_jax.checkpoint_steps import (Base, PermissionDenied, base_folder, complete_steps, damaged,
                                       digest, digest_failure, meta_file, move_aside, unreadable)
 from mimo_jax.config import Config
@@ -85,6 +86,7 @@ class Checkpointer:
     # alongside the training step's cross-process copies that can deadlock, so saves block there.
     # A read-only checkpointer never saves: no background thread.
     async_save = async_save and jax.process_count() == 1 and not read_only
+    step_record_errors_dropped()  # orbax's ERROR for a damaged one: `checked_meta` notes it
     if read_only and not_read_only_notice not in logging.getLogger("absl").filters:
       # Before the options: their construction warns that a read-only manager is read-only.
       logging.getLogger("absl").addFilter(not_read_only_notice)
@@ -307,6 +309,7 @@ class Checkpointer:
     first, for a run to call before it starts anything else."""
     meta = self.read_meta(step)
     self.notes += check_compatible(meta, cfg, self.path, step)
+    self.notes += filter(None, [step_record_note(self._step_dir(step))])  # its damaged record
     return meta
 
   def restore(self, step: int, abstract: dict[str, dict], cfg: Config, fresh_opt_state=None,

@@ -86,6 +86,20 @@ def step_record_failure(step_dir: str) -> str | None:
   return None
 
 
+def step_record_note(step_dir: str) -> str | None:
+  """What a damaged or unreadable _CHECKPOINT_METADATA of step folder `step_dir` means and its
+  fix, as a resume and the tools say it (once, in place of orbax's ERROR); None where it is sound
+  or not there."""
+  failure = step_record_failure(step_dir)
+  if failure is None:
+    return None
+  fix = ("delete the file (orbax then notes, as a warning, that it is missing)"
+         if failure.startswith("damaged") else "fix its permissions")
+  return (f"{os.path.join(step_dir, STEP_RECORD)} is {failure}: it is orbax's own record of the "
+          "save (item handlers, save times), which restoring does not read, so nothing of the "
+          f"step is lost with it; {fix}.")
+
+
 def _not_a_step_record_said(record) -> bool:
   """A log filter: orbax's ERROR for a step's _CHECKPOINT_METADATA that fails to read or parse
   (`step_record_failure` says what is wrong with it)."""
@@ -107,6 +121,15 @@ def step_record_errors_said():
     yield
   finally:
     absl.removeFilter(_not_a_step_record_said)
+
+
+def step_record_errors_dropped() -> None:
+  """From now on, for the rest of the process, orbax's ERROR log lines for a step's damaged or
+  unreadable _CHECKPOINT_METADATA are dropped (and only those): for a run or tool that opens a
+  checkpoints folder (orbax reads every step's record then) and notes the record of the step it
+  restores (`step_record_note`)."""
+  if _not_a_step_record_said not in logging.getLogger("absl").filters:
+    logging.getLogger("absl").addFilter(_not_a_step_record_said)
 
 
 def _is_closed_loop_report(unraisable) -> bool:

@@ -9,7 +9,8 @@ Only committed steps are read (orbax's `commit_success.txt`); a step removed whi
 raises `StepGone`, a damaged one `Unreadable`, nothing left to read `TryAgain`: each a
 `CkptError`, one line naming the fix. A file or folder of a step that this user may not read
 raises checkpoint_steps.PermissionDenied instead, naming it: its permissions, not damage.
-tools.ckpt, tools.hf export and tools.generate read checkpoints through it.
+tools.ckpt, tools.hf export, tools.generate and tools.eval read checkpoints through it; orbax's
+ERROR for a step's damaged _CHECKPOINT_METADATA is dropped, and `meta` says it as one note.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import orbax.checkpoint as ocp
 from mimo_jax import fingerprint, workdir as workdir_lib
 from mimo_jax.checkpoint_arrays import params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
-                                      read_failure)
+                                      read_failure, step_record_errors_dropped, step_record_note)
 from mimo_jax.checkpoint_steps import (PermissionDenied, base_folder, complete_steps,
                                       digest_failure, meta_file, unreadable)
 from mimo_jax.config import ConfigError
@@ -114,6 +115,8 @@ class Reader:
       raise CkptError(f"{self.path} holds no finished checkpoint" + (
           f" yet; a run ({who(self.live)}) is using {self.workdir}: wait for its first save."
           if self.live else "."))
+    self.tool, self._said = None, set()  # who says a step's damaged record, the steps said
+    step_record_errors_dropped()  # orbax's ERROR for each: `meta` says one note instead
     handlers = {n: (ocp.JsonCheckpointHandler() if n == "meta" else ocp.PyTreeCheckpointHandler())
                 for n in self._items(steps)}
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
@@ -141,9 +144,12 @@ class Reader:
     """The committed steps, oldest first."""
     return complete_steps(self.path)
 
-  def note(self, tool: str) -> None:
+  def note(self, tool: str, records: bool = True) -> None:
     """Says on stderr that a live run holds the workdir, if one does, or that its lock is
-    unreadable (and to delete it if no run uses the workdir)."""
+    unreadable (and to delete it if no run uses the workdir). `records`: from now on `meta` says
+    on stderr, once a step, that the step's _CHECKPOINT_METADATA is damaged or unreadable
+    (`step_record_note`; orbax's ERROR about it is dropped)."""
+    self.tool = tool if records else None
     if self.bad_lock:
       print(f"{tool}: note: {self.bad_lock}", file=sys.stderr, flush=True)
     if self.live:
@@ -195,7 +201,13 @@ class Reader:
   def meta(self, step: int) -> dict:
     """The step's metadata (checkpoint.py's `meta` item: config, data position, fingerprints),
     checked against the digest it holds of itself as a run checks it: metadata that does not
-    match it, or holds none, raises BadDigest."""
+    match it, or holds none, raises BadDigest. Said first, once a step, where `note` asked: a
+    damaged or unreadable _CHECKPOINT_METADATA of the step."""
+    said = self.tool and step not in self._said and step_record_note(
+        os.path.join(self.path, str(step)))
+    if said:
+      self._said.add(step)
+      print(f"{self.tool}: note: step {step}: {said}", file=sys.stderr, flush=True)
     meta = self.read(step, lambda: _meta(self.mngr, step))
     wrong = digest_failure(meta)
     if wrong:

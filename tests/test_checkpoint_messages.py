@@ -140,8 +140,8 @@ def test_a_damaged_orbax_record_of_a_save_is_one_note_and_the_step_passes(tmp_pa
     assert len(notes) == 1, notes
     assert notes[0].startswith(f"{said}{record} is damaged (Unterminated string") and \
         notes[0].endswith(
-        "so nothing of the step is lost with it, but a resume logs an orbax ERROR about it; "
-        "delete the file (orbax then notes, as a warning, that it is missing)."), notes
+        "so nothing of the step is lost with it; delete the file (orbax then notes, as a "
+        "warning, that it is missing)."), notes
     assert [r for r in caplog.records if "_CHECKPOINT_METADATA" in r.getMessage()] == []
     assert command != "check" or "step 2: 1 arrays restored, ok" in out.stdout, out.stdout
   from mimo_jax import checkpoint_orbax  # pylint: disable=import-outside-toplevel
@@ -153,6 +153,68 @@ def test_a_damaged_orbax_record_of_a_save_is_one_note_and_the_step_passes(tmp_pa
     return opened(file, *args, **kwargs)
   monkeypatch.setattr(builtins, "open", no_read)
   assert checkpoint_orbax.step_record_failure(str(path / "2")) == "unreadable (Permission denied)"
+
+
+def test_a_damaged_orbax_record_is_one_note_where_a_resume_or_tool_reads_the_step(tmp_path,
+                                                                                caplog, capsys):
+  """A resume (Checkpointer.checked_meta: the run's notes) and the tools that read through
+  Reader (tools.hf export, tools.generate, tools.eval) say a step's damaged _CHECKPOINT_METADATA
+  as one note, once per read of the step; orbax's ERROR about it is not logged."""
+  path = _two_steps(tmp_path)
+  record = path / "2" / "_CHECKPOINT_METADATA"
+  with open(record, "r+b") as f:
+    f.truncate(os.path.getsize(record) // 2)
+  said = f"{record} is damaged (Unterminated string"
+  from mimo_jax.checkpoint_reader import Reader  # pylint: disable=import-outside-toplevel
+  reader = Reader(str(tmp_path))
+  reader.note("tools.generate")
+  for step in (2, 2, 1):
+    reader.meta(step)
+  reader.close()
+  err = capsys.readouterr().err.splitlines()
+  assert [ln for ln in err if "_CHECKPOINT_METADATA" in ln] == err, err
+  assert len(err) == 1 and err[0].startswith(f"tools.generate: note: step 2: {said}"), err
+  ckpt = checkpoint.Checkpointer(str(path), ["language"])  # as a run opens it
+  try:
+    ckpt.checked_meta(2, Config())
+  finally:
+    ckpt.close()
+  assert [n for n in ckpt.notes if "_CHECKPOINT_METADATA" in n] == [err[0].split(": ", 3)[3]]
+  assert [r for r in caplog.records if "_CHECKPOINT_METADATA" in r.getMessage()] == []
+
+
+def test_check_of_a_lora_run_whose_only_passing_step_is_its_base_advises_no_restore_step(
+    tmp_path):
+  """A LoRA run's step 0 (its frozen base) is the only step that passed: restore_step=0 names the
+  newest step, so the advice is to move the failed steps out and start again, which resumes
+  from step 0."""
+  from mimo_jax.checkpoint_steps import Base  # pylint: disable=import-outside-toplevel
+  w, a = np.arange(6, dtype=np.float32), np.ones((2,), np.float32)
+  path = tmp_path / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
+  zero = ckpt.save(0, {"language": ModuleState({"w": w, "a": a}, None)}, Config(), force=True,
+                   params_only=True)["fingerprints"]["language"]
+  ckpt.base = Base(".", 0, {"language": {"params/w": zero["params/w"]}})  # as name_base sets it
+  for step in (2, 4):
+    ckpt.save(step, {"language": ModuleState({"w": w, "a": a}, {"mu": a})}, Config(), force=True)
+  ckpt.close()
+  for step in (2, 4):
+    meta = path / str(step) / "meta" / "metadata"
+    with open(meta, "r+b") as f:
+      f.truncate(os.path.getsize(meta) // 2)
+  out = run_main(ckpt_tool.main, "check", str(tmp_path))
+  assert out.returncode == 2, out
+  assert "--config.checkpoint.restore_step=0" not in out.stderr, out.stderr
+  assert (f"only step 0 passed (the weights the run started from): move the failed steps 2, 4 "
+          f"out of {path} (e.g. `mv {path}/4 {path}/4.damaged`) and start the run again") in \
+      out.stderr, out.stderr
+  for step in (2, 4):
+    os.rename(path / str(step), path / f"{step}.damaged")
+  ckpt = checkpoint.Checkpointer(str(path), ["language"])  # the run started again, as advised
+  try:
+    assert ckpt.resume_step() == 0
+  finally:
+    ckpt.close()
 
 
 def test_inspect_of_a_lora_step_says_its_frozen_weights_are_in_its_base(tmp_path):

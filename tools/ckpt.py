@@ -38,7 +38,7 @@ import sys
 import numpy as np
 
 from mimo_jax import checkpoint_reader, fingerprint, output
-from mimo_jax.checkpoint_orbax import STEP_RECORD, step_record_errors_said, step_record_failure
+from mimo_jax.checkpoint_orbax import step_record_errors_said, step_record_note
 from mimo_jax.checkpoint_reader import (ROTATED, BadDigest, CkptError, Reader, StepGone,
                                         TryAgain, Unreadable, newest, who)
 from mimo_jax.checkpoint_steps import base_folder, complete_steps
@@ -50,7 +50,7 @@ TOOL = "tools.ckpt"
 
 def inspect(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
-  reader.note("tools.ckpt")
+  reader.note("tools.ckpt", records=False)  # record_note says them
 
   def read(step: int) -> tuple[dict, dict]:
     meta = reader.meta(step)
@@ -134,14 +134,7 @@ def placement(topo: dict) -> str:
 def record_note(reader: Reader, step: int) -> str | None:
   """What a step's damaged or unreadable _CHECKPOINT_METADATA (orbax's record of the save, which
   no restore reads) means and its fix; None where it is sound or not there."""
-  failure = step_record_failure(os.path.join(reader.path, str(step)))
-  if failure is None:
-    return None
-  fix = ("delete the file (orbax then notes, as a warning, that it is missing)"
-         if failure.startswith("damaged") else "fix its permissions")
-  return (f"{os.path.join(reader.path, str(step), STEP_RECORD)} is {failure}: it is orbax's own "
-          "record of the save (item handlers, save times), which restoring does not read, so "
-          f"nothing of the step is lost with it, but a resume logs an orbax ERROR about it; {fix}.")
+  return step_record_note(os.path.join(reader.path, str(step)))
 
 
 def export(args: argparse.Namespace) -> None:
@@ -163,7 +156,7 @@ def export(args: argparse.Namespace) -> None:
   if args.step is not None:
     reader.pick(args.step)  # a step that is not there first: the inputs in the order given
   refuse_existing()
-  reader.note("tools.ckpt")
+  reader.note("tools.ckpt", records=False)  # record_note says them
   held = output.lock(final, "--out")
   tmp = os.path.join(parent, f".{name}{output.PARTIAL}{os.getpid()}")
   try:
@@ -268,15 +261,22 @@ def _advice(reader: Reader, checked: list[int], passed: list[int], bad: list[int
             "failed steps are never read; delete them or let checkpoint.keep rotate them away).")
   if passed:
     newer = [s for s in bad if s > passed[-1]]
+    failed = f"step{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))}"
+    if passed[-1] == 0:  # restore_step=0 names the newest step, not step 0
+      return (f"only step 0 passed (the weights the run started from): move the failed {failed} "
+              f"out of {reader.path} (e.g. `mv {reader.path}/{newer[-1]} "
+              f"{reader.path}/{newer[-1]}.damaged`) and start the run again without "
+              "checkpoint.restore_step: it resumes from step 0, the newest left (a LoRA run "
+              "keeps it as its frozen base); restore_step=0 would name the newest step.")
     return (f"resume from step {passed[-1]}, the newest that passed, with "
-            f"--config.checkpoint.restore_step={passed[-1]} (it moves the failed step"
-            f"{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} aside).")
+            f"--config.checkpoint.restore_step={passed[-1]} (it moves the failed {failed} "
+            "aside).")
   return "no step passed: start in a new run.workdir (or from the weights it started from)."
 
 
 def check(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
-  reader.note("tools.ckpt")
+  reader.note("tools.ckpt", records=False)  # record_note says them
   steps = [reader.pick(args.step)] if args.step is not None else reader.steps()
   bad, passed, checked, bases = [], [], [], {}
   for step in steps:  # with --step, the step its frozen weights are read from joins the list
