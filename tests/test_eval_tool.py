@@ -250,7 +250,8 @@ def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
                          str(setup / "tok"), "--processor", str(setup / "tok"),
                          "--out", str(setup / "bad.jsonl")]) == 2
   err = capsys.readouterr().err
-  assert ("record 0 (id 1)" if record["id"] == 1 else "record 0: ") in err and message in err
+  assert ("record 0 (id 1, line 1): " if record["id"] == 1 else "record 0 (line 1): ") in err
+  assert message in err
   assert not (setup / "bad.jsonl").exists()
 
 
@@ -276,7 +277,8 @@ def test_an_image_of_other_channels_is_one_error_naming_it_before_anything_is_wr
                          "--out", str(out)]) == 2
   err = capsys.readouterr().err
   assert err.splitlines()[-1] == (
-      f"tools.eval: error: --data {data}: record 1 (id 'cam'): image {IMAGES / 'grayscale.png'}: "
+      f"tools.eval: error: --data {data}: record 1 (id 'cam', line 1): image "
+      f"{IMAGES / 'grayscale.png'}: "
       "the processor makes it 16x16x1 (height x width x channels) where the model reads 16x16x3; "
       "convert the image to three channels, an RGB image (e.g. with Pillow: "
       "Image.open(path).convert(\"RGB\").save(new_path)), or give a processor that converts it "

@@ -187,6 +187,28 @@ def test_an_error_names_a_record_by_the_line_it_starts_on(tmp_path):
       f"--data {tmp_path} (--split eval): sample 'q7' (position 4 of the split)")
 
 
+def test_a_record_error_names_the_line_the_record_starts_on(tmp_path):
+  """Not only the layout's errors: a record without a reference, or whose id is bad (so named by
+  its number alone), is named by the line it begins on too (found only when the error is
+  raised)."""
+  from configs import llava_cpu  # pylint: disable=import-outside-toplevel
+  from mimo_jax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  _tokenizer(tmp_path / "tok")
+  tok = ChatTokenizer.open(str(tmp_path / "tok"))
+  asks = [{"from": "human", "value": "hello"}]
+  fine = {"id": "a", "conversations": asks + [{"from": "gpt", "value": "there"}]}
+  data = tmp_path / "data.json"
+  args = argparse.Namespace(data=str(data), images=None, samples=0)
+  for bad, said in (({"id": "b", "conversations": asks},
+                     "record 1 (id 'b', line 15): no assistant turn and no \"answers\""),
+                    ({"id": 1.5, "conversations": asks},
+                     "record 1 (line 15): \"id\" is 1.5, not a string or an integer")):
+    data.write_text(json.dumps([fine, bad], indent=2))  # record 1's "{" on line 15
+    with pytest.raises(ConfigError) as e:
+      eval_samples.json_samples(args, llava_cpu.get_config(), tok, lambda: None, "<image>")
+    assert str(e.value).startswith(f"--data {data}: {said}"), e.value
+
+
 def test_rgba_and_palette_images_are_made_rgb_as_training_makes_them_or_refused_with_the_fix(
     tmp_path):
   """A processor that converts (do_convert_rgb, the default) makes an RGBA or palette image RGB
@@ -224,7 +246,8 @@ def test_rgba_and_palette_images_are_made_rgb_as_training_makes_them_or_refused_
          "(\"do_convert_rgb\": true in its preprocessor_config.json).")
   with pytest.raises(ConfigError) as e:
     eval_samples.json_samples(args, cfg, tok, lambda: keeps, "<image>")
-  assert str(e.value) == (f"--data {data}: record 0 (id 'rgba'): image {IMAGES / 'rgba.png'} is "
+  assert str(e.value) == (f"--data {data}: record 0 (id 'rgba', line 1): image "
+                          f"{IMAGES / 'rgba.png'} is "
                           f"an RGBA image (with transparency), {fix}")
   with pytest.raises(ConfigError) as e:
     prompts.load_images([str(IMAGES / "palette.png")], keeps, cfg)

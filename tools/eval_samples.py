@@ -75,7 +75,8 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   """The samples of a LLaVA-format JSON: each record's conversation up to its last assistant
   turn, its images prepared by the processor `proc()` (opened at the first image), its clips
   as `audio` (`audio_settings`) has them read. `progress(total)`: an object whose `update(n)`
-  is told of each record read."""
+  is told of each record read. A record's error names it by its number, id and line in the file
+  (`named`)."""
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
   from mimo_jax.data import audio_records, conversations, conversion, images
@@ -96,94 +97,99 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   for i, r in enumerate(records):
     if lines and i:
       lines.update(1)
-    try:
-      key = record_id(r, f"--data {args.data}: record {i}")
-    except RecordError as e:  # rows are kept by id, in JSON
-      raise ConfigError(str(e)) from None
-    key = i if key is None else key
-    where = f"--data {args.data}: record {i} (id {key!r})"
-    if json.dumps(key) in seen:
-      raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "
-                        "each record its own.")
-    seen.add(json.dumps(key))
-    try:
-      msgs = messages(r.get("conversations") or [], f"{where}: ")
-    except ChatError as e:
-      raise ConfigError(str(e)) from None
-    last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-    answers = r.get("answers")
-    if "answers" in r and (not isinstance(answers, list)
-                           or not all(isinstance(a, str) for a in answers)):
-      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
-                        "strings; give its reference answers as one (or leave the key out: the "
-                        "assistant turn is then the reference).")
-    if "answers" in r and (not answers or not all(a.strip() for a in answers)):
-      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}: "
-                        f"{'no answer' if not answers else 'an empty answer'}; give each "
-                        "reference a text (or leave the key out: the assistant turn is then the "
-                        "reference).")
-    if last is None and not answers:
-      raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
-                        "answer with; give each record a reference.")
-    before = msgs[:last] if last is not None else msgs
-    if not before:
-      raise ConfigError(f"{where}: nothing before its answer to prompt with.")
-    references = answers or [msgs[last]["content"].strip()]
-    turn = msgs[last]["content"] if last is not None else references[0]
-    files = r.get("image") or []
-    files = [files] if isinstance(files, str) else files
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-      raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
-                        "a list of paths.")
-    pixels = []
-    for f in files:
-      if not opened:
-        opened.append(proc())
+    key = None  # until its id is read
+    try:  # its errors name its line in the file too, found only when one is raised
       try:
-        pixels.append(images.load(folder / f, opened[0]))
-      except FileNotFoundError:
-        fix = (f"it is not in --images {args.images}: give the folder that holds it" if args.images
-               else "give the image folder with --images DIR (the default is the JSON's folder)")
-        raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
-      except Exception as e:  # pylint: disable=broad-except
-        bands = bands_refused(folder / f, opened[0], cfg)
-        raise ConfigError(f"{where}: image {folder / f} "
-                          f"{f'is {bands}' if bands else f'cannot be read ({e})'}.") from None
-      if "vision" in cfg.model.encoders:  # here, not when a batch is laid out: nothing written
-        check_shape(f"{where}: image {folder / f}", pixels[-1].shape, cfg)
-    try:
-      if audio_records.listed([r]) and settings is None:
-        raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
-                          "encoder (model.audio).")
-      if settings is None:
-        clips = []
-      else:
-        before, clips = audio_records.convert(r, before, where, settings)
-    except RecordError as e:
-      raise ConfigError(f"{e}{'; give the audio folder with --audio DIR' if 'missing' in e.reason else ''}"
-                        ) from None
-    try:
-      # strict: a word the tokenizer has no token for would reach the model as its unknown token
-      # (tools.convert skips such records, tools.generate refuses such prompts)
-      ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}],
-                             strict=True)
-    except TokenizeError as e:
-      text = " ".join(m["content"] for m in before + [{"content": turn or ""}])
-      raise ConfigError(f"{where}: {with_marks(e, text, tok, image_token)}") from None
-    except ChatError as e:
-      raise ConfigError(f"{where}: {e}") from None
-    prompt, answer = eval_set.split_answer(ids, mask, where)
-    if prompt.count(image_id) != len(pixels):
-      raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
-                        f"{count(len(pixels), 'image')}.")
-    try:
-      if clips:
-        audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
-    except RecordError as e:
-      raise ConfigError(str(e)) from None
-    items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
-    out.append({"id": key, "record": i, "sample": eval_set.eval_sample(prompt, answer, items),
-                "prompt_ids": prompt, "references": references})
+        key = record_id(r, f"--data {args.data}: record {i}")
+      except RecordError as e:  # rows are kept by id, in JSON
+        raise ConfigError(str(e)) from None
+      key = i if key is None else key
+      where = f"--data {args.data}: record {i} (id {key!r})"
+      if json.dumps(key) in seen:
+        raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "
+                          "each record its own.")
+      seen.add(json.dumps(key))
+      try:
+        msgs = messages(r.get("conversations") or [], f"{where}: ")
+      except ChatError as e:
+        raise ConfigError(str(e)) from None
+      last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+      answers = r.get("answers")
+      if "answers" in r and (not isinstance(answers, list)
+                             or not all(isinstance(a, str) for a in answers)):
+        raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
+                          "strings; give its reference answers as one (or leave the key out: the "
+                          "assistant turn is then the reference).")
+      if "answers" in r and (not answers or not all(a.strip() for a in answers)):
+        raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}: "
+                          f"{'no answer' if not answers else 'an empty answer'}; give each "
+                          "reference a text (or leave the key out: the assistant turn is then the "
+                          "reference).")
+      if last is None and not answers:
+        raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                          "answer with; give each record a reference.")
+      before = msgs[:last] if last is not None else msgs
+      if not before:
+        raise ConfigError(f"{where}: nothing before its answer to prompt with.")
+      references = answers or [msgs[last]["content"].strip()]
+      turn = msgs[last]["content"] if last is not None else references[0]
+      files = r.get("image") or []
+      files = [files] if isinstance(files, str) else files
+      if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
+                          "a list of paths.")
+      pixels = []
+      for f in files:
+        if not opened:
+          opened.append(proc())
+        try:
+          pixels.append(images.load(folder / f, opened[0]))
+        except FileNotFoundError:
+          fix = (f"it is not in --images {args.images}: give the folder that holds it"
+                 if args.images else
+                 "give the image folder with --images DIR (the default is the JSON's folder)")
+          raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
+        except Exception as e:  # pylint: disable=broad-except
+          bands = bands_refused(folder / f, opened[0], cfg)
+          raise ConfigError(f"{where}: image {folder / f} "
+                            f"{f'is {bands}' if bands else f'cannot be read ({e})'}.") from None
+        if "vision" in cfg.model.encoders:  # here, not when a batch is laid out: nothing written
+          check_shape(f"{where}: image {folder / f}", pixels[-1].shape, cfg)
+      try:
+        if audio_records.listed([r]) and settings is None:
+          raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
+                            "encoder (model.audio).")
+        if settings is None:
+          clips = []
+        else:
+          before, clips = audio_records.convert(r, before, where, settings)
+      except RecordError as e:
+        fix = "; give the audio folder with --audio DIR" if "missing" in e.reason else ""
+        raise ConfigError(f"{e}{fix}") from None
+      try:
+        # strict: a word the tokenizer has no token for would reach the model as its unknown token
+        # (tools.convert skips such records, tools.generate refuses such prompts)
+        ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}],
+                               strict=True)
+      except TokenizeError as e:
+        text = " ".join(m["content"] for m in before + [{"content": turn or ""}])
+        raise ConfigError(f"{where}: {with_marks(e, text, tok, image_token)}") from None
+      except ChatError as e:
+        raise ConfigError(f"{where}: {e}") from None
+      prompt, answer = eval_set.split_answer(ids, mask, where)
+      if prompt.count(image_id) != len(pixels):
+        raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
+                          f"{count(len(pixels), 'image')}.")
+      try:
+        if clips:
+          audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
+      except RecordError as e:
+        raise ConfigError(str(e)) from None
+      items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
+      out.append({"id": key, "record": i, "sample": eval_set.eval_sample(prompt, answer, items),
+                  "prompt_ids": prompt, "references": references})
+    except ConfigError as e:
+      raise ConfigError(_lined(args, i, key, str(e))) from None
   return out
 
 
@@ -206,6 +212,17 @@ def record_line(path, index: int) -> int | None:
     except ValueError:
       return None
   return text.count("\n", 0, start) + 1
+
+
+def _lined(args, index: int, key, message: str) -> str:
+  """`message`, an error of record `index` of the JSON said of it by number and id (`key`; None
+  where its id could not be read: by number alone), naming the line the record begins on too
+  (`named`); as it is where that line cannot be told, or it is said of no record."""
+  head = f"--data {args.data}: record {index}"
+  if key is not None and message.startswith(f"{head} (id {key!r})"):
+    return named(args, {"record": index, "id": key}) + message[len(f"{head} (id {key!r})"):]
+  line = record_line(args.data, index) if key is None and message.startswith(head) else None
+  return f"{head} (line {line}){message[len(head):]}" if line else message
 
 
 # How the samples fit the eval's rows, and how an error names one.
