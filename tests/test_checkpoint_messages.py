@@ -183,21 +183,29 @@ def test_a_damaged_orbax_record_is_one_note_where_a_resume_or_tool_reads_the_ste
   assert [r for r in caplog.records if "_CHECKPOINT_METADATA" in r.getMessage()] == []
 
 
-def test_check_of_a_lora_run_whose_only_passing_step_is_its_base_advises_no_restore_step(
-    tmp_path):
-  """A LoRA run's step 0 (its frozen base) is the only step that passed: restore_step=0 names the
-  newest step, so the advice is to move the failed steps out and start again, which resumes
-  from step 0."""
+def _lora_steps(tmp_path, steps: tuple[int, ...]):
+  """A LoRA run's checkpoints folder: its base in step 0 (parameters only), then `steps`
+  (parameters and optimizer state), saved naming step 0's `w` as their frozen weights (as
+  name_base sets the base)."""
   from mimo_jax.checkpoint_steps import Base  # pylint: disable=import-outside-toplevel
   w, a = np.arange(6, dtype=np.float32), np.ones((2,), np.float32)
   path = tmp_path / "checkpoints"
   ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
   zero = ckpt.save(0, {"language": ModuleState({"w": w, "a": a}, None)}, Config(), force=True,
                    params_only=True)["fingerprints"]["language"]
-  ckpt.base = Base(".", 0, {"language": {"params/w": zero["params/w"]}})  # as name_base sets it
-  for step in (2, 4):
+  ckpt.base = Base(".", 0, {"language": {"params/w": zero["params/w"]}})
+  for step in steps:
     ckpt.save(step, {"language": ModuleState({"w": w, "a": a}, {"mu": a})}, Config(), force=True)
   ckpt.close()
+  return path
+
+
+def test_check_of_a_lora_run_whose_only_passing_step_is_its_base_advises_no_restore_step(
+    tmp_path):
+  """A LoRA run's step 0 (its frozen base) is the only step that passed: restore_step=0 names the
+  newest step, so the advice is to move the failed steps out and start again, which resumes
+  from step 0."""
+  path = _lora_steps(tmp_path, (2, 4))
   for step in (2, 4):
     meta = path / str(step) / "meta" / "metadata"
     with open(meta, "r+b") as f:
@@ -221,15 +229,7 @@ def test_inspect_of_a_lora_step_says_its_frozen_weights_are_in_its_base(tmp_path
   """A LoRA run's step holds its adapters and trained groups, not its frozen weights: inspect
   counts the parameters as this step's and names the base step that holds the frozen ones, with
   their count and the model's; a base that is gone is said so (exit 0: the step is as shown)."""
-  from mimo_jax.checkpoint_steps import Base  # pylint: disable=import-outside-toplevel
-  w, a = np.arange(6, dtype=np.float32), np.ones((2,), np.float32)
-  path = tmp_path / "checkpoints"
-  ckpt = checkpoint.Checkpointer(str(path), ["language"], async_save=False)
-  zero = ckpt.save(0, {"language": ModuleState({"w": w, "a": a}, None)}, Config(), force=True,
-                   params_only=True)["fingerprints"]["language"]
-  ckpt.base = Base(".", 0, {"language": {"params/w": zero["params/w"]}})  # as name_base sets it
-  ckpt.save(2, {"language": ModuleState({"w": w, "a": a}, {"mu": a})}, Config(), force=True)
-  ckpt.close()
+  path = _lora_steps(tmp_path, (2,))
   said = lambda what: (f"frozen base: {what}, not in this step but in its base, step 0 of "
                        f"{path} (a LoRA run saves its frozen weights once)")
   for line in (said("6 parameters (language 6; 1 array)") + "; with them the model has 8 "
