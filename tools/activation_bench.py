@@ -9,7 +9,7 @@ Forms timed:
 * GELU, `h + b` then the activation, as `layers.GeluMLP` runs it (the bias added by the up
   projection): `activations.ACTIVATIONS["gelu_tanh"]` (the code's: jax.nn.gelu's tanh form), and
   the same written as x · sigmoid(2u), the sigmoid as 1 / (1 + exp(-2u)), in float32, each with
-  the backward pass that keeps only the input (`activations._from_input`);
+  the backward pass that keeps only the input (`activations.from_input`);
 * SwiGLU, `silu(gate) · up` as `layers.SwiGLU` runs it: jax.nn.silu (the code's), and the same
   written as gate / (1 + exp(-gate)) in float32.
 
@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mimo_jax.models.activations import ACTIVATIONS, _from_input, _gelu_tanh_derivative
+from mimo_jax.models.activations import ACTIVATIONS, DERIVATIVES, from_input
 from tools.common import Parser, gpu_timing, median_time
 
 
@@ -50,7 +50,7 @@ def code_gelu_tanh(bias):
 
 
 def sigmoid_gelu_tanh(bias):
-  act = _from_input(_sigmoid_gelu_tanh, _gelu_tanh_derivative)
+  act = from_input(_sigmoid_gelu_tanh, DERIVATIVES["gelu_tanh"])
   return lambda h: act(h + bias.astype(h.dtype))
 
 

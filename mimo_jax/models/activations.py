@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _from_input(f: Callable, derivative: Callable) -> Callable:
+def from_input(f: Callable, derivative: Callable) -> Callable:
   """`f` with a VJP that keeps only its input x and multiplies the incoming gradient by
   `derivative(x)`, both in float32, cast back to x's dtype."""
 
@@ -61,7 +61,10 @@ def _quick_gelu_derivative(x: jax.Array) -> jax.Array:
 
 
 ACTIVATIONS = {
-    "gelu_tanh": _from_input(lambda x: jax.nn.gelu(x, approximate=True), _gelu_tanh_derivative),
-    "gelu": _from_input(lambda x: jax.nn.gelu(x, approximate=False), _gelu_derivative),
-    "quick_gelu": _from_input(_quick_gelu, _quick_gelu_derivative),  # CLIP's
+    "gelu_tanh": from_input(lambda x: jax.nn.gelu(x, approximate=True), _gelu_tanh_derivative),
+    "gelu": from_input(lambda x: jax.nn.gelu(x, approximate=False), _gelu_derivative),
+    "quick_gelu": from_input(_quick_gelu, _quick_gelu_derivative),  # CLIP's
 }
+# Each activation's derivative, as its backward pass computes it (float32).
+DERIVATIVES = {"gelu_tanh": _gelu_tanh_derivative, "gelu": _gelu_derivative,
+               "quick_gelu": _quick_gelu_derivative}
