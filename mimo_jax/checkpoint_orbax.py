@@ -5,7 +5,6 @@ writes a batch of arrays at a time."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -108,19 +107,6 @@ def _not_a_step_record_said(record) -> bool:
                                           "Failed to read Metadata file")) and args and
               os.path.basename(str(args[0])) == STEP_RECORD and
               step_record_failure(os.path.dirname(str(args[0]))) is not None)
-
-
-@contextlib.contextmanager
-def step_record_errors_said():
-  """While the block runs, orbax's ERROR log lines for a step's damaged or unreadable
-  _CHECKPOINT_METADATA are dropped: for a reader that says what is wrong with it itself
-  (`step_record_failure`)."""
-  absl = logging.getLogger("absl")
-  absl.addFilter(_not_a_step_record_said)
-  try:
-    yield
-  finally:
-    absl.removeFilter(_not_a_step_record_said)
 
 
 def step_record_errors_dropped() -> None:

@@ -38,7 +38,7 @@ import sys
 import numpy as np
 
 from mimo_jax import checkpoint_reader, fingerprint, output
-from mimo_jax.checkpoint_orbax import step_record_errors_said, step_record_note
+from mimo_jax.checkpoint_orbax import step_record_note
 from mimo_jax.checkpoint_reader import (ROTATED, BadDigest, CkptError, Reader, StepGone,
                                         TryAgain, Unreadable, newest, who)
 from mimo_jax.checkpoint_steps import base_folder, complete_steps
@@ -50,15 +50,12 @@ TOOL = "tools.ckpt"
 
 def inspect(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
-  reader.note("tools.ckpt", records=False)  # record_note says them
+  reader.note(TOOL)  # and a step's damaged _CHECKPOINT_METADATA, as its metadata is read
 
   def read(step: int) -> tuple[dict, dict]:
     meta = reader.meta(step)
     return meta, {m: reader.params_metadata(step, [m]) for m in meta["modules"]}
   step, (meta, modules) = newest(reader, args.step, read)
-  note = record_note(reader, step)
-  if note:
-    print(f"tools.ckpt: note: step {step}: {note}", file=sys.stderr, flush=True)
   print(f"checkpoint: {reader.path}")
   steps = reader.steps()
   print(f"steps: {', '.join(map(str, steps))}" + ("" if steps == [step] else f" (showing {step})"))
@@ -131,12 +128,6 @@ def placement(topo: dict) -> str:
   return " ".join(f"{k}={topo[k]}" for k, show in shown.items() if show and k in topo)
 
 
-def record_note(reader: Reader, step: int) -> str | None:
-  """What a step's damaged or unreadable _CHECKPOINT_METADATA (orbax's record of the save, which
-  no restore reads) means and its fix; None where it is sound or not there."""
-  return step_record_note(os.path.join(reader.path, str(step)))
-
-
 def export(args: argparse.Namespace) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   if not args.out.strip():
@@ -156,7 +147,7 @@ def export(args: argparse.Namespace) -> None:
   if args.step is not None:
     reader.pick(args.step)  # a step that is not there first: the inputs in the order given
   refuse_existing()
-  reader.note("tools.ckpt", records=False)  # record_note says them
+  reader.note(TOOL)  # and a step's damaged _CHECKPOINT_METADATA, as its metadata is read
   held = output.lock(final, "--out")
   tmp = os.path.join(parent, f".{name}{output.PARTIAL}{os.getpid()}")
   try:
@@ -170,9 +161,6 @@ def export(args: argparse.Namespace) -> None:
       output.check_space(final, size, f"exporting step {step}")
       return meta, reader.params(step, meta)
     step, (meta, tensors) = newest(reader, args.step, read)
-    note = record_note(reader, step)
-    if note:
-      print(f"tools.ckpt: note: step {step}: {note}", file=sys.stderr, flush=True)
     reader.close()
     # A full disk or a file size limit: safetensors raises SafetensorError, no OSError.
     with output.write_errors(f"--out={args.out!r}"):
@@ -276,7 +264,7 @@ def _advice(reader: Reader, checked: list[int], passed: list[int], bad: list[int
 
 def check(args: argparse.Namespace) -> None:
   reader = Reader(args.dir)
-  reader.note("tools.ckpt", records=False)  # record_note says them
+  reader.note(TOOL, records=False)  # a step's damaged _CHECKPOINT_METADATA: in its own line
   steps = [reader.pick(args.step)] if args.step is not None else reader.steps()
   bad, passed, checked, bases = [], [], [], {}
   for step in steps:  # with --step, the step its frozen weights are read from joins the list
@@ -297,7 +285,7 @@ def check(args: argparse.Namespace) -> None:
       passed.append(step)
       print(f"step {step}: {params} arrays restored, ok (and {opt} optimizer-state arrays; "
             "metadata digest, every array's fingerprint, all values finite)")
-    note = record_note(reader, step)
+    note = step_record_note(os.path.join(reader.path, str(step)))
     if note:
       print(f"step {step}: note: {note}")
   reader.close()
@@ -330,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # orbax warns about read-only managers
   try:
-    with output.interrupts_as_exceptions(), step_record_errors_said():  # said by record_note
+    with output.interrupts_as_exceptions():
       args.fn(args)
   except ConfigError as e:
     sys.stdout.flush()
