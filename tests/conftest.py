@@ -1,15 +1,21 @@
 """Eight fake CPU devices for every test, set before JAX starts its backend."""
 
+import atexit
 import collections
 import fcntl
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same small programs (and subprocesses inherit this): share compilations.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mimo_jax_xla_cache_"))
+# Made once, by the process that starts the session (pytest-xdist's workers inherit it), and removed
+# when that process exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mimo_jax_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The suite is dominated by compiling many small programs; cheaper LLVM passes compile them faster,
