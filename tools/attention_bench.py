@@ -5,6 +5,7 @@ by one position), in bfloat16, with each result's distance from XLA's in float32
 shapes also run cuDNN with the key and value heads repeated to the query's count.
 
   python -m tools.attention_bench [--shapes 48x577x16x64,48x576x16x64,16x2048x32x64/8c] [--repeat 20]
+                                  [--pallas]
 
 A shape is rows x positions x heads x head_dim, then `/kv_heads` for grouped-query heads and `c`
 for causal attention: the defaults are CLIP ViT-L/14 at 336 px with its class token (577), without
@@ -14,11 +15,18 @@ over 5 runs of one compiled program that takes `--repeat` gradients of all three
 `--repeat` (one program, so no dispatch gaps between calls). TFLOP/s counts the forward's two
 matmuls (4·rows·positions²·heads·head_dim, half of it when causal) and 2.5 times that for the
 backward (which recomputes the scores), as FlashAttention's papers count.
+
+`--pallas` adds jax's own Pallas attention kernels (`jax.experimental.pallas.ops.gpu`): the
+Triton one (`attention.mha`, key and value heads repeated for grouped-query shapes; lengths a
+multiple of its 64-wide blocks) and the Mosaic GPU one for Hopper (`attention_mgpu.attention`,
+non-causal, queries padded to a multiple of 128, each without a scale of its own so the queries
+are scaled first). A kernel that refuses a shape or a dtype gets its error in the row.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +50,30 @@ KINDS = {
     "mimo_jax cudnn (layers.attention)": lambda q, k, v, causal: layers.attention(
         q, k, v, None, causal, "cudnn"),
 }
+
+
+def _triton(q, k, v, causal):
+  from jax.experimental.pallas.ops.gpu import attention as triton  # deprecated: imported on use
+  groups = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  blocks = triton.BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                             block_q_dq=64, block_kv_dq=64)
+  return triton.mha(q, k, v, None, sm_scale=1 / math.sqrt(q.shape[-1]), causal=causal,
+                    block_sizes=blocks, num_warps=4, num_stages=2)
+
+
+def _mosaic(q, k, v, causal):
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as mosaic
+  config = mosaic.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=causal,
+                               block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  l = q.shape[1]
+  q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+  q = jnp.pad(q, ((0, 0), (0, -l % (2 * config.block_q)), (0, 0), (0, 0)))
+  return mosaic.attention(q, k, v, config)[:, :l]
+
+
+PALLAS = {"pallas triton (jax.experimental)": _triton,
+          "pallas mosaic gpu (jax.experimental)": _mosaic}
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int, bool]:
@@ -100,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
                       help="comma-separated rows x positions x heads x head_dim[/kv_heads][c]")
   parser.add_argument("--repeat", type=int, default=20,
                       help="forward and backward passes in one timed program")
+  parser.add_argument("--pallas", action="store_true",
+                      help="also jax's Pallas attention kernels (Triton, Mosaic GPU)")
   args = parser.parse_args(argv)
+  kinds = {**KINDS, **(PALLAS if args.pallas else {})}
   shapes = [parse_shape(s) for s in args.shapes.split(",")]
   gpu_timing("tools.attention_bench", args.repeat, "cuDNN")
   print("| shape | attention | fwd+bwd ms | TFLOP/s | relative distance |")
@@ -109,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     q, dout = (jax.random.normal(key, (b, l, h, d), jnp.bfloat16) for key in keys[::3])
     k, v = (jax.random.normal(key, (b, l, kv_heads, d), jnp.bfloat16) for key in keys[1:3])
-    for name, kind in KINDS.items():
+    for name, kind in kinds.items():
       if kind is _repeated and kv_heads == h:
         continue
       fn = lambda q, k, v, kind=kind: kind(q, k, v, causal)
@@ -117,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         ms = seconds(fn, q, k, v, args.repeat) * 1e3
         tflops = flops(b, l, h, d, causal) / ms / 1e9
         row = f"{ms:.3f} | {tflops:.0f} | {distance(fn, q, k, v, dout, causal):.2e}"
-      except (NotImplementedError, ValueError, jax.errors.JaxRuntimeError) as e:
+      except Exception as e:  # a kernel that refuses the shape or dtype: its row says why
         row = f"– | – | {type(e).__name__}: {str(e).splitlines()[0][:80]}"
       print(f"| {text} | {name} | {row} |", flush=True)
 
