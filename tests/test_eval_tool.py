@@ -160,8 +160,8 @@ class _Terminal(io.StringIO):
 
 def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypatch, capsys):
   """On a terminal the bar counts every sample, from those a resumed eval's rows hold; a log gets
-  no bar but a line as each slow part starts (reading, loading, answering) and, while reading and
-  answering, one every PROGRESS_SECONDS; the cut answers' note ends it."""
+  no bar but a line as each slow part starts (reading, loading, answering) and, while reading,
+  laying out and answering, one every PROGRESS_SECONDS; the cut answers' note ends it."""
   rows = (setup / "one.jsonl").read_text().splitlines(keepends=True)
   for name, kept in (("log", 1), ("tty", 2)):
     (setup / f"{name}.jsonl").write_text("".join(rows[:kept]))
@@ -174,7 +174,9 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
   assert [line.split(" (")[0] for line in reading] == [
       f"tools.eval: reading: {k} of 5 records" for k in range(1, 5)], err
   assert err[-1].startswith("tools.eval: note: ") and "stopped at --max_new_tokens" in err[-1]
-  err = [line for line in err[:-1] if line not in reading]
+  laying = [line for line in err if line.startswith("tools.eval: laying out: ")]
+  assert [line.split(" (")[0] for line in laying] == ["tools.eval: laying out: 2 of 4 samples"]
+  err = [line for line in err[:-1] if line not in reading + laying]
   assert err[:2] == [f"tools.eval: reading the samples of {setup / 'data.json'} ...",
                      f"tools.eval: read 5 samples in {err[1].split(' in ')[1].split()[0]} s; "
                      f"loading step 0 of {setup / 'run'} ..."], err

@@ -18,7 +18,8 @@ greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each en
 own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`. On
 stderr, a line as it reads the samples, as it loads the step and as it starts answering, then a
-progress bar where stderr is a terminal, else a line every 10 s (samples done, rate, time left).
+progress bar where stderr is a terminal, else a line every 10 s (samples done, rate, time left);
+while it reads the records of a JSON file and lays out the batches, a line every 10 s too.
 
 Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
 directory's; where that holds an eval of other settings (metrics, --max_new_tokens), the first of
@@ -357,8 +358,10 @@ def run(args: argparse.Namespace) -> dict:
   rows = Rows(out, settings)
   try:
     todo = [s for s in samples if key(s) not in rows.done]
+    checked = _Lines("laying out", "sample", len(todo), bar=False)
     for start in range(0, len(todo), bsz):  # every batch laid out first: a refusal writes nothing
       eval_samples.batch(todo[start:start + bsz], args, layout, bsz)
+      checked.update(len(todo[start:start + bsz]))
     kept = len(samples) - len(todo)
     _say(f"loaded step {step} in {time.monotonic() - began:.1f} s; answering "
          f"{len(todo)} of {count(len(samples), 'sample')}"
