@@ -108,6 +108,7 @@ class _Loop:
     self.finished = False  # its checkpoint is the last step, whose final eval is on record
     self.start = 0  # the step the run starts after (its checkpoint's, or 0)
     self.saved = 0  # the newest step on disk (finite by construction)
+    self.data_dir = ""  # the folder of the training data's shards
     self.writing = None  # the step of the newest save asked for (committed or in flight)
     self.state = None  # module -> the state of the newest dispatched step
     self.evaluator: Evaluator | None = None
@@ -123,6 +124,7 @@ class _Loop:
     """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
     (or initialises) the state meanwhile, and opens the outputs."""
     cfg, trainer, ckpt = self.cfg, self.trainer, self.ckpt
+    self.data_dir = os.path.dirname(os.path.abspath(paths["train"]))
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     self.resumed = found is not None
     self.start = self.saved = found or 0
@@ -195,6 +197,7 @@ class _Loop:
     say(f"topology: {self.trainer.topo.describe()}")
     say(f"parameters: {self.trainer.plan.parameters()}")
     say(compile_cache.describe())
+    say(f"data: {self.cfg.data.task} from {self.data_dir}")
     if self.finished:
       say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "
           "record: the state is not restored")

@@ -61,6 +61,8 @@ def test_tiny_run_writes_metrics_and_tensorboard(tmp_path, data_dir):
   # Programs cached where jax was told (the suite's own directory, not ~/.cache); the run's start.
   assert f"compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}" in proc.stdout
   assert "time to first step: " in proc.stdout and "step 4 ended " in proc.stdout
+  # Where the data is read from, said at every start (built before, or now).
+  assert f"data: digits from {data_dir}/digits-v2-n2000-e200-" in proc.stdout, proc.stdout
 
 
 def test_help_exits_0_and_helpfull_shows_the_named_config():
