@@ -87,8 +87,7 @@ class _Loop:
   is saved and what is logged. `open`, then `run`; `close` always."""
 
   def __init__(self, cfg: Config, trainer: Step, started: float):
-    self.cfg = cfg
-    self.trainer = trainer
+    self.cfg, self.trainer = cfg, trainer
     self.lora = any(lora_of(cfg, n) for n in trainer.modules)  # frozen weights stay in a base
     self.started = started  # when `run` was called: time to first step counts from here
     self.compiler: precompile.Compiler | None = None
@@ -108,7 +107,6 @@ class _Loop:
     self.finished = False  # its checkpoint is the last step, whose final eval is on record
     self.start = 0  # the step the run starts after (its checkpoint's, or 0)
     self.saved = 0  # the newest step on disk (finite by construction)
-    self.data_dir = ""  # the folder of the training data's shards
     self.writing = None  # the step of the newest save asked for (committed or in flight)
     self.state = None  # module -> the state of the newest dispatched step
     self.evaluator: Evaluator | None = None
@@ -124,7 +122,6 @@ class _Loop:
     """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
     (or initialises) the state meanwhile, and opens the outputs."""
     cfg, trainer, ckpt = self.cfg, self.trainer, self.ckpt
-    self.data_dir = os.path.dirname(os.path.abspath(paths["train"]))
     found = ckpt.resume_step(cfg.checkpoint.restore_step)
     self.resumed = found is not None
     self.start = self.saved = found or 0
@@ -169,7 +166,7 @@ class _Loop:
     self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                                 resume_after=self.start, enabled=distributed.is_main(),
                                 started=self.started)  # its clock: the time to first step's
-    self._announce(lock, started)
+    self._announce(lock, started, paths)
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
                       "devices")
@@ -187,8 +184,8 @@ class _Loop:
         "finished_at_open", distributed.is_main() and
         steps in evaluated_through(self.cfg.run.workdir, found))
 
-  def _announce(self, lock: workdir.Lock | None, started: dict) -> None:
-    """Says where the run starts from: the workdir, the topology, the checkpoint or sources."""
+  def _announce(self, lock: workdir.Lock | None, started: dict, paths: dict) -> None:
+    """Says where the run starts from: workdir, topology, data, checkpoint or sources."""
     say = self.writer.say
     if lock is not None and lock.note:
       say(lock.note)
@@ -197,7 +194,7 @@ class _Loop:
     say(f"topology: {self.trainer.topo.describe()}")
     say(f"parameters: {self.trainer.plan.parameters()}")
     say(compile_cache.describe())
-    say(f"data: {self.cfg.data.task} from {self.data_dir}")
+    say(f"data: {self.cfg.data.task} from {os.path.dirname(os.path.abspath(paths['train']))}")
     if self.finished:
       say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "
           "record: the state is not restored")
