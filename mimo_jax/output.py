@@ -353,16 +353,24 @@ def run_main(main, *args) -> None:
   """Runs a tool's `main` as the program (`if __name__ == "__main__"`) and exits with its status.
   After an interrupt (a status above 128) the exit is immediate: the tool has cleaned up, and
   threads of JAX or orbax still running can crash the interpreter's shutdown (a segfault,
-  status 139, instead of 130 or 143)."""
+  status 139, instead of 130 or 143). A Ctrl-C once `main` has returned (the interpreter's
+  shutdown: its threads joined, its exit handlers) ends it at once with the tool's own status,
+  without a traceback: the work is done and its outputs written."""
   try:
     status = main(*args)
   except SystemExit as e:
     status = e.code
   if isinstance(status, int) and status > 128:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # pylint: disable=protected-access
+    _exit_now(status)
+  code = 0 if status is None else status if isinstance(status, int) else 1  # as sys.exit's
+  signal.signal(signal.SIGINT, lambda *_: _exit_now(code))
   sys.exit(status)
+
+
+def _exit_now(status: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
 
 
 def fail(tool: str, message: str, code: int = 2) -> None:

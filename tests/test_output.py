@@ -2,11 +2,17 @@
 
 import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from mimo_jax import output
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def test_staged_publishes_whole_or_nothing(tmp_path):
   out = tmp_path / "o"
@@ -211,3 +217,16 @@ def test_a_lock_appears_with_its_holder_named(tmp_path, monkeypatch, links):
   assert sorted(p.name for p in tmp_path.iterdir()) == [".o.lock"]
   held.release()
   assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("status", [0, 3, None])
+def test_a_ctrl_c_during_the_shutdown_after_a_tool_ends_its_status_without_a_traceback(status):
+  """A Ctrl-C while the interpreter shuts down after a tool's `main` returned (here from an exit
+  handler) ends the process with the tool's status and nothing on stderr."""
+  code = ("import atexit, os, signal, time\n"
+          "from mimo_jax import output\n"
+          "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+          f"output.run_main(lambda: {status})\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+  assert (proc.returncode, proc.stderr) == (status or 0, ""), proc.stderr
