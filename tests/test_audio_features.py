@@ -107,8 +107,8 @@ def test_a_clip_without_tokens_is_refused_naming_it(tmp_path):
   import soundfile
   for ms in (20, 21):
     soundfile.write(str(tmp_path / f"c{ms}.wav"), np.full(16 * ms, 0.1, np.float32), 16000)
-  with pytest.raises(audio.AudioError, match=r"20 ms of audio \(2 mel frames\) yield no audio "
-                     r"token with pooling by 2; a clip needs more than 20 ms") as e:
+  with pytest.raises(audio.AudioError, match=r"its 2 mel frames \(up to 20 ms of audio\) yield no "
+                     r"audio token with pooling by 2; a clip needs more than 20 ms") as e:
     audio.file_features(tmp_path / "c20.wav", 80, pool=2)
   assert e.value.path == str(tmp_path / "c20.wav")
   assert audio.file_features(tmp_path / "c20.wav", 80)[1] == [2]
@@ -167,6 +167,28 @@ def test_bad_files_are_named(tmp_path):
       audio.load(path)
     assert str(path) in str(e.value), what
     assert e.value.path == str(path)
+
+
+@pytest.mark.parametrize("riff,data", [(0xFFFFFFFF, 0xFFFFFFFF), (0x7FFFF024, 0x7FFFF000)])
+def test_a_wav_streamed_with_its_size_unknown_is_read_whole(tmp_path, riff, data):
+  """A WAV written to a pipe holds placeholder sizes (0xFFFFFFFF; SoX and espeak-ng --stdout
+  0x7FFFF000 for its data chunk): the clip is read to the file's end, not called truncated. A
+  size of 0 (another writer's placeholder) reads as no samples, which names the bytes after it."""
+  import soundfile
+  wave = np.sin(np.arange(4000, dtype=np.float32) / 5) * 0.25
+  soundfile.write(str(tmp_path / "whole.wav"), wave, 16000, subtype="PCM_16")
+  whole = (tmp_path / "whole.wav").read_bytes()
+  assert whole[36:40] == b"data"  # soundfile's 44-byte header: RIFF size at 4, data size at 40
+  put = lambda riff, data: (whole[:4] + riff.to_bytes(4, "little") + whole[8:40]
+                            + data.to_bytes(4, "little") + whole[44:])
+  streamed = tmp_path / "streamed.wav"
+  streamed.write_bytes(put(riff, data))
+  np.testing.assert_array_equal(audio.load(streamed), audio.load(tmp_path / "whole.wav"))
+  zero = tmp_path / "zero.wav"
+  zero.write_bytes(put(36, 0))
+  with pytest.raises(audio.AudioError, match=r"zero.wav: its header declares an empty data chunk "
+                     r"\(a size of 0, .*\) while 8000 bytes follow it; write it again"):
+    audio.load(zero)
 
 
 def test_bad_arguments():

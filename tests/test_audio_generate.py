@@ -115,7 +115,7 @@ def test_the_tool_refuses_a_bad_audio_file_naming_it(imported, tmp_path, capsys)
   cases = [([str(corrupt)], "hello", f"{corrupt}: cannot be decoded"),
            ([str(tmp_path / "none.flac")], "hello", f"{tmp_path / 'none.flac'}: no such file"),
            ([str(text)], "hello", f"{text}: unsupported format .txt"),
-           ([str(short)], "hello", f"{short}: 20 ms of audio (2 mel frames) yield no audio token"),
+           ([str(short)], "hello", f"{short}: its 2 mel frames (up to 20 ms of audio) yield no audio token"),
            ([speech], "<audio> hello <audio>", "has 2 <audio> for 1 --audio file.")]
   for files, prompt, error in cases:
     capsys.readouterr()

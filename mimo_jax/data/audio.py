@@ -78,6 +78,12 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
                      f"{declared}; the file ends early); use the complete file or drop the clip.",
                      "truncated audio")
   if wave_sc.size == 0:
+    data = wav_data(path) if FORMATS[ext] == "WAV" else None
+    if data is not None and data[2] == 0 and data[3] > 0:  # libsndfile reads the size it is told
+      raise AudioError(path, f"its header declares an empty data chunk (a size of 0, as a writer "
+                       f"streaming to a pipe may leave it) while {data[3]} bytes follow it; write "
+                       "it again with its size (e.g. sox IN OUT.wav) or drop the clip.",
+                       "empty audio")
     raise AudioError(path, "holds no samples (empty clip).", "empty audio")
   if not np.isfinite(wave_sc).all():  # a float file can hold NaN or infinity; features would too
     bad = int(np.size(wave_sc) - np.isfinite(wave_sc).sum())
@@ -90,43 +96,60 @@ def load(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
 # WAV codecs whose data chunk holds whole frames of block_align bytes: PCM, IEEE float, A-law,
 # mu-law, and WAVE_FORMAT_EXTENSIBLE (of those).
 WAV_FRAMED = (0x0001, 0x0003, 0x0006, 0x0007, 0xFFFE)
+# A WAV data chunk's size from here up is taken as unknown: what writers that stream to a pipe put
+# there (0xFFFFFFFF; SoX and espeak-ng --stdout: 0x7FFFF000), libsndfile reading to the file's end.
+# A data chunk really this large (2 GiB) that is cut short is read as far as it goes.
+STREAMED = 0x7FFFF000
 
 
 def declared_frames(path: str, fmt: str) -> int | None:
   """The frames the file's header declares where the file holds fewer bytes than that: a WAV's
   data chunk (its size over block_align, for framed codecs: WAV_FRAMED) cut short; a FLAC's
   STREAMINFO total samples. None where the header declares no exact count (OGG, MP3, a WAV
-  streamed with an unknown size, a FLAC's unknown total), a WAV's data is all there, or the header
-  cannot be parsed (decoding reports that). libsndfile gives a truncated WAV's frames as those its
-  file holds (soundfile.info too) and reads them without an error; the header says more."""
+  streamed with an unknown size: 0 or from STREAMED up, a FLAC's unknown total), a WAV's data is
+  all there, or the header cannot be parsed (decoding reports that). libsndfile gives a truncated
+  WAV's frames as those its file holds (soundfile.info too) and reads them without an error; the
+  header says more."""
   try:
-    with open(path, "rb") as f:
-      size = os.fstat(f.fileno()).st_size
-      head = f.read(42)
-      if fmt == "FLAC":  # "fLaC", then STREAMINFO first: 4 bytes of header, 34 of fields
-        if head[:4] != b"fLaC" or len(head) < 42 or head[4] & 0x7F != 0:
-          return None
-        return int.from_bytes(head[18:26], "big") & ((1 << 36) - 1) or None  # its bits 108..143
-      if fmt != "WAV" or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+    if fmt == "FLAC":  # "fLaC", then STREAMINFO first: 4 bytes of header, 34 of fields
+      with open(path, "rb") as f:
+        head = f.read(42)
+      if head[:4] != b"fLaC" or len(head) < 42 or head[4] & 0x7F != 0:
         return None
-      order = "little" if head[:4] == b"RIFF" else "big"
-      at, tag, block = 12, None, 0
-      while at + 8 <= size:
-        f.seek(at)
-        chunk = f.read(8)
-        kind, length = chunk[:4], int.from_bytes(chunk[4:8], order)
-        if kind == b"fmt ":
-          fields = f.read(14)
-          if len(fields) == 14:
-            tag, block = (int.from_bytes(fields[:2], order),
-                          int.from_bytes(fields[12:14], order))
-        elif kind == b"data":
-          if tag not in WAV_FRAMED or block <= 0 or length in (0, 0xFFFFFFFF):
-            return None  # a codec of blocks of several frames, or a size written as unknown
-          return length // block if length > size - (at + 8) else None
-        at += 8 + length + (length & 1)  # chunks are padded to an even size
+      return int.from_bytes(head[18:26], "big") & ((1 << 36) - 1) or None  # its bits 108..143
+    data = wav_data(path) if fmt == "WAV" else None
   except OSError:
     return None
+  if data is None:
+    return None
+  tag, block, length, held = data
+  if tag not in WAV_FRAMED or block <= 0 or length == 0 or length >= STREAMED:
+    return None  # a codec of blocks of several frames, or a size written as unknown
+  return length // block if length > held else None
+
+
+def wav_data(path: str) -> tuple[int | None, int, int, int] | None:
+  """A WAV's data chunk: its codec's tag and block_align (from the fmt chunk before it), the size
+  it declares and the bytes the file holds after its header; None for a file that is no RIFF (or
+  RIFX) WAVE or has no data chunk."""
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(12)
+    if head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+      return None
+    order = "little" if head[:4] == b"RIFF" else "big"
+    at, tag, block = 12, None, 0
+    while at + 8 <= size:
+      f.seek(at)
+      chunk = f.read(8)
+      kind, length = chunk[:4], int.from_bytes(chunk[4:8], order)
+      if kind == b"fmt ":
+        fields = f.read(14)
+        if len(fields) == 14:
+          tag, block = int.from_bytes(fields[:2], order), int.from_bytes(fields[12:14], order)
+      elif kind == b"data":
+        return tag, block, length, size - (at + 8)
+      at += 8 + length + (length & 1)  # chunks are padded to an even size
   return None
 
 
@@ -230,9 +253,9 @@ def check_tokens(path: str, frames_w: list[int], pool: int) -> None:
   if clip_tokens(frames_w, pool) <= 0:
     ms = sum(frames_w) * HOP * 1000 // SAMPLE_RATE
     need = (2 * pool - 2) * HOP * 1000 // SAMPLE_RATE
-    raise AudioError(os.fspath(path), f"{ms} ms of audio ({sum(frames_w)} mel frames) yield no "
-                     f"audio token with pooling by {pool}; a clip needs more than {need} ms "
-                     "(drop it or pad it with silence).", "short audio")
+    raise AudioError(os.fspath(path), f"its {sum(frames_w)} mel frames (up to {ms} ms of audio) "
+                     f"yield no audio token with pooling by {pool}; a clip needs more than "
+                     f"{need} ms (drop it or pad it with silence).", "short audio")
 
 
 def clip_tokens(frames: list[int] | int, pool: int = 1, window: int = WINDOW_FRAMES) -> int:
