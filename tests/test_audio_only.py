@@ -179,6 +179,21 @@ def get_config(arg=None):
 '''
 
 
+def test_an_audio_source_under_a_config_without_audio_names_an_audio_config(tmp_path, capsys):
+  """tools.hf import of a Qwen2-Audio directory under the default config (no audio encoder) is
+  one line naming configs/avlm.py:audio, whose modules are the source's: configs/avlm.py would add
+  a vision tower no source fills (an untrained ViT-L). Nothing is written."""
+  from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
+  src = FIXTURES / "hf_audio" / "qwen2_audio_chat"
+  with pytest.raises(SystemExit) as e:
+    hf_tool.main(["import", "--hf", str(src), "--out", str(tmp_path / "run")])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].endswith(
+      "has no model.audio for; use a config that adds it (e.g. --config=configs/avlm.py:audio)."), err
+  assert not (tmp_path / "run").exists()
+
+
 def test_tools_hf_imports_qwen2_audio_into_an_audio_only_model(tmp_path, capsys):
   """tools.hf import of a Qwen2-Audio directory under a config of an audio encoder and a language
   model alone (as configs/avlm.py:audio, at tests/configs/tiny_audio.py's size): both modules'

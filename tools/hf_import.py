@@ -65,9 +65,11 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
         fail(f"--hf {taken[module]} and --hf {src.path} both hold the {module} module; pass one.")
       taken[module] = src.path.resolve()
       if module not in cfg.model.encoders and module != "language":
+        # Without a vision tower among the sources, a config with one would add an untrained one.
+        vision = any("vision" in s.modules for s in sources)
         fail(f"--hf {src.path} holds the {module} encoder, which the config "
               f"({args.config or DEFAULT_BASE}) has no model.{module} for; use a config that "
-              f"adds it (e.g. configs/avlm.py).")
+              f"adds it (e.g. --config=configs/avlm.py{'' if vision else ':audio'}).")
       section = cfg.model.module(module)
       for k, v in hf.fields(src, module).items():
         given = overrides.get(f"model.{module}.{k}")
