@@ -273,7 +273,9 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
       raise ConfigError(describe_os_error(e, f"writing {files.tmp[split]} (record {done} of "
                                           f"{len(items)})")) from None
     tally.rows[split].append(meta.row(sample, VOCABULARY, marks))
-    tally.image_stats.add(sample[IMAGES])
+    new = {int(x.shape[2]) for x in sample[IMAGES]} - set(tally.image_stats.first)
+    tally.image_stats.add(sample[IMAGES], _image_names(items[index][1], index, opts)
+                          if new else None)  # the first image of each channel count
     clip_tokens = [audio.clip_tokens(int(f), opts.audio.pool, opts.audio.window_frames)
                    for f in sample.get(audio_records.FRAMES, ())]
     tally.clips.append(len(clip_tokens))
@@ -284,6 +286,14 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
   if caught:  # after the last record
     raise output.Interrupted(caught[0])
   return tally
+
+
+def _image_names(record: dict, index: int, opts: Options) -> list[str]:
+  """"/abs/images/a.png of record 3 (id 'a')" for each image a converted `record` lists."""
+  files = record.get("image")
+  files = [files] if isinstance(files, str) else files or []
+  return [f"{pathlib.Path(opts.images).absolute() / f} of record {index} (id "
+          f"{record.get('id', '?')!r})" for f in files]
 
 
 class _ProgressLines:
@@ -368,6 +378,9 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
   # Without images, the image token and processor may be absent (unused): the image token is
   # then -1 (no token id) and the image size and channels null.
   proc, pictures = WORKER["proc"], tally.image_stats
+  mixed = pictures.mixed_channels(opts.processor or opts.tokenizer)
+  if mixed:  # a model reads one channel count (model.vision.channels): training would fail
+    raise ConfigError(f"--json {source}: {mixed}.")
   image_id = WORKER["image_id"]
   return {"format": FORMAT_VERSION, "image_token": -1 if image_id is None else image_id,
           "image_token_text": opts.image_token,

@@ -284,13 +284,38 @@ class Tally:
   most: int = 0  # in one sample
   sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   channels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  first: dict[int, str] = dataclasses.field(default_factory=dict)  # channels -> an image's name
 
-  def add(self, pixels: list[np.ndarray]) -> None:
-    """Counts one sample's images (uint8 [h, w, c] each)."""
+  def add(self, pixels: list[np.ndarray], names: list[str] | None = None) -> None:
+    """Counts one sample's images (uint8 [h, w, c] each), `names` saying where each came from
+    (kept for the first image of each channel count, which `mixed_channels` names)."""
     self.count += len(pixels)
     self.sizes.update(tuple(int(v) for v in p.shape[:2]) for p in pixels)
     self.channels.update(int(p.shape[2]) for p in pixels)
+    for p, name in zip(pixels, names or ()):
+      self.first.setdefault(int(p.shape[2]), name)
     self.most = max(self.most, len(pixels))
+
+  def mixed_channels(self, processor: str) -> str | None:
+    """Where the images differ in channel count (a processor that keeps bands, `processor` its
+    directory, read grayscale and RGB images): the counts with the first image of each, and the
+    fix (the fewer converted to the most common count with Pillow, or a processor that converts);
+    None where they agree."""
+    if len(self.channels) < 2:
+      return None
+    counts = self.channels.most_common()
+    named = [f"{count(n, 'image')} of {count(c, 'channel')} ({self.first.get(c, '?')}"
+             f"{', ...' if n > 1 else ''})" for c, n in counts]
+    most = counts[0][0]
+    fewer = ", ".join(f"{c}-channel" for c, _ in counts[1:])
+    mode = {1: "L", 3: "RGB"}.get(most)
+    to = (f"convert the {fewer} images to {'grayscale' if mode == 'L' else mode} (with Pillow: "
+          f"Image.open(path).convert(\"{mode}\").save(new_path))" if mode else
+          f"convert the {fewer} images to {count(most, 'channel')}")
+    return (f"its images differ in channels, {' and '.join(named)}, where the processor in "
+            f"{processor} keeps an image's bands (\"do_convert_rgb\": false) and a model reads "
+            f"one count; {to}, or give a processor that converts every image to RGB "
+            f"(\"do_convert_rgb\": true in its {FILE}), then convert again")
 
   def size(self, processor: ImageProcessor) -> list[int]:
     """The most common image size (every one, with a crop or a square resize); without images,

@@ -129,7 +129,14 @@ class ImageSlots(encoders.SlotLayout):
 
   def write(self, inputs, slot, start, tokens, item, size, nth) -> None:
     (h, w), (_, W, C) = size, self.image_shape
-    img = np.asarray(item).reshape(h, w, C)
+    img = np.asarray(item)
+    if img.size != h * w * C:  # a shape comparison: the image's channels disagree
+      raise ConfigError(f"model.vision.channels: {C}, but the data holds a {h}x{w} image of "
+                        f"{img.size // max(h * w, 1)} channels (a conversion whose images differ "
+                        "in channels); convert the data again with images of one channel count "
+                        "(Pillow's .convert(\"L\") or .convert(\"RGB\") of the others), or set "
+                        "model.vision.channels to the data's count.")
+    img = img.reshape(h, w, C)
     if not self.packed:
       inputs["images_nhwc"][slot] = img
       return

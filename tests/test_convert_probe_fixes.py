@@ -1,0 +1,71 @@
+"""tools.convert against a probe's findings: images of several channel counts refused (and the
+loader's check of an image's channels), `--audio` read relative to --json's folder by default, the
+`skipped:` lines of one reason bounded, and the eval warning's wording."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mimo_jax.config import ConfigError
+from tests.helpers import image_layout
+from tests.test_convert_faults import FIXTURES, PROCESSOR, TOKENIZER, _main, _one_line_error
+
+TURNS = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "A digit."}]
+
+
+def _keeps_bands(root):
+  """A copy of the fixtures' processor that keeps an image's bands (do_convert_rgb false, as the
+  av_digits task's)."""
+  keeps = root / "keeps"
+  shutil.copytree(PROCESSOR, keeps)
+  config = json.loads((keeps / "preprocessor_config.json").read_text())
+  (keeps / "preprocessor_config.json").write_text(json.dumps(dict(config, do_convert_rgb=False)))
+  return keeps
+
+
+def test_images_of_several_channel_counts_fail_the_conversion_naming_one_of_each(tmp_path,
+                                                                                 capsys):
+  """Grayscale images and one RGB photo under a processor that keeps bands: one error line naming
+  the first image of each count and the Pillow fix, nothing written (the manifest's most common
+  count would make training fail reshaping the photo)."""
+  (tmp_path / "images").mkdir()
+  rng = np.random.default_rng(0)
+  for k in range(11):
+    Image.fromarray(rng.integers(0, 256, (24, 24), np.uint8), "L").save(
+        tmp_path / "images" / f"g{k}.png")
+  Image.fromarray(rng.integers(0, 256, (24, 24, 3), np.uint8), "RGB").save(
+      tmp_path / "images" / "photo.png")
+  records = [{"id": f"g{k}", "image": f"images/g{k}.png", "conversations": TURNS}
+             for k in range(11)]
+  records.insert(5, {"id": "photo", "image": "images/photo.png", "conversations": TURNS})
+  (tmp_path / "mixed.json").write_text(json.dumps(records))
+  out = tmp_path / "out"
+  rc, err, _ = _main(["--json", str(tmp_path / "mixed.json"), "--tokenizer", str(TOKENIZER),
+                      "--processor", str(_keeps_bands(tmp_path)), "--out", str(out),
+                      "--workers", "2", "--eval", "1"], capsys)
+  images = tmp_path / "images"
+  _one_line_error(rc, err, f"--json {tmp_path / 'mixed.json'}: its images differ in channels, "
+                  f"11 images of 1 channel ({images / 'g0.png'} of record 0 (id 'g0'), ...) and "
+                  f"1 image of 3 channels ({images / 'photo.png'} of record 5 (id 'photo'))",
+                  "keeps an image's bands (\"do_convert_rgb\": false)",
+                  "convert the 3-channel images to grayscale (with Pillow: Image.open(path)"
+                  ".convert(\"L\").save(new_path)), or give a processor that converts every "
+                  "image to RGB")
+  assert not out.exists() and "Traceback" not in err
+
+
+@pytest.mark.parametrize("slot_patches", [0, 4])
+def test_an_image_whose_channels_differ_from_the_tower_is_one_error_naming_the_fix(slot_patches):
+  """The loader's defence: an RGB image where model.vision.channels is 1 is a ConfigError (one
+  line from launch, exit status 2) naming the field and the fix, not numpy's reshape error."""
+  slots = image_layout(16, 4, 1, 1, (8, 8, 1), slot_patches=slot_patches).encoders[0]
+  inputs = slots.empty()
+  with pytest.raises(ConfigError, match=r"^model\.vision\.channels: 1, but the data holds a 8x8 "
+                     r"image of 3 channels .*convert the data again with images of one channel "
+                     r"count \(Pillow's \.convert\(\"L\"\)"):
+    slots.write(inputs, 0, 0, slots.slot_tokens, np.zeros((8, 8, 3), np.uint8), (8, 8), 1)
+  slots.write(inputs, 0, 0, slots.slot_tokens, np.full((8, 8, 1), 7, np.uint8), (8, 8), 1)
+  assert (next(iter(inputs.values())) == 7).any()  # an image of the tower's channels is written
