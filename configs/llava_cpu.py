@@ -12,29 +12,42 @@ steps logged every step, an eval of 8 samples at the end. configs/vlm.py (the im
 Which groups train is given at launch (README, "The LLaVA recipe"): stage 1 the projector alone
 (`--config.optim.freeze=vision,language`), stage 2 the projector and the language model
 (`--config.optim.freeze=vision`).
+
+Variant `audio`: speech and text, no vision tower: an audio encoder of Whisper's layout (two
+blocks of width 64) and LLaVA's MLP projector beside the language model, for `tools.convert`'s
+audio records (its launch line gives the clips' fields: mel_bins, positions, pool, audio_token,
+max_audios, max_windows) or `tools.hf import` of a small Qwen2-Audio or Whisper model.
+
+  python -m mimo_jax.launch --config=configs/llava_cpu.py:audio --config.data.dir=data/speech ...
 """
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ModuleTopology
+from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
+  if arg not in (None, "", "default", "audio"):
+    raise ValueError(f"configs/llava_cpu.py: no variant {arg!r}; use 'default' or 'audio'.")
   cfg = Config()
-  cfg.add_encoder("vision", VisionConfig())
+  if arg == "audio":
+    cfg.add_encoder("audio", AudioConfig(dim=64, layers=2, heads=4, mlp_dim=256,
+                                         projector_hidden=128), ModuleTopology())
+  else:
+    cfg.add_encoder("vision", VisionConfig())
   cfg.model.dtype = "float32"
-  cfg.topology.vision.offset = cfg.topology.language.offset = 0
+  for t in cfg.topology.modules().values():
+    t.offset = 0
   cfg.run.cpu_devices = 1
   d = cfg.data
   d.task = "conversations"
   d.global_batch, d.microbatches = 8, 1
   d.seq_len = 256
-  # LLaVA's data: one image a record at most.
-  cfg.model.vision.max_images, d.image_probs = 1, "0.5,0.5"
+  if arg != "audio":  # LLaVA's data: one image a record at most.
+    cfg.model.vision.max_images, d.image_probs = 1, "0.5,0.5"
   d.workers = 0
   cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 3
   cfg.train.steps = 30
   cfg.eval.samples, cfg.eval.batch = 8, 8
-  cfg.run.workdir, cfg.run.log_every = "runs/llava_cpu", 1
-  if arg not in (None, "", "default"):
-    raise ValueError(f"configs/llava_cpu.py: no variant {arg!r}; it has none.")
+  cfg.run.workdir, cfg.run.log_every = f"runs/{'audio' if arg == 'audio' else 'llava'}_cpu", 1
   return cfg

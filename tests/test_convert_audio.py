@@ -333,3 +333,27 @@ def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, 
                for f in got.out.strip().splitlines()[-1].split()[4:])
   assert "data.image_token" not in flags and "model.vision.image_size" not in flags, flags
   assert flags["model.audio.audio_token"] == str(m["audio_token"])
+
+
+def test_the_cpu_audio_config_trains_on_the_launch_line_of_audio_records(source, tmp_path, capsys):
+  """configs/llava_cpu.py:audio (speech and text, no vision) with the launch line tools.convert
+  prints for records of clips alone, as a user runs it: two steps and an eval, finite."""
+  from mimo_jax import configfile, train  # pylint: disable=import-outside-toplevel
+  (tmp_path / "aud.json").write_text(json.dumps([_audio_only(f"a{k}") for k in range(6)]))
+  out = tmp_path / "data"
+  assert convert.main(["--json", str(tmp_path / "aud.json"), "--audio", str(source / "audio"),
+                       "--tokenizer", str(CHAT), "--out", str(out), "--eval", "2",
+                       "--workers", "1", "--mel_bins", "80", "--audio_window", "1"]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1].split()
+  assert line[:4] == ["python", "-m", "mimo_jax.launch", "--config=MODEL_CONFIG"], line
+  _, overrides, _ = configfile.split_args(
+      ["launch", "--config=configs/llava_cpu.py:audio", *line[4:],
+       f"--config.run.workdir={tmp_path / 'run'}", "--config.train.steps=2",
+       "--config.data.global_batch=2", "--config.eval.samples=2", "--config.eval.batch=2"])
+  cfg = configfile.load("configs/llava_cpu.py:audio", overrides)
+  assert set(cfg.model.encoders) == {"audio"} and cfg.run.cpu_devices == 1
+  got = train.run(cfg)
+  losses = [r["loss"] for r in got if "loss" in r]
+  assert len(losses) == 2 and np.isfinite(losses).all()
+  assert sum(r["audios"] for r in got if "loss" in r) > 0  # the clips reached the tower
+  assert np.isfinite([r["eval_loss"] for r in got if "eval_loss" in r]).all()
