@@ -14,7 +14,7 @@ Which groups train is given at launch (README, "The LLaVA recipe"): stage 1 the 
 (`--config.optim.freeze=vision`).
 
 Variant `audio`: speech and text, no vision tower: an audio encoder of Whisper's layout (two
-blocks of width 64) and LLaVA's MLP projector beside the language model, for `tools.convert`'s
+blocks of width 64) and LLaVA's MLP projector beside the language model, rows of 1024 tokens, for `tools.convert`'s
 audio records (its launch line gives the clips' fields: mel_bins, positions, pool, audio_token,
 max_audios, max_windows) or `tools.hf import` of a small Qwen2-Audio or Whisper model.
 
@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> Config:
   d = cfg.data
   d.task = "conversations"
   d.global_batch, d.microbatches = 8, 1
-  d.seq_len = 256
+  d.seq_len = 1024 if arg == "audio" else 256  # a 30 s window pooled by 2 is 750 tokens
   if arg != "audio":  # LLaVA's data: one image a record at most.
     cfg.model.vision.max_images, d.image_probs = 1, "0.5,0.5"
   d.workers = 0

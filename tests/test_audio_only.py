@@ -169,20 +169,11 @@ def test_data_with_images_under_an_audio_only_model_is_one_error(source, tmp_pat
   assert "use a config with a vision encoder" in message
 
 
-AUDIO_ONLY_CONFIG = '''from tests.configs import tiny_audio
-
-
-def get_config(arg=None):
-  cfg = tiny_audio.get_config(arg)
-  del cfg.model.encoders["vision"], cfg.topology.encoders["vision"]
-  return cfg
-'''
-
-
 def test_an_audio_source_under_a_config_without_audio_names_an_audio_config(tmp_path, capsys):
   """tools.hf import of a Qwen2-Audio directory under the default config (no audio encoder) is
-  one line naming configs/avlm.py:audio, whose modules are the source's: configs/avlm.py would add
-  a vision tower no source fills (an untrained ViT-L). Nothing is written."""
+  one line naming configs/avlm.py:audio and configs/llava_cpu.py:audio, whose modules are the
+  source's: configs/avlm.py would add a vision tower no source fills (an untrained ViT-L). Nothing
+  is written."""
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
   src = FIXTURES / "hf_audio" / "qwen2_audio_chat"
   with pytest.raises(SystemExit) as e:
@@ -190,23 +181,22 @@ def test_an_audio_source_under_a_config_without_audio_names_an_audio_config(tmp_
   assert e.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].endswith(
-      "has no model.audio for; use a config that adds it (e.g. --config=configs/avlm.py:audio)."), err
+      "has no model.audio for; use a config that adds it (e.g. --config=configs/avlm.py:audio "
+      "(GPU-sized) or configs/llava_cpu.py:audio)."), err
   assert not (tmp_path / "run").exists()
 
 
 def test_tools_hf_imports_qwen2_audio_into_an_audio_only_model(tmp_path, capsys):
   """tools.hf import of a Qwen2-Audio directory under a config of an audio encoder and a language
-  model alone (as configs/avlm.py:audio, at tests/configs/tiny_audio.py's size): both modules'
-  tensors become step 0, with Qwen2-Audio's own tower layout (no LLaVA reading of a vision
-  tower)."""
+  model alone (configs/llava_cpu.py:audio, the CPU-sized one): both modules' tensors become step
+  0, with Qwen2-Audio's own tower layout (no LLaVA reading of a vision tower)."""
   from mimo_jax import hf, modules  # pylint: disable=import-outside-toplevel
   from tools import hf as hf_tool  # pylint: disable=import-outside-toplevel
   from tools import hf_export  # pylint: disable=import-outside-toplevel
   src = hf.Source.open(FIXTURES / "hf_audio" / "qwen2_audio_chat")
-  (tmp_path / "audio_only.py").write_text(AUDIO_ONLY_CONFIG)
-  assert hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
-                       f"--config={tmp_path / 'audio_only.py'}", "--config.data.task=conversations",
-                       "--config.data.seq_len=1024"]) in (0, None)
+  assert (hf_tool.main(["import", "--hf", str(src.path), "--out", str(tmp_path / "run"),
+                       f"--config={FIXTURES.parent.parent / 'configs' / 'llava_cpu.py'}:audio"])
+          in (0, None))
   out = capsys.readouterr().out
   assert "model.vision" not in out and "--config.data.dir=DATA" in out, out
   assert "image_token" not in out, out  # the model reads no image: its data has no image token

@@ -69,7 +69,8 @@ def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
         vision = any("vision" in s.modules for s in sources)
         fail(f"--hf {src.path} holds the {module} encoder, which the config "
               f"({args.config or DEFAULT_BASE}) has no model.{module} for; use a config that "
-              f"adds it (e.g. --config=configs/avlm.py{'' if vision else ':audio'}).")
+              f"adds it (e.g. --config=configs/avlm.py"
+              f"{' (GPU-sized)' if vision else ':audio (GPU-sized) or ' + CPU_BASE + ':audio'}).")
       section = cfg.model.module(module)
       for k, v in hf.fields(src, module).items():
         given = overrides.get(f"model.{module}.{k}")
