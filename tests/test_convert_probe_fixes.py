@@ -7,11 +7,15 @@ import shutil
 
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 from mimo_jax.config import ConfigError
+from mimo_jax.data import audio, conversations
 from tests.helpers import image_layout
-from tests.test_convert_faults import FIXTURES, PROCESSOR, TOKENIZER, _main, _one_line_error
+from tests.test_convert_audio import media_source
+from tests.test_convert_faults import PROCESSOR, TOKENIZER, _main, _one_line_error
+from tools import convert
 
 TURNS = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "A digit."}]
 
@@ -69,3 +73,36 @@ def test_an_image_whose_channels_differ_from_the_tower_is_one_error_naming_the_f
     slots.write(inputs, 0, 0, slots.slot_tokens, np.zeros((8, 8, 3), np.uint8), (8, 8), 1)
   slots.write(inputs, 0, 0, slots.slot_tokens, np.full((8, 8, 1), 7, np.uint8), (8, 8), 1)
   assert (next(iter(inputs.values())) == 7).any()  # an image of the tower's channels is written
+
+
+def test_audio_paths_are_read_from_the_json_folder_by_default(tmp_path, capsys, monkeypatch):
+  """Without --audio, clip paths are relative to --json's folder (as --images' and tools.eval's
+  --audio), from any working directory; a missing clip's skip line names the folder it was looked
+  for in and the flag, and the warning says which folder was read; --help says the default."""
+  root = media_source(tmp_path / "src", ())
+  (root / "clips").mkdir()
+  tone = np.sin(np.arange(audio.SAMPLE_RATE) * 0.05).astype(np.float32) * 0.3
+  for k in range(12):
+    soundfile.write(root / "clips" / f"a{k}.wav", tone, audio.SAMPLE_RATE)
+  records = [{"id": f"a{k}", "audio": f"clips/a{k}.wav", "conversations": [
+      {"from": "human", "value": "<audio> what?"}, {"from": "gpt", "value": "A tone."}]}
+             for k in range(12)]
+  records.append(dict(records[0], id="gone", audio="clips/gone.wav"))
+  (root / "data.json").write_text(json.dumps(records))
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  out = tmp_path / "out"
+  rc, err, _ = _main(["--json", str(root / "data.json"), "--tokenizer", str(root / "tokenizer"),
+                      "--out", str(out), "--workers", "1", "--eval", "1", "--mel_bins", "80",
+                      "--audio_window", "1", "--max_skipped_fraction", "1"], capsys)
+  assert rc == 0, err
+  assert conversations.manifest(str(out))["audios"] == 12, err
+  assert (f"skipped: {root / 'data.json'}: record 12 (id 'gone'): audio file "
+          f"{root / 'clips' / 'gone.wav'}: no such file under --audio {root}.\n") in err, err
+  assert (f"; no --audio was given: audio paths were read relative to --json's folder {root}; "
+          "give --audio DIR where they are elsewhere.") in err, err
+  with pytest.raises(SystemExit):
+    convert.main(["--help"])
+  said = " ".join(capsys.readouterr().out.split())
+  assert ("--audio AUDIO the folder audio paths are relative to (default: --json's folder, as "
+          "tools.eval's; records without clips need none)") in said, said

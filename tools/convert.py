@@ -65,22 +65,22 @@ one error line, exit status 2, and so is a `--json` whose top level is an object
 [...]}`), not a list of records. Notes (the tokens an image takes) follow a conversion that is
 done, so an error is one line.
 
-Audio: a record may list clips under `"audio"` or `"audios"` (a path or a list of paths, relative
-to `--audio`; WAV, FLAC, OGG/Opus and, with libsndfile >= 1.1, MP3), each marked by `<audio>` in
-the text, with or without images. Each `<audio>` becomes `--audio_markers` (Qwen2-Audio's
-`<|audio_bos|><|AUDIO|><|audio_eos|>` by default), whose `--audio_token` (one special token of
-the tokenizer) the layout expands to the clip's tokens. Clips are decoded, mixed down, resampled
-to 16 kHz and stored as Whisper log-mel features of `--mel_bins` (80 or 128) bins, whole 30 s
-windows (3000 frames · mel_bins float32: 960 KB a window at 80 bins), beside each clip's audio
-frames; a clip longer than 30 s spans several windows. `--audio_window S` makes windows of S
-seconds instead (the feature extractor's chunk_length), for a tower of S · 50 positions
-(model.audio.positions): the toy towers of tests and demos. For `--seq_len` a clip takes the tokens
-its audio frames give after the stride-2 convolution and `--audio_pool` (Qwen2-Audio: 2, Whisper:
-1). A missing, empty, corrupt or unsupported clip, one too short to yield a token (20 ms or
-less under `--audio_pool 2`), an `<audio>` count other than the clips
-listed, or a clip path leading out of `--audio` (`--allow_outside_images` reads those too) is a
-bad record like a bad image. The manifest records the audio token id and mel bins, which
-training checks against model.audio.audio_token and model.audio.mel_bins.
+Audio: a record may list clips under `"audio"` or `"audios"` (a path or a list of paths, relative to
+`--audio`, default the folder of `--json` as for images; WAV, FLAC, OGG/Opus and, with libsndfile >=
+1.1, MP3), each marked by `<audio>` in the text, with or without images. Each `<audio>` becomes
+`--audio_markers` (Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>` by default), whose
+`--audio_token` (one special token of the tokenizer) the layout expands to the clip's tokens. Clips
+are decoded, mixed down, resampled to 16 kHz and stored as Whisper log-mel features of `--mel_bins`
+(80 or 128) bins, whole 30 s windows (3000 frames · mel_bins float32: 960 KB a window at 80 bins),
+beside each clip's audio frames; a clip longer than 30 s spans several windows. `--audio_window S`
+makes windows of S seconds instead (the feature extractor's chunk_length), for a tower of S · 50
+positions (model.audio.positions): the toy towers of tests and demos. For `--seq_len` a clip takes
+the tokens its audio frames give after the stride-2 convolution and `--audio_pool` (Qwen2-Audio: 2,
+Whisper: 1). A missing clip (named with the folder it was looked for in), an empty, corrupt or
+unsupported one, one too short to yield a token (20 ms or less under `--audio_pool 2`), an `<audio>`
+count other than the clips listed, or a clip path leading out of `--audio` (`--allow_outside_images`
+reads those too) is a bad record like a bad image. The manifest records the audio token id and mel
+bins, which training checks against model.audio.audio_token and model.audio.mel_bins.
 
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--allow_outside_images", action="store_true",
                       help="read image paths that lead out of --images (.., absolute paths, "
                       "symbolic links); without it such records are skipped")
-  parser.add_argument("--audio", default=".", help="the folder audio paths are relative to")
+  parser.add_argument("--audio", default=None, help="the folder audio paths are relative to "
+                      "(default: --json's folder, as tools.eval's; records without clips need "
+                      "none)")
   parser.add_argument("--audio_token", default=audio_records.QWEN2_AUDIO_TOKEN,
                       help="the placeholder of a clip, one special token of the tokenizer (needed "
                       "only where records list clips)")
@@ -224,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
   if args.audio_token not in args.audio_markers:
     return _error(f"--audio_markers {args.audio_markers!r} does not hold --audio_token "
                   f"{args.audio_token!r}.")
-  hint = ""  # where missing images may come from a folder not given
-  if args.images is None:  # as tools.eval reads a JSON's images
-    args.images = os.path.dirname(os.path.abspath(args.json))
-    hint = (f"no --images was given: image paths were read relative to --json's folder "
-            f"{args.images}; give --images DIR where they are elsewhere")
+  hints = {}  # a skip reason -> where its files may come from a folder not given
+  for flag, reason, kind in (("images", "missing image", "image"),
+                             ("audio", "missing audio", "audio")):
+    if getattr(args, flag) is None:  # as tools.eval reads a JSON's images and clips
+      setattr(args, flag, os.path.dirname(os.path.abspath(args.json)))
+      hints[reason] = (f"no --{flag} was given: {kind} paths were read relative to --json's "
+                       f"folder {getattr(args, flag)}; give --{flag} DIR where they are elsewhere")
   opts = conversion_record.Options(
       tokenizer=args.tokenizer, images=args.images, processor=args.processor,
       image_token=args.image_token, pad_to_square=args.pad_to_square, seq_len=args.seq_len,
@@ -252,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
   except ConfigError as e:
     said = str(e)  # a summary of skipped records, or under --on_error fail the record's error
-    missing = "missing image" in said or (": image " in said and " not found." in said)
-    return _error(f"{said.rstrip('.')}. {hint[0].upper()}{hint[1:]}." if missing and hint
-                  else said)
+    found = {"missing image": ": image " in said and " not found." in said,
+             "missing audio": ": no such file under --audio " in said}
+    hint = "; ".join(h for r, h in hints.items() if r in said or found[r])
+    return _error(f"{said.rstrip('.')}. {hint[0].upper()}{hint[1:]}." if hint else said)
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
     signum = getattr(e, "signum", signal.SIGINT)
     print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
              "skips more)" if args.max_skipped_fraction < 1 else "")
     print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
           f"each with its error in {out / conversion_files.SKIPPED}{limit}"
-          f"{f'; {hint}' if hint and 'missing image' in skipped else ''}.", file=sys.stderr)
+          f"{''.join(f'; {h}' for r, h in hints.items() if r in skipped)}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
     drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
     drew = f"--eval {args.eval} drew" if args.eval == drawn else "were drawn for it"

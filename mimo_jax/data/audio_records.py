@@ -86,6 +86,9 @@ def read_clip(folder: str | os.PathLike, f: str, where: str, mel_bins: int,
   try:
     mel_fm, frames_w = audio.file_features(path, mel_bins, pool, window_s)
   except audio.AudioError as e:
+    if e.reason == "missing audio":  # where it was looked for, and the flag that says so
+      raise RecordError(e.reason, f"{where}: audio file {path}: no such file under --audio "
+                        f"{os.path.abspath(folder)}.") from None
     raise RecordError(e.reason, f"{where}: {e}") from None
   return Clip(mel_fm, tuple(frames_w))
 
