@@ -149,7 +149,8 @@ def test_no_record_converted_is_a_sentence_with_the_fix(src, tmp_path, capsys):
                      capsys)
   _one_line_error(rc, err, "d.json: no record could be converted for train: 13 of 13 records "
                   "(100.0%) were skipped: too long 12 ('r0', 'r1', 'r2', ...), missing image 1 "
-                  "('gone'); each is named above on a `skipped:` line. Give --seq_len ")
+                  "('gone'); the first 5 of each reason are named above on `skipped:` lines. Give "
+                  "--seq_len ")
   line = err.strip().splitlines()[-1]
   assert "{" not in line and line.endswith(
       " or more (the tokens of the longest sample; 0: no limit) and fix the other records or the "

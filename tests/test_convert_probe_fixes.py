@@ -14,7 +14,7 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import audio, conversations
 from tests.helpers import image_layout
 from tests.test_convert_audio import media_source
-from tests.test_convert_faults import PROCESSOR, TOKENIZER, _main, _one_line_error
+from tests.test_convert_faults import FIXTURES, PROCESSOR, TOKENIZER, _main, _one_line_error
 from tools import convert
 
 TURNS = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "A digit."}]
@@ -106,3 +106,33 @@ def test_audio_paths_are_read_from_the_json_folder_by_default(tmp_path, capsys, 
   said = " ".join(capsys.readouterr().out.split())
   assert ("--audio AUDIO the folder audio paths are relative to (default: --json's folder, as "
           "tools.eval's; records without clips need none)") in said, said
+
+
+def test_skipped_lines_of_one_reason_stop_after_the_first_five(tmp_path, capsys):
+  """One systematic mistake (20 records of a missing image) prints its first 5 `skipped:` lines
+  and one line saying the rest are not printed; another reason's lines still print, skipped.jsonl
+  lists every skipped record, and a failed conversion's summary says only the first are named."""
+  shutil.copy(FIXTURES / "images" / "portrait.png", tmp_path)
+  records = [{"id": f"r{k}", "image": "portrait.png" if k % 3 == 2 else f"gone{k}.png",
+              "conversations": TURNS} for k in range(30)]
+  records += [{"id": f"role{k}", "conversations": [{"from": "robot", "value": "hi"}]}
+              for k in range(2)]
+  (tmp_path / "d.json").write_text(json.dumps(records))
+  args = ["--json", str(tmp_path / "d.json"), "--tokenizer", str(TOKENIZER), "--processor",
+          str(PROCESSOR), "--workers", "2", "--eval", "1"]
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "out"), "--max_skipped_fraction", "1"],
+                     capsys)
+  assert rc == 0, err
+  lines = [ln for ln in err.splitlines() if ln.startswith("skipped: ")]
+  missing = [ln for ln in lines if " not found." in ln]
+  assert [ln.split("(id ")[1].split(")")[0] for ln in missing] == [
+      "'r0'", "'r1'", "'r3'", "'r4'", "'r6'"], err
+  assert lines.count("skipped: further records skipped as 'missing image' are not printed; a "
+                     "finished conversion lists every one in skipped.jsonl in --out.") == 1, err
+  assert sum("unknown role 'robot'" in ln for ln in lines) == 2 and len(lines) == 8, err
+  rows = [json.loads(r) for r in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+  assert [r["reason"] for r in rows] == ["missing image"] * 20 + ["unknown role"] * 2, rows
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "out2")], capsys)
+  _one_line_error(rc, err, "missing image 20 ('r0', 'r1', 'r3', ...), unknown role 2 ('role0', "
+                  "'role1'), more than --max_skipped_fraction 0.05 allows; the first 5 of each "
+                  "reason are named above on `skipped:` lines.")

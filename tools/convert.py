@@ -52,8 +52,9 @@ with text values, a word the tokenizer cannot encode or encodes as its unknown t
 word outside the vocabulary), a sample longer than `--seq_len` once each
 image takes `--image_tokens`, an unknown role, no assistant turn, an assistant turn first where the
 chat template renders none without a turn before it) are skipped and counted by reason, each
-reported with its record id and file (`--on_error skip`, the default), or stop the conversion
-with that message and exit status 2, writing nothing (`--on_error fail`). Skipped records end the
+reported on a `skipped:` line with its record id and file (the first 5 of a reason, then one line
+saying the rest are not printed; `--on_error skip`, the default), or stop the conversion with
+that message and exit status 2, writing nothing (`--on_error fail`). Skipped records end the
 conversion with a warning that counts them by reason with each reason's first records, and are
 listed in `skipped.jsonl` in `--out` (`record`, `id`, `reason`, `error` a row); more of them than
 `--max_skipped_fraction` of the records (default 0.05; 1: never) fail the conversion with that

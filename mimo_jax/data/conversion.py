@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from mimo_jax import encoders, output, words
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, images, meta
+from mimo_jax.data import audio, audio_records, conversion_files, images, meta
 from mimo_jax.data.conversion_files import Files
 from mimo_jax.data.conversion_record import (WORKER, Options, init_worker, pool_init,
                                                positions, work)
@@ -36,6 +36,9 @@ from mimo_jax.workdir import describe_os_error
 # Where stderr is no terminal (a log file, a pipe), progress is a line this often, in seconds: a
 # bar's carriage returns would make one endless line of the log.
 PROGRESS_SECONDS = 10.0
+# The `skipped:` lines printed for each reason: past them, one line says the rest are not printed
+# (one systematic mistake would print a line for every record).
+SKIPS_SHOWN = 5
 
 
 def estimate_bytes(records: list[dict], proc: images.ImageProcessor | None) -> int:
@@ -264,7 +267,12 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
       tally.skipped_records.append({
           "record": index, "id": rid if isinstance(rid, (str, int)) and not isinstance(rid, bool)
           else None, "reason": reason, "error": message})
-      tqdm.write(f"skipped: {message}", file=sys.stderr)
+      if tally.skipped[reason] <= SKIPS_SHOWN:
+        tqdm.write(f"skipped: {message}", file=sys.stderr)
+      elif tally.skipped[reason] == SKIPS_SHOWN + 1:
+        tqdm.write(f"skipped: further records skipped as {reason!r} are not printed; a finished "
+                   f"conversion lists every one in {conversion_files.SKIPPED} in --out.",
+                   file=sys.stderr)
       continue
     split = "eval" if index in eval_ids else "train"
     try:
@@ -332,6 +340,14 @@ def skipped_summary(skipped: list[dict], read: int, shown: int = 3) -> str:
           f"{'was' if len(skipped) == 1 else 'were'} skipped: {', '.join(parts)}")
 
 
+def _named_above(tally: _Tally) -> str:
+  """Which skipped records of `tally` a `skipped:` line named: each, or each reason's first
+  SKIPS_SHOWN."""
+  if max(tally.skipped.values(), default=0) <= SKIPS_SHOWN:
+    return "each is named above on a `skipped:` line"
+  return f"the first {SKIPS_SHOWN} of each reason are named above on `skipped:` lines"
+
+
 def _fixes(tally: _Tally, lower: bool = False) -> str:
   """What keeps the skipped records of `tally`: "Give --seq_len 57 or more (the tokens of the
   longest sample; 0: no limit) and fix the other records or the flags that reject them"."""
@@ -366,15 +382,15 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
       raise ConfigError(f"--json {source}: no record is left for train: every record was drawn "
                         "for eval (the records of one id go to one side); give a smaller --eval.")
     raise ConfigError(f"--json {source}: no record could be converted for train: {summary}; "
-                      f"each is named above on a `skipped:` line. {_fixes(tally)}.")
+                      f"{_named_above(tally)}. {_fixes(tally)}.")
   if held_out and not counts["eval"]:
     raise ConfigError(f"--json {source}: every record drawn for eval was skipped ({summary}); "
                       f"hold out more with --eval, or {_fixes(tally, lower=True)}.")
   if len(tally.skipped_records) > opts.max_skipped_fraction * read:
     raise ConfigError(f"--json {source}: {summary}, more than --max_skipped_fraction "
-                      f"{opts.max_skipped_fraction:g} allows; each is named above on a `skipped:` "
-                      f"line. {_fixes(tally)}, or raise --max_skipped_fraction (1 keeps "
-                      "every good record whatever the rest).")
+                      f"{opts.max_skipped_fraction:g} allows; {_named_above(tally)}. "
+                      f"{_fixes(tally)}, or raise --max_skipped_fraction (1 keeps every good "
+                      "record whatever the rest).")
   # Without images, the image token and processor may be absent (unused): the image token is
   # then -1 (no token id) and the image size and channels null.
   proc, pictures = WORKER["proc"], tally.image_stats
