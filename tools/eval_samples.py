@@ -78,20 +78,14 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
   is told of each record read. A record's error names it by its number, id and line in the file
   (`named`)."""
   # pylint: disable=import-outside-toplevel
-  from mimo_jax import eval_set
-  from mimo_jax.data import audio_records, conversations, conversion, images
-  from mimo_jax.data.chat import ChatError, TokenizeError, messages
+  from mimo_jax.data import conversion
   from mimo_jax.data.record_error import RecordError, record_id
-  from tools.prompts import bands_refused, check_shape, with_marks
-  settings, audio_id = audio
   try:
     records = conversion.records_of(pathlib.Path(args.data))
   except ConfigError as e:
     raise ConfigError(str(e).replace("--json", "--data")) from None
-  folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
-  image_id = tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token) is not None \
-      else None
-  out, seen, opened = [], set(), []
+  reader = _JsonReader(args, cfg, tok, proc, image_token, audio)
+  out, seen = [], set()
   records = records[:args.samples or None]
   lines = progress(len(records)) if progress else None
   for i, r in enumerate(records):
@@ -109,88 +103,139 @@ def json_samples(args, cfg: Config, tok, proc, image_token: str, audio=(None, No
         raise ConfigError(f"{where}: its id is another record's too; rows are kept by id, so give "
                           "each record its own.")
       seen.add(json.dumps(key))
-      try:
-        msgs = messages(r.get("conversations") or [], f"{where}: ")
-      except ChatError as e:
-        raise ConfigError(str(e)) from None
-      last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-      answers = r.get("answers")
-      if "answers" in r and (not isinstance(answers, list)
-                             or not all(isinstance(a, str) for a in answers)):
-        raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
-                          "strings; give its reference answers as one (or leave the key out: the "
-                          "assistant turn is then the reference).")
-      if "answers" in r and (not answers or not all(a.strip() for a in answers)):
-        raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}: "
-                          f"{'no answer' if not answers else 'an empty answer'}; give each "
-                          "reference a text (or leave the key out: the assistant turn is then the "
-                          "reference).")
-      if last is None and not answers:
-        raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
-                          "answer with; give each record a reference.")
-      before = msgs[:last] if last is not None else msgs
-      if not before:
-        raise ConfigError(f"{where}: nothing before its answer to prompt with.")
-      references = answers or [msgs[last]["content"].strip()]
-      turn = msgs[last]["content"] if last is not None else references[0]
-      files = r.get("image") or []
-      files = [files] if isinstance(files, str) else files
-      if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
-                          "a list of paths.")
-      pixels = []
-      for f in files:
-        if not opened:
-          opened.append(proc())
-        try:
-          pixels.append(images.load(folder / f, opened[0]))
-        except FileNotFoundError:
-          fix = (f"it is not in --images {args.images}: give the folder that holds it"
-                 if args.images else
-                 "give the image folder with --images DIR (the default is the JSON's folder)")
-          raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
-        except Exception as e:  # pylint: disable=broad-except
-          bands = bands_refused(folder / f, opened[0], cfg)
-          raise ConfigError(f"{where}: image {folder / f} "
-                            f"{f'is {bands}' if bands else f'cannot be read ({e})'}.") from None
-        if "vision" in cfg.model.encoders:  # here, not when a batch is laid out: nothing written
-          check_shape(f"{where}: image {folder / f}", pixels[-1].shape, cfg)
-      try:
-        if audio_records.listed([r]) and settings is None:
-          raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
-                            "encoder (model.audio).")
-        if settings is None:
-          clips = []
-        else:
-          before, clips = audio_records.convert(r, before, where, settings)
-      except RecordError as e:
-        fix = "; give the audio folder with --audio DIR" if "missing" in e.reason else ""
-        raise ConfigError(f"{e}{fix}") from None
-      try:
-        # strict: a word the tokenizer has no token for would reach the model as its unknown token
-        # (tools.convert skips such records, tools.generate refuses such prompts)
-        ids, mask = tok.encode(before + [{"role": "assistant", "content": turn or "."}],
-                               strict=True)
-      except TokenizeError as e:
-        text = " ".join(m["content"] for m in before + [{"content": turn or ""}])
-        raise ConfigError(f"{where}: {with_marks(e, text, tok, image_token)}") from None
-      except ChatError as e:
-        raise ConfigError(f"{where}: {e}") from None
-      prompt, answer = eval_set.split_answer(ids, mask, where)
-      if prompt.count(image_id) != len(pixels):
-        raise ConfigError(f"{where}: its prompt has {prompt.count(image_id)} {image_token} for "
-                          f"{count(len(pixels), 'image')}.")
-      try:
-        if clips:
-          audio_records.check_tokens(np.asarray(prompt), audio_id, clips, where, settings)
-      except RecordError as e:
-        raise ConfigError(str(e)) from None
-      items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
-      out.append({"id": key, "record": i, "sample": eval_set.eval_sample(prompt, answer, items),
-                  "prompt_ids": prompt, "references": references})
+      out.append({"id": key, "record": i, **reader.sample(r, where)})
     except ConfigError as e:
       raise ConfigError(_lined(args, i, key, str(e))) from None
   return out
+
+
+class _JsonReader:
+  """One JSON record at a time into an eval sample (`json_samples`); every error a ConfigError
+  that begins with `where`, the record's name."""
+
+  def __init__(self, args, cfg: Config, tok, proc, image_token: str, audio):
+    self.args, self.cfg, self.tok, self.proc, self.image_token = args, cfg, tok, proc, image_token
+    self.settings, self.audio_id = audio
+    self.folder = pathlib.Path(args.images or pathlib.Path(args.data).parent)
+    self.image_id = (tok.token_id(image_token) if tok.tokenizer.token_to_id(image_token)
+                     is not None else None)
+    self.opened = []  # the processor, once an image needs it
+
+  def sample(self, r: dict, where: str) -> dict:
+    """The record's eval sample, prompt ids and references."""
+    # pylint: disable=import-outside-toplevel
+    from mimo_jax import eval_set
+    from mimo_jax.data import audio_records, conversations
+    from mimo_jax.data.record_error import RecordError
+    before, turn, references = self._turns(r, where)
+    pixels = self._images(r, where)
+    before, clips = self._clips(r, before, where)
+    prompt, answer = self._tokens(before, turn, where)
+    if prompt.count(self.image_id) != len(pixels):
+      raise ConfigError(f"{where}: its prompt has {prompt.count(self.image_id)} "
+                        f"{self.image_token} for {count(len(pixels), 'image')}.")
+    if clips:
+      try:
+        audio_records.check_tokens(np.asarray(prompt), self.audio_id, clips, where,
+                                   self.settings)
+      except RecordError as e:
+        raise ConfigError(str(e)) from None
+    items = {conversations.IMAGES: pixels, **audio_records.fields(clips)}
+    return {"sample": eval_set.eval_sample(prompt, answer, items), "prompt_ids": prompt,
+            "references": references}
+
+  @staticmethod
+  def _turns(r: dict, where: str) -> tuple[list[dict], str, list[str]]:
+    """The turns before its answer, the answer's turn (the first reference where it has none)
+    and the references (its "answers", else that turn's text)."""
+    from mimo_jax.data.chat import ChatError, messages  # pylint: disable=import-outside-toplevel
+    try:
+      msgs = messages(r.get("conversations") or [], f"{where}: ")
+    except ChatError as e:
+      raise ConfigError(str(e)) from None
+    last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    answers = r.get("answers")
+    if "answers" in r and (not isinstance(answers, list)
+                           or not all(isinstance(a, str) for a in answers)):
+      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}, not a list of "
+                        "strings; give its reference answers as one (or leave the key out: the "
+                        "assistant turn is then the reference).")
+    if "answers" in r and (not answers or not all(a.strip() for a in answers)):
+      raise ConfigError(f"{where}: \"answers\" is {json.dumps(answers)[:60]}: "
+                        f"{'no answer' if not answers else 'an empty answer'}; give each "
+                        "reference a text (or leave the key out: the assistant turn is then the "
+                        "reference).")
+    if last is None and not answers:
+      raise ConfigError(f"{where}: no assistant turn and no \"answers\": nothing to compare an "
+                        "answer with; give each record a reference.")
+    before = msgs[:last] if last is not None else msgs
+    if not before:
+      raise ConfigError(f"{where}: nothing before its answer to prompt with.")
+    references = answers or [msgs[last]["content"].strip()]
+    return before, msgs[last]["content"] if last is not None else references[0], references
+
+  def _images(self, r: dict, where: str) -> list[np.ndarray]:
+    """The record's images, prepared by the processor (opened at the first one)."""
+    # pylint: disable=import-outside-toplevel
+    from mimo_jax.data import images
+    from tools.prompts import bands_refused, check_shape
+    files = r.get("image") or []
+    files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+      raise ConfigError(f"{where}: \"image\" is {json.dumps(r.get('image'))[:60]}, not a path or "
+                        "a list of paths.")
+    pixels, args, folder = [], self.args, self.folder
+    for f in files:
+      if not self.opened:
+        self.opened.append(self.proc())
+      try:
+        pixels.append(images.load(folder / f, self.opened[0]))
+      except FileNotFoundError:
+        fix = (f"it is not in --images {args.images}: give the folder that holds it"
+               if args.images else
+               "give the image folder with --images DIR (the default is the JSON's folder)")
+        raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
+      except Exception as e:  # pylint: disable=broad-except
+        bands = bands_refused(folder / f, self.opened[0], self.cfg)
+        raise ConfigError(f"{where}: image {folder / f} "
+                          f"{f'is {bands}' if bands else f'cannot be read ({e})'}.") from None
+      if "vision" in self.cfg.model.encoders:  # here, not when a batch is laid out: nothing written
+        check_shape(f"{where}: image {folder / f}", pixels[-1].shape, self.cfg)
+    return pixels
+
+  def _clips(self, r: dict, before: list[dict], where: str) -> tuple[list[dict], list]:
+    """The turns with each <audio> mark as the model's markers, and the record's clips read."""
+    # pylint: disable=import-outside-toplevel
+    from mimo_jax.data import audio_records
+    from mimo_jax.data.record_error import RecordError
+    try:
+      if audio_records.listed([r]) and self.settings is None:
+        raise RecordError("audio", f"{where}: it lists audio clips but the model has no audio "
+                          "encoder (model.audio).")
+      if self.settings is None:
+        return before, []
+      return audio_records.convert(r, before, where, self.settings)
+    except RecordError as e:
+      fix = "; give the audio folder with --audio DIR" if "missing" in e.reason else ""
+      raise ConfigError(f"{e}{fix}") from None
+
+  def _tokens(self, before: list[dict], turn: str, where: str):
+    """The prompt's ids and the answer's, split where the answer's turn begins."""
+    # pylint: disable=import-outside-toplevel
+    from mimo_jax import eval_set
+    from mimo_jax.data.chat import ChatError, TokenizeError
+    from tools.prompts import with_marks
+    try:
+      # strict: a word the tokenizer has no token for would reach the model as its unknown token
+      # (tools.convert skips such records, tools.generate refuses such prompts)
+      ids, mask = self.tok.encode(before + [{"role": "assistant", "content": turn or "."}],
+                                  strict=True)
+    except TokenizeError as e:
+      text = " ".join(m["content"] for m in before + [{"content": turn or ""}])
+      raise ConfigError(f"{where}: {with_marks(e, text, self.tok, self.image_token)}") from None
+    except ChatError as e:
+      raise ConfigError(f"{where}: {e}") from None
+    return eval_set.split_answer(ids, mask, where)
 
 
 def record_line(path, index: int) -> int | None:
