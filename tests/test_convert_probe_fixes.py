@@ -136,3 +136,22 @@ def test_skipped_lines_of_one_reason_stop_after_the_first_five(tmp_path, capsys)
   _one_line_error(rc, err, "missing image 20 ('r0', 'r1', 'r3', ...), unknown role 2 ('role0', "
                   "'role1'), more than --max_skipped_fraction 0.05 allows; the first 5 of each "
                   "reason are named above on `skipped:` lines.")
+
+
+def test_the_default_eval_draw_that_lost_records_is_said_in_a_sentence(tmp_path, capsys):
+  """Without --eval (10 of 100 records drawn) and some drawn records skipped, the warning reads
+  "eval holds N of the 10 records drawn for it: ..." (no "records were drawn")."""
+  shutil.copy(FIXTURES / "images" / "portrait.png", tmp_path)
+  records = [{"id": f"r{k}", "image": f"gone{k}.png" if k % 3 == 0 else "portrait.png",
+              "conversations": TURNS} for k in range(100)]
+  (tmp_path / "d.json").write_text(json.dumps(records))
+  rc, err, _ = _main(["--json", str(tmp_path / "d.json"), "--tokenizer", str(TOKENIZER),
+                      "--processor", str(PROCESSOR), "--workers", "2", "--out",
+                      str(tmp_path / "out"), "--max_skipped_fraction", "1"], capsys)
+  assert rc == 0, err
+  held = conversations.manifest(str(tmp_path / "out"))["samples"]["eval"]
+  assert 0 < held < 10, err  # seed 0 draws records of a missing image too
+  lost = 10 - held
+  assert (f"convert: warning: eval holds {held} of the 10 records drawn for it: {lost} of them "
+          f"{'was' if lost == 1 else 'were'} skipped (a skipped record is not replaced; a larger "
+          "--eval holds more).") in err.splitlines(), err

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{''.join(f'; {h}' for r, h in hints.items() if r in skipped)}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
     drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
-    drew = f"--eval {args.eval} drew" if args.eval == drawn else "were drawn for it"
+    drew = f"--eval {args.eval} drew" if args.eval == drawn else "drawn for it"
     print(f"convert: warning: eval holds {counts['eval']} of the {drawn} records {drew}: "
           f"{lost} of them {'was' if lost == 1 else 'were'} skipped (a skipped record is not "
           "replaced; a larger --eval holds more).", file=sys.stderr)
