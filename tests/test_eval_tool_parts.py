@@ -77,7 +77,9 @@ def test_the_benchmark_runs_both_sides_at_tiny_size(capsys):
   from tools import eval_bench  # pylint: disable=import-outside-toplevel
   assert eval_bench.main(["--tiny", "--batch", "2", "--prompt", "8", "--new", "4",
                           "--reps", "1"]) == 0
-  assert "new tokens equal in both: 100.0%" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "new tokens equal in HF's and the eval's: 100.0%" in out
+  assert "| mimo_jax `tools.generate`'s programs, the ids as text | float32 |" in out, out
 
 
 def test_the_cpu_devices_default_spans_the_runs_topology(tmp_path):

@@ -15,7 +15,13 @@ imports. A batch of `--batch` prompts, one image each and text of `--prompt` tok
   `--hf_python` (default this interpreter: it needs torch and transformers), which runs first and
   exits before JAX takes the GPU;
 - by mimo_jax's eval program (mimo_jax/evaluate.py, what `tools.eval` runs: the run's meshes, the
-  encoder, then prefill and decode with a key-value cache), on one device.
+  encoder, then prefill and decode with a key-value cache), on one device;
+- by `tools.generate`'s programs (mimo_jax/generate.py: prefill, then decoding in chunks of
+  `generate.CHUNK` new tokens a program), on the same ids as text (the image's placeholder ids
+  read as tokens: no encoder), for the decoding's speed alone.
+
+`--loops_off_too` also times both mimo_jax programs compiled with `run.device_loops` false (XLA's
+default: the host reads the decoding loop's condition at every new token).
 
 Prints each side's median seconds over `--reps` calls after one untimed call, new tokens per
 second, and the share of new tokens the two agree on (random weights in bfloat16: near-ties of
@@ -124,16 +130,18 @@ def hf_stage(args) -> None:
       "parameters": sum(x.numel() for x in model.parameters())}))
 
 
-def jax_stage(args, work: pathlib.Path) -> dict:
-  """Imports the saved model and times the eval's answers program on the same prompts."""
+def jax_stage(args, work: pathlib.Path, loops: bool = True) -> dict:
+  """Imports the saved model and times the eval's answers program on the same prompts, and
+  tools.generate's programs on their ids; `loops`: run.device_loops."""
   # pylint: disable=import-outside-toplevel
   import jax
-  from mimo_jax import eval_set
+  from mimo_jax import eval_set, generate
   from mimo_jax.evaluate import Evaluator
   from tools import eval as eval_tool
   from tools import hf as hf_tool
   config = ["--config=configs/llava_cpu.py"] if args.tiny else []
-  if hf_tool.main(["import", "--hf", str(work / "hf"), "--out", str(work / "run"), *config]):
+  if not (work / "run").exists() and hf_tool.main(
+      ["import", "--hf", str(work / "hf"), "--out", str(work / "run"), *config]):
     raise SystemExit("eval_bench: the import failed")
   p = prompts(args)
   image_id = shapes(args.tiny)["text"]["vocab_size"] - 1
@@ -145,6 +153,7 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
   cfg.data.image_probs = "0,1"
   cfg.data.task, cfg.data.image_token = "conversations", image_id  # as an imported run's eval
+  cfg.run.device_loops = loops
   trainer = eval_tool.build_step(ns, cfg, image_id)
   samples = []
   for row, m, image in zip(p["ids"], p["mask"], p["images"]):
@@ -156,16 +165,25 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   [batch] = eval_set.batches(samples, layout, len(samples), "eval_bench")
   evaluator = Evaluator(trainer)
   state = trainer.init_state(0, optimizer=False)
-  run = lambda: evaluator.answers(state, [batch], args.new)
-  got = run()
-  times = []
-  for _ in range(args.reps):
-    t = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - t)
-  return {"seconds": statistics.median(times), "dtype": cfg.model.dtype,
+  got = evaluator.answers(state, [batch], args.new)
+  language = state["language"].params
+  text = lambda: generate.generate(cfg, language, p["ids"], p["mask"], args.new)
+  return {"seconds": _median(lambda: evaluator.answers(state, [batch], args.new), args.reps),
+          "text_seconds": _median(text, args.reps, first=True), "dtype": cfg.model.dtype,
           "generated": np.stack([got[i] for i in range(len(samples))]),
           "device": f"{jax.devices()[0].device_kind}"}
+
+
+def _median(fn, reps: int, first: bool = False) -> float:
+  """Median seconds of `fn()` over `reps` calls (after one untimed call where `first`)."""
+  if first:
+    fn()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
   parser.add_argument("--hf_python", default=sys.executable,
                       help="a Python with torch and transformers")
+  parser.add_argument("--loops_off_too", action="store_true",
+                      help="also time mimo_jax's programs with run.device_loops false")
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   parser.add_argument("--stage", default="", help=argparse.SUPPRESS)
   parser.add_argument("--dir", default="", help=argparse.SUPPRESS)
@@ -194,16 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([args.hf_python, "-m", "tools.eval_bench", *own, "--stage", "hf", "--dir",
                     str(work)], check=True, env=env)
     hf = json.loads((work / "hf.json").read_text())
-    ours = jax_stage(args, work)
+    runs = {loops: jax_stage(args, work, loops) for loops in
+            ((False, True) if args.loops_off_too else (True,))}
+    ours = runs[True]
     agree = float((np.load(work / "hf_generated.npy") == ours["generated"]).mean())
   new = args.batch * args.new
-  body = "\n".join([
-      "| generate | dtype | s (median) | new tokens/s |", "|---|---|---:|---:|",
-      f"| HF transformers `generate` (torch {hf['torch']}) | {hf['dtype']} | "
-      f"{hf['seconds']:.3f} | {new / hf['seconds']:,.0f} |",
-      f"| mimo_jax eval (`tools.eval`'s program) | {ours['dtype']} | {ours['seconds']:.3f} | "
-      f"{new / ours['seconds']:,.0f} |",
-      "", f"new tokens equal in both: {agree:.1%}"])
+  row = lambda name, dtype, seconds: f"| {name} | {dtype} | {seconds:.3f} | {new / seconds:,.0f} |"
+  rows = [row(f"HF transformers `generate` (torch {hf['torch']})", hf["dtype"], hf["seconds"])]
+  for loops, got in runs.items():
+    said = "" if not args.loops_off_too else (", device loops" if loops else
+                                              ", run.device_loops false")
+    rows += [row(f"mimo_jax eval (`tools.eval`'s program{said})", got["dtype"], got["seconds"]),
+             row(f"mimo_jax `tools.generate`'s programs, the ids as text{said}", got["dtype"],
+                 got["text_seconds"])]
+  body = "\n".join(["| generate | dtype | s (median) | new tokens/s |", "|---|---|---:|---:|",
+                    *rows, "", f"new tokens equal in HF's and the eval's: {agree:.1%}"])
   print(body)
   if args.record:
     from tools import common  # pylint: disable=import-outside-toplevel
