@@ -59,8 +59,8 @@ class Evaluator:
     """`generated`: eval_set.Generated (the digits tasks' accuracy, `eval.generate`), whose scores
     join the metrics."""
     self.step, self.generated = step, list(generated)
-    # The eval loss's chunk loop and generation's decoding loop as the step's loops
-    # (programs.step_options: with run.device_loops, inside the GPU's command buffers).
+    # The eval loss's chunk loop as the step's (programs.step_options); generation's decoding
+    # loop keeps XLA's default.
     self._eval = jax.jit(functools.partial(language_eval, step.ctx),
                          compiler_options=programs.step_options(step.ctx))
     self._answers = {}  # (steps, eos) -> its program
@@ -70,8 +70,7 @@ class Evaluator:
     if key not in self._answers:
       out = self.step.plan.sharding("language", REPLICATED)  # every process fetches them
       self._answers[key] = jax.jit(functools.partial(language_answers, self.step.ctx, steps, eos),
-                                   out_shardings=out,
-                                   compiler_options=programs.step_options(self.step.ctx))
+                                   out_shardings=out)
     return self._answers[key](state["language"].params, tokens,
                               {n: s.pos_rl for n, s in x.slots.items()}, x.text, x.samples)
 

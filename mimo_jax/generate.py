@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mimo_jax import modules, programs
+from mimo_jax import modules
 from mimo_jax.config import Config
 from mimo_jax.models.llm import LanguageModel
 
@@ -134,6 +134,7 @@ def decode(model: LanguageModel, x_bld: jax.Array, mask_bl: jax.Array, steps: in
   return _advance(model, carry, steps, sampling, eos).out_bs
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "sampling", "eos"))
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, ids_bl: jax.Array, mask_bl: jax.Array,
              embeds_bld: jax.Array | None, key: jax.Array, *, steps: int, sampling: Sampling,
              eos: int | None) -> _Carry:
@@ -144,27 +145,14 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, ids_bl: jax.Array, mask_b
   return _start(model, x_bld, mask_bl, steps, sampling, eos, key)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"),
+                   donate_argnames=("carry",))
 def _chunk(graphdef: nnx.GraphDef, state: nnx.State, carry: _Carry, until: jax.Array, *,
            sampling: Sampling, eos: int | None) -> tuple[_Carry, jax.Array, jax.Array]:
   """`generate`'s chunk: new tokens up to index `until` (an input: one program for every chunk),
   the carry's buffers reused; with the index reached and whether every row is done."""
   carry = _advance(nnx.merge(graphdef, state), carry, until, sampling, eos)
   return carry, carry.i, jnp.all(carry.done_b)
-
-
-def decode_programs(cfg: Config) -> tuple[Callable, Callable]:
-  """`_prefill` and `_chunk` jitted with the step's XLA options (programs.compiler_options): with
-  run.device_loops the decoding loop runs inside the GPU's command buffers."""
-  return _jitted(tuple(sorted((programs.compiler_options(cfg) or {}).items())))
-
-
-@functools.cache
-def _jitted(options: tuple) -> tuple[Callable, Callable]:
-  options = dict(options) or None
-  return (jax.jit(_prefill, static_argnames=("graphdef", "steps", "sampling", "eos"),
-                  compiler_options=options),
-          jax.jit(_chunk, static_argnames=("graphdef", "sampling", "eos"),
-                  donate_argnames=("carry",), compiler_options=options))
 
 
 def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
@@ -184,15 +172,14 @@ def generate(cfg: Config, language: dict, ids_bl, mask_bl, steps: int,
   graphdef, state = nnx.split(modules.build_modules(cfg)["language"].bind(language))
   embeds = None if embeds_bld is None else jnp.asarray(embeds_bld)
   settings = dict(sampling=dataclasses.replace(sampling, seed=0), eos=eos)
-  prefill, advance = decode_programs(cfg)
-  carry = prefill(graphdef, state, jnp.asarray(ids_bl), jnp.asarray(mask_bl, bool), embeds,
+  carry = _prefill(graphdef, state, jnp.asarray(ids_bl), jnp.asarray(mask_bl, bool), embeds,
                    jax.random.key(sampling.seed), steps=steps, **settings)
   i, decoded, finished = 1, 0, False  # i: the next token's index; decoded: as last fetched
   while i < steps and not finished:
     if stop is not None and stop():
       raise Stopped(decoded, steps)
     until = np.int32(min(i - i % chunk + chunk, steps))  # chunks end at multiples of `chunk`
-    carry, i, finished = advance(graphdef, state, carry, until, **settings)
+    carry, i, finished = _chunk(graphdef, state, carry, until, **settings)
     i, finished = jax.device_get((i, finished))  # the chunk's one wait
     decoded = i = int(i)
     if progress is not None:

@@ -99,10 +99,9 @@ def test_chunks_decode_the_tokens_of_one_loop_and_a_stop_waits_for_one():
     for kw in (dict(), dict(eos=int(ref["generated"][0, 2])),
                dict(sampling=generate.Sampling(temperature=2.0, seed=1))):
       single = run(10, **kw)
-      chunks = generate.decode_programs(cfg)[1]
-      programs = chunks._cache_size()  # pylint: disable=protected-access
+      programs = generate._chunk._cache_size()  # pylint: disable=protected-access
       np.testing.assert_array_equal(run(3, **kw), single)
-      assert chunks._cache_size() == programs  # pylint: disable=protected-access
+      assert generate._chunk._cache_size() == programs  # pylint: disable=protected-access
     asked, told = [], []
     with pytest.raises(generate.Stopped, match="^after 6 of 10 new tokens$"):
       run(3, stop=lambda: asked.append(0) or len(asked) == 3,  # before the third chunk

@@ -20,9 +20,6 @@ imports. A batch of `--batch` prompts, one image each and text of `--prompt` tok
   `generate.CHUNK` new tokens a program), on the same ids as text (the image's placeholder ids
   read as tokens: no encoder), for the decoding's speed alone.
 
-`--loops_off_too` also times both mimo_jax programs compiled with `run.device_loops` false (XLA's
-default: the host reads the decoding loop's condition at every new token).
-
 Prints each side's median seconds over `--reps` calls after one untimed call, new tokens per
 second, and the share of new tokens the two agree on (random weights in bfloat16: near-ties of
 the logits may go either way). `--record` appends the table to docs/benchmarks.md.
@@ -130,9 +127,9 @@ def hf_stage(args) -> None:
       "parameters": sum(x.numel() for x in model.parameters())}))
 
 
-def jax_stage(args, work: pathlib.Path, loops: bool = True) -> dict:
+def jax_stage(args, work: pathlib.Path) -> dict:
   """Imports the saved model and times the eval's answers program on the same prompts, and
-  tools.generate's programs on their ids; `loops`: run.device_loops."""
+  tools.generate's programs on their ids."""
   # pylint: disable=import-outside-toplevel
   import jax
   from mimo_jax import eval_set, generate
@@ -140,8 +137,7 @@ def jax_stage(args, work: pathlib.Path, loops: bool = True) -> dict:
   from tools import eval as eval_tool
   from tools import hf as hf_tool
   config = ["--config=configs/llava_cpu.py"] if args.tiny else []
-  if not (work / "run").exists() and hf_tool.main(
-      ["import", "--hf", str(work / "hf"), "--out", str(work / "run"), *config]):
+  if hf_tool.main(["import", "--hf", str(work / "hf"), "--out", str(work / "run"), *config]):
     raise SystemExit("eval_bench: the import failed")
   p = prompts(args)
   image_id = shapes(args.tiny)["text"]["vocab_size"] - 1
@@ -153,7 +149,6 @@ def jax_stage(args, work: pathlib.Path, loops: bool = True) -> dict:
   cfg.model.vision.max_images = 1  # one image a prompt: rows need not hold the config's three
   cfg.data.image_probs = "0,1"
   cfg.data.task, cfg.data.image_token = "conversations", image_id  # as an imported run's eval
-  cfg.run.device_loops = loops
   trainer = eval_tool.build_step(ns, cfg, image_id)
   samples = []
   for row, m, image in zip(p["ids"], p["mask"], p["images"]):
@@ -196,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
   parser.add_argument("--hf_python", default=sys.executable,
                       help="a Python with torch and transformers")
-  parser.add_argument("--loops_off_too", action="store_true",
-                      help="also time mimo_jax's programs with run.device_loops false")
   parser.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
   parser.add_argument("--stage", default="", help=argparse.SUPPRESS)
   parser.add_argument("--dir", default="", help=argparse.SUPPRESS)
@@ -214,19 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([args.hf_python, "-m", "tools.eval_bench", *own, "--stage", "hf", "--dir",
                     str(work)], check=True, env=env)
     hf = json.loads((work / "hf.json").read_text())
-    runs = {loops: jax_stage(args, work, loops) for loops in
-            ((False, True) if args.loops_off_too else (True,))}
-    ours = runs[True]
+    ours = jax_stage(args, work)
     agree = float((np.load(work / "hf_generated.npy") == ours["generated"]).mean())
   new = args.batch * args.new
   row = lambda name, dtype, seconds: f"| {name} | {dtype} | {seconds:.3f} | {new / seconds:,.0f} |"
-  rows = [row(f"HF transformers `generate` (torch {hf['torch']})", hf["dtype"], hf["seconds"])]
-  for loops, got in runs.items():
-    said = "" if not args.loops_off_too else (", device loops" if loops else
-                                              ", run.device_loops false")
-    rows += [row(f"mimo_jax eval (`tools.eval`'s program{said})", got["dtype"], got["seconds"]),
-             row(f"mimo_jax `tools.generate`'s programs, the ids as text{said}", got["dtype"],
-                 got["text_seconds"])]
+  rows = [row(f"HF transformers `generate` (torch {hf['torch']})", hf["dtype"], hf["seconds"]),
+          row("mimo_jax eval (`tools.eval`'s program)", ours["dtype"], ours["seconds"]),
+          row("mimo_jax `tools.generate`'s programs, the ids as text", ours["dtype"],
+              ours["text_seconds"])]
   body = "\n".join(["| generate | dtype | s (median) | new tokens/s |", "|---|---|---:|---:|",
                     *rows, "", f"new tokens equal in HF's and the eval's: {agree:.1%}"])
   print(body)
