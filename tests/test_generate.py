@@ -308,3 +308,27 @@ def test_a_prompt_names_the_words_it_cannot_encode_and_the_runs_image_mark(tmp_p
   assert "cannot encode the words '<image>', 'What', 'is', 'it?': they are not in" in message
   assert message.endswith("eight nine); '<image>' is no mark of this run: its image mark is "
                           "'<img>' (--image_token sets it)."), message
+
+
+def test_a_bfloat16_cache_is_read_as_it_is():
+  """cached_attention over a bfloat16 cache: its matmuls read the cache in bfloat16 and sum in
+  float32 (no float32 copy of the cache at each new token), within bfloat16's rounding of the
+  float32 attention over the same values."""
+  from mimo_jax.models import layers  # pylint: disable=import-outside-toplevel
+  b, t, heads, kv_heads, d = 2, 24, 4, 2, 16
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k_new, v_new = (jax.random.normal(key, (b, 1, h, d)) for key, h in
+                     zip(keys[:3], (heads, kv_heads, kv_heads)))
+  k, v = (jax.random.normal(key, (b, t, kv_heads, d)) for key in keys[3:])
+  valid = jnp.arange(t)[None, :] < jnp.array([[t], [t - 5]])
+  cache = lambda dtype: layers.KVCache(k.astype(dtype), v.astype(dtype), jnp.int32(10), valid)
+  args = lambda dtype: (q.astype(dtype), k_new.astype(dtype), v_new.astype(dtype), cache(dtype))
+  jaxpr = jax.make_jaxpr(layers.cached_attention)(*args(jnp.bfloat16))
+  widened = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+             and e.outvars[0].aval.shape == (b, t, kv_heads, d)]
+  assert not widened, widened
+  with jax.default_matmul_precision("highest"):
+    want, _ = layers.cached_attention(*args(jnp.float32))
+    got, kv = layers.cached_attention(*args(jnp.bfloat16))
+  assert got.dtype == jnp.float32 and kv.k.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got, want, atol=0.02, rtol=0.02)  # about 4 bfloat16 steps at 1

@@ -253,21 +253,26 @@ def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
   `cache.index`: (output [b, n, heads, head_dim] in float32, the cache holding them, its index
   left for the model to move once every layer has run). Scores and softmax are float32, as
   transformers' eager attention computes them; masked scores take float32's minimum (finite, as
-  transformers masks: a padding query that sees no key stays finite)."""
+  transformers masks: a padding query that sees no key stays finite). The matmuls read the
+  cache in its own dtype and sum in float32: the queries and (as transformers' eager attention
+  does) the probabilities are cast to it, so a bfloat16 cache is never copied to float32 at
+  every new token."""
   b, n, heads, head_dim = q_bnhd.shape
   kv_heads = k_bnkd.shape[2]
   at = (0, cache.index, 0, 0)
   k = jax.lax.dynamic_update_slice(cache.k, k_bnkd.astype(cache.k.dtype), at)
   v = jax.lax.dynamic_update_slice(cache.v, v_bnkd.astype(cache.v.dtype), at)
-  qg = q_bnhd.reshape(b, n, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
-  scores = jnp.einsum("bnkgd,btkd->bkgnt", qg, k.astype(jnp.float32)) * head_dim**-0.5
+  qg = q_bnhd.reshape(b, n, kv_heads, heads // kv_heads, head_dim).astype(k.dtype)
+  scores = jnp.einsum("bnkgd,btkd->bkgnt", qg, k,
+                      preferred_element_type=jnp.float32) * head_dim**-0.5
   slot = jnp.arange(k.shape[1])
   query = cache.index + jnp.arange(n)
   causal = (slot[None, :] <= query[:, None])[None, None, None]
   allowed = cache.valid_bt[:, None, None, None, :] & causal
   scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgnt,btkd->bnkgd", probs, v.astype(jnp.float32))
+  out = jnp.einsum("bkgnt,btkd->bnkgd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
   return out.reshape(b, n, heads, head_dim), cache._replace(k=k, v=v)
 
 
