@@ -447,3 +447,32 @@ def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_
   summary = json.loads(eval_tool.summary_path(one).read_text())
   assert summary["answered_now"] == 1 and summary["samples"] == 3
   assert _rows(one)[:2] == before and len(_rows(one)) == 3
+
+
+def test_seq_len_is_held_to_the_eval_data_not_the_run_s_own(setup, one_device, tmp_path):
+  """A run whose own converted data holds a sample longer than --seq_len evaluates a JSON whose
+  samples fit: the rows are checked against --data's samples, not the run's data.dir."""
+  from tools import convert  # pylint: disable=import-outside-toplevel
+  long = [{"id": f"l{k}", "image": FILES[:1], "conversations": [
+      {"from": "human", "value": "<image>\nwhat is in the picture" + " hello" * 120},
+      {"from": "gpt", "value": "hello there"}]} for k in range(4)]
+  (tmp_path / "long.json").write_text(json.dumps(long))
+  assert convert.main(["--json", str(tmp_path / "long.json"), "--images", str(IMAGES),
+                       "--tokenizer", str(setup / "tok"), "--processor", str(setup / "tok"),
+                       "--image_token", "<image>", "--out", str(tmp_path / "data"), "--eval", "1",
+                       "--workers", "1"]) == 0
+  manifest = json.loads((tmp_path / "data" / "conversations.json").read_text())
+  assert manifest["longest"] > 96
+  run = tmp_path / "run"
+  shutil.copytree(setup / "run", run, symlinks=True)
+  meta_file = run / "checkpoints" / "0" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["config"]["data"].update(task="conversations", dir=str(tmp_path / "data"),
+                                image_token=manifest["image_token"])
+  meta["digest"] = checkpoint_steps.digest(meta)
+  meta_file.write_text(json.dumps(meta))
+  assert eval_tool.main([str(run), "--data", str(setup / "data.json"), "--images", str(IMAGES),
+                         "--tokenizer", str(setup / "tok"), "--processor", str(setup / "tok"),
+                         "--max_new_tokens", "4", "--batch", "4", "--seq_len", "96", "--metric",
+                         "vqa", "--metric", "exact_match", "--out", str(tmp_path / "e.jsonl")]) == 0
+  assert _rows(tmp_path / "e.jsonl") == one_device
