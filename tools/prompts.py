@@ -154,14 +154,14 @@ def bands_refused(path, proc, cfg: Config) -> str | None:
 
 
 def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
-  """Each image file as the processor prepares it (uint8 [h, w, c]), of the tower's shape."""
-  from PIL import Image  # pylint: disable=import-outside-toplevel
+  """Each image file as the processor prepares it (uint8 [h, w, c]), of the tower's shape; an
+  image past Pillow's decompression-bomb limit (Image.MAX_IMAGE_PIXELS, where Pillow would only
+  warn too) is refused as tools.convert and tools.eval refuse it."""
   pixels = []
   for f in files:
     try:
-      with Image.open(f) as image:
-        pixels.append(proc(image))
-    except Image.DecompressionBombError as e:
+      pixels.append(images.load(f, proc))
+    except images.TOO_LARGE as e:
       raise ConfigError(f"{f}: refused as a possible decompression bomb ({e}); give a smaller "
                         "image.") from None
     except images.UnsupportedImage as e:  # as the converter refuses it
