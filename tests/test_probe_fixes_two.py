@@ -1,6 +1,9 @@
 """Fixes from a LLaVA probe: tools.generate refuses an image past Pillow's decompression-bomb
-limit where Pillow would only warn, as tools.convert and tools.eval do."""
+limit where Pillow would only warn, as tools.convert and tools.eval do; tools.convert says a
+record's empty conversations list is empty, not missing."""
 
+import json
+import shutil
 import warnings
 
 import pytest
@@ -10,6 +13,7 @@ from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import digits
 from mimo_jax.data.images import ImageProcessor
 from mimo_jax.encoders.vision import VisionConfig
+from tests.test_convert_faults import FIXTURES, PROCESSOR, TOKENIZER, _main, _one_line_error
 from tools import prompts
 
 
@@ -32,3 +36,30 @@ def test_generate_refuses_an_image_pillow_only_warns_of(tmp_path, monkeypatch):
       "exceeds limit of 2000 pixels, could be decompression bomb DOS attack.); give a smaller "
       "image."), str(e.value)
   assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("turns,said", [
+    ([], "empty conversations list (no turns)."), (None, "no conversations list."),
+    ("hello", "no conversations list.")])
+def test_a_record_of_no_turns_is_named_for_what_it_holds(tmp_path, capsys, turns, said):
+  """An empty list is said to be empty (it is a list); a missing key (None here) or another type
+  is no conversations list. The reason the record is counted under stays `no conversations`."""
+  shutil.copy(FIXTURES / "images" / "portrait.png", tmp_path)
+  record = {"id": "e", "image": "portrait.png", "conversations": turns}
+  if turns is None:
+    del record["conversations"]
+  good = {"image": "portrait.png", "conversations": [
+      {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A."}]}
+  goods = [dict(good, id=f"g{k}") for k in range(4)]  # eval draws 2: one at least is good
+  (tmp_path / "d.json").write_text(json.dumps([record] + goods))
+  args = ["--json", str(tmp_path / "d.json"), "--images", str(tmp_path), "--tokenizer",
+          str(TOKENIZER), "--processor", str(PROCESSOR), "--workers", "1", "--eval", "2"]
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "a"), "--on_error", "fail"], capsys)
+  _one_line_error(rc, err, f"record 0 (id 'e'): {said} ")
+  if turns == []:
+    assert "no conversations list" not in err, err
+  rc, err, _ = _main(args + ["--out", str(tmp_path / "b"), "--max_skipped_fraction", "1"],
+                     capsys)
+  assert rc == 0, err
+  rows = [json.loads(line) for line in (tmp_path / "b" / "skipped.jsonl").read_text().splitlines()]
+  assert [(r["reason"], r["error"].endswith(said)) for r in rows] == [("no conversations", True)]

@@ -175,8 +175,10 @@ def convert_record(record: dict, where: str) -> dict:
   w, opts = WORKER, WORKER["opts"]
   record_error.record_id(record, where)
   turns = record.get("conversations")
-  if not isinstance(turns, list) or not turns:
+  if not isinstance(turns, list):
     raise RecordError("no conversations", f"{where}: no conversations list.")
+  if not turns:  # a list, of no turn
+    raise RecordError("no conversations", f"{where}: empty conversations list (no turns).")
   try:
     msgs = messages(turns, f"{where}: ")
   except ChatError as e:
