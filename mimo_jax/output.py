@@ -296,6 +296,7 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     (tmp / MARKER).write_text(json.dumps({"what": what}) + "\n", encoding="utf-8")
     raise_if_interrupted()  # a signal whose exception was lost still stops the publish
     _publish(tmp, final, parent, name)
+    _PUBLISHED.append(final)
   except BaseException:
     remove(tmp)
     held.release()  # its file is in `parent`: gone first, so that a folder made for it is empty
@@ -303,6 +304,15 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     raise
   finally:
     held.release()
+
+
+_PUBLISHED: list[pathlib.Path] = []  # the outputs `staged` put in place in this process
+
+
+def published(out: str | os.PathLike | None = None) -> list[pathlib.Path]:
+  """The outputs `staged` put in place in this process (`out`, or any): a tool interrupted after
+  that says the output is whole, not that nothing was written."""
+  return [p for p in _PUBLISHED if out is None or p == _paths(out)[0]]
 
 
 def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name: str) -> None:

@@ -184,6 +184,21 @@ def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig, early):
   assert _leftovers(tmp_path) == []
 
 
+def test_an_interrupt_once_the_conversion_is_in_place_says_it_is_whole(src, tmp_path, capsys,
+                                                                        monkeypatch):
+  """Ctrl-C as the finished conversion's launch line is made, --out already in place: exit 130
+  with a line that says the conversion is whole (not that nothing was written); it stays."""
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(convert, "launch_flags", interrupted)
+  assert convert.main(_args(src, tmp_path / "out")) == 130
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"convert: interrupted (SIGINT); {tmp_path / 'out'} was complete before it came: the "
+      "conversion is whole, its summary cut short.")
+  assert (tmp_path / "out" / "conversations.json").is_file()
+  assert _leftovers(tmp_path) == ["out"]
+
+
 @pytest.mark.parametrize("context,sig,record", [
     ("conversion._caught_signals()", signal.SIGINT, "caught"),
     ("output.interrupts_as_exceptions()", signal.SIGTERM, "output._PENDING")])

@@ -253,6 +253,22 @@ def test_an_import_interrupted_midway_or_killed_after_its_save_leaves_nothing(
   assert _left(tmp_path) == []
 
 
+def test_an_interrupt_after_the_workdir_is_in_place_says_it_is_whole(tmp_path, capsys,
+                                                                      monkeypatch):
+  """Ctrl-C as the report is printed, the workdir already in place: exit 130 with one line that
+  says the workdir is whole (not that nothing was written); the workdir stays, complete."""
+  printed = print
+  def interrupted(*args, **kwargs):
+    if args and str(args[0]).startswith("wrote step 0"):
+      raise KeyboardInterrupt
+    printed(*args, **kwargs)
+  monkeypatch.setattr("builtins.print", interrupted)
+  line = _exits(capsys, 130, lambda: _import(FIXTURES / "qwen2", tmp_path / "out"))
+  assert line == (f"tools.hf: import interrupted; {tmp_path / 'out'} was complete before it "
+                  "came: the workdir is whole, its report cut short"), line
+  assert _left(tmp_path) == ["out"] and (tmp_path / "out" / "config.py").is_file()
+
+
 def test_a_save_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, caplog,
                                                                   monkeypatch):
   """A file size limit (as a full disk) fails the step-0 save: tensorstore's error (a ValueError)

@@ -262,10 +262,26 @@ def main(argv: list[str] | None = None) -> int:
     hint = "; ".join(h for r, h in hints.items() if r in said or found[r])
     return _error(f"{said.rstrip('.')}. {hint[0].upper()}{hint[1:]}." if hint else said)
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
-    signum = getattr(e, "signum", signal.SIGINT)
-    print(f"convert: interrupted ({signal.Signals(signum).name}); nothing was written to "
-          f"{args.out}.", file=sys.stderr)
-    return 128 + signum
+    return _interrupted(args.out, e)
+  try:
+    return _report(args, m, out, notes, hints)
+  except KeyboardInterrupt as e:  # Ctrl-C once the conversion is in place: it is whole
+    return _interrupted(args.out, e)
+
+
+def _interrupted(out: str, e: KeyboardInterrupt) -> int:
+  """The line and exit status of a conversion a signal stopped: before `--out` was in place,
+  nothing was written; after, the conversion is whole and only its summary is cut short."""
+  signum = getattr(e, "signum", signal.SIGINT)
+  name = signal.Signals(signum).name
+  print(f"convert: interrupted ({name}); "
+        + (f"{out} was complete before it came: the conversion is whole, its summary cut short."
+           if output.published(out) else f"nothing was written to {out}."), file=sys.stderr)
+  return 128 + signum
+
+
+def _report(args, m: dict, out: pathlib.Path, notes: list[str], hints: dict) -> int:
+  """What the finished conversion says: notes, counts, warnings and the launch line."""
   for note in notes if m["images"] else ():
     print(note, file=sys.stderr)
   counts, skipped, took = m["samples"], m["skipped"], m["seconds"]

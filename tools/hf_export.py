@@ -49,7 +49,9 @@ def export(args) -> None:
     with output.interrupts_as_exceptions():
       _export(args)
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
-    print(f"tools.hf: export interrupted; nothing was written to {args.out}", file=sys.stderr)
+    print("tools.hf: export interrupted; " + (
+        f"{args.out} was complete before it came: the export is whole"
+        if output.published(args.out) else f"nothing was written to {args.out}"), file=sys.stderr)
     sys.exit(128 + getattr(e, "signum", signal.SIGINT))
 
 

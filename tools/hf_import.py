@@ -37,10 +37,12 @@ def import_(args, extra: list[str]) -> None:
   try:
     with output.interrupts_as_exceptions():
       report = _import(args, extra, out)
+    print("\n".join(report), flush=True)  # once `out` is in place
   except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (output.Interrupted)
-    print(f"tools.hf: import interrupted; nothing was written to {out}", file=sys.stderr)
+    print("tools.hf: import interrupted; " + (
+        f"{out} was complete before it came: the workdir is whole, its report cut short"
+        if output.published(out) else f"nothing was written to {out}"), file=sys.stderr)
     sys.exit(128 + getattr(e, "signum", signal.SIGINT))
-  print("\n".join(report), flush=True)  # once `out` is in place
 
 
 def _import(args, extra: list[str], out: pathlib.Path) -> list[str]:
