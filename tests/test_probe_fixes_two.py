@@ -1,8 +1,10 @@
 """Fixes from a LLaVA probe: tools.generate refuses an image past Pillow's decompression-bomb
 limit where Pillow would only warn, as tools.convert and tools.eval do; tools.convert says a
-record's empty conversations list is empty, not missing."""
+record's empty conversations list is empty, not missing; a run whose max_images is below its
+converted data's names data.image_probs with it, so that one fix passes validation."""
 
 import json
+import re
 import shutil
 import warnings
 
@@ -10,10 +12,13 @@ import pytest
 from PIL import Image
 
 from mimo_jax.config import Config, ConfigError
-from mimo_jax.data import digits
+from mimo_jax.data import conversion, conversion_record, digits
 from mimo_jax.data.images import ImageProcessor
 from mimo_jax.encoders.vision import VisionConfig
+from mimo_jax.validation import validate
+from mimo_jax.validation_data import validate_data
 from tests.test_convert_faults import FIXTURES, PROCESSOR, TOKENIZER, _main, _one_line_error
+from tests.test_validation_faults import _config
 from tools import prompts
 
 
@@ -63,3 +68,36 @@ def test_a_record_of_no_turns_is_named_for_what_it_holds(tmp_path, capsys, turns
   assert rc == 0, err
   rows = [json.loads(line) for line in (tmp_path / "b" / "skipped.jsonl").read_text().splitlines()]
   assert [(r["reason"], r["error"].endswith(said)) for r in rows] == [("no conversations", True)]
+
+
+def test_max_images_below_the_datas_names_image_probs_with_it(tmp_path):
+  """Data of 2-image records and a config of max_images 1 (image_probs 0.5,0.5, as README's
+  stage-2 line): the one error gives both flags, which then pass both validations (image_probs
+  alone would be refused next for its length, though converted data does not read it)."""
+  two = {"image": ["portrait.png", "portrait.png"], "conversations": [
+      {"from": "human", "value": "<image>\n<image>\nWhich is it?"},
+      {"from": "gpt", "value": "Both."}]}
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(dict(two, id=k)) for k in range(4)))
+  conversion.convert(tmp_path / "d.jsonl", tmp_path / "data", conversion_record.Options(
+      tokenizer=str(TOKENIZER), images=str(FIXTURES / "images"), processor=str(PROCESSOR)),
+                     eval_count=2, progress=False)
+  cfg = _config(tmp_path / "data", tmp_path / "run")
+  cfg.model.vision.max_images, cfg.data.image_probs = 1, "0.5,0.5"
+  validate(cfg, 4)
+  with pytest.raises(ConfigError) as e:
+    validate_data(cfg)
+  flags = ("--config.model.vision.max_images=2 "
+           "--config.data.image_probs=0.33333333,0.33333333,0.33333333")
+  assert str(e.value) == (
+      f"config.model.vision.max_images: 1, but a sample of {tmp_path / 'data'} holds 2 images "
+      "(its conversations.json); use >= 2, with max_images + 1 data.image_probs (unused by "
+      f"converted data, but checked): {flags}, as the launch line that tools.convert printed "
+      "sets them."), str(e.value)
+  for field, value in re.findall(r"--config\.(\S+)=(\S+)", flags):
+    section, name = field.rsplit(".", 1)
+    target = cfg.model.vision if section == "model.vision" else cfg.data
+    setattr(target, name, type(getattr(target, name))(value))
+  assert (cfg.model.vision.max_images, cfg.data.probs()) == (2, [0.33333333] * 3)
+  validate(cfg, 4)
+  validate_data(cfg)
+  assert not (tmp_path / "run").exists()
