@@ -110,6 +110,7 @@ def _start(model: LanguageModel, x_bld: jax.Array, mask_bl: jax.Array, steps: in
 def _advance(model: LanguageModel, carry: _Carry, until, sampling: Sampling,
              eos: int | None) -> _Carry:
   """New tokens up to index `until` (or until every row is done), one at a time."""
+  model = _kernels_cast(model)
   def more(c: _Carry) -> jax.Array:
     return (c.i < until) & ~jnp.all(c.done_b)
 
@@ -121,6 +122,18 @@ def _advance(model: LanguageModel, carry: _Carry, until, sampling: Sampling,
                       out_bs=c.out_bs.at[:, c.i].set(token_b), done_b=done_b)
 
   return jax.lax.while_loop(more, step, carry)
+
+
+def _kernels_cast(model: LanguageModel) -> LanguageModel:
+  """`model` with its matmul kernels in its compute dtype, cast once before a decoding loop: the
+  layers cast a kernel at each use, which inside the loop is at every new token (float32 master
+  weights read whole each time). The same values: a kernel is cast before it multiplies."""
+  graphdef, state = nnx.split(model)
+  kernel = lambda path: any(getattr(k, "key", None) == "kernel" for k in path)
+  state = jax.tree_util.tree_map_with_path(
+      lambda path, x: x.astype(model.dtype) if kernel(path) and x.dtype != model.dtype and
+      jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  return nnx.merge(graphdef, state)
 
 
 def decode(model: LanguageModel, x_bld: jax.Array, mask_bl: jax.Array, steps: int,

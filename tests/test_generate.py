@@ -332,3 +332,30 @@ def test_a_bfloat16_cache_is_read_as_it_is():
     got, kv = layers.cached_attention(*args(jnp.bfloat16))
   assert got.dtype == jnp.float32 and kv.k.dtype == jnp.bfloat16
   np.testing.assert_allclose(got, want, atol=0.02, rtol=0.02)  # about 4 bfloat16 steps at 1
+
+
+def test_a_decoding_loop_casts_the_kernels_once_to_the_same_tokens():
+  """A bfloat16 model of float32 weights: the loop's model holds its matmul kernels in bfloat16
+  (cast once, not at every new token), its norms' scales as they were, and decodes the tokens
+  (and logits) the model casting at each use does."""
+  cfg = LanguageConfig(dim=32, layers=2, heads=4, kv_heads=2, mlp_dim=64)
+  graphdef, state = nnx.split(nnx.eval_shape(
+      lambda: LanguageModel(nnx.Rngs(params=0), cfg, 17, jnp.bfloat16)))
+  rng = np.random.default_rng(0)
+  model = nnx.merge(graphdef, jax.tree.map(
+      lambda a: jnp.asarray(rng.normal(0.0, 0.5, a.shape), a.dtype), state))
+  assert model.blocks.mlp.down.kernel[...].dtype == jnp.float32  # master weights
+  cast = generate._kernels_cast(model)  # pylint: disable=protected-access
+  dtypes = {jax.tree_util.keystr(p): x.dtype
+            for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(cast))[0]}
+  assert dtypes["['blocks']['mlp']['down']['kernel'].value"] == jnp.bfloat16, dtypes
+  assert dtypes["['head']['kernel'].value"] == jnp.bfloat16, dtypes
+  assert dtypes["['blocks']['norm1']['scale'].value"] == jnp.float32, dtypes
+  x = model.embed(jnp.asarray(rng.integers(0, 17, (2, 5))))
+  mask = jnp.ones((2, 5), bool).at[1, :2].set(False)
+  np.testing.assert_array_equal(generate.decode(model, x, mask, 6),
+                                generate.decode(cast, x, mask, 6))
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+  valid = jnp.concatenate([mask, jnp.ones((2, 6), bool)], axis=1)
+  logits = lambda m: m.logits(m.decode(x, positions, m.init_cache(valid, x.dtype))[0])
+  np.testing.assert_array_equal(logits(model), logits(cast))
