@@ -278,6 +278,8 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
   whose presence marks a complete output (refused unless `replace`, then replaced in one
   rename)."""
   final, parent, name = _paths(out)
+  while final in _PUBLISHED:  # an earlier output of this process at `out`: not this one
+    _PUBLISHED.remove(final)
   check_target(final, what, flag, complete, replace)
   made = workdir_lib.Made(str(parent))  # the folders above `out` that `lock` is about to make
   held = lock(final, flag)
@@ -309,10 +311,10 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
 _PUBLISHED: list[pathlib.Path] = []  # the outputs `staged` put in place in this process
 
 
-def published(out: str | os.PathLike | None = None) -> list[pathlib.Path]:
-  """The outputs `staged` put in place in this process (`out`, or any): a tool interrupted after
-  that says the output is whole, not that nothing was written."""
-  return [p for p in _PUBLISHED if out is None or p == _paths(out)[0]]
+def published(out: str | os.PathLike) -> bool:
+  """Whether `staged`'s last output at `out` in this process was put in place: a tool
+  interrupted after that says the output is whole, not that nothing was written."""
+  return _paths(out)[0] in _PUBLISHED
 
 
 def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name: str) -> None:

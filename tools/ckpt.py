@@ -326,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     return 75 if isinstance(e, TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    done = output.published()
+    out = getattr(args, "out", None)  # the subcommands that write: export's --out
     print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}); " + (
-        f"{done[0]} was complete before it came: it is whole." if done else
-        "nothing was written."), file=sys.stderr, flush=True)
+        f"{out} was complete before it came: it is whole." if out and output.published(out)
+        else "nothing was written."), file=sys.stderr, flush=True)
     return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
   return 0
 

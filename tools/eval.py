@@ -248,10 +248,10 @@ def build_step(args, cfg: Config, image_id: int | None):
   if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
     cfg.data.image_token = image_id  # an import's run: the tokenizer's image token
   checked = copy.deepcopy(cfg)
-  # Checked against --data (a converted directory's manifest; a JSON file has none), not the
-  # run's own data, which is not read (an import's run has none). The eval's rows hold each sample
-  # or name it with --seq_len (eval_samples.check_lengths), not the manifest's longest sample.
-  checked.data.dir = os.path.abspath(args.data)
+  # The run's own data is not read: a converted run without data.dir (an import) is evaluated too.
+  checked.data.dir = checked.data.dir or os.path.abspath(args.data)
+  # The eval's rows hold each of --data's samples or name it with --seq_len
+  # (eval_samples.check_lengths), whatever the run's longest training sample.
   checked.data.seq_len = max(checked.data.seq_len, manifest_field(checked, "longest") or 0)
   if without:  # a run of data without images; a JSON's samples get an unused placeholder id
     checked.data.image_token = -1
