@@ -380,6 +380,9 @@ def test_bad_records_are_skipped_with_their_reasons(bad, tmp_path, capsys, monke
   assert "Traceback" not in err
   assert conversations.manifest(str(tmp_path / "out"))["skipped"] == expected
   assert sum(_counts(tmp_path / "out").values()) == 6
+  # A bomb said as tools.eval and tools.generate say it, with the fix.
+  assert re.search(r"image \S*bomb\.png is refused as a possible decompression bomb \(.*\); give "
+                   r"a smaller image\.", err), err
 
 
 def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_path, capsys,

@@ -33,6 +33,7 @@ from mimo_jax.validation import validate
 from tests.helpers import deep_images, file_size_limit
 from tests.test_generate import _tokenizer
 from tools import ckpt
+from tools import eval as eval_tool
 from tools import generate as generate_tool
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -399,7 +400,6 @@ def test_eval_beside_a_live_run_takes_steps_rotated_away_before_or_during_the_lo
   """Step 30 is removed after the eval read its metadata, before its weights load; step 20 as
   its weights are read: neither is damaged, the eval answers from the newest step left."""
   from mimo_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
   _live(run)
   meta = checkpoint_reader._meta  # pylint: disable=protected-access
   read = checkpoint.Checkpointer.read
@@ -528,7 +528,15 @@ def test_generate_refuses_another_tokenizer_an_unencodable_word_and_a_bomb(run, 
   data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
   (launch / "bomb.png").write_bytes(bytes(data))
   assert generate_tool.main([str(run), "--image", str(launch / "bomb.png")]) == 2
-  _error(capsys, "tools.generate", "bomb.png", "decompression bomb")
+  _error(capsys, "tools.generate", "bomb.png", "decompression bomb", "give a smaller image")
+  # tools.eval of a record of it says the same (not "cannot be read"), naming the record.
+  (launch / "bomb.json").write_text(json.dumps([{"id": "b", "image": "bomb.png", "conversations": [
+      {"from": "human", "value": "<image>"}, {"from": "gpt", "value": "1"}]}]))
+  assert eval_tool.main([str(run), "--data", str(launch / "bomb.json"),
+                         "--out", str(launch / "bomb.jsonl")]) == 2
+  _error(capsys, "tools.eval", "record 0 (id 'b', line 1): image", "bomb.png is refused as a "
+         "possible decompression bomb (", "give a smaller image")
+  assert not (launch / "bomb.jsonl").exists()
 
 
 def test_generate_pairs_files_without_prompts_one_prompt_a_file(run, capsys):
