@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from mimo_jax import encoders, output, words
 from mimo_jax.config import ConfigError
-from mimo_jax.data import audio, audio_records, conversion_files, images, meta
+from mimo_jax.data import audio, audio_records, conversion_files, images, meta, record_error
 from mimo_jax.data.conversion_files import Files
 from mimo_jax.data.conversion_record import (WORKER, Options, init_worker, pool_init,
                                                positions, work)
@@ -298,10 +298,9 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
 
 def _image_names(record: dict, index: int, opts: Options) -> list[str]:
   """"/abs/images/a.png of record 3 (id 'a')" for each image a converted `record` lists."""
-  files = record.get("image")
-  files = [files] if isinstance(files, str) else files or []
   return [f"{pathlib.Path(opts.images).absolute() / f} of record {index} (id "
-          f"{record.get('id', '?')!r})" for f in files]
+          f"{record.get('id', '?')!r})" for f in record_error.paths(record.get("image"), "image",
+                                                                     "image", f"record {index}")]
 
 
 class _ProgressLines:
