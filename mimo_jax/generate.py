@@ -111,6 +111,7 @@ def _advance(model: LanguageModel, carry: _Carry, until, sampling: Sampling,
              eos: int | None) -> _Carry:
   """New tokens up to index `until` (or until every row is done), one at a time."""
   model = _kernels_cast(model)
+
   def more(c: _Carry) -> jax.Array:
     return (c.i < until) & ~jnp.all(c.done_b)
 

@@ -134,6 +134,7 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   import jax
   from mimo_jax import eval_set, generate
   from mimo_jax.evaluate import Evaluator
+  from tools.common import median_time
   from tools import eval as eval_tool
   from tools import hf as hf_tool
   config = ["--config=configs/llava_cpu.py"] if args.tiny else []
@@ -163,22 +164,10 @@ def jax_stage(args, work: pathlib.Path) -> dict:
   got = evaluator.answers(state, [batch], args.new)
   language = state["language"].params
   text = lambda: generate.generate(cfg, language, p["ids"], p["mask"], args.new)
-  return {"seconds": _median(lambda: evaluator.answers(state, [batch], args.new), args.reps),
-          "text_seconds": _median(text, args.reps, first=True), "dtype": cfg.model.dtype,
+  return {"seconds": median_time(lambda: evaluator.answers(state, [batch], args.new), args.reps),
+          "text_seconds": median_time(text, args.reps), "dtype": cfg.model.dtype,
           "generated": np.stack([got[i] for i in range(len(samples))]),
           "device": f"{jax.devices()[0].device_kind}"}
-
-
-def _median(fn, reps: int, first: bool = False) -> float:
-  """Median seconds of `fn()` over `reps` calls (after one untimed call where `first`)."""
-  if first:
-    fn()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
