@@ -196,8 +196,7 @@ class _JsonReader:
                "give the image folder with --images DIR (the default is the JSON's folder)")
         raise ConfigError(f"{where}: image {folder / f} not found; {fix}.") from None
       except images.TOO_LARGE as e:  # as tools.convert and tools.generate say it
-        raise ConfigError(f"{where}: image {folder / f} is refused as a possible decompression "
-                          f"bomb ({e}); give a smaller image.") from None
+        raise ConfigError(f"{where}: image {folder / f} is {images.too_large(e)}.") from None
       except Exception as e:  # pylint: disable=broad-except
         bands = bands_refused(folder / f, self.opened[0], self.cfg)
         raise ConfigError(f"{where}: image {folder / f} "

@@ -162,8 +162,7 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
     try:
       pixels.append(images.load(f, proc))
     except images.TOO_LARGE as e:
-      raise ConfigError(f"{f}: refused as a possible decompression bomb ({e}); give a smaller "
-                        "image.") from None
+      raise ConfigError(f"{f}: {images.too_large(e)}.") from None
     except images.UnsupportedImage as e:  # as the converter refuses it
       raise ConfigError(f"{f}: {e}.") from None
     except (OSError, ValueError) as e:

@@ -132,8 +132,8 @@ def _read_image(f: str, where: str):
     raise RecordError("unreadable image", f"{where}: image {path} cannot be opened (permission "
                       "denied); give the converter read access to it.") from None
   except images.TOO_LARGE as e:
-    raise RecordError("image too large", f"{where}: image {path} is refused as a possible "
-                      f"decompression bomb ({e}); give a smaller image.") from None
+    raise RecordError("image too large", f"{where}: image {path} is {images.too_large(e)}.") \
+        from None
   except images.UnsupportedImage as e:
     raise RecordError("unsupported image", f"{where}: image {path} is {e}.") from None
   except Exception as e:  # pylint: disable=broad-except

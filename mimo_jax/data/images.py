@@ -228,6 +228,11 @@ def center_crop(pixels: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
 TOO_LARGE = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
 
+def too_large(e: Exception) -> str:
+  """How the tools say an image of TOO_LARGE (`e`, Pillow's), with the fix."""
+  return f"refused as a possible decompression bomb ({e}); give a smaller image"
+
+
 def load(path, processor: ImageProcessor) -> np.ndarray:
   """The processor's pixels of the image file at `path`; Pillow's errors as they are (TOO_LARGE
   for one too large to decode)."""
