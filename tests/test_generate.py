@@ -315,23 +315,52 @@ def test_a_bfloat16_cache_is_read_as_it_is():
   float32 (no float32 copy of the cache at each new token), within bfloat16's rounding of the
   float32 attention over the same values."""
   from mimo_jax.models import layers  # pylint: disable=import-outside-toplevel
-  b, t, heads, kv_heads, d = 2, 24, 4, 2, 16
+  n_layers, b, t, heads, kv_heads, d = 3, 2, 24, 4, 2, 16
   keys = jax.random.split(jax.random.key(0), 5)
   q, k_new, v_new = (jax.random.normal(key, (b, 1, h, d)) for key, h in
                      zip(keys[:3], (heads, kv_heads, kv_heads)))
-  k, v = (jax.random.normal(key, (b, t, kv_heads, d)) for key in keys[3:])
+  k, v = (jax.random.normal(key, (n_layers, b, kv_heads, t, d)) for key in keys[3:])
   valid = jnp.arange(t)[None, :] < jnp.array([[t], [t - 5]])
-  cache = lambda dtype: layers.KVCache(k.astype(dtype), v.astype(dtype), jnp.int32(10), valid)
+  cache = lambda dtype: layers.KVCache(k.astype(dtype), v.astype(dtype), jnp.int32(10), valid,
+                                       jnp.int32(1))
   args = lambda dtype: (q.astype(dtype), k_new.astype(dtype), v_new.astype(dtype), cache(dtype))
   jaxpr = jax.make_jaxpr(layers.cached_attention)(*args(jnp.bfloat16))
   widened = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
-             and e.outvars[0].aval.shape == (b, t, kv_heads, d)]
+             and e.outvars[0].aval.size >= b * t * kv_heads * d]
   assert not widened, widened
   with jax.default_matmul_precision("highest"):
     want, _ = layers.cached_attention(*args(jnp.float32))
     got, kv = layers.cached_attention(*args(jnp.bfloat16))
   assert got.dtype == jnp.float32 and kv.k.dtype == jnp.bfloat16
   np.testing.assert_allclose(got, want, atol=0.02, rtol=0.02)  # about 4 bfloat16 steps at 1
+
+
+def test_a_cached_attention_writes_its_layer_and_slots_alone():
+  """The new tokens' keys and values land in layer `cache.layer` at slots `cache.index`..,
+  heads first; every other slot of every layer is as it was. The output is the attention over
+  that layer's keys and values, as a whole-row softmax attention computes it."""
+  from mimo_jax.models import layers  # pylint: disable=import-outside-toplevel
+  n_layers, b, t, heads, kv_heads, d, n, at = 3, 2, 8, 4, 2, 8, 2, 3
+  keys = jax.random.split(jax.random.key(1), 5)
+  q = jax.random.normal(keys[0], (b, n, heads, d))
+  k_new, v_new = (jax.random.normal(key, (b, n, kv_heads, d)) for key in keys[1:3])
+  k, v = (jax.random.normal(key, (n_layers, b, kv_heads, t, d)) for key in keys[3:])
+  valid = jnp.ones((b, t), bool)
+  with jax.default_matmul_precision("highest"):
+    out, kv = layers.cached_attention(q, k_new, v_new,
+                                      layers.KVCache(k, v, jnp.int32(at), valid, jnp.int32(1)))
+  for old, new, put in ((k, kv.k, k_new), (v, kv.v, v_new)):
+    want = np.array(old)
+    want[1, :, :, at:at + n] = np.transpose(np.array(put), (0, 2, 1, 3))
+    np.testing.assert_array_equal(new, want)
+  # The reference: each query head over its key-value head's slots up to its own position.
+  kk, vv = (np.repeat(np.array(a[1]), heads // kv_heads, axis=1) for a in (kv.k, kv.v))
+  scores = np.einsum("bnhd,bhtd->bhnt", np.array(q), kk) / np.sqrt(d)
+  scores = np.where(np.arange(t)[None, None, None] <= (at + np.arange(n))[None, None, :, None],
+                    scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  np.testing.assert_allclose(out, np.einsum("bhnt,bhtd->bnhd", probs, vv), rtol=1e-5, atol=1e-5)
 
 
 def test_a_decoding_loop_casts_the_kernels_once_to_the_same_tokens():

@@ -237,43 +237,49 @@ def even_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
 
 
 class KVCache(NamedTuple):
-  """The keys and values of a batch's tokens so far, for generation: `k`, `v` [b, T, kv_heads,
-  head_dim] for one attention layer (a model stacks its layers' on a leading axis). The tokens
-  being run take slots `index`, `index` + 1, ...; a query sees the slots at or before its own
-  that `valid_bt` marks (a left-padded prompt's padding is not), later ones hold nothing yet."""
+  """The keys and values of a batch's tokens so far, for generation: `k`, `v` [layers, b,
+  kv_heads, T, head_dim], every attention layer's, heads first (each layer's [b, kv_heads, T,
+  head_dim] is what its attention's matmuls read, with no transpose), and `layer`, the one that
+  an attention reads and writes. The tokens being run take slots `index`, `index` + 1, ...; a
+  query sees the slots at or before its own that `valid_bt` marks (a left-padded prompt's padding
+  is not), later ones hold nothing yet."""
   k: jax.Array
   v: jax.Array
   index: jax.Array  # int32 scalar: the slot of the first token being run
   valid_bt: jax.Array
+  layer: jax.Array  # int32 scalar: the attention layer whose keys and values are read and written
 
 
 def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
                      cache: KVCache) -> tuple[jax.Array, KVCache]:
-  """Attention of n new tokens over a key-value cache, after writing their keys and values at
-  `cache.index`: (output [b, n, heads, head_dim] in float32, the cache holding them, its index
-  left for the model to move once every layer has run). Scores and softmax are float32, as
-  transformers' eager attention computes them; masked scores take float32's minimum (finite, as
-  transformers masks: a padding query that sees no key stays finite). The matmuls read the
-  cache in its own dtype and sum in float32: the queries and (as transformers' eager attention
-  does) the probabilities are cast to it, so a bfloat16 cache is never copied to float32 at
-  every new token."""
+  """Attention of n new tokens over layer `cache.layer` of a key-value cache, after writing their
+  keys and values there at `cache.index`: (output [b, n, heads, head_dim] in float32, the cache
+  holding them, its index left for the model to move once every layer has run). The new tokens'
+  slots are written in place: the rest of the cache is neither copied nor moved. Scores and
+  softmax are float32, as transformers' eager attention computes them; masked scores take
+  float32's minimum (finite, as transformers masks: a padding query that sees no key stays
+  finite). The matmuls read the cache in its own dtype and sum in float32: the queries and (as
+  transformers' eager attention does) the probabilities are cast to it, so a bfloat16 cache is
+  never copied to float32 at every new token."""
   b, n, heads, head_dim = q_bnhd.shape
   kv_heads = k_bnkd.shape[2]
-  at = (0, cache.index, 0, 0)
-  k = jax.lax.dynamic_update_slice(cache.k, k_bnkd.astype(cache.k.dtype), at)
-  v = jax.lax.dynamic_update_slice(cache.v, v_bnkd.astype(cache.v.dtype), at)
+  at = (cache.layer, 0, 0, cache.index, 0)
+  put = lambda all_, new: jax.lax.dynamic_update_slice(
+      all_, new.transpose(0, 2, 1, 3)[None].astype(all_.dtype), at)
+  k_all, v_all = put(cache.k, k_bnkd), put(cache.v, v_bnkd)
+  k, v = (jax.lax.dynamic_index_in_dim(a, cache.layer, keepdims=False) for a in (k_all, v_all))
   qg = q_bnhd.reshape(b, n, kv_heads, heads // kv_heads, head_dim).astype(k.dtype)
-  scores = jnp.einsum("bnkgd,btkd->bkgnt", qg, k,
+  scores = jnp.einsum("bnkgd,bktd->bkgnt", qg, k,
                       preferred_element_type=jnp.float32) * head_dim**-0.5
-  slot = jnp.arange(k.shape[1])
+  slot = jnp.arange(k.shape[2])
   query = cache.index + jnp.arange(n)
   causal = (slot[None, :] <= query[:, None])[None, None, None]
   allowed = cache.valid_bt[:, None, None, None, :] & causal
   scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgnt,btkd->bnkgd", probs.astype(v.dtype), v,
+  out = jnp.einsum("bkgnt,bktd->bnkgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(b, n, heads, head_dim), cache._replace(k=k, v=v)
+  return out.reshape(b, n, heads, head_dim), cache._replace(k=k_all, v=v_all)
 
 
 class Attention(nnx.Module):

@@ -71,27 +71,32 @@ class LanguageModel(nnx.Module):
       self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 
   def init_cache(self, valid_bt: jax.Array, dtype: jnp.dtype) -> KVCache:
-    """An empty cache of every layer (stacked [layers, b, T, ...]) for rows of T slots, those
-    that will hold a token marked in `valid_bt` [b, T]."""
+    """An empty cache of every layer (stacked [layers, b, kv_heads, T, head_dim]) for rows of T
+    slots, those that will hold a token marked in `valid_bt` [b, T]."""
     attn = self.blocks.attn
     layers = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
     b, slots = valid_bt.shape
-    zeros = jnp.zeros((layers, b, slots, attn.kv_heads, attn.head_dim), dtype)
-    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), valid_bt)
+    zeros = jnp.zeros((layers, b, attn.kv_heads, slots, attn.head_dim), dtype)
+    first = jnp.zeros((), jnp.int32)
+    return KVCache(zeros, zeros, first, valid_bt, first)
 
   def decode(self, x_bnd: jax.Array, positions_bn: jax.Array,
              cache: KVCache) -> tuple[jax.Array, KVCache]:
     """n tokens of each row [b, n, dim] (a prompt, then one token a step) through every block,
     taking cache slots `cache.index`..: (the last block's output [b, n, dim], the cache holding
-    them, its index moved past them)."""
+    them, its index moved past them). The layers' loop carries the whole cache, and each layer
+    writes its new slots into it in place (`cached_attention`)."""
     graphdef, blocks = nnx.split(self.blocks)
+    layers = jax.tree.leaves(blocks)[0].shape[0]
 
-    def layer(h_bnd, xs):
-      params, k, v = xs
+    def layer(carry, xs):
+      h_bnd, k, v = carry
+      params, i = xs
       block = nnx.merge(graphdef, params)
-      h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v))
-      return h_bnd, (kv.k, kv.v)
-    h_bnd, (k, v) = jax.lax.scan(layer, x_bnd, (blocks, cache.k, cache.v))
+      h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v, layer=i))
+      return (h_bnd, kv.k, kv.v), None
+    (h_bnd, k, v), _ = jax.lax.scan(layer, (x_bnd, cache.k, cache.v),
+                                    (blocks, jnp.arange(layers, dtype=jnp.int32)))
     return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
