@@ -277,8 +277,10 @@ def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
   allowed = cache.valid_bt[:, None, None, None, :] & causal
   scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgnt,bktd->bnkgd", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  # Heads first out of the matmul, then moved: the one form of the two XLA's CPU backend runs
+  # with bfloat16 operands and a float32 result.
+  out = jnp.einsum("bkgnt,bktd->bkgnd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, n, heads, head_dim), cache._replace(k=k_all, v=v_all)
 
 
