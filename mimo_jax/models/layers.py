@@ -254,8 +254,8 @@ def cached_attention(q_bnhd: jax.Array, k_bnkd: jax.Array, v_bnkd: jax.Array,
                      cache: KVCache) -> tuple[jax.Array, KVCache]:
   """Attention of n new tokens over layer `cache.layer` of a key-value cache, after writing their
   keys and values there at `cache.index`: (output [b, n, heads, head_dim] in float32, the cache
-  holding them, its index left for the model to move once every layer has run). The new tokens'
-  slots are written in place: the rest of the cache is neither copied nor moved. Scores and
+  holding them, its index left for the model to move once every layer has run). Only the new
+  tokens' slots are written (in place, where the cache is a loop's carry). Scores and
   softmax are float32, as transformers' eager attention computes them; masked scores take
   float32's minimum (finite, as transformers masks: a padding query that sees no key stays
   finite). The matmuls read the cache in its own dtype and sum in float32: the queries and (as
