@@ -192,7 +192,7 @@ def test_fields_that_converted_data_decides_are_named_with_its_manifests_values(
   validate_data(cfg)
   cfg.model.vision.max_images = 0  # rows of text alone: the data's images would have no slot
   with pytest.raises(ConfigError, match=rf"^config\.model\.vision\.max_images: 0, but a sample "
-                     rf"of {directory} holds 1 image \(its conversations\.json\); use >= 1,"):
+                     rf"of {directory} holds 1 image \(its conversations\.json\); use >= 1:"):
     validate_data(cfg)
   assert not workdir.exists()
 

@@ -86,8 +86,7 @@ bins, which training checks against model.audio.audio_token and model.audio.mel_
 The last lines give the counts and a launch line with the flags to train with: data.task,
 data.dir (absolute), data.image_token, data.seq_len (`--seq_len`, or the longest sample with
 each image taking `--image_tokens`), data.global_batch (`--global_batch`, where given: else the
-model config's), model.vision.max_images (with max_images + 1 data.image_probs, which converted
-data does not use but validation checks), eval.samples (the eval split), the image size and
+model config's), model.vision.max_images, eval.samples (the eval split), the image size and
 channels, with clips model.audio's audio_token, mel_bins, max_audios, max_windows and positions
 (half a window's frames: 1500 for 30 s windows), and model.language.vocab_size: the vocab_size
 of config.json beside the tokenizer (a LLaVA's text_config's; it may exceed the tokenizer's
@@ -344,10 +343,7 @@ def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int
   if global_batch is not None:
     flags["data.global_batch"] = global_batch
   if m["max_images"]:
-    k = m["max_images"]
-    flags["model.vision.max_images"] = k
-    # Unused by converted data, but validated to have max_images + 1 entries.
-    flags["data.image_probs"] = ",".join([f"{1 / (k + 1):.8g}"] * (k + 1))
+    flags["model.vision.max_images"] = m["max_images"]
   flags["eval.samples"] = m["samples"]["eval"]
   if m["images"]:
     flags["model.vision.image_size"] = m["image_size"][0]

@@ -338,8 +338,7 @@ def check_sizes(cfg: Config, directory: str, size: list[int] | None, sizes: list
   """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
   most common `size` and all its `sizes`, `most` images in a sample): one size equal to
   model.vision.image_size, or any sizes with dynamic resolution (model.vision.slot_patches), and
-  model.vision.max_images >= most (said with the data.image_probs that validation then asks
-  for); `size` None (data converted without images or a processor) has no size to check. Without
+  model.vision.max_images >= most; `size` None (data converted without images or a processor) has no size to check. Without
   a vision encoder (an audio-only model), data holding images is one ConfigError and data without
   them passes."""
   if "vision" not in cfg.model.encoders:
@@ -351,14 +350,11 @@ def check_sizes(cfg: Config, directory: str, size: list[int] | None, sizes: list
                         "data without images.")
     return
   v = cfg.model.vision
-  if v.max_images < most:  # data.image_probs too: validation checks it has max_images + 1
-    probs = ",".join([f"{1 / (most + 1):.8g}"] * (most + 1))  # unused by converted data
+  if v.max_images < most:
     raise ConfigError(f"config.model.vision.max_images: {v.max_images}, but a sample of "
                       f"{directory} holds {count(most, 'image')} (its conversations.json); use "
-                      f">= {most}, with max_images + 1 data.image_probs (unused by converted data, "
-                      f"but checked): --config.model.vision.max_images={most} "
-                      f"--config.data.image_probs={probs}, as the launch line that tools.convert "
-                      "printed sets them.")
+                      f">= {most}: --config.model.vision.max_images={most}, as the launch line "
+                      "that tools.convert printed sets it.")
   if size is None:  # converted without images or an image processor: no size to agree with
     return
   h, w = size
