@@ -24,7 +24,9 @@ from PIL import Image
 
 from mimo_jax import checkpoint_steps, output
 from mimo_jax import generate as generate_lib
+from mimo_jax.data import chat
 from mimo_jax.data.images import ImageProcessor
+from mimo_jax.hf import chat_parts
 from tools import generate as generate_tool
 from tools import hf as hf_tool
 from tools import hf_export
@@ -115,8 +117,18 @@ def test_the_export_is_a_complete_hf_directory(pairs, pair):
   # The tokenizer's files and chat template; generation with its bos, eos and pad.
   tok_source = RECIPE / PAIRS[pair][-1]
   assert (out / "tokenizer.json").read_bytes() == (tok_source / "tokenizer.json").read_bytes()
-  assert (out / "chat_template.jinja").read_text() == (
-      tok_source / "chat_template.jinja").read_text()
+  # The template as the tokenizer's, taking a message's content as transformers' list of parts
+  # too (mimo_jax/hf/chat_parts.py): the records' string, rendered as the source renders it.
+  assert (out / "chat_template.jinja").read_text() == chat_parts.wrap(
+      (tok_source / "chat_template.jinja").read_text(), {"image": "<image>\n"})
+  as_text = [{"role": "user", "content": "<image>\nWhat is it?"},
+             {"role": "assistant", "content": "A cat."}]
+  as_parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                               "text": "What is it?"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]
+  exported = chat.ChatTokenizer.open(out)
+  assert exported.render(as_parts, True) == exported.render(as_text, True) == (
+      chat.ChatTokenizer.open(tok_source).render(as_text, True))
   assert _json(out / "tokenizer_config.json")["processor_class"] == "LlavaProcessor"
   generation = _json(out / "generation_config.json")
   assert generation == ({"bos_token_id": 0, "eos_token_id": [4, 1], "pad_token_id": 1} if clip

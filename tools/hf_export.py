@@ -16,6 +16,7 @@ from mimo_jax import checkpoint_reader, output, run_paths
 from mimo_jax.config import Config, from_dict
 from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.hf import audio as hf_audio
+from mimo_jax.hf import chat_parts
 from mimo_jax.hf import export as hf_files
 from mimo_jax.hf import vision as hf_vision
 from tools.hf_import import fail
@@ -344,10 +345,14 @@ def _export(args) -> None:
     base, where = _image_processor(sources, data)
     files["preprocessor_config.json"] = hf_vision.preprocessor_json(
         cfg.model.vision, base, data.get("pad_to_square", False), where)
+  texts: dict[str, str] = {}  # files written as they are
   if tok is not None:
     files["tokenizer_config.json"] = tok.config_json(
         {"llava": "LlavaProcessor", "qwen2_audio": "Qwen2AudioProcessor"}.get(kind))
     files["generation_config.json"] = hf_files.generation_json(tok)
+  if tok is not None and kind == "llava":  # the processor's content parts: mimo_jax/hf/chat_parts
+    files["tokenizer_config.json"], texts = chat_parts.export_templates(
+        tok.path, files["tokenizer_config.json"], {"image": text + "\n"})
   modules = (args.module,) if args.module else (wanted, "language")
   tensors = dict(hf_files.export_tensors(modules, cfg, params))
   bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
@@ -364,10 +369,12 @@ def _export(args) -> None:
                     replace=args.overwrite) as tmp:
     _write_safetensors(tmp, tensors)
     for f in tok.files if tok else []:
-      if f.name not in files:
+      if f.name not in files and f.name not in texts:
         shutil.copyfile(f, tmp / f.name)
     for name, content in files.items():
       (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+    for name, text_ in texts.items():
+      (tmp / name).write_text(text_)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: complete
   extra = f"; tokenizer from {tok.path}" if tok else ""
   if kind in ("llava", "qwen2_audio"):
