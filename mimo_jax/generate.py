@@ -111,13 +111,14 @@ def _advance(model: LanguageModel, carry: _Carry, until, sampling: Sampling,
              eos: int | None) -> _Carry:
   """New tokens up to index `until` (or until every row is done), one at a time."""
   model = _kernels_cast(model)
+  layers = model.split_layers()  # apart once, before the loop: no copy of them at every token
 
   def more(c: _Carry) -> jax.Array:
     return (c.i < until) & ~jnp.all(c.done_b)
 
   def step(c: _Carry) -> _Carry:
     h_b1d, cache = model.decode(model.embed(c.token_b[:, None]), (c.next_b + c.i - 1)[:, None],
-                                c.cache)
+                                c.cache, layers)
     token_b, done_b = _next(c.i, model.logits(h_b1d)[:, 0], c.done_b, c.key, sampling, eos)
     return c._replace(i=c.i + 1, token_b=token_b, cache=cache,
                       out_bs=c.out_bs.at[:, c.i].set(token_b), done_b=done_b)

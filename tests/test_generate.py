@@ -148,6 +148,25 @@ def test_a_prefill_and_a_one_token_step_give_the_logits_of_whole_rows():
                                _logits_without_cache(model, tokens), rtol=1e-5, atol=1e-5)
 
 
+def test_the_blocks_one_layer_at_a_time_decode_as_the_stacked_loop():
+  """`decode` given the layers apart (straight-line code, as generation's loop runs them) gives
+  the stacked loop's outputs and cache, a prefill and then a one-token step."""
+  with jax.default_matmul_precision("highest"):
+    model = _tiny_model()
+    b, l = 3, 7
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 17, (b, l)))
+    x, positions = model.embed(tokens), jnp.broadcast_to(jnp.arange(l), (b, l))
+    results = []
+    for layers in (None, model.split_layers()):
+      cache = model.init_cache(jnp.ones((b, l), bool), jnp.float32)
+      h_prompt, cache = model.decode(x[:, :-1], positions[:, :-1], cache, layers)
+      h_last, cache = model.decode(x[:, -1:], positions[:, -1:], cache, layers)
+      results.append((h_prompt, h_last, cache.k, cache.v, cache.index))
+  assert len(model.split_layers()) == 2
+  for stacked, apart in zip(*results):
+    np.testing.assert_allclose(apart, stacked, rtol=1e-6, atol=1e-6)
+
+
 def test_evaluation_decodes_its_rows_as_greedy_recomputation_of_whole_rows():
   """The eval's rows (one sample each from index 0, the answer after the ':' at answer_b, later
   tokens not to be seen) through generate.decode name what whole rows recomputed without a cache

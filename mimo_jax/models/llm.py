@@ -80,13 +80,23 @@ class LanguageModel(nnx.Module):
     first = jnp.zeros((), jnp.int32)
     return KVCache(zeros, zeros, first, valid_bt, first)
 
-  def decode(self, x_bnd: jax.Array, positions_bn: jax.Array,
-             cache: KVCache) -> tuple[jax.Array, KVCache]:
+  def decode(self, x_bnd: jax.Array, positions_bn: jax.Array, cache: KVCache,
+             layers: list | None = None) -> tuple[jax.Array, KVCache]:
     """n tokens of each row [b, n, dim] (a prompt, then one token a step) through every block,
     taking cache slots `cache.index`..: (the last block's output [b, n, dim], the cache holding
-    them, its index moved past them). The layers' loop carries the whole cache, and each layer
-    writes its new slots into it in place (`cached_attention`)."""
+    them, its index moved past them). Each layer writes its new slots into the whole cache in
+    place (`cached_attention`). The blocks run in a loop over their stacked parameters, or, given
+    `layers` (`split_layers`: each layer's parameters apart), as straight-line code, one block
+    after another: a loop that runs many times (generation's, a token at a time) then reads each
+    layer's weights where they are instead of copying them out of the stack at every token."""
     graphdef, blocks = nnx.split(self.blocks)
+    if layers is not None:
+      h_bnd, k, v = x_bnd, cache.k, cache.v
+      for i, params in enumerate(layers):
+        block = nnx.merge(graphdef, params)
+        h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v, layer=jnp.int32(i)))
+        k, v = kv.k, kv.v
+      return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
     layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def layer(carry, xs):
@@ -98,6 +108,12 @@ class LanguageModel(nnx.Module):
     (h_bnd, k, v), _ = jax.lax.scan(layer, (x_bnd, cache.k, cache.v),
                                     (blocks, jnp.arange(layers, dtype=jnp.int32)))
     return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
+
+  def split_layers(self) -> list:
+    """The stacked blocks' parameters one layer at a time, for `decode`'s `layers`."""
+    _, blocks = nnx.split(self.blocks)
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n)]
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
