@@ -72,9 +72,9 @@ def test_a_record_of_no_turns_is_named_for_what_it_holds(tmp_path, capsys, turns
 
 def test_max_images_below_the_datas_is_the_one_flag_to_set(tmp_path):
   """Data of 2-image records and a config of max_images 1 (image_probs of two values, as a
-  config for one-image data would have): the one error gives the one flag, which then passes both validations: a run
-  on converted data reads its samples' images from the records, not from data.image_probs, and
-  does not check that field's length against max_images."""
+  config for one-image data would have): the one error gives the one flag, which then passes
+  both validations: a run on converted data reads its samples' images from the records, not
+  from data.image_probs, and does not check that field's length against max_images."""
   two = {"image": ["portrait.png", "portrait.png"], "conversations": [
       {"from": "human", "value": "<image>\n<image>\nWhich is it?"},
       {"from": "gpt", "value": "Both."}]}

@@ -338,9 +338,9 @@ def check_sizes(cfg: Config, directory: str, size: list[int] | None, sizes: list
   """ConfigError unless the vision tower takes the converted images of `directory` (its manifest's
   most common `size` and all its `sizes`, `most` images in a sample): one size equal to
   model.vision.image_size, or any sizes with dynamic resolution (model.vision.slot_patches), and
-  model.vision.max_images >= most; `size` None (data converted without images or a processor) has no size to check. Without
-  a vision encoder (an audio-only model), data holding images is one ConfigError and data without
-  them passes."""
+  model.vision.max_images >= most; `size` None (data converted without images or a processor)
+  has no size to check. Without a vision encoder (an audio-only model), data holding images is
+  one ConfigError and data without them passes."""
   if "vision" not in cfg.model.encoders:
     if most > 0:
       raise ConfigError(f"config.model.vision: {directory} holds images (up to "
