@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> Config:
   d.global_batch, d.microbatches = 8, 1
   d.seq_len = 1024 if arg == "audio" else 256  # a 30 s window pooled by 2 is 750 tokens
   if arg != "audio":  # LLaVA's data: one image a record at most.
-    cfg.model.vision.max_images, d.image_probs = 1, "0.5,0.5"
+    cfg.model.vision.max_images = 1
   d.workers = 0
   cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 3
   cfg.train.steps = 30

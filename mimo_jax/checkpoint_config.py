@@ -87,8 +87,10 @@ def gains_adapters(saved_model: dict, cfg: Config, names: list[str]) -> tuple[st
 
 
 def data_values(cfg: Config) -> dict[str, tuple[str, object]]:
-  """The data fields a checkpoint records, as its meta keys them -> (config path, value)."""
-  return {**{k: (f"data.{k}", getattr(cfg.data, k)) for k in DATA_FIELDS},
+  """The data fields a checkpoint records, as its meta keys them -> (config path, value):
+  image_probs only for a task that draws its samples' image counts from it."""
+  return {**{k: (f"data.{k}", getattr(cfg.data, k)) for k in DATA_FIELDS
+             if k != "image_probs" or cfg.data.draws_image_counts},
           **encoders.data_values(cfg)}
 
 

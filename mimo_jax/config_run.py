@@ -82,6 +82,12 @@ class DataConfig:
   def probs(self) -> list[float]:
     return [float(p) for p in self.image_probs.split(",")]
 
+  @property
+  def draws_image_counts(self) -> bool:
+    """Whether the task draws each sample's number of images from `image_probs`; converted
+    records (conversations, av_digits) hold their own."""
+    return self.task in ("synthetic", "digits")
+
   def sizes(self, default: int) -> list[tuple[int, int]]:
     """`image_sizes` as (h, w) pairs; [(default, default)] when empty."""
     if not self.image_sizes.strip():

@@ -4,6 +4,7 @@ record's empty conversations list is empty, not missing; a run whose max_images 
 converted data's is told the one flag to set (converted data's runs do not check
 data.image_probs, which they do not read)."""
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -11,6 +12,7 @@ import warnings
 import pytest
 from PIL import Image
 
+from mimo_jax import checkpoint_config
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import conversion, conversion_record, digits
 from mimo_jax.data.images import ImageProcessor
@@ -96,3 +98,25 @@ def test_max_images_below_the_datas_is_the_one_flag_to_set(tmp_path):
   validate(cfg, 4)
   validate_data(cfg)
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("task", ["digits", "conversations"])
+def test_a_resume_compares_image_probs_only_where_the_task_reads_it(task):
+  """A checkpoint records data.image_probs, and a resume is refused for another value, only for
+  a task that draws its samples' image counts from it: converted data's runs read theirs from
+  the records."""
+  cfg = Config()
+  cfg.add_encoder("vision", VisionConfig())
+  cfg.data.task = task
+  values = checkpoint_config.data_values(cfg)
+  meta = {"modules": list(cfg.topology.modules()),
+          "config": {"model": dataclasses.asdict(cfg.model)},
+          "data": {k: v for k, (_, v) in values.items()}}
+  assert ("image_probs" in values) is (task == "digits")
+  cfg.data.image_probs = "0.5,0.5"
+  if task == "digits":
+    with pytest.raises(checkpoint_config.CheckpointError,
+                       match=r"data\.image_probs='0\.1,0\.3,0\.3,0\.3' \(this run: '0\.5,0\.5'\)"):
+      checkpoint_config.check_compatible(meta, cfg, "ckpt", 3)
+  else:
+    assert checkpoint_config.check_compatible(meta, cfg, "ckpt", 3) == []

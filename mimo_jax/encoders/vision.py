@@ -320,10 +320,6 @@ def _variants(cfg: Config) -> None:
           "a class token needs one image a slot; set model.vision.slot_patches=0.")
 
 
-# The tasks that draw each sample's number of images from data.image_probs.
-IMAGE_COUNT_TASKS = ("synthetic", "digits")
-
-
 def _image_data(cfg: Config) -> None:
   """The image data settings: how many images a sample has, of which sizes, in which slots."""
   d, v = cfg.data, cfg.model.vision
@@ -335,7 +331,7 @@ def _image_data(cfg: Config) -> None:
   except ValueError:
     raise ConfigError(f"config.data.image_probs: {d.image_probs!r} is not a comma-separated "
                       "list of numbers.") from None
-  if d.task in IMAGE_COUNT_TASKS:  # converted data's records say how many images they hold
+  if d.draws_image_counts:  # converted data's records say how many images they hold
     require(len(probs) == v.max_images + 1, "data.image_probs",
             f"needs max_images + 1 = {v.max_images + 1} probabilities, got {len(probs)}.")
     require(all(p >= 0 for p in probs) and abs(sum(probs) - 1) < 1e-6, "data.image_probs",
