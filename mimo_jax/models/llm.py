@@ -70,13 +70,17 @@ class LanguageModel(nnx.Module):
     if not self.tied:
       self.head = linear(rngs, cfg.dim, vocab_size, dtype)
 
+  @property
+  def layers(self) -> int:
+    """How many blocks are stacked."""
+    return jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
+
   def init_cache(self, valid_bt: jax.Array, dtype: jnp.dtype) -> KVCache:
     """An empty cache of every layer (stacked [layers, b, kv_heads, T, head_dim]) for rows of T
     slots, those that will hold a token marked in `valid_bt` [b, T]."""
     attn = self.blocks.attn
-    layers = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
     b, slots = valid_bt.shape
-    zeros = jnp.zeros((layers, b, attn.kv_heads, slots, attn.head_dim), dtype)
+    zeros = jnp.zeros((self.layers, b, attn.kv_heads, slots, attn.head_dim), dtype)
     first = jnp.zeros((), jnp.int32)
     return KVCache(zeros, zeros, first, valid_bt, first)
 
@@ -90,14 +94,6 @@ class LanguageModel(nnx.Module):
     after another: a loop that runs many times (generation's, a token at a time) then reads each
     layer's weights where they are instead of copying them out of the stack at every token."""
     graphdef, blocks = nnx.split(self.blocks)
-    if layers is not None:
-      h_bnd, k, v = x_bnd, cache.k, cache.v
-      for i, params in enumerate(layers):
-        block = nnx.merge(graphdef, params)
-        h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v, layer=jnp.int32(i)))
-        k, v = kv.k, kv.v
-      return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
-    layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def layer(carry, xs):
       h_bnd, k, v = carry
@@ -105,15 +101,19 @@ class LanguageModel(nnx.Module):
       block = nnx.merge(graphdef, params)
       h_bnd, kv = block(h_bnd, positions_bn, cache=cache._replace(k=k, v=v, layer=i))
       return (h_bnd, kv.k, kv.v), None
-    (h_bnd, k, v), _ = jax.lax.scan(layer, (x_bnd, cache.k, cache.v),
-                                    (blocks, jnp.arange(layers, dtype=jnp.int32)))
+    carry = (x_bnd, cache.k, cache.v)
+    if layers is None:
+      carry, _ = jax.lax.scan(layer, carry, (blocks, jnp.arange(self.layers, dtype=jnp.int32)))
+    else:
+      for i, params in enumerate(layers):
+        carry, _ = layer(carry, (params, jnp.int32(i)))
+    h_bnd, k, v = carry
     return h_bnd, cache._replace(k=k, v=v, index=cache.index + x_bnd.shape[1])
 
   def split_layers(self) -> list:
     """The stacked blocks' parameters one layer at a time, for `decode`'s `layers`."""
     _, blocks = nnx.split(self.blocks)
-    n = jax.tree.leaves(blocks)[0].shape[0]
-    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n)]
+    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(self.layers)]
 
   def embed(self, tokens_bl: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens_bl, axis=0).astype(self.dtype)
