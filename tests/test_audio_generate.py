@@ -14,6 +14,7 @@ import pytest
 from mimo_jax import generate, whole
 from mimo_jax.data.chat import ChatTokenizer
 from mimo_jax.encoders import audio as audio_encoder
+from mimo_jax.hf import chat_parts
 from tools import generate as generate_tool
 from tools import hf as hf_tool
 from tools import hf_export
@@ -218,8 +219,14 @@ def test_export_writes_a_complete_qwen2_audio_directory(imported, tmp_path, caps
                                                    if k != "dither"}
   assert read(out, "processor_config.json") == {k: v for k, v in read(
       CHAT, "processor_config.json").items() if k != "feature_extractor"}
-  for f in ("tokenizer.json", "chat_template.jinja"):
-    assert (out / f).read_bytes() == (CHAT / f).read_bytes(), f
+  assert (out / "tokenizer.json").read_bytes() == (CHAT / "tokenizer.json").read_bytes()
+  # The template takes transformers' list of parts, a clip as tools.convert's markers.
+  template = (out / "chat_template.jinja").read_text()
+  assert template == chat_parts.wrap((CHAT / "chat_template.jinja").read_text(),
+                                     {"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>\n"})
+  render = lambda content: ChatTokenizer.open(out).render([{"role": "user", "content": content}])
+  assert render([{"type": "audio", "path": "a.wav"}, {"type": "text", "text": "Say it."}]) == \
+      render("<|audio_bos|><|AUDIO|><|audio_eos|>\nSay it.")
   assert read(out, "tokenizer_config.json")["processor_class"] == "Qwen2AudioProcessor"
   assert read(out, "generation_config.json")["eos_token_id"] == [2]
   with pytest.raises(SystemExit):  # a whole model and one module at once: one error

@@ -23,7 +23,9 @@ soundfile and resampled to 16 kHz with soxr (HQ), as librosa does by default.
 Rerun after changing a fixture (`--only chat` writes just that one); the whole set stays well
 under a megabyte. `--check_export DIR` loads a `tools.hf export` of the chat fixture's import
 with transformers (AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration), offline,
-and checks that its answers to PROMPTS are chat_generate.npz's token for token.
+and checks that its answers to PROMPTS are chat_generate.npz's token for token, and that its
+processor's chat template renders each prompt given as transformers' list of parts as it renders
+the prompt's text.
 """
 
 from __future__ import annotations
@@ -215,6 +217,14 @@ def check_export(path: pathlib.Path) -> None:
   processor = AutoProcessor.from_pretrained(path, local_files_only=True)
   assert type(processor).__name__ == "Qwen2AudioProcessor", type(processor)
   assert processor.feature_extractor.feature_size == config.audio_config.num_mel_bins
+  for text_, clips in PROMPTS:  # the template also takes the prompt as transformers' parts
+    *marks, words = text_.split("<audio>\n")
+    parts = [{"type": "audio", "path": str(AUDIO_DIR / c)} for c in clips[:len(marks)]]
+    as_parts, as_text = ([{"role": "user", "content": c}] for c in (
+        parts + [{"type": "text", "text": words}], text_.replace("<audio>", MARKERS)))
+    rendered = processor.apply_chat_template(as_parts, tokenize=False, add_generation_prompt=True)
+    assert rendered == processor.tokenizer.apply_chat_template(
+        as_text, tokenize=False, add_generation_prompt=True), rendered
   model = Qwen2AudioForConditionalGeneration.from_pretrained(path, local_files_only=True).eval()
   got = answers(model, processor, processor.tokenizer)
   want = np.load(ROOT / "tests" / "fixtures" / "hf_audio" / "qwen2_audio_chat" /

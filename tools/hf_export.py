@@ -322,8 +322,8 @@ def _export(args) -> None:
     token, text = _audio_token(args, cfg, tok)
     config = hf_audio.qwen2_audio_config_json(cfg, token, context)
     known = lambda t: t if tok.tokenizer.token_to_id(t) is not None else None
-    files["processor_config.json"] = hf_audio.qwen2_audio_processor_json(
-        text, known("<|audio_bos|>"), known("<|audio_eos|>"))
+    bos, eos = known("<|audio_bos|>"), known("<|audio_eos|>")
+    files["processor_config.json"] = hf_audio.qwen2_audio_processor_json(text, bos, eos)
     extractor = hf_audio.feature_extractor_json(cfg.model.audio)
     if extractor is None:
       fail(f"model.audio: windows of {cfg.model.audio.frames} frames are no whole number of "
@@ -350,9 +350,13 @@ def _export(args) -> None:
     files["tokenizer_config.json"] = tok.config_json(
         {"llava": "LlavaProcessor", "qwen2_audio": "Qwen2AudioProcessor"}.get(kind))
     files["generation_config.json"] = hf_files.generation_json(tok)
-  if tok is not None and kind == "llava":  # the processor's content parts: mimo_jax/hf/chat_parts
+  # The processor's content parts (mimo_jax/hf/chat_parts): an image as LLaVA's records hold it,
+  # a clip as tools.convert's default markers, those the processor's config names.
+  media = {"llava": lambda: {"image": text + "\n"},
+           "qwen2_audio": lambda: {"audio": (bos or "") + text + (eos or "") + "\n"}}.get(kind)
+  if tok is not None and media is not None:
     files["tokenizer_config.json"], texts = chat_parts.export_templates(
-        tok.path, files["tokenizer_config.json"], {"image": text + "\n"})
+        tok.path, files["tokenizer_config.json"], media())
   modules = (args.module,) if args.module else (wanted, "language")
   tensors = dict(hf_files.export_tensors(modules, cfg, params))
   bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
