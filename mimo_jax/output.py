@@ -24,8 +24,9 @@
 - **Failed writes**: inside `write_errors(what)` a write that fails (a full disk, a file size
   limit) is one line naming the output and the reason, whichever library wrote: safetensors'
   SafetensorError and orbax's tensorstore errors are no OSError, but name the one beneath them.
-- **Signals**: `interrupts_as_exceptions()` turns SIGTERM (and SIGHUP) into `Interrupted`, so a
-  killed tool unwinds through its cleanup like Ctrl-C does.
+- **Signals**: `interrupts_as_exceptions()` turns Ctrl-C, SIGTERM and SIGHUP into `Interrupted`,
+  so a killed tool unwinds through its cleanup, and one whose exception is lost still stops the
+  publish; a signal the tool was started ignoring (`nohup`'s SIGHUP) stays ignored.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ class OutputError(ConfigError):
 
 
 class Interrupted(KeyboardInterrupt):
-  """SIGTERM or SIGHUP, raised where the program was so that cleanup runs."""
+  """SIGINT, SIGTERM or SIGHUP, raised where the program was so that cleanup runs. Ctrl-C's
+  says nothing, as Python's own KeyboardInterrupt; the others say their signal's name."""
 
   def __init__(self, signum: int):
-    super().__init__(signal.Signals(signum).name)
+    super().__init__(*(() if signum == signal.SIGINT else (signal.Signals(signum).name,)))
     self.signum = signum
 
 
@@ -99,17 +101,20 @@ def quiet_lost_interrupts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def interrupts_as_exceptions() -> Iterator[None]:
-  """SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block runs (and are
-  recorded, so that `raise_if_interrupted` and `staged`'s publish see one whose exception was
-  lost, silently: see `quiet_lost_interrupts`)."""
+  """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block
+  runs, and are recorded, so that `raise_if_interrupted` and `staged`'s publish see one whose
+  exception was lost (raised inside a garbage-collection callback, where Python would print it
+  and go on), silently: see `quiet_lost_interrupts`. A signal ignored when the block starts (a
+  background job's SIGINT, `nohup`'s SIGHUP) stays ignored."""
   def handle(signum, frame):  # pylint: disable=unused-argument
     _PENDING.append(signum)
     raise Interrupted(signum)
   _PENDING.clear()
   kept = {}
-  for s in (signal.SIGTERM, signal.SIGHUP):
+  for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     try:
-      kept[s] = signal.signal(s, handle)
+      if signal.getsignal(s) != signal.SIG_IGN:
+        kept[s] = signal.signal(s, handle)
     except ValueError:  # not the main thread: signals stay as they are
       pass
   try:

@@ -201,7 +201,8 @@ def test_an_interrupt_once_the_conversion_is_in_place_says_it_is_whole(src, tmp_
 
 @pytest.mark.parametrize("context,sig,record", [
     ("conversion._caught_signals()", signal.SIGINT, "caught"),
-    ("output.interrupts_as_exceptions()", signal.SIGTERM, "output._PENDING")])
+    ("output.interrupts_as_exceptions()", signal.SIGTERM, "output._PENDING"),
+    ("output.interrupts_as_exceptions()", signal.SIGINT, "output._PENDING")])
 def test_a_signal_inside_a_garbage_collection_callback_is_recorded_without_a_traceback(
     context, sig, record):
   """A signal handler's exception cannot leave a garbage-collection callback (Python hands it to

@@ -73,6 +73,19 @@ def test_a_signal_whose_exception_was_lost_stops_the_publish(tmp_path):
   assert not out.exists() and not list(tmp_path.glob(".o*"))
 
 
+def test_ctrl_c_is_taken_as_the_others_and_an_ignored_signal_stays_ignored():
+  kept = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+  try:
+    with output.interrupts_as_exceptions():
+      assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+      with pytest.raises(output.Interrupted) as e:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert (e.value.signum, str(e.value)) == (signal.SIGINT, "")  # as Python's Ctrl-C says it
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGHUP, kept)
+
+
 def test_only_an_output_of_the_same_kind_is_replaced(tmp_path):
   run = tmp_path / "run"  # a folder that holds the marker file by chance: a run, not an export
   (run / "checkpoints").mkdir(parents=True)
