@@ -60,11 +60,10 @@ class OutputError(ConfigError):
 
 
 class Interrupted(KeyboardInterrupt):
-  """SIGINT, SIGTERM or SIGHUP, raised where the program was so that cleanup runs. Ctrl-C's
-  says nothing, as Python's own KeyboardInterrupt; the others say their signal's name."""
+  """SIGINT, SIGTERM or SIGHUP, raised where the program was so that cleanup runs."""
 
   def __init__(self, signum: int):
-    super().__init__(*(() if signum == signal.SIGINT else (signal.Signals(signum).name,)))
+    super().__init__(signal.Signals(signum).name)
     self.signum = signum
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -327,10 +328,12 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt as e:
     sys.stdout.flush()
     out = getattr(args, "out", None)  # the subcommands that write: export's --out
-    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}); " + (
+    signum = getattr(e, "signum", signal.SIGINT)
+    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"{TOOL}: interrupted ({shown}); " + (
         f"{out} was complete before it came: it is whole." if out and output.published(out)
         else "nothing was written."), file=sys.stderr, flush=True)
-    return 128 + getattr(e, "signum", 2)  # 130 for Ctrl-C, 143 for SIGTERM
+    return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
   return 0
 
 
