@@ -7,7 +7,10 @@ XLA flags and the compile options, and the devices: a different jax, flag or dev
 another's entry, so one directory serves every run. Within one multi-process run only process 0
 writes (jax's rule); independent runs that share the directory at once are made safe by a size
 bound, which makes jax take a file lock around every read and write (a reader never sees a
-half-written entry) and evicts the least recently used entries past the bound.
+half-written entry) and evicts the least recently used entries past the bound. A size given in
+the environment (JAX_COMPILATION_CACHE_MAX_SIZE) is kept: all writers of one directory should
+agree, as a bounded writer reads an access-time file beside each entry, which an unbounded one
+(-1) does not write, and fails to add its own entries (a warning, then a compile each time).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from mimo_jax.config import ConfigError
 ENV = "MIMO_JAX_COMPILE_CACHE"  # overrides run.compile_cache ("" disables)
 AUTO = "auto"
 MAX_BYTES = 64 << 30  # past this, the least recently used entries go
+MAX_SIZE_ENV = "JAX_COMPILATION_CACHE_MAX_SIZE"  # jax's own setting, kept where given
 
 
 class CompileCacheError(ConfigError):
@@ -69,7 +73,9 @@ def enable(field: str) -> str:
   # disk) costs a compile, nothing else; jax says so in a warning with a source line, which would
   # stand in front of a run's one-line error. The run goes on the same either way.
   warnings.filterwarnings("ignore", message="Error (reading|writing) persistent compilation cache")
-  if jax.config.jax_compilation_cache_max_size == -1:  # unbounded: no file lock
+  # Unbounded (jax's default, -1) takes no file lock: bounded unless the environment asks for a
+  # size itself (JAX_COMPILATION_CACHE_MAX_SIZE, -1 included).
+  if jax.config.jax_compilation_cache_max_size == -1 and MAX_SIZE_ENV not in os.environ:
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return path
 

@@ -17,6 +17,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mimo_jax_xla_cache_")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Every process writes the shared cache alike, unbounded (mimo_jax/compile_cache.py): a bounded
+# writer among unbounded ones fails to add entries, with a warning on stderr.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The suite is dominated by compiling many small programs; cheaper LLVM passes compile them faster,
 # and XLA's classic CPU emitters compile a tiny step in about half the time of its newer fusion

@@ -35,10 +35,12 @@ print(json.dumps({"path": path, "hits": len(hits),
 """
 
 
-def _compile_in_process(cache: str, xla_flags: str) -> dict:
+def _compile_in_process(cache: str, xla_flags: str, **extra) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu",
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   env.pop(compile_cache.ENV, None)
+  env.pop(compile_cache.MAX_SIZE_ENV, None)  # the suite's own (conftest): jax's default here
+  env.update(extra)
   out = subprocess.run([sys.executable, "-c", _PROGRAM, cache], env=env, capture_output=True,
                        text=True, check=True, timeout=300)
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,6 +65,8 @@ def test_second_process_hits_the_cache_and_other_flags_miss(tmp_path):
   level = "1" if "--xla_backend_optimization_level=1" not in flags else "2"
   other = _compile_in_process(cache, f"{flags} --xla_backend_optimization_level={level}")
   assert other["hits"] == 0 and len(_entries(cache)) > len(written)
+  # A size the environment gives is kept, unbounded included.
+  assert _compile_in_process(cache, flags, **{compile_cache.MAX_SIZE_ENV: "-1"})["bound"] == -1
 
 
 def test_where_the_cache_is(tmp_path, monkeypatch):
