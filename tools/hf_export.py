@@ -282,6 +282,59 @@ def _trained_base(workdir: str, step: int, stages: list[tuple[pathlib.Path, int 
   return str(stages[1][0]), hf, stages[1][1]
 
 
+def _files(args, cfg, kind: str, record: dict, sources, data: dict, tok):
+  """What an export of `kind` writes beside its tensors: config.json's content, the other JSON
+  files (name -> content), the files written as text (the chat templates) and what its last
+  line says of the media token."""
+  context = source_context(record, sources)
+  files: dict[str, dict] = {}
+  media, said = None, ""  # the processor's content parts (mimo_jax/hf/chat_parts)
+  if kind == "llava":
+    token, text = _image_token(args, cfg, record, data, tok)
+    config = hf_vision.llava_config_json(cfg, token, context)
+    files["processor_config.json"] = hf_vision.llava_processor_json(cfg.model.vision, text)
+    media, said = {"image": text + "\n"}, f"; image token {token} ({text})"  # as records hold it
+  elif kind == "qwen2_audio":
+    token, text = _audio_token(args, cfg, tok)
+    config = hf_audio.qwen2_audio_config_json(cfg, token, context)
+    known = lambda t: t if tok.tokenizer.token_to_id(t) is not None else None
+    bos, eos = known("<|audio_bos|>"), known("<|audio_eos|>")
+    files["processor_config.json"] = hf_audio.qwen2_audio_processor_json(text, bos, eos)
+    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
+    if extractor is None:
+      fail(f"model.audio: windows of {cfg.model.audio.frames} frames are no whole number of "
+            "seconds, which Qwen2-Audio's WhisperFeatureExtractor needs.")
+    files["preprocessor_config.json"] = extractor
+    # A clip as tools.convert's default markers, those the processor's config names.
+    media = {"audio": (bos or "") + text + (eos or "") + "\n"}
+    said = f"; audio token {token} ({text})"
+  elif kind == "tower":
+    config = hf_vision.vision_config_json(cfg.model.vision)
+  elif kind == "audio":
+    config = hf_audio.whisper_config_json(cfg.model.audio)
+    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
+    if extractor is None:
+      print(f"note: no preprocessor_config.json: a window of {cfg.model.audio.frames} frames is "
+            "no whole number of seconds, which WhisperFeatureExtractor needs", flush=True)
+    else:
+      files["preprocessor_config.json"] = extractor
+  else:
+    config = hf_files.language_config_json(cfg.model.language, context)
+  if kind in ("llava", "tower"):
+    base, where = _image_processor(sources, data)
+    files["preprocessor_config.json"] = hf_vision.preprocessor_json(
+        cfg.model.vision, base, data.get("pad_to_square", False), where)
+  texts: dict[str, str] = {}  # files written as they are
+  if tok is not None:
+    files["tokenizer_config.json"] = tok.config_json(
+        {"llava": "LlavaProcessor", "qwen2_audio": "Qwen2AudioProcessor"}.get(kind))
+    files["generation_config.json"] = hf_files.generation_json(tok)
+    if media is not None:
+      files["tokenizer_config.json"], texts = chat_parts.export_templates(
+          tok.path, files["tokenizer_config.json"], media)
+  return config, files, texts, said
+
+
 def _export(args) -> None:
   if args.base and not args.peft:
     fail(f"--base={args.base} names a PEFT adapter's base model: give it with --peft, or leave "
@@ -312,51 +365,7 @@ def _export(args) -> None:
   if tok is not None and tok.vocab_size > cfg.model.language.vocab_size:
     fail(f"{tok.path / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
           f"vocabulary of {cfg.model.language.vocab_size}; pass the run's --tokenizer DIR.")
-  context = source_context(record, sources)
-  files: dict[str, dict] = {}
-  if kind == "llava":
-    token, text = _image_token(args, cfg, record, data, tok)
-    config = hf_vision.llava_config_json(cfg, token, context)
-    files["processor_config.json"] = hf_vision.llava_processor_json(cfg.model.vision, text)
-  elif kind == "qwen2_audio":
-    token, text = _audio_token(args, cfg, tok)
-    config = hf_audio.qwen2_audio_config_json(cfg, token, context)
-    known = lambda t: t if tok.tokenizer.token_to_id(t) is not None else None
-    bos, eos = known("<|audio_bos|>"), known("<|audio_eos|>")
-    files["processor_config.json"] = hf_audio.qwen2_audio_processor_json(text, bos, eos)
-    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
-    if extractor is None:
-      fail(f"model.audio: windows of {cfg.model.audio.frames} frames are no whole number of "
-            "seconds, which Qwen2-Audio's WhisperFeatureExtractor needs.")
-    files["preprocessor_config.json"] = extractor
-  elif kind == "tower":
-    config = hf_vision.vision_config_json(cfg.model.vision)
-  elif kind == "audio":
-    config = hf_audio.whisper_config_json(cfg.model.audio)
-    extractor = hf_audio.feature_extractor_json(cfg.model.audio)
-    if extractor is None:
-      print(f"note: no preprocessor_config.json: a window of {cfg.model.audio.frames} frames is "
-            "no whole number of seconds, which WhisperFeatureExtractor needs", flush=True)
-    else:
-      files["preprocessor_config.json"] = extractor
-  else:
-    config = hf_files.language_config_json(cfg.model.language, context)
-  if kind in ("llava", "tower"):
-    base, where = _image_processor(sources, data)
-    files["preprocessor_config.json"] = hf_vision.preprocessor_json(
-        cfg.model.vision, base, data.get("pad_to_square", False), where)
-  texts: dict[str, str] = {}  # files written as they are
-  if tok is not None:
-    files["tokenizer_config.json"] = tok.config_json(
-        {"llava": "LlavaProcessor", "qwen2_audio": "Qwen2AudioProcessor"}.get(kind))
-    files["generation_config.json"] = hf_files.generation_json(tok)
-  # The processor's content parts (mimo_jax/hf/chat_parts): an image as LLaVA's records hold it,
-  # a clip as tools.convert's default markers, those the processor's config names.
-  media = {"llava": lambda: {"image": text + "\n"},
-           "qwen2_audio": lambda: {"audio": (bos or "") + text + (eos or "") + "\n"}}.get(kind)
-  if tok is not None and media is not None:
-    files["tokenizer_config.json"], texts = chat_parts.export_templates(
-        tok.path, files["tokenizer_config.json"], media())
+  config, files, texts, said = _files(args, cfg, kind, record, sources, data, tok)
   modules = (args.module,) if args.module else (wanted, "language")
   tensors = dict(hf_files.export_tensors(modules, cfg, params))
   bad = [k for k, x in tensors.items() if not np.isfinite(x).all()]
@@ -380,9 +389,7 @@ def _export(args) -> None:
     for name, text_ in texts.items():
       (tmp / name).write_text(text_)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: complete
-  extra = f"; tokenizer from {tok.path}" if tok else ""
-  if kind in ("llava", "qwen2_audio"):
-    extra += f"; {'image' if kind == 'llava' else 'audio'} token {token} ({text})"
+  extra = (f"; tokenizer from {tok.path}" if tok else "") + said
   print(f"wrote {out}: {config['architectures'][0]} from step {step}, {len(tensors)} tensors, "
         f"{total / 1e6:.1f} MB{extra}")
 
