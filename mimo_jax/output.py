@@ -40,6 +40,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from typing import Iterator
 
 from mimo_jax import workdir as workdir_lib
@@ -73,8 +74,10 @@ _PENDING: list[int] = []  # signals taken while interrupts are exceptions, newes
 def raise_if_interrupted() -> None:
   """Raises `Interrupted` for a signal taken earlier whose exception was lost: one raised inside a
   garbage-collection callback or a finalizer is only printed, and the program would go on."""
-  if _PENDING:
-    raise Interrupted(_PENDING[-1])
+  if _PENDING:  # raised once: whoever catches it has taken the signal
+    signum = _PENDING[-1]
+    _PENDING.clear()
+    raise Interrupted(signum)
 
 
 @contextlib.contextmanager
@@ -98,17 +101,22 @@ def quiet_lost_interrupts() -> Iterator[None]:
       sys.unraisablehook = kept
 
 
+_DEPTH = [0]  # interrupts_as_exceptions blocks open: an inner one keeps the outer's record
+
+
 @contextlib.contextmanager
 def interrupts_as_exceptions() -> Iterator[None]:
   """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block
-  runs, and are recorded, so that `raise_if_interrupted` and `staged`'s publish see one whose
-  exception was lost (raised inside a garbage-collection callback, where Python would print it
-  and go on), silently: see `quiet_lost_interrupts`. A signal ignored when the block starts (a
-  background job's SIGINT, `nohup`'s SIGHUP) stays ignored."""
+  runs, and are recorded, so that a signal whose exception was lost (raised inside a
+  garbage-collection callback, where Python would print it and go on; silently here: see
+  `quiet_lost_interrupts`) is raised again: by `staged`'s publish, and as the block ends, or as an
+  inner block starts or ends. A signal ignored when the block starts (a background job's SIGINT,
+  `nohup`'s SIGHUP) stays ignored."""
   def handle(signum, frame):  # pylint: disable=unused-argument
     _PENDING.append(signum)
     raise Interrupted(signum)
-  _PENDING.clear()
+  if not _DEPTH[0]:
+    _PENDING.clear()
   kept = {}
   for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     try:
@@ -116,10 +124,14 @@ def interrupts_as_exceptions() -> Iterator[None]:
         kept[s] = signal.signal(s, handle)
     except ValueError:  # not the main thread: signals stay as they are
       pass
+  _DEPTH[0] += 1
   try:
     with quiet_lost_interrupts():
+      raise_if_interrupted()  # taken by an outer block, its exception lost
       yield
+      raise_if_interrupted()  # the block's work is not done
   finally:
+    _DEPTH[0] -= 1
     for s, h in kept.items():
       signal.signal(s, h)
     _PENDING.clear()
@@ -154,15 +166,21 @@ def lock(out: str | os.PathLike, flag: str = "--out") -> workdir_lib.Lock:
     raise
 
 
-def remove(path: str | os.PathLike) -> None:
-  """Removes a file or directory tree; never raises (cleanup must not hide the real error)."""
-  try:
-    if os.path.isdir(path) and not os.path.islink(path):
-      shutil.rmtree(path, ignore_errors=True)
-    else:
+def remove(path: str | os.PathLike, settle: float = 1.0) -> None:
+  """Removes a file or directory tree; never raises (cleanup must not hide the real error). A
+  tree that is not gone after one pass is removed again for up to `settle` seconds: a library's
+  writer thread that a signal stopped (orbax's, tensorstore's) may add a file as it ends."""
+  if not os.path.isdir(path) or os.path.islink(path):
+    try:
       os.unlink(path)
-  except OSError:
-    pass
+    except OSError:
+      pass
+    return
+  deadline = time.monotonic() + settle
+  shutil.rmtree(path, ignore_errors=True)
+  while os.path.lexists(path) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def partials(out: str | os.PathLike) -> list[pathlib.Path]:
@@ -367,15 +385,24 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 def run_main(main, *args) -> None:
   """Runs a tool's `main` as the program (`if __name__ == "__main__"`) and exits with its status.
-  After an interrupt (a status above 128) the exit is immediate: the tool has cleaned up, and
-  threads of JAX or orbax still running can crash the interpreter's shutdown (a segfault,
-  status 139, instead of 130 or 143). A Ctrl-C once `main` has returned (the interpreter's
-  shutdown: its threads joined, its exit handlers) ends it at once with the tool's own status,
-  without a traceback: the work is done and its outputs written."""
+  Signals are exceptions from the start (`interrupts_as_exceptions`): one that `main` does not
+  take itself (before its own handling begins: its flags being read) is one line and exit status
+  128 + its number. After an interrupt (a status above 128) the exit is immediate: the tool has
+  cleaned up, and threads of JAX or orbax still running can crash the interpreter's shutdown (a
+  segfault, status 139, instead of 130 or 143). A Ctrl-C once `main` has returned (the
+  interpreter's shutdown: its threads joined, its exit handlers) ends it at once with the tool's
+  own status, without a traceback: the work is done and its outputs written."""
   try:
-    status = main(*args)
+    with interrupts_as_exceptions():
+      status = main(*args)
   except SystemExit as e:
     status = e.code
+  except KeyboardInterrupt as e:
+    signum = getattr(e, "signum", signal.SIGINT)
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"{spec.name if spec else 'python'}: interrupted ({shown}).", file=sys.stderr)
+    status = 128 + signum
   if isinstance(status, int) and status > 128:
     _exit_now(status)
   code = 0 if status is None else status if isinstance(status, int) else 1  # as sys.exit's

@@ -76,14 +76,32 @@ def test_a_signal_whose_exception_was_lost_stops_the_publish(tmp_path):
 def test_ctrl_c_is_taken_as_the_others_and_an_ignored_signal_stays_ignored():
   kept = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
   try:
-    with output.interrupts_as_exceptions():
-      assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-      with pytest.raises(output.Interrupted) as e:
+    with pytest.raises(output.Interrupted) as e:
+      with output.interrupts_as_exceptions():
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between bytecodes
+          pass
     assert e.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
   finally:
     signal.signal(signal.SIGHUP, kept)
+
+
+def test_a_signal_whose_exception_was_lost_is_raised_again_as_the_block_ends():
+  """With no output to publish (tools.generate prints its answers, tools.eval appends rows), the
+  block's end raises it, once: the tool's work does not go on to exit 0."""
+  with pytest.raises(output.Interrupted) as e:
+    with output.interrupts_as_exceptions():
+      with output.interrupts_as_exceptions():  # an inner block: the same record
+        try:  # as when the handler's exception is raised inside a callback that swallows it
+          os.kill(os.getpid(), signal.SIGTERM)
+          for _ in range(1000):
+            pass
+        except output.Interrupted:
+          pass
+      assert False, "the inner block's end raises it"
+  assert e.value.signum == signal.SIGTERM
 
 
 def test_only_an_output_of_the_same_kind_is_replaced(tmp_path):
@@ -243,3 +261,14 @@ def test_a_ctrl_c_during_the_shutdown_after_a_tool_ends_its_status_without_a_tra
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
   assert (proc.returncode, proc.stderr) == (status or 0, ""), proc.stderr
+
+
+def test_a_signal_the_tool_does_not_take_itself_is_one_line():
+  """A signal before the tool's own handling begins (its flags being read) ends it with one line
+  and 128 + the signal's number, not a traceback or a silent death."""
+  code = ("import os, signal, time\n"
+          "from mimo_jax import output\n"
+          "output.run_main(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+  assert (proc.returncode, proc.stderr) == (143, "python: interrupted (SIGTERM).\n")

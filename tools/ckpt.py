@@ -169,6 +169,7 @@ def export(args: argparse.Namespace) -> None:
                 metadata={"step": str(step), "config": json.dumps(meta["config"])})
       output.readable_as_created(tmp)
       output.fsync(tmp)  # the bytes on disk before the name points at them
+      output.raise_if_interrupted()  # a signal whose exception was lost stops the publish
       os.replace(tmp, final)
       output.fsync(os.path.dirname(final) or ".")
   except BaseException:

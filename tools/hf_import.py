@@ -150,7 +150,8 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
   """`ckpt.save(*args, **kwargs)` (the import's step 0), then `ckpt` closed. A write that fails
   (a full disk, a file size limit) is one line naming `where` (output.write_errors): orbax's
   writer threads report that failure with tracebacks as it happens, which are held back and
-  dropped then (shown for any other failure), as are the reports of its closed event loop."""
+  dropped then (shown for any other failure), as are the reports of its closed event loop. A
+  signal during the save stops it alike: its writer threads end, silently, before it is raised."""
   import logging  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
@@ -170,8 +171,9 @@ def _save(ckpt, where: str, *args, **kwargs) -> None:
         with contextlib.suppress(Exception):
           ckpt.close()  # its writer threads stop before the staging directory is removed
         raise
-  except output.OutputError:
-    # The other writes fail too, as their tasks are collected: asyncio's logs of them dropped.
+  except (output.OutputError, KeyboardInterrupt):
+    # A write failed, or a signal stopped the save: the other writes fail too, as their tasks
+    # are collected (asyncio's logs of them dropped), and end before the staging directory goes.
     drop_lost_task_logs()
     for thread in set(threading.enumerate()) - running:  # other modules' writes, failing too
       with contextlib.suppress(Exception):  # orbax's threads raise their error on join
