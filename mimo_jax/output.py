@@ -105,13 +105,14 @@ _DEPTH = [0]  # interrupts_as_exceptions blocks open: an inner one keeps the out
 
 
 @contextlib.contextmanager
-def interrupts_as_exceptions() -> Iterator[None]:
+def interrupts_as_exceptions(raise_at_end: bool = True) -> Iterator[None]:
   """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise `Interrupted` in the main thread while the block
   runs, and are recorded, so that a signal whose exception was lost (raised inside a
   garbage-collection callback, where Python would print it and go on; silently here: see
-  `quiet_lost_interrupts`) is raised again: by `staged`'s publish, and as the block ends, or as an
-  inner block starts or ends. A signal ignored when the block starts (a background job's SIGINT,
-  `nohup`'s SIGHUP) stays ignored."""
+  `quiet_lost_interrupts`) is raised again: by `staged`'s publish, and as the block ends (unless
+  not `raise_at_end`: `run_main`'s, around a `main` that takes an interrupt itself and returns
+  its status), or as an inner block starts or ends. A signal ignored when the block starts (a
+  background job's SIGINT, `nohup`'s SIGHUP) stays ignored."""
   def handle(signum, frame):  # pylint: disable=unused-argument
     _PENDING.append(signum)
     raise Interrupted(signum)
@@ -129,7 +130,8 @@ def interrupts_as_exceptions() -> Iterator[None]:
     with quiet_lost_interrupts():
       raise_if_interrupted()  # taken by an outer block, its exception lost
       yield
-      raise_if_interrupted()  # the block's work is not done
+      if raise_at_end:
+        raise_if_interrupted()  # the block's work is not done
   finally:
     _DEPTH[0] -= 1
     for s, h in kept.items():
@@ -393,7 +395,7 @@ def run_main(main, *args) -> None:
   interpreter's shutdown: its threads joined, its exit handlers) ends it at once with the tool's
   own status, without a traceback: the work is done and its outputs written."""
   try:
-    with interrupts_as_exceptions():
+    with interrupts_as_exceptions(raise_at_end=False):
       status = main(*args)
   except SystemExit as e:
     status = e.code
