@@ -71,6 +71,13 @@ class Interrupted(KeyboardInterrupt):
 _PENDING: list[int] = []  # signals taken while interrupts are exceptions, newest last
 
 
+def said(e: KeyboardInterrupt) -> tuple[int, str]:
+  """The signal an interrupt stands for and how a tool's line names it: (2, "Ctrl-C") for
+  Python's own KeyboardInterrupt and SIGINT's `Interrupted`, else (its number, its name)."""
+  signum = getattr(e, "signum", signal.SIGINT)
+  return signum, "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 def raise_if_interrupted() -> None:
   """Raises `Interrupted` for a signal taken earlier whose exception was lost: one raised inside a
   garbage-collection callback or a finalizer is only printed, and the program would go on."""
@@ -400,9 +407,8 @@ def run_main(main, *args) -> None:
   except SystemExit as e:
     status = e.code
   except KeyboardInterrupt as e:
-    signum = getattr(e, "signum", signal.SIGINT)
+    signum, shown = said(e)
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     print(f"{spec.name if spec else 'python'}: interrupted ({shown}).", file=sys.stderr)
     status = 128 + signum
   if isinstance(status, int) and status > 128:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 import numpy as np
@@ -329,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt as e:
     sys.stdout.flush()
     out = getattr(args, "out", None)  # the subcommands that write: export's --out
-    signum = getattr(e, "signum", signal.SIGINT)
-    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    signum, shown = output.said(e)
     print(f"{TOOL}: interrupted ({shown}); " + (
         f"{out} was complete before it came: it is whole." if out and output.published(out)
         else "nothing was written."), file=sys.stderr, flush=True)

@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    signum = getattr(e, "signum", signal.SIGINT)
-    shown = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    signum, shown = output.said(e)
     print(f"{TOOL}: interrupted ({shown}){getattr(e, 'detail', '')}; no answer printed.",
           file=sys.stderr)
     return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
