@@ -41,7 +41,8 @@ its chat template (the run's data's tokenizer, else the language model's source'
 of parts, mimo_jax/hf/chat_parts.py) and generation_config.json with its bos, eos and pad. The
 image token is `--image_token_index`, else the run's data.image_token, else the imported
 LLaVA's, else the tokenizer's <image>. A tower imported beside a language model (`--hf` twice)
-is read as LLaVA reads one (no final norm; a projector as wide as the language model), so it exports as LLaVA.
+is read as LLaVA reads one (no final norm; a projector as wide as the language model), so it
+exports as LLaVA.
 Written staged and renamed into place (a failed write, Ctrl-C or SIGTERM leaves nothing: one
 line, exit status 2, 130 or 143); a non-empty --out is refused unless it holds a complete
 export and `--overwrite` is given; NaN or Inf weights are refused. A module with LoRA adapters
