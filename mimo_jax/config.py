@@ -121,7 +121,8 @@ class ModelConfig(Modules):
   attention: str = "auto"
   # LayerNorm of the vision tower's blocks: xla, pallas (one-pass Pallas kernels each way, the
   # residual stream's gradient added in the backward one: GPUs, the module on one device a
-  # replica, topology dp = tp = 1), or auto (pallas where it runs, else xla).
+  # replica in one pipeline stage, topology dp = tp = pp = 1), or auto (pallas where it runs,
+  # else xla).
   layer_norm: str = "auto"
   # Each encoder's config by registered name (mimo_jax/encoders), in dispatch order; `model.<name>`
   # is short for `model.encoders.<name>`. A config file adds them with `Config.add_encoder`.

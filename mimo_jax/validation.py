@@ -395,12 +395,13 @@ def validate_backend(cfg: Config, backend: str, processes: int = 1) -> None:
       require(norm_kernels.supported(v.dim, backend), f"model.{n}.dim",
               f"model.layer_norm=pallas needs a width that is a power of two from 16 to 8192 "
               f"(Triton's blocks), and model.{n}.dim is {v.dim}; use auto or xla.")
-    split = [f"{n} (dp={t.dp}, tp={t.tp})" for n, t in cfg.topology.modules().items()
-             if n in towers and t.dp * t.tp > 1]
+    split = [f"{n} (dp={t.dp}, tp={t.tp}, pp={t.pp})" for n, t in cfg.topology.modules().items()
+             if n in towers and t.dp * t.tp * t.pp > 1]
     require(not split, "model.layer_norm",
-            f"pallas needs each module on one device a replica, and {', '.join(split)} "
-            "splits its rows over devices (XLA's partitioner would gather them for the "
-            "kernels); use auto (XLA's norms there) or xla.")
+            f"pallas needs each tower on one device a replica, in one pipeline stage, and "
+            f"{', '.join(split)} splits its rows or its layers over devices (XLA's partitioner "
+            "would gather the rows for the kernels; jax 0.11.2 refuses a kernel inside a "
+            "stage); use auto (XLA's norms there) or xla.")
   # Each process pads by what it has compiled: processes whose compiles end at other times
   # would run programs of other shapes in one step, and their collectives would not meet.
   require(not (processes > 1 and cfg.run.while_compiling == "pad"), "run.while_compiling",

@@ -97,6 +97,7 @@ def test_a_vit_block_with_the_kernels_is_the_block_without():
 
 
 def test_auto_uses_the_kernels_on_a_gpu_for_a_tower_on_one_device_a_replica(monkeypatch):
+  """In one pipeline stage too: jax 0.11.2 refuses a kernel inside a stage's shard_map."""
   cfg = Config()
   cfg.add_encoder("vision", VisionConfig())
   assert mimo.layer_norm_kernel(cfg, "vision") == on_gpu
@@ -104,8 +105,10 @@ def test_auto_uses_the_kernels_on_a_gpu_for_a_tower_on_one_device_a_replica(monk
   assert mimo.layer_norm_kernel(cfg, "vision")
   cfg.topology.vision.dp = 2
   assert not mimo.layer_norm_kernel(cfg, "vision")
+  cfg.topology.vision.dp, cfg.topology.vision.pp = 1, 2  # pipeline stages: XLA's norms
+  assert not mimo.layer_norm_kernel(cfg, "vision")
   cfg.model.layer_norm = "xla"
-  cfg.topology.vision.dp = 1
+  cfg.topology.vision.pp = 1
   assert not mimo.layer_norm_kernel(cfg, "vision")
 
 
@@ -124,5 +127,9 @@ def test_pallas_layer_norm_is_refused_where_it_cannot_run():
     validate_backend(cfg, "gpu")
   cfg.model.vision.dim = 1024
   cfg.topology.vision.dp = 2
-  with pytest.raises(ConfigError, match=r"vision \(dp=2, tp=1\) splits its rows"):
+  with pytest.raises(ConfigError, match=r"vision \(dp=2, tp=1, pp=1\) splits its rows"):
+    validate_backend(cfg, "gpu")
+  cfg.topology.vision.dp, cfg.topology.vision.pp = 1, 2  # a kernel inside a pipeline stage
+  with pytest.raises(ConfigError, match=r"vision \(dp=1, tp=1, pp=2\) splits its rows or its "
+                     r"layers"):
     validate_backend(cfg, "gpu")

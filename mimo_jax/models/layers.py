@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
@@ -204,7 +206,52 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
   offsets, lengths = segment_runs(segment_ids_bl, max_segments)
   offsets = jnp.concatenate([offsets, jnp.full((offsets.shape[0], 1), -1, jnp.int32)], axis=1)
-  return compat.packed_attention(q, k, v, offsets, lengths, causal)
+  return whole_manual(functools.partial(compat.packed_attention, causal=causal), q, k, v,
+                      offsets, lengths)
+
+
+def whole_manual(fn, *args) -> jax.Array:
+  """`fn(*args)`, run manual over every mesh axis: cuDNN's attention, a `custom_partitioning` op,
+  which XLA's partitioner cannot place inside a shard_map manual over some axes only (a
+  pipeline's stages, manual over pp): in jax 0.11.2 its partitioner's check fails, or the
+  compile crashes. There it runs in a shard_map of its own over the other axes, each argument's
+  rows [b, ...] split over dp and the heads of [b, l, heads, head_dim] over tp (sharding.AXES),
+  as the layers split them; the result is [b, l, heads, head_dim]. Its backward pass is a
+  shard_map of its own too, which runs the forward again from the arguments: residuals that
+  cross such a nested shard_map get the wrong global shapes from jax's autodiff, or crash XLA's
+  compile once a layer loop stacks them. The integer arguments (segment offsets) get no
+  gradient. Elsewhere `fn(*args)`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set() if mesh.empty else set(mesh.manual_axes)
+  auto = set() if mesh.empty else set(mesh.axis_names) - manual
+  if not manual or not auto:
+    return fn(*args)
+  dp, tp = ("dp" if "dp" in auto else None), ("tp" if "tp" in auto else None)
+  spec = lambda a: P(dp, None, tp, None) if a.ndim == 4 else P(dp, *[None] * (a.ndim - 1))
+  specs, out = tuple(map(spec, args)), P(dp, None, tp, None)
+  local = lambda f, ins, outs: jax.shard_map(f, in_specs=ins, out_specs=outs, axis_names=auto)
+  floats = [jnp.issubdtype(a.dtype, jnp.floating) for a in args]
+
+  def grads(*a_dy):  # on each rank: the float arguments' gradients, the forward run again
+    *a, dy = a_dy
+    ints = [x for x, f in zip(a, floats) if not f]
+
+    def of_floats(*xs):
+      xs, it = iter(xs), iter(ints)
+      return fn(*(next(xs) if f else next(it) for f in floats))
+    return jax.vjp(of_floats, *(x for x, f in zip(a, floats) if f))[1](dy)
+
+  @jax.custom_vjp
+  def run(*a):
+    return local(fn, specs, out)(*a)
+
+  def backward(a, dy):
+    got = iter(local(grads, specs + (out,), tuple(s for s, f in zip(specs, floats) if f))(*a, dy))
+    return tuple(next(got) if f else np.zeros(x.shape, jax.dtypes.float0)
+                 for x, f in zip(a, floats))
+
+  run.defvjp(lambda *a: (run(*a), a), backward)
+  return run(*args)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
@@ -213,8 +260,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
   refuses to train odd lengths (jax 0.11.2): rows of an odd length (a CLIP tower's 577 positions
   with its class token, SigLIP-so400m's 729) run through it padded by one position
   (`even_attention`)."""
-  if implementation == "cudnn" and mask is None and q.shape[1] % 2:
-    return even_attention(q, k, v, causal, implementation)
+  if implementation == "cudnn" and mask is None:
+    if q.shape[1] % 2:
+      return even_attention(q, k, v, causal, implementation)
+    return whole_manual(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          implementation=implementation), q, k, v)
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                       implementation=implementation)
 
@@ -230,10 +280,10 @@ def even_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
   # heads are reduced, not sliced, as tensor parallelism splits them.
   first = jnp.max(q[:, 0, :, 0].astype(jnp.float32), axis=-1)
   lengths = jnp.where(jnp.isnan(first), l, l).astype(jnp.int32)
-  out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), is_causal=causal,
-                                     query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                     implementation=implementation)
-  return out[:, :l]
+  within = lambda q, k, v, n: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, query_seq_lengths=n, key_value_seq_lengths=n,
+      implementation=implementation)
+  return whole_manual(within, pad(q), pad(k), pad(v), lengths)[:, :l]
 
 
 class KVCache(NamedTuple):

@@ -106,12 +106,13 @@ def attention_implementation(cfg: Config, packed: int = 0) -> str:
 
 def layer_norm_kernel(cfg: Config, name: str) -> bool:
   """`model.layer_norm` for module `name`'s blocks: whether their LayerNorms run as the Pallas
-  kernels of norm_kernels.py. auto: on GPUs, where the module runs on one device a replica
-  (topology dp = tp = 1; a `pallas_call` under XLA's partitioner would gather its rows)."""
+  kernels of norm_kernels.py. auto: on GPUs, where the module runs on one device a replica and
+  in one pipeline stage (topology dp = tp = pp = 1: a `pallas_call` under XLA's partitioner
+  would gather its rows, and jax 0.11.2 refuses one inside a stage's shard_map)."""
   if cfg.model.layer_norm != "auto":
     return cfg.model.layer_norm == "pallas"
   t = cfg.topology.modules()[name]
-  return jax.default_backend() == "gpu" and t.dp == 1 and t.tp == 1
+  return jax.default_backend() == "gpu" and t.dp == 1 and t.tp == 1 and t.pp == 1
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
