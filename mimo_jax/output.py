@@ -392,13 +392,14 @@ def _fsync_dir(path: pathlib.Path) -> None:
     os.close(fd)
 
 
-def run_main(main, *args) -> None:
+def run_main(main, *args, at_once: bool = True) -> None:
   """Runs a tool's `main` as the program (`if __name__ == "__main__"`) and exits with its status.
   Signals are exceptions from the start (`interrupts_as_exceptions`): one that `main` does not
   take itself (before its own handling begins: its flags being read) is one line and exit status
-  128 + its number. After an interrupt (a status above 128) the exit is immediate: the tool has
-  cleaned up, and threads of JAX or orbax still running can crash the interpreter's shutdown (a
-  segfault, status 139, instead of 130 or 143). A Ctrl-C once `main` has returned (the
+  128 + its number. After an interrupt (a status above 128) the exit is immediate, unless not
+  `at_once` (a tool whose process pools' resource tracker cleans up at a normal exit): the tool
+  has cleaned up, and threads of JAX or orbax still running can crash the interpreter's shutdown
+  (a segfault, status 139, instead of 130 or 143). A signal once `main` has returned (the
   interpreter's shutdown: its threads joined, its exit handlers) ends it at once with the tool's
   own status, without a traceback: the work is done and its outputs written."""
   try:
@@ -411,10 +412,12 @@ def run_main(main, *args) -> None:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     print(f"{spec.name if spec else 'python'}: interrupted ({shown}).", file=sys.stderr)
     status = 128 + signum
-  if isinstance(status, int) and status > 128:
+  if at_once and isinstance(status, int) and status > 128:
     _exit_now(status)
   code = 0 if status is None else status if isinstance(status, int) else 1  # as sys.exit's
-  signal.signal(signal.SIGINT, lambda *_: _exit_now(code))
+  for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(s) != signal.SIG_IGN:
+      signal.signal(s, lambda *_: _exit_now(code))
   sys.exit(status)
 
 

@@ -107,15 +107,26 @@ def test_two_language_dp_ranks_answer_as_one_device(setup, one_device):
 
 
 def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup, one_device,
-                                                                           monkeypatch):
+                                                                           monkeypatch, capsys):
   out = setup / "cut.jsonl"
   append = eval_tool.Rows.append
+
+  def sigterm_first(self, rows):  # before the first batch's rows: nothing is written
+    os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(eval_tool.Rows, "append", sigterm_first)
+  assert _eval(setup, out, "--batch", "2") == 128 + signal.SIGTERM
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "tools.eval: interrupted (SIGTERM); nothing was written.")
+  assert not out.exists() and not (setup / "cut.summary.json").exists()
 
   def append_then_sigterm(self, rows):
     append(self, rows)
     os.kill(os.getpid(), signal.SIGTERM)  # after the first batch's rows
   monkeypatch.setattr(eval_tool.Rows, "append", append_then_sigterm)
   assert _eval(setup, out, "--batch", "2") == 128 + signal.SIGTERM
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"tools.eval: interrupted (SIGTERM); 2 answered rows in {out} (2 of them new): run the "
+      "same command to go on.")
   kept = _rows(out)
   assert kept == one_device[:2]
   assert not (setup / "cut.summary.json").exists()

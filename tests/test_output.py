@@ -250,13 +250,14 @@ def test_a_lock_appears_with_its_holder_named(tmp_path, monkeypatch, links):
   assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("status", [0, 3, None])
-def test_a_ctrl_c_during_the_shutdown_after_a_tool_ends_its_status_without_a_traceback(status):
-  """A Ctrl-C while the interpreter shuts down after a tool's `main` returned (here from an exit
+@pytest.mark.parametrize("status,sig", [(0, "SIGINT"), (3, "SIGTERM"), (None, "SIGHUP")])
+def test_a_signal_during_the_shutdown_after_a_tool_ends_its_status_without_a_traceback(status,
+                                                                                        sig):
+  """A signal while the interpreter shuts down after a tool's `main` returned (here from an exit
   handler) ends the process with the tool's status and nothing on stderr."""
   code = ("import atexit, os, signal, time\n"
           "from mimo_jax import output\n"
-          "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+          f"atexit.register(lambda: (os.kill(os.getpid(), signal.{sig}), time.sleep(5)))\n"
           f"output.run_main(lambda: {status})\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)

@@ -379,4 +379,4 @@ def _error(message: str) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())  # a normal exit: its pool's resource tracker cleans up
+  output.run_main(main, at_once=False)  # a normal exit: its pool's resource tracker cleans up

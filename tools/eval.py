@@ -397,8 +397,20 @@ def run(args: argparse.Namespace) -> dict:
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
       write_whole(summary_path(out), summary)
     return summary
+  except KeyboardInterrupt as e:  # what main says: the rows in --out, and whether any are new
+    e.rows = (out, rows.earlier + rows.added, rows.added)
+    raise
   finally:
     rows.close()
+
+
+def _kept(e: KeyboardInterrupt) -> str:
+  """What an interrupted eval leaves: the rows in --out, which the same command goes on from."""
+  out, held, new = getattr(e, "rows", (None, 0, 0))
+  if not held:
+    return "nothing was written."
+  return (f"{count(held, 'answered row')} in {out} ({new} of them new): run the same command "
+          "to go on.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,9 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     return 75 if isinstance(e, checkpoint_reader.TryAgain) else 2
   except KeyboardInterrupt as e:
     sys.stdout.flush()
-    print(f"{TOOL}: interrupted ({str(e) or 'Ctrl-C'}); the rows written are kept: run the same "
-          "command to go on.", file=sys.stderr)
-    return 128 + getattr(e, "signum", 2)
+    print(f"{TOOL}: interrupted ({output.said(e)[1]}); {_kept(e)}", file=sys.stderr)
+    return 128 + output.said(e)[0]
   metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)
   if summary["at_limit"]:  # cut answers score as cut: said, not left to be found in the rows
     print(f"{TOOL}: note: {summary['at_limit']} of {count(summary['samples'], 'answer')} stopped "

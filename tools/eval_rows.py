@@ -79,6 +79,7 @@ class Rows:
     try:
       with output.write_errors(self.what):
         self._read()
+      self.earlier, self.added = len(self.done), 0  # rows in the file: read, and written since
     except BaseException:
       self.close()
       raise
@@ -117,6 +118,7 @@ class Rows:
       self.file.write("".join(json.dumps(r) + "\n" for r in rows))
       self.file.flush()
       os.fsync(self.file.fileno())
+    self.added += len(rows)
 
   def close(self) -> None:
     try:
