@@ -25,9 +25,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # and XLA's classic CPU emitters compile a tiny step in about half the time of its newer fusion
 # emitters (the same HLO, run as fast at these sizes).
 # Its matmuls are tiny and eight fake devices share two cores: one thread each runs them faster.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false "
-                      "--xla_cpu_use_fusion_emitters=false")
+# On CPUs only: XLA for GPUs knows no such options (`JAX_PLATFORMS=cuda` runs the GPU tests).
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                        "--xla_llvm_disable_expensive_passes=true "
+                        "--xla_cpu_multi_thread_eigen=false --xla_cpu_use_fusion_emitters=false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -214,6 +214,10 @@ def _qkv_dout(b, l, heads, kv_heads, head_dim, dtype=jnp.float32, seed=4):
   return [jax.random.normal(key, s + (head_dim,), dtype) for key, s in zip(keys, shapes)]
 
 
+eight = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU suite's)")
+
+
+@eight
 def test_attention_inside_a_stage_runs_manual_over_the_other_axes():
   """In a shard_map manual over pp alone (a pipeline stage), `whole_manual` runs the attention in
   a shard_map of its own over dp and tp (rows over dp, heads over tp): the same values and
@@ -269,6 +273,7 @@ def _attention_stack(mesh, kind, remat="none"):
   return Stack(layer, mesh, Schedule(pp, 1), remat)
 
 
+@eight
 @pytest.mark.parametrize("kind,l,remat", [("plain", 128, "none"), ("odd", 129, "none"),
                                           ("packed", 128, "none"), ("plain", 128, "dots")])
 def test_cudnn_attention_in_pipeline_stages_lowers_for_gpus(monkeypatch, kind, l, remat):
