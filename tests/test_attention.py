@@ -175,10 +175,9 @@ def test_cudnn_attention_of_odd_rows_matches_xla(l, head_dim):
     assert err <= 2 * base_err + 1e-3, (name, err, base_err)
 
 
-def test_padded_cudnn_attention_traces_under_vmap(monkeypatch):
-  """`pipeline.Stack` runs its layers under vmap over microbatches: the padded rows' key lengths
-  must follow the added axis (a constant [b] made jax's cuDNN batcher fail to reshape them).
-  Traced only (no GPU here): jax's checks for a cuDNN GPU are stood in for."""
+def _stand_in_for_a_gpu(monkeypatch):
+  """jax's checks for a cuDNN GPU stood in for, so that cuDNN's attention traces and lowers for
+  CUDA on CPUs."""
   fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
   for name, value in (("check_cudnn_version", lambda: 91000),
                       ("check_compute_capability", lambda capability: True),
@@ -186,6 +185,13 @@ def test_padded_cudnn_attention_traces_under_vmap(monkeypatch):
     if not hasattr(fa, name):
       pytest.skip(f"this jax has no {name} to stand in for")
     monkeypatch.setattr(fa, name, value)
+
+
+def test_padded_cudnn_attention_traces_under_vmap(monkeypatch):
+  """`pipeline.Stack` runs its layers under vmap over microbatches: the padded rows' key lengths
+  must follow the added axis (a constant [b] made jax's cuDNN batcher fail to reshape them).
+  Traced only (no GPU here): jax's checks for a cuDNN GPU are stood in for."""
+  _stand_in_for_a_gpu(monkeypatch)
   # [microbatch, b, l, heads, head_dim], l odd
   q, k, v, w = (jnp.ones((2, 3, 9, 4, 16), jnp.bfloat16) for _ in range(4))
 
@@ -247,18 +253,6 @@ def test_attention_inside_a_stage_runs_manual_over_the_other_axes():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   for g, w in zip(got_vjp(dout), want_vjp(dout)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-
-
-def _stand_in_for_a_gpu(monkeypatch):
-  """jax's checks for a cuDNN GPU stood in for, so that cuDNN's attention traces and lowers for
-  CUDA on CPUs."""
-  fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-  for name, value in (("check_cudnn_version", lambda: 91000),
-                      ("check_compute_capability", lambda capability: True),
-                      ("is_cuda_compute_capability_equal", lambda capability: False)):
-    if not hasattr(fa, name):
-      pytest.skip(f"this jax has no {name} to stand in for")
-    monkeypatch.setattr(fa, name, value)
 
 
 def _attention_stack(mesh, kind, remat="none"):
