@@ -396,12 +396,12 @@ def run_main(main, *args, at_once: bool = True) -> None:
   """Runs a tool's `main` as the program (`if __name__ == "__main__"`) and exits with its status.
   Signals are exceptions from the start (`interrupts_as_exceptions`): one that `main` does not
   take itself (before its own handling begins: its flags being read) is one line and exit status
-  128 + its number. After an interrupt (a status above 128) the exit is immediate, unless not
-  `at_once` (a tool whose process pools' resource tracker cleans up at a normal exit): the tool
-  has cleaned up, and threads of JAX or orbax still running can crash the interpreter's shutdown
-  (a segfault, status 139, instead of 130 or 143). A signal once `main` has returned (the
-  interpreter's shutdown: its threads joined, its exit handlers) ends it at once with the tool's
-  own status, without a traceback: the work is done and its outputs written."""
+  128 + its number. After an interrupt (a status above 128) the exit is immediate: the tool has
+  cleaned up, and threads of JAX or orbax still running can crash the interpreter's shutdown (a
+  segfault, status 139, instead of 130 or 143); not so where `at_once` is false (a tool whose
+  process pools' resource tracker cleans up at a normal exit). A signal once `main` has returned
+  (the interpreter's shutdown: its threads joined, its exit handlers) ends it at once with the
+  status `main` returned, without a traceback: the tool's work, or its cleanup, is done."""
   try:
     with interrupts_as_exceptions(raise_at_end=False):
       status = main(*args)

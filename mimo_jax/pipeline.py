@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax.models import fp8
+from mimo_jax.models import fp8, manual
 from mimo_jax.schedules import (  # noqa: F401  (the schedule values, as pipeline.X too)
     BACKWARD, COT_SLOT, DONE, E_LOCAL, E_MICRO, FIRST, FORWARD, FROM_INPUT, FROM_PARKED,
     FROM_PREVIOUS, IN_SLOT, KIND, LAST, LOCAL, MICRO, PARK, RECV_COT, RECV_IN, RUN_BACKWARD,
@@ -54,10 +54,15 @@ def _dots(prim, *args, **params) -> bool:
           _fp8_operands(prim, *args, **params))
 
 
+_manual_attention = jax.checkpoint_policies.save_only_these_names(manual.OUTPUT)
+
+
 def _dots_and_attention(prim, *args, **params) -> bool:
   """As `_dots`, and fused attention's outputs (cuDNN's: the output and its softmax statistics,
-  which its backward reads); elsewhere (XLA's attention) as `dots`."""
-  return prim.name.startswith("dot_product_attention_fwd") or _dots(prim, *args, **params)
+  which its backward reads; inside a stage, `manual.whole_manual`'s output, whose backward runs
+  the forward again); elsewhere (XLA's attention) as `dots`."""
+  return (prim.name.startswith("dot_product_attention_fwd") or _dots(prim, *args, **params) or
+          _manual_attention(prim, *args, **params))
 
 
 # Activation rematerialisation per layer: what the backward pass keeps from the forward.

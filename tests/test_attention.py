@@ -5,12 +5,15 @@ cuDNN runs padded by one position, give the unpadded attention. Inside a pipelin
 (manual over pp only) cuDNN's attention runs manual over the other axes too, and trains (two
 GPUs)."""
 
+import contextlib
+import io
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mimo_jax.config import Config, row_segments
@@ -18,9 +21,9 @@ from mimo_jax.encoders.vision import slot_images
 from mimo_jax.models.mimo import attention_implementation
 from mimo_jax.data.layout import place_items
 from mimo_jax import topology
-from mimo_jax.models.layers import (attention, even_attention, packed_attention, segment_runs,
-                                    whole_manual)
-from mimo_jax.pipeline import Schedule, Stack
+from mimo_jax.models.layers import attention, even_attention, packed_attention, segment_runs
+from mimo_jax.models.manual import whole_manual
+from mimo_jax.pipeline import REMAT_POLICIES, Schedule, Stack
 from tests.helpers import image_layout
 from tests.test_synthetic import _config as synthetic_config
 
@@ -242,8 +245,27 @@ def test_attention_inside_a_stage_runs_manual_over_the_other_axes():
   manual = re.findall(r"newly_manual_axes=frozenset\(\{(.*?)\}\)", jaxpr)
   assert sorted(sorted(a.replace("'", "").split(", ")) for a in manual) == [["dp", "tp"], ["pp"]]
   assert "shard_map" not in str(jax.make_jaxpr(lambda *a: whole_manual(plain, *a))(q, k, v))
+  # Rows that do not split over dp (an eval batch's slots) stay whole on each rank.
+  one = [a[:1] for a in (q, k, v, dout)]
+  want, want_vjp = jax.vjp(plain, *one[:3])
+  got, got_vjp = jax.vjp(jax.jit(staged), *one[:3])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for g, w in zip(got_vjp(one[3]), want_vjp(one[3])):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  # remat dots_attention keeps its output (as cuDNN's attention outputs outside a stage); dots
+  # does not.
+  def saved(policy):
+    kept = jax.shard_map(lambda *a: jax.checkpoint(  # sin's backward reads the output
+        lambda *a: jnp.sin(whole_manual(plain, *a)), policy=REMAT_POLICIES[policy])(*a),
+        mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), axis_names={"pp"})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      print_saved_residuals(kept, q, k, v)
+    return printed.getvalue()
+  assert "f32[4,16,4,8] output of shard_map" in saved("dots_attention"), saved("dots_attention")
+  assert "output of shard_map" not in saved("dots"), saved("dots")
   # An integer argument (packed rows' segments) is split over dp and gets no gradient.
-  rows = jnp.asarray(np.repeat(ROWS[:, ::4], 1, axis=0))  # [4, 16]
+  rows = jnp.asarray(ROWS[:, ::4])  # [4, 16]
   masked = lambda q, k, v, rows: jax.nn.dot_product_attention(
       q, k, v, mask=rows[:, None, :, None] == rows[:, None, None, :])
   staged = jax.shard_map(lambda *a: whole_manual(masked, *a), mesh=mesh, in_specs=(P(),) * 4,

@@ -116,7 +116,7 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   monkeypatch.setattr(eval_tool.Rows, "append", sigterm_first)
   assert _eval(setup, out, "--batch", "2") == 128 + signal.SIGTERM
   assert capsys.readouterr().err.splitlines()[-1] == (
-      "tools.eval: interrupted (SIGTERM); nothing was written.")
+      "tools.eval: interrupted (SIGTERM); nothing was written: run the same command to go on.")
   assert not out.exists() and not (setup / "cut.summary.json").exists()
 
   def append_then_sigterm(self, rows):
@@ -125,8 +125,8 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   monkeypatch.setattr(eval_tool.Rows, "append", append_then_sigterm)
   assert _eval(setup, out, "--batch", "2") == 128 + signal.SIGTERM
   assert capsys.readouterr().err.splitlines()[-1] == (
-      f"tools.eval: interrupted (SIGTERM); 2 answered rows in {out} (2 of them new): run the "
-      "same command to go on.")
+      f"tools.eval: interrupted (SIGTERM); 2 rows in {out}, 2 written now: run the same command "
+      "to go on.")
   kept = _rows(out)
   assert kept == one_device[:2]
   assert not (setup / "cut.summary.json").exists()

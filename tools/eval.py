@@ -408,9 +408,8 @@ def _kept(e: KeyboardInterrupt) -> str:
   """What an interrupted eval leaves: the rows in --out, which the same command goes on from."""
   out, held, new = getattr(e, "rows", (None, 0, 0))
   if not held:
-    return "nothing was written."
-  return (f"{count(held, 'answered row')} in {out} ({new} of them new): run the same command "
-          "to go on.")
+    return "nothing was written: run the same command to go on."
+  return f"{count(held, 'row')} in {out}, {new} written now: run the same command to go on."
 
 
 def main(argv: list[str] | None = None) -> int:

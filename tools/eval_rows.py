@@ -116,9 +116,9 @@ class Rows:
       if self.file is None:
         self._open()
       self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+      self.added += len(rows)  # written: an interrupt from here on leaves them in the file
       self.file.flush()
       os.fsync(self.file.fileno())
-    self.added += len(rows)
 
   def close(self) -> None:
     try:

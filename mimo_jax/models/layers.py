@@ -14,14 +14,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
 from mimo_jax.models.activations import ACTIVATIONS
 from mimo_jax.models import lora
+from mimo_jax.models.manual import whole_manual
 from mimo_jax.models import norm_kernels
 
 def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -208,50 +207,6 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_bl: j
   offsets = jnp.concatenate([offsets, jnp.full((offsets.shape[0], 1), -1, jnp.int32)], axis=1)
   return whole_manual(functools.partial(compat.packed_attention, causal=causal), q, k, v,
                       offsets, lengths)
-
-
-def whole_manual(fn, *args) -> jax.Array:
-  """`fn(*args)`, run manual over every mesh axis: cuDNN's attention, a `custom_partitioning` op,
-  which XLA's partitioner cannot place inside a shard_map manual over some axes only (a
-  pipeline's stages, manual over pp): in jax 0.11.2 its partitioner's check fails, or the
-  compile crashes. There it runs in a shard_map of its own over the other axes, each argument's
-  rows [b, ...] split over dp and the heads of [b, l, heads, head_dim] over tp (sharding.AXES),
-  as the layers split them; the result is [b, l, heads, head_dim]. Its backward pass is a
-  shard_map of its own too, which runs the forward again from the arguments: residuals that
-  cross such a nested shard_map get the wrong global shapes from jax's autodiff, or crash XLA's
-  compile once a layer loop stacks them. The integer arguments (segment offsets) get no
-  gradient. Elsewhere `fn(*args)`."""
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set() if mesh.empty else set(mesh.manual_axes)
-  auto = set() if mesh.empty else set(mesh.axis_names) - manual
-  if not manual or not auto:
-    return fn(*args)
-  dp, tp = ("dp" if "dp" in auto else None), ("tp" if "tp" in auto else None)
-  spec = lambda a: P(dp, None, tp, None) if a.ndim == 4 else P(dp, *[None] * (a.ndim - 1))
-  specs, out = tuple(map(spec, args)), P(dp, None, tp, None)
-  local = lambda f, ins, outs: jax.shard_map(f, in_specs=ins, out_specs=outs, axis_names=auto)
-  floats = [jnp.issubdtype(a.dtype, jnp.floating) for a in args]
-
-  def grads(*a_dy):  # on each rank: the float arguments' gradients, the forward run again
-    *a, dy = a_dy
-    ints = [x for x, f in zip(a, floats) if not f]
-
-    def of_floats(*xs):
-      xs, it = iter(xs), iter(ints)
-      return fn(*(next(xs) if f else next(it) for f in floats))
-    return jax.vjp(of_floats, *(x for x, f in zip(a, floats) if f))[1](dy)
-
-  @jax.custom_vjp
-  def run(*a):
-    return local(fn, specs, out)(*a)
-
-  def backward(a, dy):
-    got = iter(local(grads, specs + (out,), tuple(s for s, f in zip(specs, floats) if f))(*a, dy))
-    return tuple(next(got) if f else np.zeros(x.shape, jax.dtypes.float0)
-                 for x, f in zip(a, floats))
-
-  run.defvjp(lambda *a: (run(*a), a), backward)
-  return run(*args)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
