@@ -60,6 +60,30 @@ class StopFlag:
     if signum in self._old:
       signal.signal(signum, self._old.pop(signum))
 
+  def before_first_step(self, main: bool) -> list:
+    """The end of a run that a signal stopped before its first step, with nothing made: its one
+    line (from the main process) and no records."""
+    if main:
+      print(f"{self.signal} before the first step: nothing to save.", flush=True)
+    return []
+
+  def unless_stopped(self, work):
+    """`work()` (a built-in task's data built on first use: seconds), which a signal stops at once
+    (`output.Interrupted` raised where it runs, so that its cleanup runs) rather than when it
+    ends; None where a signal came before or during it (`signal` names it). With several
+    processes `work()` runs as it is: they stop together, at a step."""
+    if self.signal is not None:
+      return None
+    if self._multi:
+      return work()
+    from mimo_jax import output  # pylint: disable=import-outside-toplevel
+    try:
+      with output.interrupts_as_exceptions():
+        return work()
+    except output.Interrupted as e:
+      self.signal, self.signum = signal.Signals(e.signum).name, e.signum
+      return None
+
   def __exit__(self, *exc):
     for sig, handler in self._old.items():
       signal.signal(sig, handler)

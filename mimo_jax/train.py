@@ -36,8 +36,7 @@ def run(cfg: Config, pending=None) -> list[dict]:
   started = time.time()
   compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
   # A signal during start-up (the checks, building the step, data, compilation, the capacity
-  # check) ends the run before its first step, with nothing to save; the loop's own flag takes
-  # over from this one.
+  # check) ends the run before its first step, nothing saved; the loop's flag takes over.
   taken = pending or (lambda: None)
   with StopFlag(pending=taken()) as early:
     early.signal = early.signal or taken()  # one the caller took while this flag was installed
@@ -54,9 +53,7 @@ def run(cfg: Config, pending=None) -> list[dict]:
       init_from.params(cfg, {n: a["params"] for n, a in
                                    trainer.abstract_state(canonical=True).items()}, read=False)
     if early.requested():  # before anything is made
-      if distributed.is_main():
-        print(f"{early.signal} before the first step: nothing to save.", flush=True)
-      return []
+      return early.before_first_step(distributed.is_main())
     # What the workdir holds before the run writes there: a run that ends before its first step
     # (an error, a signal) removes what it made, its workdir too, and leaves nothing behind.
     made = workdir.Made(cfg.run.workdir) if distributed.is_main() else None
@@ -73,7 +70,10 @@ def run(cfg: Config, pending=None) -> list[dict]:
 
 def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float,
          early: StopFlag) -> list[dict]:
-  paths = loader.build_paths(cfg, progress=print if distributed.is_main() else None)
+  say = print if distributed.is_main() else None
+  paths = early.unless_stopped(lambda: loader.build_paths(cfg, progress=say))
+  if paths is None:  # a signal before or while the built-in task's data was built: none of it
+    return early.before_first_step(distributed.is_main())
   loop = _Loop(cfg, trainer, started)
   try:
     loop.open(paths, lock, early)

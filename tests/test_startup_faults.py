@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mimo_jax import checkpoint, precompile, train, workdir
-from mimo_jax.data import capacity
+from mimo_jax.data import capacity, conversion, digits
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 from tests.test_lora import lora_config
@@ -143,6 +143,25 @@ def test_a_signal_before_the_run_makes_anything_ends_it_in_one_line(data_dir, tm
   assert capsys.readouterr().out.splitlines() == [
       "SIGTERM before the first step: nothing to save.",
       "SIGINT before the first step: nothing to save."]
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_while_the_tasks_data_is_built_stops_it_at_once(data_dir, tmp_path,
+                                                                 monkeypatch, capsys):
+  """A signal while the built-in task builds its data on first use stops the build where it is,
+  leaves none of it (nor the data.dir it made), and ends the run in one line."""
+  wrote = digits._write_source
+
+  def write_then_signal(*args):
+    wrote(*args)
+    os.kill(os.getpid(), signal.SIGINT)
+  monkeypatch.setattr(digits, "_write_source", write_then_signal)
+  monkeypatch.setattr(conversion, "convert", lambda *a, **k: pytest.fail("the build went on"))
+  cfg = _cfg(data_dir, tmp_path / "run")
+  cfg.data.dir = str(tmp_path / "new" / "data")
+  assert train.run(cfg) == []
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      "SIGINT before the first step: nothing to save.")
   assert list(tmp_path.iterdir()) == []
 
 

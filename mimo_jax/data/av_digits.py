@@ -33,8 +33,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 
 import numpy as np
 
@@ -128,14 +126,12 @@ def directory(root: str, train_samples: int, eval_samples: int) -> pathlib.Path:
 
 def build(root: str, train_samples: int, eval_samples: int) -> str:
   """Builds (once) the task's converted directory under `root` and returns it; written under a
-  temporary name and renamed when complete, as digits.build does."""
+  temporary name and renamed when complete, as digits.build does (`digits.built`)."""
   final = directory(root, train_samples, eval_samples)
   if digits.complete(final):
     return str(final)
-  final.parent.mkdir(parents=True, exist_ok=True)
-  print(f"av_digits: building the task's records in {final} (once)", flush=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-  try:
+
+  def write(tmp: pathlib.Path) -> None:
     _write_source(tmp, train_samples, eval_samples)
     src = tmp / "source"
     opts = conversion_record.Options(
@@ -146,13 +142,4 @@ def build(root: str, train_samples: int, eval_samples: int) -> str:
                                      window_s=WINDOW_S))
     evals = range(train_samples, train_samples + eval_samples)
     conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
-    if final.exists() and not digits.complete(final):
-      shutil.rmtree(final)
-    try:
-      os.rename(tmp, final)
-    except OSError:  # another process built it first
-      if not digits.complete(final):
-        raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return str(final)
+  return digits.built(final, "av_digits: building the task's records in {} (once)", write)

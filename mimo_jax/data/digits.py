@@ -153,14 +153,8 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
   final = directory(root, train_samples, eval_samples, probs)
   if complete(final):
     return str(final)
-  final.parent.mkdir(parents=True, exist_ok=True)
-  print(f"digits: building the task's records in {final} (once; about 10 s on 2 cores)",
-        flush=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-  mask = os.umask(0)
-  os.umask(mask)
-  os.chmod(tmp, 0o777 & ~mask)  # as a directory made by mkdir, not mkdtemp's owner-only
-  try:
+
+  def write(tmp: pathlib.Path) -> None:
     _write_source(tmp, train_samples, eval_samples, probs)
     src = tmp / "source"
     workers = min(os.cpu_count() or 1, 4) if train_samples > 4000 else 1
@@ -168,6 +162,27 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
                                      image_token=IMAGE_TOKEN, on_error="fail", workers=workers)
     evals = range(train_samples, train_samples + eval_samples)  # the records after train's
     conversion.convert(src / "conversations.jsonl", tmp, opts, eval_ids=evals, progress=False)
+  return built(final, "digits: building the task's records in {} (once; about 10 s on 2 cores)",
+               write)
+
+
+def built(final: pathlib.Path, saying: str, write) -> str:
+  """`final` made by `write(tmp)` into a temporary directory beside it, renamed when complete
+  (another process may have built it first); `saying` (with {} for `final`) is printed first. A
+  failure or a signal midway leaves nothing: the temporary directory goes, and so do the folders
+  above `final` that this made (`data.dir`), if empty."""
+  made, folder = [], final.parent  # the folders above `final` that do not exist yet
+  while not os.path.lexists(folder) and folder.parent != folder:
+    made.append(folder)
+    folder = folder.parent
+  final.parent.mkdir(parents=True, exist_ok=True)
+  print(saying.format(final), flush=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(tmp, 0o777 & ~mask)  # as a directory made by mkdir, not mkdtemp's owner-only
+  try:
+    write(tmp)
     if final.exists() and not complete(final):
       shutil.rmtree(final)
     try:
@@ -177,4 +192,10 @@ def build(root: str, train_samples: int, eval_samples: int, probs: list[float]) 
         raise
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+    if not complete(final):
+      for folder in made:  # innermost first
+        try:
+          folder.rmdir()
+        except OSError:  # not empty: another process's, or the user's since
+          break
   return str(final)
