@@ -1,11 +1,13 @@
 """Synthetic VLM-shaped data (data/synthetic.py) and the realistic model features it feeds: many
 images a sample, a large vocabulary, the pixel-shuffle projector."""
 
+import signal
+
 import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from mimo_jax import train
+from mimo_jax import output, train
 from mimo_jax.config import ConfigError
 from mimo_jax.data import loader, synthetic
 from mimo_jax.data.layout import layout_microbatch
@@ -63,6 +65,23 @@ def test_a_bad_record_names_file_and_index(tmp_path):
   assert [img.shape for img in ds[0][1]["images"]] == [(4, 4, 3)]
   with pytest.raises(ValueError, match=r"bad\.array_record: record 1 is not a valid synthetic"):
     ds[1]  # pylint: disable=pointless-statement
+
+
+def test_a_build_stopped_midway_leaves_no_file(tmp_path, monkeypatch):
+  """A signal while the shards are written (train.run stops a build at once) leaves no partial
+  shard; the next run builds them whole."""
+  made = synthetic.make_samples
+
+  def stopped(*args):
+    yield next(made(*args))
+    raise output.Interrupted(signal.SIGINT)
+  monkeypatch.setattr(synthetic, "make_samples", stopped)
+  cfg = _config(tmp_path / "data")
+  with pytest.raises(output.Interrupted):
+    loader.build_paths(cfg)
+  assert not list((tmp_path / "data").iterdir())
+  monkeypatch.setattr(synthetic, "make_samples", made)
+  assert sorted(loader.build_paths(cfg)) == ["eval", "train"]
 
 
 def test_too_many_image_tokens_for_the_sequence_is_an_error():

@@ -186,15 +186,19 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
     n = samples if split == "train" else eval_samples
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
     os.close(fd)
-    writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
-    rows = []
-    for i, sample in enumerate(make_samples(n, seed, probs, sizes, channels, image_tokens,
-                                            seq_len, text_len, text_sigma, vocab_size, audio)):
-      writer.write(encode(sample))
-      rows.append(meta.row(sample, VOCABULARY))
-      if progress and (i + 1) % 1000 == 0:
-        progress(f"{path.name}: {i + 1}/{n} samples")
-    writer.close()
-    meta.save(str(path), rows)  # before the shard appears under its name
-    os.replace(tmp, path)
+    try:  # a failure or a signal midway (train.run stops a build at once) leaves no .tmp file
+      writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+      rows = []
+      for i, sample in enumerate(make_samples(n, seed, probs, sizes, channels, image_tokens,
+                                              seq_len, text_len, text_sigma, vocab_size, audio)):
+        writer.write(encode(sample))
+        rows.append(meta.row(sample, VOCABULARY))
+        if progress and (i + 1) % 1000 == 0:
+          progress(f"{path.name}: {i + 1}/{n} samples")
+      writer.close()
+      meta.save(str(path), rows)  # before the shard appears under its name
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
   return {k: str(v) for k, v in paths.items()}
