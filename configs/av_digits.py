@@ -11,7 +11,7 @@ tokens dropped, pooled by 2.
   python -m mimo_jax.launch --config=configs/av_digits.py:single   # everything on one device
 """
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.config_run import AV_DIGITS_VOCAB
 from mimo_jax.data import av_digits
 from mimo_jax.encoders.audio import AudioConfig
@@ -37,5 +37,5 @@ def get_config(arg: str | None = None) -> Config:
   elif arg == "single":
     cfg.run.cpu_devices = 1
   else:
-    raise ValueError(f"configs/av_digits.py: unknown variant {arg!r}; use 'default' or 'single'.")
+    raise ConfigError(f"configs/av_digits.py: unknown variant {arg!r}; use 'default' or 'single'.")
   return cfg

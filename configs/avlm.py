@@ -17,7 +17,7 @@ sample: what tools/hf_qwen2_audio_bench.py runs in PyTorch).
 """
 
 from configs import vlm
-from mimo_jax.config import Config, ModuleTopology
+from mimo_jax.config import Config, ConfigError, ModuleTopology
 from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.models.whisper import shaped
 
@@ -40,5 +40,5 @@ def get_config(arg: str | None = None) -> Config:
     for name in ("vision", "audio", "language"):
       cfg.model.module(name).fp8 = True
   else:
-    raise ValueError(f"configs/avlm.py: unknown variant {arg!r}; use default, fp8 or audio.")
+    raise ConfigError(f"configs/avlm.py: unknown variant {arg!r}; use default, fp8 or audio.")
   return cfg

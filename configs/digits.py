@@ -7,7 +7,7 @@ devices 0-3 feeds language dp2 x tp2 on devices 4-7 (a 4 -> 2 fan-in through the
   python -m mimo_jax.launch --config=configs/digits.py:single   # everything on one device
 """
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import VisionConfig
 
 
@@ -21,5 +21,5 @@ def get_config(arg: str | None = None) -> Config:
   elif arg == "single":
     cfg.run.cpu_devices = 1
   else:
-    raise ValueError(f"configs/digits.py: unknown variant {arg!r}; use 'default' or 'single'.")
+    raise ConfigError(f"configs/digits.py: unknown variant {arg!r}; use 'default' or 'single'.")
   return cfg

@@ -21,14 +21,14 @@ max_audios, max_windows) or `tools.hf import` of a small Qwen2-Audio or Whisper 
   python -m mimo_jax.launch --config=configs/llava_cpu.py:audio --config.data.dir=data/speech ...
 """
 
-from mimo_jax.config import Config, ModuleTopology
+from mimo_jax.config import Config, ConfigError, ModuleTopology
 from mimo_jax.encoders.audio import AudioConfig
 from mimo_jax.encoders.vision import VisionConfig
 
 
 def get_config(arg: str | None = None) -> Config:
   if arg not in (None, "", "default", "audio"):
-    raise ValueError(f"configs/llava_cpu.py: no variant {arg!r}; use 'default' or 'audio'.")
+    raise ConfigError(f"configs/llava_cpu.py: no variant {arg!r}; use 'default' or 'audio'.")
   cfg = Config()
   if arg == "audio":
     cfg.add_encoder("audio", AudioConfig(dim=64, layers=2, heads=4, mlp_dim=256,

@@ -45,7 +45,7 @@ Variants (the argument after the colon):
 Topology fields are left at one device; benchmarks and runs set them with flags.
 """
 
-from mimo_jax.config import Config
+from mimo_jax.config import Config, ConfigError
 from mimo_jax.encoders.vision import VisionConfig
 
 
@@ -116,6 +116,6 @@ def get_config(arg: str | None = None) -> Config:
     # The frozen base takes 2 bytes a parameter, which leaves room to keep matmul outputs.
     cfg.topology.language.remat = "dots"
   else:
-    raise ValueError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy, "
+    raise ConfigError(f"configs/vlm.py: unknown variant {arg!r}; use default, encoder_heavy, "
                      "dynamic, tuned, llm8b or llm8b_lora.")
   return cfg

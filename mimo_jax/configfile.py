@@ -53,6 +53,9 @@ def load_file(spec: str, hint: str = DEFAULT_HINT) -> Config:
     module_spec = importlib.util.spec_from_file_location("mimo_jax_config_file", file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+      raise ConfigError(f"--config={spec}: {file} defines no get_config(arg=None) returning a "
+                        f"Config; add one (as {hint} does).")
     cfg = module.get_config(arg) if sep else module.get_config()
   except ConfigError:
     raise

@@ -68,7 +68,11 @@ def _guarded(fn, *args):
     return fn(*args)
   except Exception as e:  # pylint: disable=broad-except  # a bad flag or value
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    _fail(lines[0] if lines else type(e).__name__)
+    name = getattr(e, "flagname", None)  # absl's unknown flag: a config field misspelt, often
+    name = None if lines and "Did you mean" in lines[0] else name  # absl's suggestion is enough
+    hint = (f"; a config field is --config.{name.split('.', 1)[1]}=VALUE" if name and "." in name
+            else "") + ("; --helpfull lists every flag and field" if name else "")
+    _fail((lines[0] if lines else type(e).__name__) + hint)
   return None
 
 

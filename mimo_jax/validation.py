@@ -124,9 +124,10 @@ def data_source(cfg: Config) -> None:
   tools that do not read the run's data do not)."""
   d = cfg.data
   if d.task == "conversations" and d.dir:
+    found = "is a file, not a directory" if os.path.exists(d.dir) else "not found"
     require(os.path.isdir(d.dir), "data.dir",
-            f"{d.dir} not found; data.task=conversations reads the directory `python -m "
-            "tools.convert` wrote.")
+            f"{d.dir} {found}; data.task=conversations reads the directory that `python -m "
+            "tools.convert --json FILE --out DIR` writes from a LLaVA-format JSON file.")
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:

@@ -22,7 +22,8 @@ def _launch(*args, cwd=None):
     (["--config.train.steps=abc"], "train.steps"),
     (["--config.topology.language.dp=3"], "config.topology.language.dp"),
     (["--config=configs/nope.py"], "nope.py"),
-    (["--config=configs/digits.py:bogus"], "bogus"),
+    (["--config=configs/digits.py:bogus"], ": configs/digits.py: unknown variant 'bogus'; use"),
+    (["--confg.train.steps=3"], "'confg.train.steps'; a config field is --config.train.steps="),
     (["stray"], "stray"),
     # Converted data that is not there is named first (not the fields its launch line sets).
     (["--config.data.task=conversations", "--config.data.dir=/nonexistent/llava"],
@@ -30,7 +31,8 @@ def _launch(*args, cwd=None):
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, args, needle):
   workdir = tmp_path / "run"
-  proc = _launch(*args, f"--config.run.workdir={workdir}" if "stepz" not in args[0] else "")
+  proc = _launch(*args, f"--config.run.workdir={workdir}" if "stepz" not in args[0] and
+                 "confg" not in args[0] else "")
   assert proc.returncode == 2, proc.stderr
   lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
   assert len(lines) == 1 and lines[0].startswith("mimo_jax: error: "), proc.stderr

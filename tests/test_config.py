@@ -236,6 +236,26 @@ def test_a_config_file_is_checked_as_its_overrides_are(tmp_path, line, said):
   assert (lr, type(lr)) == (1.0, float)
 
 
+def test_a_config_file_without_get_config_or_variant_and_data_dir_a_file(tmp_path):
+  """One line each that says what to do, not a Python exception's name: a file with no
+  get_config, a variant a config file does not have, data.dir naming the JSON file itself."""
+  from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
+  from mimo_jax.validation import data_source  # pylint: disable=import-outside-toplevel
+  (tmp_path / "c.py").write_text("x = 1\n")
+  with pytest.raises(ConfigError, match=r"c\.py defines no get_config\(arg=None\) returning a "
+                     r"Config; add one \(as configs/digits\.py does\)\.$"):
+    configfile.load_file(str(tmp_path / "c.py"))
+  with pytest.raises(ConfigError) as e:
+    configfile.load_file("configs/digits.py:singel")
+  assert str(e.value) == ("configs/digits.py: unknown variant 'singel'; use 'default' or "
+                          "'single'.")
+  cfg = configfile.load_file("configs/llava_cpu.py")
+  cfg.data.task, cfg.data.dir = "conversations", str(tmp_path / "c.py")
+  with pytest.raises(ConfigError, match=r"c\.py is a file, not a directory; .* reads the "
+                     r"directory that `python -m tools\.convert --json FILE --out DIR` writes"):
+    data_source(cfg)
+
+
 def test_overrides_split_as_flags_are_written():
   from mimo_jax import configfile  # pylint: disable=import-outside-toplevel
   spec, overrides, rest = configfile.split_args(

@@ -427,6 +427,11 @@ def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   err = capsys.readouterr().err
   assert "holds rows of another eval (max_new_tokens " in err and "3 here)" in err, err
   assert _rows(setup / "one.jsonl") == one_device
+  data = (setup / "data.json").read_bytes()  # --out naming the data itself: no rows file
+  assert _eval(setup, setup / "data.json") == 2
+  assert (f"--out {setup / 'data.json'} exists and is no eval's rows file (it has no readable "
+          "data.json.settings.json beside it); give another --out.") in capsys.readouterr().err
+  assert (setup / "data.json").read_bytes() == data
 
 
 def test_without_out_evals_of_other_settings_keep_files_of_their_own(setup, tmp_path, capsys):

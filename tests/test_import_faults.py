@@ -201,7 +201,7 @@ def test_a_bad_base_config_or_override_is_one_line(tmp_path, capsys):
   run = [a for a in RUN if not a.startswith("--config=")]
   _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out",
                                  "--config=configs/llava_cpu.py:big", run=run),
-         "--config=configs/llava_cpu.py:big: ValueError", "no variant 'big'")
+         "configs/llava_cpu.py: no variant 'big'")
   _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out",
                                  "--config.model.vision.final_norm=ture"),
          "--config.model.vision.final_norm=ture: not a bool")

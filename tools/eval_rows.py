@@ -88,10 +88,13 @@ class Rows:
     if not self.out.exists():
       return
     recorded = _as_now(_recorded_settings(self.out), self.settings)
+    if recorded is None:  # not an eval's rows: maybe the data itself
+      raise output.OutputError(
+          f"--out {self.out} exists and is no eval's rows file (it has no readable "
+          f"{settings_path(self.out).name} beside it); give another --out.")
     if recorded != self.settings:
-      differ = ("its settings file is missing or unreadable" if recorded is None else
-                "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
-                          for k, v in self.settings.items() if recorded.get(k) != v))
+      differ = "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
+                         for k, v in self.settings.items() if recorded.get(k) != v)
       raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
                                "another --out or remove it.")
     data = self.out.read_bytes()

@@ -274,13 +274,13 @@ Its run.workdir is the folder this file is in, wherever that folder is moved or 
 import json
 import pathlib
 
-from mimo_jax.config import from_dict
+from mimo_jax.config import ConfigError, from_dict
 
 
 def get_config(arg=None):
   here = pathlib.Path(__file__).resolve().parent
   if arg:
-    raise ValueError(f"{{here / 'config.py'}}: no variant {{arg!r}}; an import's config has none.")
+    raise ConfigError(f"{{here / 'config.py'}}: no variant {{arg!r}}; an import's config has none.")
   cfg = from_dict(json.loads((here / "config.json").read_text()))
   cfg.run.workdir = str(here)
   return cfg
