@@ -31,6 +31,7 @@ import tempfile
 
 import numpy as np
 
+from mimo_jax import workdir
 from mimo_jax.data import conversations, conversion, conversion_record
 from mimo_jax.data.tokenizer import DIGIT_WORDS, SPECIALS, Tokenizer
 
@@ -171,10 +172,7 @@ def built(final: pathlib.Path, saying: str, write) -> str:
   (another process may have built it first); `saying` (with {} for `final`) is printed first. A
   failure or a signal midway leaves nothing: the temporary directory goes, and so do the folders
   above `final` that this made (`data.dir`), if empty."""
-  made, folder = [], final.parent  # the folders above `final` that do not exist yet
-  while not os.path.lexists(folder) and folder.parent != folder:
-    made.append(folder)
-    folder = folder.parent
+  made = workdir.Made(str(final.parent))  # the folders above `final` that do not exist yet
   final.parent.mkdir(parents=True, exist_ok=True)
   print(saying.format(final), flush=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
@@ -193,9 +191,5 @@ def built(final: pathlib.Path, saying: str, write) -> str:
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
     if not complete(final):
-      for folder in made:  # innermost first
-        try:
-          folder.rmdir()
-        except OSError:  # not empty: another process's, or the user's since
-          break
+      made.remove_unused(None)  # each if empty (another process's, or the user's since, stays)
   return str(final)
