@@ -7,7 +7,6 @@ checkpoints resumes from the latest; SIGTERM or SIGINT saves the last finished s
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -22,6 +21,7 @@ from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
 from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow, evaluated_through
 from mimo_jax.optim import schedule
+from mimo_jax.start_lines import start_lines
 from mimo_jax.step import Step
 from mimo_jax.step_records import BridgeMismatchError, NonFiniteStepError
 from mimo_jax.stopping import StopFlag
@@ -166,7 +166,8 @@ class _Loop:
     self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                                 resume_after=self.start, enabled=distributed.is_main(),
                                 started=self.started)  # its clock: the time to first step's
-    self._announce(lock, started, paths)
+    for line in start_lines(self, lock.note if lock is not None else None, started, paths):
+      self.writer.say(line)
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "
                       "devices")
@@ -183,37 +184,6 @@ class _Loop:
     return found >= steps and distributed.main_says(
         "finished_at_open", distributed.is_main() and
         steps in evaluated_through(self.cfg.run.workdir, found))
-
-  def _announce(self, lock: workdir.Lock | None, started: dict, paths: dict) -> None:
-    """Says where the run starts from: workdir, topology, data, checkpoint or sources."""
-    say = self.writer.say
-    if lock is not None and lock.note:
-      say(lock.note)
-    for moved in self.ckpt.set_aside:
-      say(f"moved {moved} aside ({checkpoint_steps.why_aside(moved)})")
-    say(f"topology: {self.trainer.topo.describe()}")
-    say(f"parameters: {self.trainer.plan.parameters()}")
-    say(compile_cache.describe())
-    say(f"data: {self.cfg.data.task} from {os.path.dirname(os.path.abspath(paths['train']))}")
-    if self.finished:
-      say(f"found {self.ckpt.path} step {self.start}, the last step, with its final eval on "
-          "record: the state is not restored")
-    elif self.resumed:
-      gib, took = self.restored
-      size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
-      say(f"resumed from {self.ckpt.path} step {self.start} ({size} of state restored in "
-          f"{took:.1f} s)")
-    else:
-      say(f"a new run in {os.path.abspath(self.cfg.run.workdir)}")
-    if self.resumed and self.cfg.model.init_from:
-      say(f"model.init_from={self.cfg.model.init_from} is not read: this run resumes its own "
-          f"step {self.start} (model.init_from starts a new run: give it a new run.workdir)")
-    for note in self.ckpt.notes:
-      say(note)
-    for (field, path, step) in sorted(set(started.values())):
-      names = [n for n, source in started.items() if source == (field, path, step)]
-      say(f"{', '.join(names)} started from {path} step {step} ({field}): parameters only, a "
-          "fresh optimizer at step 0")
 
   def run(self, pending_signal: str | None) -> list[dict]:
     """Trains to train.steps, saves the last step and evaluates it, under SIGTERM/SIGINT
