@@ -170,15 +170,15 @@ def _chain(e: BaseException):
 
 def _explain(e: BaseException) -> tuple[str | None, int]:
   """One sentence and the exit status for errors a user can fix: 2 for input (config, data,
-  checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk); (None, 1)
-  for anything else, which is a bug and keeps its traceback."""
+  checkpoint, workdir), 1 for a run that cannot go on (non-finite steps, a full disk, a device's
+  memory); (None, 1) for anything else, which is a bug and keeps its traceback."""
   # pylint: disable=import-outside-toplevel  (after JAX is configured: module docstring)
-  from mimo_jax import step_records
+  from mimo_jax import memory, step_records
   from mimo_jax.data import capacity
   for x in _chain(e):
     if isinstance(x, (ConfigError, capacity.CapacityError)):
       return str(x), 2
-    if isinstance(x, (step_records.NonFiniteStepError, NonFiniteError)):
+    if isinstance(x, (step_records.NonFiniteStepError, NonFiniteError, memory.OutOfMemoryError)):
       return str(x), 1
     if isinstance(x, OSError) and x.errno is not None:
       # The file in full: shutil.rmtree names one relative to the folder it was removing.

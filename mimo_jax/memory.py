@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
@@ -175,16 +176,86 @@ def check(cfg: Config, limit: int | None = None, warn=None) -> dict[str, dict[st
     others = [n for n in names if n != name]
     shared = (f"; {', '.join(others)} on the same devices "
               f"{size(sum(sum(need[n].values()) for n in others))}" if others else "")
-    t = cfg.topology.module(name)
-    fixes = ([] if t.shard == "full" else [f"shard its state over dp (topology.{name}.shard=full)"])
-    fixes.append("add dp, tp or pp")
-    if t.remat != "full":
-      fixes.append(f"set topology.{name}.remat=full")
     raise ConfigError(
         f"config.topology.{name}.shard: {name} needs at least {size(sum(need[name].values()))} "
         f"a device ({parts}{shared}) where a device has {size(limit)}; "
-        f"{', '.join(fixes[:-1]) + ' or ' if len(fixes) > 1 else ''}{fixes[-1]}.")
+        f"{_either(_fixes(cfg, name, None))}.")
   return need
+
+
+STATE, STEP, EVAL = "holding the state", "the training step", "the evaluation"
+
+
+def _fixes(cfg: Config, name: str, during: str | None) -> list[str]:
+  """What takes memory off the devices of module `name` where it ran out `during` (STATE, STEP,
+  EVAL), or (None) where `check`'s bound does not fit."""
+  t, d = cfg.topology.module(name), cfg.data
+  fixes = []
+  if during == EVAL:
+    fixes.append(f"a smaller eval.batch (now {cfg.eval.batch})")
+  if during == STEP and d.micro_batch > 1:
+    fixes.append(f"more data.microbatches (now {d.microbatches}, {d.micro_batch} samples each)")
+  if during == STEP and t.remat != "full":
+    fixes.append(f"set topology.{name}.remat=full")
+  if t.shard != "full" and (during in (None, STATE) or t.dp > 1):
+    fixes.append(f"shard its state over dp (topology.{name}.shard=full)")
+  fixes.append("add dp, tp or pp")
+  if during is None and t.remat != "full":
+    fixes.append(f"set topology.{name}.remat=full")
+  return fixes
+
+
+def _either(fixes: list[str]) -> str:
+  return f"{', '.join(fixes[:-1]) + ' or ' if len(fixes) > 1 else ''}{fixes[-1]}"
+
+
+class OutOfMemoryError(Exception):
+  """A device's memory ran out: one line saying where, and what to change (`out_of_memory`)."""
+
+
+def xla_out_of_memory(e: BaseException) -> str | None:
+  """XLA's line where `e`, or an exception it came from, is a device's memory running out (the
+  allocation that failed; the buffer listing after it left out); None for anything else."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    for line in str(e).splitlines():
+      if "RESOURCE_EXHAUSTED" in line and re.search(r"memory|allocat", line, re.IGNORECASE):
+        return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().rstrip(".")
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def device_ran_out(e: BaseException, less: str) -> str | None:
+  """A tool's line (without its end) for a device that ran out of memory, with what uses `less`;
+  None for any other error."""
+  xla = xla_out_of_memory(e)
+  return None if xla is None else f"a device ran out of memory (XLA: {xla}); to use less, {less}"
+
+
+def out_of_memory(e: BaseException, cfg: Config, during: str) -> OutOfMemoryError | None:
+  """For a device that ran out of memory (`xla_out_of_memory`) `during` STATE, STEP or EVAL: an
+  error of one line, with this layout's bound beside the device's memory and the fields that
+  take memory off the module that needs the most; None for any other error."""
+  xla = xla_out_of_memory(e)
+  if xla is None:
+    return None
+  try:
+    need = module_bytes(cfg)
+    limit, worst = device_memory(cfg), per_device(cfg, need)
+  except Exception:  # pylint: disable=broad-except  (the line goes without the bound)
+    need, limit, worst = None, None, None
+  bound = ""
+  if need is not None:
+    of = f" of a device's {size(limit)}" if limit else " a device"
+    bound = (f"; mimo_jax/memory.py counts at least {size(worst)}{of} for this layout, without "
+             "XLA's temporaries")
+  name = max(need, key=lambda n: sum(need[n].values())) if need else LANGUAGE
+  return OutOfMemoryError(
+      f"a device ran out of memory in {during} (XLA: {xla}){bound}. To use less, "
+      f"{_either(_fixes(cfg, name, during))}"
+      f"{f' ({name} needs the most)' if len(need or ()) > 1 else ''}; then run the same "
+      "command (a run resumes from its newest checkpoint).")
 
 
 def size(nbytes: float) -> str:

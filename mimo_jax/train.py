@@ -78,6 +78,8 @@ def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float,
   try:
     loop.open(paths, lock, early)
     return loop.run(early.signal)
+  except Exception as e:
+    raise memory.out_of_memory(e, cfg, loop.doing) or e  # a device's memory: one line, its fixes
   finally:
     loop.close()
 
@@ -117,6 +119,7 @@ class _Loop:
     self.unlogged = None  # (step, metrics, info, dispatched, ended) of a fetched step not logged
     self.last = None  # (step, metrics) of the newest dispatched step
     self.window = StepWindow()
+    self.doing = memory.STATE  # what runs (memory.STEP, memory.EVAL), for an error's line
 
   def open(self, paths: dict, lock: workdir.Lock | None, early: StopFlag) -> None:
     """Checks capacity, opens the data (the first step's programs start compiling ahead), restores
@@ -203,6 +206,7 @@ class _Loop:
   def _train(self, stop: StopFlag) -> bool:
     """The steps, with their saves and evals; True when a signal stopped them (step saved)."""
     cfg = self.cfg
+    self.doing = memory.STEP
     for step in range(self.start + 1, cfg.train.steps + 1):
       if stop.requested() and self.last is None:
         break  # a signal before this run's first step: nothing new to save
@@ -220,7 +224,7 @@ class _Loop:
         self._save(step, metrics)
       if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
         self._flush()
-        self._log({"step": step, **self.evaluator(self.state, self.eval_batches)})
+        self._log({"step": step, **self._evaluate()})
         self.window.restart(time.time())  # eval time is not step time
     if self.pending is not None:
       self._flush()
@@ -358,14 +362,19 @@ class _Loop:
     at = max(steps, self.start)
     if self.finished or self._evaluated(at):
       return  # this step's eval is on record already
-    result = self.evaluator(self.state, self.eval_batches,
-                            stop=None if jax.process_count() > 1 else stop.requested)
+    result = self._evaluate(stop=None if jax.process_count() > 1 else stop.requested)
     if result is None:
       self._wait()
       say(f"{stop.signal}: step {at} is saved in {self.ckpt.path}; the final eval was cut "
           "short.")
       return
     self._log({"step": at, **result})
+
+  def _evaluate(self, stop=None) -> dict | None:
+    self.doing = memory.EVAL
+    result = self.evaluator(self.state, self.eval_batches, stop=stop)
+    self.doing = memory.STEP
+    return result
 
   def _evaluated(self, step: int) -> bool:
     """Whether `step`'s eval is on record already: process 0's metrics say (the other processes'
@@ -378,6 +387,8 @@ class _Loop:
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
+    after = ("the device ran out of memory" if memory.xla_out_of_memory(error) else
+             type(error).__name__)
     try:  # its record, before it is saved
       if self.pending is not None and self.pending[0] == step:
         self._flush(stopping=True)
@@ -397,12 +408,12 @@ class _Loop:
       except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
         pass
       done = checkpoint_steps.complete_steps(self.ckpt.path)
-      self.writer.say(f"after {type(error).__name__}: could not save step {step} "
-                      f"({type(e).__name__}: {e}); " +
+      self.writer.say(f"after {after}: could not save step {step} ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0]}); " +
                       (f"the newest checkpoint is step {done[-1]}." if done else
                        "no step of this run is saved."))
       return
-    self.writer.say(f"after {type(error).__name__}: saved step {step} to {self.ckpt.path}.")
+    self.writer.say(f"after {after}: saved step {step} to {self.ckpt.path}.")
 
   def close(self) -> None:
     """Stops the data's workers and closes the checkpoints and outputs."""

@@ -13,10 +13,12 @@ import shutil
 import signal
 import sys
 
+import jax
 import pytest
 
 from mimo_jax import checkpoint_steps
 from mimo_jax.config import ConfigError
+from mimo_jax.evaluate import Evaluator
 
 from tests.helpers import file_size_limit
 from tests.test_generate import FIXTURES, _tokenizer
@@ -52,6 +54,10 @@ def _eval(root, out, *extra, data="data.json"):
                          str(root / "tok"), "--max_new_tokens", "4", "--batch", "4",
                          "--seq_len", "96", "--metric", "vqa", "--metric", "exact_match",
                          "--out", str(out), *extra])
+
+
+def _raise(e: Exception):
+  raise e
 
 
 def _rows(path):
@@ -131,6 +137,16 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   assert kept == one_device[:2]
   assert not (setup / "cut.summary.json").exists()
   monkeypatch.setattr(eval_tool.Rows, "append", append)
+  # A device out of memory (XLA's error, as the GPU's allocator raises it): one line, the rows kept.
+  monkeypatch.setattr(Evaluator, "answers", lambda *_, **__: _raise(jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2147483648 bytes.\nBuffer...")))
+  assert _eval(setup, out, "--batch", "2") == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "tools.eval: error: a device ran out of memory (XLA: Out of memory while trying to allocate "
+      "2147483648 bytes); to use less, a smaller --batch (now 2) or --max_new_tokens; 2 rows in "
+      f"{out}, 0 written now: run the same command to go on.")
+  assert _rows(out) == kept
+  monkeypatch.undo()
   with open(out, "a", encoding="utf-8") as f:
     f.write('{"id": "q2", "predic')  # a row cut by a crash
   assert _eval(setup, out, "--batch", "2") == 0

@@ -255,6 +255,25 @@ def test_the_tool_prints_control_characters_of_an_answer_escaped(monkeypatch, ca
                                      "> b\ntwo\n\tlines\\x85\\u202eright\\u200b\n")
 
 
+def test_a_device_out_of_memory_is_one_line_with_what_uses_less(monkeypatch, capsys):
+  def run(args):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Failed to allocate request for 2.99GiB "
+                                     "(3206250496B) on device ordinal 0")
+  monkeypatch.setattr(generate_tool, "run", run)
+  assert generate_tool.main(["run", "--prompt", "a"]) == 1
+  assert capsys.readouterr().err == (
+      "tools.generate: error: a device ran out of memory (XLA: Failed to allocate request for "
+      "2.99GiB (3206250496B) on device ordinal 0); to use less, fewer prompts at once or a "
+      "smaller --max_new_tokens; no answer printed.\n")
+  monkeypatch.setattr(generate_tool, "run", lambda args: _raise(RuntimeError("a bug")))
+  with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+    generate_tool.main(["run", "--prompt", "a"])
+
+
+def _raise(e: Exception):
+  raise e
+
+
 def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):
   assert generate_tool.main([str(tmp_path), "--prompt", "hello"]) == 2
   assert "no checkpoints/" in capsys.readouterr().err

@@ -397,8 +397,8 @@ def run(args: argparse.Namespace) -> dict:
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
       write_whole(summary_path(out), summary)
     return summary
-  except KeyboardInterrupt as e:  # what main says: the rows in --out, and whether any are new
-    e.rows = (out, rows.earlier + rows.added, rows.added)
+  except BaseException as e:  # what main says: the rows in --out, and whether any are new
+    e.rows, e.batch = (out, rows.earlier + rows.added, rows.added), bsz
     raise
   finally:
     rows.close()
@@ -427,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     print(f"{TOOL}: interrupted ({output.said(e)[1]}); {_kept(e)}", file=sys.stderr)
     return 128 + output.said(e)[0]
+  except Exception as e:  # pylint: disable=broad-except  (a device's memory is one line)
+    from mimo_jax import memory  # pylint: disable=import-outside-toplevel
+    now = f" (now {e.batch})" if hasattr(e, "batch") else ""
+    if not (line := memory.device_ran_out(e, f"a smaller --batch{now} or --max_new_tokens")):
+      raise
+    print(f"{TOOL}: error: {line}; {_kept(e)}", file=sys.stderr)
+    return 1
   metrics = ", ".join(f"{m} {summary[m]:.4f}" for m in args.metric)
   if summary["at_limit"]:  # cut answers score as cut: said, not left to be found in the rows
     print(f"{TOOL}: note: {summary['at_limit']} of {count(summary['samples'], 'answer')} stopped "

@@ -284,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{TOOL}: interrupted ({shown}){getattr(e, 'detail', '')}; no answer printed.",
           file=sys.stderr)
     return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+  except Exception as e:  # pylint: disable=broad-except  (a device's memory is one line)
+    from mimo_jax import memory  # pylint: disable=import-outside-toplevel
+    if not (line := memory.device_ran_out(e, "fewer prompts at once or a smaller "
+                                          "--max_new_tokens")):
+      raise
+    print(f"{TOOL}: error: {line}; no answer printed.", file=sys.stderr)
+    return 1
   for r, (prompt, answer) in enumerate(zip(args.prompt, answers)):
     shown = " ".join(f"[{pathlib.Path(f).name}]"
                      for f in files_of(args, r, args.image) + files_of(args, r, args.audio))
