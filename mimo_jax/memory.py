@@ -221,6 +221,7 @@ def xla_out_of_memory(e: BaseException) -> str | None:
     seen.add(id(e))
     for line in str(e).splitlines():
       if "RESOURCE_EXHAUSTED" in line and re.search(r"memory|allocat", line, re.IGNORECASE):
+        line = re.sub(r"\s*\[[\w-]+='[^']*'\]| with allocator \S+", "", line)  # XLA's tags
         return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().rstrip(".")
     e = e.__cause__ or e.__context__
   return None

@@ -408,8 +408,9 @@ class _Loop:
       except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
         pass
       done = checkpoint_steps.complete_steps(self.ckpt.path)
-      self.writer.say(f"after {after}: could not save step {step} ({type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0]}); " +
+      why = ("it did not finish" if memory.xla_out_of_memory(e) else
+             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+      self.writer.say(f"after {after}: could not save step {step} ({why}); " +
                       (f"the newest checkpoint is step {done[-1]}." if done else
                        "no step of this run is saved."))
       return

@@ -10,9 +10,11 @@ from mimo_jax.evaluate import Evaluator
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
-# XLA's words on a GPU (its allocator's, then its buffer assignment's listing).
-XLA = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 106232512512 bytes.\n"
-       "BufferAssignment OOM Debugging.\nBufferAssignment stats:\n"
+# XLA's words on an H200 (jax 0.11.2), and a buffer assignment's listing after them, as XLA's
+# other out-of-memory errors have.
+XLA = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 120.09GiB with allocator "
+       "GPU_0_bfc on device 0. [tf-allocator-allocation-error=''] [executable_name='jit_update']"
+       "\nBufferAssignment OOM Debugging.\nBufferAssignment stats:\n"
        "             parameter allocation:    6.00MiB\n")
 
 
@@ -42,7 +44,7 @@ def test_the_step_and_the_eval_running_out_of_memory(data_dir, tmp_path, monkeyp
     train.run(cfg)
   line = str(e.value)
   assert line.startswith("a device ran out of memory in the training step (XLA: Out of memory "
-                         "while trying to allocate 106232512512 bytes); mimo_jax/memory.py "
+                         "while trying to allocate 120.09GiB on device 0); mimo_jax/memory.py "
                          "counts at least "), line
   assert "\n" not in line and "BufferAssignment" not in line
   for fix in ("more data.microbatches (now 2, 16 samples each)",
