@@ -183,7 +183,7 @@ def check(cfg: Config, limit: int | None = None, warn=None) -> dict[str, dict[st
   return need
 
 
-STATE, STEP, EVAL = "holding the state", "the training step", "the evaluation"
+STATE, STEP, EVAL = "while placing the state", "in the training step", "in the evaluation"
 
 
 def _fixes(cfg: Config, name: str, during: str | None) -> list[str]:
@@ -253,7 +253,7 @@ def out_of_memory(e: BaseException, cfg: Config, during: str) -> OutOfMemoryErro
              "XLA's temporaries")
   name = max(need, key=lambda n: sum(need[n].values())) if need else LANGUAGE
   return OutOfMemoryError(
-      f"a device ran out of memory in {during} (XLA: {xla}){bound}. To use less, "
+      f"a device ran out of memory {during} (XLA: {xla}){bound}. To use less, "
       f"{_either(_fixes(cfg, name, during))}"
       f"{f' ({name} needs the most)' if len(need or ()) > 1 else ''}; then run the same "
       "command (a run resumes from its newest checkpoint).")
