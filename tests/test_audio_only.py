@@ -246,7 +246,7 @@ def test_a_truncated_wav_is_a_bad_clip(source, tmp_path, capsys):
   assert convert.main([*args, "--out", str(tmp_path / "fail"), "--on_error", "fail"]) == 2
   err = capsys.readouterr().err
   last = err.strip().splitlines()[-1]
-  assert last.startswith("convert: error: ") and "Traceback" not in err, err
+  assert last.startswith("tools.convert: error: ") and "Traceback" not in err, err
   assert f"{cut}: truncated: {read} of {declared} frames" in last and "(id 'cut')" in last
   assert not (tmp_path / "fail").exists()
 

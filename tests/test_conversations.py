@@ -198,7 +198,7 @@ def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(source, tm
   out = tmp_path / "out"
   assert convert.main(_args(source, out, "--on_error", "fail", "--workers", "1")) == 2
   last = capsys.readouterr().err.strip().splitlines()[-1]
-  assert last.startswith("convert: error: ") and "(id 'gone')" in last and "nowhere.png" in last
+  assert last.startswith("tools.convert: error: ") and "(id 'gone')" in last and "nowhere.png" in last
   assert not out.exists()
 
 

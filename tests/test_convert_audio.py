@@ -160,7 +160,7 @@ def test_a_bad_clip_under_fail_is_one_line_and_writes_nothing(source, tmp_path, 
   assert convert.main(_args(source, out, data, "--on_error", "fail", "--eval", "1")) == 2
   err = capsys.readouterr().err
   last = err.strip().splitlines()[-1]
-  assert last.startswith("convert: error: ") and "Traceback" not in err, err
+  assert last.startswith("tools.convert: error: ") and "Traceback" not in err, err
   assert f"(id {BAD[reason]['id']!r})" in last and "--on_error skip" in last
   assert not out.exists()
 
@@ -319,7 +319,7 @@ def test_audio_only_records_need_no_image_token_nor_processor(source, tmp_path, 
   got = capsys.readouterr()
   if said:
     last = got.err.strip().splitlines()[-1]
-    assert rc == 2 and last.startswith("convert: error: ") and said in last, got.err
+    assert rc == 2 and last.startswith("tools.convert: error: ") and said in last, got.err
     assert "e.g. <image>" not in last and not out.exists()
     return
   assert rc == 0, got.err

@@ -80,7 +80,7 @@ def _main(args, capsys):
 def _one_line_error(rc, err, *words):
   assert rc == 2, err
   lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-  assert lines[-1].startswith("convert: error: ") and "Traceback" not in err, err
+  assert lines[-1].startswith("tools.convert: error: ") and "Traceback" not in err, err
   for w in words:
     assert w in lines[-1], lines[-1]
 
@@ -179,7 +179,8 @@ def test_an_interrupt_is_one_line_and_leaves_nothing(src, tmp_path, sig, early):
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 128 + sig, err
   assert "Traceback" not in err and "Error" not in err, err
-  assert err.strip().splitlines()[-1].endswith(f"convert: interrupted ({sig.name}); nothing "
+  shown = "Ctrl-C" if sig == signal.SIGINT else sig.name  # as every tool names them
+  assert err.strip().splitlines()[-1].endswith(f"tools.convert: interrupted ({shown}); nothing "
                                                f"was written to {tmp_path / 'out'}.")
   assert _leftovers(tmp_path) == []
 
@@ -193,7 +194,7 @@ def test_an_interrupt_once_the_conversion_is_in_place_says_it_is_whole(src, tmp_
   monkeypatch.setattr(convert, "launch_flags", interrupted)
   assert convert.main(_args(src, tmp_path / "out")) == 130
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
-      f"convert: interrupted (SIGINT); {tmp_path / 'out'} was complete before it came: the "
+      f"tools.convert: interrupted (Ctrl-C); {tmp_path / 'out'} was complete before it came: the "
       "conversion is whole, its summary cut short.")
   assert (tmp_path / "out" / "conversations.json").is_file()
   assert _leftovers(tmp_path) == ["out"]
@@ -410,7 +411,7 @@ def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_
   rc, err, _ = _main(args + ["--max_skipped_fraction", "0.7"], capsys)
   assert rc == 0, err
   listed = tmp_path / "out" / conversion_files.SKIPPED
-  assert f"convert: warning: {summary}; each with its error in {listed} " in err, err
+  assert f"tools.convert: warning: {summary}; each with its error in {listed} " in err, err
   rows = [json.loads(line) for line in listed.read_text().splitlines()]
   assert [r["record"] for r in rows] == list(range(6, 15))
   assert {r["reason"]: sum(x["reason"] == r["reason"] for x in rows) for r in rows} == expected
@@ -423,7 +424,7 @@ def test_skipping_more_than_max_skipped_fraction_fails_writing_nothing(bad, tmp_
              str(tmp_path / "out"): str(tmp_path / "few")}
   rc, err, _ = _main([instead.get(a, a) for a in args], capsys)
   assert rc == 0, err
-  assert ("convert: warning: 1 of 21 records (4.8%) was skipped: bad image field 1 ('odd'); "
+  assert ("tools.convert: warning: 1 of 21 records (4.8%) was skipped: bad image field 1 ('odd'); "
           "each with its error in ") in err, err
 
 
@@ -436,7 +437,7 @@ def test_eval_records_that_are_skipped_are_named_and_a_fraction_of_1_sets_no_lim
   assert rc == 0, err
   held = _counts(tmp_path / "out")["eval"]
   assert 0 < held < 8, held  # seed 0 draws bad records too
-  assert (f"convert: warning: eval holds {held} of the 8 records --eval 8 drew: {8 - held} of "
+  assert (f"tools.convert: warning: eval holds {held} of the 8 records --eval 8 drew: {8 - held} of "
           f"them {'was' if 8 - held == 1 else 'were'} skipped (a skipped record is not replaced; "
           "a larger --eval holds more).") in err.splitlines(), err
   assert "fails a conversion" not in err and "--max_skipped_fraction" not in err, err
@@ -454,9 +455,9 @@ def test_eval_records_that_are_skipped_are_named_and_a_fraction_of_1_sets_no_lim
 def test_a_flag_argparse_refuses_is_one_line(src, tmp_path, capsys, flag, value, said):
   rc, err, _ = _main(_args(src, tmp_path / "out") + [flag, value], capsys)
   assert rc == 2 and len(err.strip().splitlines()) == 1, err
-  assert err.startswith("convert: error: ") and said in err and "usage:" not in err, err
+  assert err.startswith("tools.convert: error: ") and said in err and "usage:" not in err, err
   if said.startswith("not"):
-    assert err.strip() == f"convert: error: {flag} {value}: {said}.", err
+    assert err.strip() == f"tools.convert: error: {flag} {value}: {said}.", err
   assert _leftovers(tmp_path) == []
 
 
@@ -549,12 +550,12 @@ def test_bad_flags_and_files_are_one_line_and_write_nothing(src, tmp_path, capsy
   for flag, path in (("--json", tmp_path / "none.jsonl"), ("--tokenizer", tmp_path / "none")):
     rc, err, _ = _main(_args(src, out) + [flag, str(path)], capsys)
     assert rc == 2 and err.strip().splitlines() == [
-        f"convert: error: {flag} {path}: not found "
+        f"tools.convert: error: {flag} {path}: not found "
         f"({'a file' if flag == '--json' else 'a directory'} is needed)."], err
   # So is a directory given for the JSON, and a flag out of its range.
   rc, err, _ = _main(_args(src, out) + ["--json", str(tmp_path / "full")], capsys)
   assert rc == 2 and err.strip().splitlines() == [
-      f"convert: error: --json {tmp_path / 'full'}: a directory (a file is needed)."], err
+      f"tools.convert: error: --json {tmp_path / 'full'}: a directory (a file is needed)."], err
   rc, err, _ = _main(_args(src, out) + ["--seed", "-1"], capsys)
   assert rc == 2 and len(err.strip().splitlines()) == 1 and "--seed at least 0" in err, err
   assert sorted(str(p) for p in tmp_path.rglob("*")) == before

@@ -152,6 +152,6 @@ def test_the_default_eval_draw_that_lost_records_is_said_in_a_sentence(tmp_path,
   held = conversations.manifest(str(tmp_path / "out"))["samples"]["eval"]
   assert 0 < held < 10, err  # seed 0 draws records of a missing image too
   lost = 10 - held
-  assert (f"convert: warning: eval holds {held} of the 10 records drawn for it: {lost} of them "
+  assert (f"tools.convert: warning: eval holds {held} of the 10 records drawn for it: {lost} of them "
           f"{'was' if lost == 1 else 'were'} skipped (a skipped record is not replaced; a larger "
           "--eval holds more).") in err.splitlines(), err

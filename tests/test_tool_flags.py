@@ -58,7 +58,7 @@ def _refused(main, argv: list[str], capsys) -> str:
     (hf_tool.main, ["import", "--hf", "x", "--out", "y", "--conf=c.py"], "--conf=c.py"),
     (hf_tool.main, ["check", "--hff", "x"], "unrecognized arguments: --hff "),
     (hf_tool.main, ["--outt"], "unrecognized arguments: --outt "),
-    (convert_tool.main, ["--seqlen", "256"], "convert: error: unrecognized arguments: --seqlen "),
+    (convert_tool.main, ["--seqlen", "256"], "tools.convert: error: unrecognized arguments: --seqlen "),
     (convert_tool.main, ["--jso", "x", "--images", "i", "--tokenizer", "t", "--out", "o"],
      "unrecognized arguments: --jso "),
     (ckpt_tool.main, ["inspect", "run", "--st", "3"],
@@ -125,7 +125,7 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
     (hf_tool.main, ["export", "run", "--out", "x", "--step", "-1"],
      "tools.hf: error: --step=-1: must be at least 0."),
     (convert_tool.main, ["--json", "j", "--images", "i", "--tokenizer", "t", "--out", "o",
-                         "--workers", "two"], "convert: error: --workers two: not an integer."),
+                         "--workers", "two"], "tools.convert: error: --workers two: not an integer."),
     (hf_tool.main, ["export", "run", "--out", "x", "--base", "b"], "tools.hf: error: --base=b "
      "names a PEFT adapter's base model: give it with --peft, or leave it out."),
     (ckpt_tool.main, ["inspect", "run", "--step", "-2"],

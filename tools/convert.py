@@ -102,7 +102,6 @@ import json
 import os
 import pathlib
 import shlex
-import signal
 import sys
 
 # The conversion reads records through modules that import JAX; imported here, before SIGTERM
@@ -139,7 +138,8 @@ def tower_tokens(directory: str) -> tuple[int | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = Parser("convert", sep=" ", allow_abbrev=False, description=__doc__,
+  parser = Parser("tools.convert", prog="python -m tools.convert", sep=" ", allow_abbrev=False,
+                  description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
   parser.add_argument("--images", default=None, help="the folder image paths are relative to "
@@ -271,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupted(out: str, e: KeyboardInterrupt) -> int:
   """The line and exit status of a conversion a signal stopped: before `--out` was in place,
   nothing was written; after, the conversion is whole and only its summary is cut short."""
-  signum = getattr(e, "signum", signal.SIGINT)
-  name = signal.Signals(signum).name
-  print(f"convert: interrupted ({name}); "
+  signum, name = output.said(e)
+  print(f"tools.convert: interrupted ({name}); "
         + (f"{out} was complete before it came: the conversion is whole, its summary cut short."
            if output.published(out) else f"nothing was written to {out}."), file=sys.stderr)
   return 128 + signum
@@ -301,13 +300,13 @@ def _report(args, m: dict, out: pathlib.Path, notes: list[str], hints: dict) -> 
   if m["skipped_records"]:
     limit = (f" (--max_skipped_fraction {args.max_skipped_fraction:g} fails a conversion that "
              "skips more)" if args.max_skipped_fraction < 1 else "")
-    print(f"convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
+    print(f"tools.convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
           f"each with its error in {out / conversion_files.SKIPPED}{limit}"
           f"{''.join(f'; {h}' for r, h in hints.items() if r in skipped)}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
     drawn, lost = m["eval_drawn"], m["eval_drawn"] - counts["eval"]
     drew = f"--eval {args.eval} drew" if args.eval == drawn else "drawn for it"
-    print(f"convert: warning: eval holds {counts['eval']} of the {drawn} records {drew}: "
+    print(f"tools.convert: warning: eval holds {counts['eval']} of the {drawn} records {drew}: "
           f"{lost} of them {'was' if lost == 1 else 'were'} skipped (a skipped record is not "
           "replaced; a larger --eval holds more).", file=sys.stderr)
   vocab = model_vocab(args.tokenizer, m["vocab_size"])
@@ -374,7 +373,7 @@ def _listed(items: list[str]) -> str:
 
 
 def _error(message: str) -> int:
-  print(f"convert: error: {message}", file=sys.stderr)
+  print(f"tools.convert: error: {message}", file=sys.stderr)
   return 2
 
 
