@@ -20,6 +20,7 @@ import warnings
 
 import jax
 
+from mimo_jax import run_paths
 from mimo_jax.config import ConfigError
 
 ENV = "MIMO_JAX_COMPILE_CACHE"  # overrides run.compile_cache ("" disables)
@@ -34,8 +35,7 @@ class CompileCacheError(ConfigError):
 
 def default_dir() -> str:
   """$XDG_CACHE_HOME/mimo_jax/xla, else ~/.cache/mimo_jax/xla."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "mimo_jax", "xla")
+  return run_paths.cache_dir("xla")
 
 
 def resolve(field: str) -> str:

@@ -28,7 +28,9 @@ class DataConfig:
   image_probs: str = "0.1,0.3,0.3,0.3"
   train_samples: int = 20_000
   eval_samples: int = 1_000  # samples built from held-out images
-  dir: str = ""  # where the digits ArrayRecord shards are built; "" = ~/.cache/mimo_jax/digits
+  # Where the built-in task's ArrayRecord shards are built; "" = $XDG_CACHE_HOME/mimo_jax/<task>,
+  # else ~/.cache/mimo_jax/<task>.
+  dir: str = ""
   workers: int = 0  # grain read threads for the loader (0 = read in the main thread)
   # grain worker processes, each building whole steps (with `workers` threads); 0 = none. Past a
   # few threads the loader is bound by Python's GIL, which processes escape.

@@ -12,6 +12,13 @@ import pathlib
 from mimo_jax.config import Config, split_spec
 
 
+def cache_dir(name: str) -> str:
+  """Where mimo_jax keeps what it makes once and reuses (the built-in tasks' data, compiled
+  programs): $XDG_CACHE_HOME/mimo_jax/NAME, else ~/.cache/mimo_jax/NAME."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "mimo_jax", name)
+
+
 def _split_spec(spec: str) -> tuple[str, str]:
   """An init_from `PATH[:STEP]` as (PATH, ":STEP" or "")."""
   path, step = split_spec(spec)

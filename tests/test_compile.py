@@ -13,7 +13,7 @@ import pytest
 from jax import monitoring
 
 from mimo_jax import compile_cache, precompile
-from mimo_jax.data import loader
+from mimo_jax.data import av_digits, digits, loader
 from mimo_jax.step import Step
 from tests.helpers import tiny_config
 
@@ -72,8 +72,12 @@ def test_second_process_hits_the_cache_and_other_flags_miss(tmp_path):
 def test_where_the_cache_is(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   assert compile_cache.default_dir() == str(tmp_path / "mimo_jax" / "xla")
+  # The built-in tasks' data goes beside it.
+  assert digits.default_dir() == str(tmp_path / "mimo_jax" / "digits")
+  assert av_digits.default_dir() == str(tmp_path / "mimo_jax" / "av_digits")
   monkeypatch.delenv("XDG_CACHE_HOME")
   assert compile_cache.default_dir() == os.path.expanduser("~/.cache/mimo_jax/xla")
+  assert digits.default_dir() == os.path.expanduser("~/.cache/mimo_jax/digits")
   # auto keeps the directory jax was given (conftest gives the suite its own).
   assert jax.config.jax_compilation_cache_dir
   assert compile_cache.resolve("auto") == jax.config.jax_compilation_cache_dir

@@ -31,11 +31,11 @@ pooling by 2.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import numpy as np
 
+from mimo_jax import run_paths
 from mimo_jax.config_run import AV_DIGITS_VOCAB
 from mimo_jax.data import audio_records, conversion, conversion_record, digits
 from mimo_jax.data.tokenizer import DIGIT_WORDS
@@ -56,7 +56,7 @@ PROMPT = f"{digits.IMAGE_TOKEN} {audio_records.MARK}"
 
 
 def default_dir() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax", "av_digits")
+  return run_paths.cache_dir("av_digits")
 
 
 def dtmf(key: int, rng: np.random.Generator) -> np.ndarray:

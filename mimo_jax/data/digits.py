@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from mimo_jax import workdir
+from mimo_jax import run_paths, workdir
 from mimo_jax.data import conversations, conversion, conversion_record
 from mimo_jax.data.tokenizer import DIGIT_WORDS, SPECIALS, Tokenizer
 
@@ -46,7 +46,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user
 
 
 def default_dir() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax", "digits")
+  return run_paths.cache_dir("digits")
 
 
 def split_images() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

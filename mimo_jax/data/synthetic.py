@@ -28,7 +28,7 @@ import tempfile
 import numpy as np
 from array_record.python import array_record_module
 
-from mimo_jax import encoders
+from mimo_jax import encoders, run_paths
 from mimo_jax.config import Config
 from mimo_jax.data import images, meta, records
 from mimo_jax.data.text import TokenIds
@@ -176,8 +176,7 @@ def build(root: str, samples: int, eval_samples: int, probs: list[float],
   key = (f"v{FORMAT_VERSION}-n{samples}-e{eval_samples}-p{'_'.join(f'{p:g}' for p in probs)}"
          f"-i{shapes}x{channels}-u{unit}-l{seq_len}-x{text_len}_{text_sigma:g}"
          f"-v{vocab_size}{audio.key() if audio else ''}")
-  out_dir = pathlib.Path(root or os.path.join(os.path.expanduser("~"), ".cache", "mimo_jax",
-                                              "synthetic"))
+  out_dir = pathlib.Path(root or run_paths.cache_dir("synthetic"))
   paths = {s: out_dir / f"synthetic-{key}-{s}.array_record" for s in ("train", "eval")}
   if all(p.exists() for p in paths.values()):
     return {k: str(v) for k, v in paths.items()}
