@@ -1,8 +1,8 @@
 """The peer baseline: a training step of HF transformers' LLaVA in PyTorch at configs/vlm.py's
 sizes, on a GPU (needs torch and transformers: `pip install -e '.[hf]'`).
 
-  python -m tools.hf_llava_bench [--compile] [--fp8] [--liger] [--mb 8] [--micro 4] [--steps 5]
-      [--feature_layer -1]
+  python -m tools.hf_llava_bench [--compile [--compile_mode MODE]] [--fp8] [--liger] [--mb 8]
+      [--micro 4] [--steps 5] [--feature_layer -1]
 
 The model: a CLIP ViT-L/14 at 336 px (24 layers of width 1024; class token dropped: 576 tokens an
 image), LLaVA's two-layer GELU projector and a Llama decoder of 16 layers of width 2048 (32
@@ -13,8 +13,8 @@ its last: the same model. LLaVA-1.5's `--feature_layer -2` leaves the last layer
 effect, less work than mimo_jax's. A step is `--micro` microbatches of `--mb` samples, each
 sample `--images` images and text filling it to 2048 tokens, with the loss on every text token; float32 weights, bfloat16
 autocast, SDPA attention, fused AdamW, gradients accumulated over the microbatches. `--compile`
-runs the model under `torch.compile`. The peer's own speed-ups, so that it is measured at its
-best:
+runs the model under `torch.compile` (`--compile_mode`: its mode). The peer's own speed-ups, so
+that it is measured at its best:
 
 * `--fp8`: torchao's float8 training (`convert_to_float8_training`, tensorwise dynamic scaling)
   on every `nn.Linear` of both towers and the projector except `lm_head` (and the patch
@@ -39,6 +39,7 @@ import statistics
 import time
 
 SEQ, IMAGE_TOKENS, VOCAB = 2048, 576, 32_000
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 NEEDS = {"fp8": ("torchao", "torchao==0.18.0"), "liger": ("liger_kernel", "liger-kernel==0.8.5")}
 
 
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
                       help="untimed steps first (the first one compiles under --compile)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps: s/step is their median")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  parser.add_argument("--compile_mode", default="default", choices=MODES,
+                      help="torch.compile's mode (with --compile): max-autotune tunes Triton "
+                      "GEMM templates against cuBLAS per shape, and adds CUDA graphs unless "
+                      "-no-cudagraphs")
   parser.add_argument("--feature_layer", type=feature_layer, default=-1,
                       help="the tower's layer that feeds the projector, -24 to -1 from the end "
                       "(-1: the last, as configs/vlm.py's tower)")
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                                config=Float8LinearConfig.from_recipe_name("tensorwise"))
     converted = before - sum(type(m) is torch.nn.Linear for m in model.modules())
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-  forward = torch.compile(model) if args.compile else model
+  mode = None if args.compile_mode == "default" else args.compile_mode
+  forward = torch.compile(model, mode=mode) if args.compile else model
 
   text_len = SEQ - args.images * IMAGE_TOKENS
   if text_len < 2:
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
   torch.cuda.synchronize()
   queued = ended[0].elapsed_time(ended[-1]) / 1e3 / max(args.steps - 1, 1)
   tokens = args.mb * args.micro * SEQ
-  print(f"hf_llava compile={args.compile} fp8={args.fp8} ({converted} Linear in float8) "
+  compiled = f"{args.compile} ({args.compile_mode})" if args.compile else "False"
+  print(f"hf_llava compile={compiled} fp8={args.fp8} ({converted} Linear in float8) "
         f"liger={args.liger} feature_layer={args.feature_layer} {args.mb}x{args.micro}: "
         f"{params / 1e9:.3f} B parameters, "
         f"{seconds:.3f} s/step (queued {queued:.4f}), {tokens / seconds:,.0f} tokens/s, "
