@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 
 from mimo_jax import checkpoint_base
 from mimo_jax import checkpoint_layout as layout
-from mimo_jax import distributed, fingerprint, optim, run_paths
+from mimo_jax import distributed, fingerprint, optim, run_paths, xla_errors
 from mimo_jax.checkpoint_arrays import (as_saved, bfloat16_if_exact, fill, mismatches, regrouped,
                                         shape_differences, without)
 from mimo_jax.checkpoint_config import CheckpointError, check_compatible, data_values
@@ -288,6 +288,10 @@ class Checkpointer:
              for n in targets}
       failed = None
     except Exception as e:  # pylint: disable=broad-except
+      if xla_errors.out_of_memory(e):  # a device's memory, not the step's files: raised as it is
+        if checks is not None:
+          checks.join()
+        raise
       got, failed = None, f"could not be restored: {read_failure(e, self._step_dir(step))}"
     if checks is not None:
       checks.join()

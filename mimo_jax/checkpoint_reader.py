@@ -26,7 +26,7 @@ import numpy as np
 from etils import epath
 import orbax.checkpoint as ocp
 
-from mimo_jax import fingerprint, workdir as workdir_lib
+from mimo_jax import fingerprint, workdir as workdir_lib, xla_errors
 from mimo_jax.checkpoint_arrays import params_restore_dtype
 from mimo_jax.checkpoint_orbax import (collect, drop_lost_task_logs, quiet_failed_reads,
                                       read_failure, step_record_errors_dropped, step_record_note)
@@ -189,6 +189,8 @@ class Reader:
       try:
         return fn()
       except Exception as e:  # pylint: disable=broad-except
+        if xla_errors.out_of_memory(e):  # a device's memory, not the step's files
+          raise
         reason = read_failure(e, os.path.join(self.path, str(step)))
       collect()  # those of the leftovers already garbage, while the reports are dropped
       if self.gone(step):

@@ -17,15 +17,15 @@ within WARN of the memory gets a warning line: it may not fit.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-import re
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from mimo_jax import encoders
+from mimo_jax import encoders, xla_errors
 from mimo_jax.config import LANGUAGE, Config, ConfigError
 from mimo_jax.config_run import DIGITS_VOCAB
 from mimo_jax.modules import build_modules
@@ -188,21 +188,38 @@ STATE, STEP, EVAL = "while placing the state", "in the training step", "in the e
 
 def _fixes(cfg: Config, name: str, during: str | None) -> list[str]:
   """What takes memory off the devices of module `name` where it ran out `during` (STATE, STEP,
-  EVAL), or (None) where `check`'s bound does not fit."""
+  EVAL), or (None) where `check`'s bound does not fit: only changes that validation takes."""
   t, d = cfg.topology.module(name), cfg.data
   fixes = []
-  if during == EVAL:
+  if during == EVAL and _valid(cfg, "eval", batch=cfg.eval.batch // 2):
     fixes.append(f"a smaller eval.batch (now {cfg.eval.batch})")
-  if during == STEP and d.micro_batch > 1:
+  if during == STEP and name == LANGUAGE and d.pack_rows:  # the rows, not the samples, count
+    if _valid(cfg, "data", pack_rows=d.pack_rows // 2, microbatches=d.microbatches * 2):
+      fixes.append(f"fewer data.pack_rows (now {d.pack_rows}) with more data.microbatches "
+                   f"(now {d.microbatches})")
+  elif during == STEP and _valid(cfg, "data", microbatches=d.microbatches * 2):
     fixes.append(f"more data.microbatches (now {d.microbatches}, {d.micro_batch} samples each)")
   if during == STEP and t.remat != "full":
     fixes.append(f"set topology.{name}.remat=full")
-  if t.shard != "full" and (during in (None, STATE) or t.dp > 1):
+  if t.shard != "full" and t.dp > 1:
     fixes.append(f"shard its state over dp (topology.{name}.shard=full)")
   fixes.append("add dp, tp or pp")
   if during is None and t.remat != "full":
     fixes.append(f"set topology.{name}.remat=full")
   return fixes
+
+
+def _valid(cfg: Config, section: str, **values) -> bool:
+  """Whether `cfg` with `values` set in its `section` passes validation (validation.py)."""
+  from mimo_jax.validation import validate  # pylint: disable=import-outside-toplevel  (a cycle)
+  changed = copy.deepcopy(cfg)
+  for k, v in values.items():
+    setattr(getattr(changed, section), k, v)
+  try:
+    validate(changed)
+  except ConfigError:
+    return False
+  return True
 
 
 def _either(fixes: list[str]) -> str:
@@ -213,49 +230,46 @@ class OutOfMemoryError(Exception):
   """A device's memory ran out: one line saying where, and what to change (`out_of_memory`)."""
 
 
-def xla_out_of_memory(e: BaseException) -> str | None:
-  """XLA's line where `e`, or an exception it came from, is a device's memory running out (the
-  allocation that failed; the buffer listing after it left out); None for anything else."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    for line in str(e).splitlines():
-      if "RESOURCE_EXHAUSTED" in line and re.search(r"memory|allocat", line, re.IGNORECASE):
-        line = re.sub(r"\s*\[[\w-]+='[^']*'\]| with allocator \S+", "", line)  # XLA's tags
-        return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().rstrip(".")
-    e = e.__cause__ or e.__context__
-  return None
-
-
 def device_ran_out(e: BaseException, less: str) -> str | None:
   """A tool's line (without its end) for a device that ran out of memory, with what uses `less`;
   None for any other error."""
-  xla = xla_out_of_memory(e)
+  xla = xla_errors.out_of_memory(e)
   return None if xla is None else f"a device ran out of memory (XLA: {xla}); to use less, {less}"
 
 
+def _on_device(cfg: Config, xla: str, need: dict | None) -> list[str]:
+  """The modules on the device XLA's sentence names (its ordinal among this process's devices);
+  where it names none, those of the device that needs the most (or every module)."""
+  ordinal, local, devices = xla_errors.device_ordinal(xla), jax.local_devices(), _devices(cfg)
+  if ordinal is not None and ordinal < len(local) and local[ordinal].id in devices:
+    return list(devices[local[ordinal].id])
+  if need is None:
+    return list(cfg.topology.modules())
+  return list(max(devices.values(), key=lambda names: sum(sum(need[n].values()) for n in names)))
+
+
 def out_of_memory(e: BaseException, cfg: Config, during: str) -> OutOfMemoryError | None:
-  """For a device that ran out of memory (`xla_out_of_memory`) `during` STATE, STEP or EVAL: an
-  error of one line, with this layout's bound beside the device's memory and the fields that
-  take memory off the module that needs the most; None for any other error."""
-  xla = xla_out_of_memory(e)
+  """For a device that ran out of memory (xla_errors.out_of_memory) `during` STATE, STEP or EVAL:
+  an error of one line, with the bound of the modules on that device beside its memory and the
+  fields that take memory off the one of them that needs the most; None for any other error."""
+  xla = xla_errors.out_of_memory(e)
   if xla is None:
     return None
   try:
-    need = module_bytes(cfg)
-    limit, worst = device_memory(cfg), per_device(cfg, need)
+    need, limit = module_bytes(cfg), device_memory(cfg)
   except Exception:  # pylint: disable=broad-except  (the line goes without the bound)
-    need, limit, worst = None, None, None
-  bound = ""
+    need, limit = None, None
+  names, bound = _on_device(cfg, xla, need), ""
   if need is not None:
-    of = f" of a device's {size(limit)}" if limit else " a device"
-    bound = (f"; mimo_jax/memory.py counts at least {size(worst)}{of} for this layout, without "
-             "XLA's temporaries")
-  name = max(need, key=lambda n: sum(need[n].values())) if need else LANGUAGE
+    names.sort(key=lambda n: -sum(need[n].values()))
+    held = sum(sum(need[n].values()) for n in names)
+    bound = (f"; mimo_jax/memory.py counts at least {size(held)} "
+             f"{f'of its {size(limit)} ' if limit else ''}for {' and '.join(names)} there, "
+             "without XLA's temporaries")
   return OutOfMemoryError(
       f"a device ran out of memory {during} (XLA: {xla}){bound}. To use less, "
-      f"{_either(_fixes(cfg, name, during))}"
-      f"{f' ({name} needs the most)' if len(need or ()) > 1 else ''}; then run the same "
+      f"{_either(_fixes(cfg, names[0], during))}"
+      f"{f' ({names[0]} needs the most)' if len(names) > 1 else ''}; then run the same "
       "command (a run resumes from its newest checkpoint).")
 
 

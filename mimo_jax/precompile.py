@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 
+from mimo_jax import xla_errors
 from mimo_jax.batch import Batch
 from mimo_jax.sharding import REPLICATED
 from mimo_jax.step import Step
@@ -168,7 +169,8 @@ class Compiler:
           self._lowered.set()
       lowered.compile()
     except Exception as e:  # raised where the loop waits for it; said here, in case it never does
-      self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: {e}")
+      self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: "
+               f"{first_line(e)}")
       raise
     took = time.perf_counter() - started
     self.seconds[name] = took
@@ -189,7 +191,8 @@ class Compiler:
     except concurrent.futures.CancelledError:
       raise
     except Exception as e:  # the step compiles them when met, and raises there if they fail
-      self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: {e}")
+      self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: "
+               f"{first_line(e)}")
       raise
 
   def ready(self, keys: list[tuple]) -> bool:
@@ -297,3 +300,9 @@ class Ahead:
 
   def close(self) -> None:
     self.batches.close()
+
+
+def first_line(e: BaseException) -> str:
+  """An error's sentence without what XLA lists after it (an out-of-memory error's buffers):
+  the error itself is raised where the loop waits for it."""
+  return xla_errors.out_of_memory(e) or (str(e).splitlines() or [""])[0]

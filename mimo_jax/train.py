@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from mimo_jax import (checkpoint, checkpoint_steps, compile_cache, distributed, eval_set,
-                      init_from, memory, precompile, step_records, workdir)
+                      init_from, memory, precompile, step_records, workdir, xla_errors)
 from mimo_jax import state as state_lib
 from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
@@ -79,7 +79,10 @@ def _run(cfg: Config, trainer: Step, lock: workdir.Lock | None, started: float,
     loop.open(paths, lock, early)
     return loop.run(early.signal)
   except Exception as e:
-    raise memory.out_of_memory(e, cfg, loop.doing) or e  # a device's memory: one line, its fixes
+    said = memory.out_of_memory(e, cfg, loop.doing)  # a device's memory: one line, its fixes
+    if said is None:
+      raise
+    raise said from e
   finally:
     loop.close()
 
@@ -157,6 +160,7 @@ class _Loop:
       self.restored = (sum(a.nbytes for a in arrays) / 2**30, time.time() - began)
     elif found is None:
       self.state = trainer.init_state(cfg.train.seed)
+    jax.block_until_ready(self.state)  # a device out of memory for it says so here (`doing`)
     checkpoint.name_base(ckpt, cfg, found, meta, lambda: trainer.canonical(self.state),
                          state_lib.frozen_paths(trainer.plan, self.lora))
     started = {} if found is not None else init_from.sources(cfg, list(trainer.modules))
@@ -387,7 +391,7 @@ class _Loop:
     if self.last is None or self.last[0] <= self.saved:
       return
     step, metrics = self.last
-    after = ("the device ran out of memory" if memory.xla_out_of_memory(error) else
+    after = ("the device ran out of memory" if xla_errors.out_of_memory(error) else
              type(error).__name__)
     try:  # its record, before it is saved
       if self.pending is not None and self.pending[0] == step:
@@ -408,7 +412,7 @@ class _Loop:
       except Exception:  # pylint: disable=broad-except  (its failure is the one reported)
         pass
       done = checkpoint_steps.complete_steps(self.ckpt.path)
-      why = ("it did not finish" if memory.xla_out_of_memory(e) else
+      why = ("it did not finish" if xla_errors.out_of_memory(e) else
              f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
       self.writer.say(f"after {after}: could not save step {step} ({why}); " +
                       (f"the newest checkpoint is step {done[-1]}." if done else

@@ -143,7 +143,7 @@ def test_an_interrupted_eval_keeps_its_rows_and_resumes_without_duplicates(setup
   assert _eval(setup, out, "--batch", "2") == 1
   assert capsys.readouterr().err.splitlines()[-1] == (
       "tools.eval: error: a device ran out of memory (XLA: Out of memory while trying to allocate "
-      "2147483648 bytes); to use less, a smaller --batch (now 2) or --max_new_tokens; 2 rows in "
+      "2147483648 bytes); to use less, a smaller --batch (now 2); 2 rows in "
       f"{out}, 0 written now: run the same command to go on.")
   assert _rows(out) == kept
   monkeypatch.undo()

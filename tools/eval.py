@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
   except Exception as e:  # pylint: disable=broad-except  (a device's memory is one line)
     from mimo_jax import memory  # pylint: disable=import-outside-toplevel
     now = f" (now {e.batch})" if hasattr(e, "batch") else ""
-    if not (line := memory.device_ran_out(e, f"a smaller --batch{now} or --max_new_tokens")):
+    if not (line := memory.device_ran_out(e, f"a smaller --batch{now}")):
       raise
     print(f"{TOOL}: error: {line}; {_kept(e)}", file=sys.stderr)
     return 1
