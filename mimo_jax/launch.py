@@ -36,7 +36,7 @@ if __name__ == "__main__":
 # pylint: disable=wrong-import-position  (after the start-up's signal handlers)
 from absl import app, flags, logging
 
-from mimo_jax import configfile, workdir
+from mimo_jax import configfile, interrupts, workdir
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.metrics import NonFiniteError
 from mimo_jax.validation import data_source, validate
@@ -111,6 +111,7 @@ def main(argv: list[str]) -> None:
     # (Several stop together, at a step the preemption notice picks, never one alone.)
     train.run(cfg, pending=None if several else lambda: _SIGNALS.signal)
     distributed.shutdown()
+    interrupts.ends_with(0)  # the run is done: a signal now leaves its status 0
   except Exception as e:  # pylint: disable=broad-except
     message, status = _explain(e)
     if message is None or _DEBUG.value:

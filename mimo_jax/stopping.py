@@ -32,7 +32,8 @@ class StopFlag:
   def __enter__(self) -> "StopFlag":
     for sig in () if self._multi else self._signals:
       try:
-        self._old[sig] = signal.signal(sig, self._handle)
+        if signal.getsignal(sig) != signal.SIG_IGN:  # one started ignored (nohup's) stays so
+          self._old[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread
         pass
     return self

@@ -273,3 +273,27 @@ def test_a_signal_the_tool_does_not_take_itself_is_one_line():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
   assert (proc.returncode, proc.stderr) == (143, "python: interrupted (SIGTERM).\n")
+
+
+def test_after_the_exit_handlers_a_signal_is_ignored_and_one_ignored_from_the_start_stays_so():
+  """Python gives its own handlers back to the default as it finalizes (a late SIGTERM would end
+  a finished tool with 143), and XLA's teardown takes a second after that: the last exit handler
+  leaves the signals ignored. A signal the command was started ignoring is never taken, by the
+  tools' handlers or by training's stop flag."""
+  from mimo_jax import interrupts
+  from mimo_jax.stopping import StopFlag
+  kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+  try:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup's
+    interrupts.ends_with(3)
+    assert signal.getsignal(signal.SIGTERM) is interrupts._end
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    interrupts._ignore_late()
+    assert [signal.getsignal(s) for s in kept] == [signal.SIG_IGN] * 3
+    with StopFlag(signals=(signal.SIGINT, signal.SIGHUP), multi=False) as stop:
+      assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+      os.kill(os.getpid(), signal.SIGINT)
+      assert not stop.requested()
+  finally:
+    for s, h in kept.items():
+      signal.signal(s, h)
