@@ -193,3 +193,28 @@ def test_an_image_without_read_access_is_named_unreadable_not_corrupt(tmp_path, 
   assert e.value.reason == "unreadable image"
   assert str(e.value) == (f"record 0: image {tmp_path / 'a.png'} cannot be opened (permission "
                           "denied); give the converter read access to it.")
+
+
+def test_a_sample_far_longer_than_the_others_is_named_beside_the_launch_line(src, tmp_path,
+                                                                              capsys):
+  """One long record sizes the launch line's data.seq_len for every row: a note names it, with
+  the --seq_len that 99% of the samples fit in (none where --seq_len is given)."""
+  records = [_record(i) for i in range(12)]
+  records[5]["conversations"][1]["value"] = " ".join(["Answer 5."] * 60)
+  (tmp_path / "long.json").write_text(json.dumps(records))
+  rc, err, printed = _main(_args(src, tmp_path / "out", str(tmp_path / "long.json"),
+                                 "--eval", "2"), capsys)
+  assert rc == 0, err
+  m = json.loads((tmp_path / "out" / "conversations.json").read_text())
+  assert m["longest_record"] == {"record": 5, "id": "r5"} and m["longest"] > 2 * m["positions_p99"]
+  assert (f"note: record 5 (id 'r5') is the longest sample, {m['longest']} positions, where 99% "
+          f"of the samples take {m['positions_p99']} or fewer: the launch line's data.seq_len="
+          f"{m['longest']} gives every row its length; --seq_len {m['positions_p99']} with "
+          "--max_skipped_fraction 0.09 skips the 1 sample longer than that.") in err, err
+  assert f"--config.data.seq_len={m['longest']}" in printed
+  rc, err, _ = _main(_args(src, tmp_path / "cut", str(tmp_path / "long.json"), "--eval", "2",
+                           "--seq_len", str(m["positions_p99"]), "--max_skipped_fraction", "0.09"),
+                     capsys)
+  assert rc == 0 and "is the longest sample" not in err, err
+  cut = json.loads((tmp_path / "cut" / "conversations.json").read_text())
+  assert cut["skipped"] == {"too long": 1} and cut["longest"] == m["positions_p99"]

@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shlex
@@ -290,6 +291,9 @@ def _report(args, m: dict, out: pathlib.Path, notes: list[str], hints: dict) -> 
           f"records ({shown}"
           f"{' ...' if len(m['shared_ids']) > 3 else ''}); each id's records went to one side "
           "of the train/eval split.", file=sys.stderr)
+  outlier = _outlier(args, m)
+  if outlier:
+    print(outlier, file=sys.stderr)
   print(f"converted {count(m['records'], 'record')} in {took:.1f} s "
         f"({m['records'] / max(took, 1e-9):.1f} records/s, {count(args.workers, 'worker')}): "
         f"{counts['train']} train and {count(counts['eval'], 'eval sample')}, "
@@ -328,6 +332,23 @@ def model_vocab(tokenizer: str, tokens: int) -> int:
   vocab = text.get("vocab_size") if isinstance(text, dict) else None
   usable = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= tokens
   return vocab if usable else tokens
+
+
+def _outlier(args, m: dict) -> str | None:
+  """A note where the longest sample, which sizes the launch line's data.seq_len (and with its
+  clips model.audio.max_windows) for every row, is over twice what 99% of the samples take."""
+  longest, most = m["longest"], m.get("positions_p99", 0)
+  if args.seq_len or not most or longest <= 2 * most:
+    return None
+  at, longer = m["longest_record"], m["longer_than_p99"]
+  named = f"record {at['record']}" + (f" (id {at['id']!r})" if at["id"] is not None else "")
+  share = longer / max(m["records"], 1)
+  allow = (f" with --max_skipped_fraction {math.ceil(share * 100) / 100:g}"
+           if share > args.max_skipped_fraction else "")
+  return (f"note: {named} is the longest sample, {longest} positions, where 99% of the samples "
+          f"take {most} or fewer: the launch line's data.seq_len={longest} gives every row its "
+          f"length{' (and model.audio.max_windows its clips)' if m.get('audios') else ''}; "
+          f"--seq_len {most}{allow} skips the {count(longer, 'sample')} longer than that.")
 
 
 def launch_flags(out: pathlib.Path, m: dict, seq_len: int = 0, global_batch: int | None = None,

@@ -88,7 +88,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                       "<|AUDIO|>, else the token alone)")
   parser.add_argument("--samples", type=int, default=0, help="the first N samples (0 = all)")
   parser.add_argument("--batch", type=int, default=None,
-                      help="samples a batch, at least 1 (default eval.batch of the run)")
+                      help="samples a batch, at least 1 (default eval.batch of the run; at most "
+                      "the samples, rounded up to the language dp ranks)")
   parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS,
                       help=f"at least 1 (default {DEFAULT_NEW_TOKENS})")
   parser.add_argument("--seq_len", type=int, default=None,
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
   from_step(args, cfg, newest)
   trainer = build_step(args, cfg, image_id)
   dp = trainer.topo.dp("language")
-  bsz = eval_set.batch_size(cfg, dp, args.batch or 0)  # every language rank an equal share
+  bsz = eval_set.batch_size(cfg, dp, min(args.batch or cfg.eval.batch, len(samples)))
   layout = eval_set.layout_for(cfg, dp, bsz, samples)
   eval_samples.check_lengths(args, layout, samples)
   step, state = _parameters(args, trainer)
@@ -407,9 +408,8 @@ def run(args: argparse.Namespace) -> dict:
 def _kept(e: KeyboardInterrupt) -> str:
   """What an interrupted eval leaves: the rows in --out, which the same command goes on from."""
   out, held, new = getattr(e, "rows", (None, 0, 0))
-  if not held:
-    return "nothing was written: run the same command to go on."
-  return f"{count(held, 'row')} in {out}, {new} written now: run the same command to go on."
+  said = f"{count(held, 'row')} in {out}, {new} written now" if held else "nothing was written"
+  return f"{said}: run the same command to go on."
 
 
 def main(argv: list[str] | None = None) -> int:

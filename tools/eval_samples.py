@@ -218,8 +218,8 @@ class _JsonReader:
         return before, []
       return audio_records.convert(r, before, where, self.settings)
     except RecordError as e:
-      fix = "; give the audio folder with --audio DIR" if "missing" in e.reason else ""
-      raise ConfigError(f"{e}{fix}") from None
+      fix = "; give the audio folder with --audio DIR." if "missing" in e.reason else ""
+      raise ConfigError(f"{str(e).rstrip('.') if fix else e}{fix}") from None
 
   def _tokens(self, before: list[dict], turn: str, where: str):
     """The prompt's ids and the answer's, split where the answer's turn begins."""

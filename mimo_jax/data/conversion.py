@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Iterator
 
+import numpy as np
 from tqdm import tqdm
 
 from mimo_jax import encoders, output, words
@@ -230,6 +231,8 @@ class _Tally:
   skipped_records: list[dict] = dataclasses.field(default_factory=list)  # SKIPPED's rows
   image_stats: images.Tally = dataclasses.field(default_factory=images.Tally)
   longest: int = 0  # positions of the longest sample
+  longest_record: dict = dataclasses.field(default_factory=dict)  # its record: index and id
+  lengths: list[int] = dataclasses.field(default_factory=list)  # positions of each sample
   clips: list[int] = dataclasses.field(default_factory=list)  # clips of each sample
   windows: int = 0  # 30 s windows of the longest clip
   too_long: int = 0  # positions of the longest sample skipped as longer than --seq_len
@@ -263,10 +266,8 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
       if opts.on_error == "fail":
         raise ConfigError(message + " (--on_error skip converts the rest)")
       tally.skipped[reason] += 1
-      rid = items[index][1].get("id")
-      tally.skipped_records.append({
-          "record": index, "id": rid if isinstance(rid, (str, int)) and not isinstance(rid, bool)
-          else None, "reason": reason, "error": message})
+      tally.skipped_records.append({"record": index, "id": _id(items[index][1]),
+                                    "reason": reason, "error": message})
       if tally.skipped[reason] <= SKIPS_SHOWN:
         tqdm.write(f"skipped: {message}", file=sys.stderr)
       elif tally.skipped[reason] == SKIPS_SHOWN + 1:
@@ -289,11 +290,26 @@ def _write(files: Files, items: list, eval_ids: set[int], opts: Options, progres
     tally.clips.append(len(clip_tokens))
     tally.windows = max([tally.windows] + [-(-int(f) // opts.audio.window_frames)
                                            for f in sample.get(audio_records.FRAMES, ())])
-    tally.longest = max(tally.longest, positions(len(sample["tokens"]), len(sample[IMAGES]),
-                                                 opts.image_tokens, clip_tokens))
+    tally.lengths.append(positions(len(sample["tokens"]), len(sample[IMAGES]), opts.image_tokens,
+                                   clip_tokens))
+    if tally.lengths[-1] > tally.longest:
+      tally.longest = tally.lengths[-1]
+      tally.longest_record = {"record": index, "id": _id(items[index][1])}
   if caught:  # after the last record
     raise output.Interrupted(caught[0])
   return tally
+
+
+def _p99(lengths: list[int]) -> dict:
+  """The positions that 99% of the samples fit in (a sample's own), and how many take more."""
+  most = int(np.percentile(lengths, 99, method="lower")) if lengths else 0
+  return {"positions_p99": most, "longer_than_p99": sum(n > most for n in lengths)}
+
+
+def _id(record: dict):
+  """A record's id as the outputs name it: a string or a number, else None."""
+  rid = record.get("id")
+  return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
 def _image_names(record: dict, index: int, opts: Options) -> list[str]:
@@ -407,7 +423,9 @@ def _manifest(source: pathlib.Path, out: pathlib.Path, opts: Options, tally: _Ta
           "processor": "" if proc is None else _stored(opts.processor or opts.tokenizer, out),
           "source": _stored(str(source), out),
           "samples": counts, "images": pictures.count, "skipped": dict(tally.skipped),
-          "longest": tally.longest, "max_images": pictures.most,
+          "longest": tally.longest, "longest_record": tally.longest_record,
+          **_p99(tally.lengths),
+          "max_images": pictures.most,
           "pad_to_square": opts.pad_to_square,
           **audio_records.manifest(opts.audio, WORKER["audio_id"], tally.clips,
                                    tally.windows)}
