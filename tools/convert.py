@@ -304,7 +304,8 @@ def _report(args, m: dict, out: pathlib.Path, notes: list[str], hints: dict) -> 
   if m["skipped_records"]:
     limit = (f" (--max_skipped_fraction {args.max_skipped_fraction:g} fails a conversion that "
              "skips more)" if args.max_skipped_fraction < 1 else "")
-    print(f"tools.convert: warning: {conversion.skipped_summary(m['skipped_records'], m['records'])}; "
+    summary = conversion.skipped_summary(m["skipped_records"], m["records"])
+    print(f"tools.convert: warning: {summary}; "
           f"each with its error in {out / conversion_files.SKIPPED}{limit}"
           f"{''.join(f'; {h}' for r, h in hints.items() if r in skipped)}.", file=sys.stderr)
   if counts["eval"] < m["eval_drawn"]:
