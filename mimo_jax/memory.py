@@ -1,18 +1,21 @@
 """Device memory a layout needs, known before anything compiles.
 
 For every module, per device: its parameters (a frozen leaf in the compute dtype), optimizer
-state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings (sharding.py: what `topology.<module>.shard` splits over dp) and the
-step's `context.GradMode` (the modules that keep gradients per rank), and a lower bound on the
-activations its backward keeps (one microbatch's layer inputs, the MLP's hidden units and the
-LoRA adapters' own activations unless `remat=full`; one microbatch's logits and their gradient
-in the compute dtype, or with `train.loss_chunk` one chunk's, every microbatch's stack outputs where a pipelined language model runs its
-head a microbatch at a time; a pipelined module holds all its microbatches' internals under
-gpipe and circular, one chunk's and its microbatches in flight under 1f1b and
-interleaved_1f1b: `in_flight`).
+state and gradient accumulators (the trained leaves' alone), exactly, from the plan's shardings
+(sharding.py: what `topology.<module>.shard` splits over dp) and the step's `context.GradMode`
+(the modules that keep gradients per rank), and a lower bound on the activations its backward
+keeps (one microbatch's layer inputs, the MLP's hidden units and the LoRA adapters' own
+activations unless `remat=full`; one microbatch's logits and their gradient in the compute
+dtype, or with `train.loss_chunk` one chunk's, every microbatch's stack outputs where a
+pipelined language model runs its head a microbatch at a time; a pipelined module holds all its
+microbatches' internals under gpipe and circular, one chunk's and its microbatches in flight
+under 1f1b and interleaved_1f1b: `in_flight`).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
 and `check` refuses it with one line naming the module; the true peak is higher (XLA's temporary
 buffers, the optimizer update's, the gathered layers under FSDP), so a layout whose bound comes
-within WARN of the memory gets a warning line: it may not fit.
+within WARN of the memory gets a warning line: it may not fit. A device that runs out all the
+same (XLA's error) is one line too (`out_of_memory`, `device_ran_out`): where, the bound of its
+modules, and the fields that use less.
 """
 
 from __future__ import annotations
