@@ -438,6 +438,17 @@ def test_a_json_has_no_split_and_rows_recorded_with_one_go_on(setup, one_device)
   assert _rows(setup / "old.jsonl") == one_device
 
 
+def test_a_batch_holds_no_more_rows_than_there_are_samples(setup, one_device, monkeypatch):
+  """--batch 64 for the 5 samples: one batch of 5 rows (padding rows cost as real ones), the same
+  answers as batches of 4."""
+  sizes, batch = [], eval_tool.eval_samples.batch
+  monkeypatch.setattr(eval_tool.eval_samples, "batch",
+                      lambda chunk, args, layout, bsz: sizes.append(bsz) or batch(chunk, args,
+                                                                                  layout, bsz))
+  assert _eval(setup, setup / "wide.jsonl", "--batch", "64") == 0
+  assert set(sizes) == {5} and _rows(setup / "wide.jsonl") == one_device
+
+
 def test_rows_of_another_eval_are_not_mixed_in(setup, one_device, capsys):
   assert _eval(setup, setup / "one.jsonl", "--max_new_tokens", "3") == 2
   err = capsys.readouterr().err
