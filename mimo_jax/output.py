@@ -118,14 +118,19 @@ def partials(out: str | os.PathLike) -> list[pathlib.Path]:
 
 
 def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
-                 complete: str | None = None, replace: bool = False) -> None:
+                 complete: str | None = None, replace: bool = False,
+                 replace_flag: str | None = None) -> None:
   """An error unless `out` is absent or an empty directory (or, with `replace`, a complete output:
-  one holding the marker file `complete`)."""
+  one holding the marker file `complete`); `replace_flag`: the tool's flag that replaces one."""
   final = pathlib.Path(out)
   if not os.path.lexists(final):
     return
   if not final.is_dir():
     raise OutputError(f"{flag}={str(out)!r} is a file, not a directory; choose another {flag}.")
+  if os.path.ismount(final):
+    raise OutputError(f"{flag}={str(out)!r} is a mount point: an output is written beside its "
+                      f"place and renamed into it, which a mount point refuses; give a folder "
+                      f"inside it ({flag}={os.path.join(str(out), 'NAME')}).")
   try:
     entries = sorted(p.name for p in final.iterdir())
   except OSError as e:
@@ -139,8 +144,9 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
       raise OutputError(f"{flag}={str(out)!r} holds a {complete} but was not written as a {what} "
                         f"by this tool ({MARKER} says otherwise or is missing), so it is not "
                         f"replaced; choose another {flag} or remove it yourself.")
+    again = f", pass {replace_flag} to replace it" if replace_flag else ""
     raise OutputError(f"{flag}={str(out)!r} holds a {what} already ({complete}); choose another "
-                      f"{flag} or delete it.")
+                      f"{flag}{again} or delete it.")
   shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
   raise OutputError(f"{flag}={str(out)!r} is not empty ({shown}) and is not a complete {what}; "
                     f"choose a new {flag} or remove it.")
@@ -168,8 +174,9 @@ def _recover(final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
 
 
 def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
-  """An error if the file system of `path` has less than `nbytes` (plus 1%) free."""
-  probe = pathlib.Path(os.path.abspath(path))
+  """An error if the file system that `path` is written on (its parent's: outputs are staged
+  beside their place) has less than `nbytes` (plus 1%) free."""
+  probe = pathlib.Path(os.path.abspath(path)).parent
   while not probe.exists() and probe != probe.parent:
     probe = probe.parent
   try:
@@ -181,8 +188,17 @@ def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
                       "another place.")
   free = usage.free
   if free < nbytes * 1.01:
-    raise OutputError(f"{what} needs about {nbytes / 1e9:.2f} GB at {path}, where "
-                      f"{free / 1e9:.2f} GB are free; free space or choose another place.")
+    raise OutputError(f"{what} needs about {_amount(nbytes)} at {path}, where {_amount(free)} "
+                      f"{'is' if free < 2 else 'are'} free ({probe}); free space or choose another "
+                      "place.")
+
+
+def _amount(nbytes: float) -> str:
+  """Bytes in the decimal unit that fits them: 1.25 GB, 300.0 MB, 12.0 kB, 5 bytes."""
+  for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if nbytes >= size:
+      return f"{nbytes / size:.{2 if unit in ('TB', 'GB') else 1}f} {unit}"
+  return f"{int(nbytes)} byte{'' if int(nbytes) == 1 else 's'}"
 
 
 def write_failure(e: BaseException, what: str) -> str | None:

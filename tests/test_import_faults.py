@@ -223,7 +223,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_tensor_is_read(tmp_
   usage = collections.namedtuple("usage", "total used free")
   monkeypatch.setattr(output.shutil, "disk_usage", lambda p: usage(1, 1, 1000))
   _error(capsys, lambda: _import(FIXTURES / "qwen2", tmp_path / "out"), "needs about",
-         "0.00 GB are free")
+         "1.0 kB are free")
   assert names == [] and _left(tmp_path) == ["out_busy", "out_file"]
 
 

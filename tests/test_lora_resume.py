@@ -58,7 +58,7 @@ def test_resume_onto_another_layout(data_dir, full_run, tmp_path):
     np.testing.assert_allclose(got[step], pair, rtol=1e-4, err_msg=f"step {step}")
 
 
-def test_peft_export_of_a_run(full_run, tmp_path):
+def test_peft_export_of_a_run(full_run, tmp_path, capsys):
   # `tools.hf export --peft`: the language model's adapters under LLaVA's module paths and the
   # trained projector whole, equal to the step's arrays.
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
@@ -89,6 +89,15 @@ def test_peft_export_of_a_run(full_run, tmp_path):
       tensors["base_model.model.model.multi_modal_projector.linear_1.weight"], up.T)
   assert not any("vision_tower" in k for k in tensors)  # the frozen tower has no adapters
   assert len(tensors) == 2 * 7 * layers + 4
+  # Another export onto it is refused, naming --overwrite, which replaces it.
+  again = ["export", str(full_dir), "--out", str(tmp_path / "adapter"), "--peft"]
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as refused:
+    hf_tool.main(again)
+  assert refused.value.code == 2 and "pass --overwrite to replace it" in capsys.readouterr().err
+  hf_tool.main(again + ["--overwrite"])
+  assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[
+      "base_model_name_or_path"] != "exports/base"  # the new export's
 
 
 def test_steps_hold_the_trained_weights_and_name_their_base(full_run):

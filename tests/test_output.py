@@ -6,6 +6,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -56,8 +57,15 @@ def test_lock_and_targets(tmp_path):
   (tmp_path / "d").mkdir(); (tmp_path / "d" / "x").write_text("")
   with pytest.raises(output.OutputError, match="not empty"):
     output.check_target(tmp_path / "d", "thing", complete="done.json")
-  with pytest.raises(output.OutputError, match="needs about"):
-    output.check_space(tmp_path, 10**18, "a conversion")
+  with pytest.raises(output.OutputError, match="needs about 1000000.00 TB at .*, where .*B"):
+    output.check_space(tmp_path / "out", 10**18, "a conversion")
+  # An output is renamed into its place at the end: a mount point there is refused before.
+  (tmp_path / "mnt").mkdir()
+  real = os.path.ismount
+  with mock.patch.object(os.path, "ismount", lambda p: str(p) == str(tmp_path / "mnt") or real(p)):
+    with pytest.raises(output.OutputError, match=r"is a mount point: .* give a folder inside it "
+                       r"\(--out=.*/mnt/NAME\)"):
+      output.check_target(tmp_path / "mnt", "thing")
 
 
 def test_a_signal_whose_exception_was_lost_stops_the_publish(tmp_path):

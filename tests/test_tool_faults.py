@@ -322,7 +322,7 @@ def test_export_is_staged_checked_for_space_and_refuses_an_existing_file_or_dire
   real = output.shutil.disk_usage
   monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
   assert ckpt.main(["export", str(run), "--out", str(out)]) == 2
-  _error(capsys, "tools.ckpt", "GB at", "free space")
+  _error(capsys, "tools.ckpt", "needs about", "B at", "where 1.0 kB are free", "free space")
   monkeypatch.setattr(output.shutil, "disk_usage", real)
   # A write that fails midway (a file size limit, as a full disk): safetensors raises its
   # SafetensorError, which is no OSError.

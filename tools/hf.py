@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> None:
                  help="the whole model's class: LLaVA (the vision encoder) or Qwen2-Audio (the "
                  "audio encoder) with the language model (default: Qwen2-Audio for a run "
                  "without a vision encoder or imported from Qwen2-Audio, else LLaVA)")
-  p.add_argument("--image_token_index", type=int, default=None,
+  p.add_argument("--image_token_index", type=number(int, least=0), default=None,
                  help="LLaVA's image token id (default: the run's data.image_token, else the "
                  "imported LLaVA's, else the tokenizer's <image>)")
-  p.add_argument("--audio_token_index", type=int, default=None,
+  p.add_argument("--audio_token_index", type=number(int, least=0), default=None,
                  help="Qwen2-Audio's audio token id (default: model.audio.audio_token)")
   p.add_argument("--tokenizer", default="",
                  help="the tokenizer directory to copy (default: the run's data's, else the "

@@ -190,8 +190,9 @@ def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int,
             "<image> token: pass --image_token_index ID.")
   text = tok.tokenizer.id_to_token(token)
   if text is None or token >= cfg.model.language.vocab_size:
-    fail(f"image token {token} (from {where}) is not a token of {tok.path / 'tokenizer.json'} "
-          f"and of the model's {cfg.model.language.vocab_size}; pass --image_token_index ID.")
+    fail(f"image token {token} (from {where}) is not among the ids of "
+          f"{tok.path / 'tokenizer.json'} ({tok.tokenizer.get_vocab_size()}) and of the model's "
+          f"vocabulary ({cfg.model.language.vocab_size}); pass --image_token_index ID.")
   return token, text
 
 
@@ -226,7 +227,8 @@ def _export_peft(args) -> None:
   """`export --peft`: the run's adapters (and a trained projector) as a PEFT adapter."""
   from mimo_jax.hf import peft  # pylint: disable=import-outside-toplevel
   out = pathlib.Path(args.out)
-  output.check_target(out, "PEFT adapter", "--out", complete=peft.WEIGHTS, replace=args.overwrite)
+  output.check_target(out, peft.WHAT, "--out", complete=peft.WEIGHTS, replace=args.overwrite,
+                      replace_flag="--overwrite")
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
     cfg.model.language.vocab_size = DIGITS_VOCAB
@@ -346,7 +348,8 @@ def _export(args) -> None:
   if (out / "config.json").is_file() and not args.overwrite:
     fail(f"--out={args.out} holds an export already (config.json); pass --overwrite to replace "
           "it, or choose another --out.")
-  output.check_target(out, "HF export", "--out", complete="config.json", replace=args.overwrite)
+  output.check_target(out, "HF export", "--out", complete="config.json", replace=args.overwrite,
+                      replace_flag="--overwrite")
   cfg, params, step, record = _read_checkpoint(args.workdir, args.step)
   if not cfg.model.language.vocab_size:  # 0: the digits task's own vocabulary
     cfg.model.language.vocab_size = DIGITS_VOCAB

@@ -36,6 +36,7 @@ from mimo_jax.models.lora import A, B
 
 PREFIX = "base_model.model."  # PeftModel's own prefix before the base model's names
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WHAT = "PEFT adapter"  # the kind its output marker records (mimo_jax/output.py)
 # The module path transformers gives the language model alone (LlamaForCausalLM /
 # Qwen2ForCausalLM's decoder, as save_pretrained names it).
 LANGUAGE_NAMES = {LANGUAGE: "model."}
@@ -195,7 +196,7 @@ def write(out: str | pathlib.Path, cfg: Config, params: dict, base: str = "",
   tensors = dict(adapter_tensors(cfg, params, modules))
   config = adapter_config(cfg, params, modules, base)
   with output.write_errors(f"--out={str(out)!r}"), \
-      output.staged(out, "a PEFT adapter", complete=WEIGHTS, replace=replace) as tmp:
+      output.staged(out, WHAT, complete=WEIGHTS, replace=replace) as tmp:
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
