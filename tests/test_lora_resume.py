@@ -10,6 +10,7 @@ import pytest
 from mimo_jax import train
 from tests.helpers import run_main
 from tests.test_lora import lora_config
+from tools import ckpt as ckpt_tool
 
 STEPS = 4
 
@@ -142,6 +143,10 @@ def test_a_moved_or_changed_base_is_refused(data_dir, full_run, tmp_path):
                      match=r"step 2 holds its trained weights; its frozen base weights are in "
                      r".*moved/checkpoints step 0, which is not there.*checkpoint\.base=DIR"):
     train.run(cfg)
+  checked = run_main(ckpt_tool.main, "check", moved)  # tools.ckpt says so too, never "ok"
+  assert checked.returncode == 2, checked.stdout
+  assert ("step 2: FAILED: its frozen weights are in step 0 of this folder, which is not there "
+          "(moved or deleted)") in checked.stdout
   # Named where it is now, the same weights: the run resumes as it would have.
   cfg.checkpoint.base = str(tmp_path / "base")
   assert _losses(train.run(cfg)) == _losses(records, first=3)
@@ -191,7 +196,6 @@ def test_a_bfloat16_weight_saved_as_such_reads_back(data_dir, tmp_path):
   np.testing.assert_array_equal(params["m/w"], np.asarray(w.astype(jnp.bfloat16), np.float32))
   np.testing.assert_array_equal(params["m/b"], np.asarray(w[0]))
   # tools.ckpt check finds nothing wrong with it.
-  from tools import ckpt as ckpt_tool  # pylint: disable=import-outside-toplevel
   out = run_main(ckpt_tool.main, "check", tmp_path)
   assert out.returncode == 0 and "does not match" not in out.stdout, out.stdout + out.stderr
 

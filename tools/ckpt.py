@@ -271,7 +271,11 @@ def check(args: argparse.Namespace) -> None:
   for step in steps:  # with --step, the step its frozen weights are read from joins the list
     try:
       problems, params, opt, bases[step] = _check_step(reader, step)
-      if bases[step] is not None and bases[step] not in steps:
+      if bases[step] is not None and bases[step] not in complete_steps(reader.path):
+        problems.append(f"its frozen weights are in step {bases[step]} of this folder, which is "
+                        "not there (moved or deleted): put it back, or name where it is now with "
+                        "--config.checkpoint.base=DIR")
+      elif bases[step] is not None and bases[step] not in steps:
         steps.append(bases[step])
     except StepGone as e:
       print(f"{e}: gone, not damaged")
