@@ -68,10 +68,13 @@ def model_differences(saved_model: dict, cfg: Config, only: str = "model.",
                       fresh: tuple[str, ...] = ()) -> list[str]:
   """`field=saved (this run: value)` for every model field under `only` that differs, runtime
   fields and encoders' data settings aside, and the lora fields of the modules in `fresh`
-  (`gains_adapters`: their adapters do not come from the step)."""
+  (`gains_adapters`: their adapters do not come from the step) and of those with none."""
   saved, current = _model_values(saved_model, cfg)
   settings = encoders.data_settings(cfg)  # data, not the model (data_values checks some)
-  aside = tuple(f"model.{n}.lora." for n in fresh)
+  # The lora fields of a module without adapters on either side (rank 0) shape nothing.
+  idle = tuple(k[:-len("rank")] for k in current if k.endswith(".lora.rank") and
+               not current[k] and not saved.get(k))
+  aside = tuple(f"model.{n}.lora." for n in fresh) + idle
   return [f"{k}={saved[k]!r} (this run: {current[k]!r})" for k in sorted(current)
           if k.startswith(only) and k not in RUNTIME_MODEL_FIELDS and k not in settings and
           not k.endswith((".init_from", ".lora.dropout")) and not k.startswith(aside) and

@@ -87,6 +87,13 @@ def test_a_resume_may_change_the_rate_not_the_adapters(data_dir):
   other = dropout_config(data_dir, rate=0.2)
   other.model.language.lora.rank *= 2
   assert model_differences(saved, other) == ["model.language.lora.rank=4 (this run: 8)"]
+  # Without adapters on either side (rank 0) the other lora fields shape nothing.
+  none = dropout_config(data_dir, rate=0.1)
+  none.model.language.lora.rank = 0
+  saved = asdict(none.model)
+  none.model.language.lora.alpha *= 2
+  none.model.language.lora.targets = "attn/q"
+  assert model_differences(saved, none) == []
 
 
 def test_a_module_with_nothing_to_train_does_not_drop(data_dir):
