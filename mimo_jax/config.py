@@ -355,7 +355,8 @@ def step_not_a_number(spec: str) -> str | None:
   (`runs/stage2:last`); None for anything else."""
   head, sep, tail = spec.rpartition(":")
   if sep and head and tail and not tail.isdigit() and run_source(head) is not None:
-    return (f"{spec!r}: the step {tail!r} is not a number; give WORKDIR:STEP with a saved step, "
+    what = "a step number (0 or more)" if tail.lstrip("-").isdigit() else "a number"
+    return (f"{spec!r}: the step {tail!r} is not {what}; give WORKDIR:STEP with a saved step, "
             "or WORKDIR for its newest.")
   return None
 

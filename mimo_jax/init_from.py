@@ -55,9 +55,13 @@ def sources(cfg: Config, modules: list[str]) -> dict[str, tuple[str, str, int]]:
       if spec and step_not_a_number(spec):
         raise CheckpointError(f"config.{field}: {step_not_a_number(spec)}")
       if spec and field == "model.init_from":
+        head, name = os.path.split(os.path.normpath(spec))
+        step_dir = (name.isdigit() and os.path.basename(head) == "checkpoints" and
+                    run_source(head) is not None)  # one step's folder: runs/a/checkpoints/3
         raise CheckpointError(
             f"config.model.init_from: {spec!r} is not a mimo_jax run; name a run's workdir (the "
-            "folder holding checkpoints/) or its checkpoints/ folder, optionally with :STEP.")
+            "folder holding checkpoints/) or its checkpoints/ folder, optionally with :STEP"
+            + (f" ({os.path.dirname(head)}:{name} for this step)." if step_dir else "."))
       continue
     path, step = source
     steps = complete_steps(path)

@@ -280,6 +280,15 @@ def test_init_from_another_model_is_one_error(data_dir, stage1, tmp_path):
   cfg.model.init_from = f"{stage1_dir}:7"
   with pytest.raises(checkpoint.CheckpointError, match=rf"no complete step 7; it holds {STEPS}"):
     train.run(cfg)
+  # One step's folder, and a negative step: each named with the spec that works.
+  cfg.model.init_from = str(stage1_dir / "checkpoints" / str(STEPS))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=rf"optionally with :STEP \({stage1_dir}:{STEPS} for this step\)\.$"):
+    train.run(cfg)
+  cfg.model.init_from = f"{stage1_dir}:-1"
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"the step '-1' is not a step number \(0 or more\); give WORKDIR:STEP"):
+    train.run(cfg)
   assert not (tmp_path / "stage2").exists()
 
 
