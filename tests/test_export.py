@@ -218,6 +218,11 @@ def test_a_runs_export_takes_its_data_token_tokenizer_and_padding(pairs, tmp_pat
   assert _json(out / "tokenizer_config.json")["model_max_length"] == 40  # the data's tokenizer
   pre = _json(out / "preprocessor_config.json")
   assert pre["image_processor_type"] == "LlavaImageProcessor" and pre["do_pad"] is True
+  # Another token than the run trained with would mark other text as images: refused.
+  _error(capsys, lambda: hf_tool.main(["export", str(trained), "--out", str(tmp_path / "o1"),
+                                       "--image_token_index", "7"]),
+         "--image_token_index 7: the run trained with image token 3")
+  assert not (tmp_path / "o1").exists()
   # Without a tokenizer anywhere: one error naming the fix.
   (data / "conversations.json").write_text(json.dumps(
       {"format": 1, "image_token": 3, "tokenizer": str(tmp_path / "none"),

@@ -176,10 +176,15 @@ def _image_token(args, cfg: Config, record: dict, data: dict, tok) -> tuple[int,
   """LLaVA's image token (id, text): --image_token_index, the run's data (data.image_token, set,
   or the digits task's built-in), the import's record (a LLaVA's image_token_index), else the
   tokenizer's <image>."""
+  trained = cfg.data.task == "digits" or (cfg.data.task == "conversations" and
+                                          cfg.data.image_token >= 0)
   if args.image_token_index is not None:
     token, where = args.image_token_index, "--image_token_index"
-  elif cfg.data.task == "digits" or (cfg.data.task == "conversations" and
-                                     cfg.data.image_token >= 0):
+    if trained and token != cfg.data.placeholder:  # the processor would mark other text
+      fail(f"--image_token_index {token}: the run trained with image token "
+           f"{cfg.data.placeholder} (config.data.image_token, {data.get('where', 'run')}); give "
+           "that, or leave --image_token_index out.")
+  elif trained:
     token, where = cfg.data.placeholder, f"config.data.image_token ({data.get('where', 'run')})"
   elif record.get("image_token_index") is not None:
     token, where = int(record["image_token_index"]), "hf_import.json's image_token_index"
