@@ -234,7 +234,7 @@ def write_errors(what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str | None = None,
-           replace: bool = False) -> Iterator[pathlib.Path]:
+           replace: bool = False, replace_flag: str | None = None) -> Iterator[pathlib.Path]:
   """Yields an empty staging directory for output `out` and publishes it as `out` when the block
   ends without an exception; removes it otherwise, with the folders above `out` it made (those
   that were not there before, innermost first, each only if empty). `complete` names the file
@@ -243,13 +243,13 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
   final, parent, name = _paths(out)
   while final in _PUBLISHED:  # an earlier output of this process at `out`: not this one
     _PUBLISHED.remove(final)
-  check_target(final, what, flag, complete, replace)
+  check_target(final, what, flag, complete, replace, replace_flag)
   made = workdir_lib.Made(str(parent))  # the folders above `out` that `lock` is about to make
   held = lock(final, flag)
   tmp = parent / f".{name}{PARTIAL}{os.getpid()}"
   try:
     _recover(final, parent, name)
-    check_target(final, what, flag, complete, replace)  # again, under the lock
+    check_target(final, what, flag, complete, replace, replace_flag)  # again, under the lock
     try:
       tmp.mkdir()
     except OSError as e:

@@ -387,7 +387,7 @@ def _export(args) -> None:
   # line, and the staging directory removed.
   with output.write_errors(f"--out={args.out!r}"), \
       output.staged(out, "HF export", "--out", complete="config.json",
-                    replace=args.overwrite) as tmp:
+                    replace=args.overwrite, replace_flag="--overwrite") as tmp:
     _write_safetensors(tmp, tensors)
     for f in tok.files if tok else []:
       if f.name not in files and f.name not in texts:

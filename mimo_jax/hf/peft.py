@@ -196,7 +196,8 @@ def write(out: str | pathlib.Path, cfg: Config, params: dict, base: str = "",
   tensors = dict(adapter_tensors(cfg, params, modules))
   config = adapter_config(cfg, params, modules, base)
   with output.write_errors(f"--out={str(out)!r}"), \
-      output.staged(out, WHAT, complete=WEIGHTS, replace=replace) as tmp:
+      output.staged(out, WHAT, complete=WEIGHTS, replace=replace,
+                    replace_flag="--overwrite") as tmp:
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
