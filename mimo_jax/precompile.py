@@ -170,7 +170,7 @@ class Compiler:
       lowered.compile()
     except Exception as e:  # raised where the loop waits for it; said here, in case it never does
       self.say(f"compiling step program {number} ({name}) failed: {type(e).__name__}: "
-               f"{first_line(e)}")
+               f"{xla_errors.sentence(e)}")
       raise
     took = time.perf_counter() - started
     self.seconds[name] = took
@@ -192,7 +192,7 @@ class Compiler:
       raise
     except Exception as e:  # the step compiles them when met, and raises there if they fail
       self.say(f"compiling the step's update programs ahead failed: {type(e).__name__}: "
-               f"{first_line(e)}")
+               f"{xla_errors.sentence(e)}")
       raise
 
   def ready(self, keys: list[tuple]) -> bool:
@@ -300,9 +300,3 @@ class Ahead:
 
   def close(self) -> None:
     self.batches.close()
-
-
-def first_line(e: BaseException) -> str:
-  """An error's sentence without what XLA lists after it (an out-of-memory error's buffers):
-  the error itself is raised where the loop waits for it."""
-  return xla_errors.out_of_memory(e) or (str(e).splitlines() or [""])[0]

@@ -413,7 +413,7 @@ class _Loop:
         pass
       done = checkpoint_steps.complete_steps(self.ckpt.path)
       why = ("it did not finish" if xla_errors.out_of_memory(e) else
-             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+             f"{type(e).__name__}: {xla_errors.sentence(e)}")
       self.writer.say(f"after {after}: could not save step {step} ({why}); " +
                       (f"the newest checkpoint is step {done[-1]}." if done else
                        "no step of this run is saved."))

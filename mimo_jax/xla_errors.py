@@ -27,3 +27,9 @@ def device_ordinal(text: str) -> int | None:
   """The local device an out-of-memory sentence names ("on device 0", "device ordinal 0")."""
   found = re.search(r"device (?:ordinal )?(\d+)", text)
   return int(found.group(1)) if found else None
+
+
+def sentence(e: BaseException) -> str:
+  """An error in one line: XLA's out-of-memory sentence, else the error's first line (XLA lists
+  buffers and more after it)."""
+  return out_of_memory(e) or (str(e).splitlines() or [""])[0]
