@@ -12,7 +12,7 @@ each stage, what it does at each time step. `Stack` builds the schedule's tasks 
 count, checks and lowers them, and scans over the table. Forward tasks alone (gpipe, circular)
 run in `_pipeline`, and autodiff makes their backward: the transpose of the loop (ppermute's
 transpose sends the other way), all forwards then all backwards, every microbatch's activations
-kept. A schedule with backward tasks (1f1b, interleaved_1f1b) runs them itself (`_backward`,
+kept. A schedule with backward tasks (1f1b, interleaved_1f1b) runs them itself (pipeline_tasks.py,
 under a `custom_vjp`): a backward recomputes its chunk from the input kept for it and applies
 the cotangent from the next stage, so a stage keeps only its microbatches in flight.
 Bubble steps repeat a real task with their output masked out (forward schedules) or idle
@@ -34,14 +34,15 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mimo_jax import pipeline_tasks
 from mimo_jax.models import fp8, manual
+from mimo_jax.pipeline_tasks import PP, at, scan_layers
 from mimo_jax.schedules import (  # noqa: F401  (the schedule values, as pipeline.X too)
     BACKWARD, COT_SLOT, DONE, E_LOCAL, E_MICRO, FIRST, FORWARD, FROM_INPUT, FROM_PARKED,
     FROM_PREVIOUS, IN_SLOT, KIND, LAST, LOCAL, MICRO, PARK, RECV_COT, RECV_IN, RUN_BACKWARD,
     RUN_FORWARD, SCHEDULES, SOURCE, Task, Tasks, check, circular, gpipe, has_backward, lower,
     lower_explicit, one_f_one_b, interleaved_1f1b)
 
-PP = "pp"
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
 
 _fp8_operands = jax.checkpoint_policies.save_only_these_names(fp8.OPERAND)
@@ -174,39 +175,6 @@ def remat(layer: Callable, policy: str, gathered: bool = False) -> Callable:
   return jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
 
 
-def branches_may_diverge(mesh: Mesh) -> bool:
-  """Whether the devices of `mesh` may take different branches of a conditional that holds
-  collectives within groups of them. Not on XLA's CPU runtime: there a collective permute (which
-  the partitioner makes where a layer reshards its activations over tp, say) waits for every
-  device of the program at that same instruction, so stages in different branches hang."""
-  platform = (mesh.devices.flat[0].platform if isinstance(mesh, Mesh)
-              else jax.default_backend())
-  return platform != "cpu"
-
-
-def _scan_layers(layer: Callable, params, x: jax.Array, side: tuple, unroll: bool,
-                 first=None) -> jax.Array:
-  """With `first` (the first layer's index), `layer(params_i, x, index, *side)`."""
-  if first is None:
-    return jax.lax.scan(lambda h, p: (layer(p, h, *side), None), x, params, unroll=unroll)[0]
-  ids = first + jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
-  return jax.lax.scan(lambda h, pi: (layer(pi[0], h, pi[1], *side), None), x, (params, ids),
-                      unroll=unroll)[0]
-
-
-def _at(tree, i):
-  return jax.tree.map(lambda a: a[i], tree)
-
-
-def _part(mask, tree, trained: bool):
-  """The leaves of `tree` whose `mask` entry is `trained` (None elsewhere: no leaf)."""
-  return jax.tree.map(lambda t, x: x if t == trained else None, mask, tree)
-
-
-def _join(mask, trained, frozen):
-  return jax.tree.map(lambda t, a, b: a if t else b, mask, trained, frozen)
-
-
 class Stack:
   """Runs `layer(params_i, x, *side) -> x` over stacked parameters for M microbatches at once.
 
@@ -219,7 +187,8 @@ class Stack:
                trained=None, indexed: bool = False):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
-    (`_task_runner`); None: everywhere but on XLA's CPU runtime (`branches_may_diverge`).
+    (`pipeline_tasks.task_runner`); None: everywhere but on XLA's CPU runtime
+    (`pipeline_tasks.branches_may_diverge`).
     `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
     tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros).
     `indexed`: each layer is called `layer(params_i, x, index, *side)`, `index` its place in the
@@ -234,10 +203,10 @@ class Stack:
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:
     if not self.schedule.pipelined:
       if x_m.shape[0] == 1:  # one microbatch (the usual chunk): no vmap around the kernels
-        return _scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m),
-                            self.unroll, self._first())[None]
-      return jax.vmap(lambda x, *side: _scan_layers(self.layer, params, x, side, self.unroll,
-                                                    self._first()))(x_m, *side_m)
+        return scan_layers(self.layer, params, x_m[0], tuple(a[0] for a in side_m),
+                            self.unroll, self.first())[None]
+      return jax.vmap(lambda x, *side: scan_layers(self.layer, params, x, side, self.unroll,
+                                                    self.first()))(x_m, *side_m)
     num, p = x_m.shape[0], self.schedule.stages
     # Fewer microbatches than stages (evaluation), or not a whole group of the interleaved
     # schedule's: zeros fill the rest, whose outputs are dropped (their cotangents are zero).
@@ -246,46 +215,14 @@ class Stack:
       fill = lambda a: jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
       x_m, side_m = fill(x_m), tuple(fill(a) for a in side_m)
     if self.schedule.explicit(num + pad):
-      return self._explicit(params, x_m, tuple(side_m))[:num]
-    return self._forward(params, x_m, tuple(side_m), self.schedule.tasks(num + pad))[:num]
+      return pipeline_tasks.explicit(self, params, x_m, tuple(side_m))[:num]
+    return self.forward(params, x_m, tuple(side_m), self.schedule.tasks(num + pad))[:num]
 
-  def _forward(self, params, x_m, side_m: tuple, tasks: Tasks) -> jax.Array:
+  def forward(self, params, x_m, side_m: tuple, tasks: Tasks) -> jax.Array:
     """The forward `tasks` over `pp` (autodiff makes their backward)."""
     specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
     run = jax.shard_map(functools.partial(self._pipeline, table=lower(tasks)), mesh=self.mesh,
                         in_specs=(specs, P(), P()), out_specs=P(), axis_names={PP})
-    return run(params, x_m, side_m)
-
-  def _explicit(self, params, x_m, side_m: tuple) -> jax.Array:
-    """A schedule with backward tasks: the forward alone where no gradient is taken; under
-    autodiff, a `custom_vjp` whose forward keeps nothing but its arguments and whose backward
-    runs the schedule's forward and backward tasks (`_backward`) with the outputs' cotangents."""
-    num = x_m.shape[0]
-
-    @jax.custom_vjp
-    def run(params, x_m, side_m):
-      return self._forward(params, x_m, side_m, self.schedule.forward_tasks(num))
-
-    def forward(params, x_m, side_m):
-      return run(params, x_m, side_m), (params, x_m, side_m)
-
-    def backward(saved, dy_m):
-      params, x_m, side_m = saved
-      mask = self._mask(params)
-      specs = jax.tree.map(lambda _: P(*self.schedule.stage_spec()), params)
-      body = functools.partial(self._backward, tasks=self.schedule.tasks(num))
-      d_trained, dx_m = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()),
-                                      out_specs=(_part(mask, specs, True), P()),
-                                      axis_names={PP})(params, x_m, side_m, dy_m)
-      # A frozen leaf's cotangent: zeros that nothing reads (autodiff drops them).
-      d_params = _join(mask, d_trained, jax.tree.map(jnp.zeros_like, _part(mask, params, False)))
-      return d_params, dx_m, tuple(np.zeros(a.shape, jax.dtypes.float0) for a in side_m)
-
-    for a in side_m:
-      if not jnp.issubdtype(a.dtype, jnp.integer):
-        raise ValueError(f"a {self.schedule.resolved} pipeline takes integer side inputs (its "
-                         f"backward gives them no gradient), got {a.dtype}.")
-    run.defvjp(forward, backward)
     return run(params, x_m, side_m)
 
   def _pipeline(self, params, x_m, side_m, table: np.ndarray):
@@ -294,7 +231,7 @@ class Stack:
     p, num = self.schedule.stages, x_m.shape[0]
     parks = bool((table[..., PARK] >= 0).any())  # no buffer where every input arrives in time
     stage = jax.lax.axis_index(PP)
-    chunks = self._chunks(params)
+    chunks = self.chunks(params)
     ring = [(i, (i + 1) % p) for i in range(p)]
 
     def tick(carry, row):
@@ -305,8 +242,8 @@ class Stack:
       if parks:
         h = jnp.where(source == FROM_PARKED, parked[m], h)
       h = jnp.where(source == FROM_PREVIOUS, incoming, h)
-      h = _scan_layers(self.layer, _at(chunks, task[LOCAL]), h, tuple(a[m] for a in side_m),
-                       self.unroll, self._first(chunks, task[LOCAL], stage))
+      h = scan_layers(self.layer, at(chunks, task[LOCAL]), h, tuple(a[m] for a in side_m),
+                       self.unroll, self.first(chunks, task[LOCAL], stage))
       outs = outs.at[m].set(jnp.where(task[DONE] == 1, h, outs[m]))
       incoming = jax.lax.ppermute(h, PP, ring)
       if parks:  # keep what arrived for a task that runs later than the next step
@@ -320,105 +257,16 @@ class Stack:
     (_, _, outs), _ = jax.lax.scan(tick, init, jnp.asarray(table))
     return jax.lax.psum(outs, PP)  # only the last stage wrote: a broadcast
 
-  def _first(self, chunks=None, local=0, stage=0):
+  def first(self, chunks=None, local=0, stage=0):
     """The index in the stack of the first layer of this stage's chunk `local` (None unless
     `indexed`): chunk local·p + stage, of L/(p·v) layers (`_chunks`)."""
     if not self.indexed or chunks is None:
       return 0 if self.indexed else None
     return (local * self.schedule.stages + stage) * jax.tree.leaves(chunks)[0].shape[1]
 
-  def _mask(self, params):
+  def mask(self, params):
     return self.trained if self.trained is not None else jax.tree.map(lambda _: True, params)
 
-  def _chunks(self, params):
+  def chunks(self, params):
     """This stage's chunks as [v, L/(p·v), ...] whichever layout they arrived in."""
     return params if self.schedule.virtual > 1 else jax.tree.map(lambda a: a[None], params)
-
-  def _backward(self, params, x_m, side_m, dy_m, tasks: Tasks):
-    """One stage's part of a schedule with backward tasks (inside shard_map over `pp`): a scan
-    over `lower_explicit`'s table. A forward runs its chunk and sends the output on; a backward
-    recomputes its chunk from the input kept in its slot (`jax.vjp`), applies the cotangent that
-    came back from the next chunk (the stack output's for the last), adds the parameters'
-    gradients and sends the input's cotangent back. -> (the parameters' gradients in their
-    layout, the input's cotangents [M, ...])."""
-    p = self.schedule.stages
-    table, n_in, n_cot = lower_explicit(tasks)
-    stage = jax.lax.axis_index(PP)
-    mask = self._mask(params)
-    chunks = self._chunks(params)
-    run_task = self._task_runner(chunks, mask, side_m, stage)
-    ahead = [(i, (i + 1) % p) for i in range(p)]
-    back = [((i + 1) % p, i) for i in range(p)]
-
-    def tick(carry, row):
-      got_in, got_cot, inputs, cots, grads, dx = carry
-      task = row[stage]
-      recv_in, recv_cot = task[RECV_IN], task[RECV_COT]
-      i = jnp.maximum(recv_in, 0)
-      inputs = inputs.at[i].set(jnp.where(recv_in >= 0, got_in, inputs[i]))
-      i = jnp.maximum(recv_cot, 0)
-      cots = cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i]))
-      m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
-      h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
-      dy = jnp.where(last == 1, dy_m[m], cots[jnp.maximum(task[COT_SLOT], 0)])
-      out, d_in, grads = run_task(task[KIND], h, dy, m, local, grads)
-      # The first chunk's backward gives the stack input's cotangent.
-      dx = dx.at[m].add(jnp.where((first == 1) & (task[KIND] == RUN_BACKWARD), d_in, 0))
-      return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,
-              grads, dx), None
-
-    zero = jnp.zeros_like(x_m[0])
-    init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
-                          jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
-                         (PP,), to="varying")
-    grads0 = jax.tree.map(jnp.zeros_like, _part(mask, chunks, True))  # chunks vary already
-    init = init[:4] + (grads0,) + init[4:]
-    (_, _, _, _, grads, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
-    if self.schedule.virtual == 1:
-      grads = jax.tree.map(lambda g: g[0], grads)
-    return grads, jax.lax.psum(dx, PP)  # only stage 0 wrote: a broadcast
-
-  def _task_runner(self, chunks, mask, side_m: tuple, stage) -> Callable:
-    """`(kind, h, dy, m, local, grads) -> (output sent on, input's cotangent sent back, grads)`:
-    this stage's task `kind` (idle, forward or backward) on its chunk `local` for microbatch `m`,
-    a backward adding the trained leaves' gradients to `grads`.
-
-    Stages take different branches: a collective inside a chunk must stay within the stage (tp's
-    and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
-    runs both a forward and a backward and keeps the one its task asks for."""
-    frozen = _part(mask, chunks, False)  # a constant of every backward: no gradient of it
-
-    def chunk_fn(m, local):
-      side = tuple(a[m] for a in side_m)
-      first = self._first(chunks, local, stage)
-      return lambda c, h: _scan_layers(self.layer, c, h, side, self.unroll, first)
-
-    def chunk_vjp(m, local, h):
-      """A chunk's output and its vjp with respect to (its trained leaves, its input)."""
-      run = lambda t, h: chunk_fn(m, local)(_join(mask, t, _at(frozen, local)), h)
-      return jax.vjp(run, _at(_part(mask, chunks, True), local), h)
-
-    def idle(h, dy, m, local, grads):
-      return jnp.zeros_like(h), jnp.zeros_like(h), grads
-
-    def forward(h, dy, m, local, grads):
-      return chunk_fn(m, local)(_at(chunks, local), h), jnp.zeros_like(h), grads
-
-    def backward(h, dy, m, local, grads):
-      _, vjp = chunk_vjp(m, local, h)
-      d_chunk, dh = vjp(dy)
-      return jnp.zeros_like(h), dh, jax.tree.map(lambda g, d: g.at[local].add(d), grads, d_chunk)
-
-    def every_task(kind, h, dy, m, local, grads):
-      """What `switch` picks, with one forward and one backward whatever the task: every device
-      runs the same collectives in the same order."""
-      out, vjp = chunk_vjp(m, local, h)
-      d_chunk, dh = vjp(dy)
-      fwd, bwd = kind == RUN_FORWARD, kind == RUN_BACKWARD
-      grads = jax.tree.map(lambda g, d: g.at[local].add(jnp.where(bwd, d, 0)), grads, d_chunk)
-      return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), grads
-
-    branch = branches_may_diverge(self.mesh) if self.branch is None else self.branch
-    if branch:
-      return lambda kind, *args: jax.lax.switch(kind, (idle, forward, backward), *args)
-    return every_task
