@@ -18,6 +18,7 @@ from mimo_jax.models import head_loss, lora
 from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.mimo import Module, language_hidden, language_logits
 from mimo_jax.pipeline import Stack, remat
+from mimo_jax.pipeline_tasks import Head
 from mimo_jax.sharding import BLOCKS, ModulePlan, Plan
 
 
@@ -109,12 +110,15 @@ class Context:
     """The NNX module; its `blocks` are not to be called directly (use `run_blocks`)."""
     return self.modules[name].bind(self.plan[name].unlayout(params))
 
-  def run_blocks(self, name: str, params, seeds=None):
+  def run_blocks(self, name: str, params, seeds=None, head: Head | None = None):
     """The module's block stack on `params` as a `RunBlocks` callable; given LoRA dropout's
-    seeds of its rows [M, ...] (`lora.token_seeds`), the stack that drops its adapters' input."""
-    if seeds is None:
-      return lambda x_m, side_m: self.stacks[name](params[BLOCKS], x_m, side_m)
-    return lambda x_m, side_m: self.dropping[name](params[BLOCKS], x_m, (*side_m, seeds))
+    seeds of its rows [M, ...] (`lora.token_seeds`), the stack that drops its adapters' input.
+    With `head` (pipelined), it returns the head's loss summed over microbatches (`Stack.loss`)
+    instead of the blocks' outputs."""
+    stack, extra = (self.stacks[name], ()) if seeds is None else (self.dropping[name], (seeds,))
+    if head is None:
+      return lambda x_m, side_m: stack(params[BLOCKS], x_m, (*side_m, *extra))
+    return lambda x_m, side_m: stack.loss(params[BLOCKS], x_m, (*side_m, *extra), head)
 
   def frozen_stopped(self, name: str, params):
     """`params` with the frozen groups' leaves behind `stop_gradient`: a backward through them
@@ -166,6 +170,26 @@ class Context:
                               tail)
     return (model, h[0], h[1]) if tail else (model, h, None)
 
+  def pipelined_loss(self, params, text: Text, tokens: dict, pos: dict, groups: int,
+                     packed: bool) -> jax.Array:
+    """The pipelined language model's training loss summed over its stacked microbatches: its
+    final norm, head and cross-entropy (`head_loss.loss_sum`, chunked by `train.loss_chunk`) a
+    `pipeline_tasks.Head` that the Stack runs on each microbatch's output, inside a schedule
+    with backward tasks (so that its stack's forward does not run alone first)."""
+    labels = {k: v for k, v in self.plan["language"].labels.items() if k != BLOCKS}
+    chunk = self.cfg.train.loss_chunk
+
+    def apply(trained, frozen, h, targets, weights):
+      model = self.bind("language", optim.join(trained, frozen))  # no blocks: the head's alone
+      return head_loss.loss_sum(model, h, targets, weights, groups, chunk)
+
+    def head(params) -> Head:
+      rest = {k: v for k, v in params.items() if k != BLOCKS}
+      return Head(apply, optim.trained(rest, labels), optim.frozen(rest, labels),
+                  (text.targets_rl, text.loss_mask_rl))
+    return self._language(language_hidden, params, text, tokens, pos, groups, packed, True,
+                          head=head)[1]
+
   def last_block_in_loss(self, train: bool) -> bool:
     """Whether the language model's last block runs its position-wise rest (output projection,
     MLP) inside the chunked loss, only where a target carries loss (`train.last_block_in_loss`,
@@ -181,12 +205,14 @@ class Context:
             and not (train and "language" in self.dropping))
 
   def _language(self, fn, params, text: Text, tokens: dict, pos: dict, groups: int, packed: bool,
-                train: bool, tail: bool = False):
+                train: bool, tail: bool = False, head=None):
+    """`fn(model, run_blocks, ...)`; `head(params) -> Head`: the blocks return its loss."""
     params = self.frozen_stopped("language", params)
     seeds = lora.token_seeds(self.cfg.train.seed, "language", text.token_sample_rl,
                              text.positions_rl) if train and "language" in self.dropping else None
     model = self.bind("language", params)
-    run = self._with_tail(params) if tail else self.run_blocks("language", params, seeds)
+    run = self._with_tail(params) if tail else self.run_blocks(
+        "language", params, seeds, None if head is None else head(params))
     return model, fn(model, run, text.tokens_rl, tokens, pos, groups, text.positions_rl,
                      text.segment_ids_rl if packed else None)
 

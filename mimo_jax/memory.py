@@ -7,7 +7,8 @@ state and gradient accumulators (the trained leaves' alone), exactly, from the p
 keeps (one microbatch's layer inputs, the MLP's hidden units and the LoRA adapters' own
 activations unless `remat=full`; one microbatch's logits and their gradient in the compute
 dtype, or with `train.loss_chunk` one chunk's, every microbatch's stack outputs where a
-pipelined language model runs its head a microbatch at a time; a pipelined module holds all its
+pipelined language model runs its head after the stack (gpipe, circular; the schedules with
+backward tasks run it inside, on each microbatch's output); a pipelined module holds all its
 microbatches' internals under gpipe and circular, one chunk's and its microbatches in flight
 under 1f1b and interleaved_1f1b: `in_flight`).
 Modules that share devices add up. A layout whose bound exceeds the device's memory cannot run,
@@ -83,7 +84,9 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0, tail: bool = Fal
   internals, inputs = in_flight(cfg, name)
   layers = cfg.model.module(name).layers // t.pp
   chunk = layers // t.virtual if inputs else layers  # a backward task holds one chunk's
-  outputs = d.microbatches if t.pp > 1 else 0  # the stack's outputs: every microbatch's
+  # The stack's outputs, every microbatch's, for the head after it (none where the head runs
+  # inside a schedule with backward tasks: `Stack.loss`).
+  outputs = d.microbatches if t.pp > 1 and not inputs else 0
   adapters = 0 if t.remat == "full" else adapter_rank
   if name != LANGUAGE:
     enc = encoders.get(name)
@@ -94,10 +97,10 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0, tail: bool = Fal
   tokens = (d.pack_rows or d.micro_batch) // t.dp * d.seq_len  # a microbatch's on a device
   kept = m.dim + (0 if t.remat == "full" else 2 * m.mlp_dim // t.tp) + adapters
   vocab = m.vocab_size or DIGITS_VOCAB
-  # A pipelined head takes the stack's outputs a microbatch at a time (programs.language_loss):
-  # one microbatch's logits and their gradient at once, every microbatch's outputs kept for it;
-  # with train.loss_chunk, a chunk's logits and their gradient, beside the gathered outputs'
-  # gradient (models/head_loss.py).
+  # A pipelined head takes the stack's outputs a microbatch at a time (Context.pipelined_loss):
+  # one microbatch's logits and their gradient at once, every microbatch's outputs kept for it
+  # under gpipe and circular; with train.loss_chunk, a chunk's logits and their gradient, beside
+  # the gathered outputs' gradient (models/head_loss.py).
   positions = min(cfg.train.loss_chunk, tokens) if cfg.train.loss_chunk else tokens
   head = (positions * 2 * vocab // t.tp + (tokens * m.dim if cfg.train.loss_chunk else 0)) * width
   if tail:  # the mixed heads' gradient (split over tp as the heads); the last MLP keeps nothing

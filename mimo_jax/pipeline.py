@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax import pipeline_tasks
 from mimo_jax.models import fp8, manual
-from mimo_jax.pipeline_tasks import PP, at, scan_layers
+from mimo_jax.pipeline_tasks import PP, Head, at, scan_layers  # noqa: F401 (pipeline.Head)
 from mimo_jax.schedules import (  # noqa: F401  (the schedule values, as pipeline.X too)
     BACKWARD, COT_SLOT, DONE, E_LOCAL, E_MICRO, FIRST, FORWARD, FROM_INPUT, FROM_PARKED,
     FROM_PREVIOUS, IN_SLOT, KIND, LAST, LOCAL, MICRO, PARK, RECV_COT, RECV_IN, RUN_BACKWARD,
@@ -117,15 +117,19 @@ class Schedule:
       return microbatches * self.virtual
     return lower_explicit(self.tasks(microbatches))[1]
 
-  def compute(self, microbatches: int, remat_policy: str = "none") -> float:
+  def compute(self, microbatches: int, remat_policy: str = "none", head: bool = False) -> float:
     """A stage's FLOPs a microbatch against the same layers' unpipelined (a forward F, its
-    backward 2F, and F again to recompute under remat=full): 1 where autodiff makes the backward;
-    with backward tasks the stack's forward runs alone, again as a forward task and again in the
-    backward task (`jax.vjp`), 5F against 3F, 6F against 4F under remat=full (the loss head
-    after the stack needs every output before the schedule runs)."""
+    backward 2F, and F again to recompute under remat=full): 1 where autodiff makes the backward.
+    With backward tasks, a forward task runs each chunk and the backward task again (`jax.vjp`):
+    4F against 3F, 5F against 4F under remat=full, where the loss `head` runs inside the
+    schedule (the language model's, `Stack.loss`); an encoder's stack runs its forward alone
+    first (its outputs' cotangents come from the language model after it), 5F and 6F."""
     if not self.explicit(microbatches):
       return 1.0
-    return 6 / 4 if remat_policy == "full" else 5 / 3
+    full = remat_policy == "full"
+    if head:
+      return 5 / 4 if full else 4 / 3
+    return 6 / 4 if full else 5 / 3
 
   @property
   def pipelined(self) -> bool:
@@ -175,6 +179,11 @@ def remat(layer: Callable, policy: str, gathered: bool = False) -> Callable:
   return jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
 
 
+def _filled(a: jax.Array, pad: int) -> jax.Array:
+  """`a` [M, ...] with `pad` microbatches of zeros after it."""
+  return jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
+
+
 class Stack:
   """Runs `layer(params_i, x, *side) -> x` over stacked parameters for M microbatches at once.
 
@@ -207,16 +216,31 @@ class Stack:
                             self.unroll, self.first())[None]
       return jax.vmap(lambda x, *side: scan_layers(self.layer, params, x, side, self.unroll,
                                                     self.first()))(x_m, *side_m)
-    num, p = x_m.shape[0], self.schedule.stages
-    # Fewer microbatches than stages (evaluation), or not a whole group of the interleaved
-    # schedule's: zeros fill the rest, whose outputs are dropped (their cotangents are zero).
-    pad = max(p - num, 0) if self.schedule.resolved != "interleaved_1f1b" else -num % p
-    if pad:
-      fill = lambda a: jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
-      x_m, side_m = fill(x_m), tuple(fill(a) for a in side_m)
+    num, pad = x_m.shape[0], self._pad(x_m.shape[0])
+    x_m, side_m = _filled(x_m, pad), tuple(_filled(a, pad) for a in side_m)
     if self.schedule.explicit(num + pad):
       return pipeline_tasks.explicit(self, params, x_m, tuple(side_m))[:num]
     return self.forward(params, x_m, tuple(side_m), self.schedule.tasks(num + pad))[:num]
+
+  def loss(self, params, x_m: jax.Array, side_m: tuple, head: pipeline_tasks.Head) -> jax.Array:
+    """`head`'s loss summed over the stack's outputs for M microbatches (pipelined): under a
+    schedule with backward tasks the head runs inside it (`pipeline_tasks.explicit_loss`), else
+    after the stack, a microbatch at a time (`pipeline_tasks.head_sum`)."""
+    num, pad = x_m.shape[0], self._pad(x_m.shape[0])
+    x_m, side_m = _filled(x_m, pad), tuple(_filled(a, pad) for a in side_m)
+    # The padded microbatches' loss weights are 0, and so is their loss.
+    head = head._replace(side_m=tuple(_filled(a, pad) for a in head.side_m))
+    if self.schedule.explicit(num + pad):
+      return pipeline_tasks.explicit_loss(self, params, x_m, tuple(side_m), head)
+    h_m = self.forward(params, x_m, tuple(side_m), self.schedule.tasks(num + pad))
+    return pipeline_tasks.head_sum(head, head.trained, head.frozen, h_m, head.side_m)
+
+  def _pad(self, num: int) -> int:
+    """Microbatches of zeros after `num` (pipelined): fewer than the stages (evaluation), or not
+    a whole group of the interleaved schedule's. Their outputs are dropped (their cotangents are
+    zero)."""
+    p = self.schedule.stages
+    return max(p - num, 0) if self.schedule.resolved != "interleaved_1f1b" else -num % p
 
   def forward(self, params, x_m, side_m: tuple, tasks: Tasks) -> jax.Array:
     """The forward `tasks` over `pp` (autodiff makes their backward)."""

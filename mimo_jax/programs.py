@@ -89,17 +89,15 @@ def language_loss(ctx: Context, params, x: LanguageIn, inv_tokens, groups: int) 
   `train.loss_chunk`, the head and the cross-entropy run only where a target carries loss, a
   chunk of positions at a time (models/head_loss.py), else over every position at once. A
   pipelined model's microbatches (all of the step's, at once) go through the head and the loss
-  one at a time, each recomputed in the backward pass: the step holds one microbatch's logits
-  (or chunk's), not all of them (which would undo what a schedule with backward tasks saves)."""
+  one at a time (`Context.pipelined_loss`): the step holds one microbatch's logits (or chunk's),
+  not all of them (which would undo what a schedule with backward tasks saves)."""
+  if ctx.plan["language"].schedule.pipelined:
+    loss = ctx.pipelined_loss(params, x.text, x.tokens, x.positions, groups, ctx.packed)
+    return loss * inv_tokens
   model, h_m, tail = ctx.hidden(params, x.text, x.tokens, x.positions, groups, ctx.packed,
                                 train=True)
-  loss = lambda h, targets, mask: head_loss.loss_sum(model, h, targets, mask, groups,
-                                                     ctx.cfg.train.loss_chunk, tail)
-  if not ctx.plan["language"].schedule.pipelined:
-    return loss(h_m, x.text.targets_rl, x.text.loss_mask_rl) * inv_tokens
-  one = jax.checkpoint(loss)
-  sums = jax.lax.map(lambda a: one(*a), (h_m, x.text.targets_rl, x.text.loss_mask_rl))
-  return jnp.sum(sums) * inv_tokens
+  return head_loss.loss_sum(model, h_m, x.text.targets_rl, x.text.loss_mask_rl, groups,
+                            ctx.cfg.train.loss_chunk, tail) * inv_tokens
 
 
 def mismatches(ctx: Context, x: LanguageIn) -> jax.Array:

@@ -296,8 +296,10 @@ def test_the_language_steps_memory_under_1f1b_is_at_most_pp_over_m_of_gpipes(tmp
   M=8, two layers a stage, a vocabulary of 4096: GPipe keeps every microbatch's internals, 1F1B
   a stage's microbatches in flight and one chunk's internals, and the head takes the stack's
   outputs a microbatch at a time under both (programs.language_loss), so that no schedule keeps
-  every microbatch's logits. On CPUs 1F1B's temporaries are 0.26 of GPipe's (5,664,944 against
-  21,782,696 bytes; 0.63 when the head took all eight at once); at most p/M."""
+  every microbatch's logits. On CPUs 1F1B's temporaries are 0.36 of GPipe's (8,184,464 against
+  22,831,080 bytes; 0.63 when the head took all eight at once after the stack), its head inside
+  the schedule, whose every step holds a chunk's internals and the head's logits at once where,
+  as on CPUs, every stage runs every task; at most p/M."""
   from mimo_jax.data import loader
   p, m = 4, 8
 

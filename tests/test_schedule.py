@@ -252,6 +252,50 @@ def test_explicit_backward_matches_autodiff_of_sequential_layers(p, dp, tp, v, m
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("p,v,m,name,branch", [
+    (2, 1, 3, "1f1b", True),
+    (4, 1, 2, "1f1b", None),  # fewer microbatches than stages: padded, their weights 0
+    (2, 2, 3, "interleaved_1f1b", True),  # not a whole group: padded
+    (2, 1, 4, "gpipe", None),  # the head after the stack, a microbatch at a time
+])
+def test_a_head_inside_the_schedule_matches_autodiff_of_the_layers_then_the_head(p, v, m, name,
+                                                                                branch):
+  """`Stack.loss`: a loss head (a trained and a frozen leaf, per-microbatch targets and
+  weights) run by the last chunk's backward tasks, so the stack's forward never runs alone: its
+  loss and every gradient (stacked layers, head, inputs) as autodiff of the layers one after
+  another, then the head on each microbatch."""
+  mesh = Mesh(np.array(jax.devices()[:p]).reshape(p, 1, 1), topology.AXES)
+  schedule = Schedule(p, v, name)
+  keys = jax.random.split(jax.random.key(1), 5)
+  w = 0.4 * jax.random.normal(keys[0], (8, 8, 8))
+  x_m = jax.random.normal(keys[1], (m, 4, 8))
+  shift_m = jax.random.randint(keys[2], (m, 4), 0, 3)
+  targets_m = jax.random.normal(keys[3], (m, 4, 3))
+  weights_m = (jnp.arange(m * 4).reshape(m, 4) % 3).astype(jnp.float32)
+  trained = {"proj": 0.3 * jax.random.normal(keys[4], (8, 3))}
+  frozen = {"bias": jnp.full((3,), 0.1)}
+
+  def apply(t, f, h, targets, weights):
+    return jnp.sum(weights[:, None] * (jnp.tanh(h @ t["proj"] + f["bias"]) - targets) ** 2)
+
+  def sequential(w, t, x_m):
+    for i in range(8):
+      x_m = jax.vmap(lambda x, s, i=i: _layer(w[i], x, s))(x_m, shift_m)
+    return sum(apply(t, frozen, x_m[k], targets_m[k], weights_m[k]) for k in range(m))
+  stack = Stack(_layer, mesh, schedule, branch=branch)
+  placed = jax.device_put(schedule.to_layout(w), NamedSharding(mesh, P(*schedule.stage_spec())))
+  head = lambda t: pipeline.Head(apply, t, frozen, (targets_m, weights_m))  # noqa: E731
+  want = jax.value_and_grad(sequential, argnums=(0, 1, 2))(w, trained, x_m)
+  got = jax.jit(jax.value_and_grad(lambda w, t, x: 2.0 * stack.loss(w, x, (shift_m,), head(t)),
+                                   argnums=(0, 1, 2)))(placed, trained, x_m)
+  got = (got[0] / 2, (schedule.from_layout(np.asarray(got[1][0])) / 2,
+                      jax.tree.map(lambda a: a / 2, got[1][1]), got[1][2] / 2))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+  np.testing.assert_allclose(jax.jit(lambda w: stack.loss(w, x_m, (shift_m,), head(trained)))(
+      placed), want[0], rtol=1e-5)  # the forward alone where no gradient is taken
+
+
 def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
   """XLA's memory analysis of the compiled gradient (per device: one stage), p=4, M=8, two
   layers a stage, remat none: GPipe keeps every microbatch's layer internals until the
@@ -315,7 +359,8 @@ def test_fp8_under_1f1b_computes_what_it_computes_under_gpipe(v, reference, name
 
 def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
   """Language pp2 under gpipe and 1f1b, M = 8: 1F1B keeps one microbatch's internals and p chunk
-  inputs where GPipe keeps all eight, so it needs less memory and takes 5/3 of the FLOPs; both
+  inputs where GPipe keeps all eight, so it needs less memory and takes 4/3 of the FLOPs (the loss
+  runs inside its schedule; an encoder's would take 5/3); both
   stretch by the bubble. A budget only 1F1B layouts fit makes one of them the recommendation."""
   from tools import plan
   spec, gpus = "tests/configs/tiny_vlm.py:encoder_heavy", 4
@@ -327,7 +372,8 @@ def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
   assert one["gib"] < gpipe["gib"]
   assert gpipe["language"]["bubble"] == one["language"]["bubble"] == pytest.approx(1 / 9)
   assert plan.module_time(1.0, gpipe["language"]) == pytest.approx(9 / 8)
-  assert plan.module_time(1.0, one["language"]) == pytest.approx(5 / 3 * 9 / 8)
+  assert plan.module_time(1.0, one["language"]) == pytest.approx(4 / 3 * 9 / 8)
+  assert Schedule(2, 1, "1f1b").compute(8, "none") == pytest.approx(5 / 3)  # an encoder's
   assert every["vision=0/2/1,language=2/2/1"]["language"]["schedule"] == "none"
   cfg = plan.layout_config(spec, sets, "language=2/1/1/2/1@1f1b")
   assert (cfg.topology.language.pp, cfg.topology.language.schedule) == (2, "1f1b")
