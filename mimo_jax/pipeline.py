@@ -152,11 +152,21 @@ class Schedule:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
   def bubble(self, microbatches: int) -> float:
-    """Idle fraction of the schedule's stage-steps: (p − 1) / (M·v + p − 1) for gpipe and
-    circular (their forward; the autodiff backward mirrors it), and for 1f1b, whose forwards
-    and backwards take a step each; interleaved_1f1b's is about v times smaller."""
-    slots = [task for row in self.tasks(microbatches) for task in row]
-    return slots.count(None) / len(slots)
+    """The share of a stage's time its schedule leaves it idle, the stages running their steps
+    in lockstep (a step takes as long as its slowest task). Forward schedules (gpipe, circular;
+    autodiff's backward mirrors them): the idle share of a stage's steps, (p − 1) / (M·v + p −
+    1). With backward tasks, a step weighs its slowest task, a forward 1 and a backward 3 (it
+    recomputes its chunk; the last chunk's forward is its backward's), and a stage is idle for
+    what its own tasks leave of the steps' weight (`schedules._as_soon` phases the steps)."""
+    tasks = self.tasks(microbatches)
+    if not has_backward(tasks):
+      slots = [task for row in tasks for task in row]
+      return slots.count(None) / len(slots)
+    last = self.stages * self.virtual - 1
+    weight = lambda x: (0 if x is None else 3 if x.kind == BACKWARD else  # noqa: E731
+                        0 if x.chunk == last else 1)
+    steps = sum(max(weight(row[t]) for row in tasks) for t in range(len(tasks[0])))
+    return 1 - max(sum(weight(x) for x in row) for row in tasks) / steps
 
 
 def _all_but_gathered(prim, *_, **params) -> bool:

@@ -10,14 +10,20 @@ runs them itself, in its own order. For M microbatches:
 * `gpipe` (v = 1): stage s runs microbatch m at step m + s; M + p − 1 steps.
 * `circular` (v > 1): a microbatch goes round the ring v times, round r at step r·M + m + s
   (M ≥ p).
-* `one_f_one_b` (v = 1): stage s runs p − s − 1 forwards, then one forward and one backward
-  in turn, then the remaining backwards; it holds at most p − s microbatches' inputs.
+* `one_f_one_b` (v = 1): stage s runs 2(p − s − 1) forwards, then one forward and one backward
+  in turn, then the remaining backwards; it holds at most 2(p − s) − 1 microbatches' inputs.
 * `interleaved_1f1b` (v > 1, M a multiple of p): the same with v chunks a stage, in groups of p
   microbatches a chunk (Megatron's virtual pipeline), warming up with 2(p − s − 1) + (v − 1)·p.
 
 The one-forward-one-backward schedules are built from each stage's order of tasks (`_as_soon`):
 every task runs at the first step after what it needs (the previous chunk's forward, the next
-chunk's backward) has run, with forward and backward taking one step each.
+chunk's backward) has run, forwards at even steps and backwards at odd ones. The stages run in
+lockstep (a step ends with every stage's sends), so a step takes as long as its slowest task: a
+backward (which recomputes its chunk) takes about three forwards, and a schedule that let one
+stage's forward share a step with another's backward would pay a backward's time for both.
+Phased, the steps alternate forwards and backwards on every stage, and a step of forwards costs
+a forward; the longer warm-up of `one_f_one_b` (2(p − s − 1) forwards, not Megatron's p − s − 1)
+fills the pipeline for that, and keeps the number of microbatches in flight independent of M.
 """
 
 from __future__ import annotations
@@ -82,12 +88,13 @@ def _one_f_one_b_order(forwards: list[Task], backwards: list[Task], warmup: int)
 
 
 def _as_soon(orders: list[list[Task]], chunks: int) -> Tasks:
-  """Each stage's `orders` on a time grid: a task runs one step after what it needs has run (a
-  forward: the previous chunk's forward; a backward: its forward and the next chunk's backward),
-  and after the task before it on its stage."""
+  """Each stage's `orders` on a time grid: a task runs at the first step after what it needs
+  has run (a forward: the previous chunk's forward; a backward: its forward and the next chunk's
+  backward) and after the task before it on its stage, forwards at even steps and backwards at
+  odd ones (phased: every stage does the same kind of work in a step)."""
   stages, done, rows = len(orders), {}, [[] for _ in orders]
   nxt = [0] * stages
-  t = 0
+  t = idle = 0  # idle: steps in a row in which no task ran
   while any(n < len(o) for n, o in zip(nxt, orders)):
     ran = False
     for s, order in enumerate(orders):
@@ -97,7 +104,8 @@ def _as_soon(orders: list[list[Task]], chunks: int) -> Tasks:
           else [(FORWARD, task.microbatch, task.chunk)] + (
               [(BACKWARD, task.microbatch, task.chunk + 1)] if task.chunk + 1 < chunks else [])
           if task.kind == BACKWARD else [])
-      if task is not None and all(done.get(n, t) < t for n in needs):
+      phase = t % 2 == (0 if task is None or task.kind == FORWARD else 1)
+      if task is not None and phase and all(done.get(n, t) < t for n in needs):
         rows[s].append(task)
         nxt[s] += 1
         ran = True
@@ -106,22 +114,24 @@ def _as_soon(orders: list[list[Task]], chunks: int) -> Tasks:
     for s in range(stages):
       if rows[s][-1] is not None:
         done[tuple(rows[s][-1])] = t
-    if not ran:
+    idle = 0 if ran else idle + 1
+    if idle == 2:  # neither phase could run a task
       raise ValueError("the stages' task orders wait on each other: no task can run.")
     t += 1
   return tuple(tuple(row) for row in rows)
 
 
 def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> Tasks:
-  """1F1B: stage s runs min(p − s − 1, M) forwards, then one forward and one backward in turn,
-  then the backwards left; a stage holds at most p − s microbatches' inputs."""
+  """1F1B: stage s runs min(2(p − s − 1), M) forwards, then one forward and one backward in
+  turn, then the backwards left (phased, `_as_soon`); a stage holds at most 2(p − s) − 1
+  microbatches' inputs."""
   if virtual != 1:
     raise ValueError(f"1f1b runs one chunk a stage, got virtual={virtual}; use interleaved_1f1b.")
   orders = []
   for s in range(stages):
     f = [Task(FORWARD, m, s) for m in range(microbatches)]
     b = [Task(BACKWARD, m, s) for m in range(microbatches)]
-    orders.append(_one_f_one_b_order(f, b, min(stages - s - 1, microbatches)))
+    orders.append(_one_f_one_b_order(f, b, min(2 * (stages - s - 1), microbatches)))
   return _as_soon(orders, stages)
 
 
