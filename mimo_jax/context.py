@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from mimo_jax import optim
 from mimo_jax.batch import Text
@@ -83,7 +84,7 @@ class Context:
     tops = cfg.topology.modules()
     stack = lambda n, layer, indexed=False: Stack(
         layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll, plan[n].gather,
-        trained=_trained_blocks(plan[n]), indexed=indexed)
+        trained=_trained_blocks(plan[n]), indexed=indexed, dtype=jnp.dtype(cfg.model.dtype))
     stacks = {n: stack(n, m.layer) for n, m in modules.items()}
     rates = {n: lora_of(cfg, n).dropout for n in modules if lora_of(cfg, n)}
     # A module with nothing to train runs forward only (split layouts: `encoder_tokens`): no drop

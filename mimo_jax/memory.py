@@ -52,9 +52,12 @@ def _bytes(tree) -> int:
 def in_flight(cfg: Config, name: str) -> tuple[int, int]:
   """(microbatches whose layer internals a stage keeps for the backward at once, chunk inputs it
   keeps besides): a pipeline whose backward autodiff makes (gpipe, circular) keeps every
-  microbatch's internals; one with backward tasks (1f1b, interleaved_1f1b) one chunk's
-  internals (1/v of the stage's layers, while a backward recomputes it) and its microbatches in
-  flight as chunk inputs (`Schedule.held`: at most p for 1f1b)."""
+  microbatch's internals; one with backward tasks (1f1b, interleaved_1f1b) keeps its forward
+  tasks' residuals (a chunk's internals under the remat policy, `Schedule.kept`: at most
+  2(p − s) − 1 for 1f1b) and one chunk's more while a backward runs, and its chunk inputs until
+  their forward (`Schedule.held`); under remat=full it keeps the chunk inputs of its
+  microbatches in flight until their backward, which runs the chunk again (one chunk's
+  internals, each layer keeping all it needs: `_activations`)."""
   t = cfg.topology.module(name)
   if t.pp == 1:
     return 1, 0
@@ -62,7 +65,7 @@ def in_flight(cfg: Config, name: str) -> tuple[int, int]:
   micro = cfg.data.microbatches
   if not schedule.explicit(micro):
     return micro, 0
-  return 1, schedule.held(micro)
+  return schedule.kept(micro, t.remat) + 1, schedule.held(micro, t.remat)
 
 
 def _adapter_rank(abstract_params) -> int:
@@ -82,6 +85,8 @@ def _activations(cfg: Config, name: str, adapter_rank: int = 0, tail: bool = Fal
   d = cfg.data
   width = np.dtype(cfg.model.dtype).itemsize
   internals, inputs = in_flight(cfg, name)
+  if inputs and t.remat == "full":  # a backward task runs its chunk again, keeping all it needs
+    t = dataclasses.replace(t, remat="none")
   layers = cfg.model.module(name).layers // t.pp
   chunk = layers // t.virtual if inputs else layers  # a backward task holds one chunk's
   # The stack's outputs, every microbatch's, for the head after it (none where the head runs

@@ -41,7 +41,7 @@ from mimo_jax.schedules import (  # noqa: F401  (the schedule values, as pipelin
     BACKWARD, COT_SLOT, DONE, E_LOCAL, E_MICRO, FIRST, FORWARD, FROM_INPUT, FROM_PARKED,
     FROM_PREVIOUS, IN_SLOT, KIND, LAST, LOCAL, MICRO, PARK, RECV_COT, RECV_IN, RUN_BACKWARD,
     RUN_FORWARD, SCHEDULES, SOURCE, Task, Tasks, check, circular, gpipe, has_backward, lower,
-    lower_explicit, one_f_one_b, interleaved_1f1b)
+    Lowered, lower_explicit, one_f_one_b, interleaved_1f1b)
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's gathered parameters (never saved)
 
@@ -109,27 +109,38 @@ class Schedule:
     """Whether the schedule runs its own backward tasks (1f1b, interleaved_1f1b)."""
     return has_backward(self.tasks(microbatches))
 
-  def held(self, microbatches: int) -> int:
+  def held(self, microbatches: int, remat_policy: str = "none") -> int:
     """The most chunk inputs a stage keeps for its backward at once: every microbatch's every
-    chunk where autodiff makes the backward (M·v), the input slots of `lower_explicit` (its
-    microbatches in flight, p − s for 1F1B, and what waits there) otherwise."""
+    chunk where autodiff makes the backward (M·v); with backward tasks the input slots of
+    `lower_explicit` (its microbatches in flight, at most 2(p − s) − 1 for 1F1B, until their
+    forward, or under remat=full their backward, runs)."""
     if not self.explicit(microbatches):
       return microbatches * self.virtual
-    return lower_explicit(self.tasks(microbatches))[1]
+    return self.lowered(microbatches, remat_policy).inputs
+
+  def kept(self, microbatches: int, remat_policy: str = "none") -> int:
+    """The most forward tasks whose residuals (a chunk's layer internals under the remat
+    policy) a stage keeps at once for their backward: none where autodiff makes the backward or
+    under remat=full (a backward task runs its chunk again)."""
+    if not self.explicit(microbatches):
+      return 0
+    return self.lowered(microbatches, remat_policy).residuals
+
+  def lowered(self, microbatches: int, remat_policy: str = "none") -> Lowered:
+    """The schedule's tasks as the executor with backward tasks scans them."""
+    return lower_explicit(self.tasks(microbatches), residuals=remat_policy != "full")
 
   def compute(self, microbatches: int, remat_policy: str = "none", head: bool = False) -> float:
     """A stage's FLOPs a microbatch against the same layers' unpipelined (a forward F, its
-    backward 2F, and F again to recompute under remat=full): 1 where autodiff makes the backward.
-    With backward tasks, a forward task runs each chunk and the backward task again (`jax.vjp`):
-    4F against 3F, 5F against 4F under remat=full, where the loss `head` runs inside the
-    schedule (the language model's, `Stack.loss`); an encoder's stack runs its forward alone
-    first (its outputs' cotangents come from the language model after it), 5F and 6F."""
-    if not self.explicit(microbatches):
+    backward 2F, and F again to recompute under remat=full): 1 where autodiff makes the backward,
+    and with backward tasks where the loss `head` runs inside the schedule (the language model's,
+    `Stack.loss`): a forward task keeps its residuals for the backward task, or under remat=full
+    the backward task runs the chunk again (the last chunk's forward runs in its backward). An
+    encoder's stack runs its forward alone first (its outputs' cotangents come from the language
+    model after it): 4F against 3F, 5F against 4F under remat=full."""
+    if not self.explicit(microbatches) or head:
       return 1.0
-    full = remat_policy == "full"
-    if head:
-      return 5 / 4 if full else 4 / 3
-    return 6 / 4 if full else 5 / 3
+    return 5 / 4 if remat_policy == "full" else 4 / 3
 
   @property
   def pipelined(self) -> bool:
@@ -151,20 +162,21 @@ class Schedule:
       return x
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
-  def bubble(self, microbatches: int) -> float:
+  def bubble(self, microbatches: int, remat_policy: str = "none") -> float:
     """The share of a stage's time its schedule leaves it idle, the stages running their steps
     in lockstep (a step takes as long as its slowest task). Forward schedules (gpipe, circular;
     autodiff's backward mirrors them): the idle share of a stage's steps, (p − 1) / (M·v + p −
-    1). With backward tasks, a step weighs its slowest task, a forward 1 and a backward 3 (it
-    recomputes its chunk; the last chunk's forward is its backward's), and a stage is idle for
-    what its own tasks leave of the steps' weight (`schedules._as_soon` phases the steps)."""
+    1). With backward tasks, a step weighs its slowest task, a forward 1 and a backward 2, or
+    under remat=full 3 (it runs its chunk again; the last chunk's forward is its backward's, 0),
+    and a stage is idle for what its own tasks leave of the steps' weight (`schedules._as_soon`
+    phases the steps)."""
     tasks = self.tasks(microbatches)
     if not has_backward(tasks):
       slots = [task for row in tasks for task in row]
       return slots.count(None) / len(slots)
-    last = self.stages * self.virtual - 1
-    weight = lambda x: (0 if x is None else 3 if x.kind == BACKWARD else  # noqa: E731
-                        0 if x.chunk == last else 1)
+    last = self.stages * self.virtual - 1 if remat_policy == "full" else -1
+    weight = lambda x: (0 if x is None or x.chunk == last and x.kind == FORWARD else  # noqa
+                        (3 if last >= 0 else 2) if x.kind == BACKWARD else 1)
     steps = sum(max(weight(row[t]) for row in tasks) for t in range(len(tasks[0])))
     return 1 - max(sum(weight(x) for x in row) for row in tasks) / steps
 
@@ -203,7 +215,7 @@ class Stack:
 
   def __init__(self, layer: Callable, mesh: Mesh, schedule: Schedule, remat_policy: str = "none",
                unroll: bool = True, gather: Callable | None = None, branch: bool | None = None,
-               trained=None, indexed: bool = False):
+               trained=None, indexed: bool = False, dtype=None):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
     (`pipeline_tasks.task_runner`); None: everywhere but on XLA's CPU runtime
@@ -211,12 +223,19 @@ class Stack:
     `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
     tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros).
     `indexed`: each layer is called `layer(params_i, x, index, *side)`, `index` its place in the
-    whole stack (int32) whichever stage and chunk runs it (LoRA dropout draws its masks by it)."""
-    self.trained, self.indexed = trained, indexed
+    whole stack (int32) whichever stage and chunk runs it (LoRA dropout draws its masks by it).
+    `dtype`: the layers' compute dtype, to which a schedule with backward tasks casts a chunk's
+    kernels before its forward tasks keep their residuals (pipeline_tasks.py; None: as they
+    are)."""
+    self.trained, self.indexed, self.dtype = trained, indexed, dtype
     if gather is not None:
       inner = layer
       layer = lambda params, x, *side: inner(gather(params), x, *side)
     self.layer = remat(layer, remat_policy, gathered=gather is not None)
+    # Under a schedule with backward tasks and remat=full, a backward task runs its chunk again
+    # from the chunk's input, each layer keeping all it needs (pipeline_tasks.py).
+    self.bare_layer = remat(layer, "none", gathered=gather is not None)
+    self.remat_policy = remat_policy
     self.mesh, self.schedule, self.unroll, self.branch = mesh, schedule, unroll, branch
 
   def __call__(self, params, x_m: jax.Array, side_m: tuple = ()) -> jax.Array:

@@ -24,10 +24,25 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax.schedules import (COT_SLOT, E_LOCAL, E_MICRO, FIRST, IN_SLOT, KIND, LAST, RECV_COT,
-                                RECV_IN, RUN_BACKWARD, RUN_FORWARD, Tasks, lower_explicit)
+                                RECV_IN, RES_SLOT, RUN_BACKWARD, RUN_FORWARD, Tasks,
+                                lower_explicit)
 
 PP = "pp"
-RUN_HEAD = 3  # the last chunk's backward task with the head in it (a branch after schedules')
+# The executor's task kind after schedules.py's IDLE, RUN_FORWARD and RUN_BACKWARD: the last
+# chunk's task that differs from the others'. Under remat=full its backward, which runs its
+# forward too (and the loss head); else, with a loss head, its forward, which runs the head and
+# keeps the cotangent for the backward.
+RUN_LAST = 3
+
+
+class State(NamedTuple):
+  """What a stage's tasks add to and keep, from step to step: the trained leaves' gradients,
+  None or the head's (loss, gradients), the residual slots (a list of arrays [slots, ...]) and
+  the cotangent slots [slots, ...]."""
+  grads: Any
+  totals: Any
+  slots: list
+  cots: jax.Array
 
 
 class Head(NamedTuple):
@@ -163,131 +178,248 @@ def explicit_loss(stack, params, x_m, side_m: tuple, head: Head) -> jax.Array:
   return run(params, head.trained, head.frozen, x_m, side_m, head.side_m)
 
 
+class Residuals:
+  """What a forward task keeps for its backward task: the leaves of the chunk's `jax.vjp`
+  function (a `Partial`) that depend on the microbatch, in slots. The rest a backward task takes
+  from its own chunk and microbatch: the chunk's parameters and side inputs, which `jax.vjp`
+  forwards as they are, and constants. `split`, run where a forward is traced, records which leaf
+  is which; every trace of a chunk's vjp has the same leaves, and `join` rebuilds the function
+  in a backward from those records (the forward branch is traced before the backward's)."""
+  SLOT, CONST, VALUE = range(3)
+
+  def __init__(self):
+    self.treedef, self.sources = None, []
+
+  def split(self, vjp, consts: list) -> list:
+    """The leaves of `vjp` to keep, recording where the others come from (`consts`: the
+    chunk's parameters and side inputs, as `chunk_vjp` gives them)."""
+    leaves, self.treedef = jax.tree.flatten(vjp)
+    index = {id(c): j for j, c in enumerate(consts)}
+    self.sources, kept, slot = [], [], {}
+    for leaf in leaves:
+      if id(leaf) in index:
+        self.sources.append((self.CONST, index[id(leaf)]))
+      elif isinstance(leaf, jax.core.Tracer):  # one slot however often the vjp holds it
+        if id(leaf) not in slot:
+          slot[id(leaf)] = len(kept)
+          kept.append(leaf)
+        self.sources.append((self.SLOT, slot[id(leaf)]))
+      else:  # a constant of the trace
+        self.sources.append((self.VALUE, leaf))
+    return kept
+
+  def join(self, kept: list, consts: list):
+    """The vjp function from kept leaves and this chunk's `consts`."""
+    pick = {self.SLOT: lambda k: kept[k], self.CONST: lambda j: consts[j],
+            self.VALUE: lambda v: v}
+    return self.treedef.unflatten([pick[kind](k) for kind, k in self.sources])
+
+
 def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None = None):
   """One stage's part of a schedule with backward tasks (inside shard_map over `pp`): a scan
-  over `lower_explicit`'s table. A forward runs its chunk and sends the output on; a backward
-  recomputes its chunk from the input kept in its slot (`jax.vjp`), applies the cotangent that
-  came back from the next chunk (the stack output's for the last), adds the parameters'
-  gradients and sends the input's cotangent back. -> (the parameters' gradients in their
-  layout, the input's cotangents [M, ...]). With `head` (and no `dy_m`), the last chunk's
-  backward runs the head on its output for its cotangent -> (the loss, the parameters'
-  gradients, the head's trained leaves' gradients, the input's cotangents)."""
+  over `lower_explicit`'s table. A forward runs its chunk under `jax.vjp`, keeps the residuals
+  in a slot (`Residuals`) and sends the output on; a backward applies the cotangent that came
+  back from the next chunk through them (the last chunk's: the stack output's, or the one its
+  forward took from `head`), adds the parameters' gradients and sends the input's cotangent
+  back. Under remat=full a backward runs its chunk again from its input instead, and the last
+  chunk's forward runs in its backward (`task_runner`). -> (the parameters' gradients in their
+  layout, the input's cotangents [M, ...]); with `head` (and no `dy_m`) -> (the loss, the
+  parameters' gradients, the head's trained leaves' gradients, the input's cotangents)."""
   p = stack.schedule.stages
-  table, n_in, n_cot = lower_explicit(tasks)
+  residual = stack.remat_policy != "full"
+  table, n_in, n_cot, n_res = lower_explicit(tasks, residuals=residual)
   stage = jax.lax.axis_index(PP)
   mask = stack.mask(params)
   chunks = stack.chunks(params)
   if head is not None:  # varying over pp: their gradients are the stage's own, not summed
     head = head._replace(trained=jax.lax.pcast(head.trained, (PP,), to="varying"))
-  run_task = task_runner(stack, chunks, mask, side_m, stage, head)
+  run_task, kept_shapes = task_runner(stack, chunks, mask, side_m, stage, x_m[0], head)
   ahead = [(i, (i + 1) % p) for i in range(p)]
   back = [((i + 1) % p, i) for i in range(p)]
 
   def tick(carry, row):
-    got_in, got_cot, inputs, cots, acc, dx = carry
+    got_in, got_cot, inputs, state, dx = carry
     task = row[stage]
     recv_in, recv_cot = task[RECV_IN], task[RECV_COT]
     i = jnp.maximum(recv_in, 0)
     inputs = inputs.at[i].set(jnp.where(recv_in >= 0, got_in, inputs[i]))
-    i = jnp.maximum(recv_cot, 0)
-    cots = cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i]))
-    m, local, first, last = task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST]
+    i, cots = jnp.maximum(recv_cot, 0), state.cots
+    state = state._replace(cots=cots.at[i].set(jnp.where(recv_cot >= 0, got_cot, cots[i])))
+    m, local, first, last, kind = (task[E_MICRO], task[E_LOCAL], task[FIRST], task[LAST],
+                                   task[KIND])
     h = jnp.where(first == 1, x_m[m], inputs[jnp.maximum(task[IN_SLOT], 0)])
-    dy = cots[jnp.maximum(task[COT_SLOT], 0)]
-    kind = task[KIND]
+    cot_slot = jnp.maximum(task[COT_SLOT], 0)
+    dy = state.cots[cot_slot]
     if head is None:
       dy = jnp.where(last == 1, dy_m[m], dy)
-    else:
-      kind = jnp.where((kind == RUN_BACKWARD) & (last == 1), RUN_HEAD, kind)
-    out, d_in, acc = run_task(kind, h, dy, m, local, acc)
+    if not residual:
+      kind = jnp.where((kind == RUN_BACKWARD) & (last == 1), RUN_LAST, kind)
+    elif head is not None:
+      kind = jnp.where((kind == RUN_FORWARD) & (last == 1), RUN_LAST, kind)
+    out, d_in, state = run_task(kind, h, dy, m, local, jnp.maximum(task[RES_SLOT], 0),
+                                cot_slot, state)
     # The first chunk's backward gives the stack input's cotangent.
-    dx = dx.at[m].add(jnp.where((first == 1) & (kind >= RUN_BACKWARD), d_in, 0))
-    return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, cots,
-            acc, dx), None
+    back_task = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not residual))
+    dx = dx.at[m].add(jnp.where((first == 1) & back_task, d_in, 0))
+    return (jax.lax.ppermute(out, PP, ahead), jax.lax.ppermute(d_in, PP, back), inputs, state,
+            dx), None
 
   zero = jnp.zeros_like(x_m[0])
-  init = jax.lax.pcast((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype),
-                        jnp.zeros((n_cot,) + zero.shape, zero.dtype), jnp.zeros_like(x_m)),
-                       (PP,), to="varying")
-  grads0 = jax.tree.map(jnp.zeros_like, part(mask, chunks, True))  # chunks vary already
-  totals = None if head is None else jax.lax.pcast(  # the loss and the head's gradients
+  varying = lambda tree: jax.lax.pcast(tree, (PP,), to="varying")
+  grads = jax.tree.map(jnp.zeros_like, part(mask, chunks, True))  # chunks vary already
+  totals = None if head is None else varying(  # the loss and the head's gradients
       (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
-                                                head.trained)), (PP,), to="varying")
-  init = init[:4] + ((grads0, totals),) + init[4:]
-  (_, _, _, _, (grads, totals), dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
+                                                head.trained)))
+  slots = varying([jnp.zeros((max(n_res, 1),) + a.shape, a.dtype) for a in kept_shapes])
+  state = State(grads, totals, slots, varying(jnp.zeros((n_cot,) + zero.shape, zero.dtype)))
+  init = varying((zero, zero, jnp.zeros((n_in,) + zero.shape, zero.dtype))) + (
+      state, varying(jnp.zeros_like(x_m)))
+  (_, _, _, state, dx), _ = jax.lax.scan(tick, init, jnp.asarray(table))
+  grads = state.grads
   if stack.schedule.virtual == 1:
     grads = jax.tree.map(lambda g: g[0], grads)
   dx = jax.lax.psum(dx, PP)  # only stage 0 wrote: a broadcast
   if head is None:
     return grads, dx
-  loss, d_head = jax.lax.psum(totals, PP)  # only the last stage added
+  loss, d_head = jax.lax.psum(state.totals, PP)  # only the last stage added
   return loss, grads, jax.tree.map(lambda d, a: d.astype(a.dtype), d_head, head.trained), dx
 
 
-def task_runner(stack, chunks, mask, side_m: tuple, stage, head: Head | None = None) -> Callable:
-  """`(kind, h, dy, m, local, acc) -> (output sent on, input's cotangent sent back, acc)`:
-  this stage's task `kind` (idle, forward, backward or RUN_HEAD) on its chunk `local` for
-  microbatch `m`; acc is (the trained leaves' gradients, None or the head's (loss, gradients)),
-  to which a backward adds. RUN_HEAD is the last chunk's backward with `head`: it runs the head
-  on the chunk's output and takes the cotangent from it.
+def task_runner(stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | None = None):
+  """(`(kind, h, dy, m, local, res_slot, cot_slot, state) -> (output sent on, input's
+  cotangent sent back, state)`, the shapes of the residuals a forward keeps): this stage's task
+  `kind` (idle, forward, backward or RUN_LAST) on its chunk `local` for microbatch `m` (h: a
+  chunk input like `h_like`); a backward adds to the `State`'s gradients. A forward keeps what
+  its backward needs (the leaves of its vjp that depend on the microbatch, `Residuals`) in slot
+  `res_slot`, and the last chunk's, given `head` (RUN_LAST), runs the head on its output and
+  keeps the cotangent in slot `cot_slot`. Under remat=full a backward runs its chunk again from
+  its input (each layer keeping all it needs), and the last chunk's (RUN_LAST) runs its forward
+  and the head there.
 
   Stages take different branches: a collective inside a chunk must stay within the stage (tp's
   and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
   runs both a forward and a backward and keeps the one its task asks for."""
   frozen = part(mask, chunks, False)  # a constant of every backward: no gradient of it
+  trained = part(mask, chunks, True)
+  residuals = Residuals()
+  kernel = lambda a: a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating)  # [layers, in, out]
+  compute = lambda tree: tree if stack.dtype is None else jax.tree.map(
+      lambda a: a.astype(stack.dtype) if kernel(a) else a, tree)
+  residual = stack.remat_policy != "full"
+  again = stack.layer if residual else stack.bare_layer  # what a backward runs its chunk with
 
-  def chunk_fn(m, local):
-    side = tuple(a[m] for a in side_m)
-    first = stack.first(chunks, local, stage)
-    return lambda c, h: scan_layers(stack.layer, c, h, side, stack.unroll, first)
+  def consts(m, local) -> tuple:
+    """A chunk's parameters as its layers read them (kernels in the compute dtype, `compute`),
+    trained and frozen, and its side inputs and first layer's index for microbatch `m`."""
+    return (compute(at(trained, local)), compute(at(frozen, local)),
+            tuple(a[m] for a in side_m), stack.first(chunks, local, stage))
 
-  def chunk_vjp(m, local, h):
-    """A chunk's output and its vjp with respect to (its trained leaves, its input)."""
-    run = lambda t, h: chunk_fn(m, local)(join(mask, t, at(frozen, local)), h)
-    return jax.vjp(run, at(part(mask, chunks, True), local), h)
+  def chunk_vjp(m, local, h, layer):
+    """A chunk's output, its vjp with respect to (its trained leaves, its input), and the
+    leaves a backward takes from its own chunk and microbatch (`Residuals`). The kernels are
+    cast before `jax.vjp`, so that the vjp forwards the casts (which a backward makes again)
+    instead of keeping them among the residuals; their gradients are the casts' (the layers'
+    matmuls give them in the compute dtype either way)."""
+    t, fz, side, first = c = consts(m, local)
+    run = lambda t, h: scan_layers(layer, join(mask, t, fz), h, side, stack.unroll, first)
+    out, vjp = jax.vjp(run, t, h)
+    return out, vjp, jax.tree.leaves(c)
 
-  def add(acc, local, d_chunk, keep=True, took=None, took_keep=True):
-    """`acc` with a chunk's gradients (where `keep`) and the head's `took` (loss, gradients;
+  def add(state: State, local, d_chunk, keep=True, took=None, took_keep=True) -> State:
+    """`state` with a chunk's gradients (where `keep`) and the head's `took` (loss, gradients;
     where `took_keep`)."""
-    grads, totals = acc
-    grads = jax.tree.map(lambda g, d: g.at[local].add(jnp.where(keep, d, 0)), grads, d_chunk)
+    grads, totals = state.grads, state.totals
+    if d_chunk is not None:
+      grads = jax.tree.map(lambda g, d: g.at[local].add(jnp.where(keep, d, 0).astype(g.dtype)),
+                           grads, d_chunk)
     if took is not None:
       totals = jax.tree.map(lambda a, b: a + jnp.where(took_keep, b, 0).astype(a.dtype), totals,
                             took)
-    return grads, totals
+    return state._replace(grads=grads, totals=totals)
 
-  def idle(h, dy, m, local, acc):
-    return jnp.zeros_like(h), jnp.zeros_like(h), acc
+  def kept_vjp(state: State, slot, m, local):
+    """The vjp a forward kept in `slot`."""
+    return residuals.join([s[slot] for s in state.slots], jax.tree.leaves(consts(m, local)))
 
-  def forward(h, dy, m, local, acc):
-    return chunk_fn(m, local)(at(chunks, local), h), jnp.zeros_like(h), acc
+  def idle(h, dy, m, local, slot, cot_slot, state):
+    return jnp.zeros_like(h), jnp.zeros_like(h), state
 
-  def backward(h, dy, m, local, acc):
-    _, vjp = chunk_vjp(m, local, h)
+  def forward(h, dy, m, local, slot, cot_slot, state, with_head=False):
+    if not residual:
+      t, fz, side, first = consts(m, local)
+      out = scan_layers(stack.layer, join(mask, t, fz), h, side, stack.unroll, first)
+      return out, jnp.zeros_like(h), state
+    out, kept = run_forward(m, local, h)
+    state = state._replace(slots=[s.at[slot].set(k) for s, k in zip(state.slots, kept)])
+    if with_head:  # the last chunk: its output goes nowhere, the cotangent waits for its backward
+      loss, dy, d_head = head.on(out, m)
+      state = add(state, local, None, took=(loss, d_head))
+      state = state._replace(cots=state.cots.at[cot_slot].set(dy.astype(h.dtype)))
+    return out, jnp.zeros_like(h), state
+
+  def backward(h, dy, m, local, slot, cot_slot, state):
+    vjp = kept_vjp(state, slot, m, local) if residual else chunk_vjp(m, local, h, again)[1]
     d_chunk, dh = vjp(dy)
-    return jnp.zeros_like(h), dh, add(acc, local, d_chunk)
+    return jnp.zeros_like(h), dh, add(state, local, d_chunk)
 
-  def backward_head(h, dy, m, local, acc):
-    out, vjp = chunk_vjp(m, local, h)
-    loss, dy, d_head = head.on(out, m)
+  def backward_last(h, dy, m, local, slot, cot_slot, state):
+    """The last chunk's backward under remat=full: its forward runs here (its forward task was
+    idle)."""
+    out, vjp, _ = chunk_vjp(m, local, h, again)
+    took = None
+    if head is not None:
+      loss, dy, d_head = head.on(out, m)
+      took = (loss, d_head)
     d_chunk, dh = vjp(dy)
-    return jnp.zeros_like(h), dh, add(acc, local, d_chunk, took=(loss, d_head))
+    return jnp.zeros_like(h), dh, add(state, local, d_chunk, took=took)
 
-  def every_task(kind, h, dy, m, local, acc):
+  def every_task(kind, h, dy, m, local, slot, cot_slot, state):
     """What `switch` picks, with one forward and one backward whatever the task: every device
     runs the same collectives in the same order."""
-    out, vjp = chunk_vjp(m, local, h)
-    took, with_head = None, kind == RUN_HEAD
+    fwd = (kind == RUN_FORWARD) | ((kind == RUN_LAST) & residual)
+    bwd = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not residual))
+    with_head = kind == RUN_LAST
+    if residual:
+      out, new = run_forward(m, local, h)
+      vjp = residuals.join([jnp.where(bwd, s[slot], k) for s, k in zip(state.slots, new)],
+                           jax.tree.leaves(consts(m, local)))
+      state = state._replace(slots=[s.at[slot].set(jnp.where(fwd, k, s[slot]))
+                                    for s, k in zip(state.slots, new)])
+    else:
+      out, vjp, _ = chunk_vjp(m, local, h, again)
+    took = None
     if head is not None:
       loss, dy_head, d_head = head.on(out, m)
-      dy, took = jnp.where(with_head, dy_head, dy), (loss, d_head)
+      took = (loss, d_head)
+      if residual:  # the head's cotangent waits in its slot for the backward
+        state = state._replace(cots=state.cots.at[cot_slot].set(
+            jnp.where(with_head, dy_head.astype(h.dtype), state.cots[cot_slot])))
+      else:
+        dy = jnp.where(with_head, dy_head, dy)
     d_chunk, dh = vjp(dy)
-    fwd, bwd = kind == RUN_FORWARD, (kind == RUN_BACKWARD) | with_head
-    acc = add(acc, local, d_chunk, bwd, took, with_head)
-    return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), acc
+    state = add(state, local, d_chunk, bwd, took, with_head)
+    return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), state
+
+  kept_shapes = []
+  if residual:
+    # A forward task's vjp traced once, which every forward runs: the leaves one trace holds
+    # can differ from another's (jax caches traced functions), and a backward rebuilds the vjp
+    # from this trace's records (`residuals`).
+    varying = lambda a: jax.lax.pcast(a, (PP,), to="varying")
+    closed = jax.make_jaxpr(lambda m, local, h: (lambda out, vjp, c: (
+        out, residuals.split(vjp, c)))(*chunk_vjp(m, local, h, stack.layer)))(
+            varying(jnp.int32(0)), varying(jnp.int32(0)), varying(jnp.zeros_like(h_like)))
+    kept_shapes = closed.out_avals[1:]
+
+    def run_forward(m, local, h):
+      """(a forward task's output, the residuals it keeps)."""
+      out, *kept = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, m, local, h)
+      return out, kept
 
   branch = branches_may_diverge(stack.mesh) if stack.branch is None else stack.branch
   if branch:
-    tasks = (idle, forward, backward) + (() if head is None else (backward_head,))
-    return lambda kind, *args: jax.lax.switch(kind, tasks, *args)
-  return every_task
+    last = backward_last if not residual else (
+        lambda *a: forward(*a, with_head=head is not None))
+    tasks = (idle, forward, backward, last)
+    return (lambda kind, *args: jax.lax.switch(kind, tasks, *args)), kept_shapes
+  return every_task, kept_shapes

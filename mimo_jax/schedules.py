@@ -266,8 +266,8 @@ def lower(tasks: Tasks) -> np.ndarray:
 
 
 # Columns of a lowered schedule with backward tasks (`lower_explicit`), and its task kinds (KIND).
-(KIND, E_MICRO, E_LOCAL, FIRST, LAST, IN_SLOT, COT_SLOT, RECV_IN,
- RECV_COT) = range(9)
+(KIND, E_MICRO, E_LOCAL, FIRST, LAST, IN_SLOT, COT_SLOT, RES_SLOT, RECV_IN,
+ RECV_COT) = range(10)
 IDLE, RUN_FORWARD, RUN_BACKWARD = range(3)
 
 
@@ -287,36 +287,55 @@ def _slots(intervals: dict, stages: int) -> tuple[dict, int]:
   return slot, most
 
 
-def lower_explicit(tasks: Tasks) -> tuple[np.ndarray, int, int]:
-  """Checked `tasks` with backward tasks as the int32 table [steps, stages, 9] the explicit
-  executor scans over, and the input and cotangent slots a stage needs.
+class Lowered(NamedTuple):
+  """A schedule with backward tasks as its executor scans it (`lower_explicit`): the table and
+  the slots a stage needs for chunk inputs, cotangents and a forward's residuals."""
+  table: np.ndarray
+  inputs: int
+  cotangents: int
+  residuals: int
+
+
+def lower_explicit(tasks: Tasks, residuals: bool = True) -> Lowered:
+  """Checked `tasks` with backward tasks as the int32 table [steps, stages, 10] the explicit
+  executor scans over, and the input, cotangent and residual slots a stage needs.
 
   A forward sends its output to the next chunk's stage, a backward the input's cotangent to the
   previous chunk's; what is sent at step t arrives for step t + 1 and is stored on arrival
-  (RECV_IN, RECV_COT: the slot, -1 for none). A chunk's input stays in its slot until its backward
-  has run (which recomputes the chunk from it): the slots a stage holds are its microbatches in
-  flight. The first chunk reads the stack's input (FIRST), the last chunk's backward the stack
-  output's cotangent (LAST); the last chunk's forward sends nothing and is IDLE."""
+  (RECV_IN, RECV_COT: the slot, -1 for none). With `residuals`, a chunk's input stays in its slot
+  until its forward has run, which keeps what its backward needs (the residuals of `jax.vjp`) in
+  a residual slot (RES_SLOT) until the backward runs; the last chunk's forward (LAST) also keeps
+  the cotangent a loss head after it gives, in a cotangent slot. Without, the input stays until
+  the backward, which runs the chunk again from it, and the last chunk's forward is IDLE (its
+  backward runs it, with the loss head or the stack output's cotangent). The first chunk reads
+  the stack's input (FIRST)."""
   stages, steps = len(tasks), len(tasks[0])
   when, back = _steps(tasks), _steps(tasks, BACKWARD)
   last = max(c for _, c in when)
-  held_in = {(m, c): (when[m, c - 1] + 1, back[m, c]) for m, c in when if c}
-  held_cot = {(m, c): (back[m, c + 1] + 1, back[m, c]) for m, c in when if c < last}
+  held_in = {(m, c): (when[m, c - 1] + 1, when[m, c] if residuals else back[m, c])
+             for m, c in when if c}
+  held_cot = {(m, c): (back[m, c + 1] + 1 if c < last else when[m, c], back[m, c])
+              for m, c in when if c < last or residuals}
+  held_res = {(m, c): (when[m, c], back[m, c]) for m, c in when if residuals}
   slot_in, n_in = _slots(held_in, stages)
   slot_cot, n_cot = _slots(held_cot, stages)
-  table = np.zeros((steps, stages, 9), np.int32)
+  slot_res, n_res = _slots(held_res, stages)
+  table = np.zeros((steps, stages, 10), np.int32)
   table[..., IN_SLOT:] = -1
   for s, row in enumerate(tasks):
     for t, task in enumerate(row):
       if task is None:
         continue
       m, c = task.microbatch, task.chunk
-      kind = RUN_BACKWARD if task.kind == BACKWARD else RUN_FORWARD if c < last else IDLE
+      kind = (RUN_BACKWARD if task.kind == BACKWARD else
+              RUN_FORWARD if c < last or residuals else IDLE)
       table[t, s, :IN_SLOT] = (kind, m, c // stages, int(c == 0), int(c == last))
       table[t, s, IN_SLOT] = slot_in.get((m, c), -1)
       table[t, s, COT_SLOT] = slot_cot.get((m, c), -1)
+      table[t, s, RES_SLOT] = slot_res.get((m, c), -1)
   for (m, c), (first, _) in held_in.items():
     table[first, c % stages, RECV_IN] = slot_in[m, c]
   for (m, c), (first, _) in held_cot.items():
-    table[first, c % stages, RECV_COT] = slot_cot[m, c]
-  return table, n_in, n_cot
+    if c < last:  # the last chunk's is its forward's, not sent
+      table[first, c % stages, RECV_COT] = slot_cot[m, c]
+  return Lowered(table, n_in, n_cot, n_res)

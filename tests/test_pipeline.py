@@ -293,13 +293,13 @@ def test_invalid_schedules(data_dir, change, field, words):
 
 def test_the_language_steps_memory_under_1f1b_is_at_most_pp_over_m_of_gpipes(tmp_path):
   """XLA's memory analysis of the language model's compiled step (a device: one stage), p=4,
-  M=8, two layers a stage, a vocabulary of 4096: GPipe keeps every microbatch's internals, 1F1B
-  a stage's microbatches in flight and one chunk's internals, and the head takes the stack's
-  outputs a microbatch at a time under both (programs.language_loss), so that no schedule keeps
-  every microbatch's logits. On CPUs 1F1B's temporaries are 0.36 of GPipe's (8,233,616 against
-  22,831,080 bytes; 0.63 when the head took all eight at once after the stack), its head inside
-  the schedule, whose every step holds a chunk's internals and the head's logits at once where,
-  as on CPUs, every stage runs every task; at most p/M."""
+  M=8, two layers a stage, a vocabulary of 4096: GPipe (remat none) keeps every microbatch's
+  internals; 1F1B under remat=full a stage's chunk inputs in flight and one chunk's internals,
+  and the head takes the stack's outputs a microbatch at a time under both (inside 1F1B's
+  schedule), so that no schedule keeps every microbatch's logits. On CPUs, where every stage runs
+  every task at every step, 1F1B's temporaries are 0.36 of GPipe's (8,233,616 against
+  22,831,080 bytes); at most p/M. (Under remat=none there its forwards' residuals for up to
+  2p − 1 microbatches and every step's every task come to 0.97 of GPipe's, 22,046,448 bytes.)"""
   from mimo_jax.data import loader
   p, m = 4, 8
 
@@ -307,6 +307,7 @@ def test_the_language_steps_memory_under_1f1b_is_at_most_pp_over_m_of_gpipes(tmp
     cfg = _deep(str(tmp_path), microbatches=m, language_layers=8, vision=(0, 1, 1),
                 language=(1, 1, 1, p))
     cfg.topology.language.schedule = schedule
+    cfg.topology.language.remat = "full" if schedule == "1f1b" else "none"
     cfg.data.task, cfg.model.language.vocab_size = "synthetic", 4096
     validate(cfg, len(jax.devices()))
     step = Step.build(cfg)
@@ -329,8 +330,11 @@ def test_memory_check_counts_each_schedules_microbatches_in_flight(data_dir):
   gpipe = memory.module_bytes(cfg)["language"]["activations"]
   assert memory.in_flight(cfg, "language") == (8, 0)
   cfg.topology.language.schedule = "1f1b"
-  internals, inputs = memory.in_flight(cfg, "language")
-  assert internals == 1 and 0 < inputs <= 2 * 4 - 1  # phased: at most 2p - 1 in flight
+  internals, inputs = memory.in_flight(cfg, "language")  # phased: at most 2p - 1 in flight
+  assert 1 < internals <= 2 * 4 and 0 < inputs <= 2 * 4 - 1
+  cfg.topology.language.remat = "full"  # a backward runs its chunk again: one chunk's internals
+  assert memory.in_flight(cfg, "language")[0] == 1
+  cfg.topology.language.remat = "none"
   assert memory.module_bytes(cfg)["language"]["activations"] < gpipe
   cfg.topology.language.pp = 1
   cfg.topology.language.schedule = ""

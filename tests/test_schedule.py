@@ -179,15 +179,20 @@ def test_1f1b_schedules_are_phased_megatron_orders():
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16), (3, 7)])
 def test_phased_1f1b_leaves_stages_idle_no_longer_than_gpipe(p, m):
-  """Run in lockstep, a step takes its slowest task (a backward, which recomputes its chunk,
-  weighs three forwards): phased, 1F1B idles a stage no longer than GPipe's forward and backward
-  (which autodiff mirrors), and interleaved 1F1B no longer than the circular schedule; an
-  unphased schedule, a stage's forward beside another's backward, would idle 1F1B's p = 2, M = 8
-  for 36% of the step (50 forwards' time for 32 of work)."""
-  assert Schedule(p, 1, "1f1b").bubble(m) <= Schedule(p, 1).bubble(m)
+  """Run in lockstep, a step takes its slowest task: phased, 1F1B idles a stage as long as
+  GPipe's forward and backward (which autodiff mirrors) where a forward keeps its residuals (a
+  backward weighs two forwards), and no longer than GPipe under remat=full, where a backward
+  runs its chunk again (three); interleaved 1F1B the same against the circular schedule. An
+  unphased schedule, a stage's forward beside another's backward, would idle 1F1B's p = 2,
+  M = 8 under remat=full for 36% of the step (50 forwards' time for 32 of work)."""
+  gpipe, one = Schedule(p, 1), Schedule(p, 1, "1f1b")
+  assert one.bubble(m) == pytest.approx(gpipe.bubble(m))
+  assert one.bubble(m, "full") <= gpipe.bubble(m) + 1e-12
   if m % p == 0 and m >= p:
-    assert Schedule(p, 2, "interleaved_1f1b").bubble(m) <= Schedule(p, 2).bubble(m)
-  assert Schedule(2, 1, "1f1b").bubble(8) == pytest.approx(1 - 32 / 35)
+    interleaved, circular = Schedule(p, 2, "interleaved_1f1b"), Schedule(p, 2)
+    assert interleaved.bubble(m) == pytest.approx(circular.bubble(m))
+    assert interleaved.bubble(m, "full") <= circular.bubble(m) + 1e-12
+  assert Schedule(2, 1, "1f1b").bubble(8, "full") == pytest.approx(1 - 32 / 35)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (2, 1), (3, 7), (4, 2)])
@@ -200,9 +205,15 @@ def test_1f1b_keeps_at_most_2p_minus_2s_minus_1_microbatches_in_flight(p, m):
         (in_flight.add if x.kind == FORWARD else in_flight.remove)(x.microbatch)
       most = max(most, len(in_flight))
     assert most == min(2 * (p - s) - 1, m)
-  table, inputs, cotangents = pipeline.lower_explicit(tasks)
-  assert inputs <= 2 * p - 1 and cotangents <= 1 and table.shape == (len(tasks[0]), p, 9)
-  assert Schedule(p, 1).held(m) == m and Schedule(p, 1, "1f1b").held(m) == inputs
+  kept = pipeline.lower_explicit(tasks)  # forwards keep their residuals until their backward
+  again = pipeline.lower_explicit(tasks, residuals=False)  # backwards run their chunk again
+  assert kept.table.shape == again.table.shape == (len(tasks[0]), p, 10)
+  assert kept.residuals == min(2 * p - 1, m) and kept.inputs == 1 and kept.cotangents <= 2
+  assert again.residuals == 0 and again.inputs <= 2 * p - 1 and again.cotangents <= 1
+  one = Schedule(p, 1, "1f1b")
+  assert (one.held(m), one.kept(m)) == (kept.inputs, kept.residuals)
+  assert (one.held(m, "full"), one.kept(m, "full")) == (again.inputs, 0)
+  assert Schedule(p, 1).held(m) == m and Schedule(p, 1).kept(m) == 0
 
 
 def test_explicit_schedules_are_checked():
@@ -311,8 +322,11 @@ def test_a_head_inside_the_schedule_matches_autodiff_of_the_layers_then_the_head
 def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
   """XLA's memory analysis of the compiled gradient (per device: one stage), p=4, M=8, two
   layers a stage, remat none: GPipe keeps every microbatch's layer internals until the
-  backward, 1F1B a stage's microbatches in flight (at most p) and one chunk's internals. On
-  CPUs 1F1B's temporaries are 0.15 of GPipe's (607,080 against 4,117,248 bytes); at most p/M."""
+  backward, 1F1B the residuals of its forwards until their backward (at most 2(p − s) − 1
+  microbatches'; the phased steps hold more than Megatron's p − s). On CPUs, the stages
+  branching as on GPUs, 1F1B's temporaries are 0.40 of GPipe's (1,627,264 against 4,117,248
+  bytes; at M = 16 and 32 1.66 and 1.73 MB against 6.90 and 12.47: they no longer grow with
+  M); at most p/M. Under remat=full 0.15 (615,272 bytes)."""
   p, m, layers, dim, hidden = 4, 8, 8, 64, 256
   mesh = Mesh(np.array(jax.devices()[:p]).reshape(p, 1, 1), topology.AXES)
   layer = lambda w, x: x + jnp.tanh(x @ w["up"]) @ w["down"]  # noqa: E731
@@ -321,12 +335,14 @@ def test_1f1b_activation_memory_is_at_most_pp_over_m_of_gpipes():
        "down": jax.ShapeDtypeStruct((layers, hidden, dim), jnp.float32, sharding=on_stages)}
   x_m = jax.ShapeDtypeStruct((m, 16, dim), jnp.float32, sharding=NamedSharding(mesh, P()))
 
-  def temporaries(name: str) -> int:
-    stack = Stack(layer, mesh, Schedule(p, 1, name), branch=True)  # as GPUs run it
+  def temporaries(name: str, remat: str = "none") -> int:
+    stack = Stack(layer, mesh, Schedule(p, 1, name), remat, branch=True)  # as GPUs run it
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.sin(stack(w, x))), argnums=(0, 1)))
     return grad.lower(w, x_m).compile().memory_analysis().temp_size_in_bytes
   gpipe_bytes, one_f_one_b_bytes = temporaries("gpipe"), temporaries("1f1b")
   assert 0 < one_f_one_b_bytes <= p / m * gpipe_bytes, (one_f_one_b_bytes, gpipe_bytes)
+  # Under remat=full a stage keeps its chunk inputs alone, each backward running its chunk again.
+  assert temporaries("1f1b", "full") < one_f_one_b_bytes
 
 
 def _fp8_layer(w, x):
@@ -370,9 +386,10 @@ def test_fp8_under_1f1b_computes_what_it_computes_under_gpipe(v, reference, name
 # ---- tools.plan weighs the schedules ----------------------------------------------------------
 
 def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
-  """Language pp2 under gpipe and 1f1b, M = 8: 1F1B keeps one microbatch's internals and p chunk
-  inputs where GPipe keeps all eight, so it needs less memory and takes 4/3 of the FLOPs (the loss
-  runs inside its schedule; an encoder's would take 5/3); both stretch by their bubble (1F1B's
+  """Language pp2 under gpipe and 1f1b, M = 8: 1F1B keeps its forwards' residuals for at most
+  three microbatches and one more chunk's internals (and one chunk input) where GPipe keeps all
+  eight microbatches' internals, so it needs less memory for the same FLOPs (the loss runs
+  inside its schedule; an encoder's forward runs alone first, 4/3) and the same bubble (1F1B's
   weighed in lockstep, `Schedule.bubble`). A budget only 1F1B layouts fit makes one of them the
   recommendation."""
   from tools import plan
@@ -381,13 +398,12 @@ def test_plan_weighs_each_schedules_memory_bubble_and_flops(tmp_path, capsys):
   every = {c["layout"]: c for c in plan.candidates(spec, sets, gpus, 1, 1e6, pps=(1, 2))}
   gpipe = every["vision=0/2/1,language=2/1/1/2/1@gpipe"]
   one = every["vision=0/2/1,language=2/1/1/2/1@1f1b"]
-  assert (gpipe["language"]["in_flight"], one["language"]["in_flight"]) == ((8, 0), (1, 2))
+  assert (gpipe["language"]["in_flight"], one["language"]["in_flight"]) == ((8, 0), (4, 1))
   assert one["gib"] < gpipe["gib"]
-  assert gpipe["language"]["bubble"] == pytest.approx(1 / 9)
-  assert one["language"]["bubble"] == pytest.approx(1 - 32 / 35)  # weighed in lockstep
-  assert plan.module_time(1.0, gpipe["language"]) == pytest.approx(9 / 8)
-  assert plan.module_time(1.0, one["language"]) == pytest.approx(4 / 3 * 35 / 32)
-  assert Schedule(2, 1, "1f1b").compute(8, "none") == pytest.approx(5 / 3)  # an encoder's
+  for c in (gpipe, one):
+    assert c["language"]["bubble"] == pytest.approx(1 / 9)
+    assert plan.module_time(1.0, c["language"]) == pytest.approx(9 / 8)
+  assert Schedule(2, 1, "1f1b").compute(8, "none") == pytest.approx(4 / 3)  # an encoder's
   assert every["vision=0/2/1,language=2/2/1"]["language"]["schedule"] == "none"
   cfg = plan.layout_config(spec, sets, "language=2/1/1/2/1@1f1b")
   assert (cfg.topology.language.pp, cfg.topology.language.schedule) == (2, "1f1b")

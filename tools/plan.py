@@ -56,13 +56,13 @@ chunks a stage): the layout `offset/dp/tp/pp/virtual@schedule`. Its time is that
 GPUs unpipelined (the cost at the stage's dp and tp), stretched by the schedule's bubble, the
 idle share of a stage's steps (`Schedule.bubble`: 1 / (1 − bubble)), and by the FLOPs its
 schedule spends a microbatch against the unpipelined step's (`Schedule.compute`: 1 for gpipe and
-circular; for 1f1b and interleaved_1f1b 4/3 for the language model, whose loss runs inside the
-schedule, and 5/3 for an encoder, whose stack runs its forward alone first; 5/4 and 3/2 under
-remat=full: a backward task recomputes its chunk). Their memory differs the other way: gpipe and
-circular keep every microbatch's layer internals for the backward, 1f1b and interleaved_1f1b one
-chunk's and their microbatches in flight (`memory.in_flight`, printed). So with `--memory_gb` the
-planner takes a one-forward-one-backward schedule where GPipe's activations do not fit, and GPipe
-where both fit and it is faster.
+circular, and for 1f1b and interleaved_1f1b the language model's, whose loss runs inside the
+schedule; 4/3 for an encoder's, whose stack runs its forward alone first, 5/4 under remat=full).
+Their memory differs the other way: gpipe and circular keep every microbatch's layer internals
+for the backward, 1f1b and interleaved_1f1b their microbatches in flight (at most 2p − 1: what
+their forwards keep, or under remat=full their chunk inputs, `memory.in_flight`, printed). So
+with `--memory_gb` the planner takes a one-forward-one-backward schedule where GPipe's
+activations do not fit, and GPipe where both fit and it is faster.
 
 tp is preferred last among layouts with the same prediction. `--layouts_only` prints the
 candidates as one `;`-joined string for tools/bench.py (to measure them all), and `--measured` (a
@@ -121,7 +121,7 @@ def stretch(cfg, module: str) -> dict:
   if t.pp == 1:
     return {"schedule": "none", "bubble": 0.0, "compute": 1.0, "in_flight": (1, 0)}
   schedule = Schedule(t.pp, t.virtual, t.schedule)
-  return {"schedule": f"pp{t.pp} {schedule.resolved}", "bubble": schedule.bubble(micro),
+  return {"schedule": f"pp{t.pp} {schedule.resolved}", "bubble": schedule.bubble(micro, t.remat),
           "compute": schedule.compute(micro, t.remat, head=module == "language"),
           "in_flight": memory.in_flight(cfg, module)}
 
