@@ -218,7 +218,7 @@ class Stack:
                trained=None, indexed: bool = False, dtype=None):
     """`gather(params_i) -> params_i` runs first in every layer (FSDP: sharding.layer_gather).
     `branch`: whether the stages of a schedule with backward tasks branch on their task
-    (`pipeline_tasks.task_runner`); None: everywhere but on XLA's CPU runtime
+    (`pipeline_tasks.TaskRunner`); None: everywhere but on XLA's CPU runtime
     (`pipeline_tasks.branches_may_diverge`).
     `trained`: a tree of bools over the stacked parameters (None: all trained); the backward
     tasks differentiate the trained leaves alone (a frozen one gets no gradient, nor zeros).

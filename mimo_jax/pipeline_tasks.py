@@ -4,14 +4,15 @@ branching.
 
 A `Stack` (pipeline.py) whose schedule has backward tasks runs `explicit`: the forward alone where
 no gradient is taken; under autodiff, a `custom_vjp` whose backward runs the schedule's forward
-and backward tasks (`run_tasks`) with the stack outputs' cotangents. A backward task recomputes
-its chunk from the input kept for it and applies the cotangent from the next stage, so a stage
-keeps only its microbatches in flight. Given a `Head` (the language model's loss), `explicit_loss`
-runs it inside the schedule instead: the last chunk's backward task runs the head on its output
-and takes the cotangent from it, so the stack's forward never runs alone. Stages branch on their
-task (`lax.switch`); on XLA's CPU runtime, which cannot hold stages in different branches, every
-stage runs a forward and a backward each step and keeps what its task asks for.
-"""
+and backward tasks (`run_tasks`) with the stack outputs' cotangents. A forward task keeps what its
+backward needs (`Residuals`: the leaves of its vjp that depend on the microbatch); under
+remat=full it keeps nothing but its input, and the backward task runs the chunk again. Either way
+a stage keeps only its microbatches in flight. Given a `Head` (the language model's loss),
+`explicit_loss` runs it inside the schedule instead: the last chunk's forward task runs the head
+on its output and keeps the cotangent for the backward (under remat=full its backward task runs
+both), so the stack's forward never runs alone. Stages branch on their task (`lax.switch`); on
+XLA's CPU runtime, which cannot hold stages in different branches, every stage runs a forward
+and a backward each step and keeps what its task asks for."""
 
 from __future__ import annotations
 
@@ -222,7 +223,7 @@ def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None 
   back from the next chunk through them (the last chunk's: the stack output's, or the one its
   forward took from `head`), adds the parameters' gradients and sends the input's cotangent
   back. Under remat=full a backward runs its chunk again from its input instead, and the last
-  chunk's forward runs in its backward (`task_runner`). -> (the parameters' gradients in their
+  chunk's forward runs in its backward (`TaskRunner`). -> (the parameters' gradients in their
   layout, the input's cotangents [M, ...]); with `head` (and no `dy_m`) -> (the loss, the
   parameters' gradients, the head's trained leaves' gradients, the input's cotangents)."""
   p = stack.schedule.stages
@@ -233,7 +234,8 @@ def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None 
   chunks = stack.chunks(params)
   if head is not None:  # varying over pp: their gradients are the stage's own, not summed
     head = head._replace(trained=jax.lax.pcast(head.trained, (PP,), to="varying"))
-  run_task, kept_shapes = task_runner(stack, chunks, mask, side_m, stage, x_m[0], head)
+  run_task = TaskRunner(stack, chunks, mask, side_m, stage, x_m[0], head)
+  kept_shapes = run_task.kept_shapes
   ahead = [(i, (i + 1) % p) for i in range(p)]
   back = [((i + 1) % p, i) for i in range(p)]
 
@@ -285,46 +287,79 @@ def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None 
   return loss, grads, jax.tree.map(lambda d, a: d.astype(a.dtype), d_head, head.trained), dx
 
 
-def task_runner(stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | None = None):
-  """(`(kind, h, dy, m, local, res_slot, cot_slot, state) -> (output sent on, input's
-  cotangent sent back, state)`, the shapes of the residuals a forward keeps): this stage's task
-  `kind` (idle, forward, backward or RUN_LAST) on its chunk `local` for microbatch `m` (h: a
-  chunk input like `h_like`); a backward adds to the `State`'s gradients. A forward keeps what
-  its backward needs (the leaves of its vjp that depend on the microbatch, `Residuals`) in slot
-  `res_slot`, and the last chunk's, given `head` (RUN_LAST), runs the head on its output and
-  keeps the cotangent in slot `cot_slot`. Under remat=full a backward runs its chunk again from
-  its input (each layer keeping all it needs), and the last chunk's (RUN_LAST) runs its forward
-  and the head there.
+class TaskRunner:
+  """`(kind, h, dy, m, local, res_slot, cot_slot, state) -> (output sent on, input's cotangent
+  sent back, state)`: a stage's task `kind` (idle, forward, backward or RUN_LAST) on its chunk
+  `local` for microbatch `m` (h: a chunk input like `h_like`); a backward adds to the `State`'s
+  gradients. A forward keeps what its backward needs (the leaves of its vjp that depend on the
+  microbatch, `Residuals`; `kept_shapes`) in slot `res_slot`, and the last chunk's, given `head`
+  (RUN_LAST), runs the head on its output and keeps the cotangent in slot `cot_slot`. Under
+  remat=full a backward runs its chunk again from its input (each layer keeping all it needs),
+  and the last chunk's (RUN_LAST) runs its forward and the head there.
 
   Stages take different branches: a collective inside a chunk must stay within the stage (tp's
   and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
-  runs both a forward and a backward and keeps the one its task asks for."""
-  frozen = part(mask, chunks, False)  # a constant of every backward: no gradient of it
-  trained = part(mask, chunks, True)
-  residuals = Residuals()
-  kernel = lambda a: a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating)  # [layers, in, out]
-  compute = lambda tree: tree if stack.dtype is None else jax.tree.map(
-      lambda a: a.astype(stack.dtype) if kernel(a) else a, tree)
-  residual = stack.remat_policy != "full"
-  again = stack.layer if residual else stack.bare_layer  # what a backward runs its chunk with
+  runs both a forward and a backward and keeps the one its task asks for (`every_task`)."""
 
-  def consts(m, local) -> tuple:
-    """A chunk's parameters as its layers read them (kernels in the compute dtype, `compute`),
-    trained and frozen, and its side inputs and first layer's index for microbatch `m`."""
-    return (compute(at(trained, local)), compute(at(frozen, local)),
-            tuple(a[m] for a in side_m), stack.first(chunks, local, stage))
+  def __init__(self, stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | None = None):
+    self.stack, self.chunks, self.mask, self.side_m = stack, chunks, mask, side_m
+    self.stage, self.head = stage, head
+    self.frozen = part(mask, chunks, False)  # a constant of every backward: no gradient of it
+    self.trained = part(mask, chunks, True)
+    self.residuals = Residuals()
+    self.residual = stack.remat_policy != "full"
+    self.again = stack.layer if self.residual else stack.bare_layer  # a backward's chunk runs
+    self.kept_shapes, self.closed = [], None
+    if self.residual:
+      # A forward task's vjp traced once, which every forward runs: the leaves one trace holds
+      # can differ from another's (jax caches traced functions), and a backward rebuilds the
+      # vjp from this trace's records (`residuals`).
+      varying = lambda a: jax.lax.pcast(a, (PP,), to="varying")
+      self.closed = jax.make_jaxpr(lambda m, local, h: (lambda out, vjp, c: (
+          out, self.residuals.split(vjp, c)))(*self.chunk_vjp(m, local, h, stack.layer)))(
+              varying(jnp.int32(0)), varying(jnp.int32(0)), varying(jnp.zeros_like(h_like)))
+      self.kept_shapes = self.closed.out_avals[1:]
 
-  def chunk_vjp(m, local, h, layer):
+  def __call__(self, kind, *args):
+    stack = self.stack
+    if not (branches_may_diverge(stack.mesh) if stack.branch is None else stack.branch):
+      return self.every_task(kind, *args)
+    last = self.backward_last if not self.residual else (
+        lambda *a: self.forward(*a, with_head=self.head is not None))
+    return jax.lax.switch(kind, (self.idle, self.forward, self.backward, last), *args)
+
+  def compute(self, tree):
+    """The kernels of `tree` ([layers, in, out] floats) in the compute dtype, as the layers
+    read them."""
+    if self.stack.dtype is None:
+      return tree
+    kernel = lambda a: a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating)
+    return jax.tree.map(lambda a: a.astype(self.stack.dtype) if kernel(a) else a, tree)
+
+  def consts(self, m, local) -> tuple:
+    """A chunk's parameters as its layers read them (`compute`), trained and frozen, and its
+    side inputs and first layer's index for microbatch `m`."""
+    return (self.compute(at(self.trained, local)), self.compute(at(self.frozen, local)),
+            tuple(a[m] for a in self.side_m), self.stack.first(self.chunks, local, self.stage))
+
+  def chunk_vjp(self, m, local, h, layer):
     """A chunk's output, its vjp with respect to (its trained leaves, its input), and the
     leaves a backward takes from its own chunk and microbatch (`Residuals`). The kernels are
     cast before `jax.vjp`, so that the vjp forwards the casts (which a backward makes again)
     instead of keeping them among the residuals; their gradients are the casts' (the layers'
     matmuls give them in the compute dtype either way)."""
-    t, fz, side, first = c = consts(m, local)
-    run = lambda t, h: scan_layers(layer, join(mask, t, fz), h, side, stack.unroll, first)
+    t, fz, side, first = c = self.consts(m, local)
+    run = lambda t, h: scan_layers(layer, join(self.mask, t, fz), h, side, self.stack.unroll,
+                                   first)
     out, vjp = jax.vjp(run, t, h)
     return out, vjp, jax.tree.leaves(c)
 
+  def run_forward(self, m, local, h):
+    """(a forward task's output, the residuals it keeps), from the one trace."""
+    out, *kept = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, m, local, h)
+    return out, kept
+
+  @staticmethod
   def add(state: State, local, d_chunk, keep=True, took=None, took_keep=True) -> State:
     """`state` with a chunk's gradients (where `keep`) and the head's `took` (loss, gradients;
     where `took_keep`)."""
@@ -337,59 +372,62 @@ def task_runner(stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | 
                             took)
     return state._replace(grads=grads, totals=totals)
 
-  def kept_vjp(state: State, slot, m, local):
-    """The vjp a forward kept in `slot`."""
-    return residuals.join([s[slot] for s in state.slots], jax.tree.leaves(consts(m, local)))
-
-  def idle(h, dy, m, local, slot, cot_slot, state):
+  def idle(self, h, dy, m, local, slot, cot_slot, state):
     return jnp.zeros_like(h), jnp.zeros_like(h), state
 
-  def forward(h, dy, m, local, slot, cot_slot, state, with_head=False):
-    if not residual:
-      t, fz, side, first = consts(m, local)
-      out = scan_layers(stack.layer, join(mask, t, fz), h, side, stack.unroll, first)
+  def forward(self, h, dy, m, local, slot, cot_slot, state, with_head=False):
+    if not self.residual:
+      t, fz, side, first = self.consts(m, local)
+      out = scan_layers(self.stack.layer, join(self.mask, t, fz), h, side, self.stack.unroll,
+                        first)
       return out, jnp.zeros_like(h), state
-    out, kept = run_forward(m, local, h)
+    out, kept = self.run_forward(m, local, h)
     state = state._replace(slots=[s.at[slot].set(k) for s, k in zip(state.slots, kept)])
     if with_head:  # the last chunk: its output goes nowhere, the cotangent waits for its backward
-      loss, dy, d_head = head.on(out, m)
-      state = add(state, local, None, took=(loss, d_head))
+      loss, dy, d_head = self.head.on(out, m)
+      state = self.add(state, local, None, took=(loss, d_head))
       state = state._replace(cots=state.cots.at[cot_slot].set(dy.astype(h.dtype)))
     return out, jnp.zeros_like(h), state
 
-  def backward(h, dy, m, local, slot, cot_slot, state):
-    vjp = kept_vjp(state, slot, m, local) if residual else chunk_vjp(m, local, h, again)[1]
-    d_chunk, dh = vjp(dy)
-    return jnp.zeros_like(h), dh, add(state, local, d_chunk)
+  def kept_vjp(self, slots, slot, m, local):
+    """The vjp a forward kept in `slot`."""
+    return self.residuals.join([s[slot] for s in slots], jax.tree.leaves(self.consts(m, local)))
 
-  def backward_last(h, dy, m, local, slot, cot_slot, state):
+  def backward(self, h, dy, m, local, slot, cot_slot, state):
+    vjp = (self.kept_vjp(state.slots, slot, m, local) if self.residual else
+           self.chunk_vjp(m, local, h, self.again)[1])
+    d_chunk, dh = vjp(dy)
+    return jnp.zeros_like(h), dh, self.add(state, local, d_chunk)
+
+  def backward_last(self, h, dy, m, local, slot, cot_slot, state):
     """The last chunk's backward under remat=full: its forward runs here (its forward task was
     idle)."""
-    out, vjp, _ = chunk_vjp(m, local, h, again)
+    out, vjp, _ = self.chunk_vjp(m, local, h, self.again)
     took = None
-    if head is not None:
-      loss, dy, d_head = head.on(out, m)
+    if self.head is not None:
+      loss, dy, d_head = self.head.on(out, m)
       took = (loss, d_head)
     d_chunk, dh = vjp(dy)
-    return jnp.zeros_like(h), dh, add(state, local, d_chunk, took=took)
+    return jnp.zeros_like(h), dh, self.add(state, local, d_chunk, took=took)
 
-  def every_task(kind, h, dy, m, local, slot, cot_slot, state):
+  def every_task(self, kind, h, dy, m, local, slot, cot_slot, state):
     """What `switch` picks, with one forward and one backward whatever the task: every device
     runs the same collectives in the same order."""
+    residual = self.residual
     fwd = (kind == RUN_FORWARD) | ((kind == RUN_LAST) & residual)
     bwd = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not residual))
     with_head = kind == RUN_LAST
     if residual:
-      out, new = run_forward(m, local, h)
-      vjp = residuals.join([jnp.where(bwd, s[slot], k) for s, k in zip(state.slots, new)],
-                           jax.tree.leaves(consts(m, local)))
+      out, new = self.run_forward(m, local, h)
+      vjp = self.residuals.join([jnp.where(bwd, s[slot], k) for s, k in zip(state.slots, new)],
+                                jax.tree.leaves(self.consts(m, local)))
       state = state._replace(slots=[s.at[slot].set(jnp.where(fwd, k, s[slot]))
                                     for s, k in zip(state.slots, new)])
     else:
-      out, vjp, _ = chunk_vjp(m, local, h, again)
+      out, vjp, _ = self.chunk_vjp(m, local, h, self.again)
     took = None
-    if head is not None:
-      loss, dy_head, d_head = head.on(out, m)
+    if self.head is not None:
+      loss, dy_head, d_head = self.head.on(out, m)
       took = (loss, d_head)
       if residual:  # the head's cotangent waits in its slot for the backward
         state = state._replace(cots=state.cots.at[cot_slot].set(
@@ -397,29 +435,5 @@ def task_runner(stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | 
       else:
         dy = jnp.where(with_head, dy_head, dy)
     d_chunk, dh = vjp(dy)
-    state = add(state, local, d_chunk, bwd, took, with_head)
+    state = self.add(state, local, d_chunk, bwd, took, with_head)
     return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), state
-
-  kept_shapes = []
-  if residual:
-    # A forward task's vjp traced once, which every forward runs: the leaves one trace holds
-    # can differ from another's (jax caches traced functions), and a backward rebuilds the vjp
-    # from this trace's records (`residuals`).
-    varying = lambda a: jax.lax.pcast(a, (PP,), to="varying")
-    closed = jax.make_jaxpr(lambda m, local, h: (lambda out, vjp, c: (
-        out, residuals.split(vjp, c)))(*chunk_vjp(m, local, h, stack.layer)))(
-            varying(jnp.int32(0)), varying(jnp.int32(0)), varying(jnp.zeros_like(h_like)))
-    kept_shapes = closed.out_avals[1:]
-
-    def run_forward(m, local, h):
-      """(a forward task's output, the residuals it keeps)."""
-      out, *kept = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, m, local, h)
-      return out, kept
-
-  branch = branches_may_diverge(stack.mesh) if stack.branch is None else stack.branch
-  if branch:
-    last = backward_last if not residual else (
-        lambda *a: forward(*a, with_head=head is not None))
-    tasks = (idle, forward, backward, last)
-    return (lambda kind, *args: jax.lax.switch(kind, tasks, *args)), kept_shapes
-  return every_task, kept_shapes
