@@ -177,15 +177,18 @@ class Context:
     final norm, head and cross-entropy (`head_loss.loss_sum`, chunked by `train.loss_chunk`) a
     `pipeline_tasks.Head` that the Stack runs on each microbatch's output, inside a schedule
     with backward tasks (so that its stack's forward does not run alone first)."""
-    labels = {k: v for k, v in self.plan["language"].labels.items() if k != BLOCKS}
+    # The head's parameters: its final norm and output layer (with any adapters), or the
+    # embedding when they are tied (whose gradient adds to the one of its lookup).
+    keys = ("norm", "embedding" if self.cfg.model.language.tie_embeddings else "head")
+    labels = {k: v for k, v in self.plan["language"].labels.items() if k in keys}
     chunk = self.cfg.train.loss_chunk
 
     def apply(trained, frozen, h, targets, weights):
-      model = self.bind("language", optim.join(trained, frozen))  # no blocks: the head's alone
+      model = self.bind("language", optim.join(trained, frozen))  # the head's parameters alone
       return head_loss.loss_sum(model, h, targets, weights, groups, chunk)
 
     def head(params) -> Head:
-      rest = {k: v for k, v in params.items() if k != BLOCKS}
+      rest = {k: v for k, v in params.items() if k in keys}
       return Head(apply, optim.trained(rest, labels), optim.frozen(rest, labels),
                   (text.targets_rl, text.loss_mask_rl))
     return self._language(language_hidden, params, text, tokens, pos, groups, packed, True,

@@ -5,14 +5,13 @@ branching.
 A `Stack` (pipeline.py) whose schedule has backward tasks runs `explicit`: the forward alone where
 no gradient is taken; under autodiff, a `custom_vjp` whose backward runs the schedule's forward
 and backward tasks (`run_tasks`) with the stack outputs' cotangents. A forward task keeps what its
-backward needs (`Residuals`: the leaves of its vjp that depend on the microbatch); under
-remat=full it keeps nothing but its input, and the backward task runs the chunk again. Either way
-a stage keeps only its microbatches in flight. Given a `Head` (the language model's loss),
-`explicit_loss` runs it inside the schedule instead: the last chunk's forward task runs the head
-on its output and keeps the cotangent for the backward (under remat=full its backward task runs
+backward needs (`Residuals`); under remat=full only its input, and the backward task runs the
+chunk again. Either way a stage keeps only its microbatches in flight. Given a `Head` (the
+language model's loss), `explicit_loss` runs it inside the schedule: the last chunk's forward
+task runs it on its output and keeps the cotangent (under remat=full its backward task runs
 both), so the stack's forward never runs alone. Stages branch on their task (`lax.switch`); on
-XLA's CPU runtime, which cannot hold stages in different branches, every stage runs a forward
-and a backward each step and keeps what its task asks for."""
+XLA's CPU runtime, which cannot hold stages in different branches, every stage runs the step's
+kind of task (phased: forwards or backwards) and keeps what its own asks for."""
 
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax.schedules import (COT_SLOT, E_LOCAL, E_MICRO, FIRST, IN_SLOT, KIND, LAST, RECV_COT,
-                                RECV_IN, RES_SLOT, RUN_BACKWARD, RUN_FORWARD, Tasks,
+from mimo_jax.schedules import (COT_SLOT, E_LOCAL, E_MICRO, FIRST, IDLE, IN_SLOT, KIND, LAST,
+                                RECV_COT, RECV_IN, RES_SLOT, RUN_BACKWARD, RUN_FORWARD, Tasks,
                                 lower_explicit)
 
 PP = "pp"
@@ -183,9 +182,8 @@ class Residuals:
   """What a forward task keeps for its backward task: the leaves of the chunk's `jax.vjp`
   function (a `Partial`) that depend on the microbatch, in slots. The rest a backward task takes
   from its own chunk and microbatch: the chunk's parameters and side inputs, which `jax.vjp`
-  forwards as they are, and constants. `split`, run where a forward is traced, records which leaf
-  is which; every trace of a chunk's vjp has the same leaves, and `join` rebuilds the function
-  in a backward from those records (the forward branch is traced before the backward's)."""
+  forwards as they are, and constants. `split` records which leaf is which where the forward is
+  traced (once, `TaskRunner`), and `join` rebuilds the function from those records."""
   SLOT, CONST, VALUE = range(3)
 
   def __init__(self):
@@ -258,7 +256,10 @@ def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None 
       kind = jnp.where((kind == RUN_BACKWARD) & (last == 1), RUN_LAST, kind)
     elif head is not None:
       kind = jnp.where((kind == RUN_FORWARD) & (last == 1), RUN_LAST, kind)
-    out, d_in, state = run_task(kind, h, dy, m, local, jnp.maximum(task[RES_SLOT], 0),
+    # Phased: a step runs forwards alone or backwards alone (or nothing), on every stage.
+    step = jnp.where(jnp.any(row[:, KIND] == RUN_FORWARD), RUN_FORWARD,
+                     jnp.where(jnp.any(row[:, KIND] == RUN_BACKWARD), RUN_BACKWARD, IDLE))
+    out, d_in, state = run_task(kind, step, h, dy, m, local, jnp.maximum(task[RES_SLOT], 0),
                                 cot_slot, state)
     # The first chunk's backward gives the stack input's cotangent.
     back_task = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not residual))
@@ -299,7 +300,8 @@ class TaskRunner:
 
   Stages take different branches: a collective inside a chunk must stay within the stage (tp's
   and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
-  runs both a forward and a backward and keeps the one its task asks for (`every_task`)."""
+  runs the step's kind of task and keeps what its own asks for (`every_forward`,
+  `every_backward`)."""
 
   def __init__(self, stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | None = None):
     self.stack, self.chunks, self.mask, self.side_m = stack, chunks, mask, side_m
@@ -320,10 +322,13 @@ class TaskRunner:
               varying(jnp.int32(0)), varying(jnp.int32(0)), varying(jnp.zeros_like(h_like)))
       self.kept_shapes = self.closed.out_avals[1:]
 
-  def __call__(self, kind, *args):
+  def __call__(self, kind, step, *args):
+    """`step`: the kind of the step's tasks, the same on every stage (the schedules are phased:
+    IDLE, RUN_FORWARD or RUN_BACKWARD)."""
     stack = self.stack
     if not (branches_may_diverge(stack.mesh) if stack.branch is None else stack.branch):
-      return self.every_task(kind, *args)
+      idle = lambda kind, *a: self.idle(*a)
+      return jax.lax.switch(step, (idle, self.every_forward, self.every_backward), kind, *args)
     last = self.backward_last if not self.residual else (
         lambda *a: self.forward(*a, with_head=self.head is not None))
     return jax.lax.switch(kind, (self.idle, self.forward, self.backward, last), *args)
@@ -354,8 +359,7 @@ class TaskRunner:
     out, vjp = jax.vjp(run, t, h)
     return out, vjp, jax.tree.leaves(c)
 
-  def run_forward(self, m, local, h):
-    """(a forward task's output, the residuals it keeps), from the one trace."""
+  def run_forward(self, m, local, h):  # (a forward's output, what it keeps), from the one trace
     out, *kept = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, m, local, h)
     return out, kept
 
@@ -389,6 +393,7 @@ class TaskRunner:
       state = state._replace(cots=state.cots.at[cot_slot].set(dy.astype(h.dtype)))
     return out, jnp.zeros_like(h), state
 
+
   def kept_vjp(self, slots, slot, m, local):
     """The vjp a forward kept in `slot`."""
     return self.residuals.join([s[slot] for s in slots], jax.tree.leaves(self.consts(m, local)))
@@ -410,30 +415,36 @@ class TaskRunner:
     d_chunk, dh = vjp(dy)
     return jnp.zeros_like(h), dh, self.add(state, local, d_chunk, took=took)
 
-  def every_task(self, kind, h, dy, m, local, slot, cot_slot, state):
-    """What `switch` picks, with one forward and one backward whatever the task: every device
-    runs the same collectives in the same order."""
-    residual = self.residual
-    fwd = (kind == RUN_FORWARD) | ((kind == RUN_LAST) & residual)
-    bwd = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not residual))
-    with_head = kind == RUN_LAST
-    if residual:
-      out, new = self.run_forward(m, local, h)
-      vjp = self.residuals.join([jnp.where(bwd, s[slot], k) for s, k in zip(state.slots, new)],
-                                jax.tree.leaves(self.consts(m, local)))
-      state = state._replace(slots=[s.at[slot].set(jnp.where(fwd, k, s[slot]))
-                                    for s, k in zip(state.slots, new)])
+  def every_forward(self, kind, h, dy, m, local, slot, cot_slot, state):
+    """A step of forwards where stages cannot branch apart: every stage runs a forward (and the
+    head, if any, unless remat=full) and keeps what its task asks for."""
+    fwd = (kind == RUN_FORWARD) | ((kind == RUN_LAST) & self.residual)
+    if not self.residual:
+      out = self.forward(h, dy, m, local, slot, cot_slot, state)[0]
+      return jnp.where(fwd, out, 0), jnp.zeros_like(h), state
+    out, new = self.run_forward(m, local, h)
+    state = state._replace(slots=[s.at[slot].set(jnp.where(fwd, k, s[slot]))
+                                  for s, k in zip(state.slots, new)])
+    if self.head is not None:  # the head's cotangent waits in its slot for the backward
+      with_head = kind == RUN_LAST
+      loss, dy_head, d_head = self.head.on(out, m)
+      state = self.add(state, local, None, took=(loss, d_head), took_keep=with_head)
+      state = state._replace(cots=state.cots.at[cot_slot].set(
+          jnp.where(with_head, dy_head.astype(h.dtype), state.cots[cot_slot])))
+    return jnp.where(fwd, out, 0), jnp.zeros_like(h), state
+
+  def every_backward(self, kind, h, dy, m, local, slot, cot_slot, state):
+    """A step of backwards where stages cannot branch apart: every stage runs a backward (under
+    remat=full its chunk again, and the head) and keeps what its task asks for."""
+    bwd = (kind == RUN_BACKWARD) | ((kind == RUN_LAST) & (not self.residual))
+    took, with_head = None, kind == RUN_LAST
+    if self.residual:
+      vjp = self.kept_vjp(state.slots, slot, m, local)
     else:
       out, vjp, _ = self.chunk_vjp(m, local, h, self.again)
-    took = None
-    if self.head is not None:
-      loss, dy_head, d_head = self.head.on(out, m)
-      took = (loss, d_head)
-      if residual:  # the head's cotangent waits in its slot for the backward
-        state = state._replace(cots=state.cots.at[cot_slot].set(
-            jnp.where(with_head, dy_head.astype(h.dtype), state.cots[cot_slot])))
-      else:
-        dy = jnp.where(with_head, dy_head, dy)
+      if self.head is not None:
+        loss, dy_head, d_head = self.head.on(out, m)
+        dy, took = jnp.where(with_head, dy_head, dy), (loss, d_head)
     d_chunk, dh = vjp(dy)
     state = self.add(state, local, d_chunk, bwd, took, with_head)
-    return jnp.where(fwd, out, 0), jnp.where(bwd, dh, 0), state
+    return jnp.zeros_like(h), jnp.where(bwd, dh, 0), state

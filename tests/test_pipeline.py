@@ -297,9 +297,9 @@ def test_the_language_steps_memory_under_1f1b_is_at_most_pp_over_m_of_gpipes(tmp
   internals; 1F1B under remat=full a stage's chunk inputs in flight and one chunk's internals,
   and the head takes the stack's outputs a microbatch at a time under both (inside 1F1B's
   schedule), so that no schedule keeps every microbatch's logits. On CPUs, where every stage runs
-  every task at every step, 1F1B's temporaries are 0.36 of GPipe's (8,233,616 against
-  22,831,080 bytes); at most p/M. (Under remat=none there its forwards' residuals for up to
-  2p − 1 microbatches and every step's every task come to 0.97 of GPipe's, 22,046,448 bytes.)"""
+  the step's kind of task, 1F1B's temporaries are 0.34 of GPipe's (7,696,208 against 22,831,080
+  bytes); at most p/M. (Under remat=none there its forwards' residuals for up to 2p − 1
+  microbatches come to 0.99 of GPipe's, 22,535,392 bytes.)"""
   from mimo_jax.data import loader
   p, m = 4, 8
 
