@@ -54,11 +54,10 @@ class Head(NamedTuple):
   frozen: Any
   side_m: tuple
 
-  def on(self, h, m, trained=None):
+  def on(self, h, m):
     """(loss, the cotangent of h, the trained leaves' gradients) of microbatch `m`'s output."""
     side = tuple(a[m] for a in self.side_m)
-    trained = self.trained if trained is None else trained
-    loss, vjp = jax.vjp(lambda t, o: self.apply(t, self.frozen, o, *side), trained, h)
+    loss, vjp = jax.vjp(lambda t, o: self.apply(t, self.frozen, o, *side), self.trained, h)
     d_trained, dh = vjp(jnp.ones_like(loss))
     return loss, dh, d_trained
 
@@ -139,8 +138,8 @@ def head_sum(head: Head, trained, frozen, h_m, side_m: tuple) -> jax.Array:
 def explicit_loss(stack, params, x_m, side_m: tuple, head: Head) -> jax.Array:
   """`head`'s loss summed over the stack's outputs, under a schedule with backward tasks: where
   no gradient is taken, the forward alone and the head a microbatch at a time; under autodiff, a
-  `custom_vjp` whose forward runs the whole schedule with the head in its last chunk's backward
-  tasks (`run_tasks`), keeping the gradients, which its backward scales."""
+  `custom_vjp` whose forward runs the whole schedule with the head in its last chunk's tasks
+  (`run_tasks`), keeping the gradients, which its backward scales."""
   num = x_m.shape[0]
   mask = stack.mask(params)
   specs = jax.tree.map(lambda _: P(*stack.schedule.stage_spec()), params)
