@@ -95,6 +95,14 @@ def join(mask, trained, frozen):
   return jax.tree.map(lambda t, a, b: a if t else b, mask, trained, frozen)
 
 
+def _integer_sides(stack, side_m: tuple) -> None:
+  """Raises ValueError unless every side input is integer (they get no gradient)."""
+  for a in side_m:
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"a {stack.schedule.resolved} pipeline takes integer side inputs (its "
+                       f"backward gives them no gradient), got {a.dtype}.")
+
+
 def explicit(stack, params, x_m, side_m: tuple) -> jax.Array:
   """A schedule with backward tasks: the forward alone where no gradient is taken; under
   autodiff, a `custom_vjp` whose forward keeps nothing but its arguments and whose backward
@@ -120,10 +128,7 @@ def explicit(stack, params, x_m, side_m: tuple) -> jax.Array:
     d_params = join(mask, d_trained, jax.tree.map(jnp.zeros_like, part(mask, params, False)))
     return d_params, dx_m, tuple(np.zeros(a.shape, jax.dtypes.float0) for a in side_m)
 
-  for a in side_m:
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-      raise ValueError(f"a {stack.schedule.resolved} pipeline takes integer side inputs (its "
-                       f"backward gives them no gradient), got {a.dtype}.")
+  _integer_sides(stack, side_m)
   run.defvjp(forward, backward)
   return run(params, x_m, side_m)
 
@@ -169,10 +174,7 @@ def explicit_loss(stack, params, x_m, side_m: tuple, head: Head) -> jax.Array:
     return (join(mask, scale(d_trained), zeros(frozen_params)), scale(d_head),
             zeros(frozen_head), scale(dx_m), *zeros(sides))
 
-  for a in side_m:
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-      raise ValueError(f"a {stack.schedule.resolved} pipeline takes integer side inputs (its "
-                       f"backward gives them no gradient), got {a.dtype}.")
+  _integer_sides(stack, side_m)
   run.defvjp(forward, backward)
   return run(params, head.trained, head.frozen, x_m, side_m, head.side_m)
 
@@ -288,19 +290,18 @@ def run_tasks(stack, params, x_m, side_m, dy_m, tasks: Tasks, head: Head | None 
 
 
 class TaskRunner:
-  """`(kind, h, dy, m, local, res_slot, cot_slot, state) -> (output sent on, input's cotangent
-  sent back, state)`: a stage's task `kind` (idle, forward, backward or RUN_LAST) on its chunk
-  `local` for microbatch `m` (h: a chunk input like `h_like`); a backward adds to the `State`'s
-  gradients. A forward keeps what its backward needs (the leaves of its vjp that depend on the
-  microbatch, `Residuals`; `kept_shapes`) in slot `res_slot`, and the last chunk's, given `head`
-  (RUN_LAST), runs the head on its output and keeps the cotangent in slot `cot_slot`. Under
-  remat=full a backward runs its chunk again from its input (each layer keeping all it needs),
-  and the last chunk's (RUN_LAST) runs its forward and the head there.
+  """`(kind, step, h, dy, m, local, res_slot, cot_slot, state) -> (output sent on, input's
+  cotangent sent back, state)`: a stage's task `kind` (idle, forward, backward or RUN_LAST) on
+  its chunk `local` for microbatch `m` (h like `h_like`; `step`: the kind of the step's tasks,
+  the same on every stage); a backward adds to the `State`'s gradients. A forward keeps what its
+  backward needs (`Residuals`; `kept_shapes`) in slot `res_slot`, and the last chunk's, given
+  `head` (RUN_LAST), runs the head on its output and keeps the cotangent in slot `cot_slot`.
+  Under remat=full a backward runs its chunk again from its input (each layer keeping all it
+  needs), and the last chunk's (RUN_LAST) runs its forward and the head there.
 
   Stages take different branches: a collective inside a chunk must stay within the stage (tp's
-  and dp's do), and where the runtime cannot hold that (`branches_may_diverge`), every stage
-  runs the step's kind of task and keeps what its own asks for (`every_forward`,
-  `every_backward`)."""
+  and dp's do); where the runtime cannot hold that (`branches_may_diverge`), every stage runs
+  the step's kind of task and keeps what its own asks for (`every_forward`, `every_backward`)."""
 
   def __init__(self, stack, chunks, mask, side_m: tuple, stage, h_like, head: Head | None = None):
     self.stack, self.chunks, self.mask, self.side_m = stack, chunks, mask, side_m
