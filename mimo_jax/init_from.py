@@ -18,8 +18,8 @@ from mimo_jax.checkpoint import META, Checkpointer
 from mimo_jax.checkpoint_arrays import fill, shape_differences
 from mimo_jax.checkpoint_config import CheckpointError, gains_adapters, model_differences
 from mimo_jax.checkpoint_steps import complete_steps
-from mimo_jax.config import (LANGUAGE, Config, lora_of, run_source, start_spec,
-                             step_not_a_number)
+from mimo_jax.config import (LANGUAGE, Config, ConfigError, lora_of, parse_freeze, run_source,
+                             start_spec, step_not_a_number)
 from mimo_jax.hf import peft
 from mimo_jax.models.lora import A, B, is_adapter
 from mimo_jax.state import HFStart
@@ -87,11 +87,11 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
   model gave it none (`gains_adapters`) reads its other weights and leaves its adapters abstract:
   state.init_state draws them from the seed (B = 0), whatever its lora config. A source with
   adapters needs this run's lora config and gives its adapters. With `read` false only the
-  checks (before anything is written)."""
+  checks (before anything is written), `frozen_fresh`'s too."""
   runs = {}
   for name, source in sources(cfg, list(abstract)).items():
     runs.setdefault(source, []).append(name)
-  out = {}
+  out, held = {}, set()  # held: modules whose adapters come from their source
   for (field, path, step), names in runs.items():
     # Every module the step holds has a handler (orbax warns of items it cannot restore).
     held = [d for d in sorted(os.listdir(os.path.join(path, str(step))))
@@ -107,6 +107,7 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
                               f"{', '.join(meta.get('modules', []))}.")
       only = "model." if field == "model.init_from" else f"model.{names[0]}."
       fresh = gains_adapters(meta["config"]["model"], cfg, names)
+      held.update(n for n in names if n not in fresh)
       diffs = model_differences(meta["config"]["model"], cfg, only, fresh)
       if diffs:
         raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
@@ -129,7 +130,25 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
                         keep_others=n in fresh)
     finally:
       ckpt.close()
+  if not read:
+    frozen_fresh(cfg, list(abstract), held)
   return out
+
+
+def frozen_fresh(cfg: Config, modules: list[str], held: set[str]) -> None:
+  """Refuses `optim.freeze` naming a module's adapters (`<module>_lora`) that start fresh: no
+  PEFT directory (`lora.init_from`) and no run whose adapters they read (`held`). Fresh, B is
+  zero; frozen, it stays zero and the adapters change nothing."""
+  frozen = parse_freeze(cfg)
+  for name in modules:
+    lora = lora_of(cfg, name)
+    if lora is None or f"{name}_lora" not in frozen or lora.init_from or name in held:
+      continue
+    raise ConfigError(
+        f"config.optim.freeze: names {name}_lora, whose adapters start fresh (B = 0) and, frozen, "
+        f"would stay zero and change nothing. Leave {name}_lora out of optim.freeze, start them "
+        f"from a PEFT directory (model.{name}.lora.init_from) or from a run that trained them "
+        f"(model.init_from), or set model.{name}.lora.rank=0 for no adapters.")
 
 
 def adapters(cfg: Config, plan, made: dict) -> dict:

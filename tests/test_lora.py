@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mimo_jax import memory
+from mimo_jax import init_from, memory
 from mimo_jax.config import ConfigError, ModuleTopology
 from mimo_jax.data import loader
 from mimo_jax.encoders.audio import AudioConfig
@@ -130,6 +130,26 @@ def test_a_target_that_matches_nothing_is_an_error(data_dir):
   cfg.model.language.lora.rank = -1
   with pytest.raises(ConfigError, match=r"model\.language\.lora\.rank"):
     build_modules(cfg)
+
+
+def test_settings_that_would_change_nothing_are_errors(data_dir):
+  """Dropout without adapters, and adapters frozen where they start fresh (B = 0: frozen, they
+  stay zero), are refused before anything is written; adapters read from a PEFT directory or a
+  run may be frozen."""
+  cfg = lora_config(data_dir)
+  cfg.model.language.lora.rank, cfg.model.language.lora.dropout = 0, 0.1
+  with pytest.raises(ConfigError, match=r"^config\.model\.language\.lora\.dropout: is 0\.1 but "
+                     r"model\.language\.lora\.rank is 0 .*leave dropout at 0\.$"):
+    validate(cfg)
+  cfg = lora_config(data_dir)
+  cfg.optim.freeze = "vision,language_lora"
+  validate(cfg)  # which adapters a run reads is known where it starts
+  with pytest.raises(ConfigError, match=r"^config\.optim\.freeze: names language_lora, whose "
+                     r"adapters start fresh .*model\.language\.lora\.rank=0 for no adapters\.$"):
+    init_from.params(cfg, {"vision": None, "language": None}, read=False)
+  init_from.frozen_fresh(cfg, ["vision", "language"], held={"language"})  # read from a run
+  cfg.model.language.lora.init_from = "/some/peft/adapter"
+  init_from.frozen_fresh(cfg, ["vision", "language"], held=set())
 
 
 def test_a_rank_above_the_narrowest_adapted_layer_is_an_error(data_dir):
