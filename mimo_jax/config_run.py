@@ -162,6 +162,11 @@ class CheckpointConfig:
   base: str = ""
 
 
+# The most host-platform devices a process makes (run.cpu_devices): each costs the CPU backend
+# memory and threads in every program, and a typo of some thousands would take the host's memory.
+MAX_CPU_DEVICES = 1024
+
+
 @dataclasses.dataclass
 class RunConfig:
   workdir: str = "runs/digits"

@@ -11,7 +11,7 @@ from mimo_jax import encoders, hf, scoring
 from mimo_jax.config import (LANGUAGE, ROPE_SCALINGS, Config, ConfigError, lora_of, parse_freeze,
                              parse_lr_mult, positive, require, run_source,
                              step_not_a_number)
-from mimo_jax.config_run import AV_DIGITS_VOCAB, DIGITS_VOCAB, TASKS
+from mimo_jax.config_run import AV_DIGITS_VOCAB, DIGITS_VOCAB, MAX_CPU_DEVICES, TASKS
 from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_lora import validate_adapters
@@ -351,7 +351,9 @@ def _schedule_and_run(cfg: Config) -> None:
   require(cfg.checkpoint.restore_step >= 0, "checkpoint.restore_step",
           "must be >= 0 (0 = the newest step).")
   require(cfg.run.log_every > 0, "run.log_every", "must be > 0.")
-  require(cfg.run.cpu_devices > 0, "run.cpu_devices", "must be > 0.")
+  require(0 < cfg.run.cpu_devices <= MAX_CPU_DEVICES, "run.cpu_devices",
+          f"must be in 1..{MAX_CPU_DEVICES} (each device costs memory and threads), got "
+          f"{cfg.run.cpu_devices}.")
   require(cfg.run.compile_ahead >= 0, "run.compile_ahead", "must be >= 0 (0 = compile when met).")
   require(cfg.run.compile_threads > 0, "run.compile_threads", "must be > 0.")
   require(cfg.run.while_compiling in ("wait", "pad"), "run.while_compiling",

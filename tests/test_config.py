@@ -42,6 +42,7 @@ CASES = [
     ("eval.every", -1, "eval.every"),
     ("run.progress", "fancy", "run.progress"),
     ("run.log_every", 0, "run.log_every"),
+    ("run.cpu_devices", 100_000, "run.cpu_devices"),
     ("topology.language.dp", 3, "topology.language.dp"),
     ("topology.vision.pp", 3, "topology.vision.pp"),  # 2 layers do not split into 3 stages
     ("model.language.kv_heads", 1, "topology.language.tp"),  # tp=2 cannot split 1 kv head

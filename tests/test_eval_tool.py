@@ -226,6 +226,7 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
     (["--data", str(IMAGES)], f"tools.eval: error: --data: {IMAGES / 'conversations.json'} not "
      "found; --data takes a LLaVA-format JSON file or a directory written by"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
+    (["--cpu_devices", "100000"], "--cpu_devices 100000: at most 1024"),  # took the host's memory
     (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
     (["--seq_len", "40"], "data.json: record 2 (id 'q2', line 1) needs 46 positions (14 for its "
      "text, 32 for its 2 images), more than the eval's rows hold (40, --seq_len); give --seq_len "

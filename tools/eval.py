@@ -58,6 +58,7 @@ from tqdm import tqdm
 
 from mimo_jax import checkpoint_reader, output, scoring
 from mimo_jax.config import Config, ConfigError, RunConfig
+from mimo_jax.config_run import MAX_CPU_DEVICES
 from tools import eval_samples
 from tools.eval_rows import Rows, default_out, earlier_speed, key, summary_path, write_whole
 from tools import generate as generate_tool
@@ -122,6 +123,9 @@ def check_flags(args: argparse.Namespace) -> None:
   for flag in ("max_new_tokens", "batch", "seq_len", "cpu_devices"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:  # None: the run's
       raise ConfigError(f"--{flag} {getattr(args, flag)}: give a positive number.")
+  if (args.cpu_devices or 0) > MAX_CPU_DEVICES:
+    raise ConfigError(f"--cpu_devices {args.cpu_devices}: at most {MAX_CPU_DEVICES} (each device "
+                      "costs memory and threads); give the devices the layout spans.")
   if args.samples < 0:
     raise ConfigError(f"--samples {args.samples}: give a positive number (0: all samples).")
   if args.step is not None and args.step < 0:
