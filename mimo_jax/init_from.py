@@ -91,7 +91,7 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
   runs = {}
   for name, source in sources(cfg, list(abstract)).items():
     runs.setdefault(source, []).append(name)
-  out, held = {}, set()  # held: modules whose adapters come from their source
+  out, sourced = {}, set()  # modules whose adapters come from their source
   for (field, path, step), names in runs.items():
     # Every module the step holds has a handler (orbax warns of items it cannot restore).
     held = [d for d in sorted(os.listdir(os.path.join(path, str(step))))
@@ -107,7 +107,7 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
                               f"{', '.join(meta.get('modules', []))}.")
       only = "model." if field == "model.init_from" else f"model.{names[0]}."
       fresh = gains_adapters(meta["config"]["model"], cfg, names)
-      held.update(n for n in names if n not in fresh)
+      sourced.update(n for n in names if n not in fresh)
       diffs = model_differences(meta["config"]["model"], cfg, only, fresh)
       if diffs:
         raise CheckpointError(f"{where} was written for another model: {'; '.join(diffs)}. "
@@ -131,7 +131,7 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
     finally:
       ckpt.close()
   if not read:
-    frozen_fresh(cfg, list(abstract), held)
+    frozen_fresh(cfg, list(abstract), sourced)
   return out
 
 

@@ -101,6 +101,11 @@ def test_an_audio_only_model_trains_on_conversations_with_clips(source, tmp_path
   assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is said?", "--audio",
                              str(long)]) == 2
   assert "long.wav's 100 tokens, which leaves no room" in capsys.readouterr().err
+  # An image for a model without a vision tower is one line, before any processor is looked for.
+  assert generate_tool.main([str(tmp_path / "run"), "--prompt", "What is shown?", "--image",
+                             str(long)]) == 2
+  assert (f"--image {long}: the model has no vision encoder (model.vision); give a model with "
+          "one, or no --image.") in capsys.readouterr().err
   # tools.eval of a JSON cuts its clips into the tower's 1 s windows (it cut 30 s ones).
   from tools import eval as eval_tool  # pylint: disable=import-outside-toplevel
   (tmp_path / "eval.json").write_text(json.dumps(

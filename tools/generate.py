@@ -328,6 +328,9 @@ def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
   check_vocab(tok, cfg, found, bool(args.tokenizer))
   pixels = None
   if args.image:
+    if getattr(cfg.model, "vision", None) is None:  # before a processor is looked for
+      raise ConfigError(f"--image {args.image[0]}: the model has no vision encoder "
+                        "(model.vision); give a model with one, or no --image.")
     pad = found["pad_to_square"] if args.pad_to_square is None else args.pad_to_square
     proc = ImageProcessor.open(args.processor or default_dir(
         found, "processor", "preprocessor_config.json", "--processor", workdir),
