@@ -277,6 +277,8 @@ def _raise(e: Exception):
 def test_the_tool_refuses_a_folder_without_checkpoints(tmp_path, capsys):
   assert generate_tool.main([str(tmp_path), "--prompt", "hello"]) == 2
   assert "no checkpoints/" in capsys.readouterr().err
+  assert generate_tool.main([str(tmp_path / "nope"), "--prompt", "hello"]) == 2
+  assert f"{tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
 
 
 def test_an_import_for_conversations_without_data_finds_its_tokenizer_and_processor(tmp_path,

@@ -236,6 +236,19 @@ def own_fields(tool: str, sets: Sequence[str], fields: Sequence[str], how: str) 
       fail(tool, f"--set {s}: this tool sets that field itself ({how}).")
 
 
+def run_folder(path: str) -> None:
+  """ConfigError, naming `path`, unless it is a folder that holds checkpoints/ (a run's workdir
+  or an import's), for the tools that read a run's steps."""
+  p = pathlib.Path(path)
+  if not p.exists():
+    raise ConfigError(f"{path}: no such directory; give a run's workdir or an import's.")
+  if not p.is_dir():
+    raise ConfigError(f"{path}: a file, not a directory; give a run's workdir or an import's.")
+  if not (p / "checkpoints").is_dir():
+    raise ConfigError(f"{path}: no checkpoints/; give a run's workdir or an import's (a run "
+                      "makes checkpoints/ at its first save: checkpoint.every, or its end).")
+
+
 def output_file(tool: str, flag: str, path: str) -> None:
   """Checks before any work that `path` (a file the tool writes at the end, given as `flag`) can
   be written: not a directory, in a directory that exists and is writable; else `fail`."""

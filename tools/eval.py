@@ -62,7 +62,7 @@ from mimo_jax.config_run import MAX_CPU_DEVICES
 from tools import eval_samples
 from tools.eval_rows import Rows, default_out, earlier_speed, key, summary_path, write_whole
 from tools import generate as generate_tool
-from tools.common import Parser
+from tools.common import Parser, run_folder
 from tools.display import count
 
 TOOL = "tools.eval"
@@ -133,8 +133,7 @@ def check_flags(args: argparse.Namespace) -> None:
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")
-  if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
-    raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
+  run_folder(args.workdir)
 
 
 # The run.

@@ -70,7 +70,7 @@ from mimo_jax.run_paths import bases, launch_dir, resolve
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
 from mimo_jax.stopping import StopFlag
-from tools.common import Parser, fail, number
+from tools.common import Parser, fail, number, run_folder
 from tools.display import count, printable
 from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
@@ -387,8 +387,7 @@ def run(args: argparse.Namespace) -> list[str]:
   from mimo_jax import whole
   from mimo_jax.encoders import audio as audio_encoder
   from mimo_jax.encoders import vision as vision_encoder
-  if not (pathlib.Path(args.workdir) / "checkpoints").is_dir():
-    raise ConfigError(f"{args.workdir}: no checkpoints/; give a run's workdir or an import's.")
+  run_folder(args.workdir)
   reader = checkpoint_reader.Reader(args.workdir)
   reader.note(TOOL)
 
