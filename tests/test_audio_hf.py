@@ -190,3 +190,21 @@ def test_the_check_tool_agrees_with_transformers(name, capsys):
   err, rel = hf_check.check(str(FIXTURES.parent / name))
   assert rel <= 1e-5, (err, rel)
   assert "max abs difference" in capsys.readouterr().out
+
+
+def test_a_tower_no_hf_class_holds_names_each_field_and_what_exports():
+  """configs/llava_cpu.py:audio's tower (pooled by 2, padding not masked, an MLP projector) fits
+  neither Qwen2-Audio nor a WhisperModel: each differing field with the value HF needs, in JSON's
+  words, and what can be exported instead."""
+  cfg = Config()
+  cfg.add_encoder("audio", AudioConfig(pool=2, mask_padding=False, projector="mlp"))
+  with pytest.raises(hf.HFError) as e:
+    hf_audio.qwen2_audio_config_json(cfg, token=5)
+  assert str(e.value) == (
+      "model.audio.mask_padding is false, Qwen2AudioForConditionalGeneration needs true; "
+      "model.audio.projector is \"mlp\", Qwen2AudioForConditionalGeneration needs \"linear\": no "
+      "Qwen2AudioForConditionalGeneration holds this audio tower; --module language exports the "
+      "language model alone, --module audio a Whisper-shaped tower (pool 1, mask_padding false) "
+      "alone.")
+  with pytest.raises(hf.HFError, match=r"^model\.audio\.pool is 2, WhisperModel needs 1: no "):
+    hf_audio.whisper_config_json(cfg.model.audio)

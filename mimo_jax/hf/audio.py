@@ -7,6 +7,8 @@ Qwen2AudioForConditionalGeneration (its audio tower, linear projector and Qwen2 
 
 from __future__ import annotations
 
+import json
+
 from mimo_jax.hf.export import ACTIVATION_NAMES, language_config_json
 from mimo_jax.hf.fields import reader
 from mimo_jax.hf.mapping import Mapping
@@ -93,13 +95,21 @@ def _encoder_json(a) -> dict:
           "scale_embedding": False}
 
 
+def _fits(a, needs: dict, holder: str, instead: str) -> None:
+  """HFError naming each field of model.audio `a` whose value `holder` has no place for, with
+  the value it needs, and `instead`: what can be exported."""
+  differ = [f"model.audio.{k} is {json.dumps(getattr(a, k))}, {holder} needs {json.dumps(v)}"
+            for k, v in needs.items() if getattr(a, k) != v]
+  if differ:
+    raise HFError(f"{'; '.join(differ)}: no {holder} holds this audio tower; {instead}.")
+
+
 def whisper_config_json(a) -> dict:
   """config.json of a WhisperModel holding this encoder (its decoder is not ours: transformers
   initialises it when loading; only the encoder is meant to be read)."""
-  if (a.pool, a.mask_padding, a.norm_eps) != (1, False, 1e-5):
-    raise HFError("model.audio: pool, mask_padding or norm_eps differ from Whisper's (1, false, "
-                  "1e-5); no Whisper class holds this encoder (Qwen2-Audio's tower is exported "
-                  "beside its language model).")
+  _fits(a, {"pool": 1, "mask_padding": False, "norm_eps": 1e-5}, "WhisperModel",
+        "a tower of Qwen2-Audio's shape is exported with its language model (no --module); "
+        "--module language exports the language model alone")
   # The decoder (initialised by transformers) takes the encoder's shape, as Whisper's do.
   decoder = {"decoder_layers": a.layers, "decoder_attention_heads": a.heads,
              "decoder_ffn_dim": a.mlp_dim}
@@ -125,10 +135,10 @@ def qwen2_audio_config_json(cfg, token: int, context: int | None = None) -> dict
   masked, a linear projector), the language model's config as text_config, `token` the audio
   placeholder's id; `context` the language model's max_position_embeddings."""
   a, lm = cfg.model.audio, cfg.model.language
-  if (a.pool, a.mask_padding, a.projector, a.norm_eps) != (2, True, "linear", 1e-5):
-    raise HFError(f"model.audio: pool {a.pool}, mask_padding {a.mask_padding}, projector "
-                  f"{a.projector!r}, norm_eps {a.norm_eps} differ from Qwen2-Audio's (2, true, "
-                  "'linear', 1e-5); no Qwen2AudioForConditionalGeneration holds this model.")
+  _fits(a, {"pool": 2, "mask_padding": True, "projector": "linear", "norm_eps": 1e-5},
+        "Qwen2AudioForConditionalGeneration",
+        "--module language exports the language model alone, --module audio a Whisper-shaped "
+        "tower (pool 1, mask_padding false) alone")
   text = language_config_json(lm, context)
   text.pop("architectures")
   return {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": COMBINED,
