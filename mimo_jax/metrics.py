@@ -39,6 +39,11 @@ def _summary_writer():
 SummaryWriter = _summary_writer()
 
 
+def stamped(t0: float, line: str) -> str:
+  """A console line stamped with the seconds since `t0` (time.time()), as a run prints them."""
+  return f"[{time.time() - t0:7.1f}s] {line}"
+
+
 class MetricsWriter:
   """Writes one JSON object per logged record; mirrors scalars to TensorBoard and the console."""
 
@@ -97,7 +102,7 @@ class MetricsWriter:
     if self._bar is not None:
       self._bar.write(line)
     else:
-      print(f"[{time.time() - self._t0:7.1f}s] {line}", flush=True)
+      print(stamped(self._t0, line), flush=True)
 
   def close(self) -> None:
     if not self.enabled:

@@ -8,9 +8,10 @@ import os
 from mimo_jax import checkpoint_steps, compile_cache
 
 
-def start_lines(loop, lock_note: str | None, started: dict, paths: dict) -> list[str]:
-  """`loop`: train._Loop once opened; `lock_note`: what taking the workdir's lock found;
-  `started`: module -> (field, path, step) it starts from (init_from.sources)."""
+def opening_lines(loop, lock_note: str | None, paths: dict, found: int | None) -> list[str]:
+  """What a run says before its state is restored or initialised (which can take a while):
+  `loop`: train._Loop being opened; `lock_note`: what taking the workdir's lock found; `found`:
+  the step it restores, None for a new run."""
   cfg, ckpt = loop.cfg, loop.ckpt
   lines = [lock_note] if lock_note else []
   lines += [f"moved {moved} aside ({checkpoint_steps.why_aside(moved)})"
@@ -18,6 +19,27 @@ def start_lines(loop, lock_note: str | None, started: dict, paths: dict) -> list
   lines += [f"topology: {loop.trainer.topo.describe()}",
             f"parameters: {loop.trainer.plan.parameters()}", compile_cache.describe(),
             f"data: {cfg.data.task} from {os.path.dirname(os.path.abspath(paths['train']))}"]
+  if found is None:
+    lines.append(f"initialising the state (train.seed={cfg.train.seed}"
+                 f"{'; init_from read' if _starts_from(cfg) else ''})")
+  elif not loop.finished:
+    lines.append(f"restoring {ckpt.path} step {found}")
+  return lines
+
+
+def _starts_from(cfg) -> bool:
+  """Whether a new run reads a source (model.init_from, or a module's init_from or adapters)."""
+  sections = [cfg.model] + [cfg.model.module(n) for n in cfg.topology.modules()]
+  return any(getattr(s, "init_from", "") or getattr(getattr(s, "lora", None), "init_from", "")
+             for s in sections)
+
+
+def start_lines(loop, started: dict) -> list[str]:
+  """What a run says once its state is restored or initialised and its outputs are open:
+  `loop`: train._Loop once opened; `started`: module -> (field, path, step) it starts from
+  (init_from.sources)."""
+  cfg, ckpt = loop.cfg, loop.ckpt
+  lines = []
   if loop.finished:
     lines.append(f"found {ckpt.path} step {loop.start}, the last step, with its final eval on "
                  "record: the state is not restored")

@@ -19,9 +19,10 @@ from mimo_jax import state as state_lib
 from mimo_jax.config import Config, lora_of
 from mimo_jax.data import capacity, loader
 from mimo_jax.evaluate import Evaluator
-from mimo_jax.metrics import MetricsWriter, NonFiniteError, SaidLater, StepWindow, evaluated_through
+from mimo_jax.metrics import (MetricsWriter, NonFiniteError, SaidLater, StepWindow,
+                              evaluated_through, stamped)
 from mimo_jax.optim import schedule
-from mimo_jax.start_lines import start_lines
+from mimo_jax.start_lines import opening_lines, start_lines
 from mimo_jax.step import Step
 from mimo_jax.step_records import BridgeMismatchError, NonFiniteStepError
 from mimo_jax.stopping import StopFlag
@@ -151,6 +152,9 @@ class _Loop:
       self.batches.prime()  # its programs compile while the state is restored
     # A finished run whose final eval is on record has nothing to do: its state is not restored.
     self.finished = found is not None and self._finished(found)
+    if distributed.is_main():  # before the restore or initialisation, which can take a while
+      for line in opening_lines(self, lock.note if lock is not None else None, paths, found):
+        print(stamped(self.started, line), flush=True)
     if found is not None and not self.finished:
       began = time.time()
       state, meta = ckpt.restore(found, trainer.abstract_state(canonical=True), cfg,
@@ -173,7 +177,7 @@ class _Loop:
     self.writer = MetricsWriter(cfg.run.workdir, cfg.train.steps, cfg.run.progress,
                                 resume_after=self.start, enabled=distributed.is_main(),
                                 started=self.started)  # its clock: the time to first step's
-    for line in start_lines(self, lock.note if lock is not None else None, started, paths):
+    for line in start_lines(self, started):
       self.writer.say(line)
     if not where.everything:
       self.writer.say("scalable data parallelism: this process reads only the records of its "

@@ -242,6 +242,17 @@ def test_the_tool_answers_a_batch_as_each_prompt_alone(tmp_path, capsys):
   assert generate_tool.main(base + ["--pair", "--image", image, "--image", other]
                             + [a for p in prompts for a in ("--prompt", p)]) == 0
   assert capsys.readouterr().out.splitlines() == batch[:2] + alone
+  # An answer that ends at once (its first new token the end token) is said, not a blank line.
+  from mimo_jax.data.chat import ChatTokenizer  # pylint: disable=import-outside-toplevel
+  eos = ChatTokenizer.open(str(tmp_path / "tok")).token_id("</s>")
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(generate, "generate", lambda *a, **k: np.array([[eos, eos], [7, eos]]))
+    assert generate_tool.main(common + [a for p in prompts for a in ("--prompt", p)]) == 0
+  got = capsys.readouterr()
+  assert got.out.splitlines()[1] == "" and got.out.splitlines()[3]
+  assert ("tools.generate: note: answer 1 is empty: the model ended at once (its first new token "
+          "was an end token) or gave only special tokens.") in got.err, got.err
+  assert "stopped at" not in got.err
 
 
 def test_the_tool_prints_control_characters_of_an_answer_escaped(monkeypatch, capsys):
@@ -298,9 +309,9 @@ def test_an_import_for_conversations_without_data_finds_its_tokenizer_and_proces
 
 
 def test_the_tools_progress_is_a_line_every_few_seconds_of_decoding(monkeypatch, capsys):
-  from tools import generate as generate_tool  # pylint: disable=import-outside-toplevel
+  from tools import display, generate as generate_tool  # pylint: disable=import-outside-toplevel
   now = [100.0]
-  monkeypatch.setattr(generate_tool.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(display.time, "monotonic", lambda: now[0])
   progress = generate_tool.Progress()
   for decoded, at in ((32, 105.0), (64, 111.0), (96, 115.0), (2000, 200.0)):
     now[0] = at

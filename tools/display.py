@@ -3,11 +3,30 @@ with the control characters that would act on a terminal escaped (files get the 
 
 from __future__ import annotations
 
+import sys
+import time
 import unicodedata
 
 from mimo_jax.words import count  # noqa: F401  (the tools count through display)
 
 _KEPT = "\n\t"  # an answer's own lines and tabs stay as they are
+
+
+class Decoding:
+  """A line on stderr every `every` seconds of decoding (new tokens so far, of the most asked
+  for, and their rate), said as `tool`: a long answer is not a silent wait."""
+
+  def __init__(self, tool: str, every: float):
+    self.tool, self.every = tool, every
+    self.start = self.last = time.monotonic()
+
+  def __call__(self, decoded: int, steps: int) -> None:
+    now = time.monotonic()
+    if now - self.last < self.every or decoded >= steps:
+      return
+    self.last = now
+    print(f"{self.tool}: {decoded:,} of up to {steps:,} new tokens decoded "
+          f"({decoded / (now - self.start):,.0f} a second)", file=sys.stderr, flush=True)
 
 
 

@@ -61,7 +61,6 @@ import os
 import pathlib
 import signal
 import sys
-import time
 
 import numpy as np
 
@@ -71,7 +70,7 @@ from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import audio_records
 from mimo_jax.stopping import StopFlag
 from tools.common import Parser, fail, number, run_folder
-from tools.display import count, printable
+from tools.display import Decoding, count, printable
 from tools.prompts import check_vocab, load_audios, load_images, prompt_ids
 
 TOOL = "tools.generate"
@@ -298,20 +297,8 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-class Progress:
-  """A line on stderr every PROGRESS_SECONDS of decoding (new tokens so far, of the most asked
-  for, and their rate): a long answer is not a silent wait."""
-
-  def __init__(self):
-    self.start = self.last = time.monotonic()
-
-  def __call__(self, decoded: int, steps: int) -> None:
-    now = time.monotonic()
-    if now - self.last < PROGRESS_SECONDS or decoded >= steps:
-      return
-    self.last = now
-    print(f"{TOOL}: {decoded:,} of up to {steps:,} new tokens decoded "
-          f"({decoded / (now - self.start):,.0f} a second)", file=sys.stderr, flush=True)
+def Progress() -> Decoding:  # pylint: disable=invalid-name
+  return Decoding(TOOL, PROGRESS_SECONDS)
 
 
 def prepare(args: argparse.Namespace, cfg: Config, workdir: str) -> dict:
@@ -436,16 +423,22 @@ def run(args: argparse.Namespace) -> list[str]:
       raise _Stopped(flag.signum, f" while decoding, {e}") from None
   if flag.signum is not None:  # taken during the last chunk: a stop asked for is a stop
     raise _Stopped(flag.signum, " as decoding ended")
-  stopped = [eos_id is None or eos_id not in row for row in out]
-  if any(stopped):  # the answer is cut, not finished: said, as a truncation is
-    one = sum(stopped) == 1
-    which = ", ".join(str(r + 1) for r, s in enumerate(stopped) if s)
-    name = "the answer" if len(out) == 1 else f"answer{'' if one else 's'} {which}"
-    print(f"{TOOL}: note: {name} stopped at {ready['steps']} new tokens (--max_new_tokens) "
-          f"before an end token: {'it is' if one else 'they are'} cut; a larger "
-          f"--max_new_tokens lets {'it' if one else 'them'} finish.", file=sys.stderr)
-  return [tok.tokenizer.decode([int(t) for t in row], skip_special_tokens=True).strip()
-          for row in out]
+  answers = [tok.tokenizer.decode([int(t) for t in row], skip_special_tokens=True).strip()
+             for row in out]
+  # A cut answer is said, as a truncation is; an empty one too (a blank line looks like a fault).
+  for flags, said in (([eos_id is None or eos_id not in row for row in out],
+                       f"stopped at {ready['steps']} new tokens (--max_new_tokens) before an end "
+                       "token: {cut}; a larger --max_new_tokens lets {them} finish."),
+                      ([not a for a in answers], "{be} empty: the model ended at once (its "
+                       "first new token was an end token) or gave only special tokens.")):
+    if any(flags):
+      one = sum(flags) == 1
+      name = "the answer" if len(out) == 1 else f"answer{'' if one else 's'} " + ", ".join(
+          str(r + 1) for r, f in enumerate(flags) if f)
+      print(f"{TOOL}: note: {name} " + said.format(
+          cut="it is cut" if one else "they are cut", them="it" if one else "them",
+          be="is" if one else "are"), file=sys.stderr)
+  return answers
 
 
 if __name__ == "__main__":
