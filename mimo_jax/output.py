@@ -52,7 +52,7 @@ PARTIAL = ".partial-"
 OLD = ".replaced-"  # a complete output moved aside while its replacement is renamed into place
 # Every published output holds this file, naming what wrote it: only an output of the same kind
 # is ever replaced (a training workdir that happens to hold a config.json is not an export).
-MARKER = ".mimo_jax_output.json"
+MARKER = workdir_lib.OUTPUT_MARKER
 # The OSError beneath a library's write error, as its text names it: safetensors' "(os error 27)",
 # tensorstore's "[os_error_code='27']".
 _OS_ERROR_CODE = re.compile(r"os[ _]error(?: |_code=')(\d+)")
@@ -125,6 +125,9 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   final = pathlib.Path(out)
   if not os.path.lexists(final):
     return
+  if final.is_symlink():  # the publish renames onto `out`: a link would be replaced, not followed
+    raise OutputError(f"{flag}={str(out)!r} is a symbolic link (to {os.readlink(final)!r}); give "
+                      f"the folder itself, or a new {flag}.")
   if not final.is_dir():
     raise OutputError(f"{flag}={str(out)!r} is a file, not a directory; choose another {flag}.")
   if os.path.ismount(final):
@@ -138,8 +141,14 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   if not entries:
     return
   if complete is not None and complete in entries:
-    if replace and _written_as(final) == what:
+    added = _added(final, entries)
+    if replace and _written_as(final) == what and not added:
       return
+    if replace and added:
+      raise OutputError(f"{flag}={str(out)!r} holds what this tool did not write there "
+                        f"({', '.join(added[:3])}{' and more' if len(added) > 3 else ''}: a "
+                        f"run's files?), so it is not replaced; move them out, or choose "
+                        f"another {flag}.")
     if replace:
       raise OutputError(f"{flag}={str(out)!r} holds a {complete} but was not written as a {what} "
                         f"by this tool ({MARKER} says otherwise or is missing), so it is not "
@@ -150,6 +159,16 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
   raise OutputError(f"{flag}={str(out)!r} is not empty ({shown}) and is not a complete {what}; "
                     f"choose a new {flag} or remove it.")
+
+
+def _added(path: pathlib.Path, entries: list[str]) -> list[str]:
+  """The entries of output `path` its writer did not write (its MARKER lists what it wrote;
+  an older marker that lists nothing: none)."""
+  try:
+    wrote = json.loads((path / MARKER).read_text(encoding="utf-8")).get("entries")
+  except (OSError, ValueError, AttributeError):
+    return []
+  return [e for e in entries if e != MARKER and e not in wrote] if isinstance(wrote, list) else []
 
 
 def _written_as(path: pathlib.Path) -> str | None:
@@ -258,8 +277,16 @@ def staged(out: str | os.PathLike, what: str, flag: str = "--out", complete: str
     for f in tmp.rglob("*"):  # safetensors writes owner-only files: readable as any new file
       if f.is_file() and not f.is_symlink():
         readable_as_created(f)
-    (tmp / MARKER).write_text(json.dumps({"what": what}) + "\n", encoding="utf-8")
+    # What it is, and what it holds: a replace leaves alone a folder others have added to.
+    wrote = sorted(p.name for p in tmp.iterdir())
+    (tmp / MARKER).write_text(json.dumps({"what": what, "entries": wrote}) + "\n",
+                              encoding="utf-8")
     raise_if_interrupted()  # a signal whose exception was lost still stops the publish
+    try:  # once more: what another process put at `out` meanwhile (a run's files) is not replaced
+      check_target(final, what, flag, complete, replace, replace_flag)
+    except OutputError as e:
+      raise OutputError(f"{e} (It changed while the {what} was written: nothing was published.)"
+                        ) from None
     _publish(tmp, final, parent, name)
     _PUBLISHED.append(final)
   except BaseException:

@@ -86,6 +86,10 @@ def error_file(e: OSError) -> str | None:
   return name
 
 
+# What a tool's output folder holds (mimo_jax/output.py): what kind of output it is.
+OUTPUT_MARKER = ".mimo_jax_output.json"
+
+
 def check(workdir: str) -> str:
   """The absolute workdir, created if missing; an error if it, or a checkpoints/ folder it
   holds already (where the run saves), is not a writable directory."""
@@ -93,6 +97,14 @@ def check(workdir: str) -> str:
   if os.path.exists(path) and not os.path.isdir(path):
     raise WorkdirError(f"run.workdir={workdir!r} is a file, not a directory; choose another "
                        "run.workdir.")
+  try:  # a tool's output (an HF export, a conversion; an import is a workdir): not a run's place
+    what = json.loads(pathlib.Path(path, OUTPUT_MARKER).read_text(encoding="utf-8"))["what"]
+  except (OSError, ValueError, KeyError, TypeError):
+    what = "workdir"
+  if what != "workdir":
+    raise WorkdirError(f"run.workdir={workdir!r} is a tool's output ({what}; {OUTPUT_MARKER} "
+                       "says so): a run's files would mix with it, and replacing it would remove "
+                       "them; choose another run.workdir.")
   saves = os.path.join(path, "checkpoints")
   for folder, name in ((path, f"run.workdir={workdir!r}"),
                        (saves, f"the run's checkpoints folder {saves}")):
@@ -186,7 +198,11 @@ def _alive(pid: int) -> bool:
     return False
   except PermissionError:
     return True
-  return True
+  try:  # a process killed but not yet reaped by its parent (a zombie) holds nothing
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2:][:1] != "Z"
+  except (OSError, ValueError):
+    return True
 
 
 @contextlib.contextmanager

@@ -6,11 +6,12 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import pytest
 
-from mimo_jax import output
+from mimo_jax import output, workdir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -125,6 +126,54 @@ def test_only_an_output_of_the_same_kind_is_replaced(tmp_path):
   with pytest.raises(output.OutputError, match="not replaced"):
     with output.staged(tmp_path / "w", what="export", complete="config.json", replace=True):
       pass
+
+
+def test_what_others_put_at_out_or_added_to_it_is_never_replaced(tmp_path):
+  """Files that appear at `out` while an output is written (a run started there) stop the
+  publish; an export a run has added to is not replaced; a link is refused; and a run is not
+  started in a tool's output folder."""
+  out = tmp_path / "o"
+  with pytest.raises(output.OutputError, match=r"is not empty \(metrics\.jsonl\).*It changed "
+                     r"while the export was written: nothing was published"):
+    with output.staged(out, what="export", complete="config.json") as tmp:
+      (tmp / "config.json").write_text("{}")
+      out.mkdir()
+      (out / "metrics.jsonl").write_text("a run's\n")
+  assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+  assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no staging, no lock left
+  export = tmp_path / "e"
+  with output.staged(export, what="export", complete="config.json") as tmp:
+    (tmp / "config.json").write_text("{}")
+  (export / "checkpoints").mkdir()
+  with pytest.raises(output.OutputError, match=r"holds what this tool did not write there "
+                     r"\(checkpoints: a run's files\?\), so it is not replaced"):
+    with output.staged(export, what="export", complete="config.json", replace=True):
+      pass
+  assert (export / "checkpoints").is_dir()
+  with pytest.raises(workdir.WorkdirError, match=r"is a tool's output \(export; "):
+    workdir.check(str(export))
+  (export / "checkpoints").rmdir()
+  with output.staged(export, what="export", complete="config.json", replace=True) as tmp:
+    (tmp / "config.json").write_text("[]")
+  assert (export / "config.json").read_text() == "[]"
+  (tmp_path / "link").symlink_to(tmp_path / "o")
+  with pytest.raises(output.OutputError, match=r"link'.* is a symbolic link \(to "):
+    output.check_target(tmp_path / "link", "export")
+
+
+def test_a_killed_writer_not_yet_reaped_holds_no_lock():
+  proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    assert workdir._alive(proc.pid)  # pylint: disable=protected-access
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and workdir._alive(proc.pid):  # pylint: disable=W0212
+      time.sleep(0.05)
+    assert not workdir._alive(proc.pid)  # a zombie: its parent has not waited for it yet
+    assert proc.poll() is not None  # reaped now
+  finally:
+    proc.kill()
+    proc.wait()
 
 
 def test_an_output_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
