@@ -117,12 +117,35 @@ def partials(out: str | os.PathLike) -> list[pathlib.Path]:
     return []
 
 
+def in_a_run(path: str | os.PathLike) -> str | None:
+  """Why `path` is no place for a tool's output: a run's lock, or a place inside a run's
+  checkpoints folder (a workdir's `checkpoints/`, beside its `run.lock` or `metrics.jsonl`),
+  where the run would take it for a step or a lock; None where it is not."""
+  final = pathlib.Path(os.path.abspath(path))
+  if final.name == "run.lock" and (final.parent / "checkpoints").is_dir():
+    return f"{final.parent}'s lock"
+  for folder in final.parents:
+    if folder.name == "checkpoints" and any(
+        (folder.parent / f).exists() for f in ("run.lock", "metrics.jsonl")):
+      return f"inside the checkpoints folder of the run in {folder.parent}"
+  return None
+
+
+def refuse_in_a_run(path: str | os.PathLike, flag: str = "--out") -> None:
+  """OutputError where `path` is in a run's place (`in_a_run`), naming it and the fix."""
+  where = in_a_run(path)
+  if where is not None:
+    raise OutputError(f"{flag}={str(path)!r} is {where}: the run would take it for its own "
+                      f"(a step, its lock); choose a {flag} outside the run's checkpoints/.")
+
+
 def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
                  complete: str | None = None, replace: bool = False,
                  replace_flag: str | None = None) -> None:
   """An error unless `out` is absent or an empty directory (or, with `replace`, a complete output:
   one holding the marker file `complete`); `replace_flag`: the tool's flag that replaces one."""
   final = pathlib.Path(out)
+  refuse_in_a_run(final, flag)
   if not os.path.lexists(final):
     return
   if final.is_symlink():  # the publish renames onto `out`: a link would be replaced, not followed

@@ -354,3 +354,17 @@ def test_after_the_exit_handlers_a_signal_is_ignored_and_one_ignored_from_the_st
   finally:
     for s, h in kept.items():
       signal.signal(s, h)
+
+
+def test_no_output_goes_inside_a_runs_checkpoints_or_at_its_lock(tmp_path):
+  run = tmp_path / "run"
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "metrics.jsonl").write_text("")
+  for out in (run / "checkpoints" / "3", run / "checkpoints" / "2" / "x.safetensors"):
+    with pytest.raises(output.OutputError, match=rf"^--out='{out}' is inside the checkpoints "
+                       rf"folder of the run in {run}: the run would take it for its own"):
+      output.check_target(out, "export")
+  (run / "run.lock").write_text("")
+  assert output.in_a_run(run / "run.lock") == f"{run}'s lock"
+  assert output.in_a_run(run / "eval" / "rows.jsonl") is None
+  assert output.in_a_run(tmp_path / "checkpoints" / "3") is None  # no run beside it

@@ -20,7 +20,7 @@ from typing import NoReturn
 import jax
 import numpy as np
 
-from mimo_jax import configfile, workdir
+from mimo_jax import configfile, output, workdir
 from mimo_jax.config import Config, ConfigError, set_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -255,6 +255,10 @@ def output_file(tool: str, flag: str, path: str) -> None:
   folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     fail(tool, f"{flag}={path}: a directory; name a file.")
+  try:
+    output.refuse_in_a_run(path, flag)
+  except output.OutputError as e:
+    fail(tool, str(e))
   if not os.path.isdir(folder):
     fail(tool, f"{flag}={path}: its directory {folder} does not exist; make it or name another "
          "file.")

@@ -130,6 +130,10 @@ def check_flags(args: argparse.Namespace) -> None:
     raise ConfigError(f"--samples {args.samples}: give a positive number (0: all samples).")
   if args.step is not None and args.step < 0:
     raise ConfigError(f"--step {args.step}: give a step of the run, 0 or more.")
+  if args.out and output.in_a_run(args.out) is not None:
+    raise ConfigError(f"--out {args.out} is {output.in_a_run(args.out)}: the run would take it "
+                      "for its own (a step, its lock); choose an --out outside the run's "
+                      "checkpoints/.")
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")
