@@ -110,15 +110,15 @@ def test_a_clip_longer_than_the_runs_windows_gets_them_in_the_evals_slots(capsys
   a.max_windows, a.slot_frames = 1, 0
   samples = [{"sample": {"audio_frames": [a.frames]}},
              {"sample": {"audio_frames": [a.frames, 2 * a.frames + 1]}}, {"sample": {}}]
-  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  eval_samples.fit_windows(cfg, samples, eval_tool._say)  # pylint: disable=W0212
   assert a.max_windows == 3
   assert capsys.readouterr().err == (
       f"tools.eval: the longest clip spans 3 windows of {a.frames} frames: this eval's slots "
       "hold 3 (the run's model.audio.max_windows is 1)\n")
-  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  eval_samples.fit_windows(cfg, samples, eval_tool._say)  # pylint: disable=W0212
   assert capsys.readouterr().err == ""  # fits already: nothing to say
   a.max_windows, a.slot_frames = 1, 4 * a.frames
-  eval_tool._fit_windows(cfg, samples)  # pylint: disable=protected-access
+  eval_samples.fit_windows(cfg, samples, eval_tool._say)  # pylint: disable=W0212
   assert a.max_windows == 1
 
 

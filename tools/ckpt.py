@@ -136,9 +136,10 @@ def export(args: argparse.Namespace) -> None:
   parent, name = os.path.dirname(final), os.path.basename(final)
   if not os.path.isdir(parent):
     raise CkptError(f"--out: folder {parent} does not exist; create it or choose another --out.")
-  if output.in_a_run(final) is not None:
-    raise CkptError(f"--out={args.out!r} is {output.in_a_run(final)}: the run would take it for "
-                    "its own (a step, its lock); choose an --out outside the run's checkpoints/.")
+  try:
+    output.refuse_in_a_run(args.out)
+  except output.OutputError as e:
+    raise CkptError(str(e)) from None
 
   def refuse_existing() -> None:
     if os.path.isdir(final):

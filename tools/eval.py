@@ -8,14 +8,14 @@ WORKDIR --data DIR_OR_JSON [--metric NAME ...] [--out PREDS.jsonl]`.
 JSON/JSONL file (images under `--images`, default the file's folder; tokenized with the run's
 tokenizer and prepared by its processor, found as `tools.generate` finds them). A record's clips
 (`"audio"`/`"audios"`, under `--audio`, default the file's folder; each marked by `<audio>`) are
-read as tools.convert reads them (but a path leading out of `--images` or `--audio` is read
-too: the eval set is the user's own, so no --allow_outside_images is asked): decoded,
-resampled, log-mel features of the model's model.audio.mel_bins, each `<audio>` as
-`--audio_markers` whose `--audio_token` stands for the clip's tokens; a bad clip is one error
-naming the record and file. Each sample's prompt is its conversation before its last assistant turn; its references are its record's
-`answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are answered
-greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on its
-own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
+read as tools.convert reads them (but a path leading out of `--images` or `--audio` is read too: the
+eval set is the user's own, so no --allow_outside_images is asked): decoded, resampled, log-mel
+features of the model's model.audio.mel_bins, each `<audio>` as `--audio_markers` whose
+`--audio_token` stands for the clip's tokens; a bad clip is one error naming the record and file.
+Each sample's prompt is its conversation before its last assistant turn; its references are its
+record's `answers` (a list of strings, as VQA's ten) or else that turn's text. The samples are
+answered greedily in batches of `--batch`, on the run's meshes (or `--layout`'s): each encoder on
+its own devices, the language model decoding on its dp ranks with a key-value cache, every prompt
 left-padded (mimo_jax/evaluate.py), until the tokenizer's end token or `--max_new_tokens`. On
 stderr, a line as it reads the samples, as it loads the step and as it starts answering, then a
 progress bar where stderr is a terminal, else a line every 10 s (samples done, rate, time left);
@@ -23,18 +23,17 @@ while it reads the records of a JSON file and lays out the batches, a line every
 
 Writes `--out` (default WORKDIR/eval/<data name>[.<split>].step<N>.jsonl, the split a converted
 directory's; where that holds an eval of other settings (metrics, --max_new_tokens), the first of
-<...>.2.jsonl, .3.jsonl, ... holding this eval's rows or none; `--samples` is none of them: a
-larger N goes on from the rows of a smaller one): one JSON row a sample
-(`id`: the record's, or its index in the file where it has none; a converted split's rows add
-`position`, the sample's index in it; `prompt`, `reference`, `prediction`, `score` by metric),
-appended and synced batch by batch
-under a lock, once every batch is laid out (a sample the layout refuses stops the eval with
-nothing written); an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write
-fails (a full disk: one line naming `--out`, status 2), and the same command goes on after the
-samples they hold. Then `<out without .jsonl>.summary.json` (written whole, at once):
-each metric's mean (a per-item metric's over the items) over this command's samples (`--out`
-may hold more, from a larger `--samples`), the sample count, the step and the
-settings (`split`: a converted directory's, null for a JSON). Metrics: mimo_jax/scoring.py.
+<...>.2.jsonl, .3.jsonl, ... holding this eval's rows or none; `--samples` is none of them: a larger
+N goes on from the rows of a smaller one): one JSON row a sample (`id`: the record's, or its index
+in the file where it has none; a converted split's rows add `position`, the sample's index in it;
+`prompt`, `reference`, `prediction`, `score` by metric), appended and synced batch by batch under a
+lock, once every batch is laid out (a sample the layout refuses stops the eval with nothing
+written); an interrupted eval (Ctrl-C, SIGTERM) keeps its rows, as does one whose write fails (a
+full disk: one line naming `--out`, status 2), and the same command goes on after the samples they
+hold. Then `<out without .jsonl>.summary.json` (written whole, at once): each metric's mean (a
+per-item metric's over the items) over this command's samples (`--out` may hold more, from a larger
+`--samples`), the sample count, the step and the settings (`split`: a converted directory's, null
+for a JSON). Metrics: mimo_jax/scoring.py.
 
 Beside a run that is saving into WORKDIR, the eval reads committed steps only; a step that the
 run rotates away (checkpoint.keep) while it is read is gone, not damaged: the newest step is
@@ -130,10 +129,8 @@ def check_flags(args: argparse.Namespace) -> None:
     raise ConfigError(f"--samples {args.samples}: give a positive number (0: all samples).")
   if args.step is not None and args.step < 0:
     raise ConfigError(f"--step {args.step}: give a step of the run, 0 or more.")
-  if args.out and output.in_a_run(args.out) is not None:
-    raise ConfigError(f"--out {args.out} is {output.in_a_run(args.out)}: the run would take it "
-                      "for its own (a step, its lock); choose an --out outside the run's "
-                      "checkpoints/.")
+  if args.out:
+    output.refuse_in_a_run(args.out)
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")
@@ -297,24 +294,6 @@ class _Lines:
          f"{(self.total - self.done) / rate:.0f} s left")
 
 
-def _fit_windows(cfg: Config, samples: list[dict]) -> None:
-  """A clip longer than the run's `model.audio.max_windows` (a data setting, not the tower's)
-  gets the windows it spans in this eval's slots, as tools.generate encodes it whole: said on
-  stderr. Packed slots (`slot_frames`) keep their size: a longer clip is an error naming it."""
-  # pylint: disable=import-outside-toplevel
-  from mimo_jax.data.audio_records import FRAMES
-  from mimo_jax.encoders.audio import clip_windows
-  a = cfg.model.encoders.get("audio")
-  if a is None or a.slot_frames:
-    return
-  need = max((len(clip_windows(int(f), a.frames)) for s in samples
-              for f in s["sample"].get(FRAMES, ())), default=0)
-  if need > a.max_windows:
-    _say(f"the longest clip spans {need} windows of {a.frames} frames: this eval's slots hold "
-         f"{need} (the run's model.audio.max_windows is {a.max_windows})")
-    a.max_windows = need
-
-
 def run(args: argparse.Namespace) -> dict:
   # pylint: disable=import-outside-toplevel
   from mimo_jax import eval_set
@@ -350,7 +329,7 @@ def run(args: argparse.Namespace) -> dict:
       image_id = _unused_id(samples, cfg.model.language.vocab_size)
   if not samples:
     raise ConfigError(f"--data {args.data}: no samples to answer.")
-  _fit_windows(cfg, samples)
+  eval_samples.fit_windows(cfg, samples, _say)
   _say(f"read {count(len(samples), 'sample')} in {time.monotonic() - began:.1f} s; loading step "
        f"{newest} of {args.workdir} ...")
   began = time.monotonic()

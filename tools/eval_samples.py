@@ -327,3 +327,21 @@ def batch(chunk: list[dict], args, layout, bsz: int):
     s = chunk[int(found[1])]
     message = _too_long(args, layout, s) if "data.seq_len" in found[3] else None
     raise ConfigError(message or f"{named(args, s)}{found[2]}{found[3]}") from None
+
+
+def fit_windows(cfg: Config, samples: list[dict], say) -> None:
+  """A clip longer than the run's `model.audio.max_windows` (a data setting, not the tower's)
+  gets the windows it spans in this eval's slots, as tools.generate encodes it whole: said by
+  `say`. Packed slots (`slot_frames`) keep their size: a longer clip is an error naming it."""
+  # pylint: disable=import-outside-toplevel
+  from mimo_jax.data.audio_records import FRAMES
+  from mimo_jax.encoders.audio import clip_windows
+  a = cfg.model.encoders.get("audio")
+  if a is None or a.slot_frames:
+    return
+  need = max((len(clip_windows(int(f), a.frames)) for s in samples
+              for f in s["sample"].get(FRAMES, ())), default=0)
+  if need > a.max_windows:
+    say(f"the longest clip spans {need} windows of {a.frames} frames: this eval's slots hold "
+        f"{need} (the run's model.audio.max_windows is {a.max_windows})")
+    a.max_windows = need
