@@ -204,8 +204,8 @@ def _task(cfg: Config) -> None:
             f"(configs/av_digits.py does).")
   else:
     tokens = manifest_field(cfg, "vocab_size") if d.task == "conversations" else None
-    require(lm.vocab_size > DIGITS_VOCAB, "model.language.vocab_size",
-            f"{d.task} data needs a vocabulary (> {DIGITS_VOCAB}), " +
+    require(lm.vocab_size > 0, "model.language.vocab_size",
+            f"{d.task} data needs a vocabulary (> 0; 0 is the digits task's), " +
             (f"e.g. {tokens}: its tokenizer's ({d.dir}/conversations.json), as the launch line "
              "tools.convert printed sets it." if tokens else "e.g. 32000."))
     positive(d, "data", ("text_len",))

@@ -175,7 +175,8 @@ def test_fields_that_converted_data_decides_are_named_with_its_manifests_values(
     validate_data(cfg)
   cfg = _config(directory, workdir)
   cfg.model.language.vocab_size = 0
-  with pytest.raises(ConfigError, match=rf"needs a vocabulary \(> 17\), e\.g\. "
+  with pytest.raises(ConfigError, match=rf"needs a vocabulary \(> 0; 0 is the digits task's\), "
+                     rf"e\.g\. "
                      rf"{manifest['vocab_size']}: its tokenizer's"):
     validate(cfg, 4)
   longest = manifest["longest"]
