@@ -261,3 +261,20 @@ def test_rgba_and_palette_images_are_made_rgb_as_training_makes_them_or_refused_
                                "converting processor does (e.g. with Pillow: im = Image.open(path)"
                                ".convert(\"RGBA\"); Image.alpha_composite(Image.new(\"RGBA\", "
                                "im.size, \"white\"), im).convert(\"L\").save(new_path)).")
+
+
+@pytest.mark.parametrize("line", [b"[1]\n", b'"x"\n', b"{}\n", b'{"id": "cut\n', b"\xff\xfe\n"])
+def test_a_damaged_row_in_out_is_one_line_naming_it(tmp_path, line):
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
+  from tools.eval_rows import Rows  # pylint: disable=import-outside-toplevel
+  out, settings = tmp_path / "rows.jsonl", {"metrics": ["exact_match"]}
+  rows = Rows(out, settings)
+  rows.append([{"id": "a", "prediction": "x"}])
+  rows.close()
+  with open(out, "ab") as f:
+    f.write(line)
+  with pytest.raises(output.OutputError, match=rf"^--out {out}: line 2 is not an eval's row "
+                     r"\(.*\); remove it \(the eval answers its sample again\) or give another "
+                     r"--out\.$"):
+    Rows(out, settings)
+  assert not (tmp_path / ".rows.jsonl.lock").exists()  # released

@@ -457,6 +457,7 @@ def test_generate_stops_at_a_signal_after_the_chunk_under_way(run, monkeypatch, 
     (["--top_p", "-0.5"], ["--top_p -0.5"]),
     (["--temperature", "nan"], ["--temperature nan"]),
     (["--temperature", "-1"], ["--temperature -1.0"]),
+    (["--seed", str(10**23), "--temperature", "1"], [f"--seed {10**23}: give 0 to 2**32 - 1."]),
     (["--max_new_tokens", "-3"], ["--max_new_tokens -3", "at least 1"]),
     (["--max_new_tokens", "1e8"], ["--max_new_tokens 100000000", f"{SEQ_LEN} positions",
                                    "data.seq_len"]),
@@ -628,6 +629,7 @@ def test_digit_images_refuses_bad_flags_writing_nothing_and_writes_whole_files(t
   (tmp_path / "file").write_text("")
   for flags, words in ((["--count", "0"], "--count 0: the eval set has"),
                        (["--scale", "-2"], "--scale -2: give a whole number"),
+                       (["--scale", "100000"], "--scale 100000: give a whole number"),  # memory
                        (["--out", str(tmp_path / "file")], "is a file; give a folder")):
     out = ["--out", str(tmp_path / "new")] if "--out" not in flags else []
     with pytest.raises(SystemExit) as exit_:

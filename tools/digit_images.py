@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
   if not 1 <= args.count <= len(images):
     parser.error(f"--count {args.count}: the eval set has {len(images)} images; give 1 to "
                  f"{len(images)}.")
-  if args.scale < 1:
-    parser.error(f"--scale {args.scale}: give a whole number of pixels an image pixel, 1 or more.")
+  if not 1 <= args.scale <= 256:  # 256: a 2048-pixel image; beyond, memory, not a picture
+    parser.error(f"--scale {args.scale}: give a whole number of pixels an image pixel, 1 to 256.")
   out = pathlib.Path(args.out)
   if out.exists() and not out.is_dir():
     parser.error(f"--out {args.out} is a file; give a folder.")

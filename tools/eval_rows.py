@@ -99,9 +99,14 @@ class Rows:
                                "another --out or remove it.")
     data = self.out.read_bytes()
     self.keep = data.rfind(b"\n") + 1  # a line cut by a crash is written again
-    for line in data[:self.keep].decode().splitlines():
-      row = json.loads(line)
-      self.done[key(row)] = row
+    for n, line in enumerate(data[:self.keep].split(b"\n")[:-1], 1):
+      try:
+        row = json.loads(line.decode())
+        self.done[key(row)] = row
+      except (UnicodeDecodeError, ValueError, AttributeError, KeyError) as e:
+        raise output.OutputError(
+            f"--out {self.out}: line {n} is not an eval's row ({type(e).__name__}: {e}); remove "
+            "it (the eval answers its sample again) or give another --out.") from None
 
   def _open(self) -> None:
     """`--out` opened to append: its torn last line cut, or made with its settings beside it."""

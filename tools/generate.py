@@ -193,6 +193,8 @@ def check_flags(args: argparse.Namespace) -> None:
   if not 0 < args.top_p <= 1:  # nan fails too
     raise ConfigError(f"--top_p {args.top_p}: give the probability mass to sample from, more "
                       "than 0 and at most 1 (1: every token).")
+  if not 0 <= args.seed < 2**32:  # as train.seed: jax's keys take 32 bits of it
+    raise ConfigError(f"--seed {args.seed}: give 0 to 2**32 - 1.")
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
     raise ConfigError(f"--temperature {args.temperature}: give 0 (greedy) or a positive finite "
                       "number.")
