@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import sys
 import time
 
@@ -263,6 +264,12 @@ def build_step(args, cfg: Config, image_id: int | None):
   try:
     validate(checked, len(jax.devices()))
   except ConfigError as e:
+    field, _, reason = str(e).partition(": ")
+    if field == "config.data.seq_len" and args.seq_len:  # the flag's, not a field never typed
+      longest = (f" (the data's longest sample takes {checked.data.seq_len})"
+                 if checked.data.seq_len != args.seq_len else "")
+      raise ConfigError(f"--seq_len {args.seq_len}{longest}: rows of {checked.data.seq_len} "
+                        f"positions {re.sub(r'^[0-9]+ ', '', reason)}") from None
     raise layout_error(args.layout, e) if args.layout else e from None
   return Step.build(cfg)
 
