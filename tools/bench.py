@@ -52,8 +52,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
-import pathlib
 import queue
 import threading
 import time
@@ -68,8 +66,8 @@ from mimo_jax.data import loader
 from mimo_jax.flops import H100_H200_BF16_PEAK, FlopModel
 from mimo_jax.step import Probe, Step
 from mimo_jax.validation import validate, validate_backend
-from tools.common import (Parser, config, fail, load_config, median_times, number, output_file,
-                          record)
+from tools.common import (Parser, config, fail, figures_file, load_config, median_times, number,
+                          record, write_figures)
 
 
 def moved_bytes(x, dst) -> int:
@@ -407,7 +405,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     fail("bench", f"--layouts={given}: names no layout; give one or more, ';'-separated, each "
          "module=offset/dp/tp[/pp[/virtual]] (e.g. --layouts=vision=0/1/1,language=0/1/1).")
   if args.json:
-    output_file("bench", "--json", args.json)  # written after each layout: checked now
+    figures_file("bench", "--json", args.json)  # written after each layout: checked now
   try:
     compat.use_private_bridge(args.bridge == "private")
   except RuntimeError as e:
@@ -433,8 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
       fail("bench", f"[{layout}] {e}")
     if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(
-          {"config": args.config, "set": args.set, "rows": rows}, indent=1))
+      write_figures("bench", args.json, {"config": args.config, "set": args.set, "rows": rows})
   text = table(rows)
   print(text)
   if args.record:

@@ -266,6 +266,33 @@ def output_file(tool: str, flag: str, path: str) -> None:
     fail(tool, workdir.describe_os_error(PermissionError(13, os.strerror(13)), f"{flag}={path}"))
 
 
+def figures_file(tool: str, flag: str, path: str) -> None:
+  """`output_file`'s checks for a file of figures `tool` writes (`write_figures`), and one
+  more: a file already there is replaced only if it holds `tool`'s figures (any other file, a
+  config or the user's own, is refused: one line)."""
+  output_file(tool, flag, path)
+  if os.path.lexists(path):
+    try:
+      ours = json.loads(pathlib.Path(path).read_text(encoding="utf-8")).get("tool") == tool
+    except (OSError, ValueError, AttributeError):
+      ours = False
+    if not ours:
+      fail(tool, f"{flag}={path}: exists and holds no figures of tools.{tool}; choose another "
+           f"{flag} or remove it.")
+
+
+def write_figures(tool: str, path: str, figures: dict) -> None:
+  """`path` holds `figures` (with `"tool": tool`) as JSON, whole or not at all: written beside
+  it and renamed over it, so a kill midway leaves the file before."""
+  tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp-{os.getpid()}")
+  try:
+    tmp.write_text(json.dumps({"tool": tool, **figures}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+
+
 def new_folder(tool: str, flag: str, path: str, why: str) -> None:
   """Makes folder `path` (given as `flag`) that must be new or empty (`why` says why); a file, a
   folder holding anything, or one that cannot be made is one line (`fail`)."""

@@ -55,7 +55,7 @@ import time
 import jax
 
 from tools.bench import Run
-from tools.common import Parser, load_config, number, output_file
+from tools.common import Parser, figures_file, load_config, number, write_figures
 from tools.hlo_dump import (UNTRACED, Instruction, add_xla_flags, dump_hlo, instruction, part,
                             read_hlo, source)
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                       "are not seen)")
   args = parser.parse_args(argv)
   if args.json:
-    output_file("kernels", "--json", args.json)  # written at the end: checked now
+    figures_file("kernels", "--json", args.json)  # written at the end: checked now
   if args.hlo:
     dump_hlo(args.hlo)
   if args.command_buffers:
@@ -261,8 +261,7 @@ def main(argv: list[str] | None = None) -> None:
   wall = time.perf_counter() - start
   summary = summarize(*read_trace(args.out), hlo=read_hlo(args.hlo) if args.hlo else None)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(summary, steps=args.steps, wall_s=wall), f, indent=1)
+    write_figures("kernels", args.json, dict(summary, steps=args.steps, wall_s=wall))
   print(report(summary, args.steps, wall, args.top))
 
 

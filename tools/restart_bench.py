@@ -16,7 +16,6 @@ the workdir, the cache and every run's log, each line stamped with the seconds s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -28,8 +27,8 @@ import tempfile
 import threading
 import time
 
-from tools.common import (Parser, load_config, new_folder, number, output_file, own_fields,
-                          run_config)
+from tools.common import (Parser, figures_file, load_config, new_folder, number, own_fields,
+                          run_config, write_figures)
 
 FIRST = re.compile(r"time to first step: ([\d.]+) s")
 RESTORED = re.compile(r"\(([\d.]+) (GiB|MiB) of state restored in ([\d.]+) s\)")
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
              "a new workdir and cache, a line a step; --steps for the cold run's steps")
   load_config("restart_bench", args.config, args.set)  # the --set flags as typed: one line
   if args.json:
-    output_file("restart_bench", "--json", args.json)  # written at the end: checked now
+    figures_file("restart_bench", "--json", args.json)  # written at the end: checked now
 
   def fields(root: str, steps: int) -> list[str]:
     """A run's fields (`a.b=value`), in its launch line's order: the --set ones, then the tool's."""
@@ -154,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nrestarts: median {statistics.median(restarts):.1f} s "
           f"(min {restarts[0]:.1f}, max {restarts[-1]:.1f})")
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"config": args.config, "set": args.set, "runs": rows}, f, indent=1)
+    write_figures("restart_bench", args.json, {"config": args.config, "set": args.set,
+                                                "runs": rows})
 
 
 if __name__ == "__main__":
