@@ -59,6 +59,9 @@ def load_file(spec: str, hint: str = DEFAULT_HINT) -> Config:
     cfg = module.get_config(arg) if sep else module.get_config()
   except ConfigError:
     raise
+  except SystemExit as e:  # sys.exit() in the file: no config, not an end of the run
+    raise ConfigError(f"--config={spec}: {file} called sys.exit({e.code!r}) while it was read; a "
+                      "config file defines get_config and returns a Config.") from None
   except Exception as e:  # pylint: disable=broad-except  # a user's file: any error, one line
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise ConfigError(f"--config={spec}: {type(e).__name__}: {first}") from e

@@ -246,6 +246,10 @@ def test_a_config_file_without_get_config_or_variant_and_data_dir_a_file(tmp_pat
   with pytest.raises(ConfigError, match=r"c\.py defines no get_config\(arg=None\) returning a "
                      r"Config; add one \(as configs/digits\.py does\)\.$"):
     configfile.load_file(str(tmp_path / "c.py"))
+  (tmp_path / "c.py").write_text("import sys\nsys.exit(0)\n")  # was an exit, status 0, silent
+  with pytest.raises(ConfigError, match=r"c\.py called sys\.exit\(0\) while it was read; a "
+                     r"config file defines get_config and returns a Config\.$"):
+    configfile.load_file(str(tmp_path / "c.py"))
   with pytest.raises(ConfigError) as e:
     configfile.load_file("configs/digits.py:singel")
   assert str(e.value) == ("configs/digits.py: unknown variant 'singel'; use 'default' or "

@@ -84,9 +84,10 @@ class Parser(argparse.ArgumentParser):
     fail(self.tool, message)
 
 
-def number(kind: type = int, least: float | None = None, above: float | None = None):
-  """An argparse type: a finite `kind` (int or float) at least `least` or more than `above`; a
-  value that is not is one line naming the flag and the value (Parser)."""
+def number(kind: type = int, least: float | None = None, above: float | None = None,
+           most: float | None = None):
+  """An argparse type: a finite `kind` (int or float) at least `least` or more than `above`, and
+  at most `most`; a value that is not is one line naming the flag and the value (Parser)."""
 
   def parse(text: str):
     try:
@@ -100,6 +101,8 @@ def number(kind: type = int, least: float | None = None, above: float | None = N
       raise argparse.ArgumentTypeError(f"={text}: must be at least {least}")
     if above is not None and value <= above:
       raise argparse.ArgumentTypeError(f"={text}: must be more than {above}")
+    if most is not None and value > most:
+      raise argparse.ArgumentTypeError(f"={text}: must be at most {most}")
     return value
   return parse
 

@@ -92,6 +92,7 @@ def _divisor_pairs(n: int, max_tp: int = 0) -> list[tuple[int, int]]:
 
 SCHEDULES = ("gpipe", "1f1b")  # the schedules weighed by default (with --virtual: the others)
 VIRTUAL = ("circular", "interleaved_1f1b")  # schedules of several chunks a stage
+MAX_GPUS = 1024  # --gpus: the layouts weighed grow faster than it (1024: 43 s on 2 cores)
 
 
 def module_layouts(g: int, max_tp: int = 0, pps: tuple[int, ...] = (1,),
@@ -206,7 +207,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--config", default="", help="config[:variant] (default: the profile's)")
   parser.add_argument("--set", action="append", default=None,
                       help="field=value overrides (default: the profile's)")
-  parser.add_argument("--gpus", type=number(int, least=1), required=True)
+  parser.add_argument("--gpus", type=number(int, least=1, most=MAX_GPUS), required=True)
   parser.add_argument("--max_tp", type=number(int, least=0), default=0,
                       help="largest tp considered (0 = any)")
   parser.add_argument("--bridge_gbps", type=number(float, above=0), default=300.0,
