@@ -38,6 +38,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import sys
 import time
 from typing import Iterator
@@ -72,6 +73,14 @@ def lock(out: str | os.PathLike, flag: str = "--out") -> workdir_lib.Lock:
   The lock file is `<parent>/.<name>.lock`; the folders above `out` are made for it, and removed
   again (those it made, if empty) when the lock cannot be taken."""
   final, parent, name = _paths(out)
+  # The names beside `out` (lock, staging, the old output moved aside) are longer than its own.
+  size = len(name.encode())  # staging, moved aside, and the lock's own temporary file:
+  extra = max(len(f".{max(PARTIAL, OLD, key=len)}{2**22}".encode()),
+              len(f"..lock.{socket.gethostname()}.{2**22}.tmp".encode()))
+  if size + extra > 255 >= size:  # 255: NAME_MAX of the usual file systems
+    raise OutputError(f"{flag}={str(out)!r}: its name is {size} bytes, and the names written "
+                      f"beside it while it is written are {extra} longer, past the file "
+                      f"system's 255; give a name of at most {255 - extra} bytes.")
   made = workdir_lib.Made(str(parent))  # the folders above `out` that are about to be made
   try:
     try:

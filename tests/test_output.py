@@ -368,3 +368,17 @@ def test_no_output_goes_inside_a_runs_checkpoints_or_at_its_lock(tmp_path):
   assert output.in_a_run(run / "run.lock") == f"{run}'s lock"
   assert output.in_a_run(run / "eval" / "rows.jsonl") is None
   assert output.in_a_run(tmp_path / "checkpoints" / "3") is None  # no run beside it
+
+
+def test_a_name_too_long_for_the_names_beside_it_says_how_long_it_may_be(tmp_path):
+  out = tmp_path / ("x" * 248)  # a legal name; its lock's and staging folder's are not
+  with pytest.raises(output.OutputError, match=r"its name is 248 bytes, and the names written "
+                     r"beside it while it is written are \d+ longer, past the file system's 255; "
+                     r"give a name of at most \d+ bytes\.$") as e:
+    with output.staged(out, what="export"):
+      pass
+  assert list(tmp_path.iterdir()) == []
+  most = int(str(e.value).split("at most ")[1].split()[0])
+  with output.staged(tmp_path / ("x" * most), what="export"):  # the longest it names is written
+    pass
+  assert [p.name for p in tmp_path.iterdir()] == ["x" * most]
