@@ -151,7 +151,17 @@ def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
   """`module`'s leaves, each with its reader: one leaf (or one layer of it) in host memory at a
   time."""
   table = prefixes(module)
-  for t in tensors(src, module, cfg):
+  ts = tensors(src, module, cfg)
+  # A language model's layer past the config's count would be left out: a smaller model, said
+  # nowhere. (A tower's are left out where its feature layer is not the last: LLaVA's -2.)
+  for t in ts if module == LANGUAGE else ():
+    past = [p + t.name.format(i=t.layers) for p in table.get(t.part, ()) if t.layers]
+    if any(src.has(n) for n in past):
+      name = next(n for n in past if src.has(n))
+      raise HFError(f"{src.path / 'config.json'}: gives {module} {t.layers} layers, but the "
+                    f"directory holds {name}, a layer past them; set the layer count to the "
+                    "layers the tensors hold (or copy the whole model directory).")
+  for t in ts:
     yield t.path, Reader(src, t, table)
 
 
