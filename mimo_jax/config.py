@@ -396,9 +396,12 @@ def set_layout(cfg: Config, layout: str) -> None:
   benchmark tools write layouts), e.g. `language=4/2/2` or `language=0/1/2/4@1f1b` (any module by
   name; without @schedule the module's schedule is left as it is)."""
   for item in (s.strip() for s in layout.split(",") if s.strip()):
-    name, _, spec = item.partition("=")
+    name, eq, spec = item.partition("=")
     spec, at, schedule = spec.partition("@")
     modules = cfg.topology.modules()
+    require(bool(eq), "topology", f"{item!r} is not module=offset/dp/tp[/pp[/virtual]]"
+            f"[@schedule] (e.g. {next(iter(modules), 'language')}=0/1/1); modules: "
+            f"{', '.join(modules)}.")
     require(name in modules, "topology",
              f"{item!r}: unknown module {name!r}; modules: {', '.join(modules)}.")
     try:

@@ -253,6 +253,8 @@ class _Loop:
         info["compile_padded"] = padded
       if self.pending is not None and not self.compiler.ready(keys):
         self._flush()  # the previous step ends (and logs) while this one's programs compile
+      if self.last is None and not self.compiler.ready(keys):  # a wait that can take a minute
+        self.writer.say(f"step {step} waits for its step program to compile")
       self.compile_wait += self.compiler.wait(keys)
       if first and stop.requested():
         return None
@@ -370,6 +372,7 @@ class _Loop:
     at = max(steps, self.start)
     if self.finished or self._evaluated(at):
       return  # this step's eval is on record already
+    say(f"step {at}: the final eval, {self.cfg.eval.samples} samples")  # a quiet wait otherwise
     result = self._evaluate(stop=None if jax.process_count() > 1 else stop.requested)
     if result is None:
       self._wait()

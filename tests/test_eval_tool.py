@@ -234,8 +234,10 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
      "text, 32 for its 2 images), more than the eval's rows hold (40, --seq_len); give --seq_len "
      "46 or more, or shorten the record."),
     # --layout's errors name the flag and its value, not the config fields it sets.
-    (["--layout", "foo"], "tools.eval: error: --layout 'foo': unknown module 'foo'; modules: "
-     "vision, language."),
+    (["--layout", "foo"], "tools.eval: error: --layout 'foo': not module=offset/dp/tp[/pp[/virtual"
+     "]][@schedule] (e.g. vision=0/1/1); modules: vision, language."),
+    (["--layout", "foo=0/1/1"], "tools.eval: error: --layout 'foo=0/1/1': unknown module 'foo'; "
+     "modules: vision, language."),
     (["--layout", "language=x"], "tools.eval: error: --layout 'language=x': language: not "
      "offset/dp/tp"),
     (["--layout", "language=0/2/1"], "tools.eval: error: --layout 'language=0/2/1': language: "
