@@ -41,11 +41,12 @@ def eval_sample(prompt: list[int], answer: list[int], items: dict) -> dict:
   return {**items, "tokens": prompt + answer[:1], "loss_mask": [0] * len(prompt) + [1]}
 
 
-def converted(path: str, tok: ChatTokenizer, count: int = 0) -> list[dict]:
+def converted(path: str, tok: ChatTokenizer, count: int = 0,
+              task: str = "conversations") -> list[dict]:
   """The first `count` (0: all) samples of a converted shard: `id` (the LLaVA record's id, as
   the converter kept it; None in older conversions), `position` (the sample's index in the
   shard: records may share an id), `sample`, `prompt_ids`, `references`."""
-  source = loader.open_shard(str(path), "conversations")
+  source = loader.open_shard(str(path), task)  # `task`: whose fix a damaged shard names
   out = []
   for i in range(min(count, len(source)) if count else len(source)):
     data = source[i]
@@ -148,7 +149,7 @@ class Generated:
     self.tok = ChatTokenizer.open(conversations.source_path(str(pathlib.Path(path).parent),
                                                             m["tokenizer"]))
     self.metric, self.steps, self.names = metric, steps, names
-    self.samples = converted(path, self.tok, count)
+    self.samples = converted(path, self.tok, count, cfg.data.task)
     bsz = batch_size(cfg, dp)
     self.layout = layout_for(cfg, dp, bsz, self.samples)
     self.batches = batches(self.samples, self.layout, bsz, f"{names[0]}: {path}")

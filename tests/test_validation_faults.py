@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from mimo_jax import train
+from mimo_jax import eval_set, train
 from mimo_jax.config import Config, ConfigError
 from mimo_jax.data import conversations, conversion, conversion_record, loader, meta
 from mimo_jax.validation import validate
@@ -208,6 +208,9 @@ def test_a_shard_that_is_not_one_names_the_conversion_or_the_rebuild(converted, 
   with pytest.raises(loader.DataError, match=r"cannot be opened as a shard \(.+\); convert the "
                      r"data again with `python -m tools\.convert`, or check data\.dir\.$"):
     loader.Records(str(shard), "conversations")
+  # The launch's eval reads a built-in task's eval shard: its fix is the rebuild.
+  with pytest.raises(loader.DataError, match=r"as a shard \(.+\); delete it and run again"):
+    eval_set.converted(str(shard), None, 2, "digits")
 
   def unreadable(paths):
     raise RuntimeError("")
