@@ -300,9 +300,6 @@ def lora_of(cfg: Config, name: str) -> LoraConfig | None:
   require(lora.alpha > 0, f"model.{name}.lora.alpha", f"must be > 0, got {lora.alpha}.")
   require(0 <= lora.dropout < 1, f"model.{name}.lora.dropout",
           f"must be in [0, 1) (a probability), got {lora.dropout}.")
-  require(lora.rank > 0 or not lora.dropout, f"model.{name}.lora.dropout",
-          f"is {lora.dropout} but model.{name}.lora.rank is 0 (no adapters, nothing to drop out "
-          "for); set a rank, or leave dropout at 0.")
   return lora if lora.rank > 0 else None
 
 

@@ -131,11 +131,13 @@ def in_a_run(path: str | os.PathLike) -> str | None:
   checkpoints folder (a workdir's `checkpoints/`, beside its `run.lock` or `metrics.jsonl`),
   where the run would take it for a step or a lock; None where it is not."""
   final = pathlib.Path(os.path.abspath(path))
-  if final.name == "run.lock" and (final.parent / "checkpoints").is_dir():
+  run = lambda folder: any((folder / f).exists() for f in ("run.lock", "metrics.jsonl"))
+  if final.name == "run.lock" and (run(final.parent) or (final.parent / "checkpoints").is_dir()):
     return f"{final.parent}'s lock"
+  if final.name == "checkpoints" and run(final.parent):
+    return f"the checkpoints folder of the run in {final.parent}"
   for folder in final.parents:
-    if folder.name == "checkpoints" and any(
-        (folder.parent / f).exists() for f in ("run.lock", "metrics.jsonl")):
+    if folder.name == "checkpoints" and run(folder.parent):
       return f"inside the checkpoints folder of the run in {folder.parent}"
   return None
 
@@ -351,6 +353,11 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name:
         raise
       old = parent / f".{name}{OLD}{os.getpid()}"  # put back by the next writer if we die here
       os.rename(final, old)
+      added = _added(old, sorted(p.name for p in old.iterdir()))
+      if added:  # written into it since the last check: put back, not removed
+        os.rename(old, final)
+        raise OutputError(f"{final} was added to while it was replaced ({', '.join(added[:3])}): "
+                          "it is left as it is and nothing was published.")
   os.rename(tmp, final)
   _fsync_dir(parent)
   if old is not None:

@@ -16,6 +16,7 @@ from mimo_jax.models import norm_kernels
 from mimo_jax.models.vit import ViTConfig
 from mimo_jax.validation_lora import validate_adapters
 from mimo_jax.validation_topology import validate_topology
+from mimo_jax.words import count
 
 
 # Bytes a row position takes on the host in every text array the loader builds (data/layout.py:
@@ -298,7 +299,7 @@ def _seq_len(cfg: Config) -> None:
   # bos, each item's placeholders, ':', one answer word per item and eos; the last is never input.
   most = [(e.max_items(cfg), e.tokens_per_item(cfg), e.noun) for e in encoders.of(cfg).values()]
   min_len = max(sum(k * (t + 1) for k, t, _ in most) + 2, 5)
-  items = ", ".join(f"{k} {noun}s of {t} tokens" for k, t, noun in most) or "no items"
+  items = ", ".join(f"{count(k, noun)} of {count(t, 'token')}" for k, t, noun in most) or "no items"
   require(cfg.data.seq_len >= min_len, "data.seq_len",
           f"{cfg.data.seq_len} cannot hold {items} plus their answer; use >= {min_len}.")
   _seq_len_fits(cfg)

@@ -13,6 +13,11 @@ from mimo_jax.models.whisper import WhisperConfig
 
 
 def validate_adapters(cfg: Config, name: str) -> None:
+  lora = getattr(cfg.model.module(name), "lora", None)
+  if lora is not None:  # launch's check (a tool reading a run sets the rate to 0: it never drops)
+    require(lora.rank > 0 or not lora.dropout, f"model.{name}.lora.dropout",
+            f"is {lora.dropout} but model.{name}.lora.rank is 0 (no adapters, nothing to drop "
+            "out for); set a rank, or leave dropout at 0.")
   _lora_rank(cfg, name)
   _adapter_source(cfg, name)
 

@@ -226,8 +226,8 @@ def test_a_bar_counts_the_samples_on_a_terminal_only(setup, one_device, monkeypa
     (["--data", str(IMAGES)], f"tools.eval: error: --data: {IMAGES / 'conversations.json'} not "
      "found; --data takes a LLaVA-format JSON file or a directory written by"),
     (["--max_new_tokens", "0"], "--max_new_tokens 0: give a positive number"),
-    (["--seq_len", "1"], "tools.eval: error: --seq_len 1: rows of 1 positions cannot hold 1 images of "
-     "16 tokens plus their answer; use >= 19."),  # named config.data.seq_len
+    (["--seq_len", "1"], "tools.eval: error: --seq_len 1: cannot hold 1 image of 16 tokens plus "
+     "their answer; use >= 19."),  # was named config.data.seq_len
     (["--cpu_devices", "100000"], "--cpu_devices 100000: at most 1024"),  # took the host's memory
     (["--out", "/tmp"], "--out /tmp is a directory; give the predictions' file"),
     (["--seq_len", "40"], "data.json: record 2 (id 'q2', line 1) needs 46 positions (14 for its "

@@ -263,13 +263,14 @@ def test_rgba_and_palette_images_are_made_rgb_as_training_makes_them_or_refused_
                                "im.size, \"white\"), im).convert(\"L\").save(new_path)).")
 
 
-@pytest.mark.parametrize("line", [b"[1]\n", b'"x"\n', b"{}\n", b'{"id": "cut\n', b"\xff\xfe\n"])
+@pytest.mark.parametrize("line", [b"[1]\n", b'"x"\n', b"{}\n", b'{"id": "cut\n', b"\xff\xfe\n",
+                                  b'{"id": "q1"}\n', b'{"id": "q1", "score": {}}\n'])
 def test_a_damaged_row_in_out_is_one_line_naming_it(tmp_path, line):
   from mimo_jax import output  # pylint: disable=import-outside-toplevel
   from tools.eval_rows import Rows  # pylint: disable=import-outside-toplevel
   out, settings = tmp_path / "rows.jsonl", {"metrics": ["exact_match"]}
   rows = Rows(out, settings)
-  rows.append([{"id": "a", "prediction": "x"}])
+  rows.append([{"id": "a", "prediction": "x", "score": {"exact_match": 1.0}}])
   rows.close()
   with open(out, "ab") as f:
     f.write(line)

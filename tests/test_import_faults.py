@@ -170,10 +170,10 @@ def test_a_header_whose_lie_fits_the_bytes_is_refused_as_the_tensor_is_read(tmp_
     ("llava15", lambda c: c.update(image_token_index=64), ("field image_token_index is 64",
                                                            "text_config.vocab_size 64")),
     # Fewer layers than the tensors hold: imported as a smaller model, silently.
-    ("llama31", lambda c: c.update(num_hidden_layers=1), ("gives language 1 layers, but the "
+    ("llama31", lambda c: c.update(num_hidden_layers=1), ("gives language 1 layer, but the "
                                                           "directory holds model.layers.1.",)),
     ("llava15", lambda c: c["text_config"].update(num_hidden_layers=1),
-     ("gives language 1 layers", "layers.1.", "a layer past them; set the layer count")),
+     ("gives language 1 layer", "layers.1.", "a layer past them; set the layer count")),
 ])
 def test_null_missing_or_mistyped_config_fields_are_one_line(tmp_path, capsys, fixture, edit,
                                                              words):

@@ -368,6 +368,32 @@ def test_no_output_goes_inside_a_runs_checkpoints_or_at_its_lock(tmp_path):
   assert output.in_a_run(run / "run.lock") == f"{run}'s lock"
   assert output.in_a_run(run / "eval" / "rows.jsonl") is None
   assert output.in_a_run(tmp_path / "checkpoints" / "3") is None  # no run beside it
+  new = tmp_path / "new"  # a run that has not saved yet: its lock alone
+  new.mkdir()
+  (new / "run.lock").write_text("")
+  assert output.in_a_run(new / "checkpoints") == f"the checkpoints folder of the run in {new}"
+  assert output.in_a_run(new / "run.lock") == f"{new}'s lock"
+
+
+def test_what_is_added_to_an_output_after_the_last_check_is_put_back(tmp_path, monkeypatch):
+  out = tmp_path / "e"
+  with output.staged(out, what="export", complete="config.json") as tmp:
+    (tmp / "config.json").write_text("{}")
+  checks = []
+
+  def check_then_add(final, *args):
+    checks.append(final)
+    if len(checks) == 3:  # the check at publish passes; a run writes there just after it
+      (out / "metrics.jsonl").write_text("a run's\n")
+  monkeypatch.setattr(output, "check_target", check_then_add)
+  with pytest.raises(output.OutputError, match=r"was added to while it was replaced "
+                     r"\(metrics\.jsonl\): it is left as it is and nothing was published\.$"):
+    with output.staged(out, what="export", complete="config.json", replace=True) as tmp:
+      (tmp / "config.json").write_text("[]")
+  assert sorted(p.name for p in out.iterdir()) == [".mimo_jax_output.json", "config.json",
+                                                   "metrics.jsonl"]
+  assert (out / "config.json").read_text() == "{}"
+  assert [p.name for p in tmp_path.iterdir()] == ["e"]
 
 
 def test_a_name_too_long_for_the_names_beside_it_says_how_long_it_may_be(tmp_path):

@@ -255,20 +255,25 @@ def test_without_its_data_or_an_import_the_error_names_the_data(run, data, capsy
   assert not opened
 
 
-def test_a_figures_file_replaces_only_the_tools_own_figures_and_is_written_whole(tmp_path,
-                                                                                   capsys):
+def test_a_figures_file_replaces_only_the_tools_own_figures_and_is_written_whole(
+    tmp_path, capsys):
   from tools import common  # pylint: disable=import-outside-toplevel
   mine = tmp_path / "precious.txt"
   mine.write_text("precious\n")
   with pytest.raises(SystemExit):
     common.figures_file("bench", "--json", str(mine))
-  assert capsys.readouterr().err == (f"bench: error: --json={mine}: exists and holds no "
-                                     "figures of tools.bench; choose another --json or remove it.\n")
+  assert capsys.readouterr().err == (f"bench: error: --json={mine}: exists and holds no figures "
+                                     "of tools.bench; choose another --json or remove it.\n")
   out = tmp_path / "bench.json"
   common.figures_file("bench", "--json", str(out))  # new: fine
   common.write_figures("bench", str(out), {"rows": [1]})
   assert json.loads(out.read_text()) == {"tool": "bench", "rows": [1]}
   assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "precious.txt"]
+  with pytest.raises(SystemExit):
+    common.figures_file("bench", "--json", str(out))  # {"rows"} alone: not a bench file
+  common.write_figures("bench", str(out), {"config": "c", "set": [], "rows": []})
   common.figures_file("bench", "--json", str(out))  # its own figures: replaced
+  out.write_text(json.dumps({"config": "c", "set": [], "rows": []}))
+  common.figures_file("bench", "--json", str(out))  # and those written before they named it
   with pytest.raises(SystemExit):
     common.figures_file("kernels", "--json", str(out))  # another tool's

@@ -125,7 +125,7 @@ def read_json(tool: str, flag: str, path: str, rows: tuple[str, ...] = ()) -> di
     if not isinstance(listed, list) or not all(
         isinstance(r, dict) and all(k in r for k in rows) for r in listed):
       fail(tool, f"{what}: not a tools/bench.py --json file (a 'rows' list of objects with "
-           f"{', '.join(rows)}); make it with python -m tools.bench --json={path}.")
+           f"{', '.join(rows)}); make one with python -m tools.bench --json=NEW_FILE.")
   return data
 
 
@@ -269,6 +269,10 @@ def output_file(tool: str, flag: str, path: str) -> None:
     fail(tool, workdir.describe_os_error(PermissionError(13, os.strerror(13)), f"{flag}={path}"))
 
 
+_FIGURES = {"bench": {"config", "set", "rows"}, "restart_bench": {"config", "set", "runs"},
+            "kernels": {"steps", "wall_s"}}  # the keys each tool's --json file holds
+
+
 def figures_file(tool: str, flag: str, path: str) -> None:
   """`output_file`'s checks for a file of figures `tool` writes (`write_figures`), and one
   more: a file already there is replaced only if it holds `tool`'s figures (any other file, a
@@ -276,7 +280,9 @@ def figures_file(tool: str, flag: str, path: str) -> None:
   output_file(tool, flag, path)
   if os.path.lexists(path):
     try:
-      ours = json.loads(pathlib.Path(path).read_text(encoding="utf-8")).get("tool") == tool
+      held = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+      # Figures written before they named their tool: known by their keys.
+      ours = held.get("tool", tool) == tool and set(held) >= _FIGURES[tool]
     except (OSError, ValueError, AttributeError):
       ours = False
     if not ours:

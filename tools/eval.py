@@ -176,6 +176,9 @@ def run_config(args) -> tuple[int, Config]:
   step, meta = checkpoint_reader.newest(reader, args.step, reader.meta, tool=TOOL)
   reader.close()
   cfg = from_dict(meta["config"])
+  for name in cfg.topology.modules():  # an eval never drops out (a run of rank 0 may name a rate)
+    if getattr(cfg.model.module(name), "lora", None) is not None:
+      cfg.model.module(name).lora.dropout = 0.0
   if args.layout:
     try:
       set_layout(cfg, args.layout)
@@ -265,11 +268,11 @@ def build_step(args, cfg: Config, image_id: int | None):
     validate(checked, len(jax.devices()))
   except ConfigError as e:
     field, _, reason = str(e).partition(": ")
-    if field == "config.data.seq_len" and args.seq_len:  # the flag's, not a field never typed
-      longest = (f" (the data's longest sample takes {checked.data.seq_len})"
-                 if checked.data.seq_len != args.seq_len else "")
-      raise ConfigError(f"--seq_len {args.seq_len}{longest}: rows of {checked.data.seq_len} "
-                        f"positions {re.sub(r'^[0-9]+ ', '', reason)}") from None
+    # The flag's rows, not a field never typed (where the data's longest sample set the rows,
+    # the field's own words stand: the flag cannot help there).
+    if field == "config.data.seq_len" and checked.data.seq_len == args.seq_len:
+      raise ConfigError(f"--seq_len {args.seq_len}: {re.sub(r'^[0-9]+ (positions )?', '', reason)}"
+                        ) from None
     raise layout_error(args.layout, e) if args.layout else e from None
   return Step.build(cfg)
 

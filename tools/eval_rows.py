@@ -102,8 +102,12 @@ class Rows:
     for n, line in enumerate(data[:self.keep].split(b"\n")[:-1], 1):
       try:
         row = json.loads(line.decode())
+        scored = row["score"]  # every metric's, as the summary reads them
+        missing = [m for m in self.settings.get("metrics", ()) if m not in scored]
+        if missing:
+          raise KeyError(f"no score of {', '.join(missing)}")
         self.done[key(row)] = row
-      except (UnicodeDecodeError, ValueError, AttributeError, KeyError) as e:
+      except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise output.OutputError(
             f"--out {self.out}: line {n} is not an eval's row ({type(e).__name__}: {e}); remove "
             "it (the eval answers its sample again) or give another --out.") from None

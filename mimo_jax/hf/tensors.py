@@ -10,6 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from mimo_jax.config import LANGUAGE
+from mimo_jax.words import count
 from mimo_jax.hf import mapping
 from mimo_jax.hf.fields import text_config
 from mimo_jax.hf.source import HEADS, LANGUAGE_PREFIXES, HFError, Source, _find, _int
@@ -158,9 +159,9 @@ def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
     past = [p + t.name.format(i=t.layers) for p in table.get(t.part, ()) if t.layers]
     if any(src.has(n) for n in past):
       name = next(n for n in past if src.has(n))
-      raise HFError(f"{src.path / 'config.json'}: gives {module} {t.layers} layers, but the "
-                    f"directory holds {name}, a layer past them; set the layer count to the "
-                    "layers the tensors hold (or copy the whole model directory).")
+      raise HFError(f"{src.path / 'config.json'}: gives {module} {count(t.layers, 'layer')}, "
+                    f"but the directory holds {name}, a layer past them; set the layer count to "
+                    "the layers the tensors hold (or copy the whole model directory).")
   for t in ts:
     yield t.path, Reader(src, t, table)
 
