@@ -9,13 +9,12 @@ from mimo_jax import checkpoint_steps, compile_cache
 
 
 def opening_lines(loop, lock_note: str | None, paths: dict, found: int | None) -> list[str]:
-  """What a run says before its state is restored or initialised (which can take a while):
-  `loop`: train._Loop being opened; `lock_note`: what taking the workdir's lock found; `found`:
-  the step it restores, None for a new run."""
+  """What a run says before its state is restored or initialised (which can take a while; on
+  process 0 alone, so nothing here is a collective): `loop`: train._Loop being opened;
+  `lock_note`: what taking the workdir's lock found; `found`: the step it restores, None for a
+  new run."""
   cfg, ckpt = loop.cfg, loop.ckpt
   lines = [lock_note] if lock_note else []
-  lines += [f"moved {moved} aside ({checkpoint_steps.why_aside(moved)})"
-            for moved in ckpt.set_aside]
   lines += [f"topology: {loop.trainer.topo.describe()}",
             f"parameters: {loop.trainer.plan.parameters()}", compile_cache.describe(),
             f"data: {cfg.data.task} from {os.path.dirname(os.path.abspath(paths['train']))}"]
@@ -39,7 +38,9 @@ def start_lines(loop, started: dict) -> list[str]:
   `loop`: train._Loop once opened; `started`: module -> (field, path, step) it starts from
   (init_from.sources)."""
   cfg, ckpt = loop.cfg, loop.ckpt
-  lines = []
+  # The step folders a restore that succeeded leaves aside (`set_aside` tidies: a collective).
+  lines = [f"moved {moved} aside ({checkpoint_steps.why_aside(moved)})"
+           for moved in ckpt.set_aside]
   if loop.finished:
     lines.append(f"found {ckpt.path} step {loop.start}, the last step, with its final eval on "
                  "record: the state is not restored")
