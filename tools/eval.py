@@ -180,8 +180,10 @@ def run_config(args) -> tuple[int, Config]:
     if getattr(cfg.model.module(name), "lora", None) is not None:
       cfg.model.module(name).lora.dropout = 0.0
   if args.layout:
-    try:
+    from mimo_jax.validation_topology import validate_topology
+    try:  # the layout's devices checked before the samples are read
       set_layout(cfg, args.layout)
+      validate_topology(cfg, len(jax.devices()))
     except ConfigError as e:
       raise layout_error(args.layout, e) from None
   if args.seq_len:

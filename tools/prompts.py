@@ -128,9 +128,9 @@ def check_shape(where: str, shape: tuple[int, ...], cfg: Config) -> None:
   if tuple(shape[:2]) != (size, size):
     fix = ("give the processor of the model's data (--processor DIR), which makes "
            f"{size}x{size}")
-  elif channels == 1:
-    fix = ("convert the image to one channel, a grayscale image (e.g. with Pillow: "
-           "Image.open(path).convert(\"L\").save(new_path))")
+  elif channels == 1:  # a PNG: WebP holds no grayscale (Pillow reads a gray WebP as RGB)
+    fix = ("convert the image to one channel, a grayscale PNG (e.g. with Pillow: "
+           "Image.open(path).convert(\"L\").save(\"new.png\"))")
   elif channels == 3:
     fix = ("convert the image to three channels, an RGB image (e.g. with Pillow: "
            "Image.open(path).convert(\"RGB\").save(new_path)), or give a processor that "
