@@ -279,3 +279,13 @@ def test_a_damaged_row_in_out_is_one_line_naming_it(tmp_path, line):
                      r"--out\.$"):
     Rows(out, settings)
   assert not (tmp_path / ".rows.jsonl.lock").exists()  # released
+
+
+def test_the_default_out_is_named_as_such_where_it_is_refused(tmp_path):
+  from mimo_jax import output  # pylint: disable=import-outside-toplevel
+  from tools.eval_rows import Rows  # pylint: disable=import-outside-toplevel
+  out = tmp_path / ("d" * 240 + ".step3.jsonl")  # a long --data name
+  with pytest.raises(output.OutputError, match=r"^the default --out \(from --data's name\)="
+                     r".*: its name is 252 bytes"):
+    Rows(out, {"metrics": []}, "the default --out (from --data's name)")
+  assert list(tmp_path.iterdir()) == []

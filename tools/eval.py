@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> dict:
               "split": args.split if os.path.isdir(args.data) else None,  # a JSON has none
               "max_new_tokens": args.max_new_tokens, "metrics": args.metric}
   out = pathlib.Path(args.out) if args.out else default_out(args, step, settings)
-  rows = Rows(out, settings)
+  rows = Rows(out, settings, "--out" if args.out else "the default --out (from --data's name)")
   try:
     todo = [s for s in samples if key(s) not in rows.done]
     checked = _Lines("laying out", "sample", len(todo), bar=False)

@@ -69,11 +69,12 @@ class Rows:
   earlier eval's file as it was). A failed write (a full disk) is one line naming `--out`
   (output.write_errors); the rows before it stay, and the same command goes on from them."""
 
-  def __init__(self, out: pathlib.Path, settings: dict):
+  def __init__(self, out: pathlib.Path, settings: dict, flag: str = "--out"):
+    """`flag`: how errors name `out` (the default --out is not a flag the user gave)."""
     self.out, self.settings = out, settings
-    self.what = f"--out={str(out)!r}"
+    self.what = f"{flag}={str(out)!r}"
     self.made = workdir_lib.Made(str(out.parent))  # the folders the lock makes, if unused
-    self.lock = output.lock(out, "--out")
+    self.lock = output.lock(out, flag)
     self.done: dict[str, dict] = {}
     self.file, self.keep = None, None
     try:
