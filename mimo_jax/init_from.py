@@ -135,14 +135,14 @@ def params(cfg: Config, abstract: dict, read: bool = True) -> dict:
   return out
 
 
-def frozen_fresh(cfg: Config, modules: list[str], held: set[str]) -> None:
+def frozen_fresh(cfg: Config, modules: list[str], sourced: set[str]) -> None:
   """Refuses `optim.freeze` naming a module's adapters (`<module>_lora`) that start fresh: no
-  PEFT directory (`lora.init_from`) and no run whose adapters they read (`held`). Fresh, B is
+  PEFT directory (`lora.init_from`) and no run whose adapters they read (`sourced`). Fresh, B is
   zero; frozen, it stays zero and the adapters change nothing."""
   frozen = parse_freeze(cfg)
   for name in modules:
     lora = lora_of(cfg, name)
-    if lora is None or f"{name}_lora" not in frozen or lora.init_from or name in held:
+    if lora is None or f"{name}_lora" not in frozen or lora.init_from or name in sourced:
       continue
     raise ConfigError(
         f"config.optim.freeze: names {name}_lora, whose adapters start fresh (B = 0) and, frozen, "

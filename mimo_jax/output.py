@@ -175,8 +175,9 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   if not entries:
     return
   if complete is not None and complete in entries:
-    added = _added(final, entries)
-    if replace and _written_as(final) == what and not added:
+    marker = _marker(final)
+    added = _added(final, entries, marker)
+    if replace and marker.get("what") == what and not added:
       return
     if replace and added:
       raise OutputError(f"{flag}={str(out)!r} holds what this tool did not write there "
@@ -195,22 +196,20 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
                     f"choose a new {flag} or remove it.")
 
 
-def _added(path: pathlib.Path, entries: list[str]) -> list[str]:
-  """The entries of output `path` its writer did not write (its MARKER lists what it wrote;
-  an older marker that lists nothing: none)."""
+def _marker(path: pathlib.Path) -> dict:
+  """Output `path`'s MARKER: `what` it was published as, the `entries` its writer wrote (older
+  markers list none); {} where it has none."""
   try:
-    wrote = json.loads((path / MARKER).read_text(encoding="utf-8")).get("entries")
-  except (OSError, ValueError, AttributeError):
-    return []
+    held = json.loads((path / MARKER).read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return {}
+  return held if isinstance(held, dict) else {}
+
+
+def _added(path: pathlib.Path, entries: list[str], marker: dict | None = None) -> list[str]:
+  """The entries of output `path` its writer did not write (none where its marker lists none)."""
+  wrote = (_marker(path) if marker is None else marker).get("entries")
   return [e for e in entries if e != MARKER and e not in wrote] if isinstance(wrote, list) else []
-
-
-def _written_as(path: pathlib.Path) -> str | None:
-  """What kind of output `path` was published as (its MARKER), or None."""
-  try:
-    return json.loads((path / MARKER).read_text(encoding="utf-8")).get("what")
-  except (OSError, ValueError, AttributeError):
-    return None
 
 
 def _recover(final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
@@ -362,6 +361,19 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, parent: pathlib.Path, name:
   _fsync_dir(parent)
   if old is not None:
     remove(old)
+
+
+def write_whole(path: str | os.PathLike, value: dict) -> None:
+  """`path` holds `value` as JSON whole or not at all (a temporary file renamed over it)."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  try:
+    tmp.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    fsync(tmp)
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
 
 
 def readable_as_created(path: str | os.PathLike) -> None:

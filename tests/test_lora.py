@@ -147,9 +147,9 @@ def test_settings_that_would_change_nothing_are_errors(data_dir):
   with pytest.raises(ConfigError, match=r"^config\.optim\.freeze: names language_lora, whose "
                      r"adapters start fresh .*model\.language\.lora\.rank=0 for no adapters\.$"):
     init_from.params(cfg, {"vision": None, "language": None}, read=False)
-  init_from.frozen_fresh(cfg, ["vision", "language"], held={"language"})  # read from a run
+  init_from.frozen_fresh(cfg, ["vision", "language"], sourced={"language"})  # read from a run
   cfg.model.language.lora.init_from = "/some/peft/adapter"
-  init_from.frozen_fresh(cfg, ["vision", "language"], held=set())
+  init_from.frozen_fresh(cfg, ["vision", "language"], sourced=set())
 
 
 def test_a_rank_above_the_narrowest_adapted_layer_is_an_error(data_dir):

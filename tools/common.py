@@ -291,15 +291,9 @@ def figures_file(tool: str, flag: str, path: str) -> None:
 
 
 def write_figures(tool: str, path: str, figures: dict) -> None:
-  """`path` holds `figures` (with `"tool": tool`) as JSON, whole or not at all: written beside
-  it and renamed over it, so a kill midway leaves the file before."""
-  tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp-{os.getpid()}")
-  try:
-    tmp.write_text(json.dumps({"tool": tool, **figures}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
-  finally:
-    if tmp.exists():
-      tmp.unlink()
+  """`path` holds `figures` (with `"tool": tool`) as JSON, whole or not at all: a kill midway
+  leaves the file before (output.write_whole)."""
+  output.write_whole(path, {"tool": tool, **figures})
 
 
 def new_folder(tool: str, flag: str, path: str, why: str) -> None:

@@ -60,7 +60,7 @@ from mimo_jax import checkpoint_reader, output, scoring
 from mimo_jax.config import Config, ConfigError, RunConfig
 from mimo_jax.config_run import MAX_CPU_DEVICES
 from tools import eval_samples
-from tools.eval_rows import Rows, default_out, earlier_speed, key, summary_path, write_whole
+from tools.eval_rows import Rows, default_out, earlier_speed, key, summary_path
 from tools import generate as generate_tool
 from tools.common import Parser, run_folder
 from tools.display import count
@@ -394,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
                    new_tokens_per_s=generated / took if todo else earlier_speed(out),
                    topology=trainer.topo.describe())
     with output.write_errors(f"--out={str(out)!r} (its summary, {summary_path(out).name})"):
-      write_whole(summary_path(out), summary)
+      output.write_whole(summary_path(out), summary)
     return summary
   except BaseException as e:  # what main says: the rows in --out, and whether any are new
     e.rows, e.batch = (out, rows.earlier + rows.added, rows.added), bsz

@@ -116,7 +116,7 @@ class Rows:
   def _open(self) -> None:
     """`--out` opened to append: its torn last line cut, or made with its settings beside it."""
     if self.keep is None:
-      write_whole(settings_path(self.out), self.settings)
+      output.write_whole(settings_path(self.out), self.settings)
     elif self.out.stat().st_size != self.keep:
       with open(self.out, "r+b") as f:
         f.truncate(self.keep)
@@ -152,11 +152,3 @@ def earlier_speed(out: pathlib.Path) -> float | None:
     return json.loads(summary_path(out).read_text()).get("new_tokens_per_s")
   except (OSError, ValueError):
     return None
-
-
-def write_whole(path: pathlib.Path, value: dict) -> None:
-  """`path` holds `value` as JSON whole or not at all (a temporary file renamed over it)."""
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  tmp.write_text(json.dumps(value, indent=2) + "\n")
-  output.fsync(tmp)
-  os.replace(tmp, path)

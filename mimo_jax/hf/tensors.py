@@ -10,10 +10,10 @@ from typing import Iterator
 import numpy as np
 
 from mimo_jax.config import LANGUAGE
-from mimo_jax.words import count
 from mimo_jax.hf import mapping
 from mimo_jax.hf.fields import text_config
 from mimo_jax.hf.source import HEADS, LANGUAGE_PREFIXES, HFError, Source, _find, _int
+from mimo_jax.words import count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +156,9 @@ def leaves(src: Source, module: str, cfg) -> Iterator[Leaf]:
   # A language model's layer past the config's count would be left out: a smaller model, said
   # nowhere. (A tower's are left out where its feature layer is not the last: LLaVA's -2.)
   for t in ts if module == LANGUAGE else ():
-    past = [p + t.name.format(i=t.layers) for p in table.get(t.part, ()) if t.layers]
-    if any(src.has(n) for n in past):
-      name = next(n for n in past if src.has(n))
+    name = next((p + t.name.format(i=t.layers) for p in table.get(t.part, ())
+                 if t.layers and src.has(p + t.name.format(i=t.layers))), None)
+    if name is not None:
       raise HFError(f"{src.path / 'config.json'}: gives {module} {count(t.layers, 'layer')}, "
                     f"but the directory holds {name}, a layer past them; set the layer count to "
                     "the layers the tensors hold (or copy the whole model directory).")
