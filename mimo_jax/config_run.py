@@ -134,6 +134,12 @@ class TrainConfig:
   # the layout allows: blocks not pipelined, their loop unrolled (topology.language.unroll), no
   # FP8 delayed scaling, no LoRA dropout in training; elsewhere (and false) the block runs whole.
   last_block_in_loss: bool = True
+  # A module's trained stacked kernels' gradients accumulate layer by layer, each layer's made in
+  # float32 by its matmul, which takes the accumulator in (cuBLAS's C operand) instead of a pass
+  # of its own after the backward (mimo_jax/fold.py). Where the layout allows: a compute dtype
+  # below float32, the layers unrolled and not pipelined, remat none, no FSDP, gradients not kept
+  # per dp rank, no FP8, no LoRA; elsewhere (and false) the accumulators are stacked.
+  fold_grads: bool = True
 
 
 @dataclasses.dataclass

@@ -11,11 +11,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mimo_jax import optim
+from mimo_jax import fold, optim
 from mimo_jax.batch import Text
 from mimo_jax.config import Config, lora_of
 from mimo_jax.encoders import Encoder
-from mimo_jax.models import head_loss, lora
+from mimo_jax.models import head_loss, kernel_grads, lora
 from mimo_jax.models.fp8 import history_length
 from mimo_jax.models.mimo import Module, language_hidden, language_logits
 from mimo_jax.pipeline import Stack, remat
@@ -41,27 +41,42 @@ class GradMode:
   program). Built once (`Context.build`); the programs and the memory check read it."""
   fused: bool
   per_rank: frozenset[str]
+  # The modules whose trained stacked kernels accumulate layer by layer (fold.py).
+  folded: frozenset[str] = frozenset()
 
   @classmethod
-  def build(cls, plan: Plan, fused: bool) -> "GradMode":
+  def build(cls, plan: Plan, fused: bool, cfg: Config) -> "GradMode":
     """The modules differentiated rank by rank in one `each_rank` (every module in the fused
     program; the language model in the split ones, where it is dp only and not pipelined) keep
     their gradients per rank: all of them, unless one is FSDP-sharded (full per-rank copies would
-    undo the sharding) or there is one rank (nothing to sum)."""
+    undo the sharding) or there is one rank (nothing to sum). The modules whose gradients
+    `Context.value_and_grad` makes (every module in the fused program, the language model in the
+    split ones) fold where `fold.eligible`."""
     lang = plan["language"]
     if fused:
       each = list(plan.modules)
     else:
       each = [] if lang.schedule.pipelined or lang.tp > 1 else ["language"]
     keep = lang.dp > 1 and not any(plan[n].sharded_params for n in each)
-    return cls(fused, frozenset(each if keep else ()))
+    per_rank = frozenset(each if keep else ())
+    differentiated = list(plan.modules) if fused else ["language"]
+    folded = frozenset(n for n in differentiated
+                       if fold.eligible(cfg, plan[n], n, n in per_rank))
+    return cls(fused, per_rank, folded)
 
   def keeps_per_rank(self, name: str) -> bool:
     return name in self.per_rank
 
+  def folds(self, name: str, p: ModulePlan):
+    """Which of module `name`'s trained leaves accumulate layer by layer (`fold.mask`), or None."""
+    return fold.mask(p) if name in self.folded else None
+
   def acc_sh(self, name: str, p: ModulePlan):
-    """Where module `name`'s gradient accumulators live (`p`: its plan): its trained leaves'."""
-    return p.per_rank_sh if self.keeps_per_rank(name) else p.trained_sh
+    """Where module `name`'s gradient accumulators live (`p`: its plan): its trained leaves', per
+    rank where kept so, layer by layer where folded (`fold.shardings`)."""
+    if self.keeps_per_rank(name):
+      return p.per_rank_sh
+    return p.trained_sh if name not in self.folded else fold.shardings(p, fold.mask(p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +100,15 @@ class Context:
     stack = lambda n, layer, indexed=False: Stack(
         layer, plan[n].mesh, plan[n].schedule, tops[n].remat, tops[n].unroll, plan[n].gather,
         trained=_trained_blocks(plan[n]), indexed=indexed, dtype=jnp.dtype(cfg.model.dtype))
-    stacks = {n: stack(n, m.layer) for n, m in modules.items()}
+    mode = GradMode.build(plan, fusable(cfg, plan), cfg)
+    split_mode = GradMode.build(plan, False, cfg) if mode.fused else mode
+    # A folded module's layers make their kernels' gradients in float32 (fold.py).
+    stacks = {n: stack(n, kernel_grads.wrap(m.layer) if n in mode.folded else m.layer)
+              for n, m in modules.items()}
     rates = {n: lora_of(cfg, n).dropout for n in modules if lora_of(cfg, n)}
     # A module with nothing to train runs forward only (split layouts: `encoder_tokens`): no drop
     dropping = {n: stack(n, lora.dropping(modules[n].layer, r), indexed=True)
                 for n, r in rates.items() if r > 0 and plan[n].trainable}
-    mode = GradMode.build(plan, fused=fusable(cfg, plan))
-    split_mode = GradMode.build(plan, fused=False) if mode.fused else mode
     return cls(cfg, plan, modules, encoders, stacks, mode, split_mode, dropping)
 
   @property
@@ -128,15 +145,19 @@ class Context:
     return jax.tree.map(lambda x, label: jax.lax.stop_gradient(x) if label == optim.FROZEN else x,
                         params, self.plan[name].labels)
 
-  def value_and_grad(self, fn, params: dict, *args):
+  def value_and_grad(self, fn, params: dict, *args, mode: GradMode | None = None):
     """`fn(params, *args)` (params: module name -> parameters) and its gradients with respect to
     the trained leaves alone (per module, `ModulePlan.trained`; then the gradients with respect
     to `args`, if any): a frozen leaf enters as a constant, so no gradient or zeros of it is
-    ever made."""
+    ever made. The modules `mode` folds are differentiated with respect to their stacked
+    kernels' slices (`fold.unstack`): their gradients come back layer by layer."""
     plan = self.plan
     frozen = {n: plan[n].frozen(p) for n, p in params.items()}
-    whole = lambda trained: {n: plan[n].join(t, frozen[n]) for n, t in trained.items()}
+    whole = lambda trained: {n: plan[n].join(fold.restack(t), frozen[n])
+                             for n, t in trained.items()}
     trained = {n: plan[n].trained(p) for n, p in params.items()}
+    folds = {n: mode.folds(n, plan[n]) if mode else None for n in params}
+    trained = {n: t if folds[n] is None else fold.unstack(t, folds[n]) for n, t in trained.items()}
     argnums = tuple(range(1 + len(args))) if args else 0
     return jax.value_and_grad(lambda t, *a: fn(whole(t), *a), argnums=argnums)(trained, *args)
 
@@ -224,9 +245,7 @@ class Context:
     """A `RunBlocks` of every language block but the last, then the last one's `mix`: -> ((x,
     mixed), the `head_loss.Tail` that finishes the last block)."""
     module, p = self.modules["language"], self.plan["language"]
-    blocks = params[BLOCKS]
-    first = jax.tree.map(lambda a: a[:-1], blocks)
-    last = jax.tree.map(lambda a: a[-1], blocks)
+    first, last = _split_last(params[BLOCKS])
     gather = p.gather or (lambda tree: tree)
     top = self.cfg.topology.modules()["language"]
     mix = remat(lambda q, x, *side: module.bind_layer(gather(q)).mix(x, *side), top.remat,
@@ -243,6 +262,26 @@ class Context:
       finish = lambda q, x, mixed: module.bind_layer(q).finish(x, mixed)
       return (x_m, mixed_m), head_loss.Tail(tail_params, finish)
     return run
+
+
+@jax.custom_vjp
+def _split_last(blocks):
+  """Stacked blocks -> (every layer but the last, the last), whose gradients join as one
+  concatenation (autodiff would add two zero-padded ones): where the kernels' gradients fold
+  (fold.py), XLA then takes each layer's slice of it back to the matmul that made it."""
+  return jax.tree.map(lambda a: a[:-1], blocks), jax.tree.map(lambda a: a[-1], blocks)
+
+
+def _split_last_fwd(blocks):
+  return _split_last(blocks), None
+
+
+def _split_last_bwd(_, cts):
+  first, last = cts
+  return (jax.tree.map(lambda f, l: jnp.concatenate([f, l[None]]), first, last),)
+
+
+_split_last.defvjp(_split_last_fwd, _split_last_bwd)
 
 
 # The parts of a decoder block that `DecoderBlock.finish` runs (of its attention, `o` alone).

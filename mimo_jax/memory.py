@@ -127,7 +127,7 @@ def module_bytes(cfg: Config) -> dict[str, dict[str, int]]:
   out = {}
   for name, p in ctx.plan.modules.items():
     per_rank = ctx.mode.keeps_per_rank(name)  # as the training step keeps them (GradMode)
-    acc_sh = ctx.mode.acc_sh(name, p)
+    acc_sh = p.per_rank_sh if per_rank else p.trained_sh  # as many bytes when folded (fold.py)
     trained = p.trained(p.abstract_params)  # a frozen leaf has no gradient (optim.trained)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(((p.dp,) if per_rank else ()) + a.shape,
                                                          a.dtype), trained)

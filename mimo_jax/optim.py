@@ -119,9 +119,11 @@ def trainable_sq_norm(grads, label_tree) -> jax.Array:
 
 
 def combine(a, b, label_tree):
-  """Two gradient trees as one: summed, an abs-max history's (`AMAX`) by maximum."""
-  return jax.tree.map(lambda x, y, lab: jnp.maximum(x, y) if lab == AMAX else x + y, a, b,
-                      label_tree)
+  """Two gradient trees as one: summed, an abs-max history's (`AMAX`) by maximum. A leaf of the
+  labels may be a subtree of `a` and `b` (a kernel held layer by layer: fold.py)."""
+  def one(lab, x, y):
+    return jax.tree.map(jnp.maximum if lab == AMAX else jnp.add, x, y)
+  return jax.tree.map(one, label_tree, a, b)
 
 
 def reduce_ranks(grads, label_tree):

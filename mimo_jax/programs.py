@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import bridge, optim, trees
+from mimo_jax import bridge, fold, optim, trees
 from mimo_jax.batch import EncoderIn, LanguageIn, Merge, Slots, Text
 from mimo_jax.config import Config
 from mimo_jax.context import Context, GradMode
@@ -123,7 +123,8 @@ def _forward_backward(ctx: Context, params, x: LanguageIn, inv_tokens, groups: i
   """Stacked microbatches -> (loss, the trained parameters' gradients, the tokens' gradients)."""
   loss_fn = lambda p, tokens: language_loss(ctx, p["language"], x.with_tokens(tokens),
                                             inv_tokens, groups)
-  loss, (g_params, g_tokens) = ctx.value_and_grad(loss_fn, {"language": params}, x.tokens)
+  loss, (g_params, g_tokens) = ctx.value_and_grad(loss_fn, {"language": params}, x.tokens,
+                                                   mode=ctx.split_mode)
   return loss, g_params["language"], g_tokens
 
 
@@ -152,7 +153,8 @@ def language_step(ctx: Context, params, acc: dict, xs: list[LanguageIn], inv_tok
         (x.without_owners(),), inv_tokens, row_outputs=1)
   else:  # summed over ranks here (reduce-scattered under FSDP)
     loss, g_params, g_tokens = _forward_backward(ctx, params, x, inv_tokens, ctx.groups)
-    g_params = jax.lax.with_sharding_constraint(g_params, ctx.plan["language"].trained_sh)
+    g_params = jax.lax.with_sharding_constraint(
+        g_params, ctx.split_mode.acc_sh("language", ctx.plan["language"]))
   lang = ctx.plan.sharding("language")
   g_tokens = {n: [bridge.split(g[i], lang, ctx.plan.sharding(n)) for i in range(len(g))]
               for n, g in g_tokens.items()}
@@ -180,13 +182,13 @@ def fused_step(ctx: Context, params: dict, acc: dict, slots: dict[str, Slots], t
       tokens[n] = e if ctx.plan[n].trainable else jax.lax.stop_gradient(e)
     return language_loss(ctx, params["language"], x.with_tokens(tokens), inv_tokens, groups)
   grad_fn = lambda params, inputs, x, inv: ctx.value_and_grad(
-      lambda p: loss_fn(p, inputs, x, inv), params)
+      lambda p: loss_fn(p, inputs, x, inv), params, mode=ctx.mode)
   if per_rank:
     loss, grads = each_rank(ctx, grad_fn, params, (inputs, x.without_owners()), inv_tokens)
   else:
     loss, grads = grad_fn(params, inputs, x.without_owners(), inv_tokens)
     grads = jax.lax.with_sharding_constraint(
-        grads, {n: p.trained_sh for n, p in ctx.plan.modules.items()})
+        grads, {n: ctx.mode.acc_sh(n, p) for n, p in ctx.plan.modules.items()})
   return _accumulate(ctx, acc, grads, loss, mismatches(ctx, x))
 
 
@@ -200,8 +202,13 @@ def accumulator(ctx: Context, mode: GradMode, params: dict) -> dict:
   """What a step's microbatches add to: zero gradients of the trained leaves of `params` (module
   name -> parameters; per rank where `mode` keeps them so), loss and mismatch count."""
   trained = {n: ctx.plan[n].trained(p) for n, p in params.items()}
-  return {"grads": {n: per_rank_zeros(ctx.groups, p) if mode.keeps_per_rank(n) else zeros(p)
-                    for n, p in trained.items()},
+
+  def one(n, p):
+    if mode.keeps_per_rank(n):
+      return per_rank_zeros(ctx.groups, p)
+    folds = mode.folds(n, ctx.plan[n])
+    return zeros(p) if folds is None else fold.unstack(zeros(p), folds)
+  return {"grads": {n: one(n, p) for n, p in trained.items()},
           "loss": jnp.zeros((), jnp.float32), "mismatches": jnp.zeros((), jnp.int32)}
 
 
@@ -217,7 +224,7 @@ def reduce(labels, grads):
 
 
 def sq_norm(labels, grads) -> jax.Array:
-  return optim.trainable_sq_norm(grads, labels)
+  return optim.trainable_sq_norm(fold.restack(grads), labels)
 
 
 def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
@@ -225,7 +232,7 @@ def update(ctx: Context, name: str, params, opt_state, grads, sq_norms: list):
   update of its trained leaves (`params`: those alone; the frozen ones are not touched). FP8
   abs-max histories take no optax update (optim.AMAX): they roll in the step's abs-maxes."""
   norm, scale = optim.clip_factor(sq_norms, ctx.cfg.optim.clip_norm)
-  p = ctx.plan[name]
+  p, grads = ctx.plan[name], fold.restack(grads)
   rolled = optim.roll_histories(params, grads, p.trained(p.labels))
   grads = jax.tree.map(lambda g: g * scale, grads)
   updates, opt_state = p.tx.update(grads, opt_state, params)

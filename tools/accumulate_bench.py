@@ -54,6 +54,17 @@ def folded(x, dy, acc: list):
           for i, a in enumerate(acc)]
 
 
+def in_place(x, dy, acc):
+  """acc [layers, r, c] float32 with each layer's float32 gradient added to its slice in place
+  (`lax.dynamic_update_index_in_dim`): XLA may fold the add into the matmul with the slice as its
+  C operand, and with `--xla_gpu_enable_dynamic_slice_fusion` read and write the slice where it
+  lies."""
+  for i in range(acc.shape[0]):
+    g = jax.lax.dot_general(*inputs(i, x, dy), _T, preferred_element_type=jnp.float32)
+    acc = jax.lax.dynamic_update_index_in_dim(acc, acc[i] + g, i, 0)
+  return acc
+
+
 def folded_matmuls(compiled_text: str) -> int:
   """The matmuls of a compiled GPU program that take their C operand with beta = 1."""
   return len(re.findall(r'"beta":1(?:\.0)?[,}]', compiled_text))
@@ -98,9 +109,12 @@ def main(argv: list[str] | None = None) -> None:
   run_m = jax.jit(lambda x, dy: matmuls(x, dy, n))
   run_s = jax.jit(stacked, donate_argnums=2)
   run_f = jax.jit(folded, donate_argnums=2)
-  acc = {"s": jnp.zeros((n, r, c), jnp.float32),
+  run_i = jax.jit(in_place, donate_argnums=2)
+  acc = {"s": jnp.zeros((n, r, c), jnp.float32), "i": jnp.zeros((n, r, c), jnp.float32),
          "f": [jnp.zeros((r, c), jnp.float32) for _ in range(n)]}
   beta = folded_matmuls(run_f.lower(x, dy, acc["f"]).compile().as_text())
+  text_i = run_i.lower(x, dy, acc["i"]).compile().as_text()
+  beta_i, sliced = folded_matmuls(text_i), text_i.count("address_computation")
 
   def step(key, run):
     def fn():
@@ -109,14 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     return fn
 
   t = median_times({"matmuls": lambda: run_m(x, dy), "stacked": step("s", run_s),
-                    "folded": step("f", run_f)}, args.repeat)
+                    "folded": step("f", run_f), "in place": step("i", run_i)}, args.repeat)
   params = n * r * c
   print(f"{n} weight gradients of {r} x {c} over {p} positions ({params / 1e9:.3f} billion "
-        f"parameters); the folded program's matmuls with beta = 1: {beta} of {n}; relative "
+        f"parameters); matmuls with beta = 1: folded {beta} of {n}, in place {beta_i} of {n} "
+        f"({sliced} in dynamic-slice fusions); relative "
         f"distance of the two sums: {distance(x, dy, n):.1e}")
   print("| program | ms | over the matmuls, ms a billion parameters |")
   print("|---|---:|---:|")
-  for name in ("matmuls", "stacked", "folded"):
+  for name in ("matmuls", "stacked", "folded", "in place"):
     extra = (t[name] - t["matmuls"]) / params * 1e9 * 1e3
     print(f"| {name} | {t[name] * 1e3:.3f} | {extra:.2f} |", flush=True)
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from mimo_jax import compat
 from mimo_jax.models import fp8 as fp8_ops
+from mimo_jax.models import kernel_grads
 from mimo_jax.models.activations import ACTIVATIONS
 from mimo_jax.models import lora
 from mimo_jax.models.manual import whole_manual
@@ -56,7 +57,7 @@ def _apply(x: jax.Array, layers, fp8: bool, groups: int = 1) -> list[jax.Array]:
   FP8 matmul keeps its quantized kernel either way). LoRA adapters (models/lora.py) run beside
   the FP8 matmul in the compute dtype."""
   if not fp8:
-    return [layer(x) for layer in layers]
+    return [kernel_grads.linear(layer, x) for layer in layers]
   dtype = layers[0].dtype or x.dtype
   widths = [layer.kernel.shape[-1] for layer in layers]
   w = join([layer.kernel[...].astype(dtype) for layer in layers], groups)
@@ -98,8 +99,9 @@ def split(y: jax.Array, widths: list[int], groups: int) -> list[jax.Array]:
 
 
 def _call(layer: nnx.Linear, x: jax.Array) -> jax.Array:
-  """`layer(x)`, or with delayed FP8 scaling, its histories' matmul (`fp8.delayed_matmuls`)."""
-  return _apply(x, (layer,), True)[0] if fp8_ops.delayed(layer) else layer(x)
+  """`layer(x)` (`kernel_grads.linear`), or with delayed FP8 scaling, its histories' matmul
+  (`fp8.delayed_matmuls`)."""
+  return _apply(x, (layer,), True)[0] if fp8_ops.delayed(layer) else kernel_grads.linear(layer, x)
 
 
 class RMSNorm(nnx.Module):
