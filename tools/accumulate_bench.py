@@ -28,7 +28,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from tools.common import Parser, gpu_timing, median_times
+from tools.common import Parser, dims, gpu_timing, median_times
 
 _T = (((0,), (0,)), ((), ()))  # contract the positions: x [p, r], dy [p, c] -> [r, c]
 
@@ -80,17 +80,6 @@ def distance(x, dy, layers: int) -> float:
              for f, s in zip(acc_f, acc_s))
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-  try:
-    shape = tuple(int(v) for v in text.split("x"))
-  except ValueError:
-    shape = ()
-  if len(shape) != 3 or min(shape) < 1:
-    raise SystemExit(f"tools.accumulate_bench: --shape {text!r}: give positions x rows x "
-                     "columns (e.g. 16384x2048x8192).")
-  return shape
-
-
 def main(argv: list[str] | None = None) -> None:
   parser = Parser("accumulate_bench", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--layers", type=int, default=24, help="weight gradients a program makes")
   parser.add_argument("--repeat", type=int, default=5, help="timed runs of each program")
   args = parser.parse_args(argv)
-  p, r, c = _shape(args.shape)
+  p, r, c = dims("accumulate_bench", "--shape", args.shape, "positions x rows x columns",
+                 "16384x2048x8192")
   if args.layers < 1:
     raise SystemExit(f"tools.accumulate_bench: --layers {args.layers}: give 1 or more.")
   gpu_timing("tools.accumulate_bench", args.repeat, "its figures are the GPU's")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mimo_jax.models.activations import ACTIVATIONS, DERIVATIVES, from_input
-from tools.common import Parser, gpu_timing, median_time
+from tools.common import Parser, dims, gpu_timing, median_time
 
 
 _C = math.sqrt(2 / math.pi)
@@ -99,14 +99,7 @@ def distance(fn, reference, xs: tuple, dy) -> float:
 
 
 def _shape(text: str, flag: str) -> tuple[int, ...]:
-  try:
-    shape = tuple(int(v) for v in text.split("x"))
-  except ValueError:
-    shape = ()
-  if len(shape) != 3 or min(shape) < 1:
-    raise SystemExit(f"tools.activation_bench: {flag} {text!r}: give images x positions x "
-                     "width (e.g. 48x576x4096).")
-  return shape
+  return dims("activation_bench", flag, text, "images x positions x width", "48x576x4096")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -309,6 +309,19 @@ def new_folder(tool: str, flag: str, path: str, why: str) -> None:
     fail(tool, workdir.describe_os_error(e, f"{flag}={path}"))
 
 
+def dims(tool: str, flag: str, text: str, what: str, example: str) -> tuple[int, ...]:
+  """A kernel bench's shape flag, `AxBxC`, as positive integers, as many as `what` names (its
+  parts " x "-separated, e.g. "images x positions x width"); else a one-line exit naming `tool`,
+  the flag and `example`."""
+  try:
+    shape = tuple(int(v) for v in text.split("x"))
+  except ValueError:
+    shape = ()
+  if len(shape) != len(what.split(" x ")) or min(shape) < 1:
+    raise SystemExit(f"tools.{tool}: {flag} {text!r}: give {what} (e.g. {example}).")
+  return shape
+
+
 def gpu_timing(tool: str, repeat: int, needs: str) -> None:
   """A GPU kernel bench's checks before it times anything (`--repeat` at least 1, a GPU; each a
   one-line exit naming `tool`), then its device line."""
