@@ -289,3 +289,8 @@ def test_the_default_out_is_named_as_such_where_it_is_refused(tmp_path):
                      r".*: its name is 252 bytes"):
     Rows(out, {"metrics": []}, "the default --out (from --data's name)")
   assert list(tmp_path.iterdir()) == []
+  out = tmp_path / "data.step3.jsonl"
+  out.write_text("{}\n")  # no settings beside it: not an eval's rows
+  with pytest.raises(output.OutputError, match=rf"^the default --out \(from --data's name\) {out} "
+                     r"exists and is no eval's rows file"):
+    Rows(out, {"metrics": []}, "the default --out (from --data's name)")

@@ -72,7 +72,7 @@ class Rows:
   def __init__(self, out: pathlib.Path, settings: dict, flag: str = "--out"):
     """`flag`: how errors name `out` (the default --out is not a flag the user gave)."""
     self.out, self.settings = out, settings
-    self.what = f"{flag}={str(out)!r}"
+    self.what, self.named = f"{flag}={str(out)!r}", f"{flag} {out}"
     self.made = workdir_lib.Made(str(out.parent))  # the folders the lock makes, if unused
     self.lock = output.lock(out, flag)
     self.done: dict[str, dict] = {}
@@ -91,12 +91,12 @@ class Rows:
     recorded = _as_now(_recorded_settings(self.out), self.settings)
     if recorded is None:  # not an eval's rows: maybe the data itself
       raise output.OutputError(
-          f"--out {self.out} exists and is no eval's rows file (it has no readable "
+          f"{self.named} exists and is no eval's rows file (it has no readable "
           f"{settings_path(self.out).name} beside it); give another --out.")
     if recorded != self.settings:
       differ = "; ".join(f"{k} {recorded.get(k)!r} there, {v!r} here"
                          for k, v in self.settings.items() if recorded.get(k) != v)
-      raise output.OutputError(f"--out {self.out} holds rows of another eval ({differ}); give "
+      raise output.OutputError(f"{self.named} holds rows of another eval ({differ}); give "
                                "another --out or remove it.")
     data = self.out.read_bytes()
     self.keep = data.rfind(b"\n") + 1  # a line cut by a crash is written again
@@ -110,7 +110,7 @@ class Rows:
         self.done[key(row)] = row
       except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise output.OutputError(
-            f"--out {self.out}: line {n} is not an eval's row ({type(e).__name__}: {e}); remove "
+            f"{self.named}: line {n} is not an eval's row ({type(e).__name__}: {e}); remove "
             "it (the eval answers its sample again) or give another --out.") from None
 
   def _open(self) -> None:
