@@ -245,7 +245,7 @@ class Context:
     """A `RunBlocks` of every language block but the last, then the last one's `mix`: -> ((x,
     mixed), the `head_loss.Tail` that finishes the last block)."""
     module, p = self.modules["language"], self.plan["language"]
-    first, last = _split_last(params[BLOCKS])
+    first, last = _first_and_last(params[BLOCKS], p.labels.get(BLOCKS, {}))
     gather = p.gather or (lambda tree: tree)
     top = self.cfg.topology.modules()["language"]
     mix = remat(lambda q, x, *side: module.bind_layer(gather(q)).mix(x, *side), top.remat,
@@ -262,6 +262,15 @@ class Context:
       finish = lambda q, x, mixed: module.bind_layer(q).finish(x, mixed)
       return (x_m, mixed_m), head_loss.Tail(tail_params, finish)
     return run
+
+
+def _first_and_last(blocks, labels):
+  """Stacked blocks -> (every layer but the last, the last): the trained leaves through
+  `_split_last`, the frozen ones sliced (no gradient of theirs is made, nor zeros of one)."""
+  first, last = _split_last(optim.trained(blocks, labels))
+  frozen = optim.frozen(blocks, labels)
+  return (optim.join(first, jax.tree.map(lambda a: a[:-1], frozen)),
+          optim.join(last, jax.tree.map(lambda a: a[-1], frozen)))
 
 
 @jax.custom_vjp
