@@ -34,7 +34,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.helpers import run_steps, tiny_config  # noqa: E402
+from tests.helpers import bf16_config, run_steps, tiny_config  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -45,22 +45,36 @@ def data_dir(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("digits"))
 
 
-@pytest.fixture(scope="session")
-def single_reference(data_dir, tmp_path_factory) -> list[dict]:
-  """The tiny config's first 4 steps on one device, each step's loss and grad_norm: the
-  trajectory that the parity tests of several files compare with. Trained once a session; the
-  workers of one session share it through a file (JSON holds the float32 values exactly)."""
+def _shared_trajectory(tmp_path_factory, name: str, make_config, steps: int = 4) -> list[dict]:
+  """`make_config()`'s first `steps` steps, each step's loss and grad_norm, trained once a
+  session: the workers of one session share them through a file (JSON holds the float32 values
+  exactly), the first to need them training them while the others wait."""
   shared = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     shared = shared.parent  # the session's folder, above each worker's own
-  path = pathlib.Path(shared) / "single_reference.json"
+  path = pathlib.Path(shared) / f"{name}.json"
   with open(f"{path}.lock", "w", encoding="utf-8") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not path.exists():
-      cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
       path.write_text(json.dumps([{"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
-                                  for m in run_steps(cfg, 4)[0]]))
+                                  for m in run_steps(make_config(), steps)[0]]))
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def single_reference(data_dir, tmp_path_factory) -> list[dict]:
+  """The tiny config's first 4 steps on one device, each step's loss and grad_norm: the
+  trajectory that the parity tests of several files compare with."""
+  return _shared_trajectory(tmp_path_factory, "single_reference", lambda: tiny_config(
+      data_dir, vision=(0, 1, 1), language=(0, 1, 1)))
+
+
+@pytest.fixture(scope="session")
+def bf16_reference(data_dir, tmp_path_factory) -> list[dict]:
+  """The tiny config's first 4 steps on one device computing in bfloat16 (its defaults
+  otherwise: no FP8, gradients folded), each step's loss and grad_norm: the run that
+  test_fp8.py, test_fp8_delayed.py and test_fold.py each compare with."""
+  return _shared_trajectory(tmp_path_factory, "bf16_reference", lambda: bf16_config(data_dir))
 
 
 # The files that take longest, longest first (measured alone; pyproject runs the suite on two

@@ -32,6 +32,14 @@ def tiny_config(data_dir: str, **topo) -> Config:
   return cfg
 
 
+def bf16_config(data_dir: str) -> Config:
+  """The tiny config on one device computing in bfloat16, its defaults otherwise (no FP8,
+  gradients folded): conftest.py's bf16_reference trains it."""
+  cfg = tiny_config(data_dir, vision=(0, 1, 1), language=(0, 1, 1))
+  cfg.model.dtype = "bfloat16"
+  return cfg
+
+
 def topology_arg(**topo) -> str:
   """The tiny config's argument for a topology, e.g. vision=0/4/1,language=4/2/2."""
   return ",".join(f"{name}={'/'.join(str(v) for v in spec)}" for name, spec in topo.items())

@@ -13,7 +13,8 @@ from mimo_jax import fold, programs
 from mimo_jax.memory import context
 from mimo_jax.models import kernel_grads
 from mimo_jax.models import layers as L
-from tests.helpers import run_steps, tiny_config
+from mimo_jax.step import Step
+from tests.helpers import bf16_config, run_steps, tiny_config
 
 STEPS = 4
 SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
@@ -93,15 +94,17 @@ def test_which_modules_fold(data_dir, change, folded):
 
 
 @pytest.fixture(scope="module")
-def folded_run(data_dir):
-  return run_steps(_bf16(data_dir), STEPS)
+def folded_run(data_dir, bf16_reference):
+  """The metrics of _bf16(data_dir) (folded), trained once a session (conftest.py)."""
+  assert _bf16(data_dir) == bf16_config(data_dir) and len(bf16_reference) == STEPS
+  return bf16_reference
 
 
 def test_folded_accumulators_train_as_stacked_ones(data_dir, folded_run):
   """The same loss; the same gradients but their bfloat16 rounding (the first step's norm within
   1e-4, not equal); the trajectories within bfloat16 training's spread."""
-  got, step, _, _ = folded_run
-  assert step.ctx.mode.folded == {"vision", "language"}
+  got = folded_run
+  assert Step.build(_bf16(data_dir)).ctx.mode.folded == {"vision", "language"}
   ref, step_ref, _, _ = run_steps(_bf16(data_dir, False), STEPS)
   assert not step_ref.ctx.mode.folded
   values = lambda run, key: np.array([float(m[key]) for m in run])
@@ -115,7 +118,7 @@ def test_folded_accumulators_train_as_stacked_ones(data_dir, folded_run):
 def test_a_tensor_parallel_language_model_folds_and_tracks_one_device(data_dir, folded_run):
   got, step, _, _ = run_steps(_bf16(data_dir, **TP), STEPS)
   assert step.ctx.mode.folded == {"language"}  # the encoder's own programs stay stacked
-  ref = folded_run[0]
+  ref = folded_run
   for key in ("loss", "grad_norm"):
     np.testing.assert_allclose([float(m[key]) for m in got], [float(m[key]) for m in ref],
                                rtol=5e-3, err_msg=key)  # measured: 1.8e-3 at most

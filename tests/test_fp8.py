@@ -9,7 +9,7 @@ import pytest
 from mimo_jax.config import ConfigError
 from mimo_jax.models import fp8
 from mimo_jax.validation import validate
-from tests.helpers import language_step_hlo, run_steps, tiny_config
+from tests.helpers import bf16_config, language_step_hlo, run_steps, tiny_config
 
 STEPS = 4
 SINGLE = {"vision": (0, 1, 1), "language": (0, 1, 1)}
@@ -75,8 +75,10 @@ def _bf16(data_dir, fp8_on: bool, **topo):
 
 
 @pytest.fixture(scope="module")
-def bf16_losses(data_dir):
-  return np.array([float(m["loss"]) for m in run_steps(_bf16(data_dir, False), STEPS)[0]])
+def bf16_losses(data_dir, bf16_reference):
+  """The losses of _bf16(data_dir, False), trained once a session (conftest.py)."""
+  assert _bf16(data_dir, False) == bf16_config(data_dir) and len(bf16_reference) == STEPS
+  return np.array([m["loss"] for m in bf16_reference])
 
 
 FAN_IN_TP = {"vision": (0, 4, 1), "language": (4, 2, 2)}
