@@ -77,15 +77,18 @@ def bf16_reference(data_dir, tmp_path_factory) -> list[dict]:
   return _shared_trajectory(tmp_path_factory, "bf16_reference", lambda: bf16_config(data_dir))
 
 
-# The files that take longest, longest first (measured alone; pyproject runs the suite on two
-# workers that take whole files). Started first, a long file does not run alone at the end while
-# the other worker idles, as with xdist's own order (most tests first), which puts them last.
-LONGEST_FIRST = ("test_multiprocess.py", "test_demo.py", "test_pipeline.py", "test_fsdp.py",
-                 "test_dynamic.py", "test_faults.py", "test_tools_bench.py", "test_fp8.py",
-                 "test_parity.py", "test_av_demo.py", "test_optim.py", "test_hf.py",
-                 "test_conversations.py", "test_hf_tools.py", "test_checkpoint.py",
-                 "test_bridge.py", "test_cli.py", "test_packing.py", "test_reorder.py",
-                 "test_generate.py", "test_stages.py", "test_encoders.py")
+# The files that take longest, longest first (measured in a whole run of the suite on two workers
+# of a 2-core machine). Started first, a long file does not run alone at the end while the other
+# worker idles, as with xdist's own order (most tests first), which puts them last.
+LONGEST_FIRST = ("test_pipeline.py", "test_multiprocess.py", "test_faults.py", "test_demo.py",
+                 "test_lora_dropout.py", "test_fsdp.py", "test_audio_parity.py",
+                 "test_fp8_delayed.py", "test_av_demo.py", "test_dynamic.py", "test_parity.py",
+                 "test_checkpoint.py", "test_head_loss.py", "test_conversations.py", "test_hf.py",
+                 "test_lora.py", "test_optim.py", "test_lora_resume.py", "test_tools_bench.py",
+                 "test_fp8.py", "test_stages.py", "test_hf_tools.py", "test_recipe.py",
+                 "test_generate.py", "test_audio_hf.py", "test_convert_audio.py", "test_cli.py",
+                 "test_tool_faults.py", "test_convert_faults.py", "test_reorder.py",
+                 "test_schedule.py", "test_compile.py")
 
 
 def pytest_configure(config) -> None:
