@@ -31,6 +31,22 @@ def test_reference_learns(reference):
   assert all(np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in reference)
 
 
+@pytest.fixture(scope="module")
+def trained(data_dir):
+  """run_steps' results (STEPS steps) for a topology, of the loader's batches or
+  _mixed_batches', each trained once a module: the parity tests compare their metrics, and
+  test_language_gradients_summed_once_a_step compiles the language step of two of them again."""
+  runs = {}
+
+  def run(topo: dict, mixed: bool = False):
+    key = (tuple(sorted(topo.items())), mixed)
+    if key not in runs:
+      cfg = tiny_config(data_dir, **topo)
+      runs[key] = run_steps(cfg, STEPS, batches=_mixed_batches(cfg) if mixed else None)
+    return runs[key]
+  return run
+
+
 def test_one_mesh_of_eight_matches_single_device(data_dir, reference):
   got = run_steps(tiny_config(data_dir, vision=(0, 8, 1), language=(0, 8, 1)), 3)[0]
   assert_close_trajectory(reference[:3], got, rtol=1e-5)
@@ -43,8 +59,8 @@ def test_one_mesh_of_eight_matches_single_device(data_dir, reference):
     pytest.param({"vision": (0, 4, 1), "language": (0, 2, 2)}, id="colocated-dp4-dp2tp2"),
     pytest.param({"vision": (0, 2, 2), "language": (4, 4, 1)}, id="vision-dp2tp2-to-dp4"),
 ])
-def test_topology_matches_single_device(data_dir, reference, topo):
-  got = run_steps(tiny_config(data_dir, **topo), STEPS)[0]
+def test_topology_matches_single_device(reference, trained, topo):
+  got = trained(topo)[0]
   assert_close_trajectory(reference, got, rtol=1e-4)
 
 
@@ -84,9 +100,8 @@ def mixed_reference(data_dir):
     pytest.param({"vision": (0, 4, 1), "language": (4, 1, 1)}, id="fan-in"),
     pytest.param({"vision": (0, 1, 1), "language": (1, 2, 2)}, id="fan-out-tp"),
 ])
-def test_text_only_samples_and_microbatch(data_dir, mixed_reference, topo):
-  cfg = tiny_config(data_dir, **topo)
-  got = run_steps(cfg, STEPS, batches=_mixed_batches(cfg))[0]
+def test_text_only_samples_and_microbatch(mixed_reference, trained, topo):
+  got = trained(topo, mixed=True)[0]
   assert_close_trajectory(mixed_reference, got, rtol=1e-4)
 
 
@@ -113,11 +128,12 @@ def _all_reduced_elements(hlo: str) -> int:
   return total
 
 
-def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
-  """Compiled HLO of each microbatch's language step in one training step, the language model's
-  parameter count, and whether the layout defers the gradient sum."""
+def _microbatch_step_hlo(data_dir, trained, language, mixed) -> tuple[list[str], int, bool]:
+  """Compiled HLO of each microbatch's language step in one training step (of the loader's second
+  batch, after the steps of the parity test of that layout), the language model's parameter
+  count, and whether the layout defers the gradient sum."""
   cfg = tiny_config(data_dir, vision=(0, 1, 1), language=language)
-  _, stepper, state, _ = run_steps(cfg, 1)
+  _, stepper, state, _ = trained({"vision": (0, 1, 1), "language": language}, mixed)
   ds = loader.train_dataset(cfg, loader.build_paths(cfg)["train"], language[1])
   hlo = language_step_hlo(stepper, state, ds[1])
   assert len(hlo) == cfg.data.microbatches > 1
@@ -125,15 +141,15 @@ def _microbatch_step_hlo(data_dir, language) -> tuple[list[str], int, bool]:
   return hlo, params, stepper.ctx.mode.keeps_per_rank("language")
 
 
-def test_language_gradients_summed_once_a_step(data_dir):
+def test_language_gradients_summed_once_a_step(data_dir, trained):
   """A dp-only language model sums its gradients over ranks once a step (`programs.reduce`), not in
   every microbatch's step: that step all-reduces only its loss and mismatch count."""
-  hlo, _, deferred = _microbatch_step_hlo(data_dir, (1, 4, 1))
+  hlo, _, deferred = _microbatch_step_hlo(data_dir, trained, (1, 4, 1), False)  # fan-out-1to4
   assert deferred
   assert [_all_reduced_elements(h) for h in hlo] == [2] * len(hlo)
   # With tensor parallelism each microbatch step still sums its gradients (see programs.py): the
   # count above would see them.
-  hlo, params, deferred = _microbatch_step_hlo(data_dir, (1, 2, 2))
+  hlo, params, deferred = _microbatch_step_hlo(data_dir, trained, (1, 2, 2), True)  # fan-out-tp
   assert not deferred
   assert all(_all_reduced_elements(h) > params // 2 for h in hlo)
 
