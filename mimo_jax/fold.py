@@ -8,7 +8,8 @@ XLA's simplifier takes a slice of that stack back to the slice itself), each lay
 out of its matmul in float32 (`kernel_grads.float32_kernel_grads`), and its accumulator is a
 buffer of its own, donated: XLA's GEMM rewriter then takes the accumulator into the cuBLAS call as
 its C operand (beta = 1), and no pass follows. The programs after the microbatches (the norm, the
-update) take the stack of the slices (`restack`), which XLA fuses into them. tools.accumulate_bench measures the forms; docs/benchmarks.md has the figures.
+update) take the stack of the slices (`restack`), which XLA fuses into them.
+tools.accumulate_bench measures the forms; docs/benchmarks.md has the figures.
 
 Held so: an accumulator leaf is a `Layers` (a pytree node of L arrays); everything else in the
 tree is as before.
