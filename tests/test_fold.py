@@ -1,7 +1,7 @@
 """Gradient accumulators held layer by layer (`train.fold_grads`, mimo_jax/fold.py): the matmul
 whose backward makes its kernel's gradient in float32 (models/kernel_grads.py), where the layout
 folds, and bfloat16 training with folded accumulators against stacked ones, on one device and on
-a tensor-parallel layout."""
+a tensor-parallel layout; tools.accumulate_bench's forms and flags (its figures are a GPU's)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from mimo_jax.memory import context
 from mimo_jax.models import kernel_grads
 from mimo_jax.models import layers as L
 from mimo_jax.step import Step
+from tools import accumulate_bench
 from tests.helpers import bf16_config, run_steps, tiny_config
 
 STEPS = 4
@@ -122,3 +123,22 @@ def test_a_tensor_parallel_language_model_folds_and_tracks_one_device(data_dir, 
   for key in ("loss", "grad_norm"):
     np.testing.assert_allclose([float(m[key]) for m in got], [float(m[key]) for m in ref],
                                rtol=5e-3, err_msg=key)  # measured: 1.8e-3 at most
+
+
+def test_the_accumulate_bench_sums_one_gradient_in_each_form_and_bad_flags_are_one_line():
+  """Its forms sum the same gradients (the folded and in-place forms unrounded, the stacked one
+  within bfloat16's rounding); on a CPU nothing is folded; a bad flag or no GPU is one line."""
+  k = jax.random.split(jax.random.key(0))
+  x, dy = (jax.random.normal(key, (8, 64), jnp.bfloat16) for key in k)
+  assert 1e-5 < accumulate_bench.distance(x, dy, 3) < 1e-2
+  zeros = jnp.zeros((2, 64, 64))
+  folded = jnp.stack(accumulate_bench.folded(x, dy, list(zeros)))
+  np.testing.assert_array_equal(accumulate_bench.in_place(x, dy, zeros), folded)
+  lowered = jax.jit(accumulate_bench.folded).lower(x, dy, list(zeros))
+  assert accumulate_bench.folded_matmuls(lowered.compile().as_text()) == 0
+  assert accumulate_bench.folded_matmuls('{"beta":1,"alpha_real":1} {"beta":0}') == 1
+  for flags, said in ((["--shape", "8x8"], "--shape '8x8': give positions x rows x columns"),
+                      (["--layers", "0"], "--layers 0: give 1 or more"),
+                      (["--repeat", "0"], "--repeat 0: give 1 or more"), ([], "needs a GPU")):
+    with pytest.raises(SystemExit, match=said):
+      accumulate_bench.main(flags)

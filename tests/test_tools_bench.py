@@ -1,8 +1,8 @@
 """The MFU formula, smoke runs of tools/bench.py (with tools/plan.py on its profile) and of the
-other measuring tools (the encoder, bridge, data and accumulate benches, the fp8 check,
-tools.kernels' HLO tracing; the norm and attention benches' and the hf_llava peer's flags), their
-one-line errors and CPU devices; speed is measured on GPUs, never asserted here. The planner's own
-tests are in tests/test_tools_plan.py."""
+other measuring tools (the encoder, bridge and data benches, the fp8 check, tools.kernels' HLO
+tracing; the norm and attention benches' and the hf_llava peer's flags), their one-line errors
+and CPU devices; speed is measured on GPUs, never asserted here. The planner's own tests are in
+tests/test_tools_plan.py."""
 
 import importlib
 import importlib.util
@@ -24,7 +24,7 @@ from mimo_jax.flops import FlopModel
 from mimo_jax.modules import build_modules
 from tests.configs import tiny_vlm
 from tools import activation_bench as ab
-from tools import accumulate_bench, bench, encoder_bench, hf_llava_bench, hlo_dump, kernels, plan
+from tools import bench, encoder_bench, hf_llava_bench, hlo_dump, kernels, plan
 
 
 def _abstract(cfg):
@@ -435,26 +435,16 @@ def test_bench_says_how_to_get_cpu_devices_where_the_process_chose_its_own(capsy
       "apply: start JAX with jax_num_cpu_devices=9.")
 
 
-def test_activation_and_accumulate_benches_time_one_function_and_bad_flags_are_one_line():
+def test_activation_bench_forms_are_one_function_and_bad_flags_are_one_line():
   """tools.activation_bench: each form it times computes the code's activation (bfloat16 within
-  its rounding of the code's in float32); tools.accumulate_bench: both forms sum the same
-  gradients (within bfloat16's rounding of the stacked form's), and on a CPU nothing is folded;
-  a bad flag or a machine without a GPU is one line for both."""
+  its rounding of the code's in float32); a bad flag or a machine without a GPU is one line."""
   k = jax.random.split(jax.random.key(0), 4)
   h, dy, gate, up = (jax.random.normal(key, (2, 8, 64), jnp.bfloat16) for key in k)
   bias = 0.1 * jax.random.normal(k[0], (64,))
   for fn, reference, xs in ((ab.sigmoid_gelu_tanh(bias), ab.code_gelu_tanh(bias), (h,)),
                             (ab.exp_swiglu, ab.code_swiglu, (gate, up))):
     assert ab.distance(fn, reference, xs, dy) < 1e-2
-  assert 1e-5 < accumulate_bench.distance(h[0], gate[0], 3) < 1e-2
-  folded = jax.jit(accumulate_bench.folded).lower(h[0], gate[0], [jnp.zeros((64, 64))] * 2)
-  assert accumulate_bench.folded_matmuls(folded.compile().as_text()) == 0
-  assert accumulate_bench.folded_matmuls('{"beta":1,"alpha_real":1} {"beta":0}') == 1
   for flags, said in ((["--gelu", "48x576"], "--gelu '48x576': give images x positions x width"),
                       (["--repeat", "0"], "--repeat 0: give 1 or more"), ([], "needs a GPU")):
     with pytest.raises(SystemExit, match=said):
       ab.main(flags)
-  for flags, said in ((["--shape", "8x8"], "--shape '8x8': give positions x rows x columns"),
-                      (["--layers", "0"], "--layers 0: give 1 or more"), ([], "needs a GPU")):
-    with pytest.raises(SystemExit, match=said):
-      accumulate_bench.main(flags)
