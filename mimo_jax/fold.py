@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mimo_jax import optim
+from mimo_jax import optim, trees
 from mimo_jax.config import Config, lora_of
 from mimo_jax.sharding import BLOCKS, ModulePlan
 
@@ -70,9 +70,9 @@ def mask(p: ModulePlan):
   shapes = p.trained(p.abstract_params)
 
   def one(path, label, shape):
-    keys = [getattr(k, "key", None) for k in path]
-    return bool(keys and keys[0] == BLOCKS and keys[-1] == "kernel" and len(shape.shape) == 3
-                and optim.trains(label))
+    key = trees.path_str(path)  # as trees.kernel_params names a kernel
+    return (key.startswith(f"{BLOCKS}/") and key.endswith("/kernel") and len(shape.shape) == 3
+            and optim.trains(label))
   return jax.tree_util.tree_map_with_path(one, labels, shapes)
 
 
