@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mimo_jax import bridge, compat
+from mimo_jax.config import ConfigError
 
 CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
@@ -86,6 +87,28 @@ def main_says(tag: str, flag: bool, timeout_s: int = 300) -> bool:
   return said == "1"
 
 
+class Together(Exception):
+  """Raised on every process at one point of the run, for an error that process 0 found alone
+  (`main_check`); its cause is the error. launch ends such processes together, through the
+  coordination service's shutdown (`shutdown(status)`): a process that exits first would have the
+  service end the others, each with an abort and its stack instead of its error line."""
+
+
+def main_check(tag: str, error: Exception | None, what: str) -> None:
+  """Process 0's outcome of a check that only it makes (`what`, such as the run.workdir it takes),
+  on every process: returns where process 0 found no `error`; else raises `Together` on every
+  process, from `error` on process 0 and from an error naming process 0's line on the others. In
+  one process, raises `error` itself."""
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return
+  if main_says(tag, error is None):
+    return
+  raise Together() from (error if is_main() else ConfigError(
+      f"process 0 could not use {what} (its error line says why); nothing was written"))
+
+
 def is_main() -> bool:
   return jax.process_index() == 0
 
@@ -111,14 +134,15 @@ def fetch(tree):
       moved)
 
 
-def shutdown() -> None:
-  """Leaves the coordination service at the end of a normal run, together, and ends the process.
+def shutdown(status: int = 0) -> None:
+  """Leaves the coordination service at the end of a run, together, and ends the process with
+  `status` (0: a normal run; a `Together` error's status otherwise).
 
   Each process's device client watches the other processes through the service, from threads
   that outlive `jax.distributed.shutdown`: when the service goes away they report the lost
   connection ("WatchTasksAsync failed", "Connection refused", "CANCELLED") although the run ended
   normally. So once the run is over and everything it writes is written, standard error goes to
-  /dev/null for the shutdown barrier and the process exits with status 0 right after it. A failing
+  /dev/null for the shutdown barrier and the process exits with `status` right after it. A failing
   shutdown gets standard error back, reports, and exits with status 1.
   """
   if jax.process_count() == 1:
@@ -136,4 +160,4 @@ def shutdown() -> None:
           f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
     os._exit(1)
   sys.stdout.flush()
-  os._exit(0)
+  os._exit(status)

@@ -128,6 +128,8 @@ def main(argv: list[str]) -> None:
     # Every process reports its own failure, tagged, so a multi-host log says who failed.
     print(f"mimo_jax: process {jax.process_index()}: error: {message}", file=sys.stderr,
           flush=True)
+    if isinstance(e, distributed.Together):  # every process raised it: they leave together
+      distributed.shutdown(status)
     os._exit(status)  # skip jax.distributed's shutdown barrier, which would wait for the others
 
 

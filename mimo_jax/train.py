@@ -58,11 +58,15 @@ def run(cfg: Config, pending=None) -> list[dict]:
     # What the workdir holds before the run writes there: a run that ends before its first step
     # (an error, a signal) removes what it made, its workdir too, and leaves nothing behind.
     made = workdir.Made(cfg.run.workdir) if distributed.is_main() else None
-    lock = None
+    lock = error = None
     try:
       if made is not None:
-        workdir.check(cfg.run.workdir)
-        lock = workdir.Lock(cfg.run.workdir).acquire()
+        try:
+          workdir.check(cfg.run.workdir)
+          lock = workdir.Lock(cfg.run.workdir).acquire()
+        except (workdir.WorkdirError, OSError) as e:  # the others learn of it below
+          error = e
+      distributed.main_check("workdir", error, f"run.workdir={cfg.run.workdir!r}")
       return _run(cfg, trainer, lock, started, early)
     finally:
       if made is not None:

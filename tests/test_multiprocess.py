@@ -204,3 +204,24 @@ def test_the_launcher_names_a_killed_process_over_the_one_its_death_failed(tmp_p
   err = capsys.readouterr().err
   assert "[launch_local] process 1 was killed by SIGKILL (status 137)" in err
   assert "process 0 exited" not in err
+
+
+def test_a_workdir_only_process_0_takes_fails_every_process_cleanly(data_dir, tmp_path):
+  """Process 0 alone checks and locks the workdir: in use by another run, it fails there, and
+  every process ends with its own error line, together (no process aborted by the coordination
+  service when another exits first), the workdir as it was."""
+  work = tmp_path / "work"
+  work.mkdir()
+  lock = work / "run.lock"  # held by a live process on this host: this test's
+  lock.write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(),
+                              "started": "2026-01-01 00:00:00"}))
+  held = lock.read_text()
+  proc = _launch(*_args(data_dir, work, FAN_OUT))
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 2, out[-3000:]
+  assert f"[0] mimo_jax: process 0: error: {work} is in use by another run" in out, out[-3000:]
+  assert (f"[1] mimo_jax: process 1: error: process 0 could not use run.workdir={str(work)!r} "
+          "(its error line says why); nothing was written") in out, out[-3000:]
+  for crash in ("Traceback", "Check failure", "Fatal Python error", "Terminating process"):
+    assert crash not in out, out[-3000:]
+  assert os.listdir(work) == ["run.lock"] and lock.read_text() == held
