@@ -142,19 +142,23 @@ def _hf_prompts(ref, image_id: int, tokens: int) -> list[tuple[list[int], list[n
   return out
 
 
-@pytest.mark.parametrize("name", ["llava15", "llava_siglip"])
-def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(tmp_path, name):
+@pytest.mark.parametrize("name,base", [("llava15", "configs/llava_cpu.py"),
+                                       ("llava_siglip", "configs/vlm.py")])
+def test_answers_equal_transformers_generate_for_prompts_with_0_to_3_images(tmp_path, name, base):
   """The eval's program (layout, encoder on its mesh, merge, left-padded prompts, KV-cache decode)
-  against transformers' greedy `generate` on a batch of prompts of different lengths."""
+  against transformers' greedy `generate` on a batch of prompts of different lengths; on an
+  import of the default base too, whose built-in task marks images with an id of its own (the
+  eval takes the data's)."""
   workdir = tmp_path / name
-  hf_tool.main(["import", "--hf", str(FIXTURES / name), "--out", str(workdir),
-                "--config=configs/llava_cpu.py"])
+  hf_tool.main(["import", "--hf", str(FIXTURES / name), "--out", str(workdir), f"--config={base}"])
   ref = np.load(FIXTURES / name / "eval_generate.npz")
   image_id = json.loads((FIXTURES / name / "config.json").read_text())["image_token_index"]
   args = argparse.Namespace(workdir=str(workdir), step=None, layout="", seq_len=96,
                             data=str(workdir))
   with jax.default_matmul_precision("highest"):
     step, cfg = eval_tool.run_config(args)
+    assert cfg.data.task == ("synthetic" if base == "configs/vlm.py" else "conversations")
+    cfg.model.dtype = "float32"  # the reference's (the default base computes in bfloat16)
     eval_tool.from_step(args, cfg, step)
     trainer = eval_tool.build_step(args, cfg, image_id)
     tokens = cfg.model.vision.tokens_per_image
