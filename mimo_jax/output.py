@@ -128,10 +128,12 @@ def partials(out: str | os.PathLike) -> list[pathlib.Path]:
 
 def in_a_run(path: str | os.PathLike) -> str | None:
   """Why `path` is no place for a tool's output: a run's lock, or a place inside a run's
-  checkpoints folder (a workdir's `checkpoints/`, beside its `run.lock` or `metrics.jsonl`),
-  where the run would take it for a step or a lock; None where it is not."""
+  checkpoints folder (a workdir's `checkpoints/`, beside its `run.lock` or `metrics.jsonl`, or
+  an import's, its marker saying "workdir"), where the run would take it for a step or a lock;
+  None where it is not."""
   final = pathlib.Path(os.path.abspath(path))
-  run = lambda folder: any((folder / f).exists() for f in ("run.lock", "metrics.jsonl"))
+  run = lambda folder: (any((folder / f).exists() for f in ("run.lock", "metrics.jsonl"))
+                        or workdir_lib.marked(folder) == "workdir")
   if final.name == "run.lock" and (run(final.parent) or (final.parent / "checkpoints").is_dir()):
     return f"{final.parent}'s lock"
   if final.name == "checkpoints" and run(final.parent):

@@ -90,6 +90,15 @@ def error_file(e: OSError) -> str | None:
 OUTPUT_MARKER = ".mimo_jax_output.json"
 
 
+def marked(path: str | os.PathLike) -> str | None:
+  """What the tool's marker in folder `path` says the folder is ("workdir": an import's, a run's
+  place; else a tool's output, such as "export"); None where it has none or it cannot be read."""
+  try:
+    return json.loads(pathlib.Path(path, OUTPUT_MARKER).read_text(encoding="utf-8"))["what"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def check(workdir: str) -> str:
   """The absolute workdir, created if missing; an error if it, or a checkpoints/ folder it
   holds already (where the run saves), is not a writable directory."""
@@ -97,10 +106,7 @@ def check(workdir: str) -> str:
   if os.path.exists(path) and not os.path.isdir(path):
     raise WorkdirError(f"run.workdir={workdir!r} is a file, not a directory; choose another "
                        "run.workdir.")
-  try:  # a tool's output (an HF export, a conversion; an import is a workdir): not a run's place
-    what = json.loads(pathlib.Path(path, OUTPUT_MARKER).read_text(encoding="utf-8"))["what"]
-  except (OSError, ValueError, KeyError, TypeError):
-    what = "workdir"
+  what = marked(path) or "workdir"  # a tool's output (an HF export, a conversion): no run's place
   if what != "workdir":
     raise WorkdirError(f"run.workdir={workdir!r} is a tool's output ({what}; {OUTPUT_MARKER} "
                        "says so): a run's files would mix with it, and replacing it would remove "

@@ -373,6 +373,13 @@ def test_no_output_goes_inside_a_runs_checkpoints_or_at_its_lock(tmp_path):
   (new / "run.lock").write_text("")
   assert output.in_a_run(new / "checkpoints") == f"the checkpoints folder of the run in {new}"
   assert output.in_a_run(new / "run.lock") == f"{new}'s lock"
+  imported = tmp_path / "import"  # tools.hf import's workdir: no lock or metrics yet, its marker
+  (imported / "checkpoints" / "0").mkdir(parents=True)
+  (imported / workdir.OUTPUT_MARKER).write_text(json.dumps({"what": "workdir", "entries": []}))
+  assert (output.in_a_run(imported / "checkpoints" / "5") ==
+          f"inside the checkpoints folder of the run in {imported}")
+  (imported / workdir.OUTPUT_MARKER).write_text(json.dumps({"what": "export", "entries": []}))
+  assert output.in_a_run(imported / "checkpoints" / "5") is None  # an export's folder
 
 
 def test_what_is_added_to_an_output_after_the_last_check_is_put_back(tmp_path, monkeypatch):
