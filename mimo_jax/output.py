@@ -159,6 +159,7 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   one holding the marker file `complete`); `replace_flag`: the tool's flag that replaces one."""
   final = pathlib.Path(out)
   refuse_in_a_run(final, flag)
+  check_space(final, 0, what)  # /proc, /sys: a file system that stores no files
   if not os.path.lexists(final):
     return
   if final.is_symlink():  # the publish renames onto `out`: a link would be replaced, not followed
@@ -225,6 +226,21 @@ def _recover(final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
     os.rename(old.pop(), final)
   for p in old + partials(final):
     remove(p)
+
+
+def not_a_folder(folder: str | os.PathLike) -> str | None:
+  """Why a new file cannot go into `folder`: "X is a file, not a folder, so nothing can be made
+  under it" (X: `folder` or the nearest place above it that exists), or "folder X does not
+  exist"; None where it is a folder."""
+  folder = pathlib.Path(os.path.abspath(folder))
+  if folder.is_dir():
+    return None
+  existing = folder
+  while not os.path.lexists(existing) and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    return f"{existing} is a file, not a folder, so nothing can be made under it"
+  return f"folder {folder} does not exist"
 
 
 def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:

@@ -134,6 +134,11 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
      "integer."),
     (ckpt_tool.main, ["export", "run"], "tools.ckpt: error: the following arguments are "
      "required: --out (--help lists the flags)."),
+    (ckpt_tool.main, ["export", "run", "--out", f"{__file__}/x.st"], "tools.ckpt: error: --out: "
+     f"{__file__} is a file, not a folder, so nothing can be made under it; choose another "
+     "--out."),
+    (ckpt_tool.main, ["export", "run", "--out", "/proc/x.st"], "tools.ckpt: error: /proc/x.st is "
+     "on a file system that stores no files (/proc); choose another place."),
 ])
 def test_other_bad_values_are_one_line(main, argv, said, capsys):
   assert _refused(main, argv, capsys) == said
@@ -148,8 +153,12 @@ _LAYOUT = "--layouts=vision=0/1/1,language=0/1/1"
     ([_LAYOUT, "--warmup=-2"], "--warmup=-2: must be at least 0."),
     ([_LAYOUT, "--profile_steps=-1"], "--profile_steps=-1: must be at least 0."),
     ([_LAYOUT, "--peak=0"], "--peak=0: must be more than 0."),
-    ([_LAYOUT, "--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: its "
-     "directory /nonexistent/dir does not exist; make it or name another file."),
+    ([_LAYOUT, "--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: folder "
+     "/nonexistent/dir does not exist; make it or name another file."),
+    ([_LAYOUT, f"--json={__file__}/x.json"], f"--json={__file__}/x.json: {__file__} is a "
+     "file, not a folder, so nothing can be made under it; name another file."),
+    ([_LAYOUT, "--json=/proc/x.json"], "/proc/x.json is on a file system that stores no files "
+     "(/proc); choose another place."),
     (["--layouts="], "--layouts=: names no layout; give one or more, ';'-separated, each "
      "module=offset/dp/tp[/pp[/virtual]] (e.g. --layouts=vision=0/1/1,language=0/1/1)."),
     (["--layouts= ; "], "--layouts= ; : names no layout; "),
@@ -163,7 +172,7 @@ def test_bench_refuses_a_bad_flag_before_any_work(argv, said, capsys):
     (["--steps=0"], "--steps=0: must be at least 1."),
     (["--warmup=-1"], "--warmup=-1: must be at least 0."),
     (["--top=0"], "--top=0: must be at least 1."),
-    (["--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: its directory "
+    (["--json=/nonexistent/dir/x.json"], "--json=/nonexistent/dir/x.json: folder "
      "/nonexistent/dir does not exist"),
     (["--stepz=1"], "unrecognized arguments: --stepz=1"),
 ])

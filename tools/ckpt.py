@@ -134,10 +134,13 @@ def export(args: argparse.Namespace) -> None:
     raise CkptError("--out is empty; give a file name such as model.safetensors.")
   final = os.path.abspath(args.out)
   parent, name = os.path.dirname(final), os.path.basename(final)
-  if not os.path.isdir(parent):
-    raise CkptError(f"--out: folder {parent} does not exist; create it or choose another --out.")
+  why = output.not_a_folder(parent)
+  if why is not None:
+    fix = "choose" if "is a file" in why else "create it or choose"
+    raise CkptError(f"--out: {why}; {fix} another --out.")
   try:
     output.refuse_in_a_run(args.out)
+    output.check_space(final, 0, "the export")  # /proc, /sys: a file system that stores no files
   except output.OutputError as e:
     raise CkptError(str(e)) from None
 

@@ -260,11 +260,13 @@ def output_file(tool: str, flag: str, path: str) -> None:
     fail(tool, f"{flag}={path}: a directory; name a file.")
   try:
     output.refuse_in_a_run(path, flag)
+    output.check_space(path, 0, flag)  # /proc, /sys: a file system that stores no files
   except output.OutputError as e:
     fail(tool, str(e))
-  if not os.path.isdir(folder):
-    fail(tool, f"{flag}={path}: its directory {folder} does not exist; make it or name another "
-         "file.")
+  why = output.not_a_folder(folder)
+  if why is not None:
+    fix = "name" if "is a file" in why else "make it or name"
+    fail(tool, f"{flag}={path}: {why}; {fix} another file.")
   if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
     fail(tool, workdir.describe_os_error(PermissionError(13, os.strerror(13)), f"{flag}={path}"))
 
