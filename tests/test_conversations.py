@@ -2,6 +2,7 @@
 processor give (bad records skipped with their reasons, or the conversion refused and nothing
 written), and `data.task=conversations` trains on it."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -16,7 +17,8 @@ from PIL import Image
 
 from mimo_jax import train
 from mimo_jax.config import ConfigError
-from mimo_jax.data import conversations
+from mimo_jax.data import conversion_record, conversations
+from mimo_jax.data.record_error import RecordError
 from mimo_jax.data.chat import ChatTokenizer, messages
 from mimo_jax.data.images import ImageProcessor
 from tests.helpers import deep_images, tiny_config
@@ -42,7 +44,7 @@ GOOD = [
 BAD = {
     "missing image": {"id": "gone", "image": "nowhere.png", "conversations": [
         {"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}]},
-    "corrupt image": {"id": "broken", "image": "broken.png", "conversations": [
+    "unrecognised image": {"id": "broken", "image": "broken.png", "conversations": [
         {"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}]},
     "image count": {"id": "count", "image": ["tiny.png"], "conversations": [
         {"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "x"}]},
@@ -121,7 +123,8 @@ def test_skipped_records_are_named_with_their_reasons(source, tmp_path, capsys, 
   for reason, record in BAD.items():
     line = next(ln for ln in err.splitlines() if f"(id {record['id']!r})" in ln)
     assert line.startswith("skipped: ") and "data.jsonl: record " in line, line
-  assert "nowhere.png not found" in err and "broken.png cannot be read" in err
+  assert "nowhere.png not found" in err
+  assert "broken.png cannot be read: Pillow recognises no image in it" in err
   assert "unknown role 'robot'" in err
   assert re.search(r": \d+ tokens exceed --seq_len 170\.", err), err  # no media: none named
   monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
@@ -272,3 +275,25 @@ def test_two_processes_read_only_their_records_and_match_one(converted, plain_ru
   assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
   np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-4)
   assert sum(r["records_read"] for r in two) < sum(r["records_read"] for r in one)
+
+
+def test_a_cut_image_is_corrupt_and_one_pillow_cannot_identify_unrecognised(source, monkeypatch):
+  """Skips name their reason: a file whose pixels are cut off is corrupt; one that no Pillow
+  reader takes may be whole (a float64 TIFF), so it is named unrecognised, with the fix."""
+  folder = source / "images"
+  whole = (folder / "portrait.png").read_bytes()
+  cut = folder.parent / "cut" / "cut.png"
+  cut.parent.mkdir(exist_ok=True)
+  cut.write_bytes(whole[:len(whole) // 2])
+  for key, value in (("images", cut.parent), ("root", os.path.realpath(cut.parent)),
+                     ("proc", ImageProcessor.open(PROCESSOR)),
+                     ("opts", argparse.Namespace(allow_outside_images=False))):
+    monkeypatch.setitem(conversion_record.WORKER, key, value)
+  with pytest.raises(RecordError) as e:
+    conversion_record._read_image("cut.png", "record 1")  # pylint: disable=protected-access
+  assert e.value.reason == "corrupt image"
+  assert str(e.value).endswith(f"image {cut} cannot be read (image file is truncated).")
+  shutil.copy(folder / "broken.png", cut.parent)
+  with pytest.raises(RecordError) as e:
+    conversion_record._read_image("broken.png", "record 2")  # pylint: disable=protected-access
+  assert e.value.reason == "unrecognised image" and str(e.value).endswith("save it as PNG or JPEG.")

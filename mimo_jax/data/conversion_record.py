@@ -142,6 +142,10 @@ def _read_image(f: str, where: str):
     bands = images.bands_refused(path, w["proc"].convert_rgb, None)
     if bands:
       raise RecordError("unsupported image", f"{where}: image {path} is {bands}.") from None
+    if type(e).__name__ == "UnidentifiedImageError":  # Pillow's: no reader of it took the file
+      raise RecordError("unrecognised image", f"{where}: image {path} cannot be read: Pillow "
+                        "recognises no image in it (a damaged file, or a format or layout Pillow "
+                        "does not read, such as a float64 TIFF); save it as PNG or JPEG.") from None
     raise RecordError("corrupt image", f"{where}: image {path} cannot be read ({e}).") from None
 
 
