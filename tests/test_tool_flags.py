@@ -137,6 +137,13 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
     (ckpt_tool.main, ["export", "run", "--out", f"{__file__}/x.st"], "tools.ckpt: error: --out: "
      f"{__file__} is a file, not a folder, so nothing can be made under it; choose another "
      "--out."),
+    (convert_tool.main, ["--json", "j", "--images", "i", "--tokenizer", "t", "--out", ""],
+     "tools.convert: error: --out '': empty; give a path (an unset shell variable gives an empty "
+     "one)."),
+    (hf_tool.main, ["import", "--hf", "h", "--out", " "], "tools.hf: error: --out=' ': empty; "
+     "give a path (an unset shell variable gives an empty one)."),
+    (hf_tool.main, ["export", "run", "--out="], "tools.hf: error: --out='': empty; give a path "
+     "(an unset shell variable gives an empty one)."),
     (ckpt_tool.main, ["export", "run", "--out", "/proc/x.st"], "tools.ckpt: error: /proc/x.st is "
      "on a file system that stores no files (/proc); choose another place."),
 ])

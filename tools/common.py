@@ -107,6 +107,16 @@ def number(kind: type = int, least: float | None = None, above: float | None = N
   return parse
 
 
+def path_flag(text: str) -> str:
+  """An argparse type of a path flag that a tool writes to or reads a folder from: an empty value
+  (what an unset shell variable gives, `--out "$OUT"`), which would mean the current folder, is
+  one line naming the flag (Parser)."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError(f"={text!r}: empty; give a path (an unset shell variable "
+                                     "gives an empty one)")
+  return text
+
+
 def read_json(tool: str, flag: str, path: str, rows: tuple[str, ...] = ()) -> dict:
   """The JSON object in file `path` given as `flag`; with `rows`, one whose `rows` list holds
   objects with those keys (a tools/bench.py --json file). Anything else is one line (`fail`)."""

@@ -115,7 +115,7 @@ from mimo_jax.config import ConfigError
 from mimo_jax.data import (audio, audio_records, conversion, conversion_files, conversion_record,
                            conversations, llava_json)
 from mimo_jax.workdir import Made
-from tools.common import Parser
+from tools.common import Parser, path_flag
 from tools.display import count
 
 MODEL_CONFIG = ("the model's config file: the WORKDIR/config.py `python -m tools.hf import` "
@@ -143,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                   description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="LLaVA-format JSON or JSONL file (UTF-8)")
-  parser.add_argument("--images", default=None, help="the folder image paths are relative to "
-                      "(default: --json's folder, as tools.eval's; records without images need "
-                      "none)")
+  parser.add_argument("--images", default=None, type=path_flag,
+                      help="the folder image paths are relative to (default: --json's folder, as "
+                      "tools.eval's; records without images need none)")
   parser.add_argument("--tokenizer", required=True, help="HF directory: tokenizer.json and "
                       "tokenizer_config.json with the chat template")
   parser.add_argument("--processor", default="", help="HF directory with the vision tower's "
                       "preprocessor_config.json (default: --tokenizer)")
-  parser.add_argument("--out", required=True, help="folder for the shards and manifest (absent "
-                      "or empty)")
+  parser.add_argument("--out", required=True, type=path_flag,
+                      help="folder for the shards and manifest (absent or empty)")
   parser.add_argument("--eval", type=int, default=None,
                       help="records held out for eval, at least 1 (default: 1%% of the records, "
                       f"at least {llava_json.EVAL_MIN} and at most {llava_json.EVAL_MAX}, "

@@ -69,7 +69,7 @@ import re
 from mimo_jax import output
 from mimo_jax.config import ConfigError
 from tools import hf_export, hf_import
-from tools.common import Parser, number
+from tools.common import Parser, number, path_flag
 from tools.hf_import import CPU_BASE, DEFAULT_BASE, fail
 
 TOOL = "tools.hf"
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                        takes=override, **sub)
   p.add_argument("--hf", required=True, action="append",
                  help="an HF model directory; repeat for a tower and a language model")
-  p.add_argument("--out", required=True,
+  p.add_argument("--out", required=True, type=path_flag,
                  help="the workdir to write: absent or an empty directory")
   p.add_argument("--config", default=None,
                  help="config file[:variant] for the fields config.json does not set (default "
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
   p = verbs.add_parser("export", help="a checkpoint -> an HF directory", **sub)
   p.add_argument("workdir")
   p.add_argument("--step", type=number(int, least=0), default=None, help="default: the newest")
-  p.add_argument("--out", required=True)
+  p.add_argument("--out", required=True, type=path_flag)
   p.add_argument("--module", choices=("vision", "audio", "language"), default=None,
                  help="one module alone (default: the whole model, as --model)")
   p.add_argument("--model", choices=("llava", "qwen2_audio"), default=None,
