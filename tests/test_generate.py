@@ -343,6 +343,9 @@ def test_a_colour_image_for_a_one_channel_model_says_how_to_convert_it(tmp_path)
       f"{tmp_path / 'photo.png'}: the processor makes it 8x8x3 (height x width x channels) where "
       "the model reads 8x8x1; convert the image to one channel, a grayscale PNG (e.g. with "
       "Pillow: Image.open(path).convert(\"L\").save(\"new.png\")).")
+  with pytest.raises(ConfigError) as e:  # as tools.convert and tools.eval name it
+    prompts.load_images([str(tmp_path / "gone.png")], proc, _digits_cfg())
+  assert str(e.value) == f"{tmp_path / 'gone.png'}: not found."
 
 
 def test_a_prompt_names_the_words_it_cannot_encode_and_the_runs_image_mark(tmp_path):

@@ -165,6 +165,8 @@ def load_images(files: list[str], proc, cfg: Config) -> list[np.ndarray]:
       raise ConfigError(f"{f}: {images.too_large(e)}.") from None
     except images.UnsupportedImage as e:  # as the converter refuses it
       raise ConfigError(f"{f}: {e}.") from None
+    except FileNotFoundError:  # as the converter and tools.eval name it
+      raise ConfigError(f"{f}: not found.") from None
     except (OSError, ValueError) as e:
       bands = bands_refused(f, proc, cfg)
       raise ConfigError(f"{f} is {bands}." if bands else
