@@ -279,6 +279,8 @@ def test_bad_flags_are_refused(setup, capsys, change, message):
     ({"id": 1, "conversations": [{"from": "human", "value": "hello zebra"},  # was read as [UNK]
                                  {"from": "gpt", "value": "there"}]},
      "the word 'zebra' is not in the vocabulary of"),
+    ({"id": 1, "conversations": "hello"},  # its characters were taken for turns
+     "\"conversations\" is a string, not a list of turns."),
 ])
 def test_bad_records_are_refused_naming_them(setup, capsys, record, message):
   data = setup / "bad.json"

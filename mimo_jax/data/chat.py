@@ -59,7 +59,10 @@ class AssistantFirst(ChatError):
 
 def messages(conversation: list[dict], where: str = "") -> list[dict]:
   """LLaVA-format turns -> chat messages ({"role", "content"}); an unknown or missing role, a
-  turn that is not an object, a missing value or one that is not text is an error."""
+  turn that is not an object, a missing value or one that is not text is an error, as are turns
+  that are not a list (a string's characters would be taken for its turns)."""
+  if not isinstance(conversation, list):
+    raise ChatError(f"{where}\"conversations\" is {json_kind(conversation)}, not a list of turns.")
   out = []
   for i, turn in enumerate(conversation):
     if not isinstance(turn, dict):
