@@ -184,6 +184,21 @@ def test_sigterm_to_one_process_stops_all_at_one_step(data_dir, tmp_path, refere
   assert max(_train_records(tmp_path)) == saved
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["-n", "0"], "argument -n/--num_processes: 0: must be at least 1"),
+    (["-n", "2", "--devices_per_process", "0"], "argument --devices_per_process: 0: must be in "
+     "1..1024"),
+    (["-n", "2", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_the_launchers_bad_flags_are_one_line_before_any_process_starts(argv, said, capsys):
+  from tools import launch_local  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as e:
+    launch_local.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err == f"python -m tools.launch_local: error: {said} (--help lists the flags).\n"
+
+
 def test_the_launcher_names_a_killed_process_over_the_one_its_death_failed(tmp_path, monkeypatch,
                                                                            capsys):
   # Process 1 is killed; process 0, seeing it gone, exits 1 at once: both usually end between

@@ -21,6 +21,31 @@ import threading
 import time
 
 
+MAX_DEVICES = 1024  # run.cpu_devices' bound (mimo_jax/config_run.py's MAX_CPU_DEVICES)
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse's refusals as one line, status 2, without the usage block (as the other tools)."""
+
+  def error(self, message: str):
+    print(f"{self.prog}: error: {message} (--help lists the flags).", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _count(least: int, most: int | None = None):
+  """An argparse type: an integer in least..most."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < least or (most is not None and value > most):
+      raise argparse.ArgumentTypeError(
+          f"{value}: must be {f'in {least}..{most}' if most else f'at least {least}'}")
+    return value
+  return parse
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -40,15 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     own, launch_args = argv[:split], argv[split + 1:]
   else:
     own, launch_args = argv, []
-  parser = argparse.ArgumentParser(prog="python -m tools.launch_local", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("-n", "--num_processes", type=int, required=True)
-  parser.add_argument("--devices_per_process", type=int, default=4,
-                      help="CPU devices each process creates (run.cpu_devices)")
+  parser = _Parser(prog="python -m tools.launch_local", description=__doc__, allow_abbrev=False,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("-n", "--num_processes", type=_count(1), required=True)
+  parser.add_argument("--devices_per_process", type=_count(1, MAX_DEVICES), default=4,
+                      help=f"CPU devices each process creates (run.cpu_devices, 1..{MAX_DEVICES})")
   parser.add_argument("--gpus", action="store_true", help="one GPU per process")
   args = parser.parse_args(own)
-  if args.num_processes < 1:
-    parser.error("-n must be >= 1")
   port = _free_port()
   procs, pumps = [], []
   for i in range(args.num_processes):
