@@ -256,9 +256,7 @@ def build_step(args, cfg: Config, image_id: int | None):
   import jax
   from mimo_jax.step import Step
   from mimo_jax.validation import manifest_field, validate
-  if cfg.data.task == "synthetic":  # an import of a configs/vlm.py base, with its built-in task
-    # --data holds conversations: their image token (or none) is the data's, not the <img> id
-    # the built-in task writes.
+  if cfg.data.task == "synthetic":  # an import of configs/vlm.py: --data's image token, not <img>
     cfg.data.task, cfg.data.dir, cfg.data.image_token = "conversations", "", -1
   without = cfg.data.task == "conversations" and manifest_field(cfg, "image_token") == -1
   if cfg.data.task == "conversations" and cfg.data.image_token < 0 and image_id is not None:
