@@ -159,7 +159,7 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   one holding the marker file `complete`); `replace_flag`: the tool's flag that replaces one."""
   final = pathlib.Path(out)
   refuse_in_a_run(final, flag)
-  check_space(final, 0, what)  # /proc, /sys: a file system that stores no files
+  refuse_no_files(final, flag)
   if not os.path.lexists(final):
     return
   if final.is_symlink():  # the publish renames onto `out`: a link would be replaced, not followed
@@ -243,15 +243,31 @@ def not_a_folder(folder: str | os.PathLike) -> str | None:
   return f"folder {folder} does not exist"
 
 
-def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
-  """An error if the file system that `path` is written on (its parent's: outputs are staged
-  beside their place) has less than `nbytes` (plus 1%) free."""
+def _usage(path: str | os.PathLike):
+  """(the place above `path` that exists, its file system's usage or None where unknown): an
+  output's file system is its parent's (outputs are staged beside their place)."""
   probe = pathlib.Path(os.path.abspath(path)).parent
   while not probe.exists() and probe != probe.parent:
     probe = probe.parent
   try:
-    usage = shutil.disk_usage(probe)
+    return probe, shutil.disk_usage(probe)
   except OSError:
+    return probe, None
+
+
+def refuse_no_files(path: str | os.PathLike, flag: str = "--out") -> None:
+  """OutputError where `path` is on a file system that stores no files (/proc, /sys)."""
+  probe, usage = _usage(path)
+  if usage is not None and usage.total == 0:
+    raise OutputError(f"{flag}={str(path)!r} is on a file system that stores no files ({probe}); "
+                      f"choose another {flag}.")
+
+
+def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:
+  """An error if the file system that `path` is written on (its parent's: outputs are staged
+  beside their place) has less than `nbytes` (plus 1%) free."""
+  probe, usage = _usage(path)
+  if usage is None:
     return  # no figure to check against; the write itself will say
   if usage.total == 0:  # /proc, /sys: nothing can be stored there
     raise OutputError(f"{path} is on a file system that stores no files ({probe}); choose "

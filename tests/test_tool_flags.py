@@ -144,8 +144,8 @@ def test_eval_keeps_samples_0_as_all_and_says_so(data, capsys):
      "give a path (an unset shell variable gives an empty one)."),
     (hf_tool.main, ["export", "run", "--out="], "tools.hf: error: --out='': empty; give a path "
      "(an unset shell variable gives an empty one)."),
-    (ckpt_tool.main, ["export", "run", "--out", "/proc/x.st"], "tools.ckpt: error: /proc/x.st is "
-     "on a file system that stores no files (/proc); choose another place."),
+    (ckpt_tool.main, ["export", "run", "--out", "/proc/x.st"], "tools.ckpt: error: --out="
+     "'/proc/x.st' is on a file system that stores no files (/proc); choose another --out."),
 ])
 def test_other_bad_values_are_one_line(main, argv, said, capsys):
   assert _refused(main, argv, capsys) == said
@@ -164,8 +164,8 @@ _LAYOUT = "--layouts=vision=0/1/1,language=0/1/1"
      "/nonexistent/dir does not exist; make it or name another file."),
     ([_LAYOUT, f"--json={__file__}/x.json"], f"--json={__file__}/x.json: {__file__} is a "
      "file, not a folder, so nothing can be made under it; name another file."),
-    ([_LAYOUT, "--json=/proc/x.json"], "/proc/x.json is on a file system that stores no files "
-     "(/proc); choose another place."),
+    ([_LAYOUT, "--json=/proc/x.json"], "--json='/proc/x.json' is on a file system that stores no "
+     "files (/proc); choose another --json."),
     (["--layouts="], "--layouts=: names no layout; give one or more, ';'-separated, each "
      "module=offset/dp/tp[/pp[/virtual]] (e.g. --layouts=vision=0/1/1,language=0/1/1)."),
     (["--layouts= ; "], "--layouts= ; : names no layout; "),

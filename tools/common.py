@@ -270,7 +270,7 @@ def output_file(tool: str, flag: str, path: str) -> None:
     fail(tool, f"{flag}={path}: a directory; name a file.")
   try:
     output.refuse_in_a_run(path, flag)
-    output.check_space(path, 0, flag)  # /proc, /sys: a file system that stores no files
+    output.refuse_no_files(path, flag)
   except output.OutputError as e:
     fail(tool, str(e))
   why = output.not_a_folder(folder)

@@ -132,7 +132,7 @@ def check_flags(args: argparse.Namespace) -> None:
     raise ConfigError(f"--step {args.step}: give a step of the run, 0 or more.")
   if args.out:
     output.refuse_in_a_run(args.out)
-    output.check_space(args.out, 0, "--out")  # /proc, /sys: a file system that stores no files
+    output.refuse_no_files(args.out)
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")
