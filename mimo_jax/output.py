@@ -144,12 +144,17 @@ def in_a_run(path: str | os.PathLike) -> str | None:
   return None
 
 
-def refuse_in_a_run(path: str | os.PathLike, flag: str = "--out") -> None:
-  """OutputError where `path` is in a run's place (`in_a_run`), naming it and the fix."""
+def refuse_place(path: str | os.PathLike, flag: str = "--out") -> None:
+  """OutputError where `path` is in a run's place (`in_a_run`) or on a file system that stores no
+  files (/proc, /sys), naming it and the fix."""
   where = in_a_run(path)
   if where is not None:
     raise OutputError(f"{flag}={str(path)!r} is {where}: the run would take it for its own "
                       f"(a step, its lock); choose a {flag} outside the run's checkpoints/.")
+  probe, usage = _usage(path)
+  if usage is not None and usage.total == 0:
+    raise OutputError(f"{flag}={str(path)!r} is on a file system that stores no files ({probe}); "
+                      f"choose another {flag}.")
 
 
 def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
@@ -158,8 +163,7 @@ def check_target(out: str | os.PathLike, what: str, flag: str = "--out",
   """An error unless `out` is absent or an empty directory (or, with `replace`, a complete output:
   one holding the marker file `complete`); `replace_flag`: the tool's flag that replaces one."""
   final = pathlib.Path(out)
-  refuse_in_a_run(final, flag)
-  refuse_no_files(final, flag)
+  refuse_place(final, flag)
   if not os.path.lexists(final):
     return
   if final.is_symlink():  # the publish renames onto `out`: a link would be replaced, not followed
@@ -228,10 +232,11 @@ def _recover(final: pathlib.Path, parent: pathlib.Path, name: str) -> None:
     remove(p)
 
 
-def not_a_folder(folder: str | os.PathLike) -> str | None:
-  """Why a new file cannot go into `folder`: "X is a file, not a folder, so nothing can be made
-  under it" (X: `folder` or the nearest place above it that exists), or "folder X does not
-  exist"; None where it is a folder."""
+def not_a_folder(folder: str | os.PathLike) -> tuple[str, bool] | None:
+  """Why a new file cannot go into `folder`, and whether making the folder would mend it:
+  ("X is a file, not a folder, so nothing can be made under it", False) (X: `folder` or the
+  nearest place above it that exists), or ("folder X does not exist", True); None where it is a
+  folder."""
   folder = pathlib.Path(os.path.abspath(folder))
   if folder.is_dir():
     return None
@@ -239,8 +244,8 @@ def not_a_folder(folder: str | os.PathLike) -> str | None:
   while not os.path.lexists(existing) and existing != existing.parent:
     existing = existing.parent
   if not existing.is_dir():
-    return f"{existing} is a file, not a folder, so nothing can be made under it"
-  return f"folder {folder} does not exist"
+    return f"{existing} is a file, not a folder, so nothing can be made under it", False
+  return f"folder {folder} does not exist", True
 
 
 def _usage(path: str | os.PathLike):
@@ -253,14 +258,6 @@ def _usage(path: str | os.PathLike):
     return probe, shutil.disk_usage(probe)
   except OSError:
     return probe, None
-
-
-def refuse_no_files(path: str | os.PathLike, flag: str = "--out") -> None:
-  """OutputError where `path` is on a file system that stores no files (/proc, /sys)."""
-  probe, usage = _usage(path)
-  if usage is not None and usage.total == 0:
-    raise OutputError(f"{flag}={str(path)!r} is on a file system that stores no files ({probe}); "
-                      f"choose another {flag}.")
 
 
 def check_space(path: str | os.PathLike, nbytes: int, what: str) -> None:

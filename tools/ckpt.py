@@ -136,11 +136,10 @@ def export(args: argparse.Namespace) -> None:
   parent, name = os.path.dirname(final), os.path.basename(final)
   why = output.not_a_folder(parent)
   if why is not None:
-    fix = "choose" if "is a file" in why else "create it or choose"
-    raise CkptError(f"--out: {why}; {fix} another --out.")
+    raise CkptError(f"--out: {why[0]}; {'create it or choose' if why[1] else 'choose'} another "
+                    "--out.")
   try:
-    output.refuse_in_a_run(args.out)
-    output.refuse_no_files(args.out)
+    output.refuse_place(args.out)
   except output.OutputError as e:
     raise CkptError(str(e)) from None
 

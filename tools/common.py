@@ -269,14 +269,12 @@ def output_file(tool: str, flag: str, path: str) -> None:
   if os.path.isdir(path):
     fail(tool, f"{flag}={path}: a directory; name a file.")
   try:
-    output.refuse_in_a_run(path, flag)
-    output.refuse_no_files(path, flag)
+    output.refuse_place(path, flag)
   except output.OutputError as e:
     fail(tool, str(e))
   why = output.not_a_folder(folder)
   if why is not None:
-    fix = "name" if "is a file" in why else "make it or name"
-    fail(tool, f"{flag}={path}: {why}; {fix} another file.")
+    fail(tool, f"{flag}={path}: {why[0]}; {'make it or name' if why[1] else 'name'} another file.")
   if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
     fail(tool, workdir.describe_os_error(PermissionError(13, os.strerror(13)), f"{flag}={path}"))
 

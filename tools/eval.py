@@ -131,8 +131,7 @@ def check_flags(args: argparse.Namespace) -> None:
   if args.step is not None and args.step < 0:
     raise ConfigError(f"--step {args.step}: give a step of the run, 0 or more.")
   if args.out:
-    output.refuse_in_a_run(args.out)
-    output.refuse_no_files(args.out)
+    output.refuse_place(args.out)
   if args.out and os.path.isdir(args.out):
     raise ConfigError(f"--out {args.out} is a directory; give the predictions' file "
                       "(PREDS.jsonl).")

@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 
+from mimo_jax.config_run import MAX_CPU_DEVICES  # run.cpu_devices' bound (no JAX imported)
 
-MAX_DEVICES = 1024  # run.cpu_devices' bound (mimo_jax/config_run.py's MAX_CPU_DEVICES)
+
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = _Parser(prog="python -m tools.launch_local", description=__doc__, allow_abbrev=False,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("-n", "--num_processes", type=_count(1), required=True)
-  parser.add_argument("--devices_per_process", type=_count(1, MAX_DEVICES), default=4,
-                      help=f"CPU devices each process creates (run.cpu_devices, 1..{MAX_DEVICES})")
+  parser.add_argument("--devices_per_process", type=_count(1, MAX_CPU_DEVICES), default=4,
+                      help=f"CPU devices each process creates (run.cpu_devices, 1..{MAX_CPU_DEVICES})")
   parser.add_argument("--gpus", action="store_true", help="one GPU per process")
   args = parser.parse_args(own)
   port = _free_port()

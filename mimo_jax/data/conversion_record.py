@@ -14,6 +14,8 @@ import pathlib
 import signal
 import sys
 
+from PIL import UnidentifiedImageError
+
 from mimo_jax import words
 from mimo_jax.config import ConfigError
 from mimo_jax.data import audio_records, images, record_error
@@ -142,7 +144,7 @@ def _read_image(f: str, where: str):
     bands = images.bands_refused(path, w["proc"].convert_rgb, None)
     if bands:
       raise RecordError("unsupported image", f"{where}: image {path} is {bands}.") from None
-    if type(e).__name__ == "UnidentifiedImageError":  # Pillow's: no reader of it took the file
+    if isinstance(e, UnidentifiedImageError):  # no Pillow reader took the file
       raise RecordError("unrecognised image", f"{where}: image {path} cannot be read: Pillow "
                         "recognises no image in it (a damaged file, or a format or layout Pillow "
                         "does not read, such as a float64 TIFF); save it as PNG or JPEG.") from None
