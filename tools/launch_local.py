@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("-n", "--num_processes", type=_count(1), required=True)
   parser.add_argument("--devices_per_process", type=_count(1, MAX_CPU_DEVICES), default=4,
-                      help=f"CPU devices each process creates (run.cpu_devices, 1..{MAX_CPU_DEVICES})")
+                      help="CPU devices each process creates (run.cpu_devices, "
+                      f"1..{MAX_CPU_DEVICES})")
   parser.add_argument("--gpus", action="store_true", help="one GPU per process")
   args = parser.parse_args(own)
   port = _free_port()
